@@ -1,0 +1,134 @@
+/*
+ * pdserve base layer: error codes, always-on assertions, a bounded string
+ * builder, a deterministic PRNG and a hash for token runs.
+ *
+ * Everything above this layer reports failure by returning a pd_err (0 = ok)
+ * and, where a person will read it, by filling a caller-owned message buffer.
+ * Nothing on a library path prints or exits, with one exception: PD_ASSERT.
+ * An assertion states an invariant whose violation means ownership is already
+ * corrupted (a unit owned twice, a counter below zero); continuing would turn
+ * a detectable bug into silent data corruption, so it aborts, in every build.
+ */
+#ifndef PDSERVE_BASE_H
+#define PDSERVE_BASE_H
+
+#include <stdarg.h>
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef enum pd_err {
+    PD_OK = 0,
+    PD_ERR_INVALID,     /* an argument is out of its domain */
+    PD_ERR_NOMEM,       /* a fixed-size pool or table has no room */
+    PD_ERR_STATE,       /* the operation is illegal in the unit's/object's state */
+    PD_ERR_NOTFOUND,    /* unknown id, rid, node, ticket */
+    PD_ERR_EXISTS,      /* duplicate (rid, room, key) */
+    PD_ERR_IO,          /* a file, socket or transport failed */
+    PD_ERR_PARSE,       /* malformed input */
+    PD_ERR_TOOBIG,      /* input larger than a configured limit */
+    PD_ERR_INTERNAL,    /* an invariant check failed (reported, not asserted) */
+    PD_ERR__COUNT
+} pd_err;
+
+/* Stable lower-case name of an error code ("invalid", "nomem", ...). */
+const char *pd_err_name(pd_err err);
+
+/* ---- assertions -------------------------------------------------------- */
+
+/* Prints "file:line: assertion failed: expr (message)" to stderr and aborts.
+ * Deliberately the only function of the library that prints. */
+_Noreturn void pd_panic(const char *file, int line, const char *expr,
+                        const char *fmt, ...);
+
+#define PD_ASSERT(cond)                                                       \
+    do {                                                                      \
+        if (!(cond)) pd_panic(__FILE__, __LINE__, #cond, NULL);               \
+    } while (0)
+
+/* Like PD_ASSERT with a formatted explanation. */
+#define PD_ASSERTF(cond, ...)                                                 \
+    do {                                                                      \
+        if (!(cond)) pd_panic(__FILE__, __LINE__, #cond, __VA_ARGS__);        \
+    } while (0)
+
+/* Asserts that an expression returning pd_err succeeded. */
+#define PD_MUST(expr)                                                         \
+    do {                                                                      \
+        pd_err pd_must_err_ = (expr);                                         \
+        if (pd_must_err_ != PD_OK)                                            \
+            pd_panic(__FILE__, __LINE__, #expr, "returned %s",                \
+                     pd_err_name(pd_must_err_));                              \
+    } while (0)
+
+#define PD_ARRAY_LEN(a) (sizeof(a) / sizeof((a)[0]))
+#define PD_MIN(a, b) ((a) < (b) ? (a) : (b))
+#define PD_MAX(a, b) ((a) > (b) ? (a) : (b))
+#define PD_DIV_CEIL(a, b) (((a) + (b)-1) / (b))
+
+/* ---- bounded string builder ---------------------------------------------
+ * Writes into a caller-owned buffer, never past its capacity, always
+ * NUL-terminated. Output beyond the capacity is dropped and `truncated` set,
+ * so report code can be written without checking every append. */
+typedef struct pd_strbuf {
+    char *data;
+    size_t cap;       /* bytes in data, including room for the NUL */
+    size_t len;       /* bytes written, excluding the NUL */
+    bool truncated;
+} pd_strbuf;
+
+void pd_strbuf_init(pd_strbuf *sb, char *data, size_t cap);
+void pd_strbuf_reset(pd_strbuf *sb);
+void pd_strbuf_append(pd_strbuf *sb, const char *s);
+void pd_strbuf_appendn(pd_strbuf *sb, const char *s, size_t n);
+#if defined(__GNUC__)
+__attribute__((format(printf, 2, 3)))
+#endif
+void pd_strbuf_printf(pd_strbuf *sb, const char *fmt, ...);
+void pd_strbuf_vprintf(pd_strbuf *sb, const char *fmt, va_list ap);
+/* Appends s as a JSON string literal, quotes included. */
+void pd_strbuf_json_string(pd_strbuf *sb, const char *s);
+
+/* snprintf into a fixed message buffer; a NULL or zero-size buffer is allowed
+ * and ignored. Returns err so callers can `return pd_errorf(msg, n, ...)`. */
+#if defined(__GNUC__)
+__attribute__((format(printf, 4, 5)))
+#endif
+pd_err pd_errorf(char *msg, size_t msg_cap, pd_err err, const char *fmt, ...);
+
+/* ---- deterministic PRNG -------------------------------------------------
+ * xoshiro256** seeded through splitmix64: fast, good statistical quality,
+ * identical sequence on every platform for the same seed. */
+typedef struct pd_rng {
+    uint64_t s[4];
+} pd_rng;
+
+void pd_rng_seed(pd_rng *rng, uint64_t seed);
+uint64_t pd_rng_next(pd_rng *rng);
+/* Uniform in [0, bound), bound > 0, without modulo bias. */
+uint64_t pd_rng_below(pd_rng *rng, uint64_t bound);
+/* Uniform in [lo, hi], lo <= hi. */
+int64_t pd_rng_range(pd_rng *rng, int64_t lo, int64_t hi);
+/* True with probability num/den. */
+bool pd_rng_chance(pd_rng *rng, uint32_t num, uint32_t den);
+/* Uniform double in [0, 1). */
+double pd_rng_unit(pd_rng *rng);
+
+uint64_t pd_splitmix64(uint64_t *state);
+
+/* ---- hashing ------------------------------------------------------------ */
+
+/* 64-bit hash of n 32-bit tokens, mixed with a seed. Deterministic across
+ * platforms (explicit little-endian-independent arithmetic on values). */
+uint64_t pd_hash_tokens(const int32_t *tokens, size_t n, uint64_t seed);
+/* Finaliser for a single 64-bit value. */
+uint64_t pd_hash_u64(uint64_t x);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* PDSERVE_BASE_H */

@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Runs the benchmarks of an optimised build and prints a readable summary.
+#   scripts/bench.sh [--quick] BUILD_DIR
+# --quick uses smaller traces and fewer runs (what `make run` shows).
+set -euo pipefail
+quick=0
+if [ "${1:-}" = "--quick" ]; then quick=1; shift; fi
+build=${1:?usage: scripts/bench.sh [--quick] BUILD_DIR}
+bench=$build/bench
+traces=$build/traces
+mkdir -p "$traces"
+
+if [ $quick -eq 1 ]; then
+  requests=3000; runs=3; iters=200000
+else
+  requests=20000; runs=5; iters=1000000
+fi
+
+echo "== pools: alloc+free throughput (raw pool, counting ledger, strict ledger) =="
+"$bench/pools" --iters $iters --runs $runs
+echo
+
+"$bench/gen_trace" --kind shared --requests $requests --system-prompts 4 --system-len 2048 \
+  --suffix-len 256 --seed 1 --out "$traces/shared.txt"
+"$bench/gen_trace" --kind multiturn --requests $requests --conversations 64 --turn-len 160 \
+  --max-len 8192 --seed 2 --out "$traces/multiturn.txt"
+
+run_radix() {
+  local title=$1; shift
+  echo "== radix: $title =="
+  "$bench/radix" --runs $runs "$@"
+  echo
+}
+run_radix "shared system prompts, page 16" --trace "$traces/shared.txt" --page-size 16 --pages 65536
+run_radix "multi-turn, page 16" --trace "$traces/multiturn.txt" --page-size 16 --pages 65536
+run_radix "multi-turn, page 1 (token-granular)" --trace "$traces/multiturn.txt" --page-size 1 --pages 1048576
+run_radix "multi-turn, hybrid (Mamba snapshots), page 16" --trace "$traces/multiturn.txt" \
+  --page-size 16 --pages 65536 --hybrid --mamba-slots 512
+run_radix "multi-turn, small device pool + host tier" --trace "$traces/multiturn.txt" \
+  --page-size 16 --pages 4096 --host-pages 32768

@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Installs the Debian packages pdserve needs to build and test, and only the
+# ones that are missing: on a machine that has them all this does nothing and
+# needs no network. Safe to run any number of times.
+set -euo pipefail
+
+packages=(
+  build-essential   # gcc, make, libc headers
+  cmake             # configure + ctest
+  pkg-config
+  libcmocka-dev     # unit test framework
+  libjansson-dev    # JSON (reports, HTTP bodies; tests parse what we emit)
+)
+
+missing=()
+for p in "${packages[@]}"; do
+  if ! dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed"; then
+    missing+=("$p")
+  fi
+done
+
+if [ ${#missing[@]} -eq 0 ]; then
+  exit 0
+fi
+
+echo "deps: installing ${missing[*]}" >&2
+sudo_cmd=()
+if [ "$(id -u)" -ne 0 ]; then
+  if command -v sudo >/dev/null 2>&1; then
+    sudo_cmd=(sudo)
+  else
+    echo "deps: missing packages (${missing[*]}) and not root; install them and rerun" >&2
+    exit 1
+  fi
+fi
+export DEBIAN_FRONTEND=noninteractive
+"${sudo_cmd[@]}" apt-get update -qq
+"${sudo_cmd[@]}" apt-get install -y -qq --no-install-recommends "${missing[@]}"

@@ -1,0 +1,260 @@
+/*
+ * pool.c — two-level bitmap unit allocator. See include/pdserve/pool.h for
+ * the idea; the invariants kept here are:
+ *
+ *   I1  bit i of words[] is 1  <=>  unit i is free (bits past `total` are 0)
+ *   I2  bit w of sum[]   is 1  <=>  words[w] != 0
+ *   I3  free_count == popcount(words[])
+ *   I4  sum[s] == 0 for every s < sum_hint
+ *
+ * pd_pool_verify recomputes I1..I4 from scratch.
+ */
+#include "pdserve/pool.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* How many bitmap words a bulk allocation may scan looking for one run that
+ * fits the whole request, before it settles for the lowest free units.
+ * 4096 words cover 262,144 units; the scan costs a few microseconds. */
+#define RUN_SCAN_WORDS_MAX 4096u
+
+struct pd_pool {
+    char name[32];
+    pd_pool_kind kind;
+    uint32_t total;
+    uint32_t unit_tokens;
+    uint32_t free_count;
+    uint32_t n_words;
+    uint32_t n_sum;
+    uint32_t sum_hint;
+    uint64_t *words;
+    uint64_t *sum;
+};
+
+static const char *const kind_names[PD_POOL_KIND__COUNT] = {
+    [PD_POOL_KV] = "kv",       [PD_POOL_ROW] = "row",
+    [PD_POOL_MAMBA] = "mamba", [PD_POOL_META] = "meta",
+    [PD_POOL_HOST] = "host",
+};
+
+const char *pd_pool_kind_name(pd_pool_kind kind) {
+    if ((unsigned)kind >= PD_POOL_KIND__COUNT) return "unknown";
+    return kind_names[kind];
+}
+
+static inline bool kind_is_paged(pd_pool_kind kind) {
+    return kind == PD_POOL_KV || kind == PD_POOL_HOST;
+}
+
+pd_err pd_pool_create(pd_pool **out, const char *name, pd_pool_kind kind,
+                      uint32_t units_total, uint32_t unit_tokens) {
+    if (!out || !name) return PD_ERR_INVALID;
+    *out = NULL;
+    if ((unsigned)kind >= PD_POOL_KIND__COUNT) return PD_ERR_INVALID;
+    if (units_total == 0 || units_total > PD_POOL_UNITS_MAX) return PD_ERR_INVALID;
+    if (kind_is_paged(kind) ? unit_tokens == 0 : unit_tokens != 0)
+        return PD_ERR_INVALID;
+
+    pd_pool *p = calloc(1, sizeof(*p));
+    if (!p) return PD_ERR_NOMEM;
+    snprintf(p->name, sizeof(p->name), "%s", name);
+    p->kind = kind;
+    p->total = units_total;
+    p->unit_tokens = unit_tokens;
+    p->n_words = PD_DIV_CEIL(units_total, 64u);
+    p->n_sum = PD_DIV_CEIL(p->n_words, 64u);
+    p->words = calloc(p->n_words, sizeof(uint64_t));
+    p->sum = calloc(p->n_sum, sizeof(uint64_t));
+    if (!p->words || !p->sum) {
+        pd_pool_destroy(p);
+        return PD_ERR_NOMEM;
+    }
+    for (uint32_t w = 0; w < p->n_words; w++) {
+        uint32_t bits = PD_MIN(64u, units_total - w * 64u);
+        p->words[w] = bits == 64 ? ~UINT64_C(0) : (UINT64_C(1) << bits) - 1;
+        p->sum[w / 64] |= UINT64_C(1) << (w % 64);
+    }
+    p->free_count = units_total;
+    p->sum_hint = 0;
+    *out = p;
+    return PD_OK;
+}
+
+void pd_pool_destroy(pd_pool *pool) {
+    if (!pool) return;
+    free(pool->words);
+    free(pool->sum);
+    free(pool);
+}
+
+static inline void take_bit(pd_pool *p, uint32_t idx) {
+    uint32_t w = idx / 64;
+    uint64_t m = UINT64_C(1) << (idx % 64);
+    PD_ASSERT(p->words[w] & m);
+    p->words[w] &= ~m;
+    if (p->words[w] == 0) p->sum[w / 64] &= ~(UINT64_C(1) << (w % 64));
+    p->free_count--;
+}
+
+static inline void give_bit(pd_pool *p, uint32_t idx) {
+    uint32_t w = idx / 64;
+    uint64_t m = UINT64_C(1) << (idx % 64);
+    PD_ASSERT(!(p->words[w] & m));
+    p->words[w] |= m;
+    p->sum[w / 64] |= UINT64_C(1) << (w % 64);
+    if (w / 64 < p->sum_hint) p->sum_hint = w / 64;
+    p->free_count++;
+}
+
+/* Lowest word index with a free unit; caller guarantees free_count > 0. */
+static uint32_t lowest_free_word(pd_pool *p) {
+    uint32_t s = p->sum_hint;
+    while (s < p->n_sum && p->sum[s] == 0) s++;
+    PD_ASSERTF(s < p->n_sum, "pool %s: free_count %u but no free word",
+               p->name, p->free_count);
+    p->sum_hint = s;
+    return s * 64 + (uint32_t)__builtin_ctzll(p->sum[s]);
+}
+
+pd_err pd_pool_alloc(pd_pool *pool, uint32_t *out_idx) {
+    PD_ASSERT(pool && out_idx);
+    if (pool->free_count == 0) return PD_ERR_NOMEM;
+    uint32_t w = lowest_free_word(pool);
+    uint32_t idx = w * 64 + (uint32_t)__builtin_ctzll(pool->words[w]);
+    PD_ASSERT(idx < pool->total);
+    take_bit(pool, idx);
+    *out_idx = idx;
+    return PD_OK;
+}
+
+/* First run of at least n free units, scanning a bounded number of words from
+ * the lowest free word. Returns the run's first index or PD_POOL_NONE. */
+static uint32_t find_run(pd_pool *p, uint32_t n) {
+    uint32_t w0 = lowest_free_word(p);
+    uint32_t w_end = PD_MIN(p->n_words, w0 + RUN_SCAN_WORDS_MAX);
+    uint32_t run_start = 0, run_len = 0;
+    for (uint32_t w = w0; w < w_end; w++) {
+        uint64_t x = p->words[w];
+        if (x == 0) {
+            run_len = 0;
+            continue;
+        }
+        uint32_t b = 0;
+        while (b < 64) {
+            uint64_t y = x >> b;
+            if (y == 0) {
+                run_len = 0;
+                break;
+            }
+            uint32_t zeros = (uint32_t)__builtin_ctzll(y);
+            if (zeros > 0) {
+                run_len = 0;
+                b += zeros;
+                y >>= zeros;
+            }
+            uint32_t ones = (~y == 0) ? 64 - b : (uint32_t)__builtin_ctzll(~y);
+            if (ones > 64 - b) ones = 64 - b;
+            if (run_len == 0) run_start = w * 64 + b;
+            run_len += ones;
+            if (run_len >= n) return run_start;
+            b += ones;
+        }
+    }
+    return PD_POOL_NONE;
+}
+
+pd_err pd_pool_alloc_n(pd_pool *pool, uint32_t n, uint32_t *out) {
+    PD_ASSERT(pool);
+    if (n == 0) return PD_OK;
+    PD_ASSERT(out);
+    if (pool->free_count < n) return PD_ERR_NOMEM;
+    if (n > 1) {
+        uint32_t start = find_run(pool, n);
+        if (start != PD_POOL_NONE) {
+            for (uint32_t i = 0; i < n; i++) {
+                take_bit(pool, start + i);
+                out[i] = start + i;
+            }
+            return PD_OK;
+        }
+    }
+    for (uint32_t i = 0; i < n; i++) PD_MUST(pd_pool_alloc(pool, &out[i]));
+    return PD_OK;
+}
+
+pd_err pd_pool_free(pd_pool *pool, uint32_t idx) {
+    PD_ASSERT(pool);
+    if (idx >= pool->total) return PD_ERR_INVALID;
+    if (pd_pool_is_free(pool, idx)) return PD_ERR_STATE;
+    give_bit(pool, idx);
+    return PD_OK;
+}
+
+pd_err pd_pool_free_n(pd_pool *pool, const uint32_t *idx, uint32_t n) {
+    PD_ASSERT(pool);
+    if (n == 0) return PD_OK;
+    PD_ASSERT(idx);
+    for (uint32_t i = 0; i < n; i++) {
+        if (idx[i] >= pool->total) return PD_ERR_INVALID;
+        if (pd_pool_is_free(pool, idx[i])) return PD_ERR_STATE;
+    }
+    for (uint32_t i = 0; i < n; i++) {
+        if (pd_pool_is_free(pool, idx[i])) {
+            /* A duplicate inside idx[]: undo what this call freed. */
+            for (uint32_t j = 0; j < i; j++) take_bit(pool, idx[j]);
+            return PD_ERR_STATE;
+        }
+        give_bit(pool, idx[i]);
+    }
+    return PD_OK;
+}
+
+bool pd_pool_is_free(const pd_pool *pool, uint32_t idx) {
+    PD_ASSERT(idx < pool->total);
+    return (pool->words[idx / 64] >> (idx % 64)) & 1u;
+}
+
+uint32_t pd_pool_free_count(const pd_pool *pool) { return pool->free_count; }
+uint32_t pd_pool_total(const pd_pool *pool) { return pool->total; }
+uint32_t pd_pool_unit_tokens(const pd_pool *pool) { return pool->unit_tokens; }
+pd_pool_kind pd_pool_kind_of(const pd_pool *pool) { return pool->kind; }
+const char *pd_pool_name(const pd_pool *pool) { return pool->name; }
+
+pd_err pd_pool_verify(const pd_pool *pool, char *msg, size_t msg_cap) {
+    uint64_t count = 0;
+    for (uint32_t w = 0; w < pool->n_words; w++) {
+        uint64_t x = pool->words[w];
+        uint32_t valid = PD_MIN(64u, pool->total - w * 64u);
+        if (valid < 64 && (x >> valid) != 0)
+            return pd_errorf(msg, msg_cap, PD_ERR_INTERNAL,
+                             "pool %s: free bits past the end in word %u",
+                             pool->name, w);
+        count += (uint64_t)__builtin_popcountll(x);
+        bool sum_bit = (pool->sum[w / 64] >> (w % 64)) & 1u;
+        if (sum_bit != (x != 0))
+            return pd_errorf(msg, msg_cap, PD_ERR_INTERNAL,
+                             "pool %s: summary bit of word %u is %d, word is %s",
+                             pool->name, w, (int)sum_bit, x ? "non-zero" : "zero");
+    }
+    for (uint32_t s = 0; s < pool->sum_hint && s < pool->n_sum; s++) {
+        if (pool->sum[s] != 0)
+            return pd_errorf(msg, msg_cap, PD_ERR_INTERNAL,
+                             "pool %s: summary word %u below the hint %u is non-zero",
+                             pool->name, s, pool->sum_hint);
+    }
+    if (count != pool->free_count)
+        return pd_errorf(msg, msg_cap, PD_ERR_INTERNAL,
+                         "pool %s: counter says %u free, bitmap says %llu",
+                         pool->name, pool->free_count, (unsigned long long)count);
+    return PD_OK;
+}
+
+uint32_t pd_index_runs(const uint32_t *idx, uint32_t n) {
+    if (n == 0) return 0;
+    uint32_t runs = 1;
+    for (uint32_t i = 1; i < n; i++)
+        if (idx[i] != idx[i - 1] + 1) runs++;
+    return runs;
+}

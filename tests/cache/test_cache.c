@@ -1,0 +1,482 @@
+/* Prefix cache operations one by one: match, insert (duplicates, splits),
+ * locks, LRU eviction, Mamba snapshots, host write-back and loads. After each
+ * test step the ledger is checked against the cache's sums and the tree's
+ * invariants are recomputed from scratch. */
+#include "cache_fixture.h"
+
+static void seq(int32_t *t, uint32_t n, int32_t base) {
+    for (uint32_t i = 0; i < n; i++) t[i] = base + (int32_t)i;
+}
+
+static void match_on_empty_cache_finds_nothing(void **state) {
+    (void)state;
+    cfx *f = cfx_new(4, 32, 0, 0);
+    int32_t t[16];
+    seq(t, 16, 100);
+    uint32_t pages[4];
+    pd_cache_match_result m;
+    assert_ok(pd_cache_match(f->c, t, 16, pages, 4, &m));
+    assert_int_equal(m.dev_tokens, 0);
+    assert_int_equal(m.host_tokens, 0);
+    assert_int_equal(m.dev_node, PD_CNODE_ROOT);
+    assert_int_equal(m.mamba_slot, PD_POOL_NONE);
+    assert_err(pd_cache_match(f->c, t, 16, pages, 3, &m), PD_ERR_INVALID);
+    cfx_check(f, true);
+    cfx_free(f);
+}
+
+static void insert_then_match_returns_the_same_pages(void **state) {
+    (void)state;
+    cfx *f = cfx_new(4, 32, 0, 0);
+    int32_t t[18];
+    seq(t, 18, 1);
+    uint32_t pages[4], dups[4];
+    cfx_compute(f, 1, t, 0, 4, pages);
+    uint32_t orig[4];
+    memcpy(orig, pages, sizeof(orig));
+    pd_cache_insert_result r;
+    assert_ok(pd_cache_insert(f->c, t, 16, pages, 1, PD_POOL_NONE, dups, &r));
+    assert_int_equal(r.covered_tokens, 16);
+    assert_int_equal(r.dup_pages, 0);
+    assert_memory_equal(pages, orig, sizeof(orig));
+    assert_int_equal(pd_ledger_count(f->l, f->kv_id, PD_UNIT_CACHE_EVICTABLE), 4);
+    assert_int_equal(pd_ledger_owner_units(f->l, f->kv_id, PD_UNIT_REQ, 1), 0);
+    cfx_check(f, true);
+
+    uint32_t got[4];
+    pd_cache_match_result m;
+    /* 18 tokens: the partial last page (2 tokens) is never matched. */
+    assert_ok(pd_cache_match(f->c, t, 18, got, 4, &m));
+    assert_int_equal(m.dev_tokens, 16);
+    assert_int_equal(m.dev_node, r.node);
+    assert_memory_equal(got, orig, sizeof(orig));
+    /* A prefix that diverges inside the third page matches two pages and
+     * splits the node so that a node ends exactly there. */
+    int32_t u[16];
+    memcpy(u, t, sizeof(u));
+    u[9] = -5;
+    assert_ok(pd_cache_match(f->c, u, 16, got, 4, &m));
+    assert_int_equal(m.dev_tokens, 8);
+    assert_int_not_equal(m.dev_node, r.node);
+    assert_memory_equal(got, orig, 2 * sizeof(uint32_t));
+    pd_cache_stats st;
+    pd_cache_stats_get(f->c, &st);
+    assert_int_equal(st.nodes, 2);
+    cfx_check(f, true);
+    cfx_free(f);
+}
+
+static void insert_returns_duplicates_and_substitutes_cached_pages(void **state) {
+    (void)state;
+    cfx *f = cfx_new(2, 32, 0, 0);
+    int32_t t[12];
+    seq(t, 12, 7);
+    pd_cache_insert_result r1 = cfx_insert(f, 1, t, 3, PD_POOL_NONE);
+    uint32_t cached[6];
+    pd_cache_match_result m;
+    assert_ok(pd_cache_match(f->c, t, 6, cached, 6, &m));
+    /* A second request computed the same 3 pages plus 3 more. */
+    uint32_t pages[6], dups[6];
+    cfx_compute(f, 2, t, 0, 6, pages);
+    uint32_t mine[6];
+    memcpy(mine, pages, sizeof(mine));
+    pd_cache_insert_result r2;
+    assert_ok(pd_cache_insert(f->c, t, 12, pages, 2, PD_POOL_NONE, dups, &r2));
+    assert_int_equal(r2.dup_pages, 3);
+    assert_memory_equal(dups, mine, 3 * sizeof(uint32_t));
+    assert_memory_equal(pages, cached, 3 * sizeof(uint32_t));
+    assert_memory_equal(pages + 3, mine + 3, 3 * sizeof(uint32_t));
+    assert_int_equal(r2.covered_tokens, 12);
+    assert_int_not_equal(r2.node, r1.node);
+    /* The duplicates are still the caller's until it frees them. */
+    assert_int_equal(pd_ledger_owner_units(f->l, f->kv_id, PD_UNIT_REQ, 2), 3);
+    assert_ok(pd_ledger_free(f->l, f->kv_id, dups, 3, PD_UNIT_REQ, 2));
+    cfx_check(f, true);
+    /* Re-inserting with the cache's own pages is not a duplicate. */
+    pd_cache_insert_result r3;
+    assert_ok(pd_cache_insert(f->c, t, 12, pages, 3, PD_POOL_NONE, dups, &r3));
+    assert_int_equal(r3.dup_pages, 0);
+    assert_int_equal(r3.node, r2.node);
+    cfx_check(f, true);
+    cfx_free(f);
+}
+
+static void lock_protects_a_path_from_eviction(void **state) {
+    (void)state;
+    cfx *f = cfx_new(4, 16, 0, 0);
+    int32_t a[16], b[16];
+    seq(a, 16, 0);
+    seq(b, 16, 1000);
+    pd_cache_insert_result ra = cfx_insert(f, 1, a, 4, PD_POOL_NONE);
+    cfx_insert(f, 2, b, 4, PD_POOL_NONE);
+    assert_ok(pd_cache_lock(f->c, ra.node));
+    assert_int_equal(pd_ledger_count(f->l, f->kv_id, PD_UNIT_CACHE_PROTECTED), 4);
+    cfx_check(f, true);
+    uint32_t freed;
+    assert_ok(pd_cache_evict(f->c, 100, &freed));
+    assert_int_equal(freed, 4); /* only b */
+    uint32_t pages[4];
+    pd_cache_match_result m;
+    assert_ok(pd_cache_match(f->c, a, 16, pages, 4, &m));
+    assert_int_equal(m.dev_tokens, 16);
+    cfx_check(f, true);
+    assert_ok(pd_cache_unlock(f->c, ra.node));
+    assert_err(pd_cache_unlock(f->c, ra.node), PD_ERR_STATE);
+    assert_ok(pd_cache_evict(f->c, 100, &freed));
+    assert_int_equal(freed, 4);
+    cfx_check(f, true);
+    assert_int_equal(pd_ledger_count(f->l, f->kv_id, PD_UNIT_FREE), 16);
+    cfx_free(f);
+}
+
+static void lock_of_a_child_protects_its_ancestors(void **state) {
+    (void)state;
+    cfx *f = cfx_new(1, 16, 0, 0);
+    int32_t t[8];
+    seq(t, 8, 0);
+    pd_cache_insert_result r4 = cfx_insert(f, 1, t, 4, PD_POOL_NONE);
+    pd_cache_insert_result r8 = cfx_insert(f, 2, t, 8, PD_POOL_NONE);
+    assert_int_not_equal(r4.node, r8.node);
+    assert_ok(pd_cache_lock(f->c, r8.node));
+    assert_int_equal(pd_ledger_count(f->l, f->kv_id, PD_UNIT_CACHE_PROTECTED), 8);
+    uint32_t freed;
+    assert_ok(pd_cache_evict(f->c, 8, &freed));
+    assert_int_equal(freed, 0);
+    assert_ok(pd_cache_unlock(f->c, r8.node));
+    cfx_check(f, true);
+    cfx_free(f);
+}
+
+static void eviction_takes_least_recently_used_leaves_first(void **state) {
+    (void)state;
+    cfx *f = cfx_new(2, 64, 0, 0);
+    int32_t x[8], y[8], z[8];
+    seq(x, 8, 100);
+    seq(y, 8, 200);
+    seq(z, 8, 300);
+    cfx_insert(f, 1, x, 4, PD_POOL_NONE);
+    cfx_insert(f, 2, y, 4, PD_POOL_NONE);
+    cfx_insert(f, 3, z, 4, PD_POOL_NONE);
+    uint32_t pages[4];
+    pd_cache_match_result m;
+    assert_ok(pd_cache_match(f->c, x, 8, pages, 4, &m)); /* x is now the newest */
+    uint32_t freed;
+    assert_ok(pd_cache_evict(f->c, 1, &freed));
+    assert_int_equal(freed, 4);
+    assert_ok(pd_cache_match(f->c, y, 8, pages, 4, &m));
+    assert_int_equal(m.dev_tokens, 0); /* y went first */
+    assert_ok(pd_cache_match(f->c, z, 8, pages, 4, &m));
+    assert_int_equal(m.dev_tokens, 8);
+    assert_ok(pd_cache_match(f->c, x, 8, pages, 4, &m));
+    assert_int_equal(m.dev_tokens, 8);
+    cfx_check(f, true);
+    cfx_free(f);
+}
+
+typedef struct ev_log {
+    pd_evict_event ev[64];
+    uint32_t n;
+} ev_log;
+
+static void log_evict(void *ctx, const pd_evict_event *ev) {
+    ev_log *lg = ctx;
+    if (lg->n < 64) lg->ev[lg->n++] = *ev;
+}
+
+static void eviction_goes_leaf_first_up_a_chain(void **state) {
+    (void)state;
+    ev_log lg = {0};
+    cfx *f = cfx_new_ex(1, 16, 0, 0, false, log_evict, &lg);
+    int32_t t[6];
+    seq(t, 6, 0);
+    cfx_insert(f, 1, t, 2, PD_POOL_NONE);
+    cfx_insert(f, 2, t, 4, PD_POOL_NONE);
+    cfx_insert(f, 3, t, 6, PD_POOL_NONE);
+    uint32_t freed;
+    assert_ok(pd_cache_evict(f->c, 6, &freed));
+    assert_int_equal(freed, 6);
+    assert_int_equal(lg.n, 3);
+    assert_int_equal(lg.ev[0].end_tokens, 6);
+    assert_int_equal(lg.ev[1].end_tokens, 4);
+    assert_int_equal(lg.ev[2].end_tokens, 2);
+    for (uint32_t i = 0; i < 3; i++) {
+        assert_int_equal(lg.ev[i].kind, PD_EVICT_DEVICE);
+        assert_true(lg.ev[i].node_deleted);
+    }
+    cfx_check(f, true);
+    pd_cache_stats st;
+    pd_cache_stats_get(f->c, &st);
+    assert_int_equal(st.nodes, 0);
+    cfx_free(f);
+}
+
+static void hybrid_match_stops_at_the_deepest_snapshot(void **state) {
+    (void)state;
+    cfx *f = cfx_new(4, 32, 4, 0);
+    int32_t t[32];
+    seq(t, 32, 50);
+    uint32_t slot;
+    assert_ok(pd_ledger_alloc(f->l, f->mamba_id, 1, 1, &slot));
+    pd_cache_insert_result r = cfx_insert(f, 1, t, 2, slot);
+    assert_true(r.mamba_taken);
+    assert_int_equal(pd_ledger_state_of(f->l, f->mamba_id, slot), PD_UNIT_CACHE_EVICTABLE);
+    cfx_insert(f, 2, t, 6, PD_POOL_NONE); /* deeper KV, no snapshot */
+    uint32_t pages[8];
+    pd_cache_match_result m;
+    assert_ok(pd_cache_match(f->c, t, 32, pages, 8, &m));
+    assert_int_equal(m.dev_tokens, 24);
+    assert_int_equal(m.mamba_tokens, 8);
+    assert_int_equal(m.mamba_node, r.node);
+    assert_int_equal(m.mamba_slot, slot);
+    /* A second snapshot at the same place is not taken: the caller frees it. */
+    uint32_t slot2;
+    assert_ok(pd_ledger_alloc(f->l, f->mamba_id, 1, 3, &slot2));
+    pd_cache_insert_result r2 = cfx_insert(f, 3, t, 2, slot2);
+    assert_false(r2.mamba_taken);
+    assert_int_equal(pd_ledger_state_of(f->l, f->mamba_id, slot2), PD_UNIT_REQ);
+    assert_ok(pd_ledger_free(f->l, f->mamba_id, &slot2, 1, PD_UNIT_REQ, 3));
+    cfx_check(f, true);
+    cfx_free(f);
+}
+
+static void snapshots_evict_alone_and_respect_their_lock(void **state) {
+    (void)state;
+    cfx *f = cfx_new(4, 32, 4, 0);
+    int32_t t[16];
+    seq(t, 16, 9);
+    uint32_t slot;
+    assert_ok(pd_ledger_alloc(f->l, f->mamba_id, 1, 1, &slot));
+    pd_cache_insert_result r = cfx_insert(f, 1, t, 4, slot);
+    /* Snapshot lock needs the node locked. */
+    assert_err(pd_cache_mamba_lock(f->c, r.node), PD_ERR_STATE);
+    assert_ok(pd_cache_lock(f->c, r.node));
+    assert_ok(pd_cache_mamba_lock(f->c, r.node));
+    assert_int_equal(pd_ledger_state_of(f->l, f->mamba_id, slot), PD_UNIT_CACHE_PROTECTED);
+    uint32_t freed;
+    assert_ok(pd_cache_evict_snapshots(f->c, 1, &freed));
+    assert_int_equal(freed, 0);
+    /* The last KV lock cannot go while the snapshot is locked. */
+    assert_err(pd_cache_unlock(f->c, r.node), PD_ERR_STATE);
+    cfx_check(f, true);
+    assert_ok(pd_cache_mamba_unlock(f->c, r.node));
+    assert_err(pd_cache_mamba_unlock(f->c, r.node), PD_ERR_STATE);
+    assert_ok(pd_cache_unlock(f->c, r.node));
+    assert_ok(pd_cache_evict_snapshots(f->c, 1, &freed));
+    assert_int_equal(freed, 1);
+    uint32_t pages[4];
+    pd_cache_match_result m;
+    assert_ok(pd_cache_match(f->c, t, 16, pages, 4, &m));
+    assert_int_equal(m.dev_tokens, 16); /* KV stays */
+    assert_int_equal(m.mamba_tokens, 0);
+    assert_int_equal(pd_ledger_count(f->l, f->mamba_id, PD_UNIT_FREE), 4);
+    cfx_check(f, true);
+    cfx_free(f);
+}
+
+static void device_eviction_frees_the_snapshot_too(void **state) {
+    (void)state;
+    cfx *f = cfx_new(4, 8, 2, 0);
+    int32_t t[16];
+    seq(t, 16, 9);
+    uint32_t slot;
+    assert_ok(pd_ledger_alloc(f->l, f->mamba_id, 1, 1, &slot));
+    cfx_insert(f, 1, t, 4, slot);
+    uint32_t freed;
+    assert_ok(pd_cache_evict(f->c, 4, &freed));
+    assert_int_equal(pd_ledger_count(f->l, f->mamba_id, PD_UNIT_FREE), 2);
+    cfx_check(f, true);
+    cfx_free(f);
+}
+
+static void write_back_and_load_round_trip_the_data(void **state) {
+    (void)state;
+    cfx *f = cfx_new(4, 8, 0, 16);
+    int32_t t[16];
+    seq(t, 16, 3);
+    uint32_t orig[4], dups[4];
+    cfx_compute(f, 1, t, 0, 4, orig);
+    uint64_t content[4];
+    for (int i = 0; i < 4; i++) content[i] = f->dev_mem[orig[i]];
+    uint32_t pages[4];
+    memcpy(pages, orig, sizeof(pages));
+    pd_cache_insert_result r;
+    assert_ok(pd_cache_insert(f->c, t, 16, pages, 1, PD_POOL_NONE, dups, &r));
+    uint32_t freed;
+    assert_ok(pd_cache_evict(f->c, 4, &freed));
+    assert_int_equal(freed, 4);
+    assert_int_equal(f->copies_to_host, 4);
+    assert_int_equal(pd_ledger_count(f->l, f->host_id, PD_UNIT_CACHE_EVICTABLE), 4);
+    assert_int_equal(pd_ledger_count(f->l, f->kv_id, PD_UNIT_FREE), 8);
+    for (uint32_t i = 0; i < 8; i++) f->dev_mem[i] = 0; /* device memory reused */
+    cfx_check(f, true);
+
+    pd_cache_match_result m;
+    assert_ok(pd_cache_match(f->c, t, 16, pages, 4, &m));
+    assert_int_equal(m.dev_tokens, 0);
+    assert_int_equal(m.host_tokens, 16);
+    /* Loading requires the caller's lock on the host node. */
+    uint32_t dev[4], host[4], n;
+    pd_cache_ticket tk;
+    assert_err(pd_cache_load_begin(f->c, m.host_node, 9, dev, host, 4, &n, &tk), PD_ERR_STATE);
+    assert_ok(pd_cache_lock(f->c, m.host_node));
+    assert_ok(pd_cache_load_begin(f->c, m.host_node, 9, dev, host, 4, &n, &tk));
+    assert_int_equal(n, 4);
+    assert_int_equal(pd_ledger_owner_units(f->l, f->kv_id, PD_UNIT_REQ, 9), 4);
+    assert_int_equal(pd_cache_loads_in_flight(f->c), 1);
+    /* While in flight the lock cannot be dropped and the node cannot be loaded again. */
+    assert_err(pd_cache_unlock(f->c, m.host_node), PD_ERR_STATE);
+    uint32_t n2;
+    pd_cache_ticket tk2;
+    assert_err(pd_cache_load_begin(f->c, m.host_node, 10, dev, host, 4, &n2, &tk2), PD_ERR_STATE);
+    cfx_check(f, false); /* the load's pages are held by request 9: not idle */
+    cfx_copy(f, PD_COPY_HOST_TO_DEV, dev, host, n);
+    assert_ok(pd_cache_load_done(f->c, tk));
+    assert_err(pd_cache_load_done(f->c, tk), PD_ERR_NOTFOUND);
+    assert_int_equal(pd_ledger_owner_units(f->l, f->kv_id, PD_UNIT_REQ, 9), 0);
+    assert_int_equal(pd_ledger_count(f->l, f->kv_id, PD_UNIT_CACHE_PROTECTED), 4);
+    assert_ok(pd_cache_match(f->c, t, 16, pages, 4, &m));
+    assert_int_equal(m.dev_tokens, 16);
+    for (int i = 0; i < 4; i++) assert_true(f->dev_mem[pages[i]] == content[i]);
+    assert_ok(pd_cache_unlock(f->c, m.dev_node));
+    cfx_check(f, true);
+    cfx_free(f);
+}
+
+static void load_cancel_frees_device_pages_and_keeps_host(void **state) {
+    (void)state;
+    cfx *f = cfx_new(2, 8, 0, 8);
+    int32_t t[8];
+    seq(t, 8, 3);
+    cfx_insert(f, 1, t, 4, PD_POOL_NONE);
+    assert_ok(pd_cache_evict(f->c, 4, NULL));
+    uint32_t pages[4], dev[4], host[4], n;
+    pd_cache_match_result m;
+    assert_ok(pd_cache_match(f->c, t, 8, pages, 4, &m));
+    assert_int_equal(m.host_tokens, 8);
+    assert_ok(pd_cache_lock(f->c, m.host_node));
+    pd_cache_ticket tk;
+    assert_ok(pd_cache_load_begin(f->c, m.host_node, 5, dev, host, 4, &n, &tk));
+    /* Another request computed the same prefix meanwhile: its insert stops
+     * before the node being loaded and the pages stay its own. */
+    uint32_t mine[4], dups[4];
+    cfx_compute(f, 6, t, 0, 4, mine);
+    pd_cache_insert_result r;
+    assert_ok(pd_cache_insert(f->c, t, 8, mine, 6, PD_POOL_NONE, dups, &r));
+    assert_int_equal(r.covered_tokens, 0);
+    assert_int_equal(pd_ledger_owner_units(f->l, f->kv_id, PD_UNIT_REQ, 6), 4);
+    assert_ok(pd_ledger_free(f->l, f->kv_id, mine, 4, PD_UNIT_REQ, 6));
+    cfx_check(f, false);
+    /* The requester is aborted: cancel, then unlock. */
+    assert_ok(pd_cache_load_cancel(f->c, tk));
+    assert_int_equal(pd_ledger_owner_units(f->l, f->kv_id, PD_UNIT_REQ, 5), 0);
+    assert_int_equal(pd_ledger_count(f->l, f->kv_id, PD_UNIT_FREE), 8);
+    assert_ok(pd_cache_unlock(f->c, m.host_node));
+    assert_ok(pd_cache_match(f->c, t, 8, pages, 4, &m));
+    assert_int_equal(m.dev_tokens, 0);
+    assert_int_equal(m.host_tokens, 8);
+    cfx_check(f, true);
+    cfx_free(f);
+}
+
+static void insert_adopts_computed_pages_for_host_only_nodes(void **state) {
+    (void)state;
+    cfx *f = cfx_new(2, 8, 0, 8);
+    int32_t t[8];
+    seq(t, 8, 3);
+    cfx_insert(f, 1, t, 4, PD_POOL_NONE);
+    assert_ok(pd_cache_evict(f->c, 4, NULL));
+    pd_cache_insert_result r = cfx_insert(f, 2, t, 4, PD_POOL_NONE);
+    assert_int_equal(r.covered_tokens, 8);
+    assert_int_equal(r.dup_pages, 0);
+    assert_int_equal(pd_ledger_count(f->l, f->kv_id, PD_UNIT_CACHE_EVICTABLE), 4);
+    assert_int_equal(pd_ledger_count(f->l, f->host_id, PD_UNIT_CACHE_EVICTABLE), 4);
+    uint32_t pages[4];
+    pd_cache_match_result m;
+    assert_ok(pd_cache_match(f->c, t, 8, pages, 4, &m));
+    assert_int_equal(m.dev_tokens, 8);
+    cfx_check(f, true);
+    cfx_free(f);
+}
+
+static void host_pool_pressure_evicts_older_host_copies(void **state) {
+    (void)state;
+    cfx *f = cfx_new(2, 4, 0, 4);
+    int32_t a[8], b[8];
+    seq(a, 8, 10);
+    seq(b, 8, 90);
+    cfx_insert(f, 1, a, 4, PD_POOL_NONE);
+    assert_ok(pd_cache_evict(f->c, 4, NULL)); /* a -> host */
+    cfx_insert(f, 2, b, 4, PD_POOL_NONE);
+    assert_ok(pd_cache_evict(f->c, 4, NULL)); /* b -> host, a dropped */
+    uint32_t pages[4];
+    pd_cache_match_result m;
+    assert_ok(pd_cache_match(f->c, a, 8, pages, 4, &m));
+    assert_int_equal(m.dev_tokens + m.host_tokens, 0);
+    assert_ok(pd_cache_match(f->c, b, 8, pages, 4, &m));
+    assert_int_equal(m.host_tokens, 8);
+    cfx_check(f, true);
+    pd_cache_clear(f->c);
+    cfx_check(f, true);
+    assert_int_equal(pd_ledger_count(f->l, f->host_id, PD_UNIT_FREE), 4);
+    cfx_free(f);
+}
+
+static void clear_returns_every_unit(void **state) {
+    (void)state;
+    cfx *f = cfx_new(3, 30, 3, 10);
+    pd_rng rng;
+    pd_rng_seed(&rng, 5);
+    for (int i = 0; i < 20; i++) {
+        int32_t t[30];
+        for (int j = 0; j < 30; j++) t[j] = (int32_t)pd_rng_below(&rng, 3);
+        uint32_t np = (uint32_t)pd_rng_range(&rng, 1, 5);
+        if (pd_pool_free_count(f->kv) < np) assert_ok(pd_cache_evict(f->c, np, NULL));
+        uint32_t slot = PD_POOL_NONE;
+        if (pd_pool_free_count(f->mamba) == 0) assert_ok(pd_cache_evict_snapshots(f->c, 1, NULL));
+        assert_ok(pd_ledger_alloc(f->l, f->mamba_id, 1, 100 + (pd_owner)i, &slot));
+        pd_cache_insert_result r = cfx_insert(f, 100 + (pd_owner)i, t, np, slot);
+        if (!r.mamba_taken)
+            assert_ok(pd_ledger_free(f->l, f->mamba_id, &slot, 1, PD_UNIT_REQ, 100 + (pd_owner)i));
+        cfx_check(f, true);
+    }
+    pd_cache_clear(f->c);
+    cfx_check(f, true);
+    assert_int_equal(pd_ledger_count(f->l, f->kv_id, PD_UNIT_FREE), 30);
+    assert_int_equal(pd_ledger_count(f->l, f->mamba_id, PD_UNIT_FREE), 3);
+    assert_int_equal(pd_ledger_count(f->l, f->host_id, PD_UNIT_FREE), 10);
+    cfx_free(f);
+}
+
+static void insert_refuses_unaligned_length(void **state) {
+    (void)state;
+    cfx *f = cfx_new(4, 8, 0, 0);
+    int32_t t[6] = {0};
+    uint32_t pages[2], dups[2];
+    pd_cache_insert_result r;
+    assert_err(pd_cache_insert(f->c, t, 6, pages, 1, PD_POOL_NONE, dups, &r), PD_ERR_INVALID);
+    assert_err(pd_cache_insert(f->c, t, 4, pages, 1, 0, dups, &r), PD_ERR_INVALID); /* no mamba pool */
+    cfx_check(f, true);
+    cfx_free(f);
+}
+
+int main(void) {
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(match_on_empty_cache_finds_nothing),
+        cmocka_unit_test(insert_then_match_returns_the_same_pages),
+        cmocka_unit_test(insert_returns_duplicates_and_substitutes_cached_pages),
+        cmocka_unit_test(lock_protects_a_path_from_eviction),
+        cmocka_unit_test(lock_of_a_child_protects_its_ancestors),
+        cmocka_unit_test(eviction_takes_least_recently_used_leaves_first),
+        cmocka_unit_test(eviction_goes_leaf_first_up_a_chain),
+        cmocka_unit_test(hybrid_match_stops_at_the_deepest_snapshot),
+        cmocka_unit_test(snapshots_evict_alone_and_respect_their_lock),
+        cmocka_unit_test(device_eviction_frees_the_snapshot_too),
+        cmocka_unit_test(write_back_and_load_round_trip_the_data),
+        cmocka_unit_test(load_cancel_frees_device_pages_and_keeps_host),
+        cmocka_unit_test(insert_adopts_computed_pages_for_host_only_nodes),
+        cmocka_unit_test(host_pool_pressure_evicts_older_host_copies),
+        cmocka_unit_test(clear_returns_every_unit),
+        cmocka_unit_test(insert_refuses_unaligned_length),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}

@@ -1,0 +1,222 @@
+/* Pools: allocation order, contiguity, misuse detection, all-or-nothing bulk
+ * calls, and a randomized comparison with a plain boolean array. */
+#include <stdlib.h>
+
+#include "../test_util.h"
+#include "pdserve/pool.h"
+
+static pd_pool *mk(uint32_t n, pd_pool_kind kind, uint32_t unit_tokens) {
+    pd_pool *p = NULL;
+    assert_ok(pd_pool_create(&p, "t", kind, n, unit_tokens));
+    return p;
+}
+
+static void verify(pd_pool *p) {
+    char msg[160];
+    pd_err e = pd_pool_verify(p, msg, sizeof(msg));
+    if (e != PD_OK) fail_msg("%s", msg);
+}
+
+static void create_rejects_bad_arguments(void **state) {
+    (void)state;
+    pd_pool *p = NULL;
+    assert_err(pd_pool_create(&p, "x", PD_POOL_KV, 0, 16), PD_ERR_INVALID);
+    assert_err(pd_pool_create(&p, "x", PD_POOL_KV, 10, 0), PD_ERR_INVALID);
+    assert_err(pd_pool_create(&p, "x", PD_POOL_ROW, 10, 4), PD_ERR_INVALID);
+    assert_err(pd_pool_create(&p, "x", PD_POOL_KIND__COUNT, 10, 0), PD_ERR_INVALID);
+    assert_err(pd_pool_create(&p, "x", PD_POOL_MAMBA, PD_POOL_UNITS_MAX + 1, 0), PD_ERR_INVALID);
+    assert_null(p);
+}
+
+static void alloc_hands_out_every_unit_once_then_nomem(void **state) {
+    (void)state;
+    const uint32_t sizes[] = {1, 63, 64, 65, 130, 4097};
+    for (size_t s = 0; s < PD_ARRAY_LEN(sizes); s++) {
+        uint32_t n = sizes[s];
+        pd_pool *p = mk(n, PD_POOL_ROW, 0);
+        bool *seen = calloc(n, 1);
+        for (uint32_t i = 0; i < n; i++) {
+            uint32_t idx;
+            assert_ok(pd_pool_alloc(p, &idx));
+            assert_true(idx < n);
+            assert_false(seen[idx]);
+            assert_int_equal(idx, i); /* lowest free first */
+            seen[idx] = true;
+        }
+        uint32_t idx = 12345;
+        assert_err(pd_pool_alloc(p, &idx), PD_ERR_NOMEM);
+        assert_int_equal(idx, 12345);
+        assert_int_equal(pd_pool_free_count(p), 0);
+        verify(p);
+        free(seen);
+        pd_pool_destroy(p);
+    }
+}
+
+static void free_detects_foreign_index_and_double_free(void **state) {
+    (void)state;
+    pd_pool *p = mk(100, PD_POOL_KV, 16);
+    uint32_t idx;
+    assert_ok(pd_pool_alloc(p, &idx));
+    assert_err(pd_pool_free(p, 100), PD_ERR_INVALID);
+    assert_err(pd_pool_free(p, UINT32_MAX), PD_ERR_INVALID);
+    assert_ok(pd_pool_free(p, idx));
+    assert_err(pd_pool_free(p, idx), PD_ERR_STATE);
+    assert_err(pd_pool_free(p, 50), PD_ERR_STATE); /* never allocated */
+    assert_int_equal(pd_pool_free_count(p), 100);
+    verify(p);
+    pd_pool_destroy(p);
+}
+
+static void free_n_is_all_or_nothing(void **state) {
+    (void)state;
+    pd_pool *p = mk(64, PD_POOL_KV, 4);
+    uint32_t got[10];
+    assert_ok(pd_pool_alloc_n(p, 10, got));
+    uint32_t with_dup[3] = {got[0], got[1], got[0]};
+    assert_err(pd_pool_free_n(p, with_dup, 3), PD_ERR_STATE);
+    assert_int_equal(pd_pool_free_count(p), 54);
+    assert_false(pd_pool_is_free(p, got[0]));
+    assert_false(pd_pool_is_free(p, got[1]));
+    uint32_t with_foreign[2] = {got[2], 64};
+    assert_err(pd_pool_free_n(p, with_foreign, 2), PD_ERR_INVALID);
+    assert_false(pd_pool_is_free(p, got[2]));
+    assert_ok(pd_pool_free_n(p, got, 10));
+    assert_int_equal(pd_pool_free_count(p), 64);
+    verify(p);
+    pd_pool_destroy(p);
+}
+
+static void alloc_n_prefers_one_contiguous_run(void **state) {
+    (void)state;
+    pd_pool *p = mk(256, PD_POOL_KV, 16);
+    uint32_t all[256];
+    assert_ok(pd_pool_alloc_n(p, 256, all));
+    assert_int_equal(pd_index_runs(all, 256), 1);
+    /* Free every other unit below 128 (singletons) and one run of 12 at 200. */
+    for (uint32_t i = 0; i < 128; i += 2) assert_ok(pd_pool_free(p, i));
+    for (uint32_t i = 200; i < 212; i++) assert_ok(pd_pool_free(p, i));
+    uint32_t got[12];
+    assert_ok(pd_pool_alloc_n(p, 8, got));
+    assert_int_equal(pd_index_runs(got, 8), 1);
+    assert_int_equal(got[0], 200);
+    /* No run of 5 left except 208..211 (4): falls back to the lowest units. */
+    assert_ok(pd_pool_alloc_n(p, 5, got));
+    assert_int_equal(got[0], 0);
+    assert_int_equal(got[4], 8);
+    assert_int_equal(pd_index_runs(got, 5), 5);
+    verify(p);
+    pd_pool_destroy(p);
+}
+
+static void alloc_n_run_spans_word_boundaries(void **state) {
+    (void)state;
+    pd_pool *p = mk(300, PD_POOL_HOST, 8);
+    uint32_t all[300];
+    assert_ok(pd_pool_alloc_n(p, 300, all));
+    for (uint32_t i = 60; i < 200; i++) assert_ok(pd_pool_free(p, i));
+    assert_ok(pd_pool_free(p, 10));
+    uint32_t got[140];
+    assert_ok(pd_pool_alloc_n(p, 140, got));
+    assert_int_equal(got[0], 60);
+    assert_int_equal(pd_index_runs(got, 140), 1);
+    assert_true(pd_pool_is_free(p, 10));
+    verify(p);
+    pd_pool_destroy(p);
+}
+
+static void alloc_n_nomem_changes_nothing(void **state) {
+    (void)state;
+    pd_pool *p = mk(10, PD_POOL_MAMBA, 0);
+    uint32_t got[11];
+    assert_ok(pd_pool_alloc_n(p, 4, got));
+    assert_err(pd_pool_alloc_n(p, 7, got), PD_ERR_NOMEM);
+    assert_int_equal(pd_pool_free_count(p), 6);
+    assert_ok(pd_pool_alloc_n(p, 0, NULL));
+    verify(p);
+    pd_pool_destroy(p);
+}
+
+static void random_operations_match_a_boolean_array(void **state) {
+    (void)state;
+    pd_rng rng;
+    pd_rng_seed(&rng, test_seed(42));
+    const uint32_t sizes[] = {1, 7, 64, 65, 200, 1000};
+    for (size_t s = 0; s < PD_ARRAY_LEN(sizes); s++) {
+        uint32_t n = sizes[s];
+        pd_pool *p = mk(n, PD_POOL_KV, 1);
+        bool *used = calloc(n, 1);
+        uint32_t *buf = calloc(n, sizeof(uint32_t));
+        uint32_t in_use = 0;
+        for (int op = 0; op < 5000; op++) {
+            uint32_t k = (uint32_t)pd_rng_range(&rng, 1, PD_MAX(1, n / 8));
+            switch (pd_rng_below(&rng, 4)) {
+            case 0: {
+                uint32_t idx;
+                pd_err e = pd_pool_alloc(p, &idx);
+                if (in_use == n) {
+                    assert_err(e, PD_ERR_NOMEM);
+                    break;
+                }
+                assert_ok(e);
+                assert_false(used[idx]);
+                for (uint32_t j = 0; j < idx; j++) assert_true(used[j]); /* lowest */
+                used[idx] = true;
+                in_use++;
+                break;
+            }
+            case 1: {
+                pd_err e = pd_pool_alloc_n(p, k, buf);
+                if (in_use + k > n) {
+                    assert_err(e, PD_ERR_NOMEM);
+                    break;
+                }
+                assert_ok(e);
+                for (uint32_t j = 0; j < k; j++) {
+                    assert_false(used[buf[j]]);
+                    if (j) assert_true(buf[j] > buf[j - 1]);
+                    used[buf[j]] = true;
+                }
+                in_use += k;
+                break;
+            }
+            default: {
+                uint32_t idx = (uint32_t)pd_rng_below(&rng, n);
+                pd_err e = pd_pool_free(p, idx);
+                assert_err(e, used[idx] ? PD_OK : PD_ERR_STATE);
+                if (used[idx]) in_use--;
+                used[idx] = false;
+            }
+            }
+            assert_int_equal(pd_pool_free_count(p), n - in_use);
+            if (op % 64 == 0) verify(p);
+        }
+        verify(p);
+        free(used);
+        free(buf);
+        pd_pool_destroy(p);
+    }
+}
+
+static void index_runs_counts_breaks(void **state) {
+    (void)state;
+    uint32_t a[] = {3, 4, 5, 9, 10, 2};
+    assert_int_equal(pd_index_runs(a, 6), 3);
+    assert_int_equal(pd_index_runs(a, 0), 0);
+    assert_int_equal(pd_index_runs(a, 1), 1);
+}
+
+int main(void) {
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(create_rejects_bad_arguments),
+        cmocka_unit_test(alloc_hands_out_every_unit_once_then_nomem),
+        cmocka_unit_test(free_detects_foreign_index_and_double_free),
+        cmocka_unit_test(free_n_is_all_or_nothing),
+        cmocka_unit_test(alloc_n_prefers_one_contiguous_run),
+        cmocka_unit_test(alloc_n_run_spans_word_boundaries),
+        cmocka_unit_test(alloc_n_nomem_changes_nothing),
+        cmocka_unit_test(random_operations_match_a_boolean_array),
+        cmocka_unit_test(index_runs_counts_breaks),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
