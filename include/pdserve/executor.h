@@ -1,0 +1,124 @@
+/*
+ * pd_executor — what the engines need from a model: run batches of forward
+ * passes over the node's paged memory, in order, asynchronously.
+ *
+ * The engines are sans-I/O state machines: they never block on a forward.
+ * They launch a batch and later poll for its result; with overlap on, batch
+ * N+1 is launched before batch N's result is processed. Two implementations
+ * exist: the tiny hybrid model (src/model, a real forward pass on the CPU)
+ * and the synthetic executor of the simulator (src/sim), which fills pages
+ * and states with a deterministic function of the token prefix.
+ *
+ * Contract:
+ *   - Work executes in submission order: batches, state copies and host
+ *     copies form one stream, like a GPU stream. A forward may write KV pages
+ *     and Mamba slots at any time between its launch and the moment poll
+ *     reports it complete; it never touches memory afterwards.
+ *   - launch() copies everything it needs (tokens, page tables): the batch
+ *     and the arrays it points to may be reused as soon as it returns.
+ *   - poll() is non-blocking and is called for batch ids in launch order.
+ *   - Memory: the executor owns the device KV pages, Mamba state slots and
+ *     host pages that the engine's pools index (same counts, same page
+ *     size); memory() describes them so a transport can register them.
+ */
+#ifndef PDSERVE_EXECUTOR_H
+#define PDSERVE_EXECUTOR_H
+
+#include "pdserve/base.h"
+#include "pdserve/cache.h"
+#include "pdserve/pool.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct pd_sampling {
+    float temperature;   /* 0: greedy (argmax, first index wins ties) */
+    float top_p;         /* (0, 1]; 1 = no nucleus cut */
+    uint64_t seed;       /* per-request generator seed */
+} pd_sampling;
+
+typedef struct pd_batch_item {
+    uint64_t req;              /* engine's request id, echoed in the result */
+    const int32_t *tokens;     /* tokens at positions [start_pos, start_pos + n_tokens) */
+    uint32_t n_tokens;
+    uint32_t start_pos;
+    /* Page table: pages[i] holds positions [i*page_size, (i+1)*page_size).
+     * Covers at least start_pos + n_tokens positions. Positions before
+     * start_pos already hold valid KV (computed, cached or transferred). */
+    const uint32_t *pages;
+    uint32_t n_pages;
+    /* Running Mamba state: read, advanced over the tokens, written back.
+     * PD_POOL_NONE for a model without Mamba layers. */
+    uint32_t mamba_slot;
+    /* If not PD_POOL_NONE: after the last token, copy the state here too. */
+    uint32_t snapshot_slot;
+    bool sample;               /* produce the next token after the last position */
+    pd_sampling sampling;
+    uint32_t sample_index;     /* which output token is sampled (0 = the first) */
+} pd_batch_item;
+
+typedef struct pd_batch {
+    uint64_t id;               /* increasing, chosen by the engine */
+    const pd_batch_item *items;
+    uint32_t n_items;
+} pd_batch;
+
+typedef struct pd_item_result {
+    uint64_t req;
+    int32_t token;             /* sampled token, or -1 when !sample */
+    float logprob;             /* its log-probability (0 when !sample) */
+} pd_item_result;
+
+/* Where the node's memory lives, for transport registration. Unit i of each
+ * region starts at base + i * unit_bytes; a KV page holds that page's K and V
+ * for every attention layer. A region with no units has base NULL. */
+typedef struct pd_exec_memory {
+    void *kv;
+    size_t kv_page_bytes;
+    uint32_t kv_pages;
+    void *mamba;
+    size_t mamba_slot_bytes;
+    uint32_t mamba_slots;
+    void *host;
+    size_t host_page_bytes;
+    uint32_t host_pages;
+} pd_exec_memory;
+
+typedef struct pd_model_info {
+    uint32_t vocab;
+    int32_t eos_token;         /* -1: none */
+    uint32_t page_size;
+    bool has_mamba;
+} pd_model_info;
+
+typedef struct pd_executor_vtable {
+    /* Enqueues a batch. PD_ERR_NOMEM if too many batches are in flight. */
+    pd_err (*launch)(void *self, const pd_batch *batch);
+    /* If batch `id` (the oldest not yet returned) is complete, writes one
+     * result per item, in item order, and returns true. */
+    bool (*poll)(void *self, uint64_t batch_id, pd_item_result *results);
+    /* Copies Mamba state slot src into dst, ordered after launched work. */
+    pd_err (*copy_state)(void *self, uint32_t dst_slot, uint32_t src_slot);
+    /* Host tier. Synchronous write-back of evicted pages (device -> host). */
+    void (*write_back)(void *self, const uint32_t *dev, const uint32_t *host, uint32_t n);
+    /* Asynchronous load (host -> device), ordered with batches; load_poll
+     * returns true once it is complete; load_cancel abandons it (the device
+     * pages may have been partially written, and are not touched after). */
+    pd_err (*load_begin)(void *self, uint64_t load_id, const uint32_t *dev,
+                         const uint32_t *host, uint32_t n);
+    bool (*load_poll)(void *self, uint64_t load_id);
+    void (*load_cancel)(void *self, uint64_t load_id);
+    void (*memory)(void *self, pd_exec_memory *out);
+    void (*info)(void *self, pd_model_info *out);
+} pd_executor_vtable;
+
+typedef struct pd_executor {
+    const pd_executor_vtable *vt;
+    void *self;
+} pd_executor;
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* PDSERVE_EXECUTOR_H */

@@ -1,0 +1,11 @@
+/* Placeholder until the tiny hybrid model lands (src/model). */
+#include <stdio.h>
+
+#include "commands.h"
+
+int pd_cmd_model(int argc, char **argv) {
+    (void)argc;
+    (void)argv;
+    fprintf(stderr, "pdserve model: not available in this build yet\n");
+    return 2;
+}

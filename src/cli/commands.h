@@ -1,0 +1,12 @@
+/*
+ * The pdserve subcommands. Each takes the arguments after its name
+ * (argv[0] is the subcommand name) and returns the process exit code.
+ */
+#ifndef PDSERVE_CLI_COMMANDS_H
+#define PDSERVE_CLI_COMMANDS_H
+
+int pd_cmd_sim(int argc, char **argv);
+int pd_cmd_model(int argc, char **argv);
+int pd_cmd_generate(int argc, char **argv);
+
+#endif

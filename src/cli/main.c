@@ -1,0 +1,41 @@
+/*
+ * pdserve — one binary, one subcommand per job.
+ */
+#include <stdio.h>
+#include <string.h>
+
+#include "commands.h"
+
+typedef struct command {
+    const char *name;
+    int (*run)(int argc, char **argv);
+    const char *summary;
+} command;
+
+static const command commands[] = {
+    {"sim", pd_cmd_sim, "deterministic simulator: random runs, swarms, exploration, scenario replay"},
+    {"model", pd_cmd_model, "model tools: `model init` writes a model directory"},
+    {"generate", pd_cmd_generate, "offline generation with the tiny hybrid model"},
+};
+
+static void usage(FILE *to) {
+    fprintf(to, "usage: pdserve <command> [options]   (pdserve <command> --help for its options)\n\n");
+    for (size_t i = 0; i < sizeof(commands) / sizeof(commands[0]); i++)
+        fprintf(to, "  %-10s %s\n", commands[i].name, commands[i].summary);
+}
+
+int main(int argc, char **argv) {
+    if (argc < 2) {
+        usage(stderr);
+        return 2;
+    }
+    if (!strcmp(argv[1], "--help") || !strcmp(argv[1], "-h") || !strcmp(argv[1], "help")) {
+        usage(stdout);
+        return 0;
+    }
+    for (size_t i = 0; i < sizeof(commands) / sizeof(commands[0]); i++)
+        if (!strcmp(argv[1], commands[i].name)) return commands[i].run(argc - 1, argv + 1);
+    fprintf(stderr, "pdserve: unknown command '%s'\n\n", argv[1]);
+    usage(stderr);
+    return 2;
+}
