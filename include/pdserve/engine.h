@@ -1,0 +1,196 @@
+/*
+ * pd_engine — the prefill and decode lifecycle engines (DESIGN.md sections
+ * 3 to 5): single-threaded, sans-I/O state machines. No sockets, threads,
+ * clocks or sleeps inside: the driver calls submit / abort / step with the
+ * current time, and the engine talks to the world through three vtables —
+ * executor (forward passes), transport (the room's sender or receiver) and
+ * sink (streamed tokens and terminal events).
+ *
+ * The same code runs under the node runtime (threads, sockets) and under the
+ * deterministic simulator, so every race the simulator finds is a race of
+ * the real server.
+ *
+ * The promise: every resource unit has one owner at every instant (the
+ * ledger); every request leaves through one idempotent retire path; every
+ * request that submit accepted gets exactly one terminal event.
+ */
+#ifndef PDSERVE_ENGINE_H
+#define PDSERVE_ENGINE_H
+
+#include "pdserve/base.h"
+#include "pdserve/executor.h"
+#include "pdserve/ledger.h"
+#include "pdserve/xfer.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef enum pd_role { PD_ROLE_PREFILL, PD_ROLE_DECODE } pd_role;
+
+const char *pd_role_name(pd_role role);
+
+#define PD_RID_MAX 64
+#define PD_STOP_TOKENS_MAX 8
+#define PD_PEER_MAX 96
+
+typedef struct pd_engine_config {
+    pd_role role;
+    uint32_t page_size;            /* tokens per KV page */
+    uint32_t kv_pages;
+    uint32_t rows;                 /* requests holding memory at once */
+    uint32_t mamba_slots;          /* 0: attention-only model */
+    uint32_t meta_rows;
+    uint32_t host_pages;           /* 0: no host tier */
+    uint32_t requests_max;         /* live requests: queued, running, parked, transferring, draining */
+    uint32_t chunk_tokens;         /* prefill: tokens per forward (chunked_prefill_size) */
+    uint32_t batch_max;            /* requests per forward */
+    uint32_t prompt_tokens_max;    /* 0: as many as the KV pool holds */
+    uint32_t new_tokens_max;       /* bound on max_new_tokens (decode) */
+    bool overlap;                  /* prefill: launch batch N+1 before processing N */
+    uint32_t optimistic_attempts;  /* prefill: start before bootstrap completes */
+    bool prefix_cache;
+    bool strict;                   /* per-unit owner map in the ledger */
+    uint64_t bootstrap_timeout_us; /* 0: none */
+    uint64_t transfer_timeout_us;  /* 0: none */
+    pd_meta_row *meta_mem;         /* meta_rows rows, caller-owned, registered with the transport */
+} pd_engine_config;
+
+/* Defaults for a role: small pools suitable for tests; adjust and pass. */
+void pd_engine_config_default(pd_engine_config *cfg, pd_role role);
+
+typedef struct pd_request_spec {
+    const char *rid;               /* unique among live requests of the node */
+    uint64_t room;                 /* non-zero; unique among live requests */
+    const int32_t *prompt;
+    uint32_t prompt_len;
+    uint32_t max_new_tokens;       /* >= 1 */
+    pd_sampling sampling;
+    const int32_t *stop_tokens;    /* finish with "stop" on any of these */
+    uint32_t n_stop_tokens;        /* <= PD_STOP_TOKENS_MAX */
+    bool ignore_eos;
+    const char *peer;              /* decode: the prefill node's bootstrap address */
+} pd_request_spec;
+
+typedef enum pd_terminal_kind {
+    PD_TERM_NONE = 0,
+    PD_TERM_FINISHED,
+    PD_TERM_ABORTED,
+    PD_TERM_FAILED,
+} pd_terminal_kind;
+
+typedef enum pd_finish_reason {
+    PD_FINISH_NONE = 0,
+    PD_FINISH_LENGTH,              /* decode: max_new_tokens reached */
+    PD_FINISH_STOP,                /* decode: end or stop token */
+    PD_FINISH_TRANSFERRED,         /* prefill: the hand-off succeeded */
+} pd_finish_reason;
+
+const char *pd_terminal_kind_name(pd_terminal_kind k);
+const char *pd_finish_reason_name(pd_finish_reason f);
+
+typedef struct pd_terminal_event {
+    const char *rid;
+    uint64_t room;
+    pd_terminal_kind kind;
+    pd_finish_reason finish;
+    int status_code;               /* 200, or the HTTP-style status of a failure */
+    const char *message;           /* why, for aborts and failures */
+    uint32_t prompt_tokens;
+    uint32_t completion_tokens;
+    uint32_t cached_tokens;
+    /* Insertions into the prefix cache on this request's behalf after its
+     * abort or failure was recorded. Always 0 unless the engine is broken. */
+    uint32_t inserts_after_terminal;
+} pd_terminal_event;
+
+typedef struct pd_sink_vtable {
+    /* A generated token (decode node). index 0 is the first output token. */
+    void (*token)(void *self, const char *rid, uint64_t room, int32_t token,
+                  float logprob, uint32_t index);
+    /* The request's one terminal event on this node. */
+    void (*terminal)(void *self, const pd_terminal_event *ev);
+} pd_sink_vtable;
+
+typedef struct pd_sink {
+    const pd_sink_vtable *vt;
+    void *self;
+} pd_sink;
+
+typedef struct pd_engine pd_engine;
+
+/* Creates the engine and its pools. The executor's memory must match the
+ * pool sizes (checked). msg receives the reason on failure. */
+pd_err pd_engine_create(pd_engine **out, const pd_engine_config *cfg,
+                        pd_executor exec, pd_xfer xfer, pd_sink sink,
+                        char *msg, size_t msg_cap);
+/* Frees everything. Requests still live get no terminal event. */
+void pd_engine_destroy(pd_engine *e);
+
+/* Why submit refused a request: an HTTP-style status and a message. */
+typedef struct pd_reject {
+    int status;                    /* 400, 409, 413, 429 */
+    char message[192];
+} pd_reject;
+
+/* Accepts a request (PD_OK) or refuses it before it enters any queue:
+ * PD_ERR_INVALID (400: empty prompt, max_new_tokens < 1 or above the bound,
+ * bad sampling parameters, missing room, too many stop tokens),
+ * PD_ERR_TOOBIG (413: the prompt cannot fit the KV pool),
+ * PD_ERR_EXISTS (409: duplicate live rid or room),
+ * PD_ERR_NOMEM (429: too many live requests). *why may be NULL. */
+pd_err pd_engine_submit(pd_engine *e, const pd_request_spec *spec, uint64_t now_us,
+                        pd_reject *why);
+
+/* Aborts a live request (terminal: aborted). PD_ERR_NOTFOUND for an unknown
+ * or already-ended rid: a no-op. */
+pd_err pd_engine_abort(pd_engine *e, const char *rid);
+/* Aborts every live request; returns how many. */
+uint32_t pd_engine_abort_all(pd_engine *e);
+
+/* One scheduler iteration at time now_us: poll the transport, process
+ * forward results, admit and launch. Never blocks. */
+void pd_engine_step(pd_engine *e, uint64_t now_us);
+
+/* Nothing queued, running, parked, transferring, loading or draining, and no
+ * forward in flight. */
+bool pd_engine_idle(const pd_engine *e);
+
+/* Runs the ledger's three-source check (deep when the engine is strict),
+ * the clean-idle check when idle, and the engine's own check that every
+ * live request holds exactly the units its flags say. PD_OK, or
+ * PD_ERR_INTERNAL with the violations and the attribution report in *report. */
+pd_err pd_engine_check(pd_engine *e, pd_strbuf *report);
+
+typedef struct pd_engine_counters {
+    uint64_t submitted, rejected, finished, aborted, failed;
+    uint64_t batches, prefill_tokens, decode_tokens, cached_tokens;
+    uint64_t xfer_abort_errors;    /* transport abort() reported an error */
+    uint64_t retire_deferred;      /* retires that waited for a forward */
+    uint64_t requeued;             /* optimistic attempts released back */
+    uint64_t late_results_ignored; /* results for already-retired requests */
+    uint32_t queued_bootstrap, queued_waiting, loading, running, parked,
+             transferring, draining, prealloc, wait_transfer;
+    uint32_t forwards_in_flight;
+} pd_engine_counters;
+
+void pd_engine_counters_get(const pd_engine *e, pd_engine_counters *out);
+pd_ledger *pd_engine_ledger(pd_engine *e);
+const pd_engine_config *pd_engine_config_of(const pd_engine *e);
+
+/* Ledger report (text or JSON) with owners described as requests. */
+void pd_engine_report(pd_engine *e, pd_report_format fmt, pd_strbuf *out);
+
+/* The engine's id of a live request (the ledger owner and pd_batch_item.req),
+ * or 0 if the rid is not live. */
+uint64_t pd_engine_request_id(const pd_engine *e, const char *rid);
+
+/* Observer of prefix-cache insertions (tests, simulator): rid, and whether
+ * the request already had a terminal reason recorded. */
+typedef void (*pd_insert_observer)(void *ctx, const char *rid, bool after_terminal);
+void pd_engine_set_insert_observer(pd_engine *e, pd_insert_observer fn, void *ctx);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* PDSERVE_ENGINE_H */

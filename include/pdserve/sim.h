@@ -1,0 +1,91 @@
+/*
+ * pd_sim — the deterministic simulator (DESIGN.md section 8).
+ *
+ * One event loop runs a prefill engine and a decode engine, each with a
+ * synthetic executor, joined by the loopback transport, plus the clients.
+ * Time is a tick counter; nothing depends on the wall clock, so the same
+ * seed and binary give the same run, byte for byte.
+ *
+ * Everything the simulator does is a line of the scenario language; a random
+ * run is a scenario generated on the fly from the seed. Its trace is
+ * therefore a scenario file: a failing run prints its configuration and last
+ * lines, ready to paste into tests/scenarios/.
+ *
+ * After every line: both engines' checks (ledger three-source check, clean
+ * idle when idle, request flags vs ledger, prefix cache invariants), at most
+ * one terminal event per request and node, no prefix-cache insertion after a
+ * request's terminal reason. At the end: exactly one terminal event per
+ * request on every node it reached, clean idle, and every finished request's
+ * tokens equal to the same request run alone.
+ */
+#ifndef PDSERVE_SIM_H
+#define PDSERVE_SIM_H
+
+#include <stdio.h>
+
+#include "pdserve/base.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef enum pd_sim_fault {
+    PD_FAULT_ABORT = 1u << 0,       /* client aborts at prefill, decode or both */
+    PD_FAULT_BOOTSTRAP = 1u << 1,   /* bootstrap failure, hold (slowness, timeout) */
+    PD_FAULT_HOLD = 1u << 2,        /* forward results held back, released late */
+    PD_FAULT_XFER = 1u << 3,        /* transfer failure, hang, slowness */
+    PD_FAULT_ABORT_ERROR = 1u << 4, /* the transport's abort() reports an error */
+    PD_FAULT_KILL = 1u << 5,        /* decode death and restart */
+    PD_FAULT_DUP = 1u << 6,         /* the same rid submitted twice */
+    PD_FAULT_OVERSIZE = 1u << 7,    /* prompts that do not fit */
+    PD_FAULT_ALL = 0xFFu,
+} pd_sim_fault;
+
+/* "all", "none" or a comma list of: abort, bootstrap, hold, xfer,
+ * abort-error, kill, dup, oversize. */
+pd_err pd_sim_parse_faults(const char *list, uint32_t *out, char *msg, size_t msg_cap);
+
+typedef struct pd_sim_result {
+    uint64_t seed;
+    uint32_t requests, finished, aborted, failed, rejected;
+    uint32_t violations;
+    uint64_t steps;       /* ticks: one scheduler iteration on every node */
+    uint64_t events;      /* scenario lines executed */
+    char config[320];     /* the configuration, as a scenario line */
+} pd_sim_result;
+
+typedef struct pd_sim_options {
+    uint64_t seed;
+    uint32_t requests;
+    uint32_t faults;      /* pd_sim_fault bits */
+    bool vary;            /* derive the configuration from the seed too (swarm) */
+    const char *config;   /* optional "config ..." overrides (after vary) */
+    FILE *trace;          /* every executed line (NULL: none) */
+} pd_sim_options;
+
+/* A random run. PD_OK without violations; PD_ERR_INTERNAL with the seed, the
+ * configuration, the violations and the last lines (as a scenario) in
+ * *report. */
+pd_err pd_sim_random(const pd_sim_options *o, pd_sim_result *res, pd_strbuf *report);
+
+/* Replays a scenario. PD_OK if it parses, no invariant breaks and every
+ * expect holds; otherwise *report says which line failed and why. */
+pd_err pd_sim_scenario(const char *text, const char *name, FILE *trace, pd_sim_result *res,
+                       pd_strbuf *report);
+
+typedef struct pd_sim_explore_result {
+    uint64_t schedules;   /* complete schedules run */
+    uint64_t violations;
+    uint32_t max_choices; /* longest schedule, in choices */
+} pd_sim_explore_result;
+
+/* Exhaustive exploration of a small configuration: two requests of three
+ * chunks each with overlap on; every ordering of their forward results,
+ * bootstrap completions, transfer completions, one abort, one bootstrap
+ * failure and one transfer failure. limit caps the schedules (0: none). */
+pd_err pd_sim_explore(uint64_t limit, pd_sim_explore_result *res, pd_strbuf *report);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* PDSERVE_SIM_H */

@@ -1,0 +1,104 @@
+/*
+ * pd_xfer — the transport contract between a prefill node and a decode node
+ * (DESIGN.md section 6), as the engines see it. NIXL-shaped: memory is
+ * registered once per node; per room, the decode side hands over where it
+ * wants the data (bootstrap), the prefill side posts writes of page runs,
+ * then the Mamba state and the metadata row, then a completion notice that
+ * arrives only after all the data.
+ *
+ * Everything is polled, never blocked on. A transport backend (loopback,
+ * UCX) implements the vtable; each node gets its own endpoint (`self`).
+ *
+ * Rooms. A room is the 64-bit id that pairs the two halves of one request.
+ * Per room and side the status moves
+ *   BOOTSTRAPPING -> WAITING_FOR_INPUT -> TRANSFERRING -> SUCCESS
+ * and can drop to FAILED from any state (bootstrap failure, transfer error,
+ * the peer aborted the room, the peer died).
+ *
+ * abort(room) stops issuing work for the room and tells the peer; it may
+ * itself fail (the engine counts that and releases locally anyway).
+ * drained(room) is true once no operation of the room will touch this
+ * node's memory again: only then may memory the room could touch be reused.
+ * close(room) forgets the room; call it only once drained.
+ */
+#ifndef PDSERVE_XFER_H
+#define PDSERVE_XFER_H
+
+#include "pdserve/base.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef enum pd_xfer_status {
+    PD_XFER_NONE = 0,          /* unknown room */
+    PD_XFER_BOOTSTRAPPING,
+    PD_XFER_WAITING_FOR_INPUT, /* decode's destination is known to both sides */
+    PD_XFER_TRANSFERRING,
+    PD_XFER_SUCCESS,
+    PD_XFER_FAILED,
+} pd_xfer_status;
+
+const char *pd_xfer_status_name(pd_xfer_status st);
+
+/* The metadata row: what the prefill node hands over besides KV and state.
+ * Written by the prefill node into its own row, copied by the transport into
+ * the decode node's row; the decode node checks the nonce before trusting it. */
+typedef struct pd_meta_row {
+    uint64_t nonce;                 /* pd_room_nonce(room) */
+    int32_t first_token;
+    float first_logprob;
+    uint32_t prompt_tokens;
+    uint32_t prefill_cached_tokens; /* prefix the prefill node reused */
+    uint32_t decode_cached_tokens;  /* prefix the decode node already had */
+    uint32_t reserved;
+} pd_meta_row;
+
+/* A nonce derived from the room; never 0, so a cleared row never matches. */
+uint64_t pd_room_nonce(uint64_t room);
+
+/* What the decode node preallocated for a room. */
+typedef struct pd_xfer_dest {
+    uint32_t prompt_tokens;
+    uint32_t cached_tokens;    /* decode already holds KV of [0, cached_tokens); page multiple */
+    const uint32_t *pages;     /* destination pages of sequence pages [cached/ps, ceil(prompt/ps)) */
+    uint32_t n_pages;
+    uint32_t mamba_slot;       /* PD_POOL_NONE without Mamba layers */
+    uint32_t meta_row;
+} pd_xfer_dest;
+
+typedef struct pd_xfer_vtable {
+    /* ---- prefill side ---- */
+    /* Starts the room: wait for the decode side's destination. */
+    pd_err (*sender_open)(void *self, uint64_t room);
+    /* Once WAITING_FOR_INPUT: tokens the decode side already has cached. */
+    uint32_t (*sender_peer_cached)(void *self, uint64_t room);
+    /* Writes sequence pages [first_page, first_page + n) from src_pages. */
+    pd_err (*send_pages)(void *self, uint64_t room, uint32_t first_page,
+                         const uint32_t *src_pages, uint32_t n);
+    /* The last send: remaining pages, the Mamba state (PD_POOL_NONE: none)
+     * and the metadata row, then the completion notice. */
+    pd_err (*send_final)(void *self, uint64_t room, uint32_t first_page,
+                         const uint32_t *src_pages, uint32_t n,
+                         uint32_t mamba_slot, uint32_t meta_row);
+    /* ---- decode side ---- */
+    /* Starts the room and sends the destination to the prefill side named
+     * by peer (a bootstrap address; backends without addressing ignore it). */
+    pd_err (*receiver_open)(void *self, uint64_t room, const char *peer,
+                            const pd_xfer_dest *dest);
+    /* ---- both ---- */
+    pd_xfer_status (*status)(void *self, uint64_t room);
+    pd_err (*abort)(void *self, uint64_t room);
+    bool (*drained)(void *self, uint64_t room);
+    void (*close)(void *self, uint64_t room);
+} pd_xfer_vtable;
+
+typedef struct pd_xfer {
+    const pd_xfer_vtable *vt;
+    void *self;
+} pd_xfer;
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* PDSERVE_XFER_H */

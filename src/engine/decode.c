@@ -1,0 +1,184 @@
+/*
+ * decode.c — the decode node's scheduler (DESIGN.md section 5).
+ *
+ *   submit -> PREALLOC -> WAIT_TRANSFER -> COMMIT -> RUNNING -> done
+ *
+ * PREALLOC reserves everything the request will ever need on this node — a
+ * row, pages for the prompt minus what this node's prefix cache holds plus
+ * pages for every token it may generate, a Mamba slot, a metadata row — so a
+ * running request never stalls for memory. The destination (page ids, slot,
+ * row, cached prefix) goes to the prefill node through the transport.
+ *
+ * COMMIT trusts the metadata row only if its nonce is the room's: a row
+ * written for another room is "context corruption" and fails the request
+ * instead of generating from someone else's KV. The first output token comes
+ * from the prefill node; each decode step then adds one token per running
+ * request (one batch in flight: a step needs the previous token).
+ */
+#include <stdio.h>
+#include <string.h>
+
+#include "engine_internal.h"
+
+static void fail(pd_engine *e, req *r, int status, const char *msg) {
+    eng_retire(e, r, PD_TERM_FAILED, PD_FINISH_NONE, status, msg);
+}
+
+/* After token out_len-1 was produced: is the request done? */
+static bool finished(pd_engine *e, req *r, pd_finish_reason *why) {
+    int32_t t = r->last_token;
+    if (!r->ignore_eos && e->info.eos_token >= 0 && t == e->info.eos_token) {
+        *why = PD_FINISH_STOP;
+        return true;
+    }
+    for (uint32_t i = 0; i < r->n_stop; i++)
+        if (t == r->stop[i]) {
+            *why = PD_FINISH_STOP;
+            return true;
+        }
+    if (r->out_len >= r->max_new) {
+        *why = PD_FINISH_LENGTH;
+        return true;
+    }
+    return false;
+}
+
+static void emit_token(pd_engine *e, req *r, int32_t token, float logprob) {
+    r->last_token = token;
+    r->out_len++;
+    e->sink.vt->token(e->sink.self, r->rid, r->room, token, logprob, r->out_len - 1);
+    pd_finish_reason why;
+    if (finished(e, r, &why)) eng_retire(e, r, PD_TERM_FINISHED, why, 200, "");
+}
+
+static void commit(pd_engine *e, req *r) {
+    const pd_meta_row *meta = &e->cfg.meta_mem[r->meta_row];
+    if (meta->nonce != pd_room_nonce(r->room) || meta->prompt_tokens != r->prompt_len) {
+        fail(e, r, 500, "context corruption: the metadata row does not belong to this room");
+        return;
+    }
+    if (meta->first_token < 0 || (uint32_t)meta->first_token >= e->info.vocab) {
+        fail(e, r, 500, "context corruption: first token outside the vocabulary");
+        return;
+    }
+    int32_t first = meta->first_token;
+    float logprob = meta->first_logprob;
+    /* The room is complete: nothing will write here again. */
+    if (e->xfer.vt->drained(e->xfer.self, r->room)) {
+        e->xfer.vt->close(e->xfer.self, r->room);
+        r->holds_room = false;
+        pd_err err = pd_ledger_free(e->ledger, e->meta_id, &r->meta_row, 1, PD_UNIT_REQ, r->owner);
+        PD_ASSERTF(err == PD_OK, "%s", pd_ledger_last_error(e->ledger));
+        r->meta_row = NONE;
+        r->holds_meta = false;
+    }
+    r->done = r->prompt_len;
+    q_move(e, r, Q_RUNNING);
+    emit_token(e, r, first, logprob);
+}
+
+static void poll_transfers(pd_engine *e) {
+    uint32_t idx = e->q[Q_WAIT_XFER].head;
+    while (idx != NONE) {
+        req *r = eng_req(e, idx);
+        idx = r->qnext;
+        pd_xfer_status st = e->xfer.vt->status(e->xfer.self, r->room);
+        if (st == PD_XFER_SUCCESS) {
+            commit(e, r);
+        } else if (st == PD_XFER_FAILED) {
+            fail(e, r, 500, "transfer failed: the prefill side failed or aborted the room");
+        } else if (e->cfg.transfer_timeout_us && e->now - r->t_state > e->cfg.transfer_timeout_us) {
+            char msg[96];
+            snprintf(msg, sizeof(msg), "transfer timed out in %s", pd_xfer_status_name(st));
+            fail(e, r, 504, msg);
+        }
+    }
+}
+
+/* 0: not now (memory), 1: destination sent. */
+static int prealloc(pd_engine *e, req *r) {
+    uint32_t ps = e->cfg.page_size;
+    if (pd_pool_free_count(e->row) == 0 || pd_pool_free_count(e->meta) == 0) return 0;
+    if (e->mamba && pd_pool_free_count(e->mamba) == 0) return 0;
+    uint32_t cached = 0;
+    if (e->cache) {
+        pd_cache_match_result m;
+        PD_MUST(pd_cache_match(e->cache, r->prompt, r->prompt_len, r->pages, e->pages_per_req, &m));
+        cached = m.dev_tokens;
+        eng_cache_lock(e, r, m.dev_node);
+    }
+    /* Positions [0, prompt + max_new - 1) get KV here; the last sampled
+     * token is never fed back. */
+    uint32_t total = PD_DIV_CEIL(r->prompt_len + r->max_new - 1, ps);
+    uint32_t need = total - cached / ps;
+    if (eng_kv_available(e) < need) {
+        if (r->holds_lock) {
+            PD_MUST(pd_cache_unlock(e->cache, r->lock_node));
+            r->holds_lock = r->holds_kv = false;
+            r->lock_node = PD_CNODE_NONE;
+        }
+        return 0;
+    }
+    r->reserved = need;
+    e->reserved += need;
+    r->n_pages = r->own_from = cached / ps;
+    r->cached_tokens = cached;
+    e->ctr.cached_tokens += cached;
+    PD_MUST(eng_alloc_slot(e, e->row_id, r->owner, &r->row));
+    r->holds_row = true;
+    PD_MUST(eng_alloc_slot(e, e->meta_id, r->owner, &r->meta_row));
+    r->holds_meta = true;
+    memset(&e->cfg.meta_mem[r->meta_row], 0, sizeof(pd_meta_row));
+    if (e->mamba) {
+        PD_MUST(eng_alloc_slot(e, e->mamba_id, r->owner, &r->mamba_run));
+        r->holds_mamba = true;
+    }
+    uint32_t dest_pages = PD_DIV_CEIL(r->prompt_len, ps) - cached / ps;
+    PD_MUST(eng_alloc_pages(e, r, dest_pages));
+    pd_xfer_dest dest = {
+        .prompt_tokens = r->prompt_len, .cached_tokens = cached,
+        .pages = r->pages + cached / ps, .n_pages = dest_pages,
+        .mamba_slot = e->mamba ? r->mamba_run : PD_POOL_NONE, .meta_row = r->meta_row,
+    };
+    q_move(e, r, Q_WAIT_XFER);
+    if (e->xfer.vt->receiver_open(e->xfer.self, r->room, r->peer, &dest) != PD_OK) {
+        fail(e, r, 502, "bootstrap: could not reach the prefill node");
+        return 1;
+    }
+    r->holds_room = true;
+    return 1;
+}
+
+static void on_result(pd_engine *e, req *r, const bitem *it, const pd_item_result *res) {
+    (void)it;
+    if (r->term != PD_TERM_NONE || r->retire_pending) {
+        if (r->forwards_in_flight == 0) eng_retire(e, r, r->term, r->finish, r->status, r->msg);
+        return;
+    }
+    e->ctr.decode_tokens++;
+    emit_token(e, r, res->token, res->logprob);
+}
+
+static void schedule(pd_engine *e) {
+    if (e->inflight_n > 0) return;
+    batch_rec *b = eng_batch_begin(e);
+    uint32_t ps = e->cfg.page_size;
+    uint32_t idx = e->q[Q_RUNNING].head;
+    while (idx != NONE && b->n < e->cfg.batch_max) {
+        req *r = eng_req(e, idx);
+        idx = r->qnext;
+        uint32_t pos = r->prompt_len + r->out_len - 1; /* where the last token goes */
+        if (pos / ps >= r->n_pages && eng_alloc_pages(e, r, 1) != PD_OK) continue;
+        eng_batch_add(e, b, r, &r->last_token, pos, 1, true, r->out_len, NONE, false);
+    }
+    eng_batch_launch(e, b);
+}
+
+void decode_step(pd_engine *e) {
+    poll_transfers(e);
+    while (e->q[Q_PREALLOC].head != NONE) {
+        if (prealloc(e, eng_req(e, e->q[Q_PREALLOC].head)) == 0) break;
+    }
+    eng_batch_poll(e, on_result);
+    schedule(e);
+}

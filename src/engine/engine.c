@@ -1,0 +1,969 @@
+/*
+ * engine.c — what the prefill and decode engines share: creation of the
+ * node's pools, ledger and prefix cache; request records with their rid and
+ * room indexes and queues; submit validation; the single retire path; room
+ * draining; batches in flight; and the checks.
+ *
+ * The retire path (DESIGN.md section 3) is eng_retire:
+ *   1. record the terminal reason if none is recorded (first reason wins);
+ *   2. while a forward of the request is in flight, mark the retire pending
+ *      and return — the last result calls eng_retire again;
+ *   3. tell the transport to abort the room, best effort: an error is
+ *      counted, never allowed to skip step 4;
+ *   4. release locally, each only if its flag says it is held, clearing the
+ *      flag: (on success only: insert into the prefix cache) metadata row,
+ *      host load, Mamba slots, cache lock, own pages, row. Units the room may
+ *      still touch go to QUARANTINE(room) and the cache lock is kept until
+ *      the transport reports the room drained;
+ *   5. emit the terminal event unless already emitted.
+ */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "engine_internal.h"
+
+/* ---- names ---------------------------------------------------------------- */
+
+const char *pd_role_name(pd_role role) {
+    return role == PD_ROLE_PREFILL ? "prefill" : role == PD_ROLE_DECODE ? "decode" : "unknown";
+}
+
+const char *pd_terminal_kind_name(pd_terminal_kind k) {
+    switch (k) {
+    case PD_TERM_NONE: return "none";
+    case PD_TERM_FINISHED: return "finished";
+    case PD_TERM_ABORTED: return "aborted";
+    case PD_TERM_FAILED: return "failed";
+    }
+    return "unknown";
+}
+
+const char *pd_finish_reason_name(pd_finish_reason f) {
+    switch (f) {
+    case PD_FINISH_NONE: return "none";
+    case PD_FINISH_LENGTH: return "length";
+    case PD_FINISH_STOP: return "stop";
+    case PD_FINISH_TRANSFERRED: return "transferred";
+    }
+    return "unknown";
+}
+
+const char *pd_xfer_status_name(pd_xfer_status st) {
+    switch (st) {
+    case PD_XFER_NONE: return "none";
+    case PD_XFER_BOOTSTRAPPING: return "bootstrapping";
+    case PD_XFER_WAITING_FOR_INPUT: return "waiting_for_input";
+    case PD_XFER_TRANSFERRING: return "transferring";
+    case PD_XFER_SUCCESS: return "success";
+    case PD_XFER_FAILED: return "failed";
+    }
+    return "unknown";
+}
+
+uint64_t pd_room_nonce(uint64_t room) {
+    uint64_t n = pd_hash_u64(room ^ 0xA5A5F00DCAFEull);
+    return n ? n : 1;
+}
+
+static const char *const queue_names[Q__COUNT] = {
+    [Q_BOOTSTRAP] = "BOOTSTRAP", [Q_WAITING] = "WAITING",   [Q_LOADING] = "LOADING",
+    [Q_PREFILL] = "PREFILL",     [Q_PARKED] = "PARKED",     [Q_TRANSFER] = "TRANSFER",
+    [Q_PREALLOC] = "PREALLOC",   [Q_WAIT_XFER] = "WAIT_TRANSFER", [Q_RUNNING] = "RUNNING",
+    [Q_RETIRING] = "RETIRING",   [Q_DRAINING] = "DRAINING",
+};
+
+void pd_engine_config_default(pd_engine_config *cfg, pd_role role) {
+    memset(cfg, 0, sizeof(*cfg));
+    cfg->role = role;
+    cfg->page_size = 4;
+    cfg->kv_pages = 256;
+    cfg->rows = 16;
+    cfg->meta_rows = 16;
+    cfg->requests_max = 64;
+    cfg->chunk_tokens = 16;
+    cfg->batch_max = 8;
+    cfg->new_tokens_max = 256;
+    cfg->overlap = true;
+    cfg->prefix_cache = true;
+    cfg->strict = true;
+}
+
+/* ---- records, indexes and queues ----------------------------------------- */
+
+req *eng_req(pd_engine *e, uint32_t idx) {
+    PD_ASSERT(idx < e->cfg.requests_max);
+    return &e->reqs[idx];
+}
+
+uint32_t eng_idx(pd_engine *e, const req *r) { return (uint32_t)(r - e->reqs); }
+
+static uint64_t rid_hash(const char *rid) {
+    uint64_t h = 0xCBF29CE484222325ull;
+    for (const unsigned char *p = (const unsigned char *)rid; *p; p++) h = (h ^ *p) * 0x100000001B3ull;
+    return pd_hash_u64(h);
+}
+
+typedef enum { K_RID, K_ROOM } keykind;
+
+static uint32_t *table(pd_engine *e, keykind k) { return k == K_RID ? e->rid_ht : e->room_ht; }
+
+static uint64_t rec_hash(pd_engine *e, keykind k, uint32_t idx) {
+    return k == K_RID ? rid_hash(e->reqs[idx].rid) : pd_hash_u64(e->reqs[idx].room);
+}
+
+static uint32_t ht_find(pd_engine *e, keykind k, const char *rid, uint64_t room) {
+    uint32_t *t = table(e, k);
+    uint64_t h = k == K_RID ? rid_hash(rid) : pd_hash_u64(room);
+    for (uint32_t i = (uint32_t)h & e->ht_mask;; i = (i + 1) & e->ht_mask) {
+        uint32_t idx = t[i];
+        if (idx == NONE) return NONE;
+        req *r = &e->reqs[idx];
+        if (k == K_RID ? strcmp(r->rid, rid) == 0 : r->room == room) return idx;
+    }
+}
+
+static void ht_put(pd_engine *e, keykind k, uint32_t idx) {
+    uint32_t *t = table(e, k);
+    uint32_t i = (uint32_t)rec_hash(e, k, idx) & e->ht_mask;
+    while (t[i] != NONE) i = (i + 1) & e->ht_mask;
+    t[i] = idx;
+}
+
+static void ht_del(pd_engine *e, keykind k, uint32_t idx) {
+    uint32_t *t = table(e, k);
+    uint32_t i = (uint32_t)rec_hash(e, k, idx) & e->ht_mask;
+    while (t[i] != idx) {
+        PD_ASSERT(t[i] != NONE);
+        i = (i + 1) & e->ht_mask;
+    }
+    t[i] = NONE;
+    for (uint32_t j = (i + 1) & e->ht_mask; t[j] != NONE; j = (j + 1) & e->ht_mask) {
+        uint32_t home = (uint32_t)rec_hash(e, k, t[j]) & e->ht_mask;
+        bool movable = (j > i) ? (home <= i || home > j) : (home <= i && home > j);
+        if (movable) {
+            t[i] = t[j];
+            t[j] = NONE;
+            i = j;
+        }
+    }
+}
+
+void q_push(pd_engine *e, req *r, uint8_t queue) {
+    PD_ASSERT(r->queue == Q_NONE && queue < Q__COUNT);
+    qlist *q = &e->q[queue];
+    uint32_t idx = eng_idx(e, r);
+    r->qprev = q->tail;
+    r->qnext = NONE;
+    if (q->tail != NONE) e->reqs[q->tail].qnext = idx;
+    else q->head = idx;
+    q->tail = idx;
+    q->len++;
+    r->queue = queue;
+}
+
+void q_remove(pd_engine *e, req *r) {
+    if (r->queue == Q_NONE) return;
+    qlist *q = &e->q[r->queue];
+    if (r->qprev != NONE) e->reqs[r->qprev].qnext = r->qnext;
+    else q->head = r->qnext;
+    if (r->qnext != NONE) e->reqs[r->qnext].qprev = r->qprev;
+    else q->tail = r->qprev;
+    q->len--;
+    r->qprev = r->qnext = NONE;
+    r->queue = Q_NONE;
+}
+
+void q_move(pd_engine *e, req *r, uint8_t queue) {
+    q_remove(e, r);
+    q_push(e, r, queue);
+    r->t_state = e->now;
+}
+
+static req *record_alloc(pd_engine *e) {
+    uint32_t idx = e->free_head;
+    if (idx == NONE) return NULL;
+    req *r = &e->reqs[idx];
+    e->free_head = r->qnext;
+    uint32_t gen = r->gen + 1;
+    memset(r, 0, sizeof(*r));
+    r->gen = gen;
+    r->owner = ((uint64_t)gen << 32) | (uint64_t)(idx + 1);
+    r->live = true;
+    r->queue = Q_NONE;
+    r->qprev = r->qnext = NONE;
+    r->row = r->mamba_run = r->meta_row = NONE;
+    r->mamba_track[0] = r->mamba_track[1] = NONE;
+    r->final_snap = NONE;
+    r->lock_node = PD_CNODE_NONE;
+    r->ticket = PD_TICKET_NONE;
+    r->pages = e->page_store + (size_t)idx * e->pages_per_req;
+    e->reqs_live++;
+    return r;
+}
+
+static void record_free(pd_engine *e, req *r) {
+    PD_ASSERT(r->live);
+    PD_ASSERT(!r->holds_row && !r->holds_kv && !r->holds_lock && !r->holds_mamba &&
+              !r->holds_meta && !r->holds_host && !r->holds_room);
+    PD_ASSERT(r->forwards_in_flight == 0 && r->streamed);
+    PD_ASSERT(!r->q_pages && !r->q_mamba && !r->q_meta && !r->q_lock);
+    q_remove(e, r);
+    uint32_t idx = eng_idx(e, r);
+    ht_del(e, K_RID, idx);
+    ht_del(e, K_ROOM, idx);
+    free(r->prompt);
+    r->prompt = NULL;
+    r->live = false;
+    r->qnext = e->free_head;
+    e->free_head = idx;
+    e->reqs_live--;
+}
+
+/* ---- memory helpers -------------------------------------------------------- */
+
+#define LEDGER_MUST(e, expr)                                                   \
+    do {                                                                       \
+        pd_err le_ = (expr);                                                   \
+        PD_ASSERTF(le_ == PD_OK, "ledger refused (%s): %s", pd_err_name(le_),  \
+                   pd_ledger_last_error((e)->ledger));                         \
+    } while (0)
+
+uint64_t eng_kv_available(pd_engine *e) {
+    uint64_t avail = pd_pool_free_count(e->kv);
+    if (e->cache) {
+        pd_cache_sums s = {0};
+        pd_cache_sums_get(e->cache, &s);
+        avail += s.evictable[e->kv_id];
+    }
+    return avail > e->reserved ? avail - e->reserved : 0;
+}
+
+pd_err eng_alloc_pages(pd_engine *e, req *r, uint32_t n) {
+    if (n == 0) return PD_OK;
+    PD_ASSERTF(r->reserved >= n, "request %s allocates %u pages beyond its reservation %u",
+               r->rid, n, r->reserved);
+    PD_ASSERT(r->n_pages + n <= e->pages_per_req);
+    uint32_t free_now = pd_pool_free_count(e->kv);
+    if (free_now < n && e->cache) PD_MUST(pd_cache_evict(e->cache, n - free_now, NULL));
+    pd_err err = pd_ledger_alloc(e->ledger, e->kv_id, n, r->owner, r->pages + r->n_pages);
+    if (err != PD_OK) return err;
+    r->n_pages += n;
+    r->holds_kv = true;
+    r->reserved -= n;
+    e->reserved -= n;
+    return PD_OK;
+}
+
+pd_err eng_alloc_slot(pd_engine *e, int pool_id, pd_owner owner, uint32_t *out) {
+    if (pool_id == e->mamba_id && e->cache && pd_pool_free_count(e->mamba) == 0)
+        PD_MUST(pd_cache_evict_snapshots(e->cache, 1, NULL));
+    return pd_ledger_alloc(e->ledger, pool_id, 1, owner, out);
+}
+
+void eng_cache_lock(pd_engine *e, req *r, pd_cnode node) {
+    PD_ASSERT(!r->holds_lock);
+    PD_MUST(pd_cache_lock(e->cache, node));
+    r->lock_node = node;
+    r->holds_lock = true;
+    r->holds_kv = true;
+}
+
+uint32_t eng_cache_insert(pd_engine *e, req *r, uint32_t tokens, uint32_t snapshot_slot) {
+    PD_ASSERT(e->cache);
+    uint32_t ps = e->cfg.page_size;
+    uint32_t n = tokens / ps;
+    PD_ASSERT(n <= r->n_pages);
+    /* Only success inserts after a terminal reason is recorded. */
+    bool after = r->term == PD_TERM_ABORTED || r->term == PD_TERM_FAILED;
+    if (after) r->inserts_after_terminal++;
+    if (e->obs) e->obs(e->obs_ctx, r->rid, after);
+    pd_cache_insert_result res;
+    PD_MUST(pd_cache_insert(e->cache, r->prompt, n * ps, r->pages, r->owner, snapshot_slot,
+                            e->dups, &res));
+    if (res.dup_pages)
+        LEDGER_MUST(e, pd_ledger_free(e->ledger, e->kv_id, e->dups, res.dup_pages,
+                                      PD_UNIT_REQ, r->owner));
+    uint32_t covered = res.covered_tokens / ps;
+    PD_ASSERTF(covered >= r->own_from, "insert covered %u pages, below the %u already cached",
+               covered, r->own_from);
+    r->own_from = covered;
+    /* The request's lock moves down to the new node: lock first, then let go
+     * of the old one, so the path is never unprotected. */
+    if (!r->holds_lock || res.node != r->lock_node) {
+        PD_MUST(pd_cache_lock(e->cache, res.node));
+        if (r->holds_lock) PD_MUST(pd_cache_unlock(e->cache, r->lock_node));
+        r->lock_node = res.node;
+        r->holds_lock = true;
+        r->holds_kv = true;
+    }
+    return res.mamba_taken ? snapshot_slot : NONE;
+}
+
+/* ---- the retire path --------------------------------------------------------- */
+
+void eng_emit_terminal(pd_engine *e, req *r) {
+    if (r->streamed) return;
+    r->streamed = true;
+    PD_ASSERT(r->term != PD_TERM_NONE);
+    if (r->term == PD_TERM_FINISHED) e->ctr.finished++;
+    else if (r->term == PD_TERM_ABORTED) e->ctr.aborted++;
+    else e->ctr.failed++;
+    pd_terminal_event ev = {
+        .rid = r->rid, .room = r->room, .kind = r->term, .finish = r->finish,
+        .status_code = r->status, .message = r->msg, .prompt_tokens = r->prompt_len,
+        .completion_tokens = r->out_len, .cached_tokens = r->cached_tokens,
+        .inserts_after_terminal = r->inserts_after_terminal,
+    };
+    e->sink.vt->terminal(e->sink.self, &ev);
+}
+
+static void free_or_quarantine(pd_engine *e, req *r, int pool_id, const uint32_t *u,
+                               uint32_t n, bool quarantine) {
+    if (n == 0) return;
+    if (quarantine)
+        LEDGER_MUST(e, pd_ledger_move(e->ledger, pool_id, u, n, PD_UNIT_REQ, r->owner,
+                                      PD_UNIT_QUARANTINE, r->room));
+    else
+        LEDGER_MUST(e, pd_ledger_free(e->ledger, pool_id, u, n, PD_UNIT_REQ, r->owner));
+}
+
+static uint32_t mamba_slots_of(req *r, uint32_t *out) {
+    uint32_t n = 0;
+    if (r->mamba_run != NONE) out[n++] = r->mamba_run;
+    for (int i = 0; i < 2; i++)
+        if (r->mamba_track[i] != NONE) out[n++] = r->mamba_track[i];
+    return n;
+}
+
+/* Step 4 of the retire path. keep_room: the optimistic requeue keeps the
+ * metadata row and the room (the request is not ending). */
+static void release_local(pd_engine *e, req *r, bool insert, bool quarantine, bool keep_room) {
+    uint32_t ps = e->cfg.page_size;
+    /* Success only: the computed prompt goes into the prefix cache, with the
+     * snapshot of its end if one was taken there. */
+    if (insert && e->cache && r->holds_kv && r->term == PD_TERM_FINISHED) {
+        uint32_t whole = (PD_MIN(r->done, r->prompt_len) / ps) * ps;
+        uint32_t snap = (r->holds_mamba && whole == r->prompt_len) ? r->final_snap : NONE;
+        if (whole > 0) {
+            uint32_t taken = eng_cache_insert(e, r, whole, snap);
+            for (int i = 0; i < 2 && taken != NONE; i++)
+                if (r->mamba_track[i] == taken) r->mamba_track[i] = NONE;
+        }
+        r->final_snap = NONE;
+    }
+    r->pending_chunk = false;
+    if (r->holds_meta && !keep_room) {
+        free_or_quarantine(e, r, e->meta_id, &r->meta_row, 1, quarantine);
+        r->q_meta = quarantine;
+        if (!quarantine) r->meta_row = NONE;
+        r->holds_meta = false;
+    }
+    if (r->holds_host) {
+        e->exec.vt->load_cancel(e->exec.self, r->load_id);
+        PD_MUST(pd_cache_load_cancel(e->cache, r->ticket));
+        PD_ASSERT(r->n_pages == r->load_from + r->load_pages);
+        r->n_pages = r->load_from;
+        r->reserved += r->load_pages; /* returned below with the rest */
+        e->reserved += r->load_pages;
+        r->ticket = PD_TICKET_NONE;
+        r->holds_host = false;
+    }
+    if (r->holds_mamba) {
+        uint32_t slots[3];
+        uint32_t n = mamba_slots_of(r, slots);
+        bool q = quarantine && !keep_room;
+        free_or_quarantine(e, r, e->mamba_id, slots, n, q);
+        r->q_mamba = q && n > 0;
+        if (!q) r->mamba_run = r->mamba_track[0] = r->mamba_track[1] = NONE;
+        r->holds_mamba = false;
+    }
+    if (r->holds_kv) {
+        bool q = quarantine && !keep_room;
+        free_or_quarantine(e, r, e->kv_id, r->pages + r->own_from, r->n_pages - r->own_from, q);
+        r->q_pages = q && r->n_pages > r->own_from;
+        if (r->holds_lock) {
+            if (q) {
+                r->q_lock = true;
+            } else {
+                PD_MUST(pd_cache_unlock(e->cache, r->lock_node));
+                r->lock_node = PD_CNODE_NONE;
+            }
+            r->holds_lock = false;
+        }
+        if (!r->q_pages) r->n_pages = r->own_from = 0;
+        r->holds_kv = false;
+    }
+    e->reserved -= r->reserved;
+    r->reserved = 0;
+    if (r->holds_row) {
+        LEDGER_MUST(e, pd_ledger_free(e->ledger, e->row_id, &r->row, 1, PD_UNIT_REQ, r->owner));
+        r->row = NONE;
+        r->holds_row = false;
+    }
+}
+
+void eng_retire(pd_engine *e, req *r, pd_terminal_kind kind, pd_finish_reason finish,
+                int status, const char *msg) {
+    if (!r->live || r->queue == Q_DRAINING) return; /* already fully retired */
+    if (r->term == PD_TERM_NONE) {
+        PD_ASSERT(kind != PD_TERM_NONE);
+        r->term = kind;
+        r->finish = finish;
+        r->status = status;
+        snprintf(r->msg, sizeof(r->msg), "%s", msg ? msg : "");
+    }
+    if (r->forwards_in_flight > 0) {
+        if (!r->retire_pending) {
+            r->retire_pending = true;
+            e->ctr.retire_deferred++;
+            q_move(e, r, Q_RETIRING);
+        }
+        return;
+    }
+    bool room = r->holds_room;
+    if (room && r->term != PD_TERM_FINISHED) {
+        pd_err err = e->xfer.vt->abort(e->xfer.self, r->room);
+        if (err != PD_OK) e->ctr.xfer_abort_errors++;
+    }
+    bool quarantine = room && !e->xfer.vt->drained(e->xfer.self, r->room);
+    release_local(e, r, true, quarantine, false);
+    eng_emit_terminal(e, r);
+    if (quarantine) {
+        q_move(e, r, Q_DRAINING);
+        return;
+    }
+    if (room) {
+        e->xfer.vt->close(e->xfer.self, r->room);
+        r->holds_room = false;
+    }
+    r->meta_row = NONE;
+    record_free(e, r);
+}
+
+void eng_release_for_requeue(pd_engine *e, req *r) {
+    PD_ASSERT(r->forwards_in_flight == 0 && !r->holds_host && r->term == PD_TERM_NONE);
+    uint32_t ps = e->cfg.page_size;
+    /* Keep what was computed: cache its whole pages, then let go. */
+    if (e->cache && r->holds_kv && r->done >= ps) eng_cache_insert(e, r, (r->done / ps) * ps, NONE);
+    release_local(e, r, false, false, true);
+    r->launched = r->done = r->sent_pages = 0;
+    r->cached_tokens = 0;
+    r->n_pages = r->own_from = 0;
+    r->track_next = 0;
+    r->final_snap = NONE;
+}
+
+/* Called every step for draining records: frees what the room could touch
+ * once the transport says it never will again. */
+static void drain_poll(pd_engine *e) {
+    uint32_t idx = e->q[Q_DRAINING].head;
+    while (idx != NONE) {
+        req *r = &e->reqs[idx];
+        idx = r->qnext;
+        if (!e->xfer.vt->drained(e->xfer.self, r->room)) continue;
+        if (r->q_pages) {
+            LEDGER_MUST(e, pd_ledger_free(e->ledger, e->kv_id, r->pages + r->own_from,
+                                          r->n_pages - r->own_from, PD_UNIT_QUARANTINE, r->room));
+            r->q_pages = false;
+            r->n_pages = r->own_from = 0;
+        }
+        if (r->q_mamba) {
+            uint32_t slots[3];
+            uint32_t n = mamba_slots_of(r, slots);
+            LEDGER_MUST(e, pd_ledger_free(e->ledger, e->mamba_id, slots, n, PD_UNIT_QUARANTINE, r->room));
+            r->mamba_run = r->mamba_track[0] = r->mamba_track[1] = NONE;
+            r->q_mamba = false;
+        }
+        if (r->q_meta) {
+            LEDGER_MUST(e, pd_ledger_free(e->ledger, e->meta_id, &r->meta_row, 1,
+                                          PD_UNIT_QUARANTINE, r->room));
+            r->meta_row = NONE;
+            r->q_meta = false;
+        }
+        if (r->q_lock) {
+            PD_MUST(pd_cache_unlock(e->cache, r->lock_node));
+            r->lock_node = PD_CNODE_NONE;
+            r->q_lock = false;
+        }
+        e->xfer.vt->close(e->xfer.self, r->room);
+        r->holds_room = false;
+        record_free(e, r);
+    }
+}
+
+/* ---- batches ------------------------------------------------------------------ */
+
+batch_rec *eng_batch_begin(pd_engine *e) {
+    if (e->inflight_n == INFLIGHT_MAX) return NULL;
+    batch_rec *b = &e->inflight[(e->inflight_head + e->inflight_n) % INFLIGHT_MAX];
+    b->n = 0;
+    return b;
+}
+
+void eng_batch_add(pd_engine *e, batch_rec *b, req *r, const int32_t *tokens, uint32_t start,
+                   uint32_t n, bool sample, uint32_t sample_index, uint32_t snapshot_slot,
+                   bool final) {
+    PD_ASSERT(b->n < e->cfg.batch_max);
+    pd_batch_item *it = &e->launch_items[b->n];
+    *it = (pd_batch_item){
+        .req = r->owner, .tokens = tokens, .n_tokens = n, .start_pos = start,
+        .pages = r->pages, .n_pages = r->n_pages,
+        .mamba_slot = e->mamba ? r->mamba_run : PD_POOL_NONE,
+        .snapshot_slot = snapshot_slot == NONE ? PD_POOL_NONE : snapshot_slot,
+        .sample = sample, .sampling = r->sampling, .sample_index = sample_index,
+    };
+    PD_ASSERT((uint64_t)r->n_pages * e->cfg.page_size >= (uint64_t)start + n);
+    b->items[b->n] = (bitem){.idx = eng_idx(e, r), .gen = r->gen, .start = start, .n = n,
+                             .final = final, .snapshot_slot = snapshot_slot};
+    b->n++;
+    r->forwards_in_flight++;
+    r->pending_chunk = true;
+}
+
+void eng_batch_launch(pd_engine *e, batch_rec *b) {
+    if (b->n == 0) return;
+    b->id = ++e->next_batch_id;
+    pd_batch batch = {.id = b->id, .items = e->launch_items, .n_items = b->n};
+    PD_MUST(e->exec.vt->launch(e->exec.self, &batch));
+    e->inflight_n++;
+    e->ctr.batches++;
+}
+
+bool eng_batch_poll(pd_engine *e, void (*fn)(pd_engine *, req *, const bitem *,
+                                             const pd_item_result *)) {
+    if (e->inflight_n == 0) return false;
+    batch_rec *b = &e->inflight[e->inflight_head];
+    if (!e->exec.vt->poll(e->exec.self, b->id, e->results)) return false;
+    e->inflight_head = (e->inflight_head + 1) % INFLIGHT_MAX;
+    e->inflight_n--;
+    for (uint32_t i = 0; i < b->n; i++) {
+        const bitem *it = &b->items[i];
+        req *r = &e->reqs[it->idx];
+        if (!r->live || r->gen != it->gen) {
+            /* The request was fully retired and its record reused: a delayed
+             * result is ignored — no release, no event. */
+            e->ctr.late_results_ignored++;
+            continue;
+        }
+        PD_ASSERT(e->results[i].req == r->owner);
+        PD_ASSERT(r->forwards_in_flight > 0);
+        r->forwards_in_flight--;
+        if (r->forwards_in_flight == 0) r->pending_chunk = false;
+        fn(e, r, it, &e->results[i]);
+    }
+    return true;
+}
+
+/* ---- create / destroy ---------------------------------------------------------- */
+
+static void cache_write_back(void *ctx, pd_copy_dir dir, const uint32_t *dev,
+                             const uint32_t *host, uint32_t n) {
+    pd_engine *e = ctx;
+    PD_ASSERT(dir == PD_COPY_DEV_TO_HOST);
+    e->exec.vt->write_back(e->exec.self, dev, host, n);
+}
+
+pd_err pd_engine_create(pd_engine **out, const pd_engine_config *cfg_in,
+                        pd_executor exec, pd_xfer xfer, pd_sink sink,
+                        char *msg, size_t msg_cap) {
+    if (!out || !cfg_in) return pd_errorf(msg, msg_cap, PD_ERR_INVALID, "no config");
+    *out = NULL;
+    pd_engine_config cfg = *cfg_in;
+    if (!exec.vt || !xfer.vt || !sink.vt)
+        return pd_errorf(msg, msg_cap, PD_ERR_INVALID, "executor, transport and sink are required");
+    if (cfg.role != PD_ROLE_PREFILL && cfg.role != PD_ROLE_DECODE)
+        return pd_errorf(msg, msg_cap, PD_ERR_INVALID, "unknown role %d", (int)cfg.role);
+    if (cfg.page_size == 0 || cfg.kv_pages == 0 || cfg.rows == 0 || cfg.meta_rows == 0 ||
+        cfg.requests_max == 0 || cfg.chunk_tokens == 0 || cfg.batch_max == 0 ||
+        cfg.new_tokens_max == 0)
+        return pd_errorf(msg, msg_cap, PD_ERR_INVALID,
+                         "page size, pools, requests_max, chunk, batch and new_tokens_max must be positive");
+    if (!cfg.meta_mem) return pd_errorf(msg, msg_cap, PD_ERR_INVALID, "meta_mem is required");
+    if (cfg.host_pages && !cfg.prefix_cache)
+        return pd_errorf(msg, msg_cap, PD_ERR_INVALID, "a host tier needs the prefix cache");
+    if (cfg.requests_max > (1u << 24))
+        return pd_errorf(msg, msg_cap, PD_ERR_INVALID, "requests_max above 16M");
+    uint64_t pool_tokens = (uint64_t)cfg.kv_pages * cfg.page_size;
+    if (cfg.prompt_tokens_max == 0 || cfg.prompt_tokens_max > pool_tokens)
+        cfg.prompt_tokens_max = (uint32_t)PD_MIN(pool_tokens, 1u << 20);
+
+    pd_model_info info;
+    exec.vt->info(exec.self, &info);
+    pd_exec_memory mem;
+    exec.vt->memory(exec.self, &mem);
+    if (info.page_size != cfg.page_size)
+        return pd_errorf(msg, msg_cap, PD_ERR_INVALID, "executor page size %u, engine %u",
+                         info.page_size, cfg.page_size);
+    if (mem.kv_pages < cfg.kv_pages || mem.mamba_slots < cfg.mamba_slots ||
+        mem.host_pages < cfg.host_pages)
+        return pd_errorf(msg, msg_cap, PD_ERR_INVALID,
+                         "executor memory (%u pages, %u slots, %u host pages) smaller than the pools",
+                         mem.kv_pages, mem.mamba_slots, mem.host_pages);
+    if (info.has_mamba != (cfg.mamba_slots > 0))
+        return pd_errorf(msg, msg_cap, PD_ERR_INVALID, "the model %s Mamba layers but mamba_slots is %u",
+                         info.has_mamba ? "has" : "has no", cfg.mamba_slots);
+
+    pd_engine *e = calloc(1, sizeof(*e));
+    if (!e) return pd_errorf(msg, msg_cap, PD_ERR_NOMEM, "out of memory");
+    e->cfg = cfg;
+    e->exec = exec;
+    e->xfer = xfer;
+    e->sink = sink;
+    e->info = info;
+    e->mamba_id = e->host_id = -1;
+    pd_err err = pd_ledger_create(&e->ledger, cfg.strict);
+    if (!err) err = pd_pool_create(&e->kv, "kv", PD_POOL_KV, cfg.kv_pages, cfg.page_size);
+    if (!err) err = pd_ledger_add_pool(e->ledger, e->kv, &e->kv_id);
+    if (!err) err = pd_pool_create(&e->row, "row", PD_POOL_ROW, cfg.rows, 0);
+    if (!err) err = pd_ledger_add_pool(e->ledger, e->row, &e->row_id);
+    if (!err && cfg.mamba_slots) err = pd_pool_create(&e->mamba, "mamba", PD_POOL_MAMBA, cfg.mamba_slots, 0);
+    if (!err && cfg.mamba_slots) err = pd_ledger_add_pool(e->ledger, e->mamba, &e->mamba_id);
+    if (!err) err = pd_pool_create(&e->meta, "meta", PD_POOL_META, cfg.meta_rows, 0);
+    if (!err) err = pd_ledger_add_pool(e->ledger, e->meta, &e->meta_id);
+    if (!err && cfg.host_pages) err = pd_pool_create(&e->host, "host", PD_POOL_HOST, cfg.host_pages, cfg.page_size);
+    if (!err && cfg.host_pages) err = pd_ledger_add_pool(e->ledger, e->host, &e->host_id);
+    if (!err && cfg.prefix_cache) {
+        pd_cache_config cc = {
+            .ledger = e->ledger, .kv_pool = e->kv_id, .mamba_pool = e->mamba_id,
+            .host_pool = e->host_id, .write_back = cfg.host_pages > 0,
+            .copy = cache_write_back, .copy_ctx = e,
+        };
+        err = pd_cache_create(&e->cache, &cc);
+    }
+    e->tracks = (cfg.mamba_slots && cfg.prefix_cache && cfg.role == PD_ROLE_PREFILL)
+                    ? (cfg.overlap ? 2 : 1) : 0;
+    uint32_t max_tokens = cfg.prompt_tokens_max + (cfg.role == PD_ROLE_DECODE ? cfg.new_tokens_max : 0);
+    e->pages_per_req = PD_DIV_CEIL(max_tokens, cfg.page_size) + 1;
+    uint32_t ht_cap = 16;
+    while (ht_cap < 2 * cfg.requests_max) ht_cap *= 2;
+    e->ht_mask = ht_cap - 1;
+    if (!err) {
+        e->reqs = calloc(cfg.requests_max, sizeof(req));
+        e->rid_ht = malloc(ht_cap * sizeof(uint32_t));
+        e->room_ht = malloc(ht_cap * sizeof(uint32_t));
+        e->page_store = calloc((size_t)cfg.requests_max * e->pages_per_req, sizeof(uint32_t));
+        e->scratch = calloc(e->pages_per_req, sizeof(uint32_t));
+        e->dups = calloc(e->pages_per_req, sizeof(uint32_t));
+        e->launch_items = calloc(cfg.batch_max, sizeof(pd_batch_item));
+        e->results = calloc(cfg.batch_max, sizeof(pd_item_result));
+        for (int i = 0; i < INFLIGHT_MAX; i++) e->inflight[i].items = calloc(cfg.batch_max, sizeof(bitem));
+        if (!e->reqs || !e->rid_ht || !e->room_ht || !e->page_store || !e->scratch || !e->dups ||
+            !e->launch_items || !e->results || !e->inflight[0].items || !e->inflight[1].items)
+            err = PD_ERR_NOMEM;
+    }
+    if (err) {
+        pd_engine_destroy(e);
+        return pd_errorf(msg, msg_cap, err, "engine creation failed (%s)", pd_err_name(err));
+    }
+    memset(e->rid_ht, 0xFF, ht_cap * sizeof(uint32_t));
+    memset(e->room_ht, 0xFF, ht_cap * sizeof(uint32_t));
+    for (uint32_t i = 0; i < cfg.requests_max; i++) {
+        e->reqs[i].qnext = i + 1 < cfg.requests_max ? i + 1 : NONE;
+        e->reqs[i].queue = Q_NONE;
+    }
+    e->free_head = 0;
+    for (int q = 0; q < Q__COUNT; q++) e->q[q].head = e->q[q].tail = NONE;
+    memset(cfg.meta_mem, 0, (size_t)cfg.meta_rows * sizeof(pd_meta_row));
+    *out = e;
+    return PD_OK;
+}
+
+void pd_engine_destroy(pd_engine *e) {
+    if (!e) return;
+    if (e->reqs)
+        for (uint32_t i = 0; i < e->cfg.requests_max; i++) free(e->reqs[i].prompt);
+    pd_cache_destroy(e->cache);
+    pd_ledger_destroy(e->ledger);
+    pd_pool_destroy(e->kv);
+    pd_pool_destroy(e->row);
+    pd_pool_destroy(e->mamba);
+    pd_pool_destroy(e->meta);
+    pd_pool_destroy(e->host);
+    free(e->reqs);
+    free(e->rid_ht);
+    free(e->room_ht);
+    free(e->page_store);
+    free(e->scratch);
+    free(e->dups);
+    free(e->launch_items);
+    free(e->results);
+    for (int i = 0; i < INFLIGHT_MAX; i++) free(e->inflight[i].items);
+    free(e);
+}
+
+/* ---- submit / abort / step --------------------------------------------------- */
+
+static pd_err reject(pd_engine *e, pd_reject *why, pd_err err, int status, const char *fmt, ...) {
+    e->ctr.rejected++;
+    if (why) {
+        why->status = status;
+        va_list ap;
+        va_start(ap, fmt);
+        vsnprintf(why->message, sizeof(why->message), fmt, ap);
+        va_end(ap);
+    }
+    return err;
+}
+
+pd_err pd_engine_submit(pd_engine *e, const pd_request_spec *s, uint64_t now_us, pd_reject *why) {
+    e->now = now_us;
+    if (!s) return reject(e, why, PD_ERR_INVALID, 400, "no request");
+    if (!s->rid || !s->rid[0]) return reject(e, why, PD_ERR_INVALID, 400, "rid is empty");
+    size_t rid_len = strnlen(s->rid, PD_RID_MAX);
+    if (rid_len >= PD_RID_MAX)
+        return reject(e, why, PD_ERR_INVALID, 400, "rid longer than %d bytes", PD_RID_MAX - 1);
+    for (size_t i = 0; i < rid_len; i++)
+        if ((unsigned char)s->rid[i] < 0x20 || s->rid[i] == 0x7f)
+            return reject(e, why, PD_ERR_INVALID, 400, "rid contains a control character");
+    if (s->room == 0) return reject(e, why, PD_ERR_INVALID, 400, "unknown room 0 (a bootstrap room is required)");
+    if (s->prompt_len == 0 || !s->prompt) return reject(e, why, PD_ERR_INVALID, 400, "empty prompt");
+    if (s->max_new_tokens < 1)
+        return reject(e, why, PD_ERR_INVALID, 400, "max_new_tokens must be at least 1");
+    if (s->max_new_tokens > e->cfg.new_tokens_max)
+        return reject(e, why, PD_ERR_INVALID, 400, "max_new_tokens %u above the limit %u",
+                      s->max_new_tokens, e->cfg.new_tokens_max);
+    float t = s->sampling.temperature, p = s->sampling.top_p;
+    if (!(t >= 0.0f) || isinf(t))
+        return reject(e, why, PD_ERR_INVALID, 400, "temperature must be a finite number >= 0");
+    if (!(p > 0.0f && p <= 1.0f))
+        return reject(e, why, PD_ERR_INVALID, 400, "top_p must be in (0, 1]");
+    if (s->n_stop_tokens > PD_STOP_TOKENS_MAX || (s->n_stop_tokens && !s->stop_tokens))
+        return reject(e, why, PD_ERR_INVALID, 400, "at most %d stop tokens", PD_STOP_TOKENS_MAX);
+    for (uint32_t i = 0; i < s->n_stop_tokens; i++)
+        if (s->stop_tokens[i] < 0 || (uint32_t)s->stop_tokens[i] >= e->info.vocab)
+            return reject(e, why, PD_ERR_INVALID, 400, "stop token %d outside the vocabulary", s->stop_tokens[i]);
+    for (uint32_t i = 0; i < s->prompt_len; i++)
+        if (s->prompt[i] < 0 || (uint32_t)s->prompt[i] >= e->info.vocab)
+            return reject(e, why, PD_ERR_INVALID, 400, "prompt token %d at position %u outside the vocabulary (size %u)",
+                          s->prompt[i], i, e->info.vocab);
+    uint64_t need_tokens = s->prompt_len + (e->cfg.role == PD_ROLE_DECODE ? s->max_new_tokens : 0);
+    uint64_t pool_tokens = (uint64_t)e->cfg.kv_pages * e->cfg.page_size;
+    if (s->prompt_len > e->cfg.prompt_tokens_max || need_tokens > pool_tokens)
+        return reject(e, why, PD_ERR_TOOBIG, 413,
+                      "prompt of %u tokens (+%u new) does not fit: limit %u prompt tokens, KV pool %llu tokens",
+                      s->prompt_len, e->cfg.role == PD_ROLE_DECODE ? s->max_new_tokens : 0,
+                      e->cfg.prompt_tokens_max, (unsigned long long)pool_tokens);
+    if (ht_find(e, K_RID, s->rid, 0) != NONE)
+        return reject(e, why, PD_ERR_EXISTS, 409, "rid '%s' is already live", s->rid);
+    if (ht_find(e, K_ROOM, NULL, s->room) != NONE)
+        return reject(e, why, PD_ERR_EXISTS, 409, "room %llu is already live", (unsigned long long)s->room);
+    int32_t *prompt = malloc((size_t)s->prompt_len * sizeof(int32_t));
+    if (!prompt) return reject(e, why, PD_ERR_NOMEM, 429, "out of memory for the prompt");
+    req *r = record_alloc(e);
+    if (!r) {
+        free(prompt);
+        return reject(e, why, PD_ERR_NOMEM, 429, "too many live requests (%u)", e->cfg.requests_max);
+    }
+    memcpy(r->rid, s->rid, rid_len + 1);
+    r->room = s->room;
+    memcpy(prompt, s->prompt, (size_t)s->prompt_len * sizeof(int32_t));
+    r->prompt = prompt;
+    r->prompt_len = s->prompt_len;
+    r->max_new = s->max_new_tokens;
+    r->sampling = s->sampling;
+    r->n_stop = s->n_stop_tokens;
+    if (r->n_stop) memcpy(r->stop, s->stop_tokens, r->n_stop * sizeof(int32_t));
+    r->ignore_eos = s->ignore_eos;
+    if (s->peer) snprintf(r->peer, sizeof(r->peer), "%s", s->peer);
+    r->t_submit = now_us;
+    uint32_t idx = eng_idx(e, r);
+    ht_put(e, K_RID, idx);
+    ht_put(e, K_ROOM, idx);
+    q_push(e, r, e->cfg.role == PD_ROLE_PREFILL ? Q_BOOTSTRAP : Q_PREALLOC);
+    r->t_state = now_us;
+    e->ctr.submitted++;
+    return PD_OK;
+}
+
+pd_err pd_engine_abort(pd_engine *e, const char *rid) {
+    if (!rid) return PD_ERR_NOTFOUND;
+    uint32_t idx = ht_find(e, K_RID, rid, 0);
+    if (idx == NONE) return PD_ERR_NOTFOUND;
+    req *r = &e->reqs[idx];
+    if (r->streamed) return PD_ERR_NOTFOUND; /* already ended; only draining */
+    eng_retire(e, r, PD_TERM_ABORTED, PD_FINISH_NONE, 499, "aborted by request");
+    return PD_OK;
+}
+
+uint32_t pd_engine_abort_all(pd_engine *e) {
+    uint32_t n = 0;
+    for (uint32_t i = 0; i < e->cfg.requests_max; i++) {
+        req *r = &e->reqs[i];
+        if (!r->live || r->streamed) continue;
+        eng_retire(e, r, PD_TERM_ABORTED, PD_FINISH_NONE, 499, "aborted (abort all)");
+        n++;
+    }
+    return n;
+}
+
+void pd_engine_step(pd_engine *e, uint64_t now_us) {
+    e->now = now_us;
+    if (e->cfg.role == PD_ROLE_PREFILL) prefill_step(e);
+    else decode_step(e);
+    drain_poll(e);
+}
+
+bool pd_engine_idle(const pd_engine *e) { return e->reqs_live == 0 && e->inflight_n == 0; }
+
+/* ---- checks and reports ------------------------------------------------------ */
+
+static bool describe(void *ctx, pd_owner owner, pd_owner_desc *d) {
+    pd_engine *e = ctx;
+    uint64_t lo = owner & 0xFFFFFFFFull;
+    if (lo == 0 || lo > e->cfg.requests_max) return false;
+    req *r = &e->reqs[lo - 1];
+    if (!r->live || r->gen != (uint32_t)(owner >> 32)) {
+        snprintf(d->rid, sizeof(d->rid), "(retired record #%llu)", (unsigned long long)(lo - 1));
+        snprintf(d->state, sizeof(d->state), "gone");
+        return true;
+    }
+    snprintf(d->rid, sizeof(d->rid), "%s", r->rid);
+    d->room = r->room;
+    snprintf(d->state, sizeof(d->state), "%s", r->queue < Q__COUNT ? queue_names[r->queue] : "none");
+    snprintf(d->terminal, sizeof(d->terminal), "%s", r->term ? pd_terminal_kind_name(r->term) : "");
+    return true;
+}
+
+static pd_err engine_violation(pd_strbuf *report, const char *fmt, ...) {
+    if (report) {
+        va_list ap;
+        va_start(ap, fmt);
+        pd_strbuf_append(report, "violation: ");
+        pd_strbuf_vprintf(report, fmt, ap);
+        pd_strbuf_append(report, "\n");
+        va_end(ap);
+    }
+    return PD_ERR_INTERNAL;
+}
+
+/* Every live record holds exactly the units its flags say (strict mode). */
+static pd_err check_requests(pd_engine *e, pd_strbuf *report) {
+    pd_err result = PD_OK;
+    int pools[4] = {e->kv_id, e->row_id, e->mamba_id, e->meta_id};
+    for (int k = 0; k < 4; k++) {
+        if (pools[k] < 0) continue;
+        pd_pool *p = pd_ledger_pool(e->ledger, pools[k]);
+        uint32_t total = pd_pool_total(p);
+        /* Tally per record into scratch-like counters kept on the stack of
+         * this call: requests_max is small enough to walk per pool. */
+        uint32_t *req_units = calloc(e->cfg.requests_max, sizeof(uint32_t));
+        uint32_t *q_units = calloc(e->cfg.requests_max, sizeof(uint32_t));
+        PD_ASSERT(req_units && q_units);
+        for (uint32_t u = 0; u < total; u++) {
+            pd_unit_state st = pd_ledger_state_of(e->ledger, pools[k], u);
+            pd_owner o = pd_ledger_owner_of(e->ledger, pools[k], u);
+            if (st == PD_UNIT_REQ) {
+                uint64_t lo = o & 0xFFFFFFFFull;
+                req *r = (lo && lo <= e->cfg.requests_max) ? &e->reqs[lo - 1] : NULL;
+                if (!r || !r->live || r->gen != (uint32_t)(o >> 32)) {
+                    result = engine_violation(report, "pool %s unit %u held by a request that no longer exists (owner %llu)",
+                                              pd_pool_name(p), u, (unsigned long long)o);
+                    continue;
+                }
+                req_units[lo - 1]++;
+            } else if (st == PD_UNIT_QUARANTINE) {
+                uint32_t idx = ht_find(e, K_ROOM, NULL, o);
+                if (idx == NONE || e->reqs[idx].queue != Q_DRAINING) {
+                    result = engine_violation(report, "pool %s unit %u quarantined for room %llu that nothing drains",
+                                              pd_pool_name(p), u, (unsigned long long)o);
+                    continue;
+                }
+                q_units[idx]++;
+            }
+        }
+        for (uint32_t i = 0; i < e->cfg.requests_max; i++) {
+            req *r = &e->reqs[i];
+            if (!r->live) continue;
+            uint32_t want = 0, want_q = 0;
+            uint32_t slots[3];
+            if (pools[k] == e->kv_id) {
+                want = r->holds_kv ? r->n_pages - r->own_from : 0;
+                want_q = r->q_pages ? r->n_pages - r->own_from : 0;
+            } else if (pools[k] == e->row_id) {
+                want = r->holds_row;
+            } else if (pools[k] == e->mamba_id) {
+                uint32_t n = mamba_slots_of(r, slots);
+                want = r->holds_mamba ? n : 0;
+                want_q = r->q_mamba ? n : 0;
+            } else {
+                want = r->holds_meta;
+                want_q = r->q_meta;
+            }
+            if (req_units[i] != want)
+                result = engine_violation(report, "request %s (%s) holds %u %s units, its flags say %u",
+                                          r->rid, queue_names[r->queue < Q__COUNT ? r->queue : 0],
+                                          req_units[i], pd_pool_name(p), want);
+            if (q_units[i] != want_q)
+                result = engine_violation(report, "room %llu of %s has %u %s units quarantined, its flags say %u",
+                                          (unsigned long long)r->room, r->rid, q_units[i], pd_pool_name(p), want_q);
+        }
+        free(req_units);
+        free(q_units);
+    }
+    uint64_t reserved = 0;
+    for (uint32_t i = 0; i < e->cfg.requests_max; i++)
+        if (e->reqs[i].live) reserved += e->reqs[i].reserved;
+    if (reserved != e->reserved)
+        result = engine_violation(report, "reservations: records sum to %llu, engine counts %llu",
+                                  (unsigned long long)reserved, (unsigned long long)e->reserved);
+    return result;
+}
+
+pd_err pd_engine_check(pd_engine *e, pd_strbuf *report) {
+    pd_cache_sums sums = {0};
+    if (e->cache) pd_cache_sums_get(e->cache, &sums);
+    pd_check_opts o = {
+        .cache = &sums, .expect_idle = pd_engine_idle(e), .deep = e->cfg.strict,
+        .describe = describe, .describe_ctx = e,
+    };
+    pd_err result = PD_OK;
+    if (e->cfg.strict) result = check_requests(e, report);
+    if (e->cache && e->cfg.strict) {
+        char msg[256];
+        if (pd_cache_verify(e->cache, msg, sizeof(msg)) != PD_OK)
+            result = engine_violation(report, "prefix cache: %s", msg);
+    }
+    if (result != PD_OK && report) {
+        /* Engine-level violations first, then the ledger's own view. */
+        pd_err l = pd_ledger_check(e->ledger, &o, report);
+        if (l == PD_OK) {
+            pd_strbuf_append(report, "attribution:\n");
+            pd_ledger_report(e->ledger, PD_REPORT_TEXT, describe, e, report);
+        }
+        return result;
+    }
+    return pd_ledger_check(e->ledger, &o, report);
+}
+
+void pd_engine_report(pd_engine *e, pd_report_format fmt, pd_strbuf *out) {
+    pd_ledger_report(e->ledger, fmt, describe, e, out);
+}
+
+void pd_engine_counters_get(const pd_engine *e, pd_engine_counters *out) {
+    *out = e->ctr;
+    out->queued_bootstrap = e->q[Q_BOOTSTRAP].len;
+    out->queued_waiting = e->q[Q_WAITING].len;
+    out->loading = e->q[Q_LOADING].len;
+    out->running = e->q[Q_PREFILL].len + e->q[Q_RUNNING].len;
+    out->parked = e->q[Q_PARKED].len;
+    out->transferring = e->q[Q_TRANSFER].len;
+    out->draining = e->q[Q_DRAINING].len;
+    out->prealloc = e->q[Q_PREALLOC].len;
+    out->wait_transfer = e->q[Q_WAIT_XFER].len;
+    out->forwards_in_flight = e->inflight_n;
+}
+
+pd_ledger *pd_engine_ledger(pd_engine *e) { return e->ledger; }
+const pd_engine_config *pd_engine_config_of(const pd_engine *e) { return &e->cfg; }
+
+void pd_engine_set_insert_observer(pd_engine *e, pd_insert_observer fn, void *ctx) {
+    e->obs = fn;
+    e->obs_ctx = ctx;
+}
+
+uint64_t pd_engine_request_id(const pd_engine *e, const char *rid) {
+    uint32_t idx = ht_find((pd_engine *)e, K_RID, rid, 0);
+    return idx == NONE ? 0 : e->reqs[idx].owner;
+}

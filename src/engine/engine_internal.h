@@ -1,0 +1,203 @@
+/*
+ * engine_internal.h — what engine.c (common machinery: requests, queues,
+ * the retire path, checks), prefill.c and decode.c share.
+ *
+ * A request record carries explicit ownership flags — never inferred from a
+ * pointer being NULL — and the single retire path releases exactly what the
+ * flags say, clearing each flag as it goes. The engine's own check compares
+ * the flags with the ledger after every step in strict mode.
+ */
+#ifndef PDSERVE_ENGINE_INTERNAL_H
+#define PDSERVE_ENGINE_INTERNAL_H
+
+#include "pdserve/cache.h"
+#include "pdserve/engine.h"
+
+#define NONE UINT32_MAX
+
+/* Queues: a live request is in exactly one. */
+enum {
+    Q_BOOTSTRAP = 0, /* prefill: meta row + sender opened, handshake pending */
+    Q_WAITING,       /* prefill: waiting for admission */
+    Q_LOADING,       /* prefill: admitted, host-tier load in flight */
+    Q_PREFILL,       /* prefill: admitted, chunks being computed */
+    Q_PARKED,        /* prefill: final chunk done, bootstrap still pending */
+    Q_TRANSFER,      /* prefill: final send posted */
+    Q_PREALLOC,      /* decode: waiting for memory */
+    Q_WAIT_XFER,     /* decode: destination sent, waiting for the data */
+    Q_RUNNING,       /* decode: generating */
+    Q_RETIRING,      /* retire deferred: a forward of the request is in flight */
+    Q_DRAINING,      /* retired; units quarantined until the room drains */
+    Q__COUNT,
+    Q_NONE = 255
+};
+
+typedef struct qlist {
+    uint32_t head, tail, len;
+} qlist;
+
+typedef struct req {
+    bool live;
+    uint8_t queue;
+    uint32_t gen;
+    pd_owner owner;                 /* (gen << 32) | (index + 1): never 0 */
+    uint32_t qprev, qnext;
+
+    char rid[PD_RID_MAX];
+    uint64_t room;
+    int32_t *prompt;
+    uint32_t prompt_len;
+    uint32_t max_new;
+    pd_sampling sampling;
+    int32_t stop[PD_STOP_TOKENS_MAX];
+    uint32_t n_stop;
+    bool ignore_eos;
+    char peer[PD_PEER_MAX];
+    uint64_t t_submit, t_state;
+
+    /* ---- ownership flags (DESIGN.md section 3) ---- */
+    bool holds_row;
+    bool holds_kv;         /* own pages and/or the lock on the matched prefix */
+    bool holds_lock;       /*   the lock part of holds_kv: lock_node is locked */
+    bool holds_mamba;      /* running slot + track slots */
+    bool holds_meta;
+    bool holds_host;       /* a host-tier load in flight (ticket + load id) */
+    bool holds_room;       /* transport state of the room */
+    bool pending_chunk;    /* launched chunks whose results are not processed */
+
+    uint32_t row;
+    uint32_t *pages;       /* page table: pages[i] holds positions [i*ps, (i+1)*ps) */
+    uint32_t n_pages;
+    uint32_t own_from;     /* pages[0, own_from) are the cache's, the rest REQ(owner) */
+    pd_cnode lock_node;
+    uint32_t mamba_run;
+    uint32_t mamba_track[2];
+    uint32_t track_next;   /* which track slot the next snapshot goes to */
+    uint32_t final_snap;   /* track slot holding the prompt-end snapshot, or NONE */
+    uint32_t meta_row;
+    pd_cache_ticket ticket;
+    uint64_t load_id;
+    uint32_t load_from, load_pages; /* the loading pages in pages[] */
+
+    /* ---- progress ---- */
+    uint32_t cached_tokens;  /* prefix reused from this node's cache at admission */
+    uint32_t launched;       /* tokens whose forward is launched */
+    uint32_t done;           /* tokens whose forward result is processed */
+    uint32_t sent_pages;     /* prefill: sequence pages posted to the transport */
+    uint32_t peer_cached;    /* prefill: tokens the decode node already has */
+    bool bootstrapped;
+    uint32_t attempts;       /* optimistic attempts used */
+    uint32_t forwards_in_flight;
+    bool retire_pending;
+    uint32_t reserved;       /* pages reserved for future allocation */
+    uint32_t out_len;        /* decode: tokens generated (incl. the first) */
+    int32_t last_token;
+
+    /* ---- drain state (after retire, while the room may still touch memory) ---- */
+    bool q_pages, q_mamba, q_meta, q_lock;
+
+    /* ---- terminal ---- */
+    pd_terminal_kind term;
+    pd_finish_reason finish;
+    int status;
+    char msg[128];
+    bool streamed;
+    uint32_t inserts_after_terminal;
+} req;
+
+/* One item of a batch in flight. */
+typedef struct bitem {
+    uint32_t idx, gen;
+    uint32_t start, n;
+    bool final;             /* the request's last prompt chunk (prefill) */
+    uint32_t snapshot_slot; /* track slot written at the chunk end, or NONE */
+} bitem;
+
+typedef struct batch_rec {
+    uint64_t id;
+    uint32_t n;
+    bitem *items;           /* batch_max */
+} batch_rec;
+
+#define INFLIGHT_MAX 2
+
+struct pd_engine {
+    pd_engine_config cfg;
+    pd_executor exec;
+    pd_xfer xfer;
+    pd_sink sink;
+    pd_model_info info;
+
+    pd_ledger *ledger;
+    pd_pool *kv, *row, *mamba, *meta, *host;
+    int kv_id, row_id, mamba_id, meta_id, host_id;
+    pd_cache *cache;
+    uint32_t tracks;          /* track slots per request: 0, 1 or 2 */
+
+    req *reqs;
+    uint32_t reqs_live, free_head;
+    uint32_t *rid_ht, *room_ht, ht_mask;
+    qlist q[Q__COUNT];
+    uint32_t pages_per_req;
+    uint32_t *page_store;
+    uint32_t *scratch, *dups;
+    uint64_t reserved;        /* sum of req.reserved */
+
+    batch_rec inflight[INFLIGHT_MAX];
+    uint32_t inflight_head, inflight_n;
+    uint64_t next_batch_id;
+    pd_batch_item *launch_items;
+    pd_item_result *results;
+
+    uint64_t now;
+    uint64_t next_load_id;
+    pd_engine_counters ctr;
+    pd_insert_observer obs;
+    void *obs_ctx;
+};
+
+/* ---- engine.c: shared machinery ---- */
+req *eng_req(pd_engine *e, uint32_t idx);
+uint32_t eng_idx(pd_engine *e, const req *r);
+void q_push(pd_engine *e, req *r, uint8_t queue);
+void q_remove(pd_engine *e, req *r);
+void q_move(pd_engine *e, req *r, uint8_t queue);
+
+/* The single retire path. kind is recorded if no terminal reason is yet;
+ * the first one wins. Idempotent; defers while a forward is in flight. */
+void eng_retire(pd_engine *e, req *r, pd_terminal_kind kind, pd_finish_reason finish,
+                int status, const char *msg);
+/* Releases memory without ending the request (optimistic requeue): caches the
+ * computed prefix, frees the rest; keeps the meta row and the room. */
+void eng_release_for_requeue(pd_engine *e, req *r);
+
+/* Memory helpers. */
+pd_err eng_alloc_pages(pd_engine *e, req *r, uint32_t n);       /* appends to r->pages */
+uint64_t eng_kv_available(pd_engine *e);                          /* free + evictable - reserved */
+pd_err eng_alloc_slot(pd_engine *e, int pool_id, pd_owner owner, uint32_t *out);
+void eng_cache_lock(pd_engine *e, req *r, pd_cnode node);
+/* Inserts pages[0, tokens/ps) (+ snapshot) into the cache, moves r's lock to
+ * the new node, frees duplicates. Returns the snapshot slot if the cache took
+ * it (NONE otherwise). */
+uint32_t eng_cache_insert(pd_engine *e, req *r, uint32_t tokens, uint32_t snapshot_slot);
+
+bool eng_poll_room(pd_engine *e, req *r); /* prefill/decode: timeouts + failures; false if retired */
+void eng_emit_terminal(pd_engine *e, req *r);
+
+/* Batches. */
+batch_rec *eng_batch_begin(pd_engine *e);  /* NULL when INFLIGHT_MAX are in flight */
+void eng_batch_add(pd_engine *e, batch_rec *b, req *r, const int32_t *tokens, uint32_t start,
+                   uint32_t n, bool sample, uint32_t sample_index, uint32_t snapshot_slot,
+                   bool final);
+void eng_batch_launch(pd_engine *e, batch_rec *b);
+/* Polls the oldest batch; if complete, calls fn(e, r, item, result) for every
+ * item whose request is still the same record (live, same generation), then
+ * pops it. Returns true if a batch completed. */
+bool eng_batch_poll(pd_engine *e, void (*fn)(pd_engine *, req *, const bitem *,
+                                             const pd_item_result *));
+
+/* ---- prefill.c / decode.c ---- */
+void prefill_step(pd_engine *e);
+void decode_step(pd_engine *e);
+
+#endif
