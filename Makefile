@@ -3,12 +3,15 @@
 #   make run     the project's main job on the embedded defaults
 #   make test    install missing Debian packages, build with ASan+UBSan, run ctest
 #   make bench   optimised build, then every benchmark with its figures
+#   make soak    the simulator's long swarm (SOAK_SEEDS=100000 seeds, all faults)
 #
 JOBS   ?= $(shell nproc 2>/dev/null || echo 2)
 TEST_DIR := build/test
 REL_DIR  := build/release
 
-.PHONY: all deps test build-test release run bench clean help
+SOAK_SEEDS ?= 100000
+
+.PHONY: all deps test build-test release run bench soak clean help
 
 all: release
 
@@ -38,6 +41,17 @@ run: release
 
 bench: release
 	@scripts/bench.sh $(REL_DIR)
+
+# The long swarm: SOAK_SEEDS seeds (default 100,000) with every fault, on an
+# optimised build, split across two processes.
+soak: release
+	@half=$$(( $(SOAK_SEEDS) / 2 )); \
+	echo "soak: $(SOAK_SEEDS) seeds, all faults"; \
+	$(REL_DIR)/pdserve sim --seeds 1..$$half --faults all --quiet > $(REL_DIR)/soak_a.txt 2>&1 & a=$$!; \
+	$(REL_DIR)/pdserve sim --seeds $$((half + 1))..$(SOAK_SEEDS) --faults all --quiet > $(REL_DIR)/soak_b.txt 2>&1 & b=$$!; \
+	wait $$a; ra=$$?; wait $$b; rb=$$?; \
+	tail -n 3 $(REL_DIR)/soak_a.txt $(REL_DIR)/soak_b.txt; \
+	test $$ra -eq 0 -a $$rb -eq 0
 
 clean:
 	rm -rf build

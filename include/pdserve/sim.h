@@ -51,7 +51,7 @@ typedef struct pd_sim_result {
     uint32_t violations;
     uint64_t steps;       /* ticks: one scheduler iteration on every node */
     uint64_t events;      /* scenario lines executed */
-    char config[320];     /* the configuration, as a scenario line */
+    char config[480];     /* the configuration, as a scenario line */
 } pd_sim_result;
 
 typedef struct pd_sim_options {

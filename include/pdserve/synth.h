@@ -46,6 +46,8 @@ pd_executor pd_synth_executor(pd_synth *s);
 #define PD_SYNTH_HOLD (-1)
 typedef int (*pd_synth_hold_fn)(void *ctx, uint64_t batch_id, const pd_batch_item *item);
 void pd_synth_set_hold_fn(pd_synth *s, pd_synth_hold_fn fn, void *ctx);
+/* While on, host loads launched from now on are held until it is turned off. */
+void pd_synth_hold_loads(pd_synth *s, bool on);
 /* Holds or releases a launched batch that has not run yet. */
 void pd_synth_hold(pd_synth *s, uint64_t batch_id, bool held);
 

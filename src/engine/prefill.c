@@ -283,6 +283,23 @@ static uint32_t add_chunk(pd_engine *e, batch_rec *b, req *r, uint32_t budget) {
     return n;
 }
 
+/* Admission runs ahead of the batch: a request is admitted (memory reserved,
+ * prefix locked, snapshot copied) when rows allow, and gets its first chunk
+ * when the token budget reaches it. At most batch_max admitted requests wait
+ * for their first chunk, so admission never hoards the pools. */
+static void admit_waiting(pd_engine *e) {
+    uint32_t unstarted = 0;
+    for (uint32_t idx = e->q[Q_PREFILL].head; idx != NONE; idx = eng_req(e, idx)->qnext) {
+        req *r = eng_req(e, idx);
+        unstarted += r->launched == r->cached_tokens;
+    }
+    while (unstarted < e->cfg.batch_max && e->q[Q_WAITING].head != NONE) {
+        int got = admit(e, eng_req(e, e->q[Q_WAITING].head));
+        if (got == 0) break; /* first come, first served: no overtaking */
+        unstarted += got == 1;
+    }
+}
+
 static void schedule(pd_engine *e) {
     uint32_t depth = e->cfg.overlap ? 2 : 1;
     if (e->inflight_n >= depth) return;
@@ -301,12 +318,6 @@ static void schedule(pd_engine *e) {
             continue;
         }
         budget -= add_chunk(e, b, r, budget);
-    }
-    while (budget > 0 && b->n < e->cfg.batch_max && e->q[Q_WAITING].head != NONE) {
-        req *r = eng_req(e, e->q[Q_WAITING].head);
-        int got = admit(e, r);
-        if (got == 0) break; /* first come, first served: no overtaking */
-        if (got == 1) budget -= add_chunk(e, b, r, budget);
     }
     eng_batch_launch(e, b);
 }
@@ -347,6 +358,7 @@ void prefill_step(pd_engine *e) {
     poll_bootstrap_queue(e);
     poll_rooms(e);
     poll_loads(e);
+    admit_waiting(e);
     schedule(e);
     eng_batch_poll(e, on_result);
 }

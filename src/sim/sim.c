@@ -61,13 +61,13 @@ static void cfg_format(const sim_cfg *c, char *out, size_t cap) {
     snprintf(out, cap,
              "config page_size=%u chunk=%u kv_pages=%u decode_kv_pages=%u rows=%u meta_rows=%u "
              "mamba=%s mamba_slots=%u overlap=%s optimistic=%u prefix_cache=%s host_pages=%u "
-             "batch=%u bootstrap_timeout=%u transfer_timeout=%u latency=%u exec_jitter=%u "
-             "xfer_jitter=%u jitter_seed=%llu",
+             "batch=%u requests_max=%u new_max=%u bootstrap_timeout=%u transfer_timeout=%u "
+             "latency=%u grace=%u exec_jitter=%u xfer_jitter=%u jitter_seed=%llu vocab=%u layers=%u",
              c->page_size, c->chunk, c->kv_pages, c->decode_kv_pages, c->rows, c->meta_rows,
              c->mamba ? "on" : "off", cfg_mamba_slots(c), c->overlap ? "on" : "off", c->optimistic,
-             c->prefix_cache ? "on" : "off", c->host_pages, c->batch, c->bootstrap_timeout,
-             c->transfer_timeout, c->latency, c->exec_jitter, c->xfer_jitter,
-             (unsigned long long)c->jitter_seed);
+             c->prefix_cache ? "on" : "off", c->host_pages, c->batch, c->requests_max, c->new_max,
+             c->bootstrap_timeout, c->transfer_timeout, c->latency, c->grace, c->exec_jitter,
+             c->xfer_jitter, (unsigned long long)c->jitter_seed, c->vocab, c->layers);
 }
 
 /* ---- text buffers ------------------------------------------------------------ */
@@ -407,7 +407,7 @@ static void trace_line(sim *s, const char *line) {
 
 static void report_tail(sim *s) {
     trace_flush_steps(s);
-    char cfg[320];
+    char cfg[480];
     cfg_format(&s->cfg, cfg, sizeof(cfg));
     tb_add(&s->report, "# the run as a scenario (configuration and the last lines):\n");
     tb_add(&s->report, cfg);
@@ -642,6 +642,10 @@ static pd_err cmd_outcome(sim *s, const line_args *a, bool boot, char *msg, size
 }
 
 static pd_err cmd_hold(sim *s, const line_args *a, bool hold, char *msg, size_t cap) {
+    if (a->n == 2 && !strcmp(a->w[1], "loads")) {
+        if (s->nodes[SIDE_P].alive) pd_synth_hold_loads(s->nodes[SIDE_P].sx, hold);
+        return PD_OK;
+    }
     sreq *r = need_req(s, a, msg, cap);
     if (!r) return PD_ERR_NOTFOUND;
     uint32_t k;
@@ -781,6 +785,44 @@ static pd_err cmd_expect(sim *s, const line_args *a, char *msg, size_t cap) {
         }
         return PD_OK;
     }
+    if (!strcmp(a->w[1], "counter")) {
+        /* expect counter prefill|decode NAME=N | NAME>N */
+        if (a->n < 4) return pd_errorf(msg, cap, PD_ERR_PARSE, "expect counter prefill|decode NAME=N");
+        int side = !strcmp(a->w[2], "prefill") ? SIDE_P : !strcmp(a->w[2], "decode") ? SIDE_D : -1;
+        if (side < 0 || !s->nodes[side].alive)
+            return pd_errorf(msg, cap, PD_ERR_PARSE, "expect counter: node must be a live prefill or decode");
+        pd_engine_counters c;
+        pd_engine_counters_get(s->nodes[side].eng, &c);
+        for (int i = 3; i < a->n; i++) {
+            char name[40];
+            const char *op = strpbrk(a->w[i], "=>");
+            uint32_t want;
+            if (!op || (size_t)(op - a->w[i]) >= sizeof(name) || !parse_u32(op + 1, &want))
+                return pd_errorf(msg, cap, PD_ERR_PARSE, "expect counter: NAME=N or NAME>N");
+            memcpy(name, a->w[i], (size_t)(op - a->w[i]));
+            name[op - a->w[i]] = 0;
+            uint64_t v;
+            if (!strcmp(name, "requeued")) v = c.requeued;
+            else if (!strcmp(name, "xfer_abort_errors")) v = c.xfer_abort_errors;
+            else if (!strcmp(name, "retire_deferred")) v = c.retire_deferred;
+            else if (!strcmp(name, "late_results_ignored")) v = c.late_results_ignored;
+            else if (!strcmp(name, "rejected")) v = c.rejected;
+            else if (!strcmp(name, "finished")) v = c.finished;
+            else if (!strcmp(name, "aborted")) v = c.aborted;
+            else if (!strcmp(name, "failed")) v = c.failed;
+            else if (!strcmp(name, "draining")) v = c.draining;
+            else if (!strcmp(name, "loading")) v = c.loading;
+            else if (!strcmp(name, "cached_tokens")) v = c.cached_tokens;
+            else if (!strcmp(name, "transferring")) v = c.transferring;
+            else if (!strcmp(name, "parked")) v = c.parked;
+            else return pd_errorf(msg, cap, PD_ERR_PARSE, "expect counter: unknown counter '%s'", name);
+            bool ok = *op == '=' ? v == want : v > want;
+            if (!ok)
+                return pd_errorf(msg, cap, PD_ERR_STATE, "expect counter %s %s: it is %llu", a->w[2], a->w[i],
+                                 (unsigned long long)v);
+        }
+        return PD_OK;
+    }
     sreq *r = need_req(s, a, msg, cap);
     if (!r) return PD_ERR_NOTFOUND;
     const char *node_s = arg(a, "node");
@@ -793,7 +835,17 @@ static pd_err cmd_expect(sim *s, const line_args *a, char *msg, size_t cap) {
     for (int i = 2; i < a->n; i++) {
         const char *w = a->w[i];
         if (!strncmp(w, "node=", 5)) continue;
-        if (!strcmp(w, "uncached")) {
+        if (!strcmp(w, "live") || !strcmp(w, "gone")) {
+            /* Still a record on the node (retire pending or draining), or not. */
+            for (int side = 0; side < 2; side++) {
+                if (which >= 0 && side != which) continue;
+                if (!s->nodes[side].alive) continue;
+                bool live = pd_engine_request_id(s->nodes[side].eng, r->rid) != 0;
+                if (live != !strcmp(w, "live"))
+                    return pd_errorf(msg, cap, PD_ERR_STATE, "expect %s %s: it is %s on %s", r->rid, w,
+                                     live ? "live" : "gone", side_name(side));
+            }
+        } else if (!strcmp(w, "uncached")) {
             if (r->cached_after_term)
                 return pd_errorf(msg, cap, PD_ERR_STATE, "expect %s uncached: it was inserted after its terminal reason", r->rid);
         } else if (!strncmp(w, "terminal=", 9)) {
@@ -866,7 +918,7 @@ static pd_err exec_line(sim *s, const char *text, char *msg, size_t cap) {
     if (!strcmp(c, "config")) {
         pd_err err = cmd_config(s, &a, msg, cap);
         if (!err) {
-            char cfgline[320];
+            char cfgline[480];
             cfg_format(&s->cfg, cfgline, sizeof(cfgline));
             (void)cfgline;
         }
@@ -1218,7 +1270,7 @@ pd_err pd_sim_random(const pd_sim_options *o, pd_sim_result *res, pd_strbuf *rep
     char msg[512] = "";
     pd_err err = PD_OK;
     if (o->config) err = exec_line(&s, o->config, msg, sizeof(msg));
-    char cfgline[320];
+    char cfgline[480];
     cfg_format(&s.cfg, cfgline, sizeof(cfgline));
     if (!err) {
         char head[64];
@@ -1374,7 +1426,7 @@ static pd_err explore_one(const uint32_t *prefix, uint32_t n_prefix, uint32_t *c
     static const char *const setup[] = {
         "config page_size=4 chunk=4 kv_pages=48 rows=4 mamba=on overlap=on optimistic=0 "
         "prefix_cache=on batch=2 timeout=40 latency=1",
-        "submit r1 len=12 max_new=2", "submit r2 len=12 max_new=2",
+        "submit r1 len=10 max_new=2", "submit r2 len=10 max_new=2", /* chunks 4+4+2 and 2+4+4 */
         "bootstrap r1 hold", "bootstrap r2 hold", "xfer r1 hang", "xfer r2 hang",
     };
     s.hold_all_prefill = true;

@@ -51,6 +51,7 @@ struct pd_synth {
     pd_synth_hold_fn hold_fn;
     void *hold_ctx;
     uint64_t now;
+    bool hold_loads;
 };
 
 static inline uint64_t mix(uint64_t a, uint64_t b) {
@@ -240,6 +241,7 @@ static pd_err sx_load_begin(void *self, uint64_t id, const uint32_t *dev, const 
     if (!o) return PD_ERR_NOMEM;
     o->id = id;
     o->n = n;
+    o->held = s->hold_loads;
     free(o->dev);
     free(o->host);
     o->dev = malloc((n + 1) * sizeof(uint32_t));
@@ -307,6 +309,13 @@ void pd_synth_set_hold_fn(pd_synth *s, pd_synth_hold_fn fn, void *ctx) {
 }
 
 void pd_synth_set_now(pd_synth *s, uint64_t now) { s->now = now; }
+
+void pd_synth_hold_loads(pd_synth *s, bool on) {
+    s->hold_loads = on;
+    if (on) return;
+    for (uint32_t i = 0; i < OPS_MAX; i++)
+        if (s->ops[i].state == ST_QUEUED && s->ops[i].kind == SO_LOAD) s->ops[i].held = false;
+}
 
 void pd_synth_hold(pd_synth *s, uint64_t batch_id, bool held) {
     sop *o = find_op(s, SO_BATCH, batch_id);

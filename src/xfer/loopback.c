@@ -66,11 +66,13 @@ typedef struct room {
     uint32_t *dest_pages;
     pd_lb_outcome boot, xfer;
     uint32_t pending_data, pending_all;
+    uint32_t inc[2];         /* each side's incarnation when it opened the room */
     uint64_t last_data_due;  /* writes and the completion notice keep their order */
 } room;
 
 typedef struct side_mem {
     bool alive;
+    uint32_t inc;            /* incarnation: bumped when the side dies */
     pd_exec_memory mem;
     pd_meta_row *meta;
     uint32_t meta_rows;
@@ -289,6 +291,15 @@ static bool outcome_holds(const room *rm, op_kind k) {
  * room whose teardown never completes would quarantine memory forever. */
 static uint64_t retry_delay(const pd_loopback *lb) { return 4 * lb->cfg.latency + lb->cfg.dead_grace; }
 
+/* Both sides are the processes that opened the room, alive. */
+static bool same_incarnation(const pd_loopback *lb, const room *rm) {
+    for (int side = 0; side < 2; side++)
+        if (!lb->sides[side].alive || !rm->open[side] || rm->closed[side] ||
+            rm->inc[side] != lb->sides[side].inc)
+            return false;
+    return true;
+}
+
 static void run_op(pd_loopback *lb, op *p) {
     room *rm = &lb->rooms[p->room_idx];
     side_mem *S = &lb->sides[PD_LB_PREFILL], *R = &lb->sides[PD_LB_DECODE];
@@ -311,7 +322,13 @@ static void run_op(pd_loopback *lb, op *p) {
             fail_room(lb, p->room_idx);
             break;
         }
-        if (!S->alive || !R->alive || !rm->open[PD_LB_DECODE]) break;
+        if (!same_incarnation(lb, rm)) {
+            /* One side died (and maybe came back as a new process whose
+             * memory these writes must never touch): the write fails, as
+             * with a dead peer's endpoint. */
+            fail_room(lb, p->room_idx);
+            break;
+        }
         if (rm->st[PD_LB_DECODE] == PD_XFER_WAITING_FOR_INPUT)
             set_status(rm, PD_LB_DECODE, PD_XFER_TRANSFERRING);
         if (p->kind == OP_PAGES) {
@@ -331,7 +348,7 @@ static void run_op(pd_loopback *lb, op *p) {
         }
         break;
     case OP_DONE:
-        if (rm->xfer == PD_LB_FAIL) {
+        if (rm->xfer == PD_LB_FAIL || !same_incarnation(lb, rm)) {
             fail_room(lb, p->room_idx);
             break;
         }
@@ -425,6 +442,7 @@ static pd_err ep_sender_open(void *self, uint64_t room_id) {
     room *rm = &lb->rooms[r];
     if (rm->open[PD_LB_PREFILL]) return PD_ERR_EXISTS;
     rm->open[PD_LB_PREFILL] = true;
+    rm->inc[PD_LB_PREFILL] = lb->sides[PD_LB_PREFILL].inc;
     if (rm->st[PD_LB_PREFILL] == PD_XFER_NONE)
         rm->st[PD_LB_PREFILL] = rm->dest_known ? PD_XFER_WAITING_FOR_INPUT : PD_XFER_BOOTSTRAPPING;
     return PD_OK;
@@ -528,6 +546,7 @@ static pd_err ep_receiver_open(void *self, uint64_t room_id, const char *peer, c
     rm->mamba_slot = dest->mamba_slot;
     rm->meta_row = dest->meta_row;
     rm->open[PD_LB_DECODE] = true;
+    rm->inc[PD_LB_DECODE] = lb->sides[PD_LB_DECODE].inc;
     if (rm->st[PD_LB_DECODE] == PD_XFER_NONE) rm->st[PD_LB_DECODE] = PD_XFER_BOOTSTRAPPING;
     if (!op_post(lb, r, OP_DEST, lb->cfg.latency)) return PD_ERR_NOMEM;
     return PD_OK;
@@ -549,6 +568,12 @@ static pd_err ep_abort(void *self, uint64_t room_id) {
     bool error = lb->sides[ep->side].abort_error;
     if (ep->side == PD_LB_PREFILL) {
         if (rm->s_done || rm->s_aborting) return error ? PD_ERR_IO : PD_OK;
+        if (rm->pending_data == 0) {
+            /* Nothing posted is still running: the abort takes effect now. */
+            rm->s_done = true;
+            if (!op_post(lb, r, OP_R_NOTICE, error ? retry_delay(lb) : lb->cfg.latency)) return PD_ERR_NOMEM;
+            return error ? PD_ERR_IO : PD_OK;
+        }
         /* Writes already posted may still run until the abort takes effect. */
         rm->s_aborting = true;
         op *p = op_post(lb, r, OP_S_ABORT, lb->cfg.latency);
@@ -677,6 +702,7 @@ void pd_loopback_set_abort_error(pd_loopback *lb, pd_lb_side side, bool on) {
 
 void pd_loopback_kill(pd_loopback *lb, pd_lb_side side) {
     lb->sides[side].alive = false;
+    lb->sides[side].inc++;
     lb->sides[side].abort_error = false;
     pd_lb_side peer = side == PD_LB_PREFILL ? PD_LB_DECODE : PD_LB_PREFILL;
     for (uint32_t r = 0; r < lb->cfg.rooms_max; r++) {

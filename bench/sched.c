@@ -1,0 +1,237 @@
+/*
+ * bench/sched — scheduler overhead: the cost of one engine step, with an
+ * executor that costs nothing (results are ready at once, no arithmetic) and
+ * the loopback transport, at a fixed number of live requests (closed loop: a
+ * request that ends is replaced at once).
+ *
+ *   sched [--live N[,N...]] [--steps N] [--runs R] [--strict]
+ *
+ * For each live count it reports the median and p99 microseconds per step of
+ * the prefill node and of the decode node, and end-to-end requests/s. The
+ * counting ledger is the production setting; --strict measures the per-unit
+ * owner map that tests and the simulator use, for comparison.
+ */
+#include <stdio.h>
+#include <string.h>
+
+#include "bench_util.h"
+#include "pdserve/engine.h"
+#include "pdserve/loopback.h"
+
+/* ---- a zero-cost executor ---------------------------------------------------- */
+
+typedef struct zexec {
+    uint64_t ids[4];
+    uint32_t n[4];
+    uint64_t reqs[4][256];
+    uint32_t head, count;
+    uint64_t *kv, *mamba;
+    uint32_t kv_pages, mamba_slots, page_size;
+} zexec;
+
+static pd_err z_launch(void *self, const pd_batch *b) {
+    zexec *z = self;
+    if (z->count == 4 || b->n_items > 256) return PD_ERR_NOMEM;
+    uint32_t slot = (z->head + z->count) % 4;
+    z->ids[slot] = b->id;
+    z->n[slot] = b->n_items;
+    for (uint32_t i = 0; i < b->n_items; i++) z->reqs[slot][i] = b->items[i].req;
+    z->count++;
+    return PD_OK;
+}
+
+static bool z_poll(void *self, uint64_t id, pd_item_result *res) {
+    zexec *z = self;
+    PD_ASSERT(z->count > 0 && z->ids[z->head] == id);
+    for (uint32_t i = 0; i < z->n[z->head]; i++)
+        res[i] = (pd_item_result){.req = z->reqs[z->head][i], .token = 7, .logprob = -0.5f};
+    z->head = (z->head + 1) % 4;
+    z->count--;
+    return true;
+}
+
+static pd_err z_copy(void *self, uint32_t d, uint32_t s) {
+    (void)self, (void)d, (void)s;
+    return PD_OK;
+}
+static void z_wb(void *self, const uint32_t *d, const uint32_t *h, uint32_t n) { (void)self, (void)d, (void)h, (void)n; }
+static pd_err z_lb(void *self, uint64_t id, const uint32_t *d, const uint32_t *h, uint32_t n) {
+    (void)self, (void)id, (void)d, (void)h, (void)n;
+    return PD_OK;
+}
+static bool z_lp(void *self, uint64_t id) { (void)self, (void)id; return true; }
+static void z_lc(void *self, uint64_t id) { (void)self, (void)id; }
+static void z_mem(void *self, pd_exec_memory *m) {
+    zexec *z = self;
+    *m = (pd_exec_memory){.kv = z->kv, .kv_page_bytes = 8, .kv_pages = z->kv_pages,
+                          .mamba = z->mamba, .mamba_slot_bytes = 8, .mamba_slots = z->mamba_slots};
+}
+static void z_info(void *self, pd_model_info *i) {
+    zexec *z = self;
+    *i = (pd_model_info){.vocab = 32000, .eos_token = -1, .page_size = z->page_size,
+                         .has_mamba = z->mamba_slots > 0};
+}
+
+static const pd_executor_vtable zvt = {z_launch, z_poll, z_copy, z_wb, z_lb, z_lp, z_lc, z_mem, z_info};
+
+/* ---- a sink that counts -------------------------------------------------------- */
+
+typedef struct counter {
+    uint64_t ended;
+} counter;
+
+static void c_token(void *self, const char *rid, uint64_t room, int32_t t, float lp, uint32_t i) {
+    (void)self, (void)rid, (void)room, (void)t, (void)lp, (void)i;
+}
+static void c_term(void *self, const pd_terminal_event *ev) {
+    (void)ev;
+    ((counter *)self)->ended++;
+}
+static const pd_sink_vtable cvt = {c_token, c_term};
+
+/* ---- the benchmark ------------------------------------------------------------- */
+
+typedef struct figures {
+    double p_med, p_p99, d_med, d_p99, req_s;
+} figures;
+
+static figures run(uint32_t live, uint32_t steps, bool strict, uint64_t seed) {
+    const uint32_t ps = 16, prompt_max = 512, new_max = 32;
+    uint32_t pages = live * ((prompt_max + new_max) / ps + 2) + 64;
+    zexec zx[2];
+    pd_meta_row *meta[2];
+    counter cnt[2] = {{0}, {0}};
+    pd_loopback *lb;
+    pd_loopback_config lc = {.latency = 1, .dead_grace = 10, .rooms_max = live * 4 + 64, .page_size = ps};
+    PD_MUST(pd_loopback_create(&lb, &lc));
+    pd_engine *eng[2];
+    for (int side = 0; side < 2; side++) {
+        zx[side] = (zexec){.kv_pages = pages, .mamba_slots = live * 4 + 8, .page_size = ps};
+        zx[side].kv = calloc(pages, 8);
+        zx[side].mamba = calloc(zx[side].mamba_slots, 8);
+        meta[side] = calloc(live * 2 + 8, sizeof(pd_meta_row));
+        pd_engine_config c;
+        pd_engine_config_default(&c, side == 0 ? PD_ROLE_PREFILL : PD_ROLE_DECODE);
+        c.page_size = ps;
+        c.kv_pages = pages;
+        c.rows = live + 8;
+        c.mamba_slots = zx[side].mamba_slots;
+        c.meta_rows = live * 2 + 8;
+        c.requests_max = live * 2 + 16;
+        c.chunk_tokens = 2048;
+        c.batch_max = 256;
+        c.prompt_tokens_max = prompt_max;
+        c.new_tokens_max = new_max;
+        c.strict = strict;
+        c.meta_mem = meta[side];
+        char msg[256];
+        pd_executor ex = {.vt = &zvt, .self = &zx[side]};
+        pd_sink sk = {.vt = &cvt, .self = &cnt[side]};
+        pd_err err = pd_engine_create(&eng[side], &c, ex, pd_loopback_endpoint(lb, side == 0 ? PD_LB_PREFILL : PD_LB_DECODE), sk, msg, sizeof(msg));
+        PD_ASSERTF(err == PD_OK, "%s", msg);
+        pd_exec_memory m;
+        z_mem(&zx[side], &m);
+        pd_loopback_register(lb, side == 0 ? PD_LB_PREFILL : PD_LB_DECODE, &m, meta[side], c.meta_rows);
+    }
+    pd_rng rng;
+    pd_rng_seed(&rng, seed);
+    int32_t *prompt = malloc(prompt_max * sizeof(int32_t));
+    /* A handful of shared system prompts so the caches do real work. */
+    int32_t sys_prompts[4][256];
+    for (int k = 0; k < 4; k++)
+        for (int i = 0; i < 256; i++) sys_prompts[k][i] = (int32_t)pd_rng_below(&rng, 32000);
+    uint64_t submitted = 0, room = 1;
+    double *tp = malloc(steps * sizeof(double)), *td = malloc(steps * sizeof(double));
+    uint64_t t_start = bench_now_ns();
+    for (uint32_t step = 0; step < steps; step++) {
+        uint64_t now = step + 1;
+        while (submitted - cnt[1].ended < live) {
+            uint32_t len = (uint32_t)pd_rng_range(&rng, 64, prompt_max);
+            uint32_t shared = (uint32_t)PD_MIN(len - 1, 256u);
+            memcpy(prompt, sys_prompts[pd_rng_below(&rng, 4)], shared * sizeof(int32_t));
+            for (uint32_t i = shared; i < len; i++) prompt[i] = (int32_t)pd_rng_below(&rng, 32000);
+            char rid[32];
+            snprintf(rid, sizeof(rid), "q%llu", (unsigned long long)submitted);
+            pd_request_spec s = {.rid = rid, .room = room++, .prompt = prompt, .prompt_len = len,
+                                 .max_new_tokens = (uint32_t)pd_rng_range(&rng, 4, new_max),
+                                 .sampling = {.top_p = 1.0f}};
+            PD_MUST(pd_engine_submit(eng[0], &s, now, NULL));
+            PD_MUST(pd_engine_submit(eng[1], &s, now, NULL));
+            submitted++;
+        }
+        pd_loopback_advance(lb, now);
+        uint64_t t0 = bench_now_ns();
+        pd_engine_step(eng[0], now);
+        uint64_t t1 = bench_now_ns();
+        pd_engine_step(eng[1], now);
+        uint64_t t2 = bench_now_ns();
+        tp[step] = (double)(t1 - t0) / 1e3;
+        td[step] = (double)(t2 - t1) / 1e3;
+    }
+    double secs = (double)(bench_now_ns() - t_start) / 1e9;
+    figures f = {
+        .p_med = bench_median(tp, steps), .d_med = bench_median(td, steps),
+        .p_p99 = bench_percentile(tp, steps, 99), .d_p99 = bench_percentile(td, steps, 99),
+        .req_s = (double)cnt[1].ended / secs,
+    };
+    for (int side = 0; side < 2; side++) {
+        pd_engine_destroy(eng[side]);
+        free(zx[side].kv);
+        free(zx[side].mamba);
+        free(meta[side]);
+    }
+    pd_loopback_destroy(lb);
+    free(prompt);
+    free(tp);
+    free(td);
+    return f;
+}
+
+int main(int argc, char **argv) {
+    uint32_t lives[8] = {64, 256, 1024}, n_lives = 3, steps = 2000;
+    int runs = 3;
+    bool strict = false;
+    for (int i = 1; i < argc; i++) {
+        if (!strcmp(argv[i], "--live") && i + 1 < argc) {
+            n_lives = 0;
+            for (char *t = strtok(argv[++i], ","); t && n_lives < 8; t = strtok(NULL, ","))
+                lives[n_lives++] = (uint32_t)strtoul(t, NULL, 0);
+        } else if (!strcmp(argv[i], "--steps") && i + 1 < argc) {
+            steps = (uint32_t)strtoul(argv[++i], NULL, 0);
+        } else if (!strcmp(argv[i], "--runs") && i + 1 < argc) {
+            runs = atoi(argv[++i]);
+        } else if (!strcmp(argv[i], "--strict")) {
+            strict = true;
+        } else {
+            fprintf(stderr, "usage: sched [--live N[,N...]] [--steps N] [--runs R] [--strict]\n"
+                            "  Scheduler step cost with a zero-cost executor at N live requests\n"
+                            "  (default 64,256,1024), median of R runs (default 3).\n");
+            return strcmp(argv[i], "--help") ? 2 : 0;
+        }
+    }
+    if (runs < 1 || steps < 10 || n_lives == 0) {
+        fprintf(stderr, "sched: runs >= 1, steps >= 10, at least one live count\n");
+        return 2;
+    }
+    printf("zero-cost executor, loopback transport, page 16, prompts 64..512 (shared system prompts), "
+           "%u steps per run, %s ledger, median of %d runs\n",
+           steps, strict ? "strict" : "counting", runs);
+    double *v[5];
+    for (int k = 0; k < 5; k++) v[k] = malloc(sizeof(double) * (size_t)runs);
+    for (uint32_t li = 0; li < n_lives; li++) {
+        for (int r = 0; r < runs; r++) {
+            figures f = run(lives[li], steps, strict, 42 + (uint64_t)r);
+            v[0][r] = f.p_med;
+            v[1][r] = f.p_p99;
+            v[2][r] = f.d_med;
+            v[3][r] = f.d_p99;
+            v[4][r] = f.req_s;
+        }
+        printf("live %4u: prefill step median %.2f us p99 %.2f us | decode step median %.2f us p99 %.2f us | %.0f requests/s\n",
+               lives[li], bench_median(v[0], (size_t)runs), bench_median(v[1], (size_t)runs),
+               bench_median(v[2], (size_t)runs), bench_median(v[3], (size_t)runs),
+               bench_median(v[4], (size_t)runs));
+    }
+    for (int k = 0; k < 5; k++) free(v[k]);
+    return 0;
+}
