@@ -38,3 +38,9 @@ run_radix "multi-turn, hybrid (Mamba snapshots), page 16" --trace "$traces/multi
   --page-size 16 --pages 65536 --hybrid --mamba-slots 512
 run_radix "multi-turn, small device pool + host tier" --trace "$traces/multiturn.txt" \
   --page-size 16 --pages 4096 --host-pages 32768
+echo "== sched: scheduler step cost, zero-cost executor =="
+if [ $quick -eq 1 ]; then "$bench/sched" --steps 1000 --runs 3; else "$bench/sched" --steps 4000 --runs 5; fi
+echo
+echo "== simulator: a random run and a small swarm (all faults) =="
+"$build/pdserve" sim --seed 1
+"$build/pdserve" sim --seeds 1..200 --quiet
