@@ -1,0 +1,52 @@
+/*
+ * Numeric kernels of the model: dot products, matrix products, RMSNorm and
+ * the scalar activations, each with one fixed order of floating-point
+ * operations.
+ *
+ * Why the order is fixed. Floating-point addition is not associative, so a
+ * sum's bits depend on the order of its terms. Every reduction here splits
+ * its terms into PD_DOT_LANES interleaved partial sums (term i goes to lane
+ * i mod 16, in increasing i) and then adds the lanes in one fixed tree. That
+ * order depends only on the length of the vectors, never on how many rows
+ * are computed together, which thread computes them, or the batch or chunk
+ * the row came in; so a token's activations are the same bits however it was
+ * scheduled. Sixteen lanes also let the compiler keep the partial sums in
+ * vector registers (a legal transformation: each lane is an ordinary
+ * sequential sum), which is most of the speed of the matrix product.
+ */
+#ifndef PDSERVE_MODEL_KERNELS_H
+#define PDSERVE_MODEL_KERNELS_H
+
+#include "pdserve/base.h"
+#include "threads.h"
+
+#define PD_DOT_LANES 16
+
+/* How a step may be split across threads: work under min_flops stays on
+ * the calling thread. */
+typedef struct pd_par {
+    pd_threads *tp;
+    uint64_t min_flops;
+} pd_par;
+
+/* Runs fn over [0, units): on the pool when flops >= par->min_flops and the
+ * pool has more than one thread, else directly on the caller. */
+void pd_par_run(const pd_par *par, uint32_t units, uint64_t flops, pd_task_fn fn, void *ctx);
+
+/* sum_i a[i] * b[i] in the fixed lane order. */
+float pd_dot(const float *a, const float *b, uint32_t n);
+
+/* out[t][o] = pd_dot(w[o], x[t]) for rows t < rows and outputs o < n_out:
+ * x is [rows][n_in], w is [n_out][n_in] (the PyTorch Linear layout), out is
+ * [rows][n_out]. Split across threads by output o. */
+void pd_matmul(const pd_par *par, float *out, const float *x, const float *w, uint32_t rows,
+               uint32_t n_in, uint32_t n_out);
+
+/* out = x / sqrt(mean(x^2) + eps) * w, mean(x^2) = pd_dot(x, x) / n. */
+void pd_rmsnorm(float *out, const float *x, const float *w, uint32_t n, float eps);
+
+float pd_silu(float x);
+/* log(1 + exp(x)), and x itself above 20 as PyTorch does. */
+float pd_softplus(float x);
+
+#endif
