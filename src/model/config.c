@@ -7,6 +7,7 @@
  * file is input from outside, and a hostile one must get a message, not an
  * overflow or a 100 GB malloc.
  */
+#include <errno.h>
 #include <jansson.h>
 #include <math.h>
 #include <stdio.h>
@@ -251,7 +252,7 @@ pd_err pd_model_config_read(pd_model_config *cfg, const char *path, char *msg, s
     cfg->bos_token = -1;
     cfg->eos_token = -1;
     FILE *f = fopen(path, "rb");
-    if (!f) return pd_errorf(msg, cap, PD_ERR_IO, "%s: cannot open", path);
+    if (!f) return pd_errorf(msg, cap, PD_ERR_IO, "%s: cannot open: %s", path, strerror(errno));
     char buf[1 << 16];
     size_t len = fread(buf, 1, sizeof(buf), f);
     bool more = fgetc(f) != EOF;
