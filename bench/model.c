@@ -189,7 +189,7 @@ int main(int argc, char **argv) {
     snprintf(o.configs, sizeof(o.configs), "tiny,small");
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
-        uint32_t n;
+        uint32_t n = 0;
         bool ok = true;
         if (!strcmp(a, "--quick")) {
             o.runs = 3;
@@ -199,7 +199,10 @@ int main(int argc, char **argv) {
             continue;
         }
         if (!v) ok = false;
-        else if (!strcmp(a, "--runs")) ok = parse_u32(v, &n) && (o.runs = (int)n);
+        else if (!strcmp(a, "--runs")) {
+            ok = parse_u32(v, &n);
+            o.runs = (int)n;
+        }
         else if (!strcmp(a, "--max-threads")) ok = parse_u32(v, &o.max_threads) && o.max_threads <= PD_MODEL_THREADS_MAX;
         else if (!strcmp(a, "--prompt-len")) ok = parse_u32(v, &o.prompt_len);
         else if (!strcmp(a, "--decode-steps")) ok = parse_u32(v, &o.decode_steps);

@@ -38,3 +38,10 @@ run_radix "multi-turn, hybrid (Mamba snapshots), page 16" --trace "$traces/multi
   --page-size 16 --pages 65536 --hybrid --mamba-slots 512
 run_radix "multi-turn, small device pool + host tier" --trace "$traces/multiturn.txt" \
   --page-size 16 --pages 4096 --host-pages 32768
+
+echo "== model: tiny hybrid attention + Mamba2 forward pass on the CPU =="
+if [ $quick -eq 1 ]; then
+  "$bench/model" --quick
+else
+  "$bench/model" --runs $runs
+fi

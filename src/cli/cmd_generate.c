@@ -246,7 +246,7 @@ static pd_err run(const gen_opts *o, const pd_model *m, const int32_t *prompt, u
     return err;
 }
 
-static void print_json(const gen_opts *o, const gen_result *res, uint32_t n_prompt, const char *text) {
+static void print_json(const gen_result *res, uint32_t n_prompt, const char *text) {
     json_t *ids = json_array(), *lps = json_array();
     for (uint32_t i = 0; i < res->n; i++) {
         json_array_append_new(ids, json_integer(res->ids[i]));
@@ -261,7 +261,6 @@ static void print_json(const gen_opts *o, const gen_result *res, uint32_t n_prom
                              "prompt_tokens", (json_int_t)n_prompt, "completion_tokens", (json_int_t)res->n,
                              "finish_reason", res->stopped ? "stop" : "length", "output_logprobs", lps,
                              "timing", timing);
-    (void)o;
     char *s = json_dumps(root, JSON_COMPACT | JSON_PRESERVE_ORDER | JSON_REAL_PRECISION(7));
     if (s) printf("%s\n", s);
     free(s);
@@ -321,7 +320,7 @@ int pd_cmd_generate(int argc, char **argv) {
         goto out;
     }
     pd_utf8_sanitize(raw, raw_len, text, text_len + 1);
-    if (o.json) print_json(&o, &res, (uint32_t)n_prompt, text);
+    if (o.json) print_json(&res, (uint32_t)n_prompt, text);
     else printf("%s\n", text);
     rc = 0;
 out:

@@ -28,6 +28,7 @@
 #include "model_internal.h"
 
 float *pd_kv_at(float *kv, const pd_attn_dims *d, uint32_t page, uint32_t slot, int which) {
+    PD_ASSERT(page < d->kv_pages && slot < d->page_size);
     size_t block = ((size_t)d->layer * 2 + (size_t)which) * d->page_size + slot;
     return kv + (size_t)page * d->page_floats + block * d->kv_dim;
 }
@@ -114,6 +115,7 @@ uint64_t pd_attention_forward(const pd_par *par, const pd_attn_dims *d, const pd
         for (uint32_t h = 0; h < d->kv_heads; h++) rope(s->k + (size_t)t * d->kv_dim + (size_t)h * D, c, sn, D);
         uint32_t pos = r->pos[t];
         uint32_t page = r->pages[t][pos / d->page_size], slot = pos % d->page_size;
+        PD_ASSERT(page < d->kv_pages); /* page tables are checked at launch */
         memcpy(pd_kv_at(kv, d, page, slot, 0), s->k + (size_t)t * d->kv_dim, sizeof(float) * d->kv_dim);
         memcpy(pd_kv_at(kv, d, page, slot, 1), s->v + (size_t)t * d->kv_dim, sizeof(float) * d->kv_dim);
         context += pos + 1;

@@ -77,9 +77,11 @@ static void run_pass(pd_runner *r, const pd_batch_item *items, pd_item_result *r
     const pd_model *m = r->model;
     const pd_model_config *c = &m->cfg;
     const uint32_t half = c->attn_head_dim / 2;
+    PD_ASSERT(r->rows > 0 && r->rows <= PD_RUNNER_ROWS);
 
     /* embeddings, and each row's rotary angles */
     for (uint32_t t = 0; t < r->rows; t++) {
+        PD_ASSERT(r->row_token[t] >= 0 && (uint32_t)r->row_token[t] < c->vocab); /* checked at launch */
         memcpy(r->x + (size_t)t * c->dim, m->embed + (size_t)r->row_token[t] * c->dim,
                sizeof(float) * c->dim);
         if (m->shape.n_attn)
@@ -122,7 +124,8 @@ static void run_pass(pd_runner *r, const pd_batch_item *items, pd_item_result *r
 void pd_runner_run(pd_runner *r, const pd_batch_item *items, uint32_t n_items,
                    pd_item_result *results, float *logits) {
     const bool has_mamba = r->model->shape.n_mamba > 0;
-    PD_ASSERT(r->rows == 0);
+    PD_ASSERT(r->rows == 0 && n_items <= PD_MODEL_BATCH_ITEMS_MAX);
+    PD_ASSERT(results != NULL || n_items == 0);
     for (uint32_t i = 0; i < n_items; i++) {
         const pd_batch_item *it = &items[i];
         results[i].req = it->req;
@@ -143,6 +146,7 @@ void pd_runner_run(pd_runner *r, const pd_batch_item *items, uint32_t n_items,
         }
     }
     if (r->rows > 0) run_pass(r, items, results, logits);
+    PD_ASSERT(r->rows == 0);
 }
 
 /* ---- the batch check ---------------------------------------------------------------- */
@@ -258,7 +262,7 @@ pd_err pd_runner_create(pd_runner **out, const pd_model *model, uint32_t page_si
     r->mamba_layer_floats = s->n_mamba ? pd_mamba2_state_floats(&r->mamba_dims) : 0;
     r->attn_dims = (pd_attn_dims){
         .dim = c->dim, .heads = c->attn_heads, .kv_heads = c->attn_kv_heads, .head_dim = c->attn_head_dim,
-        .q_dim = s->q_dim, .kv_dim = s->kv_dim, .page_size = page_size, .n_attn = s->n_attn,
+        .q_dim = s->q_dim, .kv_dim = s->kv_dim, .page_size = page_size, .kv_pages = r->kv_pages, .n_attn = s->n_attn,
         .layer = 0, .page_floats = r->kv_page_bytes / sizeof(float)};
     PD_ASSERT(r->mamba_slot_bytes == s->n_mamba * r->mamba_layer_floats * sizeof(float));
 

@@ -118,6 +118,7 @@ typedef struct pd_attn_dims {
     uint32_t dim, heads, kv_heads, head_dim;
     uint32_t q_dim, kv_dim;
     uint32_t page_size;
+    uint32_t kv_pages;          /* pages in the pool */
     uint32_t n_attn;            /* attention layers in a page */
     uint32_t layer;             /* this layer's index among them */
     size_t page_floats;         /* floats per KV page */

@@ -15,7 +15,6 @@
  * model's belief, independent of the sampling settings.
  */
 #include <math.h>
-#include <stdlib.h>
 #include <string.h>
 
 #include "model_internal.h"
@@ -27,9 +26,30 @@ static uint32_t argmax_first(const float *v, uint32_t n) {
     return best;
 }
 
-static int cmp_u64(const void *a, const void *b) {
-    uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
-    return (x > y) - (x < y);
+/* In-place heapsort, ascending. (Not qsort: glibc's may allocate a merge
+ * buffer, and nothing on the per-token path allocates.) The keys are unique,
+ * so any correct sort gives the same order. */
+static void sift_down(uint64_t *v, size_t root, size_t n) {
+    for (;;) {
+        size_t child = 2 * root + 1;
+        if (child >= n) return;
+        if (child + 1 < n && v[child + 1] > v[child]) child++;
+        if (v[root] >= v[child]) return;
+        uint64_t t = v[root];
+        v[root] = v[child];
+        v[child] = t;
+        root = child;
+    }
+}
+
+static void heapsort_u64(uint64_t *v, size_t n) {
+    for (size_t i = n / 2; i-- > 0;) sift_down(v, i, n);
+    for (size_t end = n; end > 1; end--) {
+        uint64_t t = v[0];
+        v[0] = v[end - 1];
+        v[end - 1] = t;
+        sift_down(v, 0, end - 1);
+    }
 }
 
 /* Sort key: descending probability, then ascending index. Probabilities are
@@ -66,7 +86,7 @@ void pd_sample(const float *logits, uint32_t vocab, const pd_sampling *sp, uint3
         bool sorted = sp->top_p < 1.0f;
         if (sorted) {
             for (uint32_t i = 0; i < vocab; i++) keys[i] = key_of(probs[i], i);
-            qsort(keys, vocab, sizeof(uint64_t), cmp_u64);
+            heapsort_u64(keys, vocab);
             double nucleus = 0.0;
             kept = 0;
             while (kept < vocab && nucleus < (double)sp->top_p)

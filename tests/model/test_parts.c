@@ -156,6 +156,42 @@ static void top_p_keeps_only_the_nucleus(void **state) {
     }
 }
 
+static int by_logit_desc(const void *a, const void *b) {
+    const float *x = a, *y = b;
+    return (*x < *y) - (*x > *y);
+}
+
+/* Over 64 random logits, every token drawn with top_p 0.5 lies in the
+ * nucleus computed by brute force, and the draws do spread over it. */
+static void top_p_draws_stay_inside_the_brute_force_nucleus(void **state) {
+    (void)state;
+    enum { V = 64 };
+    float logits[V], sorted[V];
+    pd_rng rng;
+    pd_rng_seed(&rng, test_seed(3));
+    for (int i = 0; i < V; i++) logits[i] = (float)(pd_rng_unit(&rng) * 4.0);
+    memcpy(sorted, logits, sizeof(sorted));
+    qsort(sorted, V, sizeof(float), by_logit_desc);
+    double z = 0, mass = 0;
+    for (int i = 0; i < V; i++) z += exp(logits[i] - sorted[0]);
+    float cutoff = sorted[0];
+    for (int i = 0; i < V && mass < 0.5; i++) {
+        mass += exp(sorted[i] - sorted[0]) / z;
+        cutoff = sorted[i];
+    }
+    bool seen[V] = {false};
+    uint32_t distinct = 0;
+    for (uint32_t k = 0; k < 2000; k++) {
+        int32_t tok;
+        float lp;
+        sample(logits, V, 1.0f, 0.5f, 11, k, &tok, &lp);
+        assert_true(logits[tok] >= cutoff);
+        if (!seen[tok]) distinct++;
+        seen[tok] = true;
+    }
+    assert_true(distinct >= 3);
+}
+
 /* ---- tokenizer -------------------------------------------------------------------- */
 
 static void tokenizer_round_trips_every_byte(void **state) {
@@ -311,6 +347,7 @@ int main(void) {
         cmocka_unit_test(sampled_token_depends_only_on_seed_and_index),
         cmocka_unit_test(temperature_sampling_follows_the_distribution),
         cmocka_unit_test(top_p_keeps_only_the_nucleus),
+        cmocka_unit_test(top_p_draws_stay_inside_the_brute_force_nucleus),
         cmocka_unit_test(tokenizer_round_trips_every_byte),
         cmocka_unit_test(utf8_sanitize_replaces_only_invalid_bytes),
         cmocka_unit_test(half_precision_conversions_round_to_nearest_even),
