@@ -7,6 +7,7 @@ add_library(pd_model STATIC
   src/model/weights.c
   src/model/safetensors.c
   src/model/tokenizer.c
+  src/model/detmath.c
   src/model/kernels.c
   src/model/threads.c
   src/model/mamba2.c

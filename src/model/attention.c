@@ -25,6 +25,7 @@
 #include <math.h>
 #include <string.h>
 
+#include "detmath.h"
 #include "model_internal.h"
 
 float *pd_kv_at(float *kv, const pd_attn_dims *d, uint32_t page, uint32_t slot, int which) {
@@ -35,11 +36,13 @@ float *pd_kv_at(float *kv, const pd_attn_dims *d, uint32_t page, uint32_t slot, 
 
 void pd_rope_angles(uint32_t pos, uint32_t head_dim, float base, float *cos_out, float *sin_out) {
     uint32_t half = head_dim / 2;
+    double log_base = pd_log((double)base);
     for (uint32_t i = 0; i < half; i++) {
-        double inv_freq = pow((double)base, -2.0 * (double)i / (double)head_dim);
-        double angle = (double)pos * inv_freq;
-        cos_out[i] = (float)cos(angle);
-        sin_out[i] = (float)sin(angle);
+        double inv_freq = pd_exp(-2.0 * (double)i / (double)head_dim * log_base);
+        double s, c;
+        pd_sincos((double)pos * inv_freq, &s, &c);
+        cos_out[i] = (float)c;
+        sin_out[i] = (float)s;
     }
 }
 
@@ -75,23 +78,33 @@ static void attend(void *ctx, uint32_t begin, uint32_t end, uint32_t worker) {
         const float *q = j->s->q + (size_t)t * d->q_dim + (size_t)h * D;
         PD_ASSERT(n <= j->s->context_max);
 
+        /* scores, page by page, positions in increasing order */
         float max = -INFINITY;
-        for (uint32_t p = 0; p < n; p++) {
-            const float *k = pd_kv_at(j->kv, d, pages[p / d->page_size], p % d->page_size, 0);
-            scores[p] = pd_dot(q, k + (size_t)kvh * D, D) / scale;
-            if (scores[p] > max) max = scores[p];
+        for (uint32_t p0 = 0; p0 < n; p0 += d->page_size) {
+            const float *k = pd_kv_at(j->kv, d, pages[p0 / d->page_size], 0, 0) + (size_t)kvh * D;
+            const uint32_t m = PD_MIN(d->page_size, n - p0);
+            for (uint32_t s = 0; s < m; s++) {
+                float sc = pd_dot(q, k + (size_t)s * d->kv_dim, D) / scale;
+                scores[p0 + s] = sc;
+                if (sc > max) max = sc;
+            }
         }
         float sum = 0.0f;
         for (uint32_t p = 0; p < n; p++) {
-            scores[p] = expf(scores[p] - max);
+            scores[p] = pd_expf(scores[p] - max);
             sum += scores[p];
         }
+        /* the softmax-weighted sum of values, same order */
         float *a = j->s->att + (size_t)t * d->q_dim + (size_t)h * D;
         memset(a, 0, sizeof(float) * D);
-        for (uint32_t p = 0; p < n; p++) {
-            const float *v = pd_kv_at(j->kv, d, pages[p / d->page_size], p % d->page_size, 1);
-            const float weight = scores[p] / sum;
-            for (uint32_t i = 0; i < D; i++) a[i] += weight * v[(size_t)kvh * D + i];
+        for (uint32_t p0 = 0; p0 < n; p0 += d->page_size) {
+            const float *v = pd_kv_at(j->kv, d, pages[p0 / d->page_size], 0, 1) + (size_t)kvh * D;
+            const uint32_t m = PD_MIN(d->page_size, n - p0);
+            for (uint32_t s = 0; s < m; s++) {
+                const float weight = scores[p0 + s] / sum;
+                const float *vs = v + (size_t)s * d->kv_dim;
+                for (uint32_t i = 0; i < D; i++) a[i] += weight * vs[i];
+            }
         }
     }
 }

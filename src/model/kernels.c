@@ -11,6 +11,7 @@
  * checks that equality bit for bit.
  */
 #include "kernels.h"
+#include "detmath.h"
 
 #include <math.h>
 #include <string.h>
@@ -147,6 +148,9 @@ void pd_rmsnorm(float *out, const float *x, const float *w, uint32_t n, float ep
     for (uint32_t i = 0; i < n; i++) out[i] = x[i] * inv * w[i];
 }
 
-float pd_silu(float x) { return x / (1.0f + expf(-x)); }
-
-float pd_softplus(float x) { return x > 20.0f ? x : log1pf(expf(x)); }
+float pd_softplus(float x) {
+    if (x > 20.0f) return x;
+    double e = pd_exp((double)x);
+    /* log(1 + e); for tiny e the series keeps the digits 1 + e would lose */
+    return (float)(e < 1e-5 ? e - 0.5 * e * e : pd_log(1.0 + e));
+}

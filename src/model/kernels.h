@@ -22,6 +22,7 @@
 #ifndef PDSERVE_MODEL_KERNELS_H
 #define PDSERVE_MODEL_KERNELS_H
 
+#include "detmath.h"
 #include "pdserve/base.h"
 #include "threads.h"
 
@@ -50,8 +51,10 @@ void pd_matmul(const pd_par *par, float *out, const float *x, const float *w, ui
 /* out = x / sqrt(mean(x^2) + eps) * w, mean(x^2) = pd_dot(x, x) / n. */
 void pd_rmsnorm(float *out, const float *x, const float *w, uint32_t n, float eps);
 
-float pd_silu(float x);
-/* log(1 + exp(x)), and x itself above 20 as PyTorch does. */
+/* x * sigmoid(x), with the deterministic exp of detmath.h; inline because
+ * it runs for every MLP and Mamba activation. */
+static inline float pd_silu(float x) { return x / (1.0f + pd_expf(-x)); }
+/* log(1 + exp(x)), and x itself above 20 as PyTorch does (detmath.h). */
 float pd_softplus(float x);
 
 #endif

@@ -27,6 +27,7 @@
 #include <math.h>
 #include <string.h>
 
+#include "detmath.h"
 #include "model_internal.h"
 
 void pd_mamba2_dims_from_config(const pd_model_config *cfg, pd_mamba2_dims *d) {
@@ -100,7 +101,7 @@ static void scan_heads(void *ctx, uint32_t begin, uint32_t end, uint32_t worker)
     const uint32_t heads_per_group = d->heads / d->groups;
     const uint32_t P = d->head_dim, N = d->d_state;
     for (uint32_t h = begin; h < end; h++) {
-        const float a = -expf(j->w->a_log[h]);
+        const float a = -pd_expf(j->w->a_log[h]);
         const float skip = j->w->d[h];
         const uint32_t g = h / heads_per_group;
         for (uint32_t t = 0; t < j->rows; t++) {
@@ -109,7 +110,7 @@ static void scan_heads(void *ctx, uint32_t begin, uint32_t end, uint32_t worker)
             const float *B = xbc + d->d_inner + (size_t)g * N;
             const float *C = xbc + d->d_inner + (size_t)d->groups * N + (size_t)g * N;
             const float dt = j->s->dt[(size_t)t * d->heads + h];
-            const float decay = expf(dt * a);
+            const float decay = pd_expf(dt * a);
             float *S = j->state[t] + conv_floats + (size_t)h * P * N;
             float *y = j->s->y + (size_t)t * d->d_inner + (size_t)h * P;
             for (uint32_t p = 0; p < P; p++) {

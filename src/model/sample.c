@@ -17,6 +17,7 @@
 #include <math.h>
 #include <string.h>
 
+#include "detmath.h"
 #include "model_internal.h"
 
 static uint32_t argmax_first(const float *v, uint32_t n) {
@@ -66,16 +67,16 @@ void pd_sample(const float *logits, uint32_t vocab, const pd_sampling *sp, uint3
     const uint32_t best = argmax_first(logits, vocab);
     const double max = logits[best];
     double z = 0.0;
-    for (uint32_t i = 0; i < vocab; i++) z += exp((double)logits[i] - max);
-    const double log_z = max + log(z);
+    for (uint32_t i = 0; i < vocab; i++) z += pd_exp((double)logits[i] - max);
+    const double log_z = max + pd_log(z);
 
     uint32_t chosen = best;
     if (sp->temperature > 0.0f) {
         const double inv_t = 1.0 / (double)sp->temperature;
         double zt = 0.0;
-        for (uint32_t i = 0; i < vocab; i++) zt += exp(((double)logits[i] - max) * inv_t);
+        for (uint32_t i = 0; i < vocab; i++) zt += pd_exp(((double)logits[i] - max) * inv_t);
         for (uint32_t i = 0; i < vocab; i++)
-            probs[i] = (float)(exp(((double)logits[i] - max) * inv_t) / zt);
+            probs[i] = (float)(pd_exp(((double)logits[i] - max) * inv_t) / zt);
 
         pd_rng rng;
         pd_rng_seed(&rng, pd_hash_u64(sp->seed) ^ pd_hash_u64(0x5eed0000ull + sample_index));

@@ -33,6 +33,7 @@
 #include <string.h>
 #include <sys/stat.h>
 
+#include "detmath.h"
 #include "model_internal.h"
 
 /* ---- the table ----------------------------------------------------------- */
@@ -174,7 +175,9 @@ static uint64_t name_hash(const char *s) {
 static double normal(pd_rng *rng) {
     double u1 = 1.0 - pd_rng_unit(rng); /* (0, 1] */
     double u2 = pd_rng_unit(rng);
-    return sqrt(-2.0 * log(u1)) * cos(6.283185307179586 * u2);
+    double s, c;
+    pd_sincos(6.283185307179586 * u2, &s, &c);
+    return sqrt(-2.0 * pd_log(u1)) * c;
 }
 
 static void fill(float *v, const pd_tensor_entry *t, uint64_t seed) {
@@ -187,12 +190,12 @@ static void fill(float *v, const pd_tensor_entry *t, uint64_t seed) {
         case PD_INIT_NORMAL: x = normal(&rng); break;
         case PD_INIT_UNIFORM: x = (2.0 * pd_rng_unit(&rng) - 1.0) * t->scale; break;
         case PD_INIT_DT_BIAS: {
-            double lo = log(1e-3), hi = log(1e-1);
-            double dt = exp(lo + pd_rng_unit(&rng) * (hi - lo));
-            x = dt + log(-expm1(-dt)); /* softplus(x) == dt */
+            double lo = pd_log(1e-3), hi = pd_log(1e-1);
+            double dt = pd_exp(lo + pd_rng_unit(&rng) * (hi - lo));
+            x = dt + pd_log(1.0 - pd_exp(-dt)); /* softplus(x) == dt */
             break;
         }
-        case PD_INIT_A_LOG: x = log(1.0 + 15.0 * pd_rng_unit(&rng)); break;
+        case PD_INIT_A_LOG: x = pd_log(1.0 + 15.0 * pd_rng_unit(&rng)); break;
         }
         v[i] = (float)x;
     }

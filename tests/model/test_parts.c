@@ -6,6 +6,7 @@
 #include <stdlib.h>
 
 #include "../test_util.h"
+#include "detmath.h"
 #include "model_internal.h"
 #include "pdserve/tokenizer.h"
 
@@ -79,6 +80,46 @@ static void thread_pool_covers_every_unit_exactly_once(void **state) {
     }
     pd_threads_destroy(tp);
     assert_err(pd_threads_create(&tp, 0), PD_ERR_INVALID);
+}
+
+/* ---- deterministic math ------------------------------------------------------------ */
+
+static double rel_err(double got, double want) { return fabs(got - want) / fmax(fabs(want), 1e-300); }
+
+/* pd_exp, pd_log and pd_sincos agree with libm to a few double ulps over
+ * the ranges the model uses, and handle the edges. */
+static void deterministic_math_matches_libm_closely(void **state) {
+    (void)state;
+    pd_rng rng;
+    pd_rng_seed(&rng, test_seed(8));
+    double worst_exp = 0, worst_log = 0, worst_trig = 0;
+    for (int i = 0; i < 200000; i++) {
+        double x = (pd_rng_unit(&rng) * 2 - 1) * 700.0;
+        worst_exp = fmax(worst_exp, rel_err(pd_exp(x), exp(x)));
+        double y = ldexp(0.5 + pd_rng_unit(&rng), (int)pd_rng_range(&rng, -1000, 1000));
+        worst_log = fmax(worst_log, fabs(pd_log(y) - log(y)) / fmax(1.0, fabs(log(y))));
+        double a = pd_rng_unit(&rng) * 200000.0 * (i % 2 ? 1 : -1), s, c;
+        pd_sincos(a, &s, &c);
+        worst_trig = fmax(worst_trig, fmax(fabs(s - sin(a)), fabs(c - cos(a))));
+    }
+    assert_true(worst_exp < 1e-15);
+    assert_true(worst_log < 1e-15);
+    assert_true(worst_trig < 1e-13); /* absolute, angles up to 2e5 rad */
+    assert_true(pd_exp(0.0) == 1.0 && pd_log(1.0) == 0.0);
+    assert_true(pd_exp(-1000.0) == 0.0 && isinf(pd_exp(1000.0)) && isnan(pd_exp(NAN)));
+    assert_true(isinf(pd_log(0.0)) && pd_log(0.0) < 0 && isnan(pd_log(-1.0)));
+    double s, c;
+    pd_sincos(0.0, &s, &c);
+    assert_true(s == 0.0 && c == 1.0);
+    /* float exp: within one float ulp of libm's */
+    for (float x = -80.0f; x < 80.0f; x += 0.37f) {
+        float got = pd_expf(x), want = expf(x);
+        assert_true(fabsf(got - want) <= fabsf(want) * 1.2e-7f);
+    }
+    /* softplus: x above 20, and tiny values keep their digits */
+    assert_true(pd_softplus(25.0f) == 25.0f);
+    assert_float_equal(pd_softplus(-30.0f), exp(-30.0), 1e-20);
+    assert_float_equal(pd_softplus(0.0f), log(2.0), 1e-7);
 }
 
 /* ---- sampling --------------------------------------------------------------------- */
@@ -343,6 +384,7 @@ int main(void) {
         cmocka_unit_test(matmul_rows_equal_single_dot_products_bitwise),
         cmocka_unit_test(dot_product_is_accurate),
         cmocka_unit_test(thread_pool_covers_every_unit_exactly_once),
+        cmocka_unit_test(deterministic_math_matches_libm_closely),
         cmocka_unit_test(greedy_takes_the_first_of_equal_maxima),
         cmocka_unit_test(sampled_token_depends_only_on_seed_and_index),
         cmocka_unit_test(temperature_sampling_follows_the_distribution),
