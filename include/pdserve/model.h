@@ -20,8 +20,10 @@
  * it, never on how they were chunked, batched, paged, threaded or which node
  * computed them: every reduction runs in one fixed order, the Mamba scan is
  * token-sequential, threads split only output rows or heads, the build uses
- * -ffp-contract=off without fast-math, and greedy sampling takes the first of
- * equal maxima. (Across machines this assumes the same binary and libm.)
+ * -ffp-contract=off without fast-math, greedy sampling takes the first of
+ * equal maxima, and exp/log/sin/cos are our own routines rather than libm's
+ * (whose CPU-specific variants may differ in the last bit): IEEE arithmetic
+ * is all two machines need to agree.
  *
  * Memory layout (what a transport moves):
  *   KV page p   at kv + p * kv_page_bytes: for each attention layer a (in
