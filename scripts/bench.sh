@@ -44,3 +44,11 @@ echo
 echo "== simulator: a random run and a small swarm (all faults) =="
 "$build/pdserve" sim --seed 1
 "$build/pdserve" sim --seeds 1..200 --quiet
+
+echo "== model: tiny hybrid attention + Mamba2 forward pass on the CPU =="
+if [ $quick -eq 1 ]; then
+  "$bench/model" --quick
+else
+  "$bench/model" --runs $runs
+fi
+echo

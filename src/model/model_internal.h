@@ -1,0 +1,167 @@
+/*
+ * Internals shared by the files of src/model: the weight structure, the two
+ * mixers (Mamba2 and paged attention) as standalone layer functions, and the
+ * sampler. The tests include this header to check a layer against a slow
+ * reference; nothing outside src/model and tests/model should.
+ */
+#ifndef PDSERVE_MODEL_INTERNAL_H
+#define PDSERVE_MODEL_INTERNAL_H
+
+#include "kernels.h"
+#include "pdserve/executor.h"
+#include "pdserve/model.h"
+
+/* ---- weights ------------------------------------------------------------- */
+
+#define PD_TENSOR_NAME_BYTES 64
+#define PD_MODEL_TENSORS_MAX (4 + PD_MODEL_LAYERS_MAX * 13)
+
+/* How seeded dummy weights are drawn (weights.c, docs/model.md). */
+typedef enum pd_init {
+    PD_INIT_ONES,               /* norm weights, the D skip */
+    PD_INIT_NORMAL,             /* N(0, 1): token embeddings */
+    PD_INIT_UNIFORM,            /* U(-scale, scale) */
+    PD_INIT_DT_BIAS,            /* softplus^-1 of dt, log-uniform in [1e-3, 1e-1] */
+    PD_INIT_A_LOG,              /* log of U[1, 16] */
+} pd_init;
+
+typedef struct pd_tensor_entry {
+    char name[PD_TENSOR_NAME_BYTES];
+    uint32_t ndim;
+    uint64_t shape[3];
+    uint64_t elems;
+    uint64_t offset;            /* in floats, inside pd_model.data */
+    pd_init init;
+    double scale;               /* PD_INIT_UNIFORM bound */
+} pd_tensor_entry;
+
+typedef struct pd_attn_weights {
+    const float *wq, *wk, *wv, *wo;  /* [q_dim][dim], [kv_dim][dim] x2, [dim][q_dim] */
+} pd_attn_weights;
+
+typedef struct pd_mamba2_weights {
+    const float *in_proj;       /* [in_proj][dim]: rows z | x | B | C | dt */
+    const float *conv_w;        /* [conv_dim][1][d_conv], tap d_conv-1 = newest */
+    const float *conv_b;        /* [conv_dim] */
+    const float *dt_bias;       /* [heads] */
+    const float *a_log;         /* [heads]; A = -exp(A_log) */
+    const float *d;             /* [heads] skip */
+    const float *norm;          /* [d_inner] gated RMSNorm weight */
+    const float *out_proj;      /* [dim][d_inner] */
+} pd_mamba2_weights;
+
+typedef struct pd_block_weights {
+    char kind;                  /* 'M' or 'A' */
+    uint32_t kind_index;        /* index among layers of the same kind */
+    const float *norm_mixer;    /* [dim] */
+    const float *norm_mlp;      /* [dim] */
+    pd_attn_weights attn;
+    pd_mamba2_weights mamba;
+    const float *gate, *up;     /* [mlp_hidden][dim] */
+    const float *down;          /* [dim][mlp_hidden] */
+} pd_block_weights;
+
+struct pd_model {
+    pd_model_config cfg;
+    pd_model_shape shape;
+    float *data;                /* every tensor, one allocation */
+    uint64_t n_floats;
+    pd_tensor_entry tensors[PD_MODEL_TENSORS_MAX];
+    uint32_t n_tensors;
+    const float *embed;         /* [vocab][dim] */
+    const float *final_norm;    /* [dim] */
+    const float *lm_head;       /* [vocab][dim]; == embed when tied */
+    pd_block_weights blocks[PD_MODEL_LAYERS_MAX];
+};
+
+/* config.json: read and check, or write (config.c). */
+pd_err pd_model_config_read(pd_model_config *cfg, const char *path, char *msg, size_t msg_cap);
+pd_err pd_model_config_write(const pd_model_config *cfg, const char *path, char *msg,
+                             size_t msg_cap);
+
+/* ---- Mamba2 mixer ---------------------------------------------------------- */
+
+typedef struct pd_mamba2_dims {
+    uint32_t dim, d_inner, d_state, d_conv, heads, head_dim, groups;
+    uint32_t conv_dim;          /* d_inner + 2 * groups * d_state */
+    uint32_t in_proj;           /* 2 * d_inner + 2 * groups * d_state + heads */
+    float eps;
+} pd_mamba2_dims;
+
+void pd_mamba2_dims_from_config(const pd_model_config *cfg, pd_mamba2_dims *out);
+/* Floats of one layer's state: conv [conv_dim][d_conv-1] then ssm
+ * [heads][head_dim][d_state]. */
+size_t pd_mamba2_state_floats(const pd_mamba2_dims *d);
+
+/* Scratch for rows_max rows (see pd_mamba2_scratch_floats). */
+typedef struct pd_mamba2_scratch {
+    float *zxbcdt;              /* [rows][in_proj] */
+    float *xbc;                 /* [rows][conv_dim] after conv + SiLU */
+    float *dt;                  /* [rows][heads] after softplus */
+    float *y;                   /* [rows][d_inner] */
+} pd_mamba2_scratch;
+
+size_t pd_mamba2_scratch_floats(const pd_mamba2_dims *d, uint32_t rows_max);
+void pd_mamba2_scratch_bind(pd_mamba2_scratch *s, const pd_mamba2_dims *d, uint32_t rows_max,
+                            float *mem);
+
+/* The Mamba2 mixer over rows in order: in [rows][dim] -> out [rows][dim].
+ * Row t reads and advances the layer state at state[t] (rows of one request
+ * share a pointer and come in position order). */
+void pd_mamba2_forward(const pd_par *par, const pd_mamba2_dims *d, const pd_mamba2_weights *w,
+                       const float *in, float *out, uint32_t rows, float *const *state,
+                       const pd_mamba2_scratch *s);
+
+/* ---- attention over the paged KV pool ------------------------------------- */
+
+typedef struct pd_attn_dims {
+    uint32_t dim, heads, kv_heads, head_dim;
+    uint32_t q_dim, kv_dim;
+    uint32_t page_size;
+    uint32_t kv_pages;          /* pages in the pool */
+    uint32_t n_attn;            /* attention layers in a page */
+    uint32_t layer;             /* this layer's index among them */
+    size_t page_floats;         /* floats per KV page */
+} pd_attn_dims;
+
+/* Where each row sits: its position, its request's page table, and the
+ * RoPE cos/sin of its position ([rows][head_dim / 2] each). */
+typedef struct pd_attn_rows {
+    const uint32_t *pos;
+    const uint32_t *const *pages;
+    const float *rope_cos, *rope_sin;
+} pd_attn_rows;
+
+typedef struct pd_attn_scratch {
+    float *q;                   /* [rows][q_dim] */
+    float *k, *v;               /* [rows][kv_dim] */
+    float *att;                 /* [rows][q_dim] */
+    float *scores;              /* [threads][context_max] */
+    size_t context_max;
+} pd_attn_scratch;
+
+/* Address of K (which = 0) or V (which = 1) of one token slot of one page. */
+float *pd_kv_at(float *kv, const pd_attn_dims *d, uint32_t page, uint32_t slot, int which);
+
+/* Writes each row's K and V into its page slot, then attends every row over
+ * positions [0, pos] of its request. in [rows][dim] -> out [rows][dim].
+ * Returns the FLOPs of the score and value sums. */
+uint64_t pd_attention_forward(const pd_par *par, const pd_attn_dims *d, const pd_attn_weights *w,
+                              const float *in, float *out, uint32_t rows, const pd_attn_rows *r,
+                              float *kv, const pd_attn_scratch *s);
+
+/* cos/sin of position pos for the head_dim / 2 rotation frequencies
+ * base^(-2i / head_dim), computed in double and rounded once. */
+void pd_rope_angles(uint32_t pos, uint32_t head_dim, float base, float *cos_out, float *sin_out);
+
+/* ---- sampling ---------------------------------------------------------------- */
+
+/* Picks the next token from logits[0..vocab). Greedy when temperature <= 0
+ * (first index wins ties); otherwise softmax(logits / T), cut to the
+ * smallest set of most likely tokens whose mass reaches top_p, drawn with a
+ * generator seeded by (seed, sample_index). *logprob is the model's
+ * log-softmax of the token. probs and keys are vocab-sized scratch. */
+void pd_sample(const float *logits, uint32_t vocab, const pd_sampling *sp, uint32_t sample_index,
+               float *probs, uint64_t *keys, int32_t *token, float *logprob);
+
+#endif

@@ -1,0 +1,344 @@
+/*
+ * weights.c — the model's tensors: their table, seeded dummy values, and the
+ * model directory (config.json + model.safetensors) in both directions.
+ *
+ * The table is a pure function of the config: names, shapes, and where each
+ * tensor lives inside one fp32 allocation. Creating, loading and saving all
+ * walk the same table, so a file written by `pdserve model init` is by
+ * construction the file the loader expects, and the loader can say exactly
+ * which tensor is missing, surplus, misshapen or of the wrong dtype.
+ *
+ * Names follow the Hugging Face convention for hybrid checkpoints:
+ *   model.embed_tokens.weight, model.norm.weight, lm_head.weight,
+ *   model.layers.N.{input_layernorm, pre_ff_layernorm}.weight,
+ *   model.layers.N.self_attn.{q,k,v,o}_proj.weight,
+ *   model.layers.N.mamba.{in_proj.weight, conv1d.weight, conv1d.bias,
+ *                         dt_bias, A_log, D, norm.weight, out_proj.weight},
+ *   model.layers.N.mlp.{gate,up,down}_proj.weight.
+ *
+ * Dummy values are drawn per tensor from a generator seeded by (seed, name),
+ * so adding a tensor to the model does not change the others. The
+ * distributions are the usual ones (docs/model.md): PyTorch's Linear default
+ * U(+-1/sqrt(fan_in)), residual output projections further scaled by
+ * 1/sqrt(2 * layers) as GPT-2 and Mamba do, N(0, 1) embeddings, and the
+ * Mamba2 recipe for dt_bias (inverse softplus of a log-uniform dt in
+ * [0.001, 0.1]), A_log = log U[1, 16] and D = 1. With those, the Mamba state
+ * decays at rates between exp(-16 * 0.1) and exp(-0.001) per token and the
+ * activations stay bounded over long prompts.
+ */
+#include <errno.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+
+#include "detmath.h"
+#include "model_internal.h"
+
+/* ---- the table ----------------------------------------------------------- */
+
+static void add(pd_model *m, pd_init init, double scale, uint32_t ndim, uint64_t s0, uint64_t s1,
+                uint64_t s2, const char *fmt, int layer) {
+    PD_ASSERT(m->n_tensors < PD_MODEL_TENSORS_MAX);
+    pd_tensor_entry *t = &m->tensors[m->n_tensors++];
+    int n = snprintf(t->name, sizeof(t->name), fmt, layer);
+    PD_ASSERT(n > 0 && (size_t)n < sizeof(t->name));
+    t->ndim = ndim;
+    t->shape[0] = s0;
+    t->shape[1] = s1;
+    t->shape[2] = s2;
+    t->elems = s0 * (ndim > 1 ? s1 : 1) * (ndim > 2 ? s2 : 1);
+    t->offset = m->n_floats;
+    t->init = init;
+    t->scale = scale;
+    m->n_floats += t->elems;
+}
+
+static void build_table(pd_model *m) {
+    const pd_model_config *c = &m->cfg;
+    const pd_model_shape *s = &m->shape;
+    double res = 1.0 / sqrt(2.0 * s->n_layers); /* residual-output scaling */
+    double in_dim = 1.0 / sqrt((double)c->dim);
+    m->n_tensors = 0;
+    m->n_floats = 0;
+    add(m, PD_INIT_NORMAL, 0, 2, c->vocab, c->dim, 0, "model.embed_tokens.weight", 0);
+    for (uint32_t l = 0; l < s->n_layers; l++) {
+        int i = (int)l;
+        add(m, PD_INIT_ONES, 0, 1, c->dim, 0, 0, "model.layers.%d.input_layernorm.weight", i);
+        if (c->layers[l] == 'A') {
+            add(m, PD_INIT_UNIFORM, in_dim, 2, s->q_dim, c->dim, 0, "model.layers.%d.self_attn.q_proj.weight", i);
+            add(m, PD_INIT_UNIFORM, in_dim, 2, s->kv_dim, c->dim, 0, "model.layers.%d.self_attn.k_proj.weight", i);
+            add(m, PD_INIT_UNIFORM, in_dim, 2, s->kv_dim, c->dim, 0, "model.layers.%d.self_attn.v_proj.weight", i);
+            add(m, PD_INIT_UNIFORM, res / sqrt((double)s->q_dim), 2, c->dim, s->q_dim, 0,
+                "model.layers.%d.self_attn.o_proj.weight", i);
+        } else {
+            double conv = 1.0 / sqrt((double)c->mamba_d_conv);
+            add(m, PD_INIT_UNIFORM, in_dim, 2, s->mamba_in_proj, c->dim, 0, "model.layers.%d.mamba.in_proj.weight", i);
+            add(m, PD_INIT_UNIFORM, conv, 3, s->mamba_conv_dim, 1, c->mamba_d_conv, "model.layers.%d.mamba.conv1d.weight", i);
+            add(m, PD_INIT_UNIFORM, conv, 1, s->mamba_conv_dim, 0, 0, "model.layers.%d.mamba.conv1d.bias", i);
+            add(m, PD_INIT_DT_BIAS, 0, 1, c->mamba_heads, 0, 0, "model.layers.%d.mamba.dt_bias", i);
+            add(m, PD_INIT_A_LOG, 0, 1, c->mamba_heads, 0, 0, "model.layers.%d.mamba.A_log", i);
+            add(m, PD_INIT_ONES, 0, 1, c->mamba_heads, 0, 0, "model.layers.%d.mamba.D", i);
+            add(m, PD_INIT_ONES, 0, 1, s->mamba_d_inner, 0, 0, "model.layers.%d.mamba.norm.weight", i);
+            add(m, PD_INIT_UNIFORM, res / sqrt((double)s->mamba_d_inner), 2, c->dim, s->mamba_d_inner, 0,
+                "model.layers.%d.mamba.out_proj.weight", i);
+        }
+        add(m, PD_INIT_ONES, 0, 1, c->dim, 0, 0, "model.layers.%d.pre_ff_layernorm.weight", i);
+        add(m, PD_INIT_UNIFORM, in_dim, 2, c->mlp_hidden, c->dim, 0, "model.layers.%d.mlp.gate_proj.weight", i);
+        add(m, PD_INIT_UNIFORM, in_dim, 2, c->mlp_hidden, c->dim, 0, "model.layers.%d.mlp.up_proj.weight", i);
+        add(m, PD_INIT_UNIFORM, res / sqrt((double)c->mlp_hidden), 2, c->dim, c->mlp_hidden, 0,
+            "model.layers.%d.mlp.down_proj.weight", i);
+    }
+    add(m, PD_INIT_ONES, 0, 1, c->dim, 0, 0, "model.norm.weight", 0);
+    if (!c->tie_embeddings) add(m, PD_INIT_UNIFORM, in_dim, 2, c->vocab, c->dim, 0, "lm_head.weight", 0);
+    PD_ASSERT(m->n_floats == s->params);
+}
+
+static const pd_tensor_entry *entry(const pd_model *m, const char *name) {
+    for (uint32_t i = 0; i < m->n_tensors; i++)
+        if (!strcmp(m->tensors[i].name, name)) return &m->tensors[i];
+    return NULL;
+}
+
+static const float *ptr(const pd_model *m, const char *fmt, uint32_t layer) {
+    char name[PD_TENSOR_NAME_BYTES];
+    snprintf(name, sizeof(name), fmt, (int)layer);
+    const pd_tensor_entry *t = entry(m, name);
+    PD_ASSERTF(t != NULL, "no tensor %s", name);
+    return m->data + t->offset;
+}
+
+/* Points the per-layer weight structs into data. */
+static void bind(pd_model *m) {
+    uint32_t n_attn = 0, n_mamba = 0;
+    m->embed = ptr(m, "model.embed_tokens.weight", 0);
+    m->final_norm = ptr(m, "model.norm.weight", 0);
+    m->lm_head = m->cfg.tie_embeddings ? m->embed : ptr(m, "lm_head.weight", 0);
+    for (uint32_t l = 0; l < m->shape.n_layers; l++) {
+        pd_block_weights *b = &m->blocks[l];
+        b->kind = m->cfg.layers[l];
+        b->norm_mixer = ptr(m, "model.layers.%d.input_layernorm.weight", l);
+        b->norm_mlp = ptr(m, "model.layers.%d.pre_ff_layernorm.weight", l);
+        b->gate = ptr(m, "model.layers.%d.mlp.gate_proj.weight", l);
+        b->up = ptr(m, "model.layers.%d.mlp.up_proj.weight", l);
+        b->down = ptr(m, "model.layers.%d.mlp.down_proj.weight", l);
+        if (b->kind == 'A') {
+            b->kind_index = n_attn++;
+            b->attn.wq = ptr(m, "model.layers.%d.self_attn.q_proj.weight", l);
+            b->attn.wk = ptr(m, "model.layers.%d.self_attn.k_proj.weight", l);
+            b->attn.wv = ptr(m, "model.layers.%d.self_attn.v_proj.weight", l);
+            b->attn.wo = ptr(m, "model.layers.%d.self_attn.o_proj.weight", l);
+        } else {
+            b->kind_index = n_mamba++;
+            b->mamba.in_proj = ptr(m, "model.layers.%d.mamba.in_proj.weight", l);
+            b->mamba.conv_w = ptr(m, "model.layers.%d.mamba.conv1d.weight", l);
+            b->mamba.conv_b = ptr(m, "model.layers.%d.mamba.conv1d.bias", l);
+            b->mamba.dt_bias = ptr(m, "model.layers.%d.mamba.dt_bias", l);
+            b->mamba.a_log = ptr(m, "model.layers.%d.mamba.A_log", l);
+            b->mamba.d = ptr(m, "model.layers.%d.mamba.D", l);
+            b->mamba.norm = ptr(m, "model.layers.%d.mamba.norm.weight", l);
+            b->mamba.out_proj = ptr(m, "model.layers.%d.mamba.out_proj.weight", l);
+        }
+    }
+}
+
+/* A model with its table and (zeroed) storage, ready to be filled. */
+static pd_err model_alloc(pd_model **out, const pd_model_config *cfg, char *msg, size_t cap) {
+    *out = NULL;
+    pd_err err = pd_model_config_check(cfg, msg, cap);
+    if (err != PD_OK) return err;
+    pd_model *m = calloc(1, sizeof(*m));
+    if (!m) return pd_errorf(msg, cap, PD_ERR_NOMEM, "out of memory");
+    m->cfg = *cfg;
+    pd_model_config_shape(cfg, &m->shape);
+    build_table(m);
+    m->data = calloc(m->n_floats ? m->n_floats : 1, sizeof(float));
+    if (!m->data) {
+        unsigned long long n = (unsigned long long)m->n_floats;
+        free(m);
+        return pd_errorf(msg, cap, PD_ERR_NOMEM, "cannot allocate %llu weights", n);
+    }
+    bind(m);
+    *out = m;
+    return PD_OK;
+}
+
+/* ---- seeded dummy weights -------------------------------------------------- */
+
+static uint64_t name_hash(const char *s) {
+    uint64_t h = 0xcbf29ce484222325ull; /* FNV-1a, then a finaliser */
+    for (; *s; s++) h = (h ^ (unsigned char)*s) * 0x100000001b3ull;
+    return pd_hash_u64(h);
+}
+
+static double normal(pd_rng *rng) {
+    double u1 = 1.0 - pd_rng_unit(rng); /* (0, 1] */
+    double u2 = pd_rng_unit(rng);
+    double s, c;
+    pd_sincos(6.283185307179586 * u2, &s, &c);
+    return sqrt(-2.0 * pd_log(u1)) * c;
+}
+
+static void fill(float *v, const pd_tensor_entry *t, uint64_t seed) {
+    pd_rng rng;
+    pd_rng_seed(&rng, pd_hash_u64(seed) ^ name_hash(t->name));
+    for (uint64_t i = 0; i < t->elems; i++) {
+        double x = 0;
+        switch (t->init) {
+        case PD_INIT_ONES: x = 1.0; break;
+        case PD_INIT_NORMAL: x = normal(&rng); break;
+        case PD_INIT_UNIFORM: x = (2.0 * pd_rng_unit(&rng) - 1.0) * t->scale; break;
+        case PD_INIT_DT_BIAS: {
+            double lo = pd_log(1e-3), hi = pd_log(1e-1);
+            double dt = pd_exp(lo + pd_rng_unit(&rng) * (hi - lo));
+            x = dt + pd_log(1.0 - pd_exp(-dt)); /* softplus(x) == dt */
+            break;
+        }
+        case PD_INIT_A_LOG: x = pd_log(1.0 + 15.0 * pd_rng_unit(&rng)); break;
+        }
+        v[i] = (float)x;
+    }
+}
+
+pd_err pd_model_create_random(pd_model **out, const pd_model_config *cfg, uint64_t seed, char *msg,
+                              size_t cap) {
+    pd_err err = model_alloc(out, cfg, msg, cap);
+    if (err != PD_OK) return err;
+    pd_model *m = *out;
+    for (uint32_t i = 0; i < m->n_tensors; i++) fill(m->data + m->tensors[i].offset, &m->tensors[i], seed);
+    return PD_OK;
+}
+
+/* ---- the model directory ---------------------------------------------------- */
+
+static pd_err join(char *out, size_t cap, const char *dir, const char *file, char *msg, size_t mcap) {
+    int n = snprintf(out, cap, "%s/%s", dir, file);
+    if (n < 0 || (size_t)n >= cap)
+        return pd_errorf(msg, mcap, PD_ERR_INVALID, "model directory path too long");
+    return PD_OK;
+}
+
+static void shape_text(char *out, size_t cap, uint32_t ndim, const uint64_t *shape) {
+    pd_strbuf sb;
+    pd_strbuf_init(&sb, out, cap);
+    pd_strbuf_append(&sb, "[");
+    for (uint32_t d = 0; d < ndim; d++)
+        pd_strbuf_printf(&sb, "%s%llu", d ? ", " : "", (unsigned long long)shape[d]);
+    pd_strbuf_append(&sb, "]");
+}
+
+/* Every table tensor present with its shape and an accepted dtype, and no
+ * tensor the model does not have. */
+static pd_err match_file(const pd_model *m, const pd_safetensors *st, char *msg, size_t cap) {
+    for (uint32_t i = 0; i < m->n_tensors; i++) {
+        const pd_tensor_entry *e = &m->tensors[i];
+        const pd_st_tensor *t = pd_safetensors_find(st, e->name);
+        if (!t) return pd_errorf(msg, cap, PD_ERR_PARSE, "tensor '%s' is missing", e->name);
+        if (t->dtype != PD_DTYPE_F32 && t->dtype != PD_DTYPE_F16 && t->dtype != PD_DTYPE_BF16)
+            return pd_errorf(msg, cap, PD_ERR_PARSE, "tensor '%s': dtype %s not accepted (F32, F16 or BF16)",
+                             e->name, pd_dtype_name(t->dtype));
+        bool same = t->ndim == e->ndim;
+        for (uint32_t d = 0; same && d < e->ndim; d++) same = t->shape[d] == e->shape[d];
+        if (!same) {
+            char got[96], want[96];
+            shape_text(got, sizeof(got), t->ndim, t->shape);
+            shape_text(want, sizeof(want), e->ndim, e->shape);
+            return pd_errorf(msg, cap, PD_ERR_PARSE, "tensor '%s': shape %s but the config needs %s",
+                             e->name, got, want);
+        }
+    }
+    for (uint32_t i = 0; i < st->n_tensors; i++)
+        if (!entry(m, st->tensors[i].name))
+            return pd_errorf(msg, cap, PD_ERR_PARSE, "tensor '%s' is not part of this model (%s)",
+                             st->tensors[i].name,
+                             m->cfg.tie_embeddings && !strcmp(st->tensors[i].name, "lm_head.weight")
+                                 ? "tie_word_embeddings is true"
+                                 : "unexpected name");
+    return PD_OK;
+}
+
+pd_err pd_model_load(pd_model **out, const char *dir, char *msg, size_t cap) {
+    PD_ASSERT(out != NULL && dir != NULL);
+    *out = NULL;
+    char path[4096], why[512];
+    pd_model_config cfg;
+    pd_err err = join(path, sizeof(path), dir, "config.json", msg, cap);
+    if (err != PD_OK) return err;
+    err = pd_model_config_read(&cfg, path, msg, cap);
+    if (err != PD_OK) return err;
+    pd_model *m;
+    err = model_alloc(&m, &cfg, msg, cap);
+    if (err != PD_OK) return err;
+    err = join(path, sizeof(path), dir, "model.safetensors", msg, cap);
+    pd_safetensors st;
+    memset(&st, 0, sizeof(st));
+    if (err == PD_OK) {
+        err = pd_safetensors_open(&st, path, PD_MODEL_FILE_BYTES_MAX, why, sizeof(why));
+        if (err == PD_OK) err = match_file(m, &st, why, sizeof(why));
+        for (uint32_t i = 0; err == PD_OK && i < m->n_tensors; i++) {
+            const pd_tensor_entry *e = &m->tensors[i];
+            float *v = m->data + e->offset;
+            err = pd_safetensors_read_f32(&st, pd_safetensors_find(&st, e->name), v, e->elems, why,
+                                          sizeof(why));
+            for (uint64_t k = 0; err == PD_OK && k < e->elems; k++)
+                if (!isfinite(v[k]))
+                    err = pd_errorf(why, sizeof(why), PD_ERR_PARSE, "tensor '%s': element %llu is not finite",
+                                    e->name, (unsigned long long)k);
+        }
+        if (err != PD_OK) pd_errorf(msg, cap, err, "%s: %s", path, why);
+    }
+    pd_safetensors_close(&st);
+    if (err != PD_OK) {
+        pd_model_destroy(m);
+        return err;
+    }
+    *out = m;
+    return PD_OK;
+}
+
+pd_err pd_model_save(const pd_model *m, const char *dir, pd_dtype dtype, char *msg, size_t cap) {
+    if (mkdir(dir, 0755) != 0 && errno != EEXIST)
+        return pd_errorf(msg, cap, PD_ERR_IO, "%s: %s", dir, strerror(errno));
+    struct stat sb;
+    if (stat(dir, &sb) != 0 || !S_ISDIR(sb.st_mode))
+        return pd_errorf(msg, cap, PD_ERR_IO, "%s: not a directory", dir);
+    char path[4096];
+    pd_err err = join(path, sizeof(path), dir, "config.json", msg, cap);
+    if (err == PD_OK) err = pd_model_config_write(&m->cfg, path, msg, cap);
+    if (err != PD_OK) return err;
+    pd_st_input *in = calloc(m->n_tensors, sizeof(*in));
+    if (!in) return pd_errorf(msg, cap, PD_ERR_NOMEM, "out of memory");
+    for (uint32_t i = 0; i < m->n_tensors; i++) {
+        const pd_tensor_entry *e = &m->tensors[i];
+        in[i].name = e->name;
+        in[i].ndim = e->ndim;
+        for (uint32_t d = 0; d < e->ndim; d++) in[i].shape[d] = e->shape[d];
+        in[i].data = m->data + e->offset;
+    }
+    err = join(path, sizeof(path), dir, "model.safetensors", msg, cap);
+    if (err == PD_OK) err = pd_safetensors_write(path, in, m->n_tensors, dtype, msg, cap);
+    free(in);
+    return err;
+}
+
+void pd_model_destroy(pd_model *m) {
+    if (!m) return;
+    free(m->data);
+    free(m);
+}
+
+const pd_model_config *pd_model_config_get(const pd_model *m) { return &m->cfg; }
+const pd_model_shape *pd_model_shape_get(const pd_model *m) { return &m->shape; }
+uint32_t pd_model_tensor_count(const pd_model *m) { return m->n_tensors; }
+
+const char *pd_model_tensor_name(const pd_model *m, uint32_t i) {
+    return i < m->n_tensors ? m->tensors[i].name : NULL;
+}
+
+const float *pd_model_tensor(const pd_model *m, const char *name, uint64_t *n_out) {
+    const pd_tensor_entry *t = entry(m, name);
+    if (!t) return NULL;
+    if (n_out) *n_out = t->elems;
+    return m->data + t->offset;
+}
