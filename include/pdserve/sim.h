@@ -69,9 +69,11 @@ typedef struct pd_sim_options {
 pd_err pd_sim_random(const pd_sim_options *o, pd_sim_result *res, pd_strbuf *report);
 
 /* Replays a scenario. PD_OK if it parses, no invariant breaks and every
- * expect holds; otherwise *report says which line failed and why. */
-pd_err pd_sim_scenario(const char *text, const char *name, FILE *trace, pd_sim_result *res,
-                       pd_strbuf *report);
+ * expect holds; otherwise *report says which line failed and why.
+ * config_extra (may be NULL), a "config ..." line, is applied after the
+ * scenario's own configuration — e.g. "config model=tiny". */
+pd_err pd_sim_scenario(const char *text, const char *name, const char *config_extra, FILE *trace,
+                       pd_sim_result *res, pd_strbuf *report);
 
 typedef struct pd_sim_explore_result {
     uint64_t schedules;   /* complete schedules run */

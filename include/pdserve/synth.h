@@ -11,11 +11,8 @@
  * simulator compares with pd_synth_reference (the same request run alone,
  * without pages, caches or transfers).
  *
- * Work is an in-order stream (batches, state copies, host loads), executed
- * only when the driver calls pd_synth_run — so the driver decides when a
- * forward "happens" relative to everything else, and a held batch blocks the
- * ones behind it as on a real GPU stream. A forward reads and writes memory
- * when it runs, not when it was launched.
+ * It computes inside launch; the simulator wraps it in a pd_stream so that a
+ * forward happens when the driver decides, in order, as on a GPU stream.
  */
 #ifndef PDSERVE_SYNTH_H
 #define PDSERVE_SYNTH_H
@@ -39,29 +36,6 @@ typedef struct pd_synth_config {
 pd_err pd_synth_create(pd_synth **out, const pd_synth_config *cfg);
 void pd_synth_destroy(pd_synth *s);
 pd_executor pd_synth_executor(pd_synth *s);
-
-/* Called for every item at launch: PD_SYNTH_HOLD holds the whole batch until
- * released, a positive value delays it by that many ticks, 0 runs it as soon
- * as it reaches the head of the stream. */
-#define PD_SYNTH_HOLD (-1)
-typedef int (*pd_synth_hold_fn)(void *ctx, uint64_t batch_id, const pd_batch_item *item);
-void pd_synth_set_hold_fn(pd_synth *s, pd_synth_hold_fn fn, void *ctx);
-/* While on, host loads launched from now on are held until it is turned off. */
-void pd_synth_hold_loads(pd_synth *s, bool on);
-/* Holds or releases a launched batch that has not run yet. */
-void pd_synth_hold(pd_synth *s, uint64_t batch_id, bool held);
-
-/* The driver's clock: delayed batches become ready when it reaches their time. */
-void pd_synth_set_now(pd_synth *s, uint64_t now);
-/* Runs queued work in order until the queue is empty or its head is held or
- * not ready yet. Returns the number of operations run. */
-uint32_t pd_synth_run(pd_synth *s);
-/* Runs at most one operation (if the head is runnable). */
-bool pd_synth_run_one(pd_synth *s);
-uint32_t pd_synth_queued(const pd_synth *s);
-bool pd_synth_blocked(const pd_synth *s);
-/* Id of the batch at the head of the queue, or 0 (for the explorer). */
-uint64_t pd_synth_head_batch(const pd_synth *s);
 
 /* The tokens a request produces when run alone: the first from the prompt,
  * then one per step, stopping at eos (unless ignore_eos), a stop token, or

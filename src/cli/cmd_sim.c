@@ -26,6 +26,8 @@ static void usage(FILE *to) {
             "                      abort-error, kill, dup, oversize (default all)\n"
             "  --config \"...\"      a scenario config line overriding the defaults,\n"
             "                      e.g. \"config page_size=1 chunk=3 mamba=off\"\n"
+            "  --model synth|tiny  the executor: the synthetic model (default, fast) or the\n"
+            "                      tiny hybrid model's real forward pass\n"
             "  --trace FILE        write every executed line (a replayable scenario)\n"
             "  --limit N           --explore: stop after N schedules\n"
             "  --quiet             --seeds: print only the final summary\n"
@@ -75,7 +77,7 @@ static bool parse_u64(const char *s, uint64_t *out) {
 int pd_cmd_sim(int argc, char **argv) {
     enum { NONE, SEED, SEEDS, SCENARIO, EXPLORE } mode = NONE;
     uint64_t seed = 0, seed_a = 0, seed_b = 0, limit = 0, requests = 50;
-    const char *faults = "all", *trace_path = NULL, *config = NULL;
+    const char *faults = "all", *trace_path = NULL, *config = NULL, *model = NULL;
     bool quiet = false;
     int first_file = 0, n_files = 0;
     for (int i = 1; i < argc; i++) {
@@ -124,6 +126,10 @@ int pd_cmd_sim(int argc, char **argv) {
             if (!v) goto bad;
             config = v;
             i++;
+        } else if (!strcmp(a, "--model")) {
+            if (!v || (strcmp(v, "tiny") && strcmp(v, "synth"))) goto bad;
+            model = v;
+            i++;
         } else if (!strcmp(a, "--limit")) {
             if (!parse_u64(v, &limit)) goto bad;
             i++;
@@ -147,6 +153,15 @@ int pd_cmd_sim(int argc, char **argv) {
     char msg[256];
     if (pd_sim_parse_faults(faults, &fault_bits, msg, sizeof(msg)) != PD_OK) {
         fprintf(stderr, "pdserve sim: %s\n", msg);
+        return 2;
+    }
+    char config_buf[1024];
+    if (model) {
+        snprintf(config_buf, sizeof(config_buf), "%s model=%s", config ? config : "config", model);
+        config = config_buf;
+    }
+    if (config && strncmp(config, "config", 6) != 0) {
+        fprintf(stderr, "pdserve sim: --config takes a scenario config line: \"config key=value ...\"\n");
         return 2;
     }
     FILE *trace = NULL;
@@ -207,7 +222,7 @@ int pd_cmd_sim(int argc, char **argv) {
             }
             pd_sim_result r;
             pd_strbuf_reset(&report);
-            pd_err err = pd_sim_scenario(text, path, trace, &r, &report);
+            pd_err err = pd_sim_scenario(text, path, config, trace, &r, &report);
             free(text);
             if (err) {
                 printf("FAIL %s\n", path);

@@ -23,6 +23,8 @@
 
 #include "pdserve/engine.h"
 #include "pdserve/loopback.h"
+#include "pdserve/model.h"
+#include "pdserve/stream.h"
 #include "pdserve/synth.h"
 
 #define SIDE_P 0
@@ -39,6 +41,7 @@ typedef struct sim_cfg {
     uint32_t bootstrap_timeout, transfer_timeout, latency, grace;
     uint32_t vocab, layers;
     uint32_t exec_jitter, xfer_jitter; /* extra ticks a forward / a transport operation may take */
+    bool tiny;                         /* the tiny hybrid model instead of the synthetic one */
     uint64_t jitter_seed;
     bool mamba, overlap, prefix_cache;
 } sim_cfg;
@@ -68,6 +71,10 @@ static void cfg_format(const sim_cfg *c, char *out, size_t cap) {
              c->prefix_cache ? "on" : "off", c->host_pages, c->batch, c->requests_max, c->new_max,
              c->bootstrap_timeout, c->transfer_timeout, c->latency, c->grace, c->exec_jitter,
              c->xfer_jitter, (unsigned long long)c->jitter_seed, c->vocab, c->layers);
+    if (c->tiny) {
+        size_t n = strlen(out);
+        snprintf(out + n, cap > n ? cap - n : 0, " model=tiny");
+    }
 }
 
 /* ---- text buffers ------------------------------------------------------------ */
@@ -118,7 +125,9 @@ typedef struct sreq {
 typedef struct node {
     bool alive;
     pd_engine *eng;
-    pd_synth *sx;
+    pd_synth *synth;        /* the inner executor: synthetic ... */
+    pd_executor model_ex;   /* ... or the tiny model (model_ex.vt != NULL) */
+    pd_stream *st;          /* the in-order stream around it */
     pd_meta_row *meta;
     struct sim *sim;
     int side;
@@ -141,6 +150,7 @@ typedef struct sim {
     tbuf report;
     uint64_t events, steps;
     pd_rng jitter;               /* forward delays (config exec_jitter, jitter_seed) */
+    pd_model *model;             /* tiny model weights, shared by both nodes */
     bool hold_all_prefill;       /* explorer: every prefill batch is held at launch */
     bool hold_clear;             /* explorer: no more holds (draining) */
     uint32_t lineno;
@@ -245,13 +255,13 @@ static int jitter_delay(sim *s) {
 
 static int on_launch_prefill(void *ctx, uint64_t batch_id, const pd_batch_item *it) {
     sim *s = ctx;
-    if (s->hold_all_prefill) return s->hold_clear ? 0 : PD_SYNTH_HOLD;
+    if (s->hold_all_prefill) return s->hold_clear ? 0 : PD_STREAM_HOLD;
     int delay = jitter_delay(s);
     sreq *r = find_by_owner(s, it->req);
     if (!r) return delay;
     uint32_t k = ++r->chunks;
     if (k <= CHUNKS_TRACKED) r->chunk_batch[k] = batch_id;
-    return k <= CHUNKS_TRACKED && (r->hold_mask >> (k - 1)) & 1u ? PD_SYNTH_HOLD : delay;
+    return k <= CHUNKS_TRACKED && (r->hold_mask >> (k - 1)) & 1u ? PD_STREAM_HOLD : delay;
 }
 
 static int on_launch_decode(void *ctx, uint64_t batch_id, const pd_batch_item *it) {
@@ -271,14 +281,25 @@ static pd_err node_build(sim *s, int side, char *msg, size_t cap) {
     n->side = side;
     uint32_t kv = side == SIDE_P ? c->kv_pages : c->decode_kv_pages;
     uint32_t mamba = cfg_mamba_slots(c);
-    pd_synth_config sc = {
-        .page_size = c->page_size, .kv_pages = kv, .mamba_slots = mamba,
-        .host_pages = side == SIDE_P ? c->host_pages : 0, .layers = c->layers,
-        .vocab = c->vocab, .eos_token = (int32_t)c->vocab - 1, .batch_max = c->batch,
-    };
-    pd_err err = pd_synth_create(&n->sx, &sc);
-    if (err) return pd_errorf(msg, cap, err, "synthetic executor: bad configuration");
-    pd_synth_set_hold_fn(n->sx, side == SIDE_P ? on_launch_prefill : on_launch_decode, s);
+    pd_err err;
+    pd_executor inner;
+    uint32_t host = side == SIDE_P ? c->host_pages : 0;
+    if (c->tiny) {
+        err = pd_model_executor_create(&n->model_ex, s->model, c->page_size, kv, mamba, host, 1, msg, cap);
+        if (err) return err;
+        inner = n->model_ex;
+    } else {
+        pd_synth_config sc = {
+            .page_size = c->page_size, .kv_pages = kv, .mamba_slots = mamba, .host_pages = host,
+            .layers = c->layers, .vocab = c->vocab, .eos_token = (int32_t)c->vocab - 1,
+            .batch_max = c->batch,
+        };
+        err = pd_synth_create(&n->synth, &sc);
+        if (err) return pd_errorf(msg, cap, err, "synthetic executor: bad configuration");
+        inner = pd_synth_executor(n->synth);
+    }
+    if ((err = pd_stream_create(&n->st, inner, c->batch))) return pd_errorf(msg, cap, err, "stream");
+    pd_stream_set_hold_fn(n->st, side == SIDE_P ? on_launch_prefill : on_launch_decode, s);
     n->meta = calloc(c->meta_rows, sizeof(pd_meta_row));
     pd_engine_config ec;
     pd_engine_config_default(&ec, side == SIDE_P ? PD_ROLE_PREFILL : PD_ROLE_DECODE);
@@ -300,13 +321,14 @@ static pd_err node_build(sim *s, int side, char *msg, size_t cap) {
     ec.transfer_timeout_us = c->transfer_timeout;
     ec.meta_mem = n->meta;
     pd_sink sink = {.vt = &sink_vt, .self = n};
-    err = pd_engine_create(&n->eng, &ec, pd_synth_executor(n->sx),
+    err = pd_engine_create(&n->eng, &ec, pd_stream_executor(n->st),
                            pd_loopback_endpoint(s->lb, side == SIDE_P ? PD_LB_PREFILL : PD_LB_DECODE),
                            sink, msg, cap);
     if (err) return err;
     pd_engine_set_insert_observer(n->eng, on_insert, n);
     pd_exec_memory mem;
-    pd_synth_executor(n->sx).vt->memory(n->sx, &mem);
+    pd_executor ex = pd_stream_executor(n->st);
+    ex.vt->memory(ex.self, &mem);
     pd_loopback_register(s->lb, side == SIDE_P ? PD_LB_PREFILL : PD_LB_DECODE, &mem, n->meta, c->meta_rows);
     n->alive = true;
     return PD_OK;
@@ -314,10 +336,14 @@ static pd_err node_build(sim *s, int side, char *msg, size_t cap) {
 
 static void node_destroy(node *n) {
     pd_engine_destroy(n->eng);
-    pd_synth_destroy(n->sx);
+    pd_stream_destroy(n->st);
+    pd_synth_destroy(n->synth);
+    if (n->model_ex.vt) pd_model_executor_destroy(&n->model_ex);
+    memset(&n->model_ex, 0, sizeof(n->model_ex));
+    n->synth = NULL;
     free(n->meta);
     n->eng = NULL;
-    n->sx = NULL;
+    n->st = NULL;
     n->meta = NULL;
     n->alive = false;
 }
@@ -331,6 +357,13 @@ static pd_err world_build(sim *s, char *msg, size_t cap) {
     pd_rng_seed(&s->jitter, c->jitter_seed);
     pd_err err = pd_loopback_create(&s->lb, &lc);
     if (err) return pd_errorf(msg, cap, err, "transport: bad configuration");
+    if (c->tiny) {
+        pd_model_config mc;
+        if ((err = pd_model_config_preset(&mc, "tiny", msg, cap))) return err;
+        snprintf(mc.layers, sizeof(mc.layers), "%s", c->mamba ? "MAMA" : "AAAA");
+        if ((err = pd_model_create_random(&s->model, &mc, 1234, msg, cap))) return err;
+        if (s->cfg.vocab > mc.vocab) s->cfg.vocab = mc.vocab;
+    }
     for (int side = 0; side < 2; side++)
         if ((err = node_build(s, side, msg, cap))) return err;
     s->built = true;
@@ -339,8 +372,9 @@ static pd_err world_build(sim *s, char *msg, size_t cap) {
 
 static void sim_free(sim *s) {
     for (int side = 0; side < 2; side++)
-        if (s->nodes[side].eng || s->nodes[side].sx) node_destroy(&s->nodes[side]);
+        if (s->nodes[side].eng || s->nodes[side].st) node_destroy(&s->nodes[side]);
     pd_loopback_destroy(s->lb);
+    pd_model_destroy(s->model);
     for (uint32_t i = 0; i < s->n_reqs; i++) {
         free(s->reqs[i].prompt);
         free(s->reqs[i].tokens);
@@ -370,8 +404,8 @@ static void tick(sim *s) {
     pd_loopback_advance(s->lb, s->now);
     for (int side = 0; side < 2; side++) {
         if (!s->nodes[side].alive) continue;
-        pd_synth_set_now(s->nodes[side].sx, s->now);
-        pd_synth_run(s->nodes[side].sx);
+        pd_stream_set_now(s->nodes[side].st, s->now);
+        pd_stream_run(s->nodes[side].st);
     }
     for (int side = 0; side < 2; side++)
         if (s->nodes[side].alive) pd_engine_step(s->nodes[side].eng, s->now);
@@ -493,6 +527,10 @@ static pd_err cmd_config(sim *s, const line_args *a, char *msg, size_t cap) {
         else if (!strcmp(key, "layers")) ok = parse_u32(v, &c->layers);
         else if (!strcmp(key, "vocab")) ok = parse_u32(v, &c->vocab);
         else if (!strcmp(key, "exec_jitter")) ok = parse_u32(v, &c->exec_jitter);
+        else if (!strcmp(key, "model")) {
+            ok = !strcmp(v, "tiny") || !strcmp(v, "synth");
+            c->tiny = !strcmp(v, "tiny");
+        }
         else if (!strcmp(key, "xfer_jitter")) ok = parse_u32(v, &c->xfer_jitter);
         else if (!strcmp(key, "jitter_seed")) {
             uint32_t js;
@@ -643,7 +681,7 @@ static pd_err cmd_outcome(sim *s, const line_args *a, bool boot, char *msg, size
 
 static pd_err cmd_hold(sim *s, const line_args *a, bool hold, char *msg, size_t cap) {
     if (a->n == 2 && !strcmp(a->w[1], "loads")) {
-        if (s->nodes[SIDE_P].alive) pd_synth_hold_loads(s->nodes[SIDE_P].sx, hold);
+        if (s->nodes[SIDE_P].alive) pd_stream_hold_loads(s->nodes[SIDE_P].st, hold);
         return PD_OK;
     }
     sreq *r = need_req(s, a, msg, cap);
@@ -653,7 +691,7 @@ static pd_err cmd_hold(sim *s, const line_args *a, bool hold, char *msg, size_t 
         return pd_errorf(msg, cap, PD_ERR_PARSE, "%s: chunk=K with 1 <= K <= %d", a->w[0], CHUNKS_TRACKED);
     if (hold) r->hold_mask |= 1u << (k - 1);
     else r->hold_mask &= ~(1u << (k - 1));
-    if (k <= r->chunks && s->nodes[SIDE_P].alive) pd_synth_hold(s->nodes[SIDE_P].sx, r->chunk_batch[k], hold);
+    if (k <= r->chunks && s->nodes[SIDE_P].alive) pd_stream_hold(s->nodes[SIDE_P].st, r->chunk_batch[k], hold);
     return PD_OK;
 }
 
@@ -712,7 +750,7 @@ static bool all_idle(sim *s) {
     for (int side = 0; side < 2; side++) {
         node *n = &s->nodes[side];
         if (!n->alive) continue;
-        if (!pd_engine_idle(n->eng) || pd_synth_queued(n->sx) > 0) return false;
+        if (!pd_engine_idle(n->eng) || pd_stream_queued(n->st) > 0) return false;
     }
     return pd_loopback_pending(s->lb) == 0;
 }
@@ -724,7 +762,7 @@ static pd_err cmd_drain(sim *s, char *msg, size_t cap) {
         check_nodes(s, "drain");
         if (s->violations) return PD_ERR_INTERNAL;
     }
-    if (s->nodes[SIDE_P].alive && pd_synth_blocked(s->nodes[SIDE_P].sx))
+    if (s->nodes[SIDE_P].alive && pd_stream_blocked(s->nodes[SIDE_P].st))
         return pd_errorf(msg, cap, PD_ERR_STATE, "drain: a held forward result blocks the executor (release it first)");
     char state[512] = "";
     size_t k = 0;
@@ -737,7 +775,7 @@ static pd_err cmd_drain(sim *s, char *msg, size_t cap) {
                               "prealloc %u wait_transfer %u draining %u in-flight %u queued-work %u;",
                               side_name(side), c.queued_bootstrap, c.queued_waiting, c.loading, c.running,
                               c.parked, c.transferring, c.prealloc, c.wait_transfer, c.draining,
-                              c.forwards_in_flight, pd_synth_queued(s->nodes[side].sx));
+                              c.forwards_in_flight, pd_stream_queued(s->nodes[side].st));
         if (k >= sizeof(state)) break;
     }
     return pd_errorf(msg, cap, PD_ERR_STATE, "drain: still busy after %d ticks:%s transport ops %u",
@@ -756,13 +794,49 @@ static const char *outcome_name(const sreq *r, int side_or_client) {
     return r->terms[side_or_client] ? pd_terminal_kind_name(r->kind[side_or_client]) : "none";
 }
 
+/* The tiny model's answer for r run alone: one whole-prompt forward on a
+ * fresh executor, then one token per step. */
+static uint32_t tiny_reference(sim *s, const sreq *r, int32_t *out) {
+    const sim_cfg *c = &s->cfg;
+    uint32_t ps = c->page_size;
+    uint32_t pages = PD_DIV_CEIL(r->len + r->max_new, ps) + 1;
+    pd_executor ex;
+    char msg[256];
+    pd_err err = pd_model_executor_create(&ex, s->model, ps, pages, c->mamba ? 1 : 0, 0, 1, msg, sizeof(msg));
+    PD_ASSERTF(err == PD_OK, "%s", msg);
+    uint32_t *pt = malloc(pages * sizeof(uint32_t));
+    for (uint32_t i = 0; i < pages; i++) pt[i] = i;
+    int32_t eos = pd_model_config_get(s->model)->eos_token;
+    pd_batch_item it = {
+        .req = 1, .tokens = r->prompt, .n_tokens = r->len, .start_pos = 0, .pages = pt,
+        .n_pages = pages, .mamba_slot = c->mamba ? 0 : PD_POOL_NONE,
+        .snapshot_slot = PD_POOL_NONE, .sample = true, .sampling = r->sampling,
+    };
+    uint32_t n = 0;
+    for (;;) {
+        pd_item_result res;
+        err = pd_model_forward(&ex, &it, 1, &res, NULL, msg, sizeof(msg));
+        PD_ASSERTF(err == PD_OK, "%s", msg);
+        out[n++] = res.token;
+        if (n >= r->max_new || (!r->ignore_eos && eos >= 0 && res.token == eos)) break;
+        it.tokens = &out[n - 1];
+        it.n_tokens = 1;
+        it.start_pos = r->len + n - 1;
+        it.sample_index = n;
+    }
+    free(pt);
+    pd_model_executor_destroy(&ex);
+    return n;
+}
+
 static bool tokens_match_reference(sim *s, const sreq *r, bool *prefix_only) {
     sim_cfg *c = &s->cfg;
     pd_synth_config sc = {.page_size = c->page_size, .layers = c->layers, .vocab = c->vocab,
                           .eos_token = (int32_t)c->vocab - 1};
     int32_t *ref = malloc((r->max_new + 1) * sizeof(int32_t));
-    uint32_t n = pd_synth_reference(&sc, c->mamba, r->prompt, r->len, r->max_new, NULL, 0,
-                                    r->ignore_eos, &r->sampling, ref);
+    uint32_t n = c->tiny ? tiny_reference(s, r, ref)
+                         : pd_synth_reference(&sc, c->mamba, r->prompt, r->len, r->max_new, NULL, 0,
+                                              r->ignore_eos, &r->sampling, ref);
     bool finished = r->terms[SIDE_D] == 1 && r->kind[SIDE_D] == PD_TERM_FINISHED;
     *prefix_only = !finished;
     bool ok = finished ? r->n_tokens == n : r->n_tokens <= n;
@@ -1306,8 +1380,8 @@ pd_err pd_sim_random(const pd_sim_options *o, pd_sim_result *res, pd_strbuf *rep
 
 /* ---- scenario replay -------------------------------------------------------------------- */
 
-pd_err pd_sim_scenario(const char *text, const char *name, FILE *trace, pd_sim_result *res,
-                       pd_strbuf *report) {
+pd_err pd_sim_scenario(const char *text, const char *name, const char *config_extra, FILE *trace,
+                       pd_sim_result *res, pd_strbuf *report) {
     sim s;
     memset(&s, 0, sizeof(s));
     cfg_default(&s.cfg);
@@ -1327,7 +1401,14 @@ pd_err pd_sim_scenario(const char *text, const char *name, FILE *trace, pd_sim_r
         } else {
             memcpy(line, p, n);
             line[n] = 0;
-            err = exec_line(&s, line, msg, sizeof(msg));
+            /* The extra configuration goes in just before the world is built. */
+            line_args peek;
+            char tmp[512];
+            snprintf(tmp, sizeof(tmp), "%s", line);
+            if (config_extra && !s.built && split_line(tmp, &peek) && peek.n > 0 &&
+                strcmp(peek.w[0], "config") != 0)
+                err = exec_line(&s, config_extra, msg, sizeof(msg));
+            if (!err) err = exec_line(&s, line, msg, sizeof(msg));
         }
         if (err) {
             /* Prefix the message with where it happened. */
@@ -1367,7 +1448,7 @@ typedef struct xstate {
 static uint32_t enabled_events(sim *s, const xstate *x, xchoice *out) {
     uint32_t n = 0;
     node *P = &s->nodes[SIDE_P];
-    if (pd_synth_blocked(P->sx)) out[n++] = (xchoice){EV_RESULT, 0};
+    if (pd_stream_blocked(P->st)) out[n++] = (xchoice){EV_RESULT, 0};
     for (uint8_t i = 0; i < 2; i++) {
         sreq *r = &s->reqs[i];
         bool live = live_on(r, SIDE_P) || live_on(r, SIDE_D);
@@ -1390,8 +1471,8 @@ static pd_err apply_choice(sim *s, xstate *x, xchoice c, char *msg, size_t cap) 
     const char *rid = s->reqs[c.req].rid;
     switch (c.ev) {
     case EV_RESULT: {
-        uint64_t b = pd_synth_head_batch(s->nodes[SIDE_P].sx);
-        pd_synth_hold(s->nodes[SIDE_P].sx, b, false);
+        uint64_t b = pd_stream_head_batch(s->nodes[SIDE_P].st);
+        pd_stream_hold(s->nodes[SIDE_P].st, b, false);
         trace_line(s, "# release the next prefill result");
         return PD_OK;
     }
@@ -1451,8 +1532,8 @@ static pd_err explore_one(const uint32_t *prefix, uint32_t n_prefix, uint32_t *c
     if (!err) {
         /* Let everything go and finish. */
         s.hold_clear = true;
-        while (pd_synth_blocked(s.nodes[SIDE_P].sx))
-            pd_synth_hold(s.nodes[SIDE_P].sx, pd_synth_head_batch(s.nodes[SIDE_P].sx), false);
+        while (pd_stream_blocked(s.nodes[SIDE_P].st))
+            pd_stream_hold(s.nodes[SIDE_P].st, pd_stream_head_batch(s.nodes[SIDE_P].st), false);
         for (uint8_t i = 0; i < 2 && !err; i++) {
             char line[64];
             if (!x.boot_decided[i]) {

@@ -16,42 +16,23 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define OPS_MAX 64
 #define H0 0x1234567812345678ull
 #define S0 0x0BADC0DE0BADC0DEull
 #define GARBAGE 0xDEADBEEFDEADBEEFull
+#define PENDING_MAX 8
 
-typedef enum { SO_BATCH, SO_COPY, SO_LOAD } so_kind;
-typedef enum { ST_FREE, ST_QUEUED, ST_DONE } so_state;
-
-typedef struct sitem {
-    pd_batch_item item;   /* tokens and pages point into the op's own copies */
-    int32_t *tokens;
-    uint32_t *pages;
-} sitem;
-
-typedef struct sop {
-    so_state state;
-    so_kind kind;
-    uint64_t id;          /* batch id / load id */
-    bool held;
-    uint64_t ready_at;    /* the driver's time from which it may run */
+/* Results of launched batches waiting for poll (computed at launch). */
+typedef struct pending {
+    bool used;
+    uint64_t id;
     uint32_t n;
-    sitem *items;         /* batch_max */
     pd_item_result *results;
-    uint32_t dst, src;    /* copy */
-    uint32_t *dev, *host; /* load */
-} sop;
+} pending;
 
 struct pd_synth {
     pd_synth_config cfg;
     uint64_t *kv, *mamba, *host;
-    sop ops[OPS_MAX];
-    uint32_t fifo[OPS_MAX], fifo_head, fifo_n;
-    pd_synth_hold_fn hold_fn;
-    void *hold_ctx;
-    uint64_t now;
-    bool hold_loads;
+    pending pend[PENDING_MAX];
 };
 
 static inline uint64_t mix(uint64_t a, uint64_t b) {
@@ -108,123 +89,39 @@ static void run_item(pd_synth *s, const pd_batch_item *it, pd_item_result *res) 
     res->logprob = -(float)((x >> 40) % 1000) / 100.0f;
 }
 
-static void run_op(pd_synth *s, sop *o) {
-    size_t page_vals = (size_t)s->cfg.page_size * s->cfg.layers;
-    switch (o->kind) {
-    case SO_BATCH:
-        for (uint32_t i = 0; i < o->n; i++) run_item(s, &o->items[i].item, &o->results[i]);
-        o->state = ST_DONE;
-        break;
-    case SO_COPY:
-        s->mamba[o->dst] = s->mamba[o->src];
-        o->state = ST_FREE;
-        break;
-    case SO_LOAD:
-        for (uint32_t i = 0; i < o->n; i++)
-            memcpy(s->kv + o->dev[i] * page_vals, s->host + o->host[i] * page_vals,
-                   page_vals * sizeof(uint64_t));
-        o->state = ST_DONE;
-        break;
-    }
-}
-
-bool pd_synth_run_one(pd_synth *s) {
-    if (s->fifo_n == 0) return false;
-    sop *o = &s->ops[s->fifo[s->fifo_head]];
-    if (o->held || o->ready_at > s->now) return false;
-    s->fifo_head = (s->fifo_head + 1) % OPS_MAX;
-    s->fifo_n--;
-    run_op(s, o);
-    return true;
-}
-
-uint32_t pd_synth_run(pd_synth *s) {
-    uint32_t n = 0;
-    while (pd_synth_run_one(s)) n++;
-    return n;
-}
-
-uint32_t pd_synth_queued(const pd_synth *s) { return s->fifo_n; }
-
-bool pd_synth_blocked(const pd_synth *s) {
-    return s->fifo_n > 0 && s->ops[s->fifo[s->fifo_head]].held;
-}
-
-uint64_t pd_synth_head_batch(const pd_synth *s) {
-    if (s->fifo_n == 0) return 0;
-    const sop *o = &s->ops[s->fifo[s->fifo_head]];
-    return o->kind == SO_BATCH ? o->id : 0;
-}
-
-static sop *op_new(pd_synth *s, so_kind kind) {
-    if (s->fifo_n == OPS_MAX) return NULL;
-    for (uint32_t i = 0; i < OPS_MAX; i++) {
-        if (s->ops[i].state != ST_FREE) continue;
-        sop *o = &s->ops[i];
-        o->state = ST_QUEUED;
-        o->kind = kind;
-        o->held = false;
-        o->ready_at = 0;
-        o->n = 0;
-        s->fifo[(s->fifo_head + s->fifo_n) % OPS_MAX] = i;
-        s->fifo_n++;
-        return o;
-    }
-    return NULL;
-}
-
-static sop *find_op(pd_synth *s, so_kind kind, uint64_t id) {
-    for (uint32_t i = 0; i < OPS_MAX; i++)
-        if (s->ops[i].state != ST_FREE && s->ops[i].kind == kind && s->ops[i].id == id) return &s->ops[i];
-    return NULL;
-}
-
 /* ---- the executor vtable ------------------------------------------------------ */
 
 static pd_err sx_launch(void *self, const pd_batch *b) {
     pd_synth *s = self;
     if (b->n_items > s->cfg.batch_max) return PD_ERR_INVALID;
-    sop *o = op_new(s, SO_BATCH);
-    if (!o) return PD_ERR_NOMEM;
-    o->id = b->id;
-    o->n = b->n_items;
-    for (uint32_t i = 0; i < b->n_items; i++) {
-        const pd_batch_item *in = &b->items[i];
-        sitem *si = &o->items[i];
-        free(si->tokens);
-        free(si->pages);
-        si->tokens = malloc((in->n_tokens + 1) * sizeof(int32_t));
-        si->pages = malloc((in->n_pages + 1) * sizeof(uint32_t));
-        PD_ASSERT(si->tokens && si->pages);
-        memcpy(si->tokens, in->tokens, in->n_tokens * sizeof(int32_t));
-        memcpy(si->pages, in->pages, in->n_pages * sizeof(uint32_t));
-        si->item = *in;
-        si->item.tokens = si->tokens;
-        si->item.pages = si->pages;
-        int h = s->hold_fn ? s->hold_fn(s->hold_ctx, b->id, in) : 0;
-        if (h == PD_SYNTH_HOLD) o->held = true;
-        else if (h > 0 && s->now + 1 + (uint64_t)h > o->ready_at) o->ready_at = s->now + 1 + (uint64_t)h;
-    }
+    pending *p = NULL;
+    for (uint32_t i = 0; i < PENDING_MAX && !p; i++)
+        if (!s->pend[i].used) p = &s->pend[i];
+    if (!p) return PD_ERR_NOMEM;
+    for (uint32_t i = 0; i < b->n_items; i++) run_item(s, &b->items[i], &p->results[i]);
+    p->used = true;
+    p->id = b->id;
+    p->n = b->n_items;
     return PD_OK;
 }
 
 static bool sx_poll(void *self, uint64_t id, pd_item_result *results) {
     pd_synth *s = self;
-    sop *o = find_op(s, SO_BATCH, id);
-    PD_ASSERTF(o, "poll of unknown batch %llu", (unsigned long long)id);
-    if (o->state != ST_DONE) return false;
-    memcpy(results, o->results, o->n * sizeof(pd_item_result));
-    o->state = ST_FREE;
-    return true;
+    for (uint32_t i = 0; i < PENDING_MAX; i++) {
+        pending *p = &s->pend[i];
+        if (!p->used || p->id != id) continue;
+        memcpy(results, p->results, p->n * sizeof(pd_item_result));
+        p->used = false;
+        return true;
+    }
+    PD_ASSERTF(false, "poll of unknown batch %llu", (unsigned long long)id);
+    return false;
 }
 
 static pd_err sx_copy_state(void *self, uint32_t dst, uint32_t src) {
     pd_synth *s = self;
     if (dst >= s->cfg.mamba_slots || src >= s->cfg.mamba_slots) return PD_ERR_INVALID;
-    sop *o = op_new(s, SO_COPY);
-    if (!o) return PD_ERR_NOMEM;
-    o->dst = dst;
-    o->src = src;
+    s->mamba[dst] = s->mamba[src];
     return PD_OK;
 }
 
@@ -236,47 +133,23 @@ static void sx_write_back(void *self, const uint32_t *dev, const uint32_t *host,
 }
 
 static pd_err sx_load_begin(void *self, uint64_t id, const uint32_t *dev, const uint32_t *host, uint32_t n) {
+    (void)id;
     pd_synth *s = self;
-    sop *o = op_new(s, SO_LOAD);
-    if (!o) return PD_ERR_NOMEM;
-    o->id = id;
-    o->n = n;
-    o->held = s->hold_loads;
-    free(o->dev);
-    free(o->host);
-    o->dev = malloc((n + 1) * sizeof(uint32_t));
-    o->host = malloc((n + 1) * sizeof(uint32_t));
-    PD_ASSERT(o->dev && o->host);
-    memcpy(o->dev, dev, n * sizeof(uint32_t));
-    memcpy(o->host, host, n * sizeof(uint32_t));
+    size_t page_vals = (size_t)s->cfg.page_size * s->cfg.layers;
+    for (uint32_t i = 0; i < n; i++)
+        memcpy(s->kv + dev[i] * page_vals, s->host + host[i] * page_vals, page_vals * sizeof(uint64_t));
     return PD_OK;
 }
 
 static bool sx_load_poll(void *self, uint64_t id) {
-    pd_synth *s = self;
-    sop *o = find_op(s, SO_LOAD, id);
-    PD_ASSERTF(o, "poll of unknown load %llu", (unsigned long long)id);
-    if (o->state != ST_DONE) return false;
-    o->state = ST_FREE;
+    (void)self;
+    (void)id;
     return true;
 }
 
 static void sx_load_cancel(void *self, uint64_t id) {
-    pd_synth *s = self;
-    sop *o = find_op(s, SO_LOAD, id);
-    if (!o) return;
-    if (o->state == ST_QUEUED) {
-        /* Take it out of the stream: it will never write. */
-        uint32_t keep = 0, idx = (uint32_t)(o - s->ops);
-        uint32_t tmp[OPS_MAX];
-        for (uint32_t i = 0; i < s->fifo_n; i++) {
-            uint32_t k = s->fifo[(s->fifo_head + i) % OPS_MAX];
-            if (k != idx) tmp[keep++] = k;
-        }
-        for (uint32_t i = 0; i < keep; i++) s->fifo[(s->fifo_head + i) % OPS_MAX] = tmp[i];
-        s->fifo_n = keep;
-    }
-    o->state = ST_FREE;
+    (void)self;
+    (void)id;
 }
 
 static void sx_memory(void *self, pd_exec_memory *out) {
@@ -303,25 +176,6 @@ static const pd_executor_vtable synth_vt = {
 
 pd_executor pd_synth_executor(pd_synth *s) { return (pd_executor){.vt = &synth_vt, .self = s}; }
 
-void pd_synth_set_hold_fn(pd_synth *s, pd_synth_hold_fn fn, void *ctx) {
-    s->hold_fn = fn;
-    s->hold_ctx = ctx;
-}
-
-void pd_synth_set_now(pd_synth *s, uint64_t now) { s->now = now; }
-
-void pd_synth_hold_loads(pd_synth *s, bool on) {
-    s->hold_loads = on;
-    if (on) return;
-    for (uint32_t i = 0; i < OPS_MAX; i++)
-        if (s->ops[i].state == ST_QUEUED && s->ops[i].kind == SO_LOAD) s->ops[i].held = false;
-}
-
-void pd_synth_hold(pd_synth *s, uint64_t batch_id, bool held) {
-    sop *o = find_op(s, SO_BATCH, batch_id);
-    if (o && o->state == ST_QUEUED) o->held = held;
-}
-
 pd_err pd_synth_create(pd_synth **out, const pd_synth_config *cfg) {
     if (!out || !cfg || cfg->page_size == 0 || cfg->kv_pages == 0 || cfg->layers == 0 ||
         cfg->vocab < 2 || cfg->batch_max == 0)
@@ -334,11 +188,8 @@ pd_err pd_synth_create(pd_synth **out, const pd_synth_config *cfg) {
     s->mamba = malloc((cfg->mamba_slots + 1) * sizeof(uint64_t));
     s->host = malloc((cfg->host_pages + 1) * page_vals * sizeof(uint64_t));
     bool ok = s->kv && s->mamba && s->host;
-    for (uint32_t i = 0; ok && i < OPS_MAX; i++) {
-        s->ops[i].items = calloc(cfg->batch_max, sizeof(sitem));
-        s->ops[i].results = calloc(cfg->batch_max, sizeof(pd_item_result));
-        ok = s->ops[i].items && s->ops[i].results;
-    }
+    for (uint32_t i = 0; ok && i < PENDING_MAX; i++)
+        ok = (s->pend[i].results = calloc(cfg->batch_max, sizeof(pd_item_result))) != NULL;
     if (!ok) {
         pd_synth_destroy(s);
         return PD_ERR_NOMEM;
@@ -354,17 +205,7 @@ pd_err pd_synth_create(pd_synth **out, const pd_synth_config *cfg) {
 
 void pd_synth_destroy(pd_synth *s) {
     if (!s) return;
-    for (uint32_t i = 0; i < OPS_MAX; i++) {
-        if (s->ops[i].items)
-            for (uint32_t k = 0; k < s->cfg.batch_max; k++) {
-                free(s->ops[i].items[k].tokens);
-                free(s->ops[i].items[k].pages);
-            }
-        free(s->ops[i].items);
-        free(s->ops[i].results);
-        free(s->ops[i].dev);
-        free(s->ops[i].host);
-    }
+    for (uint32_t i = 0; i < PENDING_MAX; i++) free(s->pend[i].results);
     free(s->kv);
     free(s->mamba);
     free(s->host);
