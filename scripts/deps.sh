@@ -10,6 +10,10 @@ packages=(
   pkg-config
   libcmocka-dev     # unit test framework
   libjansson-dev    # JSON (reports, HTTP bodies; tests parse what we emit)
+  libmicrohttpd-dev # HTTP server
+  libcurl4-openssl-dev # HTTP client (router -> workers, end-to-end tests)
+  libucx-dev        # UCX transport between prefill and decode processes
+  ucx-utils         # ucx_info, for diagnostics
 )
 
 missing=()

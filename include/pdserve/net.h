@@ -1,0 +1,75 @@
+/*
+ * pd_net — the network transport between a prefill node and a decode node
+ * in different processes or on different hosts: a TCP bootstrap channel for
+ * control and UCX for the data (shared memory and TCP on one machine; RDMA
+ * where the hardware has it). It implements the pd_xfer contract of
+ * include/pdserve/xfer.h; read that file and src/xfer/loopback.c (the
+ * in-process reference implementation) for the exact semantics of each
+ * status, of abort() and of drained().
+ *
+ * Roles. The prefill node listens on its bootstrap port. A decode node
+ * connects to a prefill node the first time a request names it
+ * (pd_xfer_vtable.receiver_open's `peer` is "host:port"), sends a hello with
+ * its memory descriptors, then per room the destination (pages, Mamba slot,
+ * metadata row, cached prefix). The prefill node writes KV page runs, then
+ * the Mamba state, then the metadata row into the decode node's registered
+ * memory with one-sided puts, then a completion notice that is delivered
+ * only after all of the room's data.
+ *
+ * Threads. The engine calls the vtable from its scheduler thread; a progress
+ * thread owned by the transport drives the sockets and the UCX worker. Every
+ * vtable call is short and never blocks on the network.
+ */
+#ifndef PDSERVE_NET_H
+#define PDSERVE_NET_H
+
+#include "pdserve/executor.h"
+#include "pdserve/xfer.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct pd_net pd_net;
+
+typedef enum pd_net_role { PD_NET_PREFILL, PD_NET_DECODE } pd_net_role;
+
+typedef struct pd_net_config {
+    pd_net_role role;
+    const char *listen_host;      /* prefill: bootstrap listen address (default "0.0.0.0") */
+    uint16_t bootstrap_port;      /* prefill: default 8998; 0 = any free port (tests) */
+    const char *token;            /* shared secret a peer must present; NULL/"" = none */
+    uint32_t page_size;           /* tokens per KV page; both sides must agree */
+    uint32_t rooms_max;           /* live rooms (default 4096) */
+    uint64_t heartbeat_ms;        /* default 1000 */
+    uint64_t dead_after_ms;       /* a silent peer is declared dead after this (default 5000) */
+} pd_net_config;
+
+/* Creates the transport (UCX context and worker; the prefill side's
+ * listening socket). msg names the problem on failure. */
+pd_err pd_net_create(pd_net **out, const pd_net_config *cfg, char *msg, size_t msg_cap);
+/* Registers this node's memory once: the executor's regions and the
+ * metadata rows (the engine's meta_mem). Before pd_net_start. */
+pd_err pd_net_register(pd_net *n, const pd_exec_memory *mem, pd_meta_row *meta,
+                       uint32_t meta_rows, char *msg, size_t msg_cap);
+/* Starts the progress thread. */
+pd_err pd_net_start(pd_net *n, char *msg, size_t msg_cap);
+/* The endpoint for pd_engine_create. */
+pd_xfer pd_net_endpoint(pd_net *n);
+/* The bootstrap port actually bound (prefill), e.g. after port 0. */
+uint16_t pd_net_bootstrap_port(const pd_net *n);
+/* Stops the progress thread, fails every live room, closes every peer. */
+void pd_net_destroy(pd_net *n);
+
+typedef struct pd_net_stats {
+    uint64_t bytes_sent, bytes_received;   /* data plane */
+    uint64_t rooms_opened, rooms_succeeded, rooms_failed;
+    uint64_t peers_connected, peers_lost;
+    uint64_t bad_messages;                 /* malformed, truncated, unauthenticated */
+} pd_net_stats;
+void pd_net_stats_get(pd_net *n, pd_net_stats *out);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* PDSERVE_NET_H */
