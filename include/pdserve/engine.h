@@ -26,7 +26,9 @@
 extern "C" {
 #endif
 
-typedef enum pd_role { PD_ROLE_PREFILL, PD_ROLE_DECODE } pd_role;
+/* PREFILL and DECODE are the two halves of disaggregated serving; COLOCATED
+ * (pdserve serve) prefills and decodes in one engine, without a transfer. */
+typedef enum pd_role { PD_ROLE_PREFILL, PD_ROLE_DECODE, PD_ROLE_COLOCATED } pd_role;
 
 const char *pd_role_name(pd_role role);
 
@@ -61,7 +63,7 @@ void pd_engine_config_default(pd_engine_config *cfg, pd_role role);
 
 typedef struct pd_request_spec {
     const char *rid;               /* unique among live requests of the node */
-    uint64_t room;                 /* non-zero; unique among live requests */
+    uint64_t room;                 /* non-zero; unique among live requests (colocated: any) */
     const int32_t *prompt;
     uint32_t prompt_len;
     uint32_t max_new_tokens;       /* >= 1 */

@@ -43,7 +43,7 @@ static bool finished(pd_engine *e, req *r, pd_finish_reason *why) {
     return false;
 }
 
-static void emit_token(pd_engine *e, req *r, int32_t token, float logprob) {
+void decode_emit_token(pd_engine *e, req *r, int32_t token, float logprob) {
     r->last_token = token;
     r->out_len++;
     e->sink.vt->token(e->sink.self, r->rid, r->room, token, logprob, r->out_len - 1);
@@ -74,7 +74,7 @@ static void commit(pd_engine *e, req *r) {
     }
     r->done = r->prompt_len;
     q_move(e, r, Q_RUNNING);
-    emit_token(e, r, first, logprob);
+    decode_emit_token(e, r, first, logprob);
 }
 
 static void poll_transfers(pd_engine *e) {
@@ -149,28 +149,35 @@ static int prealloc(pd_engine *e, req *r) {
     return 1;
 }
 
-static void on_result(pd_engine *e, req *r, const bitem *it, const pd_item_result *res) {
+void decode_on_result(pd_engine *e, req *r, const bitem *it, const pd_item_result *res) {
     (void)it;
     if (r->term != PD_TERM_NONE || r->retire_pending) {
         if (r->forwards_in_flight == 0) eng_retire(e, r, r->term, r->finish, r->status, r->msg);
         return;
     }
     e->ctr.decode_tokens++;
-    emit_token(e, r, res->token, res->logprob);
+    decode_emit_token(e, r, res->token, res->logprob);
 }
 
-static void schedule(pd_engine *e) {
-    if (e->inflight_n > 0) return;
-    batch_rec *b = eng_batch_begin(e);
+/* One item per running request that has no forward in flight (a step
+ * needs the previous token). */
+void decode_add_items(pd_engine *e, batch_rec *b) {
     uint32_t ps = e->cfg.page_size;
     uint32_t idx = e->q[Q_RUNNING].head;
     while (idx != NONE && b->n < e->cfg.batch_max) {
         req *r = eng_req(e, idx);
         idx = r->qnext;
+        if (r->forwards_in_flight > 0) continue;
         uint32_t pos = r->prompt_len + r->out_len - 1; /* where the last token goes */
         if (pos / ps >= r->n_pages && eng_alloc_pages(e, r, 1) != PD_OK) continue;
-        eng_batch_add(e, b, r, &r->last_token, pos, 1, true, r->out_len, NONE, false);
+        eng_batch_add(e, b, r, &r->last_token, pos, 1, true, r->out_len, NONE, false, true);
     }
+}
+
+static void schedule(pd_engine *e) {
+    if (e->inflight_n > 0) return;
+    batch_rec *b = eng_batch_begin(e);
+    decode_add_items(e, b);
     eng_batch_launch(e, b);
 }
 
@@ -179,6 +186,6 @@ void decode_step(pd_engine *e) {
     while (e->q[Q_PREALLOC].head != NONE) {
         if (prealloc(e, eng_req(e, e->q[Q_PREALLOC].head)) == 0) break;
     }
-    eng_batch_poll(e, on_result);
+    eng_batch_poll(e, decode_on_result);
     schedule(e);
 }

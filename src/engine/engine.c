@@ -27,7 +27,12 @@
 /* ---- names ---------------------------------------------------------------- */
 
 const char *pd_role_name(pd_role role) {
-    return role == PD_ROLE_PREFILL ? "prefill" : role == PD_ROLE_DECODE ? "decode" : "unknown";
+    switch (role) {
+    case PD_ROLE_PREFILL: return "prefill";
+    case PD_ROLE_DECODE: return "decode";
+    case PD_ROLE_COLOCATED: return "colocated";
+    }
+    return "unknown";
 }
 
 const char *pd_terminal_kind_name(pd_terminal_kind k) {
@@ -212,7 +217,7 @@ static void record_free(pd_engine *e, req *r) {
     q_remove(e, r);
     uint32_t idx = eng_idx(e, r);
     ht_del(e, K_RID, idx);
-    ht_del(e, K_ROOM, idx);
+    if (e->cfg.role != PD_ROLE_COLOCATED) ht_del(e, K_ROOM, idx);
     free(r->prompt);
     r->prompt = NULL;
     r->live = false;
@@ -504,7 +509,7 @@ batch_rec *eng_batch_begin(pd_engine *e) {
 
 void eng_batch_add(pd_engine *e, batch_rec *b, req *r, const int32_t *tokens, uint32_t start,
                    uint32_t n, bool sample, uint32_t sample_index, uint32_t snapshot_slot,
-                   bool final) {
+                   bool final, bool decode) {
     PD_ASSERT(b->n < e->cfg.batch_max);
     pd_batch_item *it = &e->launch_items[b->n];
     *it = (pd_batch_item){
@@ -516,7 +521,7 @@ void eng_batch_add(pd_engine *e, batch_rec *b, req *r, const int32_t *tokens, ui
     };
     PD_ASSERT((uint64_t)r->n_pages * e->cfg.page_size >= (uint64_t)start + n);
     b->items[b->n] = (bitem){.idx = eng_idx(e, r), .gen = r->gen, .start = start, .n = n,
-                             .final = final, .snapshot_slot = snapshot_slot};
+                             .final = final, .decode = decode, .snapshot_slot = snapshot_slot};
     b->n++;
     r->forwards_in_flight++;
     r->pending_chunk = true;
@@ -571,16 +576,18 @@ pd_err pd_engine_create(pd_engine **out, const pd_engine_config *cfg_in,
     if (!out || !cfg_in) return pd_errorf(msg, msg_cap, PD_ERR_INVALID, "no config");
     *out = NULL;
     pd_engine_config cfg = *cfg_in;
-    if (!exec.vt || !xfer.vt || !sink.vt)
-        return pd_errorf(msg, msg_cap, PD_ERR_INVALID, "executor, transport and sink are required");
-    if (cfg.role != PD_ROLE_PREFILL && cfg.role != PD_ROLE_DECODE)
+    if (!exec.vt || !sink.vt || (!xfer.vt && cfg.role != PD_ROLE_COLOCATED))
+        return pd_errorf(msg, msg_cap, PD_ERR_INVALID,
+                         "executor, sink and (except colocated) transport are required");
+    if (cfg.role != PD_ROLE_PREFILL && cfg.role != PD_ROLE_DECODE && cfg.role != PD_ROLE_COLOCATED)
         return pd_errorf(msg, msg_cap, PD_ERR_INVALID, "unknown role %d", (int)cfg.role);
     if (cfg.page_size == 0 || cfg.kv_pages == 0 || cfg.rows == 0 || cfg.meta_rows == 0 ||
         cfg.requests_max == 0 || cfg.chunk_tokens == 0 || cfg.batch_max == 0 ||
         cfg.new_tokens_max == 0)
         return pd_errorf(msg, msg_cap, PD_ERR_INVALID,
                          "page size, pools, requests_max, chunk, batch and new_tokens_max must be positive");
-    if (!cfg.meta_mem) return pd_errorf(msg, msg_cap, PD_ERR_INVALID, "meta_mem is required");
+    if (!cfg.meta_mem && cfg.role != PD_ROLE_COLOCATED)
+        return pd_errorf(msg, msg_cap, PD_ERR_INVALID, "meta_mem is required");
     if (cfg.host_pages && !cfg.prefix_cache)
         return pd_errorf(msg, msg_cap, PD_ERR_INVALID, "a host tier needs the prefix cache");
     if (cfg.requests_max > (1u << 24))
@@ -632,9 +639,9 @@ pd_err pd_engine_create(pd_engine **out, const pd_engine_config *cfg_in,
         };
         err = pd_cache_create(&e->cache, &cc);
     }
-    e->tracks = (cfg.mamba_slots && cfg.prefix_cache && cfg.role == PD_ROLE_PREFILL)
+    e->tracks = (cfg.mamba_slots && cfg.prefix_cache && cfg.role != PD_ROLE_DECODE)
                     ? (cfg.overlap ? 2 : 1) : 0;
-    uint32_t max_tokens = cfg.prompt_tokens_max + (cfg.role == PD_ROLE_DECODE ? cfg.new_tokens_max : 0);
+    uint32_t max_tokens = cfg.prompt_tokens_max + (cfg.role != PD_ROLE_PREFILL ? cfg.new_tokens_max : 0);
     e->pages_per_req = PD_DIV_CEIL(max_tokens, cfg.page_size) + 1;
     uint32_t ht_cap = 16;
     while (ht_cap < 2 * cfg.requests_max) ht_cap *= 2;
@@ -665,7 +672,7 @@ pd_err pd_engine_create(pd_engine **out, const pd_engine_config *cfg_in,
     }
     e->free_head = 0;
     for (int q = 0; q < Q__COUNT; q++) e->q[q].head = e->q[q].tail = NONE;
-    memset(cfg.meta_mem, 0, (size_t)cfg.meta_rows * sizeof(pd_meta_row));
+    if (cfg.meta_mem) memset(cfg.meta_mem, 0, (size_t)cfg.meta_rows * sizeof(pd_meta_row));
     *out = e;
     return PD_OK;
 }
@@ -717,7 +724,8 @@ pd_err pd_engine_submit(pd_engine *e, const pd_request_spec *s, uint64_t now_us,
     for (size_t i = 0; i < rid_len; i++)
         if ((unsigned char)s->rid[i] < 0x20 || s->rid[i] == 0x7f)
             return reject(e, why, PD_ERR_INVALID, 400, "rid contains a control character");
-    if (s->room == 0) return reject(e, why, PD_ERR_INVALID, 400, "unknown room 0 (a bootstrap room is required)");
+    if (s->room == 0 && e->cfg.role != PD_ROLE_COLOCATED)
+        return reject(e, why, PD_ERR_INVALID, 400, "unknown room 0 (a bootstrap room is required)");
     if (s->prompt_len == 0 || !s->prompt) return reject(e, why, PD_ERR_INVALID, 400, "empty prompt");
     if (s->max_new_tokens < 1)
         return reject(e, why, PD_ERR_INVALID, 400, "max_new_tokens must be at least 1");
@@ -738,16 +746,17 @@ pd_err pd_engine_submit(pd_engine *e, const pd_request_spec *s, uint64_t now_us,
         if (s->prompt[i] < 0 || (uint32_t)s->prompt[i] >= e->info.vocab)
             return reject(e, why, PD_ERR_INVALID, 400, "prompt token %d at position %u outside the vocabulary (size %u)",
                           s->prompt[i], i, e->info.vocab);
-    uint64_t need_tokens = s->prompt_len + (e->cfg.role == PD_ROLE_DECODE ? s->max_new_tokens : 0);
+    bool generates = e->cfg.role != PD_ROLE_PREFILL;
+    uint64_t need_tokens = s->prompt_len + (generates ? s->max_new_tokens : 0);
     uint64_t pool_tokens = (uint64_t)e->cfg.kv_pages * e->cfg.page_size;
     if (s->prompt_len > e->cfg.prompt_tokens_max || need_tokens > pool_tokens)
         return reject(e, why, PD_ERR_TOOBIG, 413,
                       "prompt of %u tokens (+%u new) does not fit: limit %u prompt tokens, KV pool %llu tokens",
-                      s->prompt_len, e->cfg.role == PD_ROLE_DECODE ? s->max_new_tokens : 0,
+                      s->prompt_len, generates ? s->max_new_tokens : 0,
                       e->cfg.prompt_tokens_max, (unsigned long long)pool_tokens);
     if (ht_find(e, K_RID, s->rid, 0) != NONE)
         return reject(e, why, PD_ERR_EXISTS, 409, "rid '%s' is already live", s->rid);
-    if (ht_find(e, K_ROOM, NULL, s->room) != NONE)
+    if (e->cfg.role != PD_ROLE_COLOCATED && ht_find(e, K_ROOM, NULL, s->room) != NONE)
         return reject(e, why, PD_ERR_EXISTS, 409, "room %llu is already live", (unsigned long long)s->room);
     int32_t *prompt = malloc((size_t)s->prompt_len * sizeof(int32_t));
     if (!prompt) return reject(e, why, PD_ERR_NOMEM, 429, "out of memory for the prompt");
@@ -768,10 +777,14 @@ pd_err pd_engine_submit(pd_engine *e, const pd_request_spec *s, uint64_t now_us,
     r->ignore_eos = s->ignore_eos;
     if (s->peer) snprintf(r->peer, sizeof(r->peer), "%s", s->peer);
     r->t_submit = now_us;
+    r->bootstrapped = e->cfg.role == PD_ROLE_COLOCATED; /* nothing to hand over */
     uint32_t idx = eng_idx(e, r);
     ht_put(e, K_RID, idx);
-    ht_put(e, K_ROOM, idx);
-    q_push(e, r, e->cfg.role == PD_ROLE_PREFILL ? Q_BOOTSTRAP : Q_PREALLOC);
+    if (e->cfg.role != PD_ROLE_COLOCATED) ht_put(e, K_ROOM, idx);
+    static const uint8_t first_queue[] = {
+        [PD_ROLE_PREFILL] = Q_BOOTSTRAP, [PD_ROLE_DECODE] = Q_PREALLOC, [PD_ROLE_COLOCATED] = Q_WAITING,
+    };
+    q_push(e, r, first_queue[e->cfg.role]);
     r->t_state = now_us;
     e->ctr.submitted++;
     return PD_OK;
@@ -800,8 +813,8 @@ uint32_t pd_engine_abort_all(pd_engine *e) {
 
 void pd_engine_step(pd_engine *e, uint64_t now_us) {
     e->now = now_us;
-    if (e->cfg.role == PD_ROLE_PREFILL) prefill_step(e);
-    else decode_step(e);
+    if (e->cfg.role == PD_ROLE_DECODE) decode_step(e);
+    else prefill_step(e); /* prefill and colocated */
     drain_poll(e);
 }
 

@@ -110,6 +110,7 @@ typedef struct bitem {
     uint32_t idx, gen;
     uint32_t start, n;
     bool final;             /* the request's last prompt chunk (prefill) */
+    bool decode;            /* one generated token (decode, colocated) */
     uint32_t snapshot_slot; /* track slot written at the chunk end, or NONE */
 } bitem;
 
@@ -188,7 +189,7 @@ void eng_emit_terminal(pd_engine *e, req *r);
 batch_rec *eng_batch_begin(pd_engine *e);  /* NULL when INFLIGHT_MAX are in flight */
 void eng_batch_add(pd_engine *e, batch_rec *b, req *r, const int32_t *tokens, uint32_t start,
                    uint32_t n, bool sample, uint32_t sample_index, uint32_t snapshot_slot,
-                   bool final);
+                   bool final, bool decode);
 void eng_batch_launch(pd_engine *e, batch_rec *b);
 /* Polls the oldest batch; if complete, calls fn(e, r, item, result) for every
  * item whose request is still the same record (live, same generation), then
@@ -197,7 +198,13 @@ bool eng_batch_poll(pd_engine *e, void (*fn)(pd_engine *, req *, const bitem *,
                                              const pd_item_result *));
 
 /* ---- prefill.c / decode.c ---- */
-void prefill_step(pd_engine *e);
+void prefill_step(pd_engine *e);   /* prefill and colocated */
 void decode_step(pd_engine *e);
+/* Shared with the colocated engine: the running requests' next tokens, a
+ * generated token (streams it, finishes the request if it is the last), and
+ * a decode item's result. */
+void decode_add_items(pd_engine *e, batch_rec *b);
+void decode_emit_token(pd_engine *e, req *r, int32_t token, float logprob);
+void decode_on_result(pd_engine *e, req *r, const bitem *it, const pd_item_result *res);
 
 #endif

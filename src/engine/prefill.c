@@ -195,7 +195,10 @@ static int admit(pd_engine *e, req *r) {
         }
         eng_cache_lock(e, r, node);
     }
-    uint32_t need = PD_DIV_CEIL(r->prompt_len, ps) - use / ps;
+    /* Colocated: the pages of every token the request may generate too (the
+     * last sampled token is never fed back). */
+    uint32_t positions = e->cfg.role == PD_ROLE_COLOCATED ? r->prompt_len + r->max_new - 1 : r->prompt_len;
+    uint32_t need = PD_DIV_CEIL(positions, ps) - use / ps;
     if (eng_kv_available(e) < need) {
         if (r->holds_lock) {
             PD_MUST(pd_cache_unlock(e->cache, r->lock_node));
@@ -277,7 +280,7 @@ static uint32_t add_chunk(pd_engine *e, batch_rec *b, req *r, uint32_t budget) {
     }
     bool final = end == r->prompt_len;
     if (final) r->final_snap = snap;
-    eng_batch_add(e, b, r, r->prompt + r->launched, r->launched, n, final, 0, snap, final);
+    eng_batch_add(e, b, r, r->prompt + r->launched, r->launched, n, final, 0, snap, final, false);
     r->launched = end;
     e->ctr.prefill_tokens += n;
     return n;
@@ -305,6 +308,8 @@ static void schedule(pd_engine *e) {
     if (e->inflight_n >= depth) return;
     batch_rec *b = eng_batch_begin(e);
     if (!b) return;
+    /* Colocated: running requests' next tokens go first (mixed batches). */
+    if (e->cfg.role == PD_ROLE_COLOCATED) decode_add_items(e, b);
     uint32_t budget = e->cfg.chunk_tokens;
     uint32_t idx = e->q[Q_PREFILL].head;
     while (idx != NONE && budget > 0 && b->n < e->cfg.batch_max) {
@@ -323,6 +328,10 @@ static void schedule(pd_engine *e) {
 }
 
 static void on_result(pd_engine *e, req *r, const bitem *it, const pd_item_result *res) {
+    if (it->decode) {
+        decode_on_result(e, r, it, res);
+        return;
+    }
     if (r->term != PD_TERM_NONE || r->retire_pending) {
         /* Aborted or failed while this forward ran: the last result in flight
          * completes the retire; nothing of this chunk is cached or sent. */
@@ -342,6 +351,12 @@ static void on_result(pd_engine *e, req *r, const bitem *it, const pd_item_resul
             }
         }
         send_ready(e, r);
+        return;
+    }
+    if (e->cfg.role == PD_ROLE_COLOCATED) {
+        /* No hand-off: the request starts generating here. */
+        q_move(e, r, Q_RUNNING);
+        decode_emit_token(e, r, res->token, res->logprob);
         return;
     }
     pd_meta_row *meta = &e->cfg.meta_mem[r->meta_row];

@@ -1,0 +1,131 @@
+/* The colocated engine (pdserve serve): prefill and decode in one engine, no
+ * transfer. Its answers equal the request run alone, with prefix sharing,
+ * Mamba snapshots and overlap; an abort at any point releases everything. */
+#include <stdio.h>
+#include <stdlib.h>
+
+#include "../test_util.h"
+#include "pdserve/engine.h"
+#include "pdserve/synth.h"
+
+#define REQS 12
+
+typedef struct out {
+    char rid[16];
+    int32_t tokens[64];
+    uint32_t n;
+    uint32_t terminals;
+    pd_terminal_kind kind;
+} out;
+
+static out outs[REQS];
+
+static out *find(const char *rid) {
+    for (int i = 0; i < REQS; i++)
+        if (!strcmp(outs[i].rid, rid)) return &outs[i];
+    fail_msg("unknown rid %s", rid);
+    return NULL;
+}
+
+static void on_token(void *self, const char *rid, uint64_t room, int32_t t, float lp, uint32_t i) {
+    (void)self, (void)room, (void)lp;
+    out *o = find(rid);
+    assert_int_equal(i, o->n);
+    assert_int_equal(o->terminals, 0);
+    o->tokens[o->n++] = t;
+}
+
+static void on_term(void *self, const pd_terminal_event *ev) {
+    (void)self;
+    out *o = find(ev->rid);
+    o->terminals++;
+    o->kind = ev->kind;
+    assert_int_equal(ev->inserts_after_terminal, 0);
+}
+
+static const pd_sink_vtable sink_vt = {on_token, on_term};
+
+static void check(pd_engine *e) {
+    char buf[8192];
+    pd_strbuf sb;
+    pd_strbuf_init(&sb, buf, sizeof(buf));
+    if (pd_engine_check(e, &sb) != PD_OK) fail_msg("%s", buf);
+}
+
+static void run_colocated(bool mamba, bool overlap, uint32_t page_size, uint32_t chunk, int abort_at) {
+    memset(outs, 0, sizeof(outs));
+    pd_synth_config sc = {.page_size = page_size, .kv_pages = 96, .mamba_slots = mamba ? 24 : 0,
+                          .layers = 2, .vocab = 61, .eos_token = 60, .batch_max = 8};
+    pd_synth *sx;
+    assert_ok(pd_synth_create(&sx, &sc));
+    pd_engine_config c;
+    pd_engine_config_default(&c, PD_ROLE_COLOCATED);
+    c.page_size = page_size;
+    c.kv_pages = 96;
+    c.rows = 4;
+    c.mamba_slots = sc.mamba_slots;
+    c.chunk_tokens = chunk;
+    c.batch_max = 8;
+    c.overlap = overlap;
+    pd_engine *e;
+    char msg[256];
+    pd_sink sink = {&sink_vt, NULL};
+    pd_err err = pd_engine_create(&e, &c, pd_synth_executor(sx), (pd_xfer){0}, sink, msg, sizeof(msg));
+    if (err) fail_msg("%s", msg);
+    int32_t prompts[REQS][48];
+    uint32_t lens[REQS];
+    pd_rng rng;
+    pd_rng_seed(&rng, page_size * 100 + chunk);
+    for (int i = 0; i < REQS; i++) {
+        lens[i] = (uint32_t)pd_rng_range(&rng, 1, 48);
+        for (uint32_t k = 0; k < lens[i]; k++)
+            prompts[i][k] = (i > 0 && k < lens[i] / 2) ? prompts[0][k % lens[0]] : (int32_t)pd_rng_below(&rng, 60);
+        snprintf(outs[i].rid, sizeof(outs[i].rid), "c%d", i);
+        pd_request_spec s = {.rid = outs[i].rid, .prompt = prompts[i], .prompt_len = lens[i],
+                             .max_new_tokens = 1 + (uint32_t)(i % 6), .sampling = {.top_p = 1.0f}};
+        assert_ok(pd_engine_submit(e, &s, 0, NULL));
+    }
+    for (uint64_t t = 1; t < 2000 && !pd_engine_idle(e); t++) {
+        if ((int)t == abort_at) {
+            /* Not found only if it already ended. */
+            pd_err a = pd_engine_abort(e, "c3");
+            assert_true(a == PD_OK || (a == PD_ERR_NOTFOUND && find("c3")->terminals == 1));
+        }
+        pd_engine_step(e, t);
+        check(e);
+    }
+    assert_true(pd_engine_idle(e));
+    check(e);
+    for (int i = 0; i < REQS; i++) {
+        assert_int_equal(outs[i].terminals, 1);
+        int32_t ref[16];
+        uint32_t n = pd_synth_reference(&sc, mamba, prompts[i], lens[i], 1 + (uint32_t)(i % 6), NULL, 0, false,
+                                        &(pd_sampling){.top_p = 1.0f}, ref);
+        if (outs[i].kind == PD_TERM_FINISHED) assert_int_equal(outs[i].n, n);
+        else assert_int_equal(outs[i].kind, PD_TERM_ABORTED);
+        for (uint32_t k = 0; k < outs[i].n; k++) assert_int_equal(outs[i].tokens[k], ref[k]);
+    }
+    pd_engine_destroy(e);
+    pd_synth_destroy(sx);
+}
+
+static void colocated_answers_equal_requests_run_alone(void **state) {
+    (void)state;
+    run_colocated(false, false, 4, 8, -1);
+    run_colocated(true, true, 4, 8, -1);
+    run_colocated(true, true, 1, 3, -1);
+    run_colocated(true, false, 2, 5, -1);
+}
+
+static void colocated_abort_at_every_moment_releases_everything(void **state) {
+    (void)state;
+    for (int t = 1; t < 40; t += 3) run_colocated(true, true, 4, 8, t);
+}
+
+int main(void) {
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(colocated_answers_equal_requests_run_alone),
+        cmocka_unit_test(colocated_abort_at_every_moment_releases_everything),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
