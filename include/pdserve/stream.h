@@ -8,7 +8,12 @@
  * memory. A batch can be held (it blocks everything behind it) or delayed by
  * a number of ticks. The simulator wraps both the synthetic executor and the
  * tiny model with it, so a forward's writes really happen late and a page
- * freed too early is really overwritten.
+ * freed too early is really overwritten. The node runtime starts a worker
+ * thread instead, which runs work as soon as it is queued.
+ *
+ * Thread safety: launch, poll, copy_state, load_* and the controls may be
+ * called from one thread while the worker runs; write_back goes straight to
+ * the inner executor (it copies cached pages no forward writes).
  */
 #ifndef PDSERVE_STREAM_H
 #define PDSERVE_STREAM_H
@@ -39,6 +44,11 @@ void pd_stream_hold(pd_stream *s, uint64_t batch_id, bool held);
 void pd_stream_hold_loads(pd_stream *s, bool on);
 /* The driver's clock: delayed batches become ready when it reaches their time. */
 void pd_stream_set_now(pd_stream *s, uint64_t now);
+
+/* Starts a worker thread that runs the stream's work as soon as it is
+ * queued (the node runtime: batch N+1 computes while the scheduler processes
+ * batch N's result). Without it, the driver runs the work (simulator). */
+pd_err pd_stream_start_worker(pd_stream *s);
 
 /* Runs queued work in order until the queue is empty or its head is held or
  * not ready yet. Returns the number of operations run. */

@@ -9,13 +9,14 @@
  */
 #include "pdserve/stream.h"
 
+#include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
 
 #define OPS_MAX 64
 
 typedef enum { SO_BATCH, SO_COPY, SO_LOAD } so_kind;
-typedef enum { ST_FREE, ST_QUEUED, ST_DONE } so_state;
+typedef enum { ST_FREE, ST_QUEUED, ST_RUNNING, ST_DONE } so_state;
 
 typedef struct sitem {
     pd_batch_item item;     /* tokens and pages point into the copies below */
@@ -48,6 +49,11 @@ struct pd_stream {
     void *hold_ctx;
     uint64_t now;
     bool hold_loads;
+    /* Everything above is guarded by mu; the inner executor runs outside it. */
+    pthread_mutex_t mu;
+    pthread_cond_t cv;           /* work queued / work done */
+    pthread_t worker;
+    bool has_worker, stopping;
 };
 
 static void run_op(pd_stream *s, sop *o) {
@@ -58,30 +64,68 @@ static void run_op(pd_stream *s, sop *o) {
         PD_MUST(s->inner.vt->launch(s->inner.self, &b));
         bool done = s->inner.vt->poll(s->inner.self, o->id, o->results);
         PD_ASSERTF(done, "the inner executor of a stream must compute in launch");
-        o->state = ST_DONE;
         break;
     }
     case SO_COPY:
         PD_MUST(s->inner.vt->copy_state(s->inner.self, o->dst, o->src));
-        o->state = ST_FREE;
         break;
     case SO_LOAD:
         PD_MUST(s->inner.vt->load_begin(s->inner.self, o->id, o->dev, o->host, o->n));
         PD_ASSERTF(s->inner.vt->load_poll(s->inner.self, o->id),
                    "the inner executor of a stream must finish loads in load_begin");
-        o->state = ST_DONE;
         break;
     }
 }
 
-bool pd_stream_run_one(pd_stream *s) {
-    if (s->fifo_n == 0) return false;
+/* Takes the head of the stream if it may run now (locked). */
+static sop *take_head(pd_stream *s) {
+    if (s->fifo_n == 0) return NULL;
     sop *o = &s->ops[s->fifo[s->fifo_head]];
-    if (o->held || o->ready_at > s->now) return false;
+    if (o->held || o->ready_at > s->now) return NULL;
     s->fifo_head = (s->fifo_head + 1) % OPS_MAX;
     s->fifo_n--;
+    o->state = ST_RUNNING;
+    return o;
+}
+
+/* Runs a taken op without the lock, then publishes its completion. */
+static void run_taken(pd_stream *s, sop *o) {
     run_op(s, o);
+    pthread_mutex_lock(&s->mu);
+    o->state = o->kind == SO_COPY ? ST_FREE : ST_DONE; /* a copy is never polled */
+    pthread_cond_broadcast(&s->cv);
+    pthread_mutex_unlock(&s->mu);
+}
+
+bool pd_stream_run_one(pd_stream *s) {
+    pthread_mutex_lock(&s->mu);
+    sop *o = take_head(s);
+    pthread_mutex_unlock(&s->mu);
+    if (!o) return false;
+    run_taken(s, o);
     return true;
+}
+
+static void *worker_main(void *arg) {
+    pd_stream *s = arg;
+    pthread_mutex_lock(&s->mu);
+    for (;;) {
+        sop *o;
+        while (!s->stopping && !(o = take_head(s))) pthread_cond_wait(&s->cv, &s->mu);
+        if (s->stopping) break;
+        pthread_mutex_unlock(&s->mu);
+        run_taken(s, o);
+        pthread_mutex_lock(&s->mu);
+    }
+    pthread_mutex_unlock(&s->mu);
+    return NULL;
+}
+
+pd_err pd_stream_start_worker(pd_stream *s) {
+    if (s->has_worker) return PD_ERR_STATE;
+    if (pthread_create(&s->worker, NULL, worker_main, s) != 0) return PD_ERR_NOMEM;
+    s->has_worker = true;
+    return PD_OK;
 }
 
 uint32_t pd_stream_run(pd_stream *s) {
@@ -90,6 +134,8 @@ uint32_t pd_stream_run(pd_stream *s) {
     return n;
 }
 
+/* The inspection functions read the queue without the lock: they serve the
+ * single-threaded simulator. */
 uint32_t pd_stream_queued(const pd_stream *s) { return s->fifo_n; }
 
 bool pd_stream_blocked(const pd_stream *s) {
@@ -140,8 +186,12 @@ static void reserve(void **buf, uint32_t *cap, uint32_t n, size_t sz) {
 static pd_err st_launch(void *self, const pd_batch *b) {
     pd_stream *s = self;
     if (b->n_items > s->batch_max) return PD_ERR_INVALID;
+    pthread_mutex_lock(&s->mu);
     sop *o = op_new(s, SO_BATCH);
-    if (!o) return PD_ERR_NOMEM;
+    if (!o) {
+        pthread_mutex_unlock(&s->mu);
+        return PD_ERR_NOMEM;
+    }
     o->id = b->id;
     o->n = b->n_items;
     for (uint32_t i = 0; i < b->n_items; i++) {
@@ -158,26 +208,36 @@ static pd_err st_launch(void *self, const pd_batch *b) {
         if (h == PD_STREAM_HOLD) o->held = true;
         else if (h > 0 && s->now + 1 + (uint64_t)h > o->ready_at) o->ready_at = s->now + 1 + (uint64_t)h;
     }
+    pthread_cond_broadcast(&s->cv);
+    pthread_mutex_unlock(&s->mu);
     return PD_OK;
 }
 
 static bool st_poll(void *self, uint64_t id, pd_item_result *results) {
     pd_stream *s = self;
+    pthread_mutex_lock(&s->mu);
     sop *o = find_op(s, SO_BATCH, id);
     PD_ASSERTF(o, "poll of unknown batch %llu", (unsigned long long)id);
-    if (o->state != ST_DONE) return false;
-    memcpy(results, o->results, o->n * sizeof(pd_item_result));
-    o->state = ST_FREE;
-    return true;
+    bool done = o->state == ST_DONE;
+    if (done) {
+        memcpy(results, o->results, o->n * sizeof(pd_item_result));
+        o->state = ST_FREE;
+    }
+    pthread_mutex_unlock(&s->mu);
+    return done;
 }
 
 static pd_err st_copy_state(void *self, uint32_t dst, uint32_t src) {
     pd_stream *s = self;
+    pthread_mutex_lock(&s->mu);
     sop *o = op_new(s, SO_COPY);
-    if (!o) return PD_ERR_NOMEM;
-    o->dst = dst;
-    o->src = src;
-    return PD_OK;
+    if (o) {
+        o->dst = dst;
+        o->src = src;
+        pthread_cond_broadcast(&s->cv);
+    }
+    pthread_mutex_unlock(&s->mu);
+    return o ? PD_OK : PD_ERR_NOMEM;
 }
 
 static void st_write_back(void *self, const uint32_t *dev, const uint32_t *host, uint32_t n) {
@@ -188,8 +248,12 @@ static void st_write_back(void *self, const uint32_t *dev, const uint32_t *host,
 
 static pd_err st_load_begin(void *self, uint64_t id, const uint32_t *dev, const uint32_t *host, uint32_t n) {
     pd_stream *s = self;
+    pthread_mutex_lock(&s->mu);
     sop *o = op_new(s, SO_LOAD);
-    if (!o) return PD_ERR_NOMEM;
+    if (!o) {
+        pthread_mutex_unlock(&s->mu);
+        return PD_ERR_NOMEM;
+    }
     o->id = id;
     o->n = n;
     o->held = s->hold_loads;
@@ -197,22 +261,36 @@ static pd_err st_load_begin(void *self, uint64_t id, const uint32_t *dev, const 
     reserve((void **)&o->host, &o->host_cap, n, sizeof(uint32_t));
     memcpy(o->dev, dev, n * sizeof(uint32_t));
     memcpy(o->host, host, n * sizeof(uint32_t));
+    pthread_cond_broadcast(&s->cv);
+    pthread_mutex_unlock(&s->mu);
     return PD_OK;
 }
 
 static bool st_load_poll(void *self, uint64_t id) {
     pd_stream *s = self;
+    pthread_mutex_lock(&s->mu);
     sop *o = find_op(s, SO_LOAD, id);
     PD_ASSERTF(o, "poll of unknown load %llu", (unsigned long long)id);
-    if (o->state != ST_DONE) return false;
-    o->state = ST_FREE;
-    return true;
+    bool done = o->state == ST_DONE;
+    if (done) o->state = ST_FREE;
+    pthread_mutex_unlock(&s->mu);
+    return done;
 }
 
 static void st_load_cancel(void *self, uint64_t id) {
     pd_stream *s = self;
+    pthread_mutex_lock(&s->mu);
     sop *o = find_op(s, SO_LOAD, id);
-    if (!o) return;
+    /* A load the worker is copying right now finishes first: after cancel
+     * returns, nothing writes its pages. */
+    while (o && o->state == ST_RUNNING) {
+        pthread_cond_wait(&s->cv, &s->mu);
+        o = find_op(s, SO_LOAD, id);
+    }
+    if (!o) {
+        pthread_mutex_unlock(&s->mu);
+        return;
+    }
     if (o->state == ST_QUEUED) {
         /* Take it out of the stream: it will never write. */
         uint32_t keep = 0, idx = (uint32_t)(o - s->ops);
@@ -225,6 +303,7 @@ static void st_load_cancel(void *self, uint64_t id) {
         s->fifo_n = keep;
     }
     o->state = ST_FREE;
+    pthread_mutex_unlock(&s->mu);
 }
 
 static void st_memory(void *self, pd_exec_memory *out) {
@@ -253,15 +332,21 @@ void pd_stream_set_hold_fn(pd_stream *s, pd_stream_hold_fn fn, void *ctx) {
 void pd_stream_set_now(pd_stream *s, uint64_t now) { s->now = now; }
 
 void pd_stream_hold_loads(pd_stream *s, bool on) {
+    pthread_mutex_lock(&s->mu);
     s->hold_loads = on;
-    if (on) return;
-    for (uint32_t i = 0; i < OPS_MAX; i++)
-        if (s->ops[i].state == ST_QUEUED && s->ops[i].kind == SO_LOAD) s->ops[i].held = false;
+    if (!on)
+        for (uint32_t i = 0; i < OPS_MAX; i++)
+            if (s->ops[i].state == ST_QUEUED && s->ops[i].kind == SO_LOAD) s->ops[i].held = false;
+    pthread_cond_broadcast(&s->cv);
+    pthread_mutex_unlock(&s->mu);
 }
 
 void pd_stream_hold(pd_stream *s, uint64_t batch_id, bool held) {
+    pthread_mutex_lock(&s->mu);
     sop *o = find_op(s, SO_BATCH, batch_id);
     if (o && o->state == ST_QUEUED) o->held = held;
+    pthread_cond_broadcast(&s->cv);
+    pthread_mutex_unlock(&s->mu);
 }
 
 pd_err pd_stream_create(pd_stream **out, pd_executor inner, uint32_t batch_max) {
@@ -270,6 +355,8 @@ pd_err pd_stream_create(pd_stream **out, pd_executor inner, uint32_t batch_max) 
     if (!s) return PD_ERR_NOMEM;
     s->inner = inner;
     s->batch_max = batch_max;
+    pthread_mutex_init(&s->mu, NULL);
+    pthread_cond_init(&s->cv, NULL);
     for (uint32_t i = 0; i < OPS_MAX; i++) {
         s->ops[i].items = calloc(batch_max, sizeof(sitem));
         s->ops[i].flat = calloc(batch_max, sizeof(pd_batch_item));
@@ -285,6 +372,15 @@ pd_err pd_stream_create(pd_stream **out, pd_executor inner, uint32_t batch_max) 
 
 void pd_stream_destroy(pd_stream *s) {
     if (!s) return;
+    if (s->has_worker) {
+        pthread_mutex_lock(&s->mu);
+        s->stopping = true;
+        pthread_cond_broadcast(&s->cv);
+        pthread_mutex_unlock(&s->mu);
+        pthread_join(s->worker, NULL);
+    }
+    pthread_mutex_destroy(&s->mu);
+    pthread_cond_destroy(&s->cv);
     for (uint32_t i = 0; i < OPS_MAX; i++) {
         if (s->ops[i].items)
             for (uint32_t k = 0; k < s->batch_max; k++) {
