@@ -8,5 +8,8 @@
 int pd_cmd_sim(int argc, char **argv);
 int pd_cmd_model(int argc, char **argv);
 int pd_cmd_generate(int argc, char **argv);
+int pd_cmd_serve(int argc, char **argv);
+int pd_cmd_prefill(int argc, char **argv);
+int pd_cmd_decode(int argc, char **argv);
 
 #endif

@@ -13,6 +13,9 @@ typedef struct command {
 } command;
 
 static const command commands[] = {
+    {"serve", pd_cmd_serve, "a colocated server: prefill and decode in one engine"},
+    {"prefill", pd_cmd_prefill, "a prefill node of a disaggregated deployment"},
+    {"decode", pd_cmd_decode, "a decode node of a disaggregated deployment"},
     {"sim", pd_cmd_sim, "deterministic simulator: random runs, swarms, exploration, scenario replay"},
     {"model", pd_cmd_model, "model tools: `model init` writes a model directory"},
     {"generate", pd_cmd_generate, "offline generation with the tiny hybrid model"},

@@ -1,0 +1,84 @@
+/*
+ * pd_node — a running pdserve server: one engine (prefill, decode or
+ * colocated) driven by real threads, the tiny model as its executor, a
+ * transport, and the HTTP API of docs/http-api.md.
+ *
+ * Threads:
+ *   - HTTP (libmicrohttpd, one thread per connection): parses requests,
+ *     hands them to the scheduler through a bounded command queue, waits for
+ *     their outputs (or streams them) and writes the responses;
+ *   - the scheduler: the only thread that touches the engine; it drains the
+ *     command queue, steps the engine, and delivers tokens and terminal
+ *     events to the waiting HTTP threads;
+ *   - the executor worker: runs forwards in launch order, so batch N+1
+ *     computes while the scheduler processes batch N's result (overlap);
+ *   - the transport's progress thread (loopback fabric or UCX).
+ * The engine itself stays single-threaded and sans-I/O.
+ */
+#ifndef PDSERVE_NODE_H
+#define PDSERVE_NODE_H
+
+#include "pdserve/base.h"
+#include "pdserve/loopback_mt.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef enum pd_node_role { PD_NODE_PREFILL, PD_NODE_DECODE, PD_NODE_SERVE } pd_node_role;
+
+const char *pd_node_role_name(pd_node_role r);
+
+typedef struct pd_node_config {
+    pd_node_role role;
+    /* HTTP */
+    const char *host;                 /* listen address (default "127.0.0.1") */
+    uint16_t port;                    /* 0: any free port */
+    size_t max_body_bytes;            /* default 1 MiB */
+    bool enable_metrics;              /* GET /metrics */
+    const char *served_model_name;    /* "model" in /v1/completions (default "pdserve-tiny") */
+    /* model */
+    const char *model_dir;            /* NULL: built-in config with dummy weights */
+    const char *model_preset;         /* "tiny" (default) or "small" */
+    const char *layers;               /* layer pattern override, e.g. "MAMA" */
+    uint64_t seed;                    /* dummy weights seed */
+    uint32_t threads;                 /* executor threads (default 1) */
+    /* engine */
+    uint32_t page_size;               /* default 16 */
+    uint32_t max_total_tokens;        /* KV pool in tokens (default 65536) */
+    uint32_t max_running_requests;    /* rows (default 64) */
+    uint32_t max_queued_requests;     /* live requests in all (default 1024) */
+    uint32_t chunked_prefill_size;    /* default 512 */
+    uint32_t max_prompt_tokens;       /* default 8192 */
+    uint32_t max_new_tokens_limit;    /* default 4096 */
+    uint32_t host_cache_tokens;       /* host tier in tokens (default 0: off) */
+    uint32_t optimistic_attempts;
+    bool disable_overlap, disable_prefix_cache, strict;
+    uint64_t bootstrap_timeout_ms;    /* default 30000 */
+    uint64_t transfer_timeout_ms;     /* default 60000 */
+    /* transport (prefill / decode) */
+    const char *transfer_backend;     /* "loopback" (needs `loopback`) or "ucx" */
+    pd_loopback_mt *loopback;         /* the in-process fabric shared with the peer node */
+    const char *bootstrap_host;       /* prefill: where the bootstrap channel listens */
+    uint16_t bootstrap_port;          /* prefill: default 8998; 0: any free port */
+    const char *bootstrap_token;
+} pd_node_config;
+
+void pd_node_config_default(pd_node_config *c, pd_node_role role);
+
+typedef struct pd_node pd_node;
+
+/* Loads the model, creates the engine, the executor and the transport.
+ * Nothing runs yet. msg names the problem on failure. */
+pd_err pd_node_create(pd_node **out, const pd_node_config *cfg, char *msg, size_t msg_cap);
+/* Starts the threads and the HTTP server. */
+pd_err pd_node_start(pd_node *n, char *msg, size_t msg_cap);
+uint16_t pd_node_http_port(const pd_node *n);
+uint16_t pd_node_bootstrap_port(const pd_node *n);
+/* Stops accepting, aborts what is live, stops the threads, frees everything. */
+void pd_node_destroy(pd_node *n);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* PDSERVE_NODE_H */

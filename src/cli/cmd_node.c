@@ -1,0 +1,194 @@
+/*
+ * pdserve prefill | decode | serve — one server process each.
+ *
+ * All three share the option parser below; `pdserve run` (cmd_run.c) starts
+ * a prefill node, a decode node and a router in one process.
+ */
+#include <errno.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "commands.h"
+#include "node_options.h"
+
+static const struct {
+    const char *flag, *arg, *help;
+} options[] = {
+    {"--host", "ADDR", "HTTP listen address (default 127.0.0.1)"},
+    {"--port", "N", "HTTP port (default 30000 serve, 30001 prefill, 30002 decode; 0 = any free)"},
+    {"--model", "DIR", "model directory (config.json + model.safetensors, see `pdserve model init`)"},
+    {"--model-config", "tiny|small", "built-in model when --model is not given (default tiny)"},
+    {"--layers", "PATTERN", "layer pattern of the built-in model, M = Mamba2, A = attention"},
+    {"--seed", "N", "seed of the built-in model's dummy weights (default 0)"},
+    {"--threads", "N", "executor threads (default 1)"},
+    {"--page-size", "N", "tokens per KV page (default 16)"},
+    {"--max-total-tokens", "N", "KV pool size in tokens (default 65536)"},
+    {"--max-running-requests", "N", "requests holding memory at once (default 64)"},
+    {"--max-queued-requests", "N", "live requests in all, queued included (default 1024)"},
+    {"--chunked-prefill-size", "N", "prompt tokens per forward (default 512)"},
+    {"--max-prompt-tokens", "N", "longest prompt accepted (default 8192)"},
+    {"--max-new-tokens", "N", "largest max_new_tokens accepted (default 4096)"},
+    {"--host-cache-tokens", "N", "host-memory tier of the prefix cache, in tokens (default 0: off)"},
+    {"--optimistic-attempts", "N", "prefill: start computing before the bootstrap completes (default 0)"},
+    {"--disable-overlap", "", "prefill: wait for each forward's result before launching the next"},
+    {"--disable-prefix-cache", "", "never reuse KV across requests"},
+    {"--strict", "", "keep the per-unit owner map and check ownership after every step"},
+    {"--bootstrap-timeout-ms", "N", "fail a request whose bootstrap takes longer (default 30000)"},
+    {"--transfer-timeout-ms", "N", "fail a request whose transfer takes longer (default 60000)"},
+    {"--transfer-backend", "loopback|ucx", "prefill/decode transport (default ucx; loopback only inside `run`)"},
+    {"--disaggregation-bootstrap-port", "N", "prefill: bootstrap channel port (default 8998)"},
+    {"--bootstrap-host", "ADDR", "prefill: bootstrap listen address (default 0.0.0.0)"},
+    {"--bootstrap-token", "SECRET", "shared secret decode peers must present (default none)"},
+    {"--enable-metrics", "", "serve GET /metrics (Prometheus text)"},
+    {"--max-body-bytes", "N", "largest request body (default 1048576)"},
+    {"--served-model-name", "NAME", "\"model\" in /v1/completions answers (default pdserve-tiny)"},
+};
+
+void pd_node_usage(FILE *to, const char *cmd, const char *what) {
+    fprintf(to, "usage: pdserve %s [options]\n\n%s\n\noptions:\n", cmd, what);
+    for (size_t i = 0; i < sizeof(options) / sizeof(options[0]); i++) {
+        char left[64];
+        snprintf(left, sizeof(left), "%s %s", options[i].flag, options[i].arg);
+        fprintf(to, "  %-38s %s\n", left, options[i].help);
+    }
+    fprintf(to, "  %-38s %s\n", "--help", "this text");
+}
+
+static bool parse_num(const char *v, uint64_t max, uint64_t *out) {
+    if (!v || !*v) return false;
+    char *end;
+    errno = 0;
+    unsigned long long x = strtoull(v, &end, 10);
+    if (*end || errno || x > max || v[0] == '-') return false;
+    *out = x;
+    return true;
+}
+
+int pd_node_parse(int argc, char **argv, pd_node_config *c, int *consumed_until) {
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i];
+        if (!strcmp(a, "--help") || !strcmp(a, "-h")) return 1;
+        bool flag_only = !strcmp(a, "--disable-overlap") || !strcmp(a, "--disable-prefix-cache") ||
+                         !strcmp(a, "--strict") || !strcmp(a, "--enable-metrics");
+        if (flag_only) {
+            if (!strcmp(a, "--disable-overlap")) c->disable_overlap = true;
+            else if (!strcmp(a, "--disable-prefix-cache")) c->disable_prefix_cache = true;
+            else if (!strcmp(a, "--strict")) c->strict = true;
+            else c->enable_metrics = true;
+            continue;
+        }
+        const char *v = i + 1 < argc ? argv[i + 1] : NULL;
+        uint64_t x = 0;
+        bool ok = v != NULL;
+        if (!strcmp(a, "--host")) c->host = v;
+        else if (!strcmp(a, "--port")) ok = ok && parse_num(v, 65535, &x), c->port = (uint16_t)x;
+        else if (!strcmp(a, "--model")) c->model_dir = v;
+        else if (!strcmp(a, "--model-config")) c->model_preset = v;
+        else if (!strcmp(a, "--layers")) c->layers = v;
+        else if (!strcmp(a, "--seed")) ok = ok && parse_num(v, UINT64_MAX, &x), c->seed = x;
+        else if (!strcmp(a, "--threads")) ok = ok && parse_num(v, 64, &x) && x > 0, c->threads = (uint32_t)x;
+        else if (!strcmp(a, "--page-size")) ok = ok && parse_num(v, 4096, &x) && x > 0, c->page_size = (uint32_t)x;
+        else if (!strcmp(a, "--max-total-tokens")) ok = ok && parse_num(v, 1u << 30, &x) && x > 0, c->max_total_tokens = (uint32_t)x;
+        else if (!strcmp(a, "--max-running-requests")) ok = ok && parse_num(v, 65536, &x) && x > 0, c->max_running_requests = (uint32_t)x;
+        else if (!strcmp(a, "--max-queued-requests")) ok = ok && parse_num(v, 1u << 20, &x) && x > 0, c->max_queued_requests = (uint32_t)x;
+        else if (!strcmp(a, "--chunked-prefill-size")) ok = ok && parse_num(v, 1u << 20, &x) && x > 0, c->chunked_prefill_size = (uint32_t)x;
+        else if (!strcmp(a, "--max-prompt-tokens")) ok = ok && parse_num(v, 1u << 24, &x) && x > 0, c->max_prompt_tokens = (uint32_t)x;
+        else if (!strcmp(a, "--max-new-tokens")) ok = ok && parse_num(v, 1u << 24, &x) && x > 0, c->max_new_tokens_limit = (uint32_t)x;
+        else if (!strcmp(a, "--host-cache-tokens")) ok = ok && parse_num(v, 1u << 30, &x), c->host_cache_tokens = (uint32_t)x;
+        else if (!strcmp(a, "--optimistic-attempts")) ok = ok && parse_num(v, 64, &x), c->optimistic_attempts = (uint32_t)x;
+        else if (!strcmp(a, "--bootstrap-timeout-ms")) ok = ok && parse_num(v, 86400000, &x), c->bootstrap_timeout_ms = x;
+        else if (!strcmp(a, "--transfer-timeout-ms")) ok = ok && parse_num(v, 86400000, &x), c->transfer_timeout_ms = x;
+        else if (!strcmp(a, "--transfer-backend")) c->transfer_backend = v;
+        else if (!strcmp(a, "--disaggregation-bootstrap-port")) ok = ok && parse_num(v, 65535, &x), c->bootstrap_port = (uint16_t)x;
+        else if (!strcmp(a, "--bootstrap-host")) c->bootstrap_host = v;
+        else if (!strcmp(a, "--bootstrap-token")) c->bootstrap_token = v;
+        else if (!strcmp(a, "--max-body-bytes")) ok = ok && parse_num(v, 1u << 30, &x) && x > 0, c->max_body_bytes = (size_t)x;
+        else if (!strcmp(a, "--served-model-name")) c->served_model_name = v;
+        else {
+            if (consumed_until) {
+                *consumed_until = i;
+                return 0;
+            }
+            fprintf(stderr, "pdserve: unknown option '%s' (see --help)\n", a);
+            return 2;
+        }
+        if (!ok) {
+            fprintf(stderr, "pdserve: option %s needs a valid value%s%s\n", a, v ? ", got " : "", v ? v : "");
+            return 2;
+        }
+        i++;
+    }
+    if (consumed_until) *consumed_until = argc;
+    return 0;
+}
+
+static volatile sig_atomic_t stop_flag;
+
+static void on_signal(int sig) {
+    (void)sig;
+    stop_flag = 1;
+}
+
+void pd_wait_for_signal(void) {
+    struct sigaction sa;
+    memset(&sa, 0, sizeof(sa));
+    sa.sa_handler = on_signal;
+    sigaction(SIGINT, &sa, NULL);
+    sigaction(SIGTERM, &sa, NULL);
+    signal(SIGPIPE, SIG_IGN);
+    while (!stop_flag) {
+        struct timespec ts = {0, 100 * 1000000L};
+        nanosleep(&ts, NULL);
+    }
+}
+
+static int run_node(int argc, char **argv, pd_node_role role, uint16_t default_port, const char *what) {
+    pd_node_config c;
+    pd_node_config_default(&c, role);
+    c.port = default_port;
+    c.transfer_backend = "ucx";
+    int rc = pd_node_parse(argc, argv, &c, NULL);
+    if (rc == 1) {
+        pd_node_usage(stdout, argv[0], what);
+        return 0;
+    }
+    if (rc) return rc;
+    signal(SIGPIPE, SIG_IGN);
+    char msg[512];
+    pd_node *n;
+    if (pd_node_create(&n, &c, msg, sizeof(msg)) != PD_OK || pd_node_start(n, msg, sizeof(msg)) != PD_OK) {
+        fprintf(stderr, "pdserve %s: %s\n", argv[0], msg);
+        return 1;
+    }
+    printf("pdserve %s listening on http://%s:%u", argv[0], c.host, pd_node_http_port(n));
+    if (role == PD_NODE_PREFILL) printf(" (bootstrap port %u)", pd_node_bootstrap_port(n));
+    printf("\n");
+    fflush(stdout);
+    pd_wait_for_signal();
+    printf("pdserve %s: shutting down\n", argv[0]);
+    pd_node_destroy(n);
+    return 0;
+}
+
+int pd_cmd_serve(int argc, char **argv) {
+    return run_node(argc, argv, PD_NODE_SERVE, 30000,
+                    "A colocated server: prefill and decode in one engine, no transfer. Serves the HTTP\n"
+                    "API of docs/http-api.md: POST /generate, POST /v1/completions, POST /abort_request,\n"
+                    "GET /health, GET /server_info, GET /metrics.");
+}
+
+int pd_cmd_prefill(int argc, char **argv) {
+    return run_node(argc, argv, PD_NODE_PREFILL, 30001,
+                    "A prefill node: computes prompts and hands their KV cache and Mamba state to the\n"
+                    "decode node named by each request's bootstrap fields (set by `pdserve router`).\n"
+                    "Decode nodes connect to its bootstrap port.");
+}
+
+int pd_cmd_decode(int argc, char **argv) {
+    return run_node(argc, argv, PD_NODE_DECODE, 30002,
+                    "A decode node: preallocates memory for each request, receives its KV cache and\n"
+                    "Mamba state from the prefill node at bootstrap_host:bootstrap_port, and generates.");
+}

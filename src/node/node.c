@@ -1,0 +1,703 @@
+/*
+ * node.c — a running server's scheduler side: model, executor worker,
+ * transport, engine, the scheduler thread and the command queue.
+ *
+ * The scheduler thread is the engine's only user. It loops: take every
+ * queued command (submit, abort, abort-all, info, metrics), step the engine
+ * with the monotonic clock, and go back to waiting — a short wait while the
+ * engine is busy (results and transfers arrive without a signal), a longer
+ * one when it is idle (a new command wakes it at once).
+ *
+ * Outputs reach the HTTP threads through the engine's sink, which runs on
+ * the scheduler thread: each token is appended to the request's call and the
+ * waiting HTTP thread is signalled. The call is found through the engine's
+ * request id, whose low half indexes the engine's record table.
+ */
+#include <jansson.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "node_internal.h"
+#include "pdserve/model.h"
+#include "pdserve/stream.h"
+#include "pdserve/tokenizer.h"
+
+#define CMDS_MAX 4096
+#define HIST_BUCKETS 12
+
+typedef struct cmd {
+    cmd_kind kind;
+    call *c;
+    char rid[PD_RID_MAX];
+    cmd_reply *reply;
+} cmd;
+
+typedef struct hist {
+    const double *bounds;   /* HIST_BUCKETS - 1 finite upper bounds; the last bucket is +Inf */
+    uint64_t counts[HIST_BUCKETS];
+    double sum;
+    uint64_t n;
+} hist;
+
+static const double ttft_bounds[HIST_BUCKETS - 1] = {0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10};
+static const double itl_bounds[HIST_BUCKETS - 1] = {0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1};
+
+struct pd_node {
+    pd_node_config cfg;
+    char *strings[8];                /* owned copies of the config's strings */
+    pd_model *model;
+    pd_executor model_ex;
+    pd_stream *stream;
+    pd_engine *eng;
+    pd_meta_row *meta;
+    uint32_t meta_rows;
+    uint32_t requests_max;
+    call **calls;                    /* by engine record index */
+
+    pthread_t sched;
+    bool sched_running;
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    cmd *cmds;
+    uint32_t cmd_head, cmd_n;
+    atomic_bool stopping;
+    atomic_uint_fast64_t rid_counter;
+
+    http_server *http;
+    uint16_t http_port;
+
+    /* scheduler thread only */
+    hist ttft, itl, e2e;
+    uint64_t violations;
+};
+
+/* ---- small helpers --------------------------------------------------------- */
+
+const char *pd_node_role_name(pd_node_role r) {
+    switch (r) {
+    case PD_NODE_PREFILL: return "prefill";
+    case PD_NODE_DECODE: return "decode";
+    case PD_NODE_SERVE: return "serve";
+    }
+    return "unknown";
+}
+
+uint64_t node_now_us(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000u + (uint64_t)ts.tv_nsec / 1000u;
+}
+
+const pd_node_config *node_config(const pd_node *n) { return &n->cfg; }
+uint32_t node_vocab(const pd_node *n) { return pd_model_config_get(n->model)->vocab; }
+int32_t node_bos(const pd_node *n) { return pd_model_config_get(n->model)->bos_token; }
+uint64_t node_next_rid(pd_node *n) { return atomic_fetch_add(&n->rid_counter, 1) + 1; }
+bool node_stopping(const pd_node *n) { return atomic_load(&n->stopping); }
+
+static void hist_add(hist *h, double v) {
+    int b = 0;
+    while (b < HIST_BUCKETS - 1 && v > h->bounds[b]) b++;
+    h->counts[b]++;
+    h->sum += v;
+    h->n++;
+}
+
+void pd_node_config_default(pd_node_config *c, pd_node_role role) {
+    memset(c, 0, sizeof(*c));
+    c->role = role;
+    c->host = "127.0.0.1";
+    c->max_body_bytes = 1 << 20;
+    c->served_model_name = "pdserve-tiny";
+    c->model_preset = "tiny";
+    c->threads = 1;
+    c->page_size = 16;
+    c->max_total_tokens = 65536;
+    c->max_running_requests = 64;
+    c->max_queued_requests = 1024;
+    c->chunked_prefill_size = 512;
+    c->max_prompt_tokens = 8192;
+    c->max_new_tokens_limit = 4096;
+    c->bootstrap_timeout_ms = 30000;
+    c->transfer_timeout_ms = 60000;
+    c->transfer_backend = "loopback";
+    c->bootstrap_host = "0.0.0.0";
+    c->bootstrap_port = 8998;
+}
+
+/* ---- calls --------------------------------------------------------------------- */
+
+call *call_new(void) {
+    call *c = calloc(1, sizeof(*c));
+    if (!c) return NULL;
+    atomic_init(&c->refs, 1);
+    pthread_mutex_init(&c->mu, NULL);
+    pthread_cond_init(&c->cv, NULL);
+    return c;
+}
+
+void call_ref(call *c) { atomic_fetch_add(&c->refs, 1); }
+
+void call_unref(call *c) {
+    if (atomic_fetch_sub(&c->refs, 1) != 1) return;
+    pthread_mutex_destroy(&c->mu);
+    pthread_cond_destroy(&c->cv);
+    free(c->prompt);
+    free(c->tokens);
+    free(c->logprobs);
+    free(c);
+}
+
+static call *call_of(pd_node *n, const char *rid) {
+    uint64_t id = pd_engine_request_id(n->eng, rid);
+    uint64_t lo = id & 0xFFFFFFFFull;
+    if (lo == 0 || lo > n->requests_max) return NULL;
+    call *c = n->calls[lo - 1];
+    return (c && strcmp(c->rid, rid) == 0) ? c : NULL;
+}
+
+/* ---- the sink (scheduler thread) -------------------------------------------------- */
+
+static void sink_token(void *self, const char *rid, uint64_t room, int32_t token, float logprob,
+                       uint32_t index) {
+    (void)room;
+    pd_node *n = self;
+    call *c = call_of(n, rid);
+    if (!c) return;
+    uint64_t now = node_now_us();
+    pthread_mutex_lock(&c->mu);
+    if (index == c->n_tokens && c->n_tokens < c->spec.max_new_tokens) {
+        c->tokens[c->n_tokens] = token;
+        c->logprobs[c->n_tokens] = logprob;
+        c->n_tokens++;
+        if (c->n_tokens == 1) {
+            c->t_first_us = now;
+            hist_add(&n->ttft, (double)(now - c->t_submit_us) / 1e6);
+        } else {
+            hist_add(&n->itl, (double)(now - c->t_done_us) / 1e6);
+        }
+        c->t_done_us = now; /* time of the latest token until done */
+    }
+    pthread_cond_broadcast(&c->cv);
+    pthread_mutex_unlock(&c->mu);
+}
+
+static void sink_terminal(void *self, const pd_terminal_event *ev) {
+    pd_node *n = self;
+    uint64_t id = pd_engine_request_id(n->eng, ev->rid);
+    uint64_t lo = id & 0xFFFFFFFFull;
+    call *c = call_of(n, ev->rid);
+    if (!c) return;
+    uint64_t now = node_now_us();
+    pthread_mutex_lock(&c->mu);
+    c->done = true;
+    c->kind = ev->kind;
+    c->finish = ev->finish;
+    c->status = ev->status_code;
+    snprintf(c->message, sizeof(c->message), "%s", ev->message ? ev->message : "");
+    c->cached_tokens = ev->cached_tokens;
+    c->t_done_us = now;
+    hist_add(&n->e2e, (double)(now - c->t_submit_us) / 1e6);
+    pthread_cond_broadcast(&c->cv);
+    pthread_mutex_unlock(&c->mu);
+    n->calls[lo - 1] = NULL;
+    call_unref(c); /* the scheduler's reference */
+}
+
+static const pd_sink_vtable node_sink_vt = {.token = sink_token, .terminal = sink_terminal};
+
+/* ---- commands ------------------------------------------------------------------ */
+
+pd_err node_command(pd_node *n, cmd_kind kind, call *c, const char *rid, cmd_reply *reply) {
+    pthread_mutex_lock(&n->mu);
+    if (atomic_load(&n->stopping)) {
+        pthread_mutex_unlock(&n->mu);
+        return PD_ERR_STATE;
+    }
+    if (n->cmd_n == CMDS_MAX) {
+        pthread_mutex_unlock(&n->mu);
+        return PD_ERR_NOMEM;
+    }
+    cmd *q = &n->cmds[(n->cmd_head + n->cmd_n) % CMDS_MAX];
+    memset(q, 0, sizeof(*q));
+    q->kind = kind;
+    q->c = c;
+    if (c) call_ref(c);
+    if (rid) snprintf(q->rid, sizeof(q->rid), "%s", rid);
+    q->reply = reply;
+    n->cmd_n++;
+    pthread_cond_signal(&n->cv);
+    pthread_mutex_unlock(&n->mu);
+    return PD_OK;
+}
+
+pd_err node_command_wait(pd_node *n, cmd_kind kind, const char *rid, cmd_reply *reply) {
+    memset(reply, 0, sizeof(*reply));
+    pthread_mutex_init(&reply->mu, NULL);
+    pthread_cond_init(&reply->cv, NULL);
+    pd_err err = node_command(n, kind, NULL, rid, reply);
+    if (!err) {
+        pthread_mutex_lock(&reply->mu);
+        while (!reply->ready) pthread_cond_wait(&reply->cv, &reply->mu);
+        pthread_mutex_unlock(&reply->mu);
+    }
+    pthread_mutex_destroy(&reply->mu);
+    pthread_cond_destroy(&reply->cv);
+    return err;
+}
+
+static void reply_done(cmd_reply *r, int64_t value, char *text) {
+    pthread_mutex_lock(&r->mu);
+    r->value = value;
+    r->text = text;
+    r->ready = true;
+    pthread_cond_broadcast(&r->cv);
+    pthread_mutex_unlock(&r->mu);
+}
+
+static char *info_json(pd_node *n);
+static char *metrics_text(pd_node *n);
+
+static void run_command(pd_node *n, cmd *q) {
+    switch (q->kind) {
+    case CMD_SUBMIT: {
+        call *c = q->c;
+        c->t_submit_us = node_now_us();
+        pd_reject why;
+        memset(&why, 0, sizeof(why));
+        pd_err err = pd_engine_submit(n->eng, &c->spec, node_now_us(), &why);
+        if (err == PD_OK) {
+            uint64_t lo = pd_engine_request_id(n->eng, c->rid) & 0xFFFFFFFFull;
+            PD_ASSERT(lo >= 1 && lo <= n->requests_max && !n->calls[lo - 1]);
+            n->calls[lo - 1] = c; /* the command's reference becomes the scheduler's */
+        }
+        pthread_mutex_lock(&c->mu);
+        c->submitted = true;
+        c->submit_err = err;
+        c->reject = why;
+        pthread_cond_broadcast(&c->cv);
+        pthread_mutex_unlock(&c->mu);
+        if (err != PD_OK) call_unref(c);
+        break;
+    }
+    case CMD_ABORT: {
+        pd_err err = pd_engine_abort(n->eng, q->rid);
+        if (q->reply) reply_done(q->reply, err == PD_OK, NULL);
+        break;
+    }
+    case CMD_ABORT_ALL: {
+        uint32_t k = pd_engine_abort_all(n->eng);
+        if (q->reply) reply_done(q->reply, k, NULL);
+        break;
+    }
+    case CMD_INFO:
+        reply_done(q->reply, 0, info_json(n));
+        break;
+    case CMD_METRICS:
+        reply_done(q->reply, 0, metrics_text(n));
+        break;
+    }
+}
+
+static void strict_check(pd_node *n) {
+    static char buf[1 << 16];
+    pd_strbuf sb;
+    pd_strbuf_init(&sb, buf, sizeof(buf));
+    if (pd_engine_check(n->eng, &sb) != PD_OK) {
+        if (n->violations++ < 3) fprintf(stderr, "pdserve %s: ownership check failed:\n%s\n",
+                                         pd_node_role_name(n->cfg.role), buf);
+    }
+}
+
+static void *sched_main(void *arg) {
+    pd_node *n = arg;
+    cmd *batch = malloc(CMDS_MAX * sizeof(cmd));
+    PD_ASSERT(batch);
+    for (;;) {
+        pthread_mutex_lock(&n->mu);
+        uint32_t k = 0;
+        while (n->cmd_n > 0) {
+            batch[k++] = n->cmds[n->cmd_head];
+            n->cmd_head = (n->cmd_head + 1) % CMDS_MAX;
+            n->cmd_n--;
+        }
+        bool stop = atomic_load(&n->stopping);
+        pthread_mutex_unlock(&n->mu);
+        for (uint32_t i = 0; i < k; i++) run_command(n, &batch[i]);
+        if (stop) break;
+        pd_engine_step(n->eng, node_now_us());
+        if (n->cfg.strict) strict_check(n);
+        pthread_mutex_lock(&n->mu);
+        if (n->cmd_n == 0 && !atomic_load(&n->stopping)) {
+            /* Busy: results and transfers arrive unannounced, look again soon. */
+            long wait_ns = pd_engine_idle(n->eng) ? 20000000L : 100000L;
+            struct timespec until;
+            clock_gettime(CLOCK_REALTIME, &until);
+            until.tv_nsec += wait_ns;
+            if (until.tv_nsec >= 1000000000L) {
+                until.tv_sec++;
+                until.tv_nsec -= 1000000000L;
+            }
+            pthread_cond_timedwait(&n->cv, &n->mu, &until);
+        }
+        pthread_mutex_unlock(&n->mu);
+    }
+    /* Shutting down: end every live request, let the engine settle. */
+    pd_engine_abort_all(n->eng);
+    for (int i = 0; i < 20000 && !pd_engine_idle(n->eng); i++) {
+        pd_engine_step(n->eng, node_now_us());
+        struct timespec ts = {0, 100000};
+        nanosleep(&ts, NULL);
+    }
+    free(batch);
+    return NULL;
+}
+
+/* ---- info and metrics (scheduler thread) --------------------------------------------- */
+
+static char *info_json(pd_node *n) {
+    const pd_engine_config *ec = pd_engine_config_of(n->eng);
+    pd_engine_counters c;
+    pd_engine_counters_get(n->eng, &c);
+    json_t *root = json_object();
+    json_object_set_new(root, "role", json_string(pd_node_role_name(n->cfg.role)));
+    json_object_set_new(root, "version", json_string("0.1.0"));
+    json_t *cfg = json_object();
+    json_object_set_new(cfg, "page_size", json_integer(ec->page_size));
+    json_object_set_new(cfg, "kv_pages", json_integer(ec->kv_pages));
+    json_object_set_new(cfg, "max_total_tokens", json_integer((json_int_t)ec->kv_pages * ec->page_size));
+    json_object_set_new(cfg, "max_running_requests", json_integer(ec->rows));
+    json_object_set_new(cfg, "mamba_slots", json_integer(ec->mamba_slots));
+    json_object_set_new(cfg, "meta_rows", json_integer(ec->meta_rows));
+    json_object_set_new(cfg, "host_pages", json_integer(ec->host_pages));
+    json_object_set_new(cfg, "chunked_prefill_size", json_integer(ec->chunk_tokens));
+    json_object_set_new(cfg, "max_prompt_tokens", json_integer(ec->prompt_tokens_max));
+    json_object_set_new(cfg, "max_new_tokens", json_integer(ec->new_tokens_max));
+    json_object_set_new(cfg, "overlap", json_boolean(ec->overlap));
+    json_object_set_new(cfg, "prefix_cache", json_boolean(ec->prefix_cache));
+    json_object_set_new(cfg, "optimistic_attempts", json_integer(ec->optimistic_attempts));
+    json_object_set_new(cfg, "strict", json_boolean(ec->strict));
+    json_object_set_new(cfg, "model_layers", json_string(pd_model_config_get(n->model)->layers));
+    json_object_set_new(cfg, "transfer_backend",
+                        json_string(n->cfg.role == PD_NODE_SERVE ? "none" : n->cfg.transfer_backend));
+    json_object_set_new(root, "config", cfg);
+    json_t *ctr = json_object();
+#define CTR(name) json_object_set_new(ctr, #name, json_integer((json_int_t)c.name))
+    CTR(submitted); CTR(rejected); CTR(finished); CTR(aborted); CTR(failed); CTR(batches);
+    CTR(prefill_tokens); CTR(decode_tokens); CTR(cached_tokens); CTR(xfer_abort_errors);
+    CTR(retire_deferred); CTR(requeued); CTR(late_results_ignored); CTR(queued_bootstrap);
+    CTR(queued_waiting); CTR(loading); CTR(running); CTR(parked); CTR(transferring);
+    CTR(draining); CTR(prealloc); CTR(wait_transfer);
+#undef CTR
+    json_object_set_new(ctr, "ownership_violations", json_integer((json_int_t)n->violations));
+    json_object_set_new(root, "counters", ctr);
+    char *rep = malloc(1 << 20);
+    pd_strbuf sb;
+    pd_strbuf_init(&sb, rep, 1 << 20);
+    pd_engine_report(n->eng, PD_REPORT_JSON, &sb);
+    json_t *pools = json_loads(rep, 0, NULL);
+    json_object_set_new(root, "pools", pools ? pools : json_null());
+    bool idle = pd_engine_idle(n->eng);
+    json_object_set_new(root, "idle", json_boolean(idle));
+    if (idle) {
+        pd_strbuf_reset(&sb);
+        json_object_set_new(root, "idle_clean", json_boolean(pd_engine_check(n->eng, &sb) == PD_OK));
+        if (sb.len) json_object_set_new(root, "idle_report", json_string(rep));
+    }
+    free(rep);
+    char *out = json_dumps(root, JSON_COMPACT);
+    json_decref(root);
+    return out;
+}
+
+typedef struct tbuf {
+    char *p;
+    size_t len, cap;
+} tbuf;
+
+#if defined(__GNUC__)
+__attribute__((format(printf, 2, 3)))
+#endif
+static void tb_printf(tbuf *t, const char *fmt, ...) {
+    for (;;) {
+        va_list ap;
+        va_start(ap, fmt);
+        int k = vsnprintf(t->p + t->len, t->cap - t->len, fmt, ap);
+        va_end(ap);
+        if (k >= 0 && (size_t)k < t->cap - t->len) {
+            t->len += (size_t)k;
+            return;
+        }
+        size_t cap = t->cap * 2 + (size_t)(k > 0 ? k : 0);
+        char *p = realloc(t->p, cap);
+        PD_ASSERT(p);
+        t->p = p;
+        t->cap = cap;
+    }
+}
+
+static void hist_text(tbuf *t, const char *name, const char *help, const hist *h) {
+    tb_printf(t, "# HELP %s %s\n# TYPE %s histogram\n", name, help, name);
+    uint64_t cum = 0;
+    for (int b = 0; b < HIST_BUCKETS - 1; b++) {
+        cum += h->counts[b];
+        tb_printf(t, "%s_bucket{le=\"%g\"} %llu\n", name, h->bounds[b], (unsigned long long)cum);
+    }
+    cum += h->counts[HIST_BUCKETS - 1];
+    tb_printf(t, "%s_bucket{le=\"+Inf\"} %llu\n%s_sum %.6f\n%s_count %llu\n", name,
+              (unsigned long long)cum, name, h->sum, name, (unsigned long long)h->n);
+}
+
+static char *metrics_text(pd_node *n) {
+    tbuf t = {.p = malloc(8192), .cap = 8192};
+    PD_ASSERT(t.p);
+    t.p[0] = 0;
+    pd_engine_counters c;
+    pd_engine_counters_get(n->eng, &c);
+    const char *role = pd_node_role_name(n->cfg.role);
+    tb_printf(&t, "# HELP pdserve_requests_running Requests computing (prefill chunks or decoding).\n"
+                  "# TYPE pdserve_requests_running gauge\npdserve_requests_running{role=\"%s\"} %u\n",
+              role, c.running);
+    tb_printf(&t, "# HELP pdserve_requests_queued Requests waiting, by queue.\n# TYPE pdserve_requests_queued gauge\n");
+    tb_printf(&t, "pdserve_requests_queued{queue=\"bootstrap\"} %u\n", c.queued_bootstrap);
+    tb_printf(&t, "pdserve_requests_queued{queue=\"waiting\"} %u\n", c.queued_waiting);
+    tb_printf(&t, "pdserve_requests_queued{queue=\"prealloc\"} %u\n", c.prealloc);
+    tb_printf(&t, "pdserve_requests_queued{queue=\"wait_transfer\"} %u\n", c.wait_transfer);
+    tb_printf(&t, "pdserve_requests_queued{queue=\"loading\"} %u\n", c.loading);
+    tb_printf(&t, "# HELP pdserve_requests_transferring Requests handing over (prefill).\n"
+                  "# TYPE pdserve_requests_transferring gauge\npdserve_requests_transferring %u\n",
+              c.transferring + c.parked);
+    tb_printf(&t, "# HELP pdserve_rooms_draining Retired requests whose room may still touch memory.\n"
+                  "# TYPE pdserve_rooms_draining gauge\npdserve_rooms_draining %u\n", c.draining);
+    tb_printf(&t, "# HELP pdserve_requests_total Requests by outcome.\n# TYPE pdserve_requests_total counter\n");
+    tb_printf(&t, "pdserve_requests_total{outcome=\"finished\"} %llu\n", (unsigned long long)c.finished);
+    tb_printf(&t, "pdserve_requests_total{outcome=\"aborted\"} %llu\n", (unsigned long long)c.aborted);
+    tb_printf(&t, "pdserve_requests_total{outcome=\"failed\"} %llu\n", (unsigned long long)c.failed);
+    tb_printf(&t, "pdserve_requests_total{outcome=\"rejected\"} %llu\n", (unsigned long long)c.rejected);
+    tb_printf(&t, "# HELP pdserve_tokens_total Tokens computed.\n# TYPE pdserve_tokens_total counter\n");
+    tb_printf(&t, "pdserve_tokens_total{kind=\"prefill\"} %llu\n", (unsigned long long)c.prefill_tokens);
+    tb_printf(&t, "pdserve_tokens_total{kind=\"decode\"} %llu\n", (unsigned long long)c.decode_tokens);
+    tb_printf(&t, "pdserve_tokens_total{kind=\"cached\"} %llu\n", (unsigned long long)c.cached_tokens);
+    tb_printf(&t, "# HELP pdserve_transfer_failures_total Transport abort() calls that reported an error.\n"
+                  "# TYPE pdserve_transfer_failures_total counter\npdserve_transfer_failures_total %llu\n",
+              (unsigned long long)c.xfer_abort_errors);
+    tb_printf(&t, "# HELP pdserve_pool_units Units of each pool by ownership state.\n# TYPE pdserve_pool_units gauge\n");
+    pd_ledger *l = pd_engine_ledger(n->eng);
+    for (int pid = 0; pid < pd_ledger_pool_count(l); pid++) {
+        const char *pname = pd_pool_name(pd_ledger_pool(l, pid));
+        for (int st = 0; st < PD_UNIT_STATE__COUNT; st++)
+            tb_printf(&t, "pdserve_pool_units{pool=\"%s\",state=\"%s\"} %llu\n", pname,
+                      pd_unit_state_name((pd_unit_state)st),
+                      (unsigned long long)pd_ledger_count(l, pid, (pd_unit_state)st));
+    }
+    hist_text(&t, "pdserve_time_to_first_token_seconds", "From submit to the first token on this node.", &n->ttft);
+    hist_text(&t, "pdserve_inter_token_latency_seconds", "Between consecutive tokens of a request.", &n->itl);
+    hist_text(&t, "pdserve_e2e_latency_seconds", "From submit to the terminal event on this node.", &n->e2e);
+    tb_printf(&t, "# HELP pdserve_ownership_violations_total Failed ownership checks (strict mode).\n"
+                  "# TYPE pdserve_ownership_violations_total counter\npdserve_ownership_violations_total %llu\n",
+              (unsigned long long)n->violations);
+    return t.p;
+}
+
+/* ---- create / start / destroy -------------------------------------------------------- */
+
+static const char *own(pd_node *n, int slot, const char *s) {
+    if (!s) return NULL;
+    n->strings[slot] = strdup(s);
+    return n->strings[slot];
+}
+
+pd_err pd_node_create(pd_node **out, const pd_node_config *cfg_in, char *msg, size_t cap) {
+    if (!out || !cfg_in) return pd_errorf(msg, cap, PD_ERR_INVALID, "no configuration");
+    *out = NULL;
+    pd_node *n = calloc(1, sizeof(*n));
+    if (!n) return pd_errorf(msg, cap, PD_ERR_NOMEM, "out of memory");
+    n->cfg = *cfg_in;
+    pd_node_config *c = &n->cfg;
+    c->host = own(n, 0, c->host);
+    c->served_model_name = own(n, 1, c->served_model_name);
+    c->model_dir = own(n, 2, c->model_dir);
+    c->model_preset = own(n, 3, c->model_preset);
+    c->layers = own(n, 4, c->layers);
+    c->transfer_backend = own(n, 5, c->transfer_backend);
+    c->bootstrap_host = own(n, 6, c->bootstrap_host);
+    c->bootstrap_token = own(n, 7, c->bootstrap_token);
+    pthread_mutex_init(&n->mu, NULL);
+    pthread_cond_init(&n->cv, NULL);
+    atomic_init(&n->stopping, false);
+    atomic_init(&n->rid_counter, 0);
+    n->ttft.bounds = ttft_bounds;
+    n->itl.bounds = itl_bounds;
+    n->e2e.bounds = ttft_bounds;
+    pd_err err;
+    /* The model. */
+    if (c->model_dir) {
+        err = pd_model_load(&n->model, c->model_dir, msg, cap);
+    } else {
+        pd_model_config mc;
+        err = pd_model_config_preset(&mc, c->model_preset ? c->model_preset : "tiny", msg, cap);
+        if (!err && c->layers) {
+            if (strlen(c->layers) > PD_MODEL_LAYERS_MAX) {
+                err = pd_errorf(msg, cap, PD_ERR_INVALID, "--layers: at most %d layers", PD_MODEL_LAYERS_MAX);
+            } else {
+                snprintf(mc.layers, sizeof(mc.layers), "%s", c->layers);
+                err = pd_model_config_check(&mc, msg, cap);
+            }
+        }
+        if (!err) err = pd_model_create_random(&n->model, &mc, c->seed, msg, cap);
+    }
+    if (err) goto fail;
+    const pd_model_shape *shape = pd_model_shape_get(n->model);
+    /* Pools from the flags. */
+    if (c->page_size == 0 || c->page_size > 4096) {
+        err = pd_errorf(msg, cap, PD_ERR_INVALID, "--page-size must be in [1, 4096]");
+        goto fail;
+    }
+    if (c->max_total_tokens < c->page_size || c->max_running_requests == 0 || c->chunked_prefill_size == 0 ||
+        c->max_queued_requests == 0 || c->max_prompt_tokens == 0 || c->max_new_tokens_limit == 0) {
+        err = pd_errorf(msg, cap, PD_ERR_INVALID,
+                        "--max-total-tokens (>= page size), --max-running-requests, "
+                        "--chunked-prefill-size, --max-queued-requests, --max-prompt-tokens and "
+                        "--max-new-tokens must be positive");
+        goto fail;
+    }
+    pd_role role = c->role == PD_NODE_PREFILL ? PD_ROLE_PREFILL
+                 : c->role == PD_NODE_DECODE ? PD_ROLE_DECODE : PD_ROLE_COLOCATED;
+    pd_engine_config ec;
+    pd_engine_config_default(&ec, role);
+    ec.page_size = c->page_size;
+    ec.kv_pages = PD_DIV_CEIL(c->max_total_tokens, c->page_size);
+    ec.rows = c->max_running_requests;
+    ec.mamba_slots = shape->n_mamba ? ec.rows * 4 + 4 : 0;
+    ec.requests_max = c->max_queued_requests;
+    ec.meta_rows = role == PD_ROLE_PREFILL ? c->max_queued_requests : ec.rows * 2;
+    ec.host_pages = c->host_cache_tokens / c->page_size;
+    ec.chunk_tokens = c->chunked_prefill_size;
+    ec.batch_max = PD_MIN(PD_MAX(ec.rows, 8u), 256u);
+    ec.prompt_tokens_max = c->max_prompt_tokens;
+    ec.new_tokens_max = c->max_new_tokens_limit;
+    ec.overlap = !c->disable_overlap;
+    ec.optimistic_attempts = c->optimistic_attempts;
+    ec.prefix_cache = !c->disable_prefix_cache;
+    ec.strict = c->strict;
+    ec.bootstrap_timeout_us = c->bootstrap_timeout_ms * 1000;
+    ec.transfer_timeout_us = c->transfer_timeout_ms * 1000;
+    n->meta_rows = ec.meta_rows;
+    n->meta = calloc(ec.meta_rows, sizeof(pd_meta_row));
+    n->requests_max = ec.requests_max;
+    n->calls = calloc(ec.requests_max, sizeof(call *));
+    n->cmds = calloc(CMDS_MAX, sizeof(cmd));
+    if (!n->meta || !n->calls || !n->cmds) {
+        err = pd_errorf(msg, cap, PD_ERR_NOMEM, "out of memory");
+        goto fail;
+    }
+    ec.meta_mem = n->meta;
+    /* The executor: the model behind an in-order stream with its own worker. */
+    err = pd_model_executor_create(&n->model_ex, n->model, ec.page_size, ec.kv_pages, ec.mamba_slots,
+                                   ec.host_pages, c->threads ? c->threads : 1, msg, cap);
+    if (err) goto fail;
+    if ((err = pd_stream_create(&n->stream, n->model_ex, ec.batch_max))) {
+        pd_errorf(msg, cap, err, "executor stream: out of memory");
+        goto fail;
+    }
+    /* The transport. */
+    pd_xfer xfer = {0};
+    if (role != PD_ROLE_COLOCATED) {
+        if (!strcmp(c->transfer_backend, "loopback")) {
+            if (!c->loopback) {
+                err = pd_errorf(msg, cap, PD_ERR_INVALID,
+                                "--transfer-backend loopback joins a prefill and a decode node inside one "
+                                "process (pdserve run); separate processes need --transfer-backend ucx");
+                goto fail;
+            }
+            xfer = pd_loopback_mt_endpoint(c->loopback, role == PD_ROLE_PREFILL ? PD_LB_PREFILL : PD_LB_DECODE);
+        } else {
+            err = pd_errorf(msg, cap, PD_ERR_INVALID, "unknown --transfer-backend '%s' (loopback or ucx)",
+                            c->transfer_backend);
+            goto fail;
+        }
+    }
+    pd_sink sink = {.vt = &node_sink_vt, .self = n};
+    err = pd_engine_create(&n->eng, &ec, pd_stream_executor(n->stream), xfer, sink, msg, cap);
+    if (err) goto fail;
+    if (role != PD_ROLE_COLOCATED && c->loopback) {
+        pd_exec_memory mem;
+        n->model_ex.vt->memory(n->model_ex.self, &mem);
+        pd_loopback_mt_register(c->loopback, role == PD_ROLE_PREFILL ? PD_LB_PREFILL : PD_LB_DECODE, &mem,
+                                n->meta, n->meta_rows);
+    }
+    *out = n;
+    return PD_OK;
+fail:
+    pd_node_destroy(n);
+    return err;
+}
+
+pd_err pd_node_start(pd_node *n, char *msg, size_t cap) {
+    pd_err err = pd_stream_start_worker(n->stream);
+    if (err) return pd_errorf(msg, cap, err, "could not start the executor worker");
+    if (pthread_create(&n->sched, NULL, sched_main, n) != 0)
+        return pd_errorf(msg, cap, PD_ERR_NOMEM, "could not start the scheduler thread");
+    n->sched_running = true;
+    return http_start(n, &n->http, &n->http_port, msg, cap);
+}
+
+uint16_t pd_node_http_port(const pd_node *n) { return n->http_port; }
+uint16_t pd_node_bootstrap_port(const pd_node *n) { return n->cfg.bootstrap_port; }
+
+void pd_node_destroy(pd_node *n) {
+    if (!n) return;
+    pthread_mutex_lock(&n->mu);
+    atomic_store(&n->stopping, true);
+    pthread_cond_signal(&n->cv);
+    pthread_mutex_unlock(&n->mu);
+    /* HTTP first: no new commands; its threads end their waits as their
+     * calls end (the scheduler aborts everything before it exits). */
+    if (n->sched_running) pthread_join(n->sched, NULL);
+    /* Commands that arrived after the scheduler's last look. */
+    for (uint32_t i = 0; i < n->cmd_n; i++) {
+        cmd *q = &n->cmds[(n->cmd_head + i) % CMDS_MAX];
+        if (q->c) {
+            pthread_mutex_lock(&q->c->mu);
+            q->c->submitted = true;
+            q->c->submit_err = PD_ERR_STATE;
+            q->c->reject.status = 503;
+            snprintf(q->c->reject.message, sizeof(q->c->reject.message), "the server is shutting down");
+            pthread_cond_broadcast(&q->c->cv);
+            pthread_mutex_unlock(&q->c->mu);
+            call_unref(q->c);
+        }
+        if (q->reply) reply_done(q->reply, 0, NULL);
+    }
+    /* Anything the engine could not end in time ends here, so no HTTP thread
+     * waits forever. */
+    if (n->calls)
+        for (uint32_t i = 0; i < n->requests_max; i++) {
+            call *c = n->calls[i];
+            if (!c) continue;
+            pthread_mutex_lock(&c->mu);
+            if (!c->done) {
+                c->done = true;
+                c->kind = PD_TERM_FAILED;
+                c->status = 503;
+                snprintf(c->message, sizeof(c->message), "the server is shutting down");
+            }
+            pthread_cond_broadcast(&c->cv);
+            pthread_mutex_unlock(&c->mu);
+            call_unref(c);
+            n->calls[i] = NULL;
+        }
+    if (n->http) http_stop(n->http);
+    pd_engine_destroy(n->eng);
+    pd_stream_destroy(n->stream);
+    if (n->model_ex.vt) pd_model_executor_destroy(&n->model_ex);
+    pd_model_destroy(n->model);
+    free(n->calls);
+    free(n->meta);
+    free(n->cmds);
+    for (int i = 0; i < 8; i++) free(n->strings[i]);
+    pthread_mutex_destroy(&n->mu);
+    pthread_cond_destroy(&n->cv);
+    free(n);
+}

@@ -1,0 +1,86 @@
+/*
+ * node_internal.h — what node.c (the scheduler side) and http.c (the HTTP
+ * side) share: the call (one client request in flight) and the command
+ * queue between the two sides.
+ *
+ * A call is shared by the HTTP thread that owns the client connection and
+ * the scheduler thread that delivers its outputs; it is reference counted
+ * (one reference each) and guarded by its own mutex. The scheduler never
+ * blocks on an HTTP thread: it appends tokens and signals.
+ */
+#ifndef PDSERVE_NODE_INTERNAL_H
+#define PDSERVE_NODE_INTERNAL_H
+
+#include <pthread.h>
+#include <stdatomic.h>
+
+#include "pdserve/engine.h"
+#include "pdserve/node.h"
+
+typedef struct call {
+    atomic_int refs;
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    /* Request (read-only once submitted). */
+    char rid[PD_RID_MAX];
+    char peer[PD_PEER_MAX];
+    int32_t *prompt;
+    uint32_t prompt_len;
+    pd_request_spec spec;
+    bool stream;
+    bool openai;                     /* /v1/completions shape */
+    /* Submit outcome. */
+    bool submitted;
+    pd_err submit_err;
+    pd_reject reject;
+    /* Outputs (guarded by mu). */
+    int32_t *tokens;
+    float *logprobs;
+    uint32_t n_tokens;
+    bool done;
+    pd_terminal_kind kind;
+    pd_finish_reason finish;
+    int status;
+    char message[160];
+    uint32_t cached_tokens;
+    uint64_t t_submit_us, t_first_us, t_done_us;
+    bool aborting;                   /* an abort was sent for it */
+} call;
+
+call *call_new(void);
+void call_ref(call *c);
+void call_unref(call *c);
+
+typedef enum cmd_kind { CMD_SUBMIT, CMD_ABORT, CMD_ABORT_ALL, CMD_INFO, CMD_METRICS } cmd_kind;
+
+/* A command with a synchronous answer (the HTTP thread waits on it). */
+typedef struct cmd_reply {
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    bool ready;
+    int64_t value;                   /* ABORT: 1 found / 0 not; ABORT_ALL: count */
+    char *text;                      /* INFO / METRICS: malloc'd, the caller frees */
+} cmd_reply;
+
+struct pd_node;
+
+/* Queues a command; PD_ERR_NOMEM when the queue is full, PD_ERR_STATE when
+ * the node is stopping. For SUBMIT the scheduler takes a reference. */
+pd_err node_command(struct pd_node *n, cmd_kind kind, call *c, const char *rid, cmd_reply *reply);
+/* Queues a command and waits for its reply. */
+pd_err node_command_wait(struct pd_node *n, cmd_kind kind, const char *rid, cmd_reply *reply);
+
+/* Accessors the HTTP side needs. */
+const pd_node_config *node_config(const struct pd_node *n);
+uint32_t node_vocab(const struct pd_node *n);
+int32_t node_bos(const struct pd_node *n);
+uint64_t node_now_us(void);
+uint64_t node_next_rid(struct pd_node *n);
+bool node_stopping(const struct pd_node *n);
+
+/* http.c */
+typedef struct http_server http_server;
+pd_err http_start(struct pd_node *n, http_server **out, uint16_t *bound_port, char *msg, size_t cap);
+void http_stop(http_server *h);
+
+#endif
