@@ -14,6 +14,7 @@ packages=(
   libcurl4-openssl-dev # HTTP client (router -> workers, end-to-end tests)
   libucx-dev        # UCX transport between prefill and decode processes
   ucx-utils         # ucx_info, for diagnostics
+  python3           # end-to-end tests (standard library only)
 )
 
 missing=()

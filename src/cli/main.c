@@ -13,6 +13,7 @@ typedef struct command {
 } command;
 
 static const command commands[] = {
+    {"run", pd_cmd_run, "the embedded default: router + prefill + decode in one process"},
     {"serve", pd_cmd_serve, "a colocated server: prefill and decode in one engine"},
     {"prefill", pd_cmd_prefill, "a prefill node of a disaggregated deployment"},
     {"decode", pd_cmd_decode, "a decode node of a disaggregated deployment"},

@@ -265,6 +265,14 @@ static uint32_t add_chunk(pd_engine *e, batch_rec *b, req *r, uint32_t budget) {
     uint32_t n = PD_MIN(PD_MIN(budget, e->cfg.chunk_tokens), r->prompt_len - r->launched);
     if (n == 0) return 0;
     uint32_t end = r->launched + n;
+    /* A hybrid model can only reuse a prefix that ends with a snapshot, and
+     * snapshots are taken at chunk ends: end the last full page's chunk there
+     * so the whole prompt (but its partial last page) can be cached. */
+    uint32_t last_page_end = (r->prompt_len / ps) * ps;
+    if (e->tracks > 0 && end == r->prompt_len && end != last_page_end && last_page_end > r->launched) {
+        end = last_page_end;
+        n = end - r->launched;
+    }
     uint32_t need = PD_DIV_CEIL(end, ps) > r->n_pages ? PD_DIV_CEIL(end, ps) - r->n_pages : 0;
     if (eng_alloc_pages(e, r, need) != PD_OK) return 0; /* cannot happen under the reservation */
     uint32_t snap = NONE;

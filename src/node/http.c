@@ -182,6 +182,7 @@ static int parse_request(pd_node *n, json_t *root, bool openai, parsed *p, char 
     if (!json_is_object(root)) return snprintf(err, cap, "the request body must be a JSON object"), 400;
     json_t *src = root;
     json_t *prompt = NULL;
+    bool is_text = false;
     if (openai) {
         prompt = json_object_get(root, "prompt");
         if (!prompt) return snprintf(err, cap, "'prompt' is required"), 400;
@@ -189,11 +190,12 @@ static int parse_request(pd_node *n, json_t *root, bool openai, parsed *p, char 
         json_t *text = json_object_get(root, "text"), *ids = json_object_get(root, "input_ids");
         if (text && ids) return snprintf(err, cap, "give either 'text' or 'input_ids', not both"), 400;
         prompt = text ? text : ids;
+        is_text = text != NULL;
         if (!prompt) return snprintf(err, cap, "'text' or 'input_ids' is required"), 400;
         src = json_object_get(root, "sampling_params");
         if (src && !json_is_object(src)) return snprintf(err, cap, "'sampling_params' must be an object"), 400;
     }
-    const char *pname = openai ? "prompt" : json_is_string(prompt) ? "text" : "input_ids";
+    const char *pname = openai ? "prompt" : is_text ? "text" : "input_ids";
     if (json_is_string(prompt)) {
         const char *t = json_string_value(prompt);
         size_t len = json_string_length(prompt);
@@ -220,8 +222,8 @@ static int parse_request(pd_node *n, json_t *root, bool openai, parsed *p, char 
         }
         p->prompt_len = (uint32_t)k;
     } else {
-        return snprintf(err, cap, "'%s' must be a %s", pname, openai ? "string or an array of token ids"
-                                                                     : json_is_string(prompt) ? "string" : "array of integers"), 400;
+        return snprintf(err, cap, "'%s' must be %s", pname,
+                        openai ? "a string or an array of token ids" : is_text ? "a string" : "an array of integers"), 400;
     }
     json_t *v;
     const char *mname = openai ? "max_tokens" : "max_new_tokens";
@@ -678,7 +680,7 @@ pd_err http_start(pd_node *n, http_server **out, uint16_t *bound_port, char *msg
     h->d = MHD_start_daemon(MHD_USE_THREAD_PER_CONNECTION | MHD_USE_INTERNAL_POLLING_THREAD, cfg->port, NULL,
                             NULL, handler, n, MHD_OPTION_SOCK_ADDR, (struct sockaddr *)&addr,
                             MHD_OPTION_NOTIFY_COMPLETED, completed, n, MHD_OPTION_CONNECTION_LIMIT,
-                            (unsigned)4096, MHD_OPTION_CONNECTION_TIMEOUT, (unsigned)0,
+                            (unsigned)4096, MHD_OPTION_CONNECTION_TIMEOUT, (unsigned)60,
                             MHD_OPTION_THREAD_STACK_SIZE, (size_t)(512 * 1024), MHD_OPTION_END);
     if (!h->d) {
         free(h);

@@ -1,0 +1,172 @@
+"""Helpers for pdserve's end-to-end tests: start servers on free ports of
+127.0.0.1, talk HTTP to them with the standard library only, and run test
+functions with a plain summary line ("N passed, M failed").
+
+Every server is started with --strict (the ownership check runs after every
+scheduler step) and stopped at the end; a test never touches anything but
+127.0.0.1.
+"""
+import http.client
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import traceback
+
+PDSERVE = os.environ.get("PDSERVE") or sys.argv[1]
+
+
+def free_port():
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
+
+
+class Server:
+    """A pdserve process (serve, prefill, decode, router or run)."""
+
+    def __init__(self, args, port_flag="--port", env=None, wait=True, name=None):
+        self.port = free_port()
+        self.name = name or args[0]
+        cmd = [PDSERVE] + list(args) + [port_flag, str(self.port)]
+        full_env = dict(os.environ)
+        if env:
+            full_env.update(env)
+        self.log_path = "/tmp/pdserve-e2e-%s-%d.log" % (self.name, self.port)
+        self.log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=full_env)
+        if wait:
+            self.wait_healthy()
+
+    def wait_healthy(self, timeout=60):
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise AssertionError("%s exited with %d:\n%s" % (self.name, self.proc.returncode, self.output()))
+            try:
+                st, _ = self.get("/health", timeout=2)
+                if st == 200:
+                    return
+            except OSError:
+                pass
+            time.sleep(0.05)
+        raise AssertionError("%s did not become healthy:\n%s" % (self.name, self.output()))
+
+    def output(self):
+        self.log.flush()
+        with open(self.log_path) as f:
+            return f.read()[-4000:]
+
+    def conn(self, timeout=120):
+        return http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
+
+    def request(self, method, path, body=None, timeout=120, raw=None):
+        c = self.conn(timeout)
+        data = raw if raw is not None else (json.dumps(body) if body is not None else None)
+        c.request(method, path, body=data, headers={"Content-Type": "application/json"})
+        r = c.getresponse()
+        payload = r.read()
+        c.close()
+        try:
+            obj = json.loads(payload) if payload else None
+        except ValueError:
+            obj = payload.decode("utf-8", "replace")
+        return r.status, obj
+
+    def get(self, path, timeout=120):
+        return self.request("GET", path, timeout=timeout)
+
+    def post(self, path, body, timeout=120):
+        return self.request("POST", path, body, timeout=timeout)
+
+    def stream(self, path, body, timeout=120):
+        """POST with stream=true; returns (status, [events]) with the JSON events
+        and '[DONE]' as the last element when it came."""
+        c = self.conn(timeout)
+        c.request("POST", path, body=json.dumps(body), headers={"Content-Type": "application/json"})
+        r = c.getresponse()
+        events = []
+        if r.status != 200:
+            payload = r.read()
+            c.close()
+            return r.status, json.loads(payload)
+        buf = b""
+        while True:
+            chunk = r.read1(65536) if hasattr(r, "read1") else r.read(1)
+            if not chunk:
+                break
+            buf += chunk
+            while b"\n\n" in buf:
+                ev, buf = buf.split(b"\n\n", 1)
+                assert ev.startswith(b"data: "), ev
+                data = ev[6:].decode()
+                events.append(data if data == "[DONE]" else json.loads(data))
+        c.close()
+        return r.status, events
+
+    def info(self):
+        st, obj = self.get("/server_info")
+        assert st == 200, (st, obj)
+        return obj
+
+    def wait_idle_clean(self, timeout=30):
+        """Until the node is idle with nothing held; returns the last info."""
+        deadline = time.time() + timeout
+        info = None
+        while time.time() < deadline:
+            info = self.info()
+            if info.get("idle") and info.get("idle_clean"):
+                return info
+            time.sleep(0.05)
+        raise AssertionError("%s not idle-clean: %s" % (self.name, json.dumps(info)[:3000]))
+
+    def stop(self, sig=signal.SIGTERM):
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+
+    def kill(self):
+        self.stop(signal.SIGKILL)
+
+
+def generate_reference(prompt, max_new, extra=()):
+    """Token ids from `pdserve generate` (the model run offline, alone)."""
+    out = subprocess.run([PDSERVE, "generate", "--prompt", prompt, "--max-new-tokens", str(max_new), "--json"]
+                         + list(extra), capture_output=True, text=True, check=True)
+    return json.loads(out.stdout)["output_ids"]
+
+
+def run_tests(tests):
+    passed = failed = 0
+    for t in tests:
+        t0 = time.time()
+        try:
+            t()
+            passed += 1
+            print("PASS %s (%.1fs)" % (t.__name__, time.time() - t0), flush=True)
+        except Exception:
+            failed += 1
+            print("FAIL %s (%.1fs)" % (t.__name__, time.time() - t0), flush=True)
+            traceback.print_exc()
+    print("%d passed, %d failed" % (passed, failed))
+    sys.exit(1 if failed else 0)
+
+
+def prompts(n=24):
+    """Prompts of mixed lengths (1 to ~300 bytes), deterministic."""
+    base = "The quick brown fox jumps over the lazy dog. 0123456789 " * 8
+    out = []
+    for i in range(n):
+        length = [1, 2, 5, 9, 15, 16, 17, 31, 32, 33, 63, 64, 65, 100, 127, 128, 129, 200, 255, 256, 257, 300, 3, 47][i % 24]
+        out.append((base[i % 17:] + base)[:length])
+    return out

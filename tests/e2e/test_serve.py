@@ -1,0 +1,193 @@
+"""End-to-end: a colocated `pdserve serve` over HTTP answers exactly what
+`pdserve generate` computes offline — streaming or not, through /generate
+or /v1/completions, whatever the page size and chunk size — and bad input
+gets a clear JSON error while the node stays healthy and leak-free."""
+import json
+import socket
+import threading
+import time
+
+import pdtest
+from pdtest import Server
+
+
+def check_identity(page_size, chunk):
+    srv = Server(["serve", "--strict", "--page-size", str(page_size), "--chunked-prefill-size", str(chunk)])
+    try:
+        for i, p in enumerate(pdtest.prompts(24)):
+            max_new = 1 + (i % 7) * 3
+            want = pdtest.generate_reference(p, max_new)
+            st, body = srv.post("/generate", {"text": p, "sampling_params": {"max_new_tokens": max_new}})
+            assert st == 200, (st, body)
+            assert body["output_ids"] == want, (p, body["output_ids"], want)
+            assert body["meta_info"]["completion_tokens"] == len(want)
+            assert body["meta_info"]["finish_reason"]["type"] in ("length", "stop")
+            if i % 4 == 0:
+                st, events = srv.stream("/generate", {"text": p, "stream": True,
+                                                      "sampling_params": {"max_new_tokens": max_new}})
+                assert st == 200
+                assert events[-1] == "[DONE]", events[-3:]
+                ids = [t for e in events[:-1] for t in e["output_ids"]]
+                assert ids == want, (ids, want)
+                finals = [e for e in events[:-1] if e["meta_info"]["finish_reason"] is not None]
+                assert len(finals) == 1 and finals[0] is events[-2]
+        srv.wait_idle_clean()
+    finally:
+        srv.stop()
+
+
+def test_serve_matches_generate_page_16_chunk_512():
+    check_identity(16, 512)
+
+
+def test_serve_matches_generate_page_1_chunk_3():
+    check_identity(1, 3)
+
+
+def test_serve_matches_generate_page_16_chunk_20():
+    check_identity(16, 20)
+
+
+def test_openai_completions_and_prefix_reuse():
+    srv = Server(["serve", "--strict"])
+    try:
+        prompt = "A shared system prompt that is long enough to fill a few pages of sixteen tokens. " * 2
+        want = pdtest.generate_reference(prompt, 5)
+        for _ in range(3):
+            st, body = srv.post("/v1/completions", {"prompt": prompt, "max_tokens": 5})
+            assert st == 200, body
+            assert body["object"] == "text_completion"
+            assert body["choices"][0]["finish_reason"] in ("length", "stop")
+            assert body["usage"]["completion_tokens"] == len(want)
+        st, events = srv.stream("/v1/completions", {"prompt": prompt, "max_tokens": 5, "stream": True})
+        assert st == 200 and events[-1] == "[DONE]"
+        assert events[-2]["choices"][0]["finish_reason"] is not None
+        st, body = srv.post("/generate", {"text": prompt, "sampling_params": {"max_new_tokens": 5}})
+        assert body["output_ids"] == want
+        assert body["meta_info"]["cached_tokens"] > 0, body  # the prefix came from the cache
+        info = srv.wait_idle_clean()
+        assert info["counters"]["cached_tokens"] > 0
+    finally:
+        srv.stop()
+
+
+def expect_error(srv, status, path, body=None, raw=None, method="POST", contains=None):
+    st, obj = srv.request(method, path, body=body, raw=raw)
+    assert st == status, (status, st, obj)
+    assert isinstance(obj, dict) and "error" in obj, obj
+    err = obj["error"]
+    assert err["code"] == status and err["type"] and err["message"], err
+    if contains:
+        assert contains in err["message"], (contains, err["message"])
+    return err
+
+
+def test_bad_input_gets_clear_errors_and_leaks_nothing():
+    srv = Server(["serve", "--strict", "--max-total-tokens", "512", "--max-body-bytes", "65536",
+                  "--max-new-tokens", "1000"])
+    try:
+        expect_error(srv, 400, "/generate", raw="{not json", contains="malformed JSON")
+        expect_error(srv, 400, "/generate", raw="[1, 2]", contains="JSON object")
+        expect_error(srv, 400, "/generate", {"text": 42}, contains="'text'")
+        expect_error(srv, 400, "/generate", {"input_ids": [1, "x"]}, contains="'input_ids'[1]")
+        expect_error(srv, 400, "/generate", {"input_ids": [1, 99999]}, contains="vocabulary")
+        expect_error(srv, 400, "/generate", {"text": "hi", "stream": "yes"}, contains="'stream'")
+        expect_error(srv, 400, "/generate", {"text": "hi", "sampling_params": {"max_new_tokens": "5"}},
+                     contains="max_new_tokens")
+        expect_error(srv, 400, "/generate", {"text": "hi", "sampling_params": []}, contains="sampling_params")
+        expect_error(srv, 400, "/generate", {"text": ""}, contains="empty")
+        expect_error(srv, 400, "/generate", {"input_ids": []}, contains="empty")
+        expect_error(srv, 400, "/generate", {"sampling_params": {}}, contains="required")
+        expect_error(srv, 400, "/generate", {"text": "a", "input_ids": [1]}, contains="not both")
+        expect_error(srv, 400, "/generate", {"text": "hi", "sampling_params": {"max_new_tokens": 0}},
+                     contains="at least 1")
+        expect_error(srv, 400, "/generate", {"text": "hi", "sampling_params": {"max_new_tokens": -3}})
+        expect_error(srv, 400, "/generate", {"text": "hi", "sampling_params": {"max_new_tokens": 10 ** 9}},
+                     contains="above the limit")
+        expect_error(srv, 400, "/generate", {"text": "hi", "sampling_params": {"temperature": -1}},
+                     contains="temperature")
+        expect_error(srv, 400, "/generate", {"text": "hi", "sampling_params": {"top_p": 0}}, contains="top_p")
+        expect_error(srv, 400, "/generate", {"text": "hi", "rid": 7}, contains="'rid'")
+        expect_error(srv, 400, "/v1/completions", {"prompt": {"a": 1}}, contains="prompt")
+        expect_error(srv, 413, "/generate", {"text": "x" * 600}, contains="does not fit")  # longer than the KV pool
+        expect_error(srv, 413, "/generate", raw=json.dumps({"text": "y" * 70000}), contains="larger than")
+        expect_error(srv, 404, "/nowhere", {"text": "hi"})
+        expect_error(srv, 405, "/generate", method="GET")
+        expect_error(srv, 405, "/health", {"x": 1}, method="POST")
+        expect_error(srv, 404, "/abort_request", {"rid": "nobody"}, contains="nobody")
+        expect_error(srv, 400, "/abort_request", raw="{bad")
+        expect_error(srv, 400, "/abort_request", {"rid": 5})
+        # A duplicate live rid: the first request runs long, the second is refused.
+        results = {}
+
+        def long_request():
+            results["first"] = srv.post("/generate", {"text": "long one", "rid": "dup",
+                                                      "sampling_params": {"max_new_tokens": 400, "ignore_eos": True}})
+
+        t = threading.Thread(target=long_request)
+        t.start()
+        deadline = time.time() + 10
+        while time.time() < deadline and srv.info()["counters"]["submitted"] < 1:
+            time.sleep(0.01)
+        expect_error(srv, 409, "/generate", {"text": "again", "rid": "dup"}, contains="already live")
+        st, obj = srv.post("/abort_request", {"rid": "dup"})
+        assert st == 200 and obj["aborted"] == 1, (st, obj)
+        t.join(60)
+        st, body = results["first"]
+        assert st == 200 and body["meta_info"]["finish_reason"]["type"] == "abort", body
+        assert body["meta_info"]["finish_reason"]["status_code"] == 499
+        # Garbage on the HTTP port itself.
+        # (libmicrohttpd answers 400 or keeps the line open until its timeout;
+        # either way the node must stay healthy.)
+        for junk in (b"\x00\xff garbage \r\n\r\n", b"POST /generate HTTP/1.1\r\nContent-Length: 99999999\r\n\r\n{",
+                     b"GET / HTTP/1.1\r\n" + b"X: " + b"a" * 100000 + b"\r\n\r\n"):
+            s = socket.create_connection(("127.0.0.1", srv.port))
+            s.settimeout(2)
+            try:
+                s.sendall(junk)
+                s.recv(1024)
+            except OSError:
+                pass
+            s.close()
+        st, obj = srv.get("/health")
+        assert st == 200 and obj["status"] == "ok"
+        st, body = srv.post("/generate", {"text": "still fine", "sampling_params": {"max_new_tokens": 3}})
+        assert st == 200 and len(body["output_ids"]) == 3
+        info = srv.wait_idle_clean()
+        assert info["counters"]["ownership_violations"] == 0
+    finally:
+        srv.stop()
+
+
+def test_client_disconnect_aborts_the_request():
+    srv = Server(["serve", "--strict"])
+    try:
+        for stream in (False, True):
+            s = socket.create_connection(("127.0.0.1", srv.port))
+            body = json.dumps({"text": "never read", "stream": stream, "rid": "gone-%d" % stream,
+                               "sampling_params": {"max_new_tokens": 4000, "ignore_eos": True}}).encode()
+            s.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                      b"Content-Length: %d\r\n\r\n" % len(body) + body)
+            deadline = time.time() + 10
+            while time.time() < deadline and srv.info()["counters"]["running"] == 0:
+                time.sleep(0.01)
+            s.close()
+            deadline = time.time() + 20
+            while time.time() < deadline and srv.info()["counters"]["aborted"] < 1 + stream:
+                time.sleep(0.02)
+            assert srv.info()["counters"]["aborted"] == 1 + stream
+        info = srv.wait_idle_clean()
+        assert info["counters"]["finished"] == 0
+    finally:
+        srv.stop()
+
+
+if __name__ == "__main__":
+    pdtest.run_tests([
+        test_serve_matches_generate_page_16_chunk_512,
+        test_serve_matches_generate_page_1_chunk_3,
+        test_serve_matches_generate_page_16_chunk_20,
+        test_openai_completions_and_prefix_reuse,
+        test_bad_input_gets_clear_errors_and_leaks_nothing,
+        test_client_disconnect_aborts_the_request,
+    ])
