@@ -1,6 +1,6 @@
 # pdserve — the commands a newcomer types. Everything else is CMake + ctest.
 #
-#   make run     the project's main job on the embedded defaults
+#   make run     the main job: router + prefill + decode serving the tiny model (pdserve run)
 #   make test    install missing Debian packages, build with ASan+UBSan, run ctest
 #   make bench   optimised build, then every benchmark with its figures
 #   make soak    the simulator's long swarm (SOAK_SEEDS=100000 seeds, all faults)
@@ -37,7 +37,7 @@ release: deps $(REL_DIR)/CMakeCache.txt
 	cmake --build $(REL_DIR) -j $(JOBS)
 
 run: release
-	@scripts/bench.sh --quick $(REL_DIR)
+	$(REL_DIR)/pdserve run $(RUN_ARGS)
 
 bench: release
 	@scripts/bench.sh $(REL_DIR)

@@ -1,0 +1,167 @@
+"""End-to-end: `pdserve run` — router, prefill node and decode node in one
+process over the loopback transport — answers exactly what `pdserve
+generate` computes, survives an abort storm (every client gets exactly one
+final response, every node ends idle with every pool back), and refuses bad
+input at the router with clear errors."""
+import json
+import random
+import socket
+import threading
+import time
+
+import pdtest
+from pdtest import Server
+
+
+class Run:
+    """A `pdserve run`: the router's port is Server.port; the nodes' ports
+    are read from its banner."""
+
+    def __init__(self, extra=()):
+        self.router = Server(["run", "--strict"] + list(extra), name="run", wait=False)
+        deadline = time.time() + 60
+        self.p = self.d = None
+        while time.time() < deadline and not (self.p and self.d):
+            for line in self.router.output().splitlines():
+                if "decode node http://" in line:
+                    part = line.split("prefill node http://")[1]
+                    pport = int(part.split(",")[0].split(":")[1])
+                    dport = int(line.split("decode node http://")[1].split(" ")[0].split(":")[1])
+                    self.p = Alias(self.router, pport, "prefill")
+                    self.d = Alias(self.router, dport, "decode")
+            time.sleep(0.05)
+        assert self.p, self.router.output()
+        self.router.wait_healthy()
+
+    def nodes_idle_clean(self):
+        return self.p.wait_idle_clean(60), self.d.wait_idle_clean(60)
+
+    def stop(self):
+        self.router.stop()
+
+
+class Alias(Server):
+    def __init__(self, owner, port, name):
+        self.port, self.name, self.proc, self.log_path, self.log = port, name, owner.proc, owner.log_path, owner.log
+
+
+def test_run_matches_generate():
+    for extra in (["--page-size", "16", "--chunked-prefill-size", "64"],
+                  ["--page-size", "1", "--chunked-prefill-size", "5"]):
+        run = Run(extra)
+        try:
+            for i, prompt in enumerate(pdtest.prompts(24)):
+                max_new = 1 + (i % 6) * 3
+                want = pdtest.generate_reference(prompt, max_new)
+                body = {"text": prompt, "sampling_params": {"max_new_tokens": max_new}}
+                if i % 3 == 0:
+                    st, events = run.router.stream("/generate", dict(body, stream=True))
+                    assert st == 200 and events[-1] == "[DONE]", events[-2:]
+                    ids = [t for e in events[:-1] for t in e["output_ids"]]
+                else:
+                    st, res = run.router.post("/generate", body)
+                    assert st == 200, res
+                    ids = res["output_ids"]
+                assert ids == want, (extra, i, ids, want)
+            st, res = run.router.post("/v1/completions", {"prompt": "Hello", "max_tokens": 4})
+            assert st == 200 and res["usage"]["completion_tokens"] == len(pdtest.generate_reference("Hello", 4))
+            run.nodes_idle_clean()
+        finally:
+            run.stop()
+
+
+def _final_events(events):
+    return [e for e in events if isinstance(e, dict) and
+            (e.get("meta_info", {}).get("finish_reason") is not None or "error" in e)]
+
+
+def test_abort_storm():
+    run = Run(["--max-running-requests", "32"])
+    rng = random.Random(2026)
+    n = 200
+    outcome = [None] * n
+    errors = []
+
+    def client(i):
+        try:
+            rid = "storm-%d" % i
+            stream = i % 2 == 0
+            body = {"text": "storm request %d " % i * (1 + i % 5), "rid": rid, "stream": stream,
+                    "sampling_params": {"max_new_tokens": 20 + (i * 7) % 120, "ignore_eos": True}}
+            kind = i % 4  # 0,1: normal; 2: aborted via /abort_request; 3: connection closed
+            if kind == 3:
+                s = socket.create_connection(("127.0.0.1", run.router.port))
+                raw = json.dumps(body).encode()
+                s.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                          b"Content-Length: %d\r\n\r\n" % len(raw) + raw)
+                time.sleep(rng.uniform(0, 0.4))
+                s.close()
+                outcome[i] = "closed"
+                return
+            if kind == 2:
+                def aborter():
+                    time.sleep(rng.uniform(0, 0.4))
+                    run.router.post("/abort_request", {"rid": rid})
+                threading.Thread(target=aborter).start()
+            if stream:
+                st, events = run.router.stream("/generate", body)
+                assert st == 200, (st, events)
+                assert events[-1] == "[DONE]", events[-3:]
+                finals = _final_events(events[:-1])
+                assert len(finals) == 1 and finals[0] is events[-2], events[-3:]
+                outcome[i] = finals[0].get("meta_info", {}).get("finish_reason", {}).get("type", "error")
+            else:
+                st, res = run.router.post("/generate", body)
+                assert st == 200, (st, res)
+                outcome[i] = res["meta_info"]["finish_reason"]["type"]
+            if kind in (0, 1):
+                assert outcome[i] == "length", (i, outcome[i])
+        except Exception as e:  # collected, reported below
+            errors.append("%d: %r" % (i, e))
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+        time.sleep(0.002)
+    for t in threads:
+        t.join(300)
+    try:
+        assert not errors, errors[:5]
+        assert all(o is not None for o in outcome)
+        aborted = sum(1 for o in outcome if o == "abort")
+        assert aborted > 10, outcome  # the aborts really interrupted requests
+        p, d = run.nodes_idle_clean()
+        for info in (p, d):
+            for pool in info["pools"]["pools"]:
+                assert pool["req"] == 0 and pool["quarantine"] == 0, pool
+            assert info["counters"]["ownership_violations"] == 0
+        assert d["counters"]["aborted"] >= aborted
+    finally:
+        run.stop()
+
+
+def test_router_bad_input():
+    run = Run()
+    try:
+        for raw, status in (("{oops", 400), ("[1]", 400), (json.dumps({"text": "x", "stream": "yes"}), 400)):
+            st, obj = run.router.request("POST", "/generate", raw=raw)
+            assert st == status and obj["error"]["code"] == status, (raw, st, obj)
+        st, obj = run.router.request("POST", "/generate", raw=json.dumps({"text": "y" * (2 << 20)}))
+        assert st == 413, (st, obj)
+        st, obj = run.router.get("/nope")
+        assert st == 404
+        st, obj = run.router.get("/generate")
+        assert st == 405
+        st, obj = run.router.post("/abort_request", {"rid": "nobody"})
+        assert st == 404, (st, obj)
+        st, obj = run.router.post("/generate", {"text": "", "sampling_params": {"max_new_tokens": 2}})
+        assert st == 400 and "empty" in obj["error"]["message"], obj
+        st, obj = run.router.post("/generate", {"text": "ok", "sampling_params": {"max_new_tokens": 2}})
+        assert st == 200 and len(obj["output_ids"]) == 2
+        run.nodes_idle_clean()
+    finally:
+        run.stop()
+
+
+if __name__ == "__main__":
+    pdtest.run_tests([test_run_matches_generate, test_abort_storm, test_router_bad_input])
