@@ -58,6 +58,10 @@ typedef struct pd_net_config {
                                      "tcp", "rc,sm"); NULL = the environment / UCX default */
     const char *ucx_net_devices;  /* UCX_NET_DEVICES for this node (e.g. "lo", "mlx5_0:1");
                                      NULL = the environment / UCX default */
+    int32_t spin_us;              /* after UCX reports progress, the progress thread keeps
+                                     polling without sleeping this long, so emulated
+                                     one-sided writes stream (default 1000; < 0: never
+                                     spin, sleep on the worker's event fd at once) */
     /* Optional log sink for connection-level events (peer lost, message
      * refused); called from the progress thread. NULL = silent. */
     void (*log)(void *log_ctx, const char *line);

@@ -98,7 +98,7 @@
 #define PROGRESS_BURST 256
 #define POLL_IDLE_MS 100
 #define POLL_BUSY_MS 1                   /* while UCX requests are outstanding */
-#define POLL_RECV_MS 10                  /* decode, while a destination awaits data */
+#define POLL_RECV_MS 10                  /* decode, while a prefill peer is connected */
 #define ORPHAN_SCAN_MS 250
 #define ABORT_REASON_ENGINE 1u
 #define ABORT_REASON_WRITE_ERROR 2u
@@ -200,6 +200,7 @@ struct pd_net {
     size_t waddr_len;
     bool no_peer_mode;
     uint32_t ucx_out;
+    uint64_t last_event_ns;   /* the worker last reported progress */
     /* registered memory */
     bool registered;
     uint8_t *base[REG_N];
@@ -1461,8 +1462,20 @@ static void timers(pd_net *n, uint64_t now) {
 
 /* ---- the progress thread ------------------------------------------------------------------ */
 
+static uint64_t now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
+}
+
 static void ucx_progress(pd_net *n) {
-    for (int i = 0; i < PROGRESS_BURST && ucp_worker_progress(n->worker); i++) {}
+    unsigned events = 0;
+    for (int i = 0; i < PROGRESS_BURST; i++) {
+        unsigned k = ucp_worker_progress(n->worker);
+        if (!k) break;
+        events += k;
+    }
+    if (events) n->last_event_ns = now_ns();
 }
 
 static void process_dirty(pd_net *n, uint64_t now) {
@@ -1481,6 +1494,11 @@ static void process_dirty(pd_net *n, uint64_t now) {
 
 static int poll_timeout(pd_net *n, uint64_t now) {
     if (n->dirty_n > 0) return 0;
+    /* Data is moving: UCX emulates one-sided writes with active messages on
+     * transports without direct remote access (shared memory between two
+     * processes here, TCP), so both sides keep the worker turning rather
+     * than sleeping between fragments. Bounded: spin_us after the last event. */
+    if (n->cfg.spin_us > 0 && now_ns() - n->last_event_ns < (uint64_t)n->cfg.spin_us * 1000u) return 0;
     uint64_t t = POLL_IDLE_MS;
     bool receiving = false;
     for (uint32_t pi = 0; pi < n->cfg.peers_max; pi++) {
@@ -1941,6 +1959,7 @@ pd_err pd_net_create(pd_net **out, const pd_net_config *cfg, char *msg, size_t m
     if (!c->stages_max) c->stages_max = PD_MAX(16u * c->rooms_max, 1024u);
     if (!c->drain_grace_ms) c->drain_grace_ms = c->dead_after_ms;
     if (!c->orphan_ms) c->orphan_ms = 60000;
+    if (!c->spin_us) c->spin_us = 1000;
     snprintf(n->listen_host, sizeof(n->listen_host), "%s", cfg->listen_host ? cfg->listen_host : "0.0.0.0");
     c->listen_host = n->listen_host;
     if (cfg->token) {
