@@ -1309,8 +1309,17 @@ static void peer_connect(pd_net *n, uint32_t pi) {
     }
     struct addrinfo hints = {.ai_family = AF_UNSPEC, .ai_socktype = SOCK_STREAM, .ai_flags = AI_NUMERICSERV};
     struct addrinfo *res = NULL;
-    /* May block on DNS: only the progress thread waits, never the engine. */
+    /* May block on DNS: the mutex is released meanwhile, so only the
+     * progress thread waits, never the engine. The peer may be forgotten in
+     * the meantime (its only room refused): its generation tells. */
+    uint32_t gen = p->gen;
+    pthread_mutex_unlock(&n->mu);
     int gai = getaddrinfo(host, port, &hints, &res);
+    pthread_mutex_lock(&n->mu);
+    if (p->gen != gen || p->state != PS_RESOLVE) {
+        if (res) freeaddrinfo(res);
+        return;
+    }
     if (gai != 0 || !res) {
         peer_fail(n, pi, gai ? gai_strerror(gai) : "no address");
         return;
