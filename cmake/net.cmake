@@ -24,7 +24,10 @@ if(PD_BUILD_TESTS)
   # loopback too. The same binaries run under both settings.
   add_executable(test_net tests/xfer/test_net.c)
   add_executable(test_net_bad_input tests/xfer/test_net_bad_input.c)
-  foreach(t test_net test_net_bad_input)
+  # The prefill and decode engines (synthetic executor) driving pd_net.
+  add_executable(test_net_engines tests/xfer/test_net_engines.c)
+  target_link_libraries(test_net_engines PRIVATE pd_sim)
+  foreach(t test_net test_net_bad_input test_net_engines)
     target_link_libraries(${t} PRIVATE pd_net PkgConfig::CMOCKA)
     target_include_directories(${t} PRIVATE ${CMAKE_SOURCE_DIR}/src/xfer)
     set_target_properties(${t} PROPERTIES RUNTIME_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/tests)

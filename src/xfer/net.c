@@ -71,6 +71,7 @@
 #include <netinet/tcp.h>
 #include <poll.h>
 #include <pthread.h>
+#include <sched.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -1501,13 +1502,17 @@ static void process_dirty(pd_net *n, uint64_t now) {
     }
 }
 
-static int poll_timeout(pd_net *n, uint64_t now) {
+static int poll_timeout(pd_net *n, uint64_t now, bool *spinning) {
+    *spinning = false;
     if (n->dirty_n > 0) return 0;
     /* Data is moving: UCX emulates one-sided writes with active messages on
      * transports without direct remote access (shared memory between two
      * processes here, TCP), so both sides keep the worker turning rather
      * than sleeping between fragments. Bounded: spin_us after the last event. */
-    if (n->cfg.spin_us > 0 && now_ns() - n->last_event_ns < (uint64_t)n->cfg.spin_us * 1000u) return 0;
+    if (n->cfg.spin_us > 0 && now_ns() - n->last_event_ns < (uint64_t)n->cfg.spin_us * 1000u) {
+        *spinning = true;
+        return 0;
+    }
     uint64_t t = POLL_IDLE_MS;
     bool receiving = false;
     for (uint32_t pi = 0; pi < n->cfg.peers_max; pi++) {
@@ -1547,7 +1552,8 @@ static void *progress_main(void *arg) {
             peer *p = &n->peers[pi];
             if ((p->state == PS_HELLO || p->state == PS_READY) && p->tx_off < p->tx_len) peer_write(n, pi);
         }
-        int timeout = poll_timeout(n, now);
+        bool spinning;
+        int timeout = poll_timeout(n, now, &spinning);
         if (timeout > 0 && ucp_worker_arm(n->worker) == UCS_ERR_BUSY) timeout = 0;
         nfds_t nf = 0;
         n->pfd[nf++] = (struct pollfd){.fd = n->wake_rd, .events = POLLIN};
@@ -1566,6 +1572,9 @@ static void *progress_main(void *arg) {
         }
         pthread_mutex_unlock(&n->mu);
         int rc = poll(n->pfd, nf, timeout);
+        /* Spinning must not starve the thread we wait for (the peer's
+         * progress thread in the same process, the engine) on a busy core. */
+        if (spinning) sched_yield();
         pthread_mutex_lock(&n->mu);
         if (rc <= 0) continue;
         if (n->pfd[0].revents) {
