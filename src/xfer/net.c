@@ -46,20 +46,27 @@
  * Dead peers. EOF, a socket error, a malformed message, silence for
  * dead_after_ms (heartbeats every heartbeat_ms), or a UCX endpoint error fail
  * every room of the peer. The prefill side then closes the endpoint with
- * UCP_EP_CLOSE_FLAG_FORCE, which completes every outstanding request with an
- * error, so its rooms drain. Endpoints are created in
- * UCP_ERR_HANDLING_MODE_PEER; UCX 1.13's shared-memory transports refuse
- * that mode, so a shm-only configuration falls back to mode NONE (counted in
- * peers_without_peer_errors): peer death is then known only through the
- * bootstrap channel, which is enough to force-close the endpoint.
+ * UCP_EP_CLOSE_FLAG_FORCE, which in UCP_ERR_HANDLING_MODE_PEER completes
+ * every outstanding request with an error, so its rooms drain. UCX 1.13's
+ * shared-memory transports refuse peer mode, so a shm-only configuration
+ * gets endpoints in mode NONE (counted in peers_without_peer_errors); there
+ * a forced close can leave requests to the dead peer pending forever, and
+ * the room gives up on them after drain_grace_ms (writes_abandoned). Every
+ * request carries its room's index and generation in UCX's per-request user
+ * area, so a completion that comes after that touches nothing.
  *
  * Trade-offs. One coarse mutex instead of finer locks: the critical sections
- * are short and there is one engine thread per node. UCX progress is driven
- * by the worker's event fd (UCP_FEATURE_WAKEUP) with a 1 ms poll cap while
- * requests are outstanding, trading a little idle CPU for never missing a
- * completion. The completion notice travels on TCP rather than as a UCX
- * active message: one channel carries every room-level event, so their
- * order is the order they were sent.
+ * are short and there is one engine thread per node. The progress thread
+ * sleeps on the worker's event fd (UCP_FEATURE_WAKEUP), with a 1 ms cap while
+ * requests are outstanding (a send waiting for resources raises no event) and
+ * a 10 ms cap on a connected decode node (a missed wake-up costs at most
+ * that). After UCX reports progress it keeps polling for spin_us (yielding
+ * the CPU each turn): without real remote memory access (shared memory
+ * between processes, TCP) UCX emulates puts with active messages that the
+ * decode side applies, and a thread that sleeps between fragments turns
+ * gigabytes per second into megabytes. The completion notice travels on TCP
+ * rather than as a UCX active message: one channel carries every room-level
+ * event, so their order is the order they were sent.
  */
 #include "pdserve/net.h"
 
