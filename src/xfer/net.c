@@ -2137,6 +2137,22 @@ void pd_net_set_fault(pd_net *n, pd_net_fault fault, bool on) {
     wake(n);
 }
 
+/* UCX 1.13 aborts the process in ucp_worker_destroy when a wire-up message
+ * is still queued on an endpoint UCX created itself (seen over TCP when the
+ * peer's endpoint was created moments before the shutdown). Let the worker
+ * finish what it started — a worker flush waits for that — within budget_ms. */
+static void ucx_settle(pd_net *n, uint64_t budget_ms) {
+    if (!n->worker) return;
+    ucp_request_param_t prm = {.op_attr_mask = 0};
+    void *req = ucp_worker_flush_nbx(n->worker, &prm);
+    if (!UCS_PTR_IS_PTR(req)) return;
+    uint64_t t0 = now_ms();
+    while (ucp_request_check_status(req) == UCS_INPROGRESS && since(now_ms(), t0) < budget_ms) {
+        if (!ucp_worker_progress(n->worker)) nanosleep(&(struct timespec){.tv_nsec = 100000}, NULL);
+    }
+    ucp_request_free(req);
+}
+
 void pd_net_destroy(pd_net *n) {
     if (!n) return;
     if (n->running) {
@@ -2171,6 +2187,7 @@ void pd_net_destroy(pd_net *n) {
             nanosleep(&(struct timespec){.tv_nsec = 200000}, NULL);
         }
         for (uint32_t r = 0; r < n->cfg.rooms_max; r++) n->rooms[r].gen++; /* late completions: ignored */
+        ucx_settle(n, 1000);
         for (uint32_t r = 0; r < n->cfg.rooms_max; r++) free(n->rooms[r].dest);
     }
     for (int r = 0; r < REG_N; r++) {
