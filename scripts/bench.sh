@@ -52,3 +52,7 @@ else
   "$bench/model" --runs $runs
 fi
 echo
+
+echo "== xfer: prefill -> decode hand-off over pd_net (UCX shm and tcp) vs memcpy =="
+if [ $quick -eq 1 ]; then "$bench/xfer" --quick; else "$bench/xfer" --runs $runs; fi
+echo

@@ -43,7 +43,33 @@ typedef struct pd_net_config {
     uint32_t rooms_max;           /* live rooms (default 4096) */
     uint64_t heartbeat_ms;        /* default 1000 */
     uint64_t dead_after_ms;       /* a silent peer is declared dead after this (default 5000) */
+    /* ---- added by the UCX implementation (zero = default) ---- */
+    uint32_t peers_max;           /* bootstrap connections (default 64) */
+    uint32_t stages_max;          /* page runs queued for the progress thread (default 16 * rooms_max) */
+    uint64_t drain_grace_ms;      /* decode: after its prefill peer is lost, a room counts as
+                                     drained only this much later; prefill: writes to a lost
+                                     peer that UCX never completes (endpoints without
+                                     peer-failure mode) are abandoned after this
+                                     (default dead_after_ms) */
+    uint64_t orphan_ms;           /* prefill: a destination the engine never opens, or a
+                                     tombstone of an aborted room, is dropped after this
+                                     (default 60000) */
+    const char *ucx_tls;          /* UCX transports for this node (UCX_TLS syntax, e.g. "shm",
+                                     "tcp", "rc,sm"); NULL = the environment / UCX default */
+    const char *ucx_net_devices;  /* UCX_NET_DEVICES for this node (e.g. "lo", "mlx5_0:1");
+                                     NULL = the environment / UCX default */
+    int32_t spin_us;              /* after UCX reports progress, the progress thread keeps
+                                     polling without sleeping this long, so emulated
+                                     one-sided writes stream (default 1000; < 0: never
+                                     spin, sleep on the worker's event fd at once) */
+    /* Optional log sink for connection-level events (peer lost, message
+     * refused); called from the progress thread. NULL = silent. */
+    void (*log)(void *log_ctx, const char *line);
+    void *log_ctx;
 } pd_net_config;
+
+/* Fills the documented defaults (role as given, port 8998, listen 0.0.0.0). */
+void pd_net_config_default(pd_net_config *cfg, pd_net_role role);
 
 /* Creates the transport (UCX context and worker; the prefill side's
  * listening socket). msg names the problem on failure. */
@@ -66,8 +92,32 @@ typedef struct pd_net_stats {
     uint64_t rooms_opened, rooms_succeeded, rooms_failed;
     uint64_t peers_connected, peers_lost;
     uint64_t bad_messages;                 /* malformed, truncated, unauthenticated */
+    /* ---- added by the UCX implementation ---- */
+    uint64_t writes_posted;                /* one-sided puts (a coalesced page run is one) */
+    uint64_t write_errors;                 /* puts or flushes that completed with an error */
+    uint64_t error_replies;                /* ERROR messages sent to peers */
+    uint64_t peers_without_peer_errors;    /* endpoints created without UCX peer-failure
+                                              mode (UCX 1.13 shared memory lacks it) */
+    uint64_t writes_abandoned;             /* writes to a dead peer of such an endpoint that
+                                              never completed; given up after drain_grace_ms */
 } pd_net_stats;
 void pd_net_stats_get(pd_net *n, pd_net_stats *out);
+
+/* Rooms in the table (open, settling, orphaned or tombstoned): for leak
+ * checks in tests and /metrics. */
+uint32_t pd_net_rooms_live(pd_net *n);
+
+/* ---- fault injection (tests, scenario replays against the real transport) ---- */
+typedef enum pd_net_fault {
+    /* abort() reports PD_ERR_IO and its notice to the peer goes out late
+     * (after 2 * heartbeat_ms) — like the loopback's abort error. */
+    PD_NET_FAULT_ABORT_ERROR = 0,
+    /* Prefill: completion, abort and acknowledgement notices are held back
+     * while on (data writes still run); released when turned off. */
+    PD_NET_FAULT_HOLD_NOTICES,
+    PD_NET_FAULT__COUNT
+} pd_net_fault;
+void pd_net_set_fault(pd_net *n, pd_net_fault fault, bool on);
 
 #ifdef __cplusplus
 }

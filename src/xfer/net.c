@@ -1,0 +1,2213 @@
+/*
+ * net.c — pd_net, the network transport between a prefill node and a decode
+ * node (include/pdserve/net.h): a TCP bootstrap channel for control, UCX
+ * one-sided puts for the data. It implements the pd_xfer contract with the
+ * same statuses, abort() and drained() semantics as src/xfer/loopback.c.
+ *
+ * Threads. The engine's scheduler thread calls the vtable; one progress
+ * thread per pd_net owns every socket and the UCX worker (created in
+ * UCS_THREAD_MODE_SINGLE: no other thread ever touches it). One mutex guards
+ * all state. A vtable call takes the mutex, validates, updates the room,
+ * queues work (staged page runs, a notice to send, a room marked dirty) and
+ * wakes the progress thread through a pipe: it never waits on the network.
+ * The progress thread holds the mutex while it works and releases it only
+ * around poll(). UCX completion callbacks run inside ucp_worker_progress on
+ * the progress thread, so they too run under the mutex.
+ *
+ * Rooms. One fixed table of rooms_max rooms (open addressing by room id),
+ * allocated at creation. On the prefill side a room exists from the first of
+ * sender_open() or the decode's DEST; it may outlive close() while its last
+ * writes settle or its abort notice is due, and as a tombstone when it was
+ * aborted before its destination arrived (the late DEST is then answered
+ * with ABORT instead of being orphaned). Orphans and tombstones expire after
+ * orphan_ms. On the decode side a room lives from receiver_open to close.
+ *
+ * The data path of one room, prefill side:
+ *   send_pages/send_final stage coalesced page runs (a run = consecutive
+ *   source pages onto consecutive destination pages = one put), then the
+ *   Mamba slot, the metadata row and a FINAL marker, into a bounded pool;
+ *   the progress thread posts them with ucp_put_nbx in order. At FINAL it
+ *   flushes the endpoint (remote completion of every earlier put) and only
+ *   when the flush and every put of the room have completed does it send
+ *   DONE on the bootstrap connection. TCP delivers DONE after anything the
+ *   flush covered has landed: the completion notice can never overtake data.
+ *   An abort (either side) follows the same path: stop posting, drop what is
+ *   staged, flush, and send ABORT (sender's own abort) or ACK (the decode's
+ *   abort) only after every posted write has completed — that message is what
+ *   lets the decode side call the room drained.
+ *
+ * drained(). Sender: nothing staged and no put outstanding (a put's local
+ * completion means UCX no longer reads the source). Receiver: the sender said
+ * it will write no more (DONE, ABORT, ACK, or a room-level ERROR refusing our
+ * destination), or our destination never left this node, or the prefill peer
+ * was lost and drain_grace_ms has passed since (a hung prefill may still
+ * have writes in flight until it declares us dead itself).
+ *
+ * Dead peers. EOF, a socket error, a malformed message, silence for
+ * dead_after_ms (heartbeats every heartbeat_ms), or a UCX endpoint error fail
+ * every room of the peer. The prefill side then closes the endpoint with
+ * UCP_EP_CLOSE_FLAG_FORCE, which in UCP_ERR_HANDLING_MODE_PEER completes
+ * every outstanding request with an error, so its rooms drain. UCX 1.13's
+ * shared-memory transports refuse peer mode, so a shm-only configuration
+ * gets endpoints in mode NONE (counted in peers_without_peer_errors); there
+ * a forced close can leave requests to the dead peer pending forever, and
+ * the room gives up on them after drain_grace_ms (writes_abandoned). Every
+ * request carries its room's index and generation in UCX's per-request user
+ * area, so a completion that comes after that touches nothing.
+ *
+ * Trade-offs. One coarse mutex instead of finer locks: the critical sections
+ * are short and there is one engine thread per node. The progress thread
+ * sleeps on the worker's event fd (UCP_FEATURE_WAKEUP), with a 1 ms cap while
+ * requests are outstanding (a send waiting for resources raises no event) and
+ * a 10 ms cap on a connected decode node (a missed wake-up costs at most
+ * that). After UCX reports progress it keeps polling for spin_us (yielding
+ * the CPU each turn): without real remote memory access (shared memory
+ * between processes, TCP) UCX emulates puts with active messages that the
+ * decode side applies, and a thread that sleeps between fragments turns
+ * gigabytes per second into megabytes. The completion notice travels on TCP
+ * rather than as a UCX active message: one channel carries every room-level
+ * event, so their order is the order they were sent.
+ */
+#include "pdserve/net.h"
+
+#include <arpa/inet.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <poll.h>
+#include <pthread.h>
+#include <sched.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/types.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <ucp/api/ucp.h>
+
+#include "bootstrap_proto.h"
+
+#define NONE UINT32_MAX
+#define REG_KV PD_BP_REG_KV
+#define REG_MAMBA PD_BP_REG_MAMBA
+#define REG_META PD_BP_REG_META
+#define REG_N PD_BP_REG_COUNT
+#define STAGE_FINAL 0xFFu
+
+#define RX_INIT_BYTES (64u << 10)
+#define TX_INIT_BYTES (64u << 10)
+#define TX_MAX_BYTES (32u << 20)         /* a peer that stops reading is failed */
+#define PEER_ADDR_MAX 256u
+#define PROGRESS_BURST 256
+#define POLL_IDLE_MS 100
+#define POLL_BUSY_MS 1                   /* while UCX requests are outstanding */
+#define POLL_RECV_MS 10                  /* decode, while a prefill peer is connected */
+#define ORPHAN_SCAN_MS 250
+#define ABORT_REASON_ENGINE 1u
+#define ABORT_REASON_WRITE_ERROR 2u
+#define ABORT_REASON_ORPHAN 3u
+
+typedef struct stage {
+    uint32_t next;
+    uint32_t reg;          /* REG_* or STAGE_FINAL */
+    uint32_t src, dst, n;  /* units of the region */
+} stage;
+
+typedef enum notice { N_NONE = 0, N_DONE, N_ABORT, N_ACK } notice;
+
+typedef struct room {
+    uint32_t gen;            /* bumped when the slot is freed or its writes abandoned */
+    uint64_t id;
+    bool used, open, closed, in_dirty;
+    pd_xfer_status st;       /* PD_XFER_NONE until opened (prefill orphans keep FAILED) */
+    uint32_t peer, peer_gen; /* NONE: not yet bound to a connection */
+    uint64_t t_ms;           /* created / closed: orphan and tombstone expiry */
+    uint64_t due_ms;         /* a notice held back by the abort-error fault */
+    /* the destination */
+    bool dest_known;
+    uint32_t prompt, cached, n_dest, mamba_slot, meta_row;
+    uint32_t *dest;
+    /* prefill */
+    bool s_done;             /* posts nothing more */
+    bool final_staged;
+    bool started;            /* START sent */
+    bool need_flush;         /* puts posted since the last flush */
+    bool r_aborted;          /* the decode asked to stop */
+    bool early_abort;        /* aborted before its destination arrived */
+    notice note;             /* sent once every posted write has completed */
+    uint64_t note_value;
+    uint32_t puts_out, flush_out;
+    uint32_t q_head, q_tail;
+    uint64_t bytes;
+    /* decode */
+    bool dest_sent;          /* the destination may have reached the prefill */
+    bool stopped;            /* the prefill will write no more (or never learned where) */
+    bool abort_req, abort_sent;
+    bool peer_lost;
+    bool lost_unreliable;    /* the lost peer's endpoint had no peer-failure mode */
+    uint64_t lost_ms;
+} room;
+
+/* Lives in the user area UCX reserves in every request (request_size): a
+ * completion finds its room by index and generation, so a completion that
+ * comes after the room's writes were abandoned touches nothing. */
+typedef struct req_ctx {
+    pd_net *net;
+    uint32_t room, gen;
+} req_ctx;
+
+typedef enum peer_state { PS_FREE = 0, PS_RESOLVE, PS_CONNECTING, PS_HELLO, PS_READY, PS_CLOSING } peer_state;
+
+typedef struct peer {
+    pd_net *net;
+    peer_state state;
+    uint32_t gen;
+    int fd;
+    short revents;
+    bool ever_ready;
+    bool ucx_failed;          /* the endpoint's error handler fired */
+    bool closing_after_tx;    /* a fatal ERROR is queued: send it, then close */
+    char addr[PEER_ADDR_MAX];
+    uint64_t t_state_ms, last_rx_ms, last_tx_ms;
+    uint8_t *rx;
+    size_t rx_len, rx_cap;
+    uint8_t *tx;
+    size_t tx_off, tx_len, tx_cap;
+    uint64_t node_id;
+    /* prefill: the decode node's memory */
+    ucp_ep_h ep;
+    bool ep_no_peer_mode;
+    void *close_req;
+    ucp_rkey_h rkey[REG_N];
+    uint64_t rbase[REG_N], runit[REG_N];
+    uint32_t runits[REG_N];
+} peer;
+
+struct pd_net {
+    pd_net_config cfg;
+    char listen_host[128];
+    char token[PD_BP_TOKEN_MAX + 1];
+    size_t token_len;
+    pthread_mutex_t mu;
+    pthread_t thread;
+    bool running, stopping;
+    int wake_rd, wake_wr;
+    int listen_fd;
+    uint16_t port;
+    bool listen_ready;
+    /* UCX */
+    ucp_context_h ctx;
+    ucp_worker_h worker;
+    int ucx_fd;
+    ucp_address_t *waddr;
+    size_t waddr_len;
+    bool no_peer_mode;
+    uint32_t ucx_out;
+    uint64_t last_event_ns;   /* the worker last reported progress */
+    /* registered memory */
+    bool registered;
+    uint8_t *base[REG_N];
+    size_t unit[REG_N];
+    uint32_t units[REG_N];
+    ucp_mem_h memh[REG_N];
+    void *rkey_buf[REG_N];
+    size_t rkey_len[REG_N];
+    /* tables, all sized at creation */
+    room *rooms;
+    uint32_t *room_ht, ht_mask;
+    uint32_t *room_free, room_free_n;
+    peer *peers;
+    stage *stages;
+    uint32_t stage_free, stages_avail;
+    uint32_t *dirty, dirty_head, dirty_n;
+    struct pollfd *pfd;
+    uint32_t *pfd_peer;
+    uint64_t next_due_ms, next_scan_ms;
+    uint32_t abandon_pending;  /* rooms that may need abandon_dead_writes */
+    bool faults[PD_NET_FAULT__COUNT];
+    pd_net_stats stats;
+    uint64_t node_id;
+};
+
+/* ---- small helpers ------------------------------------------------------------ */
+
+static uint64_t now_ms(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000u + (uint64_t)ts.tv_nsec / 1000000u;
+}
+
+#if defined(__GNUC__)
+__attribute__((format(printf, 2, 3)))
+#endif
+static void net_log(pd_net *n, const char *fmt, ...) {
+    if (!n->cfg.log) return;
+    char line[512];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(line, sizeof(line), fmt, ap);
+    va_end(ap);
+    n->cfg.log(n->cfg.log_ctx, line);
+}
+
+static void wake(pd_net *n) {
+    if (n->wake_wr < 0) return;
+    uint8_t b = 1;
+    ssize_t w = write(n->wake_wr, &b, 1); /* EAGAIN: a wake-up is already pending */
+    (void)w;
+}
+
+static bool set_nonblocking(int fd) {
+    int fl = fcntl(fd, F_GETFL, 0);
+    return fl >= 0 && fcntl(fd, F_SETFL, fl | O_NONBLOCK) == 0;
+}
+
+/* Milliseconds from t to now; 0 if t is later (it was stamped after now was
+ * read at the top of the progress loop). */
+static uint64_t since(uint64_t now, uint64_t t) { return now > t ? now - t : 0; }
+
+static bool is_terminal(pd_xfer_status st) { return st == PD_XFER_SUCCESS || st == PD_XFER_FAILED; }
+
+/* Status moves forward only; SUCCESS and FAILED are final. Counts outcomes
+ * of rooms the engine opened. */
+static void set_st(pd_net *n, room *rm, pd_xfer_status st) {
+    if (is_terminal(rm->st)) return;
+    rm->st = st;
+    if (!rm->open) return;
+    if (st == PD_XFER_FAILED) n->stats.rooms_failed++;
+    if (st == PD_XFER_SUCCESS) n->stats.rooms_succeeded++;
+}
+
+static void due_at(pd_net *n, room *rm, uint64_t t) {
+    rm->due_ms = t;
+    if (t < n->next_due_ms) n->next_due_ms = t;
+}
+
+/* ---- rooms --------------------------------------------------------------------- */
+
+static uint32_t ridx(const pd_net *n, const room *rm) { return (uint32_t)(rm - n->rooms); }
+
+static uint32_t room_find(const pd_net *n, uint64_t id) {
+    for (uint32_t i = (uint32_t)pd_hash_u64(id) & n->ht_mask;; i = (i + 1) & n->ht_mask) {
+        uint32_t r = n->room_ht[i];
+        if (r == NONE) return NONE;
+        if (n->rooms[r].id == id) return r;
+    }
+}
+
+static void mark_dirty(pd_net *n, room *rm) {
+    if (rm->in_dirty) return;
+    PD_ASSERT(n->dirty_n < n->cfg.rooms_max);
+    rm->in_dirty = true;
+    n->dirty[(n->dirty_head + n->dirty_n++) % n->cfg.rooms_max] = ridx(n, rm);
+}
+
+static void stages_drop(pd_net *n, room *rm);
+
+/* The oldest tombstone or expired-looking orphan never opened by the engine:
+ * evicted when the table is full rather than refusing a live request. */
+static uint32_t room_victim(pd_net *n) {
+    uint32_t best = NONE;
+    for (uint32_t r = 0; r < n->cfg.rooms_max; r++) {
+        room *rm = &n->rooms[r];
+        if (!rm->used || rm->puts_out || rm->flush_out || rm->q_head != NONE || rm->note != N_NONE) continue;
+        bool tomb = rm->closed || (!rm->open && rm->st == PD_XFER_FAILED);
+        if (!tomb) continue;
+        if (best == NONE || rm->t_ms < n->rooms[best].t_ms) best = r;
+    }
+    return best;
+}
+
+static void room_free(pd_net *n, uint32_t r);
+
+static uint32_t room_new(pd_net *n, uint64_t id) {
+    if (n->room_free_n == 0) {
+        uint32_t v = room_victim(n);
+        if (v == NONE) return NONE;
+        room_free(n, v);
+    }
+    uint32_t r = n->room_free[--n->room_free_n];
+    room *rm = &n->rooms[r];
+    bool dirty = rm->in_dirty; /* a stale ring entry may still name this slot */
+    uint32_t gen = rm->gen;
+    memset(rm, 0, sizeof(*rm));
+    rm->in_dirty = dirty;
+    rm->gen = gen;
+    rm->used = true;
+    rm->id = id;
+    rm->peer = rm->peer_gen = NONE;
+    rm->mamba_slot = rm->meta_row = NONE;
+    rm->q_head = rm->q_tail = NONE;
+    rm->t_ms = now_ms();
+    uint32_t i = (uint32_t)pd_hash_u64(id) & n->ht_mask;
+    while (n->room_ht[i] != NONE) i = (i + 1) & n->ht_mask;
+    n->room_ht[i] = r;
+    return r;
+}
+
+/* Removes r from the table; linear probing with backward-shift deletion, so
+ * lookups never need tombstone slots. */
+static void room_free(pd_net *n, uint32_t r) {
+    room *rm = &n->rooms[r];
+    PD_ASSERT(rm->used && rm->puts_out == 0 && rm->flush_out == 0);
+    stages_drop(n, rm);
+    uint32_t hole = (uint32_t)pd_hash_u64(rm->id) & n->ht_mask;
+    while (n->room_ht[hole] != r) hole = (hole + 1) & n->ht_mask;
+    n->room_ht[hole] = NONE;
+    for (uint32_t j = (hole + 1) & n->ht_mask; n->room_ht[j] != NONE; j = (j + 1) & n->ht_mask) {
+        uint32_t home = (uint32_t)pd_hash_u64(n->rooms[n->room_ht[j]].id) & n->ht_mask;
+        /* The entry at j may move to the hole if its home does not lie in
+         * the cyclic interval (hole, j]. */
+        uint32_t d_entry = (j - home) & n->ht_mask, d_hole = (j - hole) & n->ht_mask;
+        if (d_entry >= d_hole) {
+            n->room_ht[hole] = n->room_ht[j];
+            n->room_ht[j] = NONE;
+            hole = j;
+        }
+    }
+    free(rm->dest);
+    bool dirty = rm->in_dirty;
+    uint32_t gen = rm->gen + 1;
+    memset(rm, 0, sizeof(*rm));
+    rm->in_dirty = dirty;
+    rm->gen = gen;
+    rm->q_head = rm->q_tail = NONE;
+    n->room_free[n->room_free_n++] = r;
+}
+
+/* Frees the slot once nothing refers to it any more. */
+static void room_try_release(pd_net *n, room *rm) {
+    if (!rm->used || !rm->closed) return;
+    if (n->cfg.role == PD_NET_PREFILL) {
+        if (rm->puts_out || rm->flush_out || rm->q_head != NONE || rm->note != N_NONE) return;
+        /* Aborted before its destination came: keep the id, so the late DEST
+         * gets an ABORT instead of waiting out the decode's timeout. */
+        if (rm->early_abort && !rm->dest_known) return;
+    }
+    room_free(n, ridx(n, rm));
+}
+
+static peer *peer_of(pd_net *n, const room *rm) {
+    if (rm->peer == NONE) return NULL;
+    peer *p = &n->peers[rm->peer];
+    if (p->gen != rm->peer_gen || p->state == PS_FREE || p->state == PS_CLOSING || p->closing_after_tx)
+        return NULL;
+    return p;
+}
+
+/* ---- staged writes (prefill) --------------------------------------------------- */
+
+static void stages_drop(pd_net *n, room *rm) {
+    for (uint32_t s = rm->q_head; s != NONE;) {
+        uint32_t next = n->stages[s].next;
+        n->stages[s].next = n->stage_free;
+        n->stage_free = s;
+        n->stages_avail++;
+        s = next;
+    }
+    rm->q_head = rm->q_tail = NONE;
+}
+
+static void stage_push(pd_net *n, room *rm, uint32_t reg, uint32_t src, uint32_t dst, uint32_t units) {
+    PD_ASSERT(n->stage_free != NONE && n->stages_avail > 0);
+    uint32_t s = n->stage_free;
+    n->stage_free = n->stages[s].next;
+    n->stages_avail--;
+    n->stages[s] = (stage){.next = NONE, .reg = reg, .src = src, .dst = dst, .n = units};
+    if (rm->q_tail == NONE) rm->q_head = s;
+    else n->stages[rm->q_tail].next = s;
+    rm->q_tail = s;
+}
+
+/* Runs of consecutive source pages landing on consecutive destination pages. */
+static uint32_t count_runs(const room *rm, uint32_t base, uint32_t first, const uint32_t *src, uint32_t cnt) {
+    uint32_t runs = 0;
+    for (uint32_t i = 0; i < cnt; i++) {
+        uint32_t dst = rm->dest[first - base + i];
+        if (i == 0 || src[i] != src[i - 1] + 1 || dst != rm->dest[first - base + i - 1] + 1) runs++;
+    }
+    return runs;
+}
+
+static void stage_runs(pd_net *n, room *rm, uint32_t base, uint32_t first, const uint32_t *src, uint32_t cnt) {
+    uint32_t i = 0;
+    while (i < cnt) {
+        uint32_t j = i + 1;
+        while (j < cnt && src[j] == src[j - 1] + 1 && rm->dest[first - base + j] == rm->dest[first - base + j - 1] + 1)
+            j++;
+        stage_push(n, rm, REG_KV, src[i], rm->dest[first - base + i], j - i);
+        i = j;
+    }
+}
+
+/* ---- the bootstrap connections: buffers ------------------------------------------ */
+
+static void peer_fail(pd_net *n, uint32_t pi, const char *why);
+
+/* Space for a message of up to max bytes at the end of the tx buffer; NULL
+ * if the peer is not reading (the caller fails it). */
+static uint8_t *tx_reserve(peer *p, size_t max) {
+    if (p->tx_off > 0 && p->tx_len + max > p->tx_cap) {
+        memmove(p->tx, p->tx + p->tx_off, p->tx_len - p->tx_off);
+        p->tx_len -= p->tx_off;
+        p->tx_off = 0;
+    }
+    if (p->tx_len + max > p->tx_cap) {
+        size_t cap = p->tx_cap ? p->tx_cap : TX_INIT_BYTES;
+        while (cap < p->tx_len + max) cap *= 2;
+        if (cap > TX_MAX_BYTES) return NULL;
+        uint8_t *t = realloc(p->tx, cap);
+        if (!t) return NULL;
+        p->tx = t;
+        p->tx_cap = cap;
+    }
+    return p->tx + p->tx_len;
+}
+
+static void tx_commit(pd_net *n, peer *p, size_t len) {
+    PD_ASSERT(p->tx_len + len <= p->tx_cap);
+    p->tx_len += len;
+    p->last_tx_ms = now_ms();
+    (void)n;
+}
+
+/* Queues a room message; false if the peer had to be failed. */
+static bool send_room_msg(pd_net *n, uint32_t pi, pd_bp_type type, uint64_t room_id, uint64_t value) {
+    peer *p = &n->peers[pi];
+    uint8_t *b = tx_reserve(p, PD_BP_HEADER_BYTES + PD_BP_ROOM_MSG_BYTES);
+    if (!b) {
+        peer_fail(n, pi, "send queue full: the peer does not read");
+        return false;
+    }
+    tx_commit(n, p, pd_bp_room_write(b, PD_BP_HEADER_BYTES + PD_BP_ROOM_MSG_BYTES, type, room_id, value));
+    return true;
+}
+
+static void send_error(pd_net *n, uint32_t pi, pd_bp_code code, bool has_room, uint64_t room_id,
+                       const char *text) {
+    peer *p = &n->peers[pi];
+    uint8_t *b = tx_reserve(p, PD_BP_HEADER_BYTES + 16 + PD_BP_ERROR_TEXT_MAX);
+    if (!b) {
+        peer_fail(n, pi, "send queue full: the peer does not read");
+        return;
+    }
+    tx_commit(n, p, pd_bp_error_write(b, PD_BP_HEADER_BYTES + 16 + PD_BP_ERROR_TEXT_MAX, code, has_room, room_id, text));
+    n->stats.error_replies++;
+}
+
+/* A protocol violation that ends the connection: counted, answered with an
+ * ERROR, then the connection is closed once the reply is out. */
+static void refuse_conn(pd_net *n, uint32_t pi, pd_bp_code code, const char *text) {
+    peer *p = &n->peers[pi];
+    n->stats.bad_messages++;
+    net_log(n, "pd_net: refusing %s: %s (%s)", p->addr, text, pd_bp_code_name(code));
+    send_error(n, pi, code, false, 0, text);
+    if (p->state == PS_FREE) return;
+    p->closing_after_tx = true;
+    p->t_state_ms = now_ms();
+}
+
+/* A room-level refusal: counted, answered, the connection stays. */
+static void refuse_room(pd_net *n, uint32_t pi, pd_bp_code code, uint64_t room_id, const char *text) {
+    n->stats.bad_messages++;
+    net_log(n, "pd_net: refusing room %llu from %s: %s", (unsigned long long)room_id, n->peers[pi].addr, text);
+    send_error(n, pi, code, true, room_id, text);
+}
+
+/* ---- peers: lifecycle --------------------------------------------------------------- */
+
+static void peer_release(pd_net *n, peer *p) {
+    for (int r = 0; r < REG_N; r++)
+        if (p->rkey[r]) ucp_rkey_destroy(p->rkey[r]);
+    free(p->rx);
+    free(p->tx);
+    uint32_t gen = p->gen + 1;
+    memset(p, 0, sizeof(*p));
+    p->net = n;
+    p->fd = -1;
+    p->gen = gen;
+    p->state = PS_FREE;
+}
+
+static void close_fd_quietly(int fd) {
+    if (fd < 0) return;
+    /* Discard unread input so the close sends FIN rather than RST, which
+     * would let the peer lose the ERROR reply we just sent. */
+    char junk[4096];
+    for (int i = 0; i < 64 && recv(fd, junk, sizeof(junk), 0) > 0; i++) {}
+    close(fd);
+}
+
+/* Ends a connection and fails every room bound to it. */
+static void peer_fail(pd_net *n, uint32_t pi, const char *why) {
+    peer *p = &n->peers[pi];
+    if (p->state == PS_FREE || p->state == PS_CLOSING) return;
+    uint64_t now = now_ms();
+    if (p->ever_ready) n->stats.peers_lost++;
+    net_log(n, "pd_net: connection to %s closed: %s", p->addr, why);
+    if (p->fd >= 0) {
+        if (p->tx_off < p->tx_len) {
+            ssize_t w = send(p->fd, p->tx + p->tx_off, p->tx_len - p->tx_off, MSG_NOSIGNAL);
+            (void)w;
+        }
+        close_fd_quietly(p->fd);
+        p->fd = -1;
+    }
+    for (uint32_t r = 0; r < n->cfg.rooms_max; r++) {
+        room *rm = &n->rooms[r];
+        if (!rm->used || rm->peer != pi || rm->peer_gen != p->gen) continue;
+        set_st(n, rm, PD_XFER_FAILED);
+        rm->peer_lost = true;
+        rm->lost_unreliable = p->ep_no_peer_mode;
+        rm->lost_ms = now;
+        if (rm->lost_unreliable) n->abandon_pending++;
+        if (n->cfg.role == PD_NET_PREFILL) {
+            rm->s_done = true;
+            rm->note = N_NONE; /* nobody left to tell */
+            stages_drop(n, rm);
+        } else {
+            rm->stopped = true;
+        }
+        mark_dirty(n, rm);
+    }
+    if (p->ep) {
+        ucp_request_param_t prm = {.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS, .flags = UCP_EP_CLOSE_FLAG_FORCE};
+        void *req = ucp_ep_close_nbx(p->ep, &prm);
+        p->ep = NULL;
+        if (UCS_PTR_IS_PTR(req)) {
+            p->close_req = req;
+            p->state = PS_CLOSING;
+            return;
+        }
+    }
+    peer_release(n, p);
+}
+
+static void ep_error_cb(void *arg, ucp_ep_h ep, ucs_status_t status) {
+    (void)ep;
+    peer *p = arg;
+    p->ucx_failed = true;
+    net_log(p->net, "pd_net: UCX endpoint to %s failed: %s", p->addr, ucs_status_string(status));
+}
+
+static uint32_t peer_alloc(pd_net *n) {
+    for (uint32_t i = 0; i < n->cfg.peers_max; i++)
+        if (n->peers[i].state == PS_FREE) {
+            peer *p = &n->peers[i];
+            p->rx = malloc(RX_INIT_BYTES);
+            if (!p->rx) return NONE;
+            p->rx_cap = RX_INIT_BYTES;
+            p->t_state_ms = p->last_rx_ms = p->last_tx_ms = now_ms();
+            return i;
+        }
+    return NONE;
+}
+
+/* ---- UCX completions -------------------------------------------------------------- */
+
+static void write_failed(pd_net *n, room *rm) {
+    n->stats.write_errors++;
+    set_st(n, rm, PD_XFER_FAILED);
+    rm->s_done = true;
+    stages_drop(n, rm);
+    if (rm->note != N_ACK) {
+        rm->note = peer_of(n, rm) ? N_ABORT : N_NONE;
+        rm->note_value = ABORT_REASON_WRITE_ERROR;
+    }
+}
+
+/* The room a completion belongs to, or NULL if its writes were abandoned. */
+static room *req_room(void *req) {
+    req_ctx *c = req;
+    room *rm = &c->net->rooms[c->room];
+    if (!rm->used || rm->gen != c->gen) return NULL;
+    PD_ASSERT(c->net->ucx_out > 0);
+    c->net->ucx_out--;
+    return rm;
+}
+
+static void put_done(void *req, ucs_status_t status, void *user) {
+    (void)user;
+    pd_net *n = ((req_ctx *)req)->net;
+    room *rm = req_room(req);
+    if (rm) {
+        PD_ASSERT(rm->puts_out > 0);
+        rm->puts_out--;
+        if (status != UCS_OK) write_failed(n, rm);
+        mark_dirty(n, rm);
+    }
+    ucp_request_free(req);
+}
+
+static void flush_done(void *req, ucs_status_t status, void *user) {
+    (void)user;
+    pd_net *n = ((req_ctx *)req)->net;
+    room *rm = req_room(req);
+    if (rm) {
+        PD_ASSERT(rm->flush_out > 0);
+        rm->flush_out--;
+        if (status != UCS_OK) write_failed(n, rm);
+        mark_dirty(n, rm);
+    }
+    ucp_request_free(req);
+}
+
+static void req_track(pd_net *n, room *rm, void *req) {
+    *(req_ctx *)req = (req_ctx){.net = n, .room = ridx(n, rm), .gen = rm->gen};
+    n->ucx_out++;
+}
+
+/* Posts one staged write. False on an immediate error. */
+static bool post_put(pd_net *n, room *rm, peer *p, const stage *s) {
+    uint32_t reg = s->reg;
+    PD_ASSERT(reg < REG_N && p->rkey[reg]);
+    size_t len = (size_t)s->n * n->unit[reg];
+    const uint8_t *src = n->base[reg] + (size_t)s->src * n->unit[reg];
+    uint64_t raddr = p->rbase[reg] + (uint64_t)s->dst * p->runit[reg];
+    ucp_request_param_t prm = {
+        .op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_MEMH,
+        .cb.send = put_done,
+        .memh = n->memh[reg],
+    };
+    ucs_status_ptr_t sp = ucp_put_nbx(p->ep, src, len, raddr, p->rkey[reg], &prm);
+    if (UCS_PTR_IS_ERR(sp)) {
+        net_log(n, "pd_net: put to %s failed: %s", p->addr, ucs_status_string(UCS_PTR_STATUS(sp)));
+        return false;
+    }
+    if (sp != NULL) {
+        req_track(n, rm, sp);
+        rm->puts_out++;
+    }
+    rm->need_flush = true;
+    rm->bytes += len;
+    n->stats.bytes_sent += len;
+    n->stats.writes_posted++;
+    return true;
+}
+
+/* ---- the room pumps (progress thread) --------------------------------------------- */
+
+static void pump_sender(pd_net *n, room *rm, uint64_t now) {
+    peer *p = peer_of(n, rm);
+    if (p && p->state == PS_READY && rm->dest_known) {
+        uint32_t pi = rm->peer;
+        while (rm->q_head != NONE && !rm->s_done) {
+            uint32_t si = rm->q_head;
+            stage s = n->stages[si];
+            rm->q_head = s.next;
+            if (rm->q_head == NONE) rm->q_tail = NONE;
+            n->stages[si].next = n->stage_free;
+            n->stage_free = si;
+            n->stages_avail++;
+            if (s.reg == STAGE_FINAL) {
+                if (rm->note == N_NONE) rm->note = N_DONE;
+                continue;
+            }
+            if (!rm->started) {
+                rm->started = true;
+                if (!send_room_msg(n, pi, PD_BP_START, rm->id, 0)) return;
+            }
+            if (!post_put(n, rm, p, &s)) {
+                write_failed(n, rm);
+                break;
+            }
+        }
+        if (rm->note != N_NONE && rm->due_ms <= now && !(n->faults[PD_NET_FAULT_HOLD_NOTICES])) {
+            if (rm->need_flush) {
+                ucp_request_param_t prm = {
+                    .op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK,
+                    .cb.send = flush_done,
+                };
+                ucs_status_ptr_t sp = ucp_ep_flush_nbx(p->ep, &prm);
+                rm->need_flush = false;
+                if (UCS_PTR_IS_ERR(sp)) {
+                    write_failed(n, rm);
+                } else if (sp != NULL) {
+                    req_track(n, rm, sp);
+                    rm->flush_out++;
+                }
+            }
+            if (rm->note != N_NONE && rm->puts_out == 0 && rm->flush_out == 0) {
+                notice note = rm->note;
+                rm->note = N_NONE;
+                if (note == N_DONE) {
+                    if (!send_room_msg(n, pi, PD_BP_DONE, rm->id, rm->bytes)) return;
+                    rm->s_done = true;
+                    set_st(n, rm, PD_XFER_SUCCESS);
+                } else {
+                    pd_bp_type t = note == N_ACK ? PD_BP_ACK : PD_BP_ABORT;
+                    if (!send_room_msg(n, pi, t, rm->id, rm->note_value)) return;
+                }
+            }
+        } else if (rm->note != N_NONE && rm->due_ms > now) {
+            due_at(n, rm, rm->due_ms);
+        }
+    } else if (!p && rm->note != N_NONE) {
+        rm->note = N_NONE; /* the connection is gone: nobody to tell */
+    }
+    room_try_release(n, rm);
+}
+
+static bool send_dest(pd_net *n, uint32_t pi, room *rm) {
+    peer *p = &n->peers[pi];
+    size_t max = PD_BP_HEADER_BYTES + PD_BP_DEST_FIXED + 4u * (size_t)rm->n_dest;
+    uint8_t *b = tx_reserve(p, max);
+    if (!b) {
+        peer_fail(n, pi, "send queue full: the peer does not read");
+        return false;
+    }
+    size_t len = pd_bp_dest_write(b, max, rm->id, rm->prompt, rm->cached, rm->mamba_slot, rm->meta_row,
+                                  rm->dest, rm->n_dest);
+    PD_ASSERT(len == max);
+    tx_commit(n, p, len);
+    rm->dest_sent = true;
+    free(rm->dest); /* the prefill has it now; the receiver never needs it again */
+    rm->dest = NULL;
+    return true;
+}
+
+static void pump_receiver(pd_net *n, room *rm, uint64_t now) {
+    peer *p = peer_of(n, rm);
+    if (!p || rm->stopped) return;
+    uint32_t pi = rm->peer;
+    if (!rm->dest_sent) {
+        if (p->state != PS_READY) return;
+        if (!send_dest(n, pi, rm)) return;
+    }
+    if (rm->abort_req && !rm->abort_sent) {
+        if (rm->due_ms > now) {
+            due_at(n, rm, rm->due_ms);
+            return;
+        }
+        rm->abort_sent = true;
+        send_room_msg(n, pi, PD_BP_ABORT, rm->id, ABORT_REASON_ENGINE);
+    }
+}
+
+/* ---- messages: prefill side --------------------------------------------------------- */
+
+static bool token_ok(const pd_net *n, const pd_bp_hello *h) {
+    if (n->token_len == 0) return true;
+    /* Compare every byte whatever the lengths: the time taken does not say
+     * how much of a guess was right. */
+    unsigned diff = (unsigned)(h->token_len ^ n->token_len);
+    for (size_t i = 0; i < n->token_len; i++) {
+        uint8_t a = i < h->token_len ? h->token[i] : 0;
+        diff |= (unsigned)(a ^ (uint8_t)n->token[i]);
+    }
+    return diff == 0;
+}
+
+static void on_hello(pd_net *n, uint32_t pi, const uint8_t *pl, uint32_t len) {
+    peer *p = &n->peers[pi];
+    pd_bp_hello h;
+    if (p->state != PS_HELLO) {
+        refuse_conn(n, pi, PD_BP_E_UNEXPECTED, "HELLO sent twice");
+        return;
+    }
+    if (pd_bp_hello_read(pl, len, &h) != PD_OK) {
+        refuse_conn(n, pi, PD_BP_E_MALFORMED, "malformed HELLO");
+        return;
+    }
+    if (!token_ok(n, &h)) {
+        refuse_conn(n, pi, PD_BP_E_AUTH, h.token_len ? "wrong token" : "this node requires a token");
+        return;
+    }
+    char why[160];
+    if (h.page_size != n->cfg.page_size) {
+        snprintf(why, sizeof(why), "page size %u, this node uses %u", h.page_size, n->cfg.page_size);
+        refuse_conn(n, pi, PD_BP_E_MISMATCH, why);
+        return;
+    }
+    if (h.meta_row_bytes != sizeof(pd_meta_row) || h.region[REG_META].units == 0 ||
+        h.region[REG_META].unit_bytes != sizeof(pd_meta_row)) {
+        refuse_conn(n, pi, PD_BP_E_MISMATCH, "metadata rows differ from this node's");
+        return;
+    }
+    if (h.region[REG_KV].units == 0 || h.region[REG_KV].unit_bytes != n->unit[REG_KV]) {
+        snprintf(why, sizeof(why), "KV page bytes %llu, this node uses %zu",
+                 (unsigned long long)h.region[REG_KV].unit_bytes, n->unit[REG_KV]);
+        refuse_conn(n, pi, PD_BP_E_MISMATCH, why);
+        return;
+    }
+    if (h.region[REG_MAMBA].units && n->units[REG_MAMBA] && h.region[REG_MAMBA].unit_bytes != n->unit[REG_MAMBA]) {
+        refuse_conn(n, pi, PD_BP_E_MISMATCH, "Mamba slot bytes differ from this node's");
+        return;
+    }
+    /* The worker address and keys are opaque to us; UCX parses them. */
+    ucp_ep_params_t ep = {
+        .field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
+                      UCP_EP_PARAM_FIELD_ERR_HANDLER,
+        .address = (const ucp_address_t *)h.worker_addr,
+        .err_mode = UCP_ERR_HANDLING_MODE_PEER,
+        .err_handler = {.cb = ep_error_cb, .arg = p},
+    };
+    ucs_status_t st = UCS_ERR_UNSUPPORTED;
+    if (!n->no_peer_mode) st = ucp_ep_create(n->worker, &ep, &p->ep);
+    if (st != UCS_OK) {
+        ep.err_mode = UCP_ERR_HANDLING_MODE_NONE;
+        st = ucp_ep_create(n->worker, &ep, &p->ep);
+        if (st == UCS_OK) {
+            n->no_peer_mode = true;
+            p->ep_no_peer_mode = true;
+            n->stats.peers_without_peer_errors++;
+        }
+    }
+    if (st != UCS_OK) {
+        p->ep = NULL;
+        snprintf(why, sizeof(why), "no UCX path to the decode node's worker: %s", ucs_status_string(st));
+        refuse_conn(n, pi, PD_BP_E_UCX, why);
+        return;
+    }
+    for (int r = 0; r < REG_N; r++) {
+        p->rbase[r] = h.region[r].base;
+        p->runit[r] = h.region[r].unit_bytes;
+        p->runits[r] = h.region[r].units;
+        if (!h.region[r].units) continue;
+        st = ucp_ep_rkey_unpack(p->ep, h.region[r].rkey, &p->rkey[r]);
+        if (st != UCS_OK) {
+            p->rkey[r] = NULL;
+            refuse_conn(n, pi, PD_BP_E_MALFORMED, "a remote key does not unpack");
+            return;
+        }
+    }
+    p->node_id = h.node_id;
+    uint8_t *b = tx_reserve(p, PD_BP_HEADER_BYTES + 16);
+    if (!b) {
+        peer_fail(n, pi, "send queue full");
+        return;
+    }
+    tx_commit(n, p, pd_bp_hello_ok_write(b, PD_BP_HEADER_BYTES + 16, n->node_id, n->cfg.page_size));
+    p->state = PS_READY;
+    p->ever_ready = true;
+    p->t_state_ms = now_ms();
+    n->stats.peers_connected++;
+}
+
+/* Checks a destination against the decode node's advertised memory and this
+ * node's; NULL if acceptable, else why not. */
+static const char *dest_problem(const pd_net *n, const peer *p, const pd_bp_dest *d) {
+    uint32_t ps = n->cfg.page_size;
+    if (d->prompt_tokens == 0) return "empty prompt";
+    if (d->cached_tokens % ps || d->cached_tokens > d->prompt_tokens) return "cached prefix not a page multiple within the prompt";
+    if (d->n_pages != PD_DIV_CEIL(d->prompt_tokens, ps) - d->cached_tokens / ps) return "page count does not match the prompt";
+    for (uint32_t i = 0; i < d->n_pages; i++)
+        if (pd_bp_dest_page(d, i) >= p->runits[REG_KV]) return "destination page out of range";
+    if (d->meta_row >= p->runits[REG_META]) return "metadata row out of range";
+    if (d->mamba_slot != PD_BP_NONE && d->mamba_slot >= p->runits[REG_MAMBA]) return "Mamba slot out of range";
+    if ((d->mamba_slot != PD_BP_NONE) != (n->units[REG_MAMBA] > 0)) return "Mamba slot given for a model without one, or missing";
+    return NULL;
+}
+
+static void on_dest(pd_net *n, uint32_t pi, const uint8_t *pl, uint32_t len) {
+    peer *p = &n->peers[pi];
+    pd_bp_dest d;
+    if (pd_bp_dest_read(pl, len, &d) != PD_OK) {
+        refuse_conn(n, pi, PD_BP_E_MALFORMED, "malformed DEST");
+        return;
+    }
+    const char *bad = dest_problem(n, p, &d);
+    if (bad) {
+        refuse_room(n, pi, PD_BP_E_DEST_INVALID, d.room, bad);
+        return;
+    }
+    uint32_t r = room_find(n, d.room);
+    if (r != NONE) {
+        room *rm = &n->rooms[r];
+        if (rm->dest_known || rm->peer != NONE) {
+            refuse_room(n, pi, PD_BP_E_ROOM_DUPLICATE, d.room, "a destination for this room already exists");
+            return;
+        }
+        if (rm->early_abort || rm->st == PD_XFER_FAILED) {
+            /* The prefill half is gone already: tell the decode half now. */
+            rm->dest_known = true; /* a tombstone's job is done */
+            send_room_msg(n, pi, PD_BP_ABORT, d.room, ABORT_REASON_ENGINE);
+            room_try_release(n, rm);
+            return;
+        }
+    } else {
+        r = room_new(n, d.room);
+        if (r == NONE) {
+            send_error(n, pi, PD_BP_E_BUSY, true, d.room, "no room slot free on the prefill node");
+            return;
+        }
+    }
+    room *rm = &n->rooms[r];
+    uint32_t *pages = malloc(((size_t)d.n_pages + 1) * sizeof(uint32_t));
+    if (!pages) {
+        if (!rm->open) room_free(n, r);
+        send_error(n, pi, PD_BP_E_BUSY, true, d.room, "out of memory on the prefill node");
+        return;
+    }
+    for (uint32_t i = 0; i < d.n_pages; i++) pages[i] = pd_bp_dest_page(&d, i);
+    rm->dest = pages;
+    rm->n_dest = d.n_pages;
+    rm->prompt = d.prompt_tokens;
+    rm->cached = d.cached_tokens;
+    rm->mamba_slot = d.mamba_slot;
+    rm->meta_row = d.meta_row;
+    rm->dest_known = true;
+    rm->peer = pi;
+    rm->peer_gen = p->gen;
+    if (!rm->open) rm->t_ms = now_ms();
+    if (rm->open && rm->st == PD_XFER_BOOTSTRAPPING) set_st(n, rm, PD_XFER_WAITING_FOR_INPUT);
+    send_room_msg(n, pi, PD_BP_DEST_OK, d.room, 0);
+}
+
+static void on_decode_abort(pd_net *n, uint32_t pi, uint64_t room_id) {
+    peer *p = &n->peers[pi];
+    uint32_t r = room_find(n, room_id);
+    if (r == NONE) {
+        /* Closed here already (a race with our own notice): nothing of it
+         * can write any more. */
+        send_room_msg(n, pi, PD_BP_ACK, room_id, 0);
+        return;
+    }
+    room *rm = &n->rooms[r];
+    if (rm->peer != pi || rm->peer_gen != p->gen) {
+        refuse_room(n, pi, PD_BP_E_ROOM_UNKNOWN, room_id, "this connection holds no destination for the room");
+        return;
+    }
+    rm->r_aborted = true;
+    set_st(n, rm, PD_XFER_FAILED);
+    stages_drop(n, rm);
+    if (rm->s_done && rm->note == N_NONE) {
+        send_room_msg(n, pi, PD_BP_ACK, room_id, 0);
+        return;
+    }
+    rm->s_done = true;
+    rm->note = N_ACK;
+    rm->note_value = 0;
+    rm->due_ms = 0;
+    mark_dirty(n, rm);
+}
+
+/* ---- messages: decode side ----------------------------------------------------------- */
+
+static room *own_room(pd_net *n, uint32_t pi, uint64_t room_id) {
+    uint32_t r = room_find(n, room_id);
+    if (r == NONE) return NULL;
+    room *rm = &n->rooms[r];
+    return rm->peer == pi && rm->peer_gen == n->peers[pi].gen ? rm : NULL;
+}
+
+static void on_decode_msg(pd_net *n, uint32_t pi, uint32_t type, const uint8_t *pl, uint32_t len) {
+    peer *p = &n->peers[pi];
+    if (type == PD_BP_HELLO_OK) {
+        uint64_t node_id;
+        uint32_t ps;
+        if (p->state != PS_HELLO) {
+            refuse_conn(n, pi, PD_BP_E_UNEXPECTED, "HELLO_OK out of turn");
+        } else if (pd_bp_hello_ok_read(pl, len, &node_id, &ps) != PD_OK) {
+            refuse_conn(n, pi, PD_BP_E_MALFORMED, "malformed HELLO_OK");
+        } else if (ps != n->cfg.page_size) {
+            refuse_conn(n, pi, PD_BP_E_MISMATCH, "page size differs");
+        } else {
+            p->node_id = node_id;
+            p->state = PS_READY;
+            p->ever_ready = true;
+            n->stats.peers_connected++;
+            for (uint32_t r = 0; r < n->cfg.rooms_max; r++) {
+                room *rm = &n->rooms[r];
+                if (rm->used && rm->peer == pi && rm->peer_gen == p->gen) mark_dirty(n, rm);
+            }
+        }
+        return;
+    }
+    if (p->state != PS_READY) {
+        refuse_conn(n, pi, PD_BP_E_UNEXPECTED, "message before HELLO_OK");
+        return;
+    }
+    uint64_t room_id, value;
+    switch (type) {
+    case PD_BP_DEST_OK:
+    case PD_BP_START:
+    case PD_BP_DONE:
+    case PD_BP_ABORT:
+    case PD_BP_ACK: {
+        if (pd_bp_room_read(pl, len, &room_id, &value) != PD_OK) {
+            refuse_conn(n, pi, PD_BP_E_MALFORMED, "malformed room message");
+            return;
+        }
+        room *rm = own_room(n, pi, room_id);
+        if (!rm) {
+            /* ACK may cross our close legitimately; anything else about a
+             * room we do not have is the peer's mistake. */
+            if (type != PD_BP_ACK) refuse_room(n, pi, PD_BP_E_ROOM_UNKNOWN, room_id, "unknown room");
+            return;
+        }
+        if (type == PD_BP_DEST_OK) {
+            if (rm->st == PD_XFER_BOOTSTRAPPING) set_st(n, rm, PD_XFER_WAITING_FOR_INPUT);
+        } else if (type == PD_BP_START) {
+            if (rm->st == PD_XFER_BOOTSTRAPPING || rm->st == PD_XFER_WAITING_FOR_INPUT)
+                set_st(n, rm, PD_XFER_TRANSFERRING);
+        } else if (type == PD_BP_DONE) {
+            rm->stopped = true;
+            n->stats.bytes_received += value;
+            set_st(n, rm, PD_XFER_SUCCESS);
+        } else if (type == PD_BP_ABORT) {
+            rm->stopped = true;
+            set_st(n, rm, PD_XFER_FAILED);
+        } else {
+            rm->stopped = true;
+        }
+        return;
+    }
+    default:
+        refuse_conn(n, pi, PD_BP_E_UNEXPECTED, "message type not sent to a decode node");
+        return;
+    }
+}
+
+static void on_error_msg(pd_net *n, uint32_t pi, const uint8_t *pl, uint32_t len) {
+    pd_bp_error e;
+    if (pd_bp_error_read(pl, len, &e) != PD_OK) {
+        refuse_conn(n, pi, PD_BP_E_MALFORMED, "malformed ERROR");
+        return;
+    }
+    char text[PD_BP_ERROR_TEXT_MAX + 1];
+    memcpy(text, e.text, e.text_len);
+    text[e.text_len] = 0;
+    if (!e.has_room) {
+        char why[PD_BP_ERROR_TEXT_MAX + 64];
+        snprintf(why, sizeof(why), "peer refused the connection: %s (%s)", text, pd_bp_code_name(e.code));
+        peer_fail(n, pi, why);
+        return;
+    }
+    net_log(n, "pd_net: %s refused room %llu: %s (%s)", n->peers[pi].addr, (unsigned long long)e.room, text,
+            pd_bp_code_name(e.code));
+    if (n->cfg.role == PD_NET_DECODE) {
+        /* The prefill refused our destination: it will never write to it. */
+        room *rm = own_room(n, pi, e.room);
+        if (rm) {
+            rm->stopped = true;
+            set_st(n, rm, PD_XFER_FAILED);
+        }
+    }
+}
+
+static void on_message(pd_net *n, uint32_t pi, uint32_t type, const uint8_t *pl, uint32_t len) {
+    peer *p = &n->peers[pi];
+    if (type == PD_BP_ERROR) {
+        on_error_msg(n, pi, pl, len);
+        return;
+    }
+    if (type == PD_BP_PING) {
+        if (p->state != PS_READY) refuse_conn(n, pi, PD_BP_E_UNEXPECTED, "PING before the handshake");
+        return;
+    }
+    if (n->cfg.role == PD_NET_DECODE) {
+        on_decode_msg(n, pi, type, pl, len);
+        return;
+    }
+    if (type == PD_BP_HELLO) {
+        on_hello(n, pi, pl, len);
+        return;
+    }
+    if (p->state != PS_READY) {
+        refuse_conn(n, pi, PD_BP_E_UNEXPECTED, "the first message must be HELLO");
+        return;
+    }
+    uint64_t room_id, value;
+    switch (type) {
+    case PD_BP_DEST: on_dest(n, pi, pl, len); return;
+    case PD_BP_ABORT:
+        if (pd_bp_room_read(pl, len, &room_id, &value) != PD_OK) {
+            refuse_conn(n, pi, PD_BP_E_MALFORMED, "malformed ABORT");
+            return;
+        }
+        on_decode_abort(n, pi, room_id);
+        return;
+    default: refuse_conn(n, pi, PD_BP_E_UNEXPECTED, "message type not sent to a prefill node"); return;
+    }
+}
+
+/* ---- socket I/O ------------------------------------------------------------------------ */
+
+/* Parses every complete message in the rx buffer. */
+static void peer_parse(pd_net *n, uint32_t pi) {
+    peer *p = &n->peers[pi];
+    uint32_t gen = p->gen;
+    size_t off = 0;
+    while (p->state != PS_FREE && p->gen == gen && !p->closing_after_tx && p->rx_len - off >= PD_BP_HEADER_BYTES) {
+        pd_bp_header h;
+        pd_bp_code code;
+        if (pd_bp_header_check(p->rx + off, &h, &code) != PD_OK) {
+            char why[96];
+            if (code == PD_BP_E_VERSION)
+                snprintf(why, sizeof(why), "protocol version %u not supported; this node speaks %u", h.version,
+                         PD_BP_VERSION);
+            else if (code == PD_BP_E_TOO_BIG)
+                snprintf(why, sizeof(why), "%s of %u bytes is over the limit", pd_bp_type_name(h.type), h.length);
+            else
+                snprintf(why, sizeof(why), "bad header (%s)", code == PD_BP_E_MALFORMED ? "magic or flags" : "type");
+            refuse_conn(n, pi, code, why);
+            return;
+        }
+        size_t need = PD_BP_HEADER_BYTES + (size_t)h.length;
+        if (p->rx_len - off < need) {
+            if (need > p->rx_cap) {
+                /* The header was checked: need is within the type's limit. */
+                if (off) {
+                    memmove(p->rx, p->rx + off, p->rx_len - off);
+                    p->rx_len -= off;
+                    off = 0;
+                }
+                uint8_t *b = realloc(p->rx, need);
+                if (!b) {
+                    peer_fail(n, pi, "out of memory for a message");
+                    return;
+                }
+                p->rx = b;
+                p->rx_cap = need;
+            }
+            break;
+        }
+        on_message(n, pi, h.type, p->rx + off + PD_BP_HEADER_BYTES, h.length);
+        off += need;
+    }
+    if (p->state == PS_FREE || p->gen != gen) return;
+    if (off) {
+        memmove(p->rx, p->rx + off, p->rx_len - off);
+        p->rx_len -= off;
+    }
+}
+
+static void peer_read(pd_net *n, uint32_t pi, uint64_t now) {
+    peer *p = &n->peers[pi];
+    uint32_t gen = p->gen;
+    for (int rounds = 0; rounds < 64; rounds++) {
+        if (p->state == PS_FREE || p->gen != gen || p->closing_after_tx) return;
+        if (p->rx_len == p->rx_cap) return; /* parse made no room: waits for a bigger buffer */
+        ssize_t got = recv(p->fd, p->rx + p->rx_len, p->rx_cap - p->rx_len, 0);
+        if (got > 0) {
+            p->rx_len += (size_t)got;
+            p->last_rx_ms = now;
+            peer_parse(n, pi);
+            continue;
+        }
+        if (got == 0) {
+            if (p->rx_len > 0) {
+                n->stats.bad_messages++; /* a message cut off by the close */
+                peer_fail(n, pi, "connection closed in the middle of a message");
+            } else {
+                peer_fail(n, pi, "connection closed by the peer");
+            }
+            return;
+        }
+        if (errno == EINTR) continue;
+        if (errno != EAGAIN && errno != EWOULDBLOCK) peer_fail(n, pi, strerror(errno));
+        return;
+    }
+}
+
+static void peer_write(pd_net *n, uint32_t pi) {
+    peer *p = &n->peers[pi];
+    while (p->tx_off < p->tx_len) {
+        ssize_t w = send(p->fd, p->tx + p->tx_off, p->tx_len - p->tx_off, MSG_NOSIGNAL);
+        if (w > 0) {
+            p->tx_off += (size_t)w;
+            continue;
+        }
+        if (w < 0 && errno == EINTR) continue;
+        if (w < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return;
+        peer_fail(n, pi, w < 0 ? strerror(errno) : "send failed");
+        return;
+    }
+    p->tx_off = p->tx_len = 0;
+    if (p->closing_after_tx) peer_fail(n, pi, "closed after refusing the peer");
+}
+
+static void accept_all(pd_net *n) {
+    for (int i = 0; i < 64; i++) {
+        struct sockaddr_storage sa;
+        socklen_t sl = sizeof(sa);
+        int fd = accept(n->listen_fd, (struct sockaddr *)&sa, &sl);
+        if (fd < 0) return;
+        int one = 1;
+        setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+        uint32_t pi = set_nonblocking(fd) ? peer_alloc(n) : NONE;
+        if (pi == NONE) {
+            uint8_t b[PD_BP_HEADER_BYTES + 16 + PD_BP_ERROR_TEXT_MAX];
+            size_t len = pd_bp_error_write(b, sizeof(b), PD_BP_E_BUSY, false, 0, "too many connections");
+            ssize_t w = send(fd, b, len, MSG_NOSIGNAL | MSG_DONTWAIT);
+            (void)w;
+            n->stats.error_replies++;
+            close(fd);
+            continue;
+        }
+        peer *p = &n->peers[pi];
+        p->fd = fd;
+        p->state = PS_HELLO;
+        char host[INET6_ADDRSTRLEN + 1] = "?", serv[16] = "?";
+        getnameinfo((struct sockaddr *)&sa, sl, host, sizeof(host), serv, sizeof(serv), NI_NUMERICHOST | NI_NUMERICSERV);
+        snprintf(p->addr, sizeof(p->addr), "%s:%s", host, serv);
+    }
+}
+
+/* Splits "host:port" or "[v6]:port". */
+static bool split_addr(const char *s, char *host, size_t host_cap, char *port, size_t port_cap) {
+    const char *colon;
+    const char *h = s;
+    size_t hl;
+    if (s[0] == '[') {
+        const char *close = strchr(s, ']');
+        if (!close || close[1] != ':') return false;
+        h = s + 1;
+        hl = (size_t)(close - h);
+        colon = close + 1;
+    } else {
+        colon = strrchr(s, ':');
+        if (!colon) return false;
+        hl = (size_t)(colon - s);
+    }
+    const char *pt = colon + 1;
+    size_t pl = strlen(pt);
+    if (hl == 0 || hl >= host_cap || pl == 0 || pl >= port_cap) return false;
+    for (size_t i = 0; i < pl; i++)
+        if (pt[i] < '0' || pt[i] > '9') return false;
+    if (atol(pt) <= 0 || atol(pt) > 65535) return false;
+    memcpy(host, h, hl);
+    host[hl] = 0;
+    memcpy(port, pt, pl + 1);
+    return true;
+}
+
+static void queue_hello(pd_net *n, uint32_t pi) {
+    peer *p = &n->peers[pi];
+    pd_bp_hello h = {
+        .node_id = n->node_id,
+        .page_size = n->cfg.page_size,
+        .meta_row_bytes = sizeof(pd_meta_row),
+        .token_len = (uint16_t)n->token_len,
+        .token = (const uint8_t *)n->token,
+        .worker_addr_len = (uint16_t)n->waddr_len,
+        .worker_addr = (const uint8_t *)n->waddr,
+    };
+    for (int r = 0; r < REG_N; r++)
+        h.region[r] = (pd_bp_region){
+            .base = (uint64_t)(uintptr_t)n->base[r],
+            .unit_bytes = n->unit[r],
+            .units = n->units[r],
+            .rkey_len = (uint16_t)n->rkey_len[r],
+            .rkey = n->rkey_buf[r],
+        };
+    uint8_t *b = tx_reserve(p, PD_BP_HEADER_BYTES + PD_BP_HELLO_MAX);
+    size_t len = b ? pd_bp_hello_write(b, PD_BP_HEADER_BYTES + PD_BP_HELLO_MAX, &h) : 0;
+    if (len == 0) {
+        peer_fail(n, pi, "cannot encode HELLO (worker address or keys too large)");
+        return;
+    }
+    tx_commit(n, p, len);
+    p->state = PS_HELLO;
+    p->t_state_ms = now_ms();
+}
+
+static void peer_connect(pd_net *n, uint32_t pi) {
+    peer *p = &n->peers[pi];
+    char host[PEER_ADDR_MAX], port[16];
+    if (!split_addr(p->addr, host, sizeof(host), port, sizeof(port))) {
+        peer_fail(n, pi, "bad peer address (want host:port)");
+        return;
+    }
+    struct addrinfo hints = {.ai_family = AF_UNSPEC, .ai_socktype = SOCK_STREAM, .ai_flags = AI_NUMERICSERV};
+    struct addrinfo *res = NULL;
+    /* May block on DNS: the mutex is released meanwhile, so only the
+     * progress thread waits, never the engine. The peer may be forgotten in
+     * the meantime (its only room refused): its generation tells. */
+    uint32_t gen = p->gen;
+    pthread_mutex_unlock(&n->mu);
+    int gai = getaddrinfo(host, port, &hints, &res);
+    pthread_mutex_lock(&n->mu);
+    if (p->gen != gen || p->state != PS_RESOLVE) {
+        if (res) freeaddrinfo(res);
+        return;
+    }
+    if (gai != 0 || !res) {
+        peer_fail(n, pi, gai ? gai_strerror(gai) : "no address");
+        return;
+    }
+    int fd = socket(res->ai_family, res->ai_socktype, res->ai_protocol);
+    if (fd < 0 || !set_nonblocking(fd)) {
+        if (fd >= 0) close(fd);
+        freeaddrinfo(res);
+        peer_fail(n, pi, "socket() failed");
+        return;
+    }
+    int one = 1;
+    setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+    p->fd = fd;
+    int rc = connect(fd, res->ai_addr, res->ai_addrlen);
+    freeaddrinfo(res);
+    p->t_state_ms = now_ms();
+    if (rc == 0) {
+        queue_hello(n, pi);
+    } else if (errno == EINPROGRESS) {
+        p->state = PS_CONNECTING;
+    } else {
+        peer_fail(n, pi, strerror(errno));
+    }
+}
+
+static void peer_service(pd_net *n, uint32_t pi, uint64_t now) {
+    peer *p = &n->peers[pi];
+    switch (p->state) {
+    case PS_FREE: return;
+    case PS_CLOSING:
+        if (ucp_request_check_status(p->close_req) != UCS_INPROGRESS) {
+            ucp_request_free(p->close_req);
+            p->close_req = NULL;
+            peer_release(n, p);
+        }
+        return;
+    case PS_RESOLVE: peer_connect(n, pi); return;
+    case PS_CONNECTING:
+        if (p->revents & (POLLOUT | POLLERR | POLLHUP)) {
+            int err = 0;
+            socklen_t el = sizeof(err);
+            if (getsockopt(p->fd, SOL_SOCKET, SO_ERROR, &err, &el) != 0) err = errno;
+            if (err) peer_fail(n, pi, strerror(err));
+            else queue_hello(n, pi);
+        }
+        return;
+    case PS_HELLO:
+    case PS_READY:
+        if (p->ucx_failed) {
+            peer_fail(n, pi, "UCX endpoint error");
+            return;
+        }
+        if (p->revents & (POLLIN | POLLHUP | POLLERR)) peer_read(n, pi, now);
+        return;
+    }
+}
+
+/* ---- timers ----------------------------------------------------------------------------- */
+
+/* Without peer-failure mode (UCX 1.13 shared memory) a forced close may leave
+ * requests to a dead peer pending forever. They can only move if the dead
+ * peer's side consumes them, which it no longer does; after the drain grace
+ * the room stops waiting for them (and ignores them should they complete). */
+static void abandon_dead_writes(pd_net *n, uint64_t now) {
+    if (n->abandon_pending == 0) return;
+    uint32_t still = 0;
+    for (uint32_t r = 0; r < n->cfg.rooms_max; r++) {
+        room *rm = &n->rooms[r];
+        if (!rm->used || !rm->peer_lost || !rm->lost_unreliable || (!rm->puts_out && !rm->flush_out)) continue;
+        if (since(now, rm->lost_ms) < n->cfg.drain_grace_ms) {
+            still++;
+            continue;
+        }
+        net_log(n, "pd_net: room %llu: abandoning %u writes to a dead peer", (unsigned long long)rm->id, rm->puts_out);
+        n->stats.writes_abandoned += rm->puts_out + rm->flush_out;
+        PD_ASSERT(n->ucx_out >= rm->puts_out + rm->flush_out);
+        n->ucx_out -= rm->puts_out + rm->flush_out;
+        rm->puts_out = rm->flush_out = 0;
+        rm->gen++;
+        mark_dirty(n, rm);
+    }
+    n->abandon_pending = still;
+}
+
+static void timers(pd_net *n, uint64_t now) {
+    for (uint32_t pi = 0; pi < n->cfg.peers_max; pi++) {
+        peer *p = &n->peers[pi];
+        if (p->state == PS_FREE || p->state == PS_CLOSING || p->state == PS_RESOLVE) continue;
+        if (p->closing_after_tx) {
+            if (since(now, p->t_state_ms) >= n->cfg.dead_after_ms) peer_fail(n, pi, "peer did not take our refusal");
+            continue;
+        }
+        if (p->state != PS_READY) {
+            if (since(now, p->t_state_ms) >= n->cfg.dead_after_ms) {
+                if (p->rx_len > 0) n->stats.bad_messages++; /* a truncated message */
+                peer_fail(n, pi, p->state == PS_CONNECTING ? "connect timed out" : "handshake timed out");
+            }
+            continue;
+        }
+        if (since(now, p->last_rx_ms) >= n->cfg.dead_after_ms) {
+            if (p->rx_len > 0) n->stats.bad_messages++;
+            peer_fail(n, pi, "heartbeat lost");
+            continue;
+        }
+        if (since(now, p->last_tx_ms) >= n->cfg.heartbeat_ms) {
+            uint8_t *b = tx_reserve(p, PD_BP_HEADER_BYTES);
+            if (!b) peer_fail(n, pi, "send queue full");
+            else tx_commit(n, p, pd_bp_ping_write(b, PD_BP_HEADER_BYTES));
+        }
+    }
+    if (n->cfg.role == PD_NET_PREFILL) abandon_dead_writes(n, now);
+    if (now >= n->next_due_ms) {
+        n->next_due_ms = UINT64_MAX;
+        for (uint32_t r = 0; r < n->cfg.rooms_max; r++) {
+            room *rm = &n->rooms[r];
+            if (!rm->used || rm->due_ms == 0) continue;
+            if (rm->due_ms <= now) {
+                rm->due_ms = 0;
+                mark_dirty(n, rm);
+            } else if (rm->due_ms < n->next_due_ms) {
+                n->next_due_ms = rm->due_ms;
+            }
+        }
+    }
+    if (n->cfg.role == PD_NET_PREFILL && now >= n->next_scan_ms) {
+        n->next_scan_ms = now + ORPHAN_SCAN_MS;
+        for (uint32_t r = 0; r < n->cfg.rooms_max; r++) {
+            room *rm = &n->rooms[r];
+            if (!rm->used || rm->open || since(now, rm->t_ms) < n->cfg.orphan_ms) continue;
+            if (rm->puts_out || rm->flush_out || rm->note != N_NONE) continue;
+            if (!rm->closed && rm->dest_known && !rm->r_aborted && rm->st != PD_XFER_FAILED) {
+                /* A destination the engine never claimed: free the decode's pages. */
+                uint32_t pi = rm->peer;
+                if (peer_of(n, rm)) send_room_msg(n, pi, PD_BP_ABORT, rm->id, ABORT_REASON_ORPHAN);
+            }
+            room_free(n, r);
+        }
+        for (uint32_t r = 0; r < n->cfg.rooms_max; r++) {
+            room *rm = &n->rooms[r];
+            if (rm->used && rm->closed && since(now, rm->t_ms) >= n->cfg.orphan_ms && !rm->puts_out && !rm->flush_out &&
+                rm->q_head == NONE) {
+                rm->note = N_NONE;
+                room_free(n, r);
+            }
+        }
+    }
+}
+
+/* ---- the progress thread ------------------------------------------------------------------ */
+
+static uint64_t now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
+}
+
+static void ucx_progress(pd_net *n) {
+    unsigned events = 0;
+    for (int i = 0; i < PROGRESS_BURST; i++) {
+        unsigned k = ucp_worker_progress(n->worker);
+        if (!k) break;
+        events += k;
+    }
+    if (events) n->last_event_ns = now_ns();
+}
+
+static void process_dirty(pd_net *n, uint64_t now) {
+    uint32_t cnt = n->dirty_n;
+    while (cnt-- > 0 && n->dirty_n > 0) {
+        uint32_t r = n->dirty[n->dirty_head];
+        n->dirty_head = (n->dirty_head + 1) % n->cfg.rooms_max;
+        n->dirty_n--;
+        room *rm = &n->rooms[r];
+        rm->in_dirty = false;
+        if (!rm->used) continue;
+        if (n->cfg.role == PD_NET_PREFILL) pump_sender(n, rm, now);
+        else pump_receiver(n, rm, now);
+    }
+}
+
+static int poll_timeout(pd_net *n, uint64_t now, bool *spinning) {
+    *spinning = false;
+    if (n->dirty_n > 0) return 0;
+    /* Data is moving: UCX emulates one-sided writes with active messages on
+     * transports without direct remote access (shared memory between two
+     * processes here, TCP), so both sides keep the worker turning rather
+     * than sleeping between fragments. Bounded: spin_us after the last event. */
+    if (n->cfg.spin_us > 0 && now_ns() - n->last_event_ns < (uint64_t)n->cfg.spin_us * 1000u) {
+        *spinning = true;
+        return 0;
+    }
+    uint64_t t = POLL_IDLE_MS;
+    bool receiving = false;
+    for (uint32_t pi = 0; pi < n->cfg.peers_max; pi++) {
+        peer *p = &n->peers[pi];
+        if (p->state == PS_FREE) continue;
+        if (p->state == PS_CLOSING || p->state == PS_RESOLVE) return p->state == PS_RESOLVE ? 0 : POLL_BUSY_MS;
+        uint64_t d = p->t_state_ms + n->cfg.dead_after_ms;
+        if (p->state == PS_READY && !p->closing_after_tx) {
+            d = PD_MIN(p->last_rx_ms + n->cfg.dead_after_ms, p->last_tx_ms + n->cfg.heartbeat_ms);
+            receiving |= n->cfg.role == PD_NET_DECODE;
+        }
+        t = PD_MIN(t, d > now ? d - now : 0);
+    }
+    if (n->next_due_ms != UINT64_MAX) t = PD_MIN(t, n->next_due_ms > now ? n->next_due_ms - now : 0);
+    if (n->cfg.role == PD_NET_PREFILL) t = PD_MIN(t, n->next_scan_ms > now ? n->next_scan_ms - now : 0);
+    if (n->ucx_out > 0) t = PD_MIN(t, POLL_BUSY_MS);
+    /* Belt and braces for transports whose wake-up events are unreliable:
+     * a decode node with connected prefill peers never naps for long while
+     * data may be arriving through emulated one-sided writes. */
+    if (receiving) t = PD_MIN(t, POLL_RECV_MS);
+    return (int)t;
+}
+
+static void *progress_main(void *arg) {
+    pd_net *n = arg;
+    pthread_mutex_lock(&n->mu);
+    while (!n->stopping) {
+        uint64_t now = now_ms();
+        ucx_progress(n);
+        if (n->listen_ready) accept_all(n);
+        for (uint32_t pi = 0; pi < n->cfg.peers_max; pi++) peer_service(n, pi, now);
+        ucx_progress(n);
+        process_dirty(n, now);
+        timers(n, now);
+        /* Sends: notices queued above go out in this pass. */
+        for (uint32_t pi = 0; pi < n->cfg.peers_max; pi++) {
+            peer *p = &n->peers[pi];
+            if ((p->state == PS_HELLO || p->state == PS_READY) && p->tx_off < p->tx_len) peer_write(n, pi);
+        }
+        bool spinning;
+        int timeout = poll_timeout(n, now, &spinning);
+        if (timeout > 0 && ucp_worker_arm(n->worker) == UCS_ERR_BUSY) timeout = 0;
+        nfds_t nf = 0;
+        n->pfd[nf++] = (struct pollfd){.fd = n->wake_rd, .events = POLLIN};
+        n->pfd[nf++] = (struct pollfd){.fd = n->ucx_fd, .events = POLLIN};
+        n->listen_ready = false;
+        if (n->listen_fd >= 0) n->pfd[nf++] = (struct pollfd){.fd = n->listen_fd, .events = POLLIN};
+        nfds_t first_peer = nf;
+        for (uint32_t pi = 0; pi < n->cfg.peers_max; pi++) {
+            peer *p = &n->peers[pi];
+            p->revents = 0;
+            if (p->fd < 0 || p->state == PS_FREE || p->state == PS_CLOSING) continue;
+            short ev = p->closing_after_tx ? 0 : POLLIN;
+            if (p->state == PS_CONNECTING || p->tx_off < p->tx_len) ev |= POLLOUT;
+            n->pfd_peer[nf - first_peer] = pi;
+            n->pfd[nf++] = (struct pollfd){.fd = p->fd, .events = ev};
+        }
+        pthread_mutex_unlock(&n->mu);
+        int rc = poll(n->pfd, nf, timeout);
+        /* Spinning must not starve the thread we wait for (the peer's
+         * progress thread in the same process, the engine) on a busy core. */
+        if (spinning) sched_yield();
+        pthread_mutex_lock(&n->mu);
+        if (rc <= 0) continue;
+        if (n->pfd[0].revents) {
+            uint8_t junk[64];
+            while (read(n->wake_rd, junk, sizeof(junk)) > 0) {}
+        }
+        if (n->listen_fd >= 0 && n->pfd[2].revents) n->listen_ready = true;
+        for (nfds_t i = first_peer; i < nf; i++) n->peers[n->pfd_peer[i - first_peer]].revents = n->pfd[i].revents;
+    }
+    pthread_mutex_unlock(&n->mu);
+    return NULL;
+}
+
+/* ---- the vtable --------------------------------------------------------------------------- */
+
+static pd_err v_sender_open(void *self, uint64_t id) {
+    pd_net *n = self;
+    if (n->cfg.role != PD_NET_PREFILL || !n->registered) return PD_ERR_STATE;
+    pthread_mutex_lock(&n->mu);
+    pd_err err = PD_OK;
+    uint32_t r = room_find(n, id);
+    if (r == NONE) r = room_new(n, id);
+    if (r == NONE) {
+        err = PD_ERR_NOMEM;
+    } else if (n->rooms[r].open || n->rooms[r].closed) {
+        err = PD_ERR_EXISTS;
+    } else {
+        room *rm = &n->rooms[r];
+        rm->open = true;
+        n->stats.rooms_opened++;
+        if (rm->st == PD_XFER_FAILED) n->stats.rooms_failed++;
+        else rm->st = rm->dest_known ? PD_XFER_WAITING_FOR_INPUT : PD_XFER_BOOTSTRAPPING;
+    }
+    pthread_mutex_unlock(&n->mu);
+    return err;
+}
+
+static uint32_t v_sender_peer_cached(void *self, uint64_t id) {
+    pd_net *n = self;
+    pthread_mutex_lock(&n->mu);
+    uint32_t r = room_find(n, id);
+    uint32_t cached = r != NONE && n->rooms[r].dest_known ? n->rooms[r].cached : 0;
+    pthread_mutex_unlock(&n->mu);
+    return cached;
+}
+
+/* Common checks for posting writes (mutex held). */
+static pd_err sendable(pd_net *n, uint64_t id, uint32_t first, const uint32_t *src, uint32_t cnt, room **out) {
+    if (n->cfg.role != PD_NET_PREFILL) return PD_ERR_STATE;
+    uint32_t r = room_find(n, id);
+    if (r == NONE) return PD_ERR_NOTFOUND;
+    room *rm = &n->rooms[r];
+    if (!rm->open || rm->closed || rm->s_done || rm->final_staged) return PD_ERR_STATE;
+    if (rm->st != PD_XFER_WAITING_FOR_INPUT && rm->st != PD_XFER_TRANSFERRING) return PD_ERR_STATE;
+    uint32_t base = rm->cached / n->cfg.page_size;
+    if (cnt > 0 && (!src || first < base || first - base > rm->n_dest || cnt > rm->n_dest - (first - base)))
+        return PD_ERR_INVALID;
+    for (uint32_t i = 0; i < cnt; i++)
+        if (src[i] >= n->units[REG_KV]) return PD_ERR_INVALID;
+    *out = rm;
+    return PD_OK;
+}
+
+static pd_err v_send_pages(void *self, uint64_t id, uint32_t first, const uint32_t *src, uint32_t cnt) {
+    pd_net *n = self;
+    pthread_mutex_lock(&n->mu);
+    room *rm = NULL;
+    pd_err err = sendable(n, id, first, src, cnt, &rm);
+    if (!err && cnt > 0) {
+        uint32_t base = rm->cached / n->cfg.page_size;
+        if (count_runs(rm, base, first, src, cnt) > n->stages_avail) {
+            err = PD_ERR_NOMEM;
+        } else {
+            stage_runs(n, rm, base, first, src, cnt);
+            mark_dirty(n, rm);
+        }
+    }
+    if (!err) set_st(n, rm, PD_XFER_TRANSFERRING);
+    pthread_mutex_unlock(&n->mu);
+    if (!err) wake(n);
+    return err;
+}
+
+static pd_err v_send_final(void *self, uint64_t id, uint32_t first, const uint32_t *src, uint32_t cnt,
+                           uint32_t mamba_slot, uint32_t meta_row) {
+    pd_net *n = self;
+    pthread_mutex_lock(&n->mu);
+    room *rm = NULL;
+    pd_err err = sendable(n, id, first, src, cnt, &rm);
+    if (!err) {
+        uint32_t ps = n->cfg.page_size, base = rm->cached / ps;
+        if ((mamba_slot == PD_POOL_NONE) != (rm->mamba_slot == PD_POOL_NONE) ||
+            (mamba_slot != PD_POOL_NONE && mamba_slot >= n->units[REG_MAMBA]) || meta_row >= n->units[REG_META] ||
+            (rm->prompt > rm->cached && first + cnt != PD_DIV_CEIL(rm->prompt, ps))) {
+            err = PD_ERR_INVALID;
+        } else if (count_runs(rm, base, first, src, cnt) + 3 > n->stages_avail) {
+            err = PD_ERR_NOMEM;
+        } else {
+            stage_runs(n, rm, base, first, src, cnt);
+            if (mamba_slot != PD_POOL_NONE) stage_push(n, rm, REG_MAMBA, mamba_slot, rm->mamba_slot, 1);
+            stage_push(n, rm, REG_META, meta_row, rm->meta_row, 1);
+            stage_push(n, rm, STAGE_FINAL, 0, 0, 0);
+            rm->final_staged = true;
+            set_st(n, rm, PD_XFER_TRANSFERRING);
+            mark_dirty(n, rm);
+        }
+    }
+    pthread_mutex_unlock(&n->mu);
+    if (!err) wake(n);
+    return err;
+}
+
+/* Finds the live connection to addr or starts one (mutex held). */
+static uint32_t peer_for_addr(pd_net *n, const char *addr) {
+    for (uint32_t i = 0; i < n->cfg.peers_max; i++) {
+        peer *p = &n->peers[i];
+        if (p->state != PS_FREE && p->state != PS_CLOSING && !p->closing_after_tx && !strcmp(p->addr, addr))
+            return i;
+    }
+    uint32_t pi = peer_alloc(n);
+    if (pi == NONE) return NONE;
+    peer *p = &n->peers[pi];
+    snprintf(p->addr, sizeof(p->addr), "%s", addr);
+    p->state = PS_RESOLVE;
+    return pi;
+}
+
+static pd_err v_receiver_open(void *self, uint64_t id, const char *peer_addr, const pd_xfer_dest *dest) {
+    pd_net *n = self;
+    if (n->cfg.role != PD_NET_DECODE || !n->registered) return PD_ERR_STATE;
+    uint32_t ps = n->cfg.page_size;
+    if (!dest || !peer_addr || dest->prompt_tokens == 0 || dest->cached_tokens % ps ||
+        dest->cached_tokens > dest->prompt_tokens ||
+        dest->n_pages != PD_DIV_CEIL(dest->prompt_tokens, ps) - dest->cached_tokens / ps ||
+        dest->n_pages > PD_BP_DEST_PAGES_MAX || (dest->n_pages && !dest->pages) ||
+        dest->meta_row >= n->units[REG_META] ||
+        (dest->mamba_slot != PD_POOL_NONE && dest->mamba_slot >= n->units[REG_MAMBA]))
+        return PD_ERR_INVALID;
+    for (uint32_t i = 0; i < dest->n_pages; i++)
+        if (dest->pages[i] >= n->units[REG_KV]) return PD_ERR_INVALID;
+    char host[PEER_ADDR_MAX], port[16];
+    if (strlen(peer_addr) >= PEER_ADDR_MAX || !split_addr(peer_addr, host, sizeof(host), port, sizeof(port)))
+        return PD_ERR_INVALID;
+    uint32_t *pages = malloc(((size_t)dest->n_pages + 1) * sizeof(uint32_t));
+    if (!pages) return PD_ERR_NOMEM;
+    if (dest->n_pages) memcpy(pages, dest->pages, dest->n_pages * sizeof(uint32_t));
+    pthread_mutex_lock(&n->mu);
+    pd_err err = PD_OK;
+    uint32_t r = NONE, pi = NONE;
+    if (room_find(n, id) != NONE) err = PD_ERR_EXISTS;
+    else if ((pi = peer_for_addr(n, peer_addr)) == NONE) err = PD_ERR_NOMEM;
+    else if ((r = room_new(n, id)) == NONE) err = PD_ERR_NOMEM;
+    if (!err) {
+        room *rm = &n->rooms[r];
+        rm->dest = pages;
+        pages = NULL;
+        rm->n_dest = dest->n_pages;
+        rm->prompt = dest->prompt_tokens;
+        rm->cached = dest->cached_tokens;
+        rm->mamba_slot = dest->mamba_slot;
+        rm->meta_row = dest->meta_row;
+        rm->dest_known = true;
+        rm->peer = pi;
+        rm->peer_gen = n->peers[pi].gen;
+        rm->open = true;
+        rm->st = PD_XFER_BOOTSTRAPPING;
+        n->stats.rooms_opened++;
+        mark_dirty(n, rm);
+    } else if (pi != NONE && n->peers[pi].state == PS_RESOLVE) {
+        /* A connection started for nothing: forget it again if no room uses it. */
+        bool used = false;
+        for (uint32_t i = 0; i < n->cfg.rooms_max && !used; i++)
+            used = n->rooms[i].used && n->rooms[i].peer == pi && n->rooms[i].peer_gen == n->peers[pi].gen;
+        if (!used) peer_release(n, &n->peers[pi]);
+    }
+    pthread_mutex_unlock(&n->mu);
+    free(pages);
+    if (!err) wake(n);
+    return err;
+}
+
+static pd_xfer_status v_status(void *self, uint64_t id) {
+    pd_net *n = self;
+    pthread_mutex_lock(&n->mu);
+    uint32_t r = room_find(n, id);
+    pd_xfer_status st = r == NONE || !n->rooms[r].open ? PD_XFER_NONE : n->rooms[r].st;
+    pthread_mutex_unlock(&n->mu);
+    return st;
+}
+
+static pd_err v_abort(void *self, uint64_t id) {
+    pd_net *n = self;
+    pthread_mutex_lock(&n->mu);
+    bool fault = n->faults[PD_NET_FAULT_ABORT_ERROR];
+    pd_err err = fault ? PD_ERR_IO : PD_OK;
+    uint32_t r = room_find(n, id);
+    if (r == NONE) {
+        pthread_mutex_unlock(&n->mu);
+        return PD_OK;
+    }
+    room *rm = &n->rooms[r];
+    uint64_t late = fault ? now_ms() + 2 * n->cfg.heartbeat_ms : 0;
+    if (n->cfg.role == PD_NET_PREFILL) {
+        if (!rm->s_done) {
+            rm->s_done = true;
+            stages_drop(n, rm);
+            if (!rm->dest_known) {
+                rm->early_abort = true; /* told when (if) the destination arrives */
+            } else if (peer_of(n, rm)) {
+                if (rm->note != N_ACK) {
+                    rm->note = N_ABORT;
+                    rm->note_value = ABORT_REASON_ENGINE;
+                }
+                if (late) due_at(n, rm, late);
+                mark_dirty(n, rm);
+            } else {
+                err = PD_ERR_IO; /* the decode side is unreachable; it fails the room itself */
+            }
+        }
+    } else if (!rm->stopped) {
+        if (!rm->dest_sent) {
+            rm->stopped = true; /* the prefill never learned where to write */
+        } else if (!rm->abort_req) {
+            rm->abort_req = true;
+            if (late) due_at(n, rm, late);
+            mark_dirty(n, rm);
+            if (!peer_of(n, rm)) err = PD_ERR_IO;
+        }
+    }
+    pthread_mutex_unlock(&n->mu);
+    wake(n);
+    return err;
+}
+
+static bool v_drained(void *self, uint64_t id) {
+    pd_net *n = self;
+    pthread_mutex_lock(&n->mu);
+    bool drained = true;
+    uint32_t r = room_find(n, id);
+    if (r != NONE) {
+        room *rm = &n->rooms[r];
+        if (n->cfg.role == PD_NET_PREFILL) {
+            drained = rm->q_head == NONE && rm->puts_out == 0;
+        } else {
+            drained = rm->stopped;
+            if (drained && rm->peer_lost && rm->dest_sent)
+                drained = now_ms() >= rm->lost_ms + n->cfg.drain_grace_ms;
+        }
+    }
+    pthread_mutex_unlock(&n->mu);
+    return drained;
+}
+
+static void v_close(void *self, uint64_t id) {
+    pd_net *n = self;
+    pthread_mutex_lock(&n->mu);
+    uint32_t r = room_find(n, id);
+    if (r != NONE && !n->rooms[r].closed) {
+        room *rm = &n->rooms[r];
+        rm->closed = true;
+        rm->t_ms = now_ms();
+        room_try_release(n, rm);
+    }
+    pthread_mutex_unlock(&n->mu);
+}
+
+static const pd_xfer_vtable net_vt = {
+    .sender_open = v_sender_open,
+    .sender_peer_cached = v_sender_peer_cached,
+    .send_pages = v_send_pages,
+    .send_final = v_send_final,
+    .receiver_open = v_receiver_open,
+    .status = v_status,
+    .abort = v_abort,
+    .drained = v_drained,
+    .close = v_close,
+};
+
+/* ---- lifecycle ------------------------------------------------------------------------------ */
+
+void pd_net_config_default(pd_net_config *cfg, pd_net_role role) {
+    memset(cfg, 0, sizeof(*cfg));
+    cfg->role = role;
+    cfg->listen_host = "0.0.0.0";
+    cfg->bootstrap_port = 8998;
+    cfg->page_size = 16;
+    cfg->rooms_max = 4096;
+    cfg->heartbeat_ms = 1000;
+    cfg->dead_after_ms = 5000;
+    cfg->peers_max = 64;
+}
+
+/* True if every transport named in tls is a shared-memory one (UCX 1.13
+ * gives those no peer-failure mode, so asking for it only logs an error). */
+static bool tls_shm_only(const char *tls) {
+    if (!tls || !*tls || tls[0] == '^') return false;
+    static const char *const shm[] = {"shm", "sm", "posix", "sysv", "cma", "knem", "xpmem", "self"};
+    char buf[256];
+    snprintf(buf, sizeof(buf), "%s", tls);
+    char *save = NULL;
+    for (char *t = strtok_r(buf, ",", &save); t; t = strtok_r(NULL, ",", &save)) {
+        bool ok = false;
+        for (size_t i = 0; i < PD_ARRAY_LEN(shm) && !ok; i++) ok = !strcmp(t, shm[i]);
+        if (!ok) return false;
+    }
+    return true;
+}
+
+static pd_err ucx_init(pd_net *n, char *msg, size_t cap) {
+    ucp_config_t *uc;
+    ucs_status_t st = ucp_config_read(NULL, NULL, &uc);
+    if (st != UCS_OK) return pd_errorf(msg, cap, PD_ERR_IO, "UCX config: %s", ucs_status_string(st));
+    if (n->cfg.ucx_tls && (st = ucp_config_modify(uc, "TLS", n->cfg.ucx_tls)) != UCS_OK) {
+        ucp_config_release(uc);
+        return pd_errorf(msg, cap, PD_ERR_INVALID, "UCX TLS '%s': %s", n->cfg.ucx_tls, ucs_status_string(st));
+    }
+    if (n->cfg.ucx_net_devices && (st = ucp_config_modify(uc, "NET_DEVICES", n->cfg.ucx_net_devices)) != UCS_OK) {
+        ucp_config_release(uc);
+        return pd_errorf(msg, cap, PD_ERR_INVALID, "UCX NET_DEVICES '%s': %s", n->cfg.ucx_net_devices,
+                         ucs_status_string(st));
+    }
+    ucp_params_t prm = {
+        .field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_NAME | UCP_PARAM_FIELD_REQUEST_SIZE,
+        .features = UCP_FEATURE_RMA | UCP_FEATURE_WAKEUP,
+        .request_size = sizeof(req_ctx),
+        .name = n->cfg.role == PD_NET_PREFILL ? "pdserve-prefill" : "pdserve-decode",
+    };
+    st = ucp_init(&prm, uc, &n->ctx);
+    ucp_config_release(uc);
+    if (st != UCS_OK) {
+        n->ctx = NULL;
+        return pd_errorf(msg, cap, PD_ERR_IO, "UCX init: %s", ucs_status_string(st));
+    }
+    ucp_worker_params_t wp = {.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE, .thread_mode = UCS_THREAD_MODE_SINGLE};
+    if ((st = ucp_worker_create(n->ctx, &wp, &n->worker)) != UCS_OK) {
+        n->worker = NULL;
+        return pd_errorf(msg, cap, PD_ERR_IO, "UCX worker: %s", ucs_status_string(st));
+    }
+    if ((st = ucp_worker_get_efd(n->worker, &n->ucx_fd)) != UCS_OK)
+        return pd_errorf(msg, cap, PD_ERR_IO, "UCX worker event fd: %s", ucs_status_string(st));
+    if ((st = ucp_worker_get_address(n->worker, &n->waddr, &n->waddr_len)) != UCS_OK) {
+        n->waddr = NULL;
+        return pd_errorf(msg, cap, PD_ERR_IO, "UCX worker address: %s", ucs_status_string(st));
+    }
+    if (n->waddr_len > PD_BP_WORKER_ADDR_MAX)
+        return pd_errorf(msg, cap, PD_ERR_TOOBIG, "UCX worker address of %zu bytes is over the protocol's limit",
+                         n->waddr_len);
+    const char *tls = n->cfg.ucx_tls ? n->cfg.ucx_tls : getenv("UCX_TLS");
+    n->no_peer_mode = tls_shm_only(tls);
+    return PD_OK;
+}
+
+static pd_err listen_init(pd_net *n, char *msg, size_t cap) {
+    char port[16];
+    snprintf(port, sizeof(port), "%u", n->cfg.bootstrap_port);
+    struct addrinfo hints = {.ai_family = AF_UNSPEC, .ai_socktype = SOCK_STREAM,
+                             .ai_flags = AI_PASSIVE | AI_NUMERICSERV};
+    struct addrinfo *res = NULL;
+    int gai = getaddrinfo(n->listen_host, port, &hints, &res);
+    if (gai != 0 || !res)
+        return pd_errorf(msg, cap, PD_ERR_INVALID, "listen address %s: %s", n->listen_host,
+                         gai ? gai_strerror(gai) : "no address");
+    int fd = socket(res->ai_family, res->ai_socktype, res->ai_protocol);
+    int one = 1;
+    if (fd >= 0) setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+    if (fd < 0 || bind(fd, res->ai_addr, res->ai_addrlen) != 0 || listen(fd, 128) != 0 || !set_nonblocking(fd)) {
+        int e = errno;
+        if (fd >= 0) close(fd);
+        freeaddrinfo(res);
+        return pd_errorf(msg, cap, PD_ERR_IO, "bootstrap port %s:%u: %s", n->listen_host, n->cfg.bootstrap_port,
+                         strerror(e));
+    }
+    freeaddrinfo(res);
+    struct sockaddr_storage sa;
+    socklen_t sl = sizeof(sa);
+    getsockname(fd, (struct sockaddr *)&sa, &sl);
+    n->port = ntohs(sa.ss_family == AF_INET6 ? ((struct sockaddr_in6 *)&sa)->sin6_port
+                                             : ((struct sockaddr_in *)&sa)->sin_port);
+    n->listen_fd = fd;
+    return PD_OK;
+}
+
+pd_err pd_net_create(pd_net **out, const pd_net_config *cfg, char *msg, size_t msg_cap) {
+    if (!out || !cfg) return pd_errorf(msg, msg_cap, PD_ERR_INVALID, "no config");
+    *out = NULL;
+    if (cfg->role != PD_NET_PREFILL && cfg->role != PD_NET_DECODE)
+        return pd_errorf(msg, msg_cap, PD_ERR_INVALID, "role must be prefill or decode");
+    if (cfg->page_size == 0) return pd_errorf(msg, msg_cap, PD_ERR_INVALID, "page_size must be positive");
+    if (cfg->token && strlen(cfg->token) > PD_BP_TOKEN_MAX)
+        return pd_errorf(msg, msg_cap, PD_ERR_INVALID, "token longer than %u bytes", PD_BP_TOKEN_MAX);
+    pd_net *n = calloc(1, sizeof(*n));
+    if (!n) return pd_errorf(msg, msg_cap, PD_ERR_NOMEM, "out of memory");
+    n->cfg = *cfg;
+    n->listen_fd = n->wake_rd = n->wake_wr = n->ucx_fd = -1;
+    pd_net_config *c = &n->cfg;
+    if (!c->rooms_max) c->rooms_max = 4096;
+    if (!c->heartbeat_ms) c->heartbeat_ms = 1000;
+    if (!c->dead_after_ms) c->dead_after_ms = 5000;
+    if (!c->peers_max) c->peers_max = 64;
+    if (!c->stages_max) c->stages_max = PD_MAX(16u * c->rooms_max, 1024u);
+    if (!c->drain_grace_ms) c->drain_grace_ms = c->dead_after_ms;
+    if (!c->orphan_ms) c->orphan_ms = 60000;
+    if (!c->spin_us) c->spin_us = 1000;
+    snprintf(n->listen_host, sizeof(n->listen_host), "%s", cfg->listen_host ? cfg->listen_host : "0.0.0.0");
+    c->listen_host = n->listen_host;
+    if (cfg->token) {
+        n->token_len = strlen(cfg->token);
+        memcpy(n->token, cfg->token, n->token_len);
+    }
+    c->token = n->token;
+    c->ucx_tls = c->ucx_net_devices = NULL; /* used only below, while cfg is alive */
+    pd_err err = PD_OK;
+    if (c->dead_after_ms <= c->heartbeat_ms) {
+        err = pd_errorf(msg, msg_cap, PD_ERR_INVALID, "dead_after_ms (%llu) must exceed heartbeat_ms (%llu)",
+                        (unsigned long long)c->dead_after_ms, (unsigned long long)c->heartbeat_ms);
+        goto fail;
+    }
+    if (pthread_mutex_init(&n->mu, NULL) != 0) {
+        free(n);
+        return pd_errorf(msg, msg_cap, PD_ERR_NOMEM, "mutex");
+    }
+    uint32_t cap = 16;
+    while (cap < 2 * c->rooms_max) cap *= 2;
+    n->ht_mask = cap - 1;
+    n->rooms = calloc(c->rooms_max, sizeof(room));
+    n->room_ht = malloc(cap * sizeof(uint32_t));
+    n->room_free = malloc(c->rooms_max * sizeof(uint32_t));
+    n->peers = calloc(c->peers_max, sizeof(peer));
+    n->stages = malloc(c->stages_max * sizeof(stage));
+    n->dirty = malloc(c->rooms_max * sizeof(uint32_t));
+    n->pfd = malloc((c->peers_max + 3) * sizeof(struct pollfd));
+    n->pfd_peer = malloc((c->peers_max + 3) * sizeof(uint32_t));
+    if (!n->rooms || !n->room_ht || !n->room_free || !n->peers || !n->stages || !n->dirty || !n->pfd || !n->pfd_peer) {
+        err = pd_errorf(msg, msg_cap, PD_ERR_NOMEM, "out of memory for %u rooms", c->rooms_max);
+        goto fail;
+    }
+    memset(n->room_ht, 0xFF, cap * sizeof(uint32_t));
+    for (uint32_t r = 0; r < c->rooms_max; r++) {
+        n->room_free[r] = c->rooms_max - 1 - r;
+        n->rooms[r].q_head = n->rooms[r].q_tail = NONE;
+    }
+    n->room_free_n = c->rooms_max;
+    for (uint32_t s = 0; s < c->stages_max; s++) n->stages[s].next = s + 1 < c->stages_max ? s + 1 : NONE;
+    n->stage_free = 0;
+    n->stages_avail = c->stages_max;
+    for (uint32_t i = 0; i < c->peers_max; i++) {
+        n->peers[i].net = n;
+        n->peers[i].fd = -1;
+    }
+    n->next_due_ms = UINT64_MAX;
+    uint64_t seed = now_ms() ^ ((uint64_t)getpid() << 32) ^ (uint64_t)(uintptr_t)n;
+    n->node_id = pd_splitmix64(&seed);
+    int pfd[2];
+    if (pipe(pfd) != 0) {
+        err = pd_errorf(msg, msg_cap, PD_ERR_IO, "pipe: %s", strerror(errno));
+        goto fail;
+    }
+    n->wake_rd = pfd[0];
+    n->wake_wr = pfd[1];
+    if (!set_nonblocking(n->wake_rd) || !set_nonblocking(n->wake_wr)) {
+        err = pd_errorf(msg, msg_cap, PD_ERR_IO, "pipe: %s", strerror(errno));
+        goto fail;
+    }
+    c->ucx_tls = cfg->ucx_tls;
+    c->ucx_net_devices = cfg->ucx_net_devices;
+    err = ucx_init(n, msg, msg_cap);
+    c->ucx_tls = c->ucx_net_devices = NULL;
+    if (err) goto fail;
+    if (c->role == PD_NET_PREFILL && (err = listen_init(n, msg, msg_cap))) goto fail;
+    *out = n;
+    return PD_OK;
+fail:
+    pd_net_destroy(n);
+    return err;
+}
+
+pd_err pd_net_register(pd_net *n, const pd_exec_memory *mem, pd_meta_row *meta, uint32_t meta_rows, char *msg,
+                       size_t msg_cap) {
+    if (!n || !mem) return pd_errorf(msg, msg_cap, PD_ERR_INVALID, "no memory description");
+    if (n->registered || n->running) return pd_errorf(msg, msg_cap, PD_ERR_STATE, "memory is registered once, before start");
+    if (!mem->kv || mem->kv_pages == 0 || mem->kv_page_bytes == 0)
+        return pd_errorf(msg, msg_cap, PD_ERR_INVALID, "no KV pages to register");
+    if (!meta || meta_rows == 0) return pd_errorf(msg, msg_cap, PD_ERR_INVALID, "no metadata rows to register");
+    if ((mem->mamba_slots > 0) != (mem->mamba != NULL && mem->mamba_slot_bytes > 0))
+        return pd_errorf(msg, msg_cap, PD_ERR_INVALID, "Mamba region incomplete");
+    n->base[REG_KV] = mem->kv;
+    n->unit[REG_KV] = mem->kv_page_bytes;
+    n->units[REG_KV] = mem->kv_pages;
+    n->base[REG_MAMBA] = mem->mamba_slots ? mem->mamba : NULL;
+    n->unit[REG_MAMBA] = mem->mamba_slots ? mem->mamba_slot_bytes : 0;
+    n->units[REG_MAMBA] = mem->mamba_slots;
+    n->base[REG_META] = (uint8_t *)meta;
+    n->unit[REG_META] = sizeof(pd_meta_row);
+    n->units[REG_META] = meta_rows;
+    for (int r = 0; r < REG_N; r++) {
+        if (!n->units[r]) continue;
+        ucp_mem_map_params_t mp = {
+            .field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH,
+            .address = n->base[r],
+            .length = n->unit[r] * n->units[r],
+        };
+        ucs_status_t st = ucp_mem_map(n->ctx, &mp, &n->memh[r]);
+        if (st != UCS_OK) {
+            n->memh[r] = NULL;
+            return pd_errorf(msg, msg_cap, PD_ERR_IO, "UCX memory registration: %s", ucs_status_string(st));
+        }
+        st = ucp_rkey_pack(n->ctx, n->memh[r], &n->rkey_buf[r], &n->rkey_len[r]);
+        if (st != UCS_OK) {
+            n->rkey_buf[r] = NULL;
+            return pd_errorf(msg, msg_cap, PD_ERR_IO, "UCX remote key: %s", ucs_status_string(st));
+        }
+        if (n->rkey_len[r] == 0 || n->rkey_len[r] > PD_BP_RKEY_MAX)
+            return pd_errorf(msg, msg_cap, PD_ERR_TOOBIG, "UCX remote key of %zu bytes", n->rkey_len[r]);
+    }
+    n->registered = true;
+    return PD_OK;
+}
+
+pd_err pd_net_start(pd_net *n, char *msg, size_t msg_cap) {
+    if (!n || !n->registered) return pd_errorf(msg, msg_cap, PD_ERR_STATE, "register memory before start");
+    if (n->running) return pd_errorf(msg, msg_cap, PD_ERR_STATE, "already started");
+    if (pthread_create(&n->thread, NULL, progress_main, n) != 0)
+        return pd_errorf(msg, msg_cap, PD_ERR_IO, "progress thread: %s", strerror(errno));
+    n->running = true;
+    return PD_OK;
+}
+
+pd_xfer pd_net_endpoint(pd_net *n) { return (pd_xfer){.vt = &net_vt, .self = n}; }
+
+uint16_t pd_net_bootstrap_port(const pd_net *n) { return n->port; }
+
+void pd_net_stats_get(pd_net *n, pd_net_stats *out) {
+    pthread_mutex_lock(&n->mu);
+    *out = n->stats;
+    pthread_mutex_unlock(&n->mu);
+}
+
+uint32_t pd_net_rooms_live(pd_net *n) {
+    pthread_mutex_lock(&n->mu);
+    uint32_t live = n->cfg.rooms_max - n->room_free_n;
+    pthread_mutex_unlock(&n->mu);
+    return live;
+}
+
+void pd_net_set_fault(pd_net *n, pd_net_fault fault, bool on) {
+    if ((unsigned)fault >= PD_NET_FAULT__COUNT) return;
+    pthread_mutex_lock(&n->mu);
+    n->faults[fault] = on;
+    if (!on && fault == PD_NET_FAULT_HOLD_NOTICES)
+        for (uint32_t r = 0; r < n->cfg.rooms_max; r++)
+            if (n->rooms[r].used && n->rooms[r].note != N_NONE) mark_dirty(n, &n->rooms[r]);
+    pthread_mutex_unlock(&n->mu);
+    wake(n);
+}
+
+/* UCX 1.13 aborts the process in ucp_worker_destroy when a wire-up message
+ * is still queued on an endpoint UCX created itself (seen over TCP when the
+ * peer's endpoint was created moments before the shutdown). Let the worker
+ * finish what it started — a worker flush waits for that — within budget_ms. */
+static void ucx_settle(pd_net *n, uint64_t budget_ms) {
+    if (!n->worker) return;
+    ucp_request_param_t prm = {.op_attr_mask = 0};
+    void *req = ucp_worker_flush_nbx(n->worker, &prm);
+    if (!UCS_PTR_IS_PTR(req)) return;
+    uint64_t t0 = now_ms();
+    while (ucp_request_check_status(req) == UCS_INPROGRESS && since(now_ms(), t0) < budget_ms) {
+        if (!ucp_worker_progress(n->worker)) nanosleep(&(struct timespec){.tv_nsec = 100000}, NULL);
+    }
+    ucp_request_free(req);
+}
+
+void pd_net_destroy(pd_net *n) {
+    if (!n) return;
+    if (n->running) {
+        pthread_mutex_lock(&n->mu);
+        n->stopping = true;
+        pthread_mutex_unlock(&n->mu);
+        wake(n);
+        pthread_join(n->thread, NULL);
+        n->running = false;
+    }
+    /* Single-threaded from here. Fail every connection: the forced endpoint
+     * closes complete every outstanding put before memory goes away. */
+    if (n->peers && n->rooms) {
+        for (uint32_t pi = 0; pi < n->cfg.peers_max; pi++) peer_fail(n, pi, "transport shutting down");
+        /* Forced closes complete at once in peer-failure mode; requests a
+         * mode-NONE endpoint left behind are released by the worker below. */
+        uint64_t t0 = now_ms();
+        for (;;) {
+            bool closing = false;
+            if (n->worker) ucx_progress(n);
+            for (uint32_t pi = 0; pi < n->cfg.peers_max; pi++) {
+                peer *p = &n->peers[pi];
+                if (p->state != PS_CLOSING) continue;
+                if (ucp_request_check_status(p->close_req) != UCS_INPROGRESS) {
+                    ucp_request_free(p->close_req);
+                    peer_release(n, p);
+                } else {
+                    closing = true;
+                }
+            }
+            if ((!closing && n->ucx_out == 0) || since(now_ms(), t0) > 1000) break;
+            nanosleep(&(struct timespec){.tv_nsec = 200000}, NULL);
+        }
+        for (uint32_t r = 0; r < n->cfg.rooms_max; r++) n->rooms[r].gen++; /* late completions: ignored */
+        ucx_settle(n, 1000);
+        for (uint32_t r = 0; r < n->cfg.rooms_max; r++) free(n->rooms[r].dest);
+    }
+    for (int r = 0; r < REG_N; r++) {
+        if (n->rkey_buf[r]) ucp_rkey_buffer_release(n->rkey_buf[r]);
+        if (n->memh[r]) ucp_mem_unmap(n->ctx, n->memh[r]);
+    }
+    if (n->waddr) ucp_worker_release_address(n->worker, n->waddr);
+    if (n->worker) ucp_worker_destroy(n->worker);
+    if (n->ctx) ucp_cleanup(n->ctx);
+    if (n->listen_fd >= 0) close(n->listen_fd);
+    if (n->wake_rd >= 0) close(n->wake_rd);
+    if (n->wake_wr >= 0) close(n->wake_wr);
+    if (n->rooms) pthread_mutex_destroy(&n->mu);
+    free(n->rooms);
+    free(n->room_ht);
+    free(n->room_free);
+    free(n->peers);
+    free(n->stages);
+    free(n->dirty);
+    free(n->pfd);
+    free(n->pfd_peer);
+    free(n);
+}

@@ -1,0 +1,643 @@
+/* pd_net end to end: a prefill node and a decode node in one process talk
+ * over 127.0.0.1 (bootstrap on a free port) and UCX (UCX_TLS from ctest: shm
+ * or tcp). Every test checks outcomes a broken transport would get wrong:
+ * the bytes in the decode node's memory, the statuses both engines see,
+ * and drained() — never true while a write may still land, always true
+ * eventually. */
+#include "net_fixture.h"
+
+#define MAX_PAGES 64
+
+typedef struct spec {
+    uint64_t room;
+    uint32_t prompt, cached;
+    uint32_t n;                    /* pages sent: ceil(prompt/ps) - cached/ps */
+    uint32_t src[MAX_PAGES], dst[MAX_PAGES];
+    uint32_t src_mamba, dst_mamba; /* PD_POOL_NONE without Mamba */
+    uint32_t src_meta, dst_meta;
+} spec;
+
+static void spec_init(spec *s, const pair *w, uint64_t room, uint32_t prompt, uint32_t cached) {
+    memset(s, 0, sizeof(*s));
+    s->room = room;
+    s->prompt = prompt;
+    s->cached = cached;
+    uint32_t ps = w->o.page_size;
+    s->n = PD_DIV_CEIL(prompt, ps) - cached / ps;
+    assert_true(s->n <= MAX_PAGES);
+    s->src_mamba = s->dst_mamba = w->o.mamba_slots ? 0 : PD_POOL_NONE;
+}
+
+static void receiver_open(pair *w, const spec *s) {
+    pd_xfer_dest d = {.prompt_tokens = s->prompt, .cached_tokens = s->cached, .pages = s->dst, .n_pages = s->n,
+                      .mamba_slot = s->dst_mamba, .meta_row = s->dst_meta};
+    assert_ok(w->dx.vt->receiver_open(w->dx.self, s->room, w->peer, &d));
+}
+
+static void open_both(pair *w, const spec *s) {
+    receiver_open(w, s);
+    assert_ok(w->px.vt->sender_open(w->px.self, s->room));
+}
+
+static void wait_bootstrapped(pair *w, const spec *s) {
+    WAIT_FOR(st_of(w->px, s->room) == PD_XFER_WAITING_FOR_INPUT);
+    assert_int_equal(w->px.vt->sender_peer_cached(w->px.self, s->room), s->cached);
+    WAIT_FOR(st_of(w->dx, s->room) == PD_XFER_WAITING_FOR_INPUT);
+}
+
+/* Middle sends of `chunk` pages each, then the final send. */
+static void send_all(pair *w, const spec *s, uint32_t chunk) {
+    uint32_t base = s->cached / w->o.page_size, done = 0;
+    while (chunk && s->n - done > chunk) {
+        assert_ok(w->px.vt->send_pages(w->px.self, s->room, base + done, s->src + done, chunk));
+        done += chunk;
+    }
+    assert_ok(w->px.vt->send_final(w->px.self, s->room, base + done, s->src + done, s->n - done, s->src_mamba,
+                                   s->src_meta));
+}
+
+static void check_landed(const pair *w, const spec *s) {
+    for (uint32_t i = 0; i < s->n; i++)
+        if (!unit_equal(w, 0, s->src[i], s->dst[i]))
+            fail_msg("room %llu: page %u (src %u -> dst %u) differs", (unsigned long long)s->room, i, s->src[i],
+                     s->dst[i]);
+    if (s->dst_mamba != PD_POOL_NONE) assert_true(unit_equal(w, 1, s->src_mamba, s->dst_mamba));
+    assert_true(unit_equal(w, 2, s->src_meta, s->dst_meta));
+}
+
+static void finish_both(pair *w, const spec *s) {
+    WAIT_FOR(drained_of(w->px, s->room));
+    WAIT_FOR(drained_of(w->dx, s->room));
+    w->px.vt->close(w->px.self, s->room);
+    w->dx.vt->close(w->dx.self, s->room);
+}
+
+static void wait_no_rooms(pair *w) {
+    WAIT_FOR(pd_net_rooms_live(w->pre) == 0);
+    WAIT_FOR(pd_net_rooms_live(w->dec) == 0);
+}
+
+/* ---- success paths ------------------------------------------------------------ */
+
+static void room_success_data_lands(void **state) {
+    (void)state;
+    pair_opts o = pair_defaults();
+    pair *w = pair_new(&o);
+    spec s;
+    spec_init(&s, w, 0xABCDEF0123ull, 37, 0); /* 10 pages, the last one partial */
+    const uint32_t src[] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9};
+    const uint32_t dst[] = {5, 6, 7, 20, 21, 9, 10, 11, 30, 2};
+    memcpy(s.src, src, sizeof(src));
+    memcpy(s.dst, dst, sizeof(dst));
+    s.src_mamba = 1;
+    s.dst_mamba = 2;
+    s.src_meta = 3;
+    s.dst_meta = 5;
+    open_both(w, &s);
+    assert_int_equal(st_of(w->dx, s.room), PD_XFER_BOOTSTRAPPING);
+    wait_bootstrapped(w, &s);
+    send_all(w, &s, 4);
+    pd_xfer_status pst = st_of(w->px, s.room);
+    assert_true(pst == PD_XFER_TRANSFERRING || pst == PD_XFER_SUCCESS);
+    WAIT_FOR(st_of(w->dx, s.room) == PD_XFER_SUCCESS);
+    check_landed(w, &s);
+    WAIT_FOR(st_of(w->px, s.room) == PD_XFER_SUCCESS);
+    /* Nothing else was written: every page outside the destination, every
+     * other slot and row still holds the sentinel. */
+    for (uint32_t p = 0; p < o.kv_pages; p++) {
+        bool is_dst = false;
+        for (uint32_t i = 0; i < s.n; i++) is_dst |= s.dst[i] == p;
+        if (!is_dst) assert_true(unit_untouched(w, 0, p));
+    }
+    assert_true(unit_untouched(w, 1, 0) && unit_untouched(w, 1, 1) && unit_untouched(w, 1, 3));
+    assert_true(unit_untouched(w, 2, 4) && unit_untouched(w, 2, 6));
+    assert_true(drained_of(w->px, s.room));
+    assert_true(drained_of(w->dx, s.room));
+    finish_both(w, &s);
+    /* Coalescing: pages [0,4) -> {5,6,7,20} is 2 runs; [4,10) -> {21,9,10,11,30,2}
+     * is 4 runs; plus the Mamba slot and the metadata row. */
+    pd_net_stats ps = stats_of(w->pre), ds = stats_of(w->dec);
+    assert_int_equal(ps.writes_posted, 8);
+    uint64_t bytes = 10 * o.kv_page_bytes + o.mamba_slot_bytes + sizeof(pd_meta_row);
+    assert_int_equal(ps.bytes_sent, bytes);
+    assert_int_equal(ds.bytes_received, bytes);
+    assert_int_equal(ps.rooms_succeeded, 1);
+    assert_int_equal(ds.rooms_succeeded, 1);
+    assert_int_equal(ps.rooms_failed + ds.rooms_failed, 0);
+    assert_int_equal(ps.bad_messages + ds.bad_messages, 0);
+    assert_int_equal(ps.peers_connected, 1);
+    wait_no_rooms(w);
+    pair_free(w);
+}
+
+static void sender_open_before_or_after_destination(void **state) {
+    (void)state;
+    pair_opts o = pair_defaults();
+    o.mamba_slots = 0; /* an attention-only model */
+    pair *w = pair_new(&o);
+    spec a, b;
+    spec_init(&a, w, 1, 8, 0);
+    spec_init(&b, w, 2, 9, 0);
+    for (uint32_t i = 0; i < 3; i++) {
+        a.src[i] = 10 + i, a.dst[i] = 40 + i;
+        b.src[i] = 20 + i, b.dst[i] = 50 + i;
+    }
+    a.src_meta = 1, a.dst_meta = 1, b.src_meta = 2, b.dst_meta = 2;
+    /* a: the prefill opens first and waits for the destination. */
+    assert_ok(w->px.vt->sender_open(w->px.self, a.room));
+    assert_int_equal(st_of(w->px, a.room), PD_XFER_BOOTSTRAPPING);
+    receiver_open(w, &a);
+    wait_bootstrapped(w, &a);
+    /* b: the destination arrives before the prefill knows the request. */
+    receiver_open(w, &b);
+    WAIT_FOR(st_of(w->dx, b.room) == PD_XFER_WAITING_FOR_INPUT);
+    assert_int_equal(st_of(w->px, b.room), PD_XFER_NONE);
+    assert_ok(w->px.vt->sender_open(w->px.self, b.room));
+    assert_int_equal(st_of(w->px, b.room), PD_XFER_WAITING_FOR_INPUT);
+    assert_err(w->px.vt->sender_open(w->px.self, b.room), PD_ERR_EXISTS);
+    send_all(w, &b, 0);
+    send_all(w, &a, 1);
+    WAIT_FOR(st_of(w->dx, a.room) == PD_XFER_SUCCESS && st_of(w->dx, b.room) == PD_XFER_SUCCESS);
+    check_landed(w, &a);
+    check_landed(w, &b);
+    finish_both(w, &a);
+    finish_both(w, &b);
+    wait_no_rooms(w);
+    pair_free(w);
+}
+
+static void cached_prefix_only_later_pages_sent(void **state) {
+    (void)state;
+    pair_opts o = pair_defaults();
+    pair *w = pair_new(&o);
+    spec s;
+    spec_init(&s, w, 77, 40, 16); /* pages [4, 10) go; [0, 4) the decode has */
+    assert_int_equal(s.n, 6);
+    for (uint32_t i = 0; i < s.n; i++) s.src[i] = 100 + i, s.dst[i] = 60 + 2 * i;
+    s.src_meta = 7, s.dst_meta = 8;
+    open_both(w, &s);
+    wait_bootstrapped(w, &s);
+    /* Pages before the decode's cached prefix are not part of the room. */
+    assert_err(w->px.vt->send_pages(w->px.self, s.room, 3, s.src, 1), PD_ERR_INVALID);
+    assert_err(w->px.vt->send_pages(w->px.self, s.room, 4, s.src, 7), PD_ERR_INVALID);
+    send_all(w, &s, 2);
+    WAIT_FOR(st_of(w->dx, s.room) == PD_XFER_SUCCESS);
+    check_landed(w, &s);
+    assert_int_equal(stats_of(w->pre).bytes_sent, 6 * o.kv_page_bytes + o.mamba_slot_bytes + sizeof(pd_meta_row));
+    finish_both(w, &s);
+
+    /* Fully cached on the decode side: only the state and the row travel. */
+    spec f;
+    spec_init(&f, w, 78, 16, 16);
+    assert_int_equal(f.n, 0);
+    f.src_mamba = 2, f.dst_mamba = 3, f.src_meta = 9, f.dst_meta = 10;
+    open_both(w, &f);
+    wait_bootstrapped(w, &f);
+    assert_ok(w->px.vt->send_final(w->px.self, f.room, 4, NULL, 0, f.src_mamba, f.src_meta));
+    WAIT_FOR(st_of(w->dx, f.room) == PD_XFER_SUCCESS);
+    check_landed(w, &f);
+    finish_both(w, &f);
+    wait_no_rooms(w);
+    pair_free(w);
+}
+
+/* ---- aborts --------------------------------------------------------------------- */
+
+static void sender_abort_fails_receiver_both_drain(void **state) {
+    (void)state;
+    pair_opts o = pair_defaults();
+    pair *w = pair_new(&o);
+    spec s;
+    spec_init(&s, w, 5, 64, 0);
+    for (uint32_t i = 0; i < s.n; i++) s.src[i] = i, s.dst[i] = 100 + i;
+    open_both(w, &s);
+    wait_bootstrapped(w, &s);
+    assert_ok(w->px.vt->send_pages(w->px.self, s.room, 0, s.src, 8));
+    assert_ok(w->px.vt->abort(w->px.self, s.room));
+    /* Aborted: no more sends accepted. */
+    assert_err(w->px.vt->send_final(w->px.self, s.room, 8, s.src + 8, 8, 0, 0), PD_ERR_STATE);
+    WAIT_FOR(st_of(w->dx, s.room) == PD_XFER_FAILED);
+    WAIT_FOR(drained_of(w->px, s.room));
+    assert_true(drained_of(w->dx, s.room)); /* the ABORT came after the writes */
+    /* The final pages were never written. */
+    for (uint32_t i = 8; i < s.n; i++) assert_true(unit_untouched(w, 0, s.dst[i]));
+    assert_true(unit_untouched(w, 2, s.dst_meta));
+    finish_both(w, &s);
+    assert_int_equal(stats_of(w->dec).rooms_failed, 1);
+    wait_no_rooms(w);
+    pair_free(w);
+}
+
+static void sender_abort_before_destination_fails_late_receiver(void **state) {
+    (void)state;
+    pair_opts o = pair_defaults();
+    pair *w = pair_new(&o);
+    spec s;
+    spec_init(&s, w, 6, 8, 0);
+    s.dst[0] = 1, s.dst[1] = 2;
+    assert_ok(w->px.vt->sender_open(w->px.self, s.room));
+    assert_ok(w->px.vt->abort(w->px.self, s.room));
+    assert_true(drained_of(w->px, s.room));
+    w->px.vt->close(w->px.self, s.room);
+    /* The decode half arrives late: it is told at once, not left to time out. */
+    receiver_open(w, &s);
+    WAIT_FOR(st_of(w->dx, s.room) == PD_XFER_FAILED);
+    WAIT_FOR(drained_of(w->dx, s.room));
+    w->dx.vt->close(w->dx.self, s.room);
+    wait_no_rooms(w);
+    pair_free(w);
+}
+
+static void receiver_abort_drains_only_after_sender_stops(void **state) {
+    (void)state;
+    pair_opts o = pair_defaults();
+    pair *w = pair_new(&o);
+    spec s;
+    spec_init(&s, w, 7, 40, 0);
+    for (uint32_t i = 0; i < s.n; i++) s.src[i] = 2 * i, s.dst[i] = 3 * i;
+    open_both(w, &s);
+    wait_bootstrapped(w, &s);
+    assert_ok(w->px.vt->send_pages(w->px.self, s.room, 0, s.src, 6));
+    /* The prefill's acknowledgement is held back: until it arrives the
+     * decode side must not call the room drained, even though the prefill
+     * has already failed the room. */
+    pd_net_set_fault(w->pre, PD_NET_FAULT_HOLD_NOTICES, true);
+    assert_ok(w->dx.vt->abort(w->dx.self, s.room));
+    WAIT_FOR(st_of(w->px, s.room) == PD_XFER_FAILED);
+    assert_false(drained_of(w->dx, s.room));
+    assert_err(w->px.vt->send_final(w->px.self, s.room, 6, s.src + 6, 4, 0, 0), PD_ERR_STATE);
+    WAIT_FOR(drained_of(w->px, s.room));
+    assert_false(drained_of(w->dx, s.room));
+    pd_net_set_fault(w->pre, PD_NET_FAULT_HOLD_NOTICES, false);
+    WAIT_FOR(drained_of(w->dx, s.room));
+    assert_true(unit_untouched(w, 2, s.dst_meta));
+    finish_both(w, &s);
+    wait_no_rooms(w);
+    pair_free(w);
+}
+
+static void unreachable_prefill_fails_and_drains_at_once(void **state) {
+    (void)state;
+    pair_opts o = pair_defaults();
+    pair *w = pair_new(&o);
+    /* Nobody listens on this port: the destination never leaves the node. */
+    char dead_peer[64];
+    pd_net_config c = node_config(&o, PD_NET_PREFILL);
+    char msg[128];
+    pd_net *tmp;
+    assert_ok(pd_net_create(&tmp, &c, msg, sizeof(msg)));
+    snprintf(dead_peer, sizeof(dead_peer), "127.0.0.1:%u", pd_net_bootstrap_port(tmp));
+    pd_net_destroy(tmp); /* the port is free (and refuses connections) now */
+    uint32_t dst[2] = {1, 2};
+    pd_xfer_dest d = {.prompt_tokens = 5, .pages = dst, .n_pages = 2, .mamba_slot = 0, .meta_row = 0};
+    assert_ok(w->dx.vt->receiver_open(w->dx.self, 9, dead_peer, &d));
+    WAIT_FOR(st_of(w->dx, 9) == PD_XFER_FAILED);
+    assert_true(drained_of(w->dx, 9));
+    w->dx.vt->close(w->dx.self, 9);
+    wait_no_rooms(w);
+    pair_free(w);
+}
+
+static void abort_error_still_drains(void **state) {
+    (void)state;
+    pair_opts o = pair_defaults();
+    pair *w = pair_new(&o);
+    /* Sender side: abort reports an error, its notice goes out late. */
+    spec s;
+    spec_init(&s, w, 11, 24, 0);
+    for (uint32_t i = 0; i < s.n; i++) s.src[i] = i, s.dst[i] = 200 + i;
+    open_both(w, &s);
+    wait_bootstrapped(w, &s);
+    assert_ok(w->px.vt->send_pages(w->px.self, s.room, 0, s.src, 3));
+    pd_net_set_fault(w->pre, PD_NET_FAULT_ABORT_ERROR, true);
+    assert_err(w->px.vt->abort(w->px.self, s.room), PD_ERR_IO);
+    pd_net_set_fault(w->pre, PD_NET_FAULT_ABORT_ERROR, false);
+    WAIT_FOR(drained_of(w->px, s.room));
+    WAIT_FOR(st_of(w->dx, s.room) == PD_XFER_FAILED);
+    WAIT_FOR(drained_of(w->dx, s.room));
+    finish_both(w, &s);
+
+    /* Receiver side. */
+    spec r;
+    spec_init(&r, w, 12, 24, 0);
+    for (uint32_t i = 0; i < r.n; i++) r.src[i] = i, r.dst[i] = 210 + i;
+    open_both(w, &r);
+    wait_bootstrapped(w, &r);
+    assert_ok(w->px.vt->send_pages(w->px.self, r.room, 0, r.src, 3));
+    pd_net_set_fault(w->dec, PD_NET_FAULT_ABORT_ERROR, true);
+    assert_err(w->dx.vt->abort(w->dx.self, r.room), PD_ERR_IO);
+    pd_net_set_fault(w->dec, PD_NET_FAULT_ABORT_ERROR, false);
+    WAIT_FOR(st_of(w->px, r.room) == PD_XFER_FAILED);
+    WAIT_FOR(drained_of(w->dx, r.room));
+    finish_both(w, &r);
+    wait_no_rooms(w);
+    pair_free(w);
+}
+
+/* ---- peer death ------------------------------------------------------------------- */
+
+static void decode_death_fails_and_drains_prefill_rooms(void **state) {
+    (void)state;
+    pair_opts o = pair_defaults();
+    o.kv_page_bytes = 16384; /* enough data that some writes are still in flight */
+    o.kv_pages = 128;
+    pair *w = pair_new(&o);
+    spec s[4];
+    for (int k = 0; k < 4; k++) {
+        spec_init(&s[k], w, 300 + (uint64_t)k, 120, 0); /* 30 pages */
+        for (uint32_t i = 0; i < s[k].n; i++) s[k].src[i] = i, s[k].dst[i] = (uint32_t)k * 30 + i;
+        s[k].dst_meta = s[k].src_meta = (uint32_t)k;
+        open_both(w, &s[k]);
+    }
+    for (int k = 0; k < 4; k++) wait_bootstrapped(w, &s[k]);
+    for (int k = 0; k < 3; k++) assert_ok(w->px.vt->send_pages(w->px.self, s[k].room, 0, s[k].src, 20));
+    pd_net_destroy(w->dec);
+    w->dec = NULL;
+    for (int k = 0; k < 4; k++) {
+        WAIT_FOR(st_of(w->px, s[k].room) == PD_XFER_FAILED);
+        WAIT_FOR(drained_of(w->px, s[k].room));
+        assert_err(w->px.vt->send_pages(w->px.self, s[k].room, 20, s[k].src + 20, 1), PD_ERR_STATE);
+        w->px.vt->close(w->px.self, s[k].room);
+    }
+    assert_int_equal(stats_of(w->pre).peers_lost, 1);
+    WAIT_FOR(pd_net_rooms_live(w->pre) == 0);
+    /* The prefill node keeps serving: a new decode node completes a room. */
+    pair_new_decode(w);
+    spec ok;
+    spec_init(&ok, w, 400, 12, 0);
+    for (uint32_t i = 0; i < ok.n; i++) ok.src[i] = 50 + i, ok.dst[i] = 60 + i;
+    open_both(w, &ok);
+    wait_bootstrapped(w, &ok);
+    send_all(w, &ok, 1);
+    WAIT_FOR(st_of(w->dx, ok.room) == PD_XFER_SUCCESS);
+    check_landed(w, &ok);
+    finish_both(w, &ok);
+    wait_no_rooms(w);
+    pair_free(w);
+}
+
+static void prefill_death_fails_and_drains_decode_rooms(void **state) {
+    (void)state;
+    pair_opts o = pair_defaults();
+    o.drain_grace_ms = 200;
+    pair *w = pair_new(&o);
+    spec s[3];
+    for (int k = 0; k < 3; k++) {
+        spec_init(&s[k], w, 500 + (uint64_t)k, 16, 0);
+        for (uint32_t i = 0; i < s[k].n; i++) s[k].src[i] = i, s[k].dst[i] = (uint32_t)k * 4 + i;
+        s[k].dst_meta = (uint32_t)k;
+        open_both(w, &s[k]);
+    }
+    for (int k = 0; k < 3; k++) wait_bootstrapped(w, &s[k]);
+    assert_ok(w->px.vt->send_pages(w->px.self, s[0].room, 0, s[0].src, 2));
+    uint64_t t0 = t_now_ms();
+    pd_net_destroy(w->pre);
+    w->pre = NULL;
+    for (int k = 0; k < 3; k++) {
+        WAIT_FOR(st_of(w->dx, s[k].room) == PD_XFER_FAILED);
+        WAIT_FOR(drained_of(w->dx, s[k].room));
+        w->dx.vt->close(w->dx.self, s[k].room);
+    }
+    /* Drained no earlier than the grace after the loss was noticed. */
+    assert_true(t_now_ms() - t0 >= o.drain_grace_ms);
+    assert_int_equal(stats_of(w->dec).peers_lost, 1);
+    WAIT_FOR(pd_net_rooms_live(w->dec) == 0);
+    pair_free(w);
+}
+
+/* ---- concurrency and ordering ------------------------------------------------------ */
+
+static void shuffle(uint32_t *v, uint32_t n, pd_rng *rng) {
+    for (uint32_t i = n; i > 1; i--) {
+        uint32_t j = (uint32_t)pd_rng_below(rng, i);
+        uint32_t t = v[i - 1];
+        v[i - 1] = v[j];
+        v[j] = t;
+    }
+}
+
+static void many_rooms_concurrently(void **state) {
+    (void)state;
+    enum { ROOMS = 96 };
+    pair_opts o = pair_defaults();
+    o.rooms_max = 128;
+    o.kv_pages = 2048;
+    o.mamba_slots = ROOMS;
+    o.meta_rows = ROOMS;
+    pair *w = pair_new(&o);
+    pd_rng rng;
+    pd_rng_seed(&rng, test_seed(42));
+    /* Scattered destinations come from a shuffled [0, 1500), contiguous ones
+     * from [1500, 2048). */
+    static uint32_t free_pages[1500];
+    for (uint32_t i = 0; i < 1500; i++) free_pages[i] = i;
+    shuffle(free_pages, 1500, &rng);
+    /* Some rooms get contiguous destinations (one put), most scattered ones. */
+    static spec s[ROOMS];
+    uint32_t next = 0;
+    for (int k = 0; k < ROOMS; k++) {
+        uint32_t prompt = 1 + (uint32_t)pd_rng_below(&rng, 40);
+        uint32_t cached = (uint32_t)pd_rng_below(&rng, 3) == 0 ? (prompt / 8) * 4 : 0;
+        spec_init(&s[k], w, 0x1000 + (uint64_t)k * 7919, prompt, cached);
+        uint32_t first_src = (uint32_t)pd_rng_below(&rng, o.kv_pages - s[k].n);
+        for (uint32_t i = 0; i < s[k].n; i++) {
+            s[k].src[i] = first_src + i;
+            s[k].dst[i] = k % 4 == 0 ? 1500 + (uint32_t)k / 4 * 10 + i : free_pages[next++];
+        }
+        s[k].src_mamba = (uint32_t)k % 8;
+        s[k].dst_mamba = (uint32_t)k;
+        s[k].src_meta = (uint32_t)(ROOMS - 1 - k);
+        s[k].dst_meta = (uint32_t)k;
+    }
+    assert_true(next <= 1500);
+    for (int k = 0; k < ROOMS; k++) {
+        if (k % 2) receiver_open(w, &s[k]);
+        assert_ok(w->px.vt->sender_open(w->px.self, s[k].room));
+        if (!(k % 2)) receiver_open(w, &s[k]);
+    }
+    bool sent[ROOMS] = {0};
+    int sent_n = 0;
+    while (sent_n < ROOMS) {
+        for (int k = 0; k < ROOMS; k++) {
+            if (sent[k] || st_of(w->px, s[k].room) != PD_XFER_WAITING_FOR_INPUT) continue;
+            send_all(w, &s[k], 1 + (uint32_t)k % 3);
+            sent[k] = true;
+            sent_n++;
+        }
+        t_sleep_ms(1);
+    }
+    for (int k = 0; k < ROOMS; k++) WAIT_FOR(st_of(w->dx, s[k].room) == PD_XFER_SUCCESS);
+    for (int k = 0; k < ROOMS; k++) {
+        check_landed(w, &s[k]);
+        WAIT_FOR(st_of(w->px, s[k].room) == PD_XFER_SUCCESS);
+        finish_both(w, &s[k]);
+    }
+    pd_net_stats ps = stats_of(w->pre), ds = stats_of(w->dec);
+    assert_int_equal(ps.rooms_succeeded, ROOMS);
+    assert_int_equal(ds.rooms_succeeded, ROOMS);
+    assert_int_equal(ps.bytes_sent, ds.bytes_received);
+    assert_int_equal(ps.peers_connected, 1); /* one connection carries every room */
+    wait_no_rooms(w);
+    pair_free(w);
+}
+
+/* The completion notice must never overtake the data. Two checks: (1) with
+ * the notices held, every write completes and the decode side still does not
+ * report SUCCESS; (2) the moment a room reports SUCCESS its bytes are all
+ * there, checked before anything else happens, for many large rooms. */
+static void completion_never_before_data(void **state) {
+    (void)state;
+    enum { ROOMS = 12, PAGES = 24 };
+    pair_opts o = pair_defaults();
+    o.kv_page_bytes = 32768;
+    o.kv_pages = ROOMS * PAGES + 8;
+    o.mamba_slot_bytes = 65536;
+    o.mamba_slots = ROOMS;
+    pair *w = pair_new(&o);
+    static spec s[ROOMS];
+    for (int k = 0; k < ROOMS; k++) {
+        spec_init(&s[k], w, 900 + (uint64_t)k, PAGES * o.page_size, 0);
+        for (uint32_t i = 0; i < PAGES; i++) {
+            s[k].src[i] = (uint32_t)((k * 5 + (int)i) % (int)o.kv_pages);
+            s[k].dst[i] = (uint32_t)k * PAGES + (PAGES - 1 - i); /* reversed: one put per page */
+        }
+        s[k].src_mamba = s[k].dst_mamba = (uint32_t)k;
+        s[k].src_meta = s[k].dst_meta = (uint32_t)k;
+        open_both(w, &s[k]);
+    }
+    for (int k = 0; k < ROOMS; k++) wait_bootstrapped(w, &s[k]);
+
+    /* (1) Held notices: the data lands, SUCCESS does not come. */
+    pd_net_set_fault(w->pre, PD_NET_FAULT_HOLD_NOTICES, true);
+    send_all(w, &s[0], 0);
+    WAIT_FOR(drained_of(w->px, s[0].room) && stats_of(w->pre).writes_posted == PAGES + 2);
+    assert_int_not_equal(st_of(w->dx, s[0].room), PD_XFER_SUCCESS);
+    assert_int_not_equal(st_of(w->px, s[0].room), PD_XFER_SUCCESS);
+    pd_net_set_fault(w->pre, PD_NET_FAULT_HOLD_NOTICES, false);
+    WAIT_FOR(st_of(w->dx, s[0].room) == PD_XFER_SUCCESS);
+    check_landed(w, &s[0]);
+
+    /* (2) SUCCESS observed first, bytes checked right then. */
+    for (int k = 1; k < ROOMS; k++) send_all(w, &s[k], 5);
+    bool seen[ROOMS] = {true};
+    int left = ROOMS - 1;
+    uint64_t t0 = t_now_ms();
+    while (left > 0) {
+        for (int k = 1; k < ROOMS; k++) {
+            if (seen[k] || st_of(w->dx, s[k].room) != PD_XFER_SUCCESS) continue;
+            check_landed(w, &s[k]);
+            seen[k] = true;
+            left--;
+        }
+        if (t_now_ms() - t0 > DEADLINE_MS) fail_msg("rooms did not complete");
+    }
+    for (int k = 0; k < ROOMS; k++) finish_both(w, &s[k]);
+    wait_no_rooms(w);
+    pair_free(w);
+}
+
+/* ---- the vtable's edges -------------------------------------------------------------- */
+
+static void bad_calls_are_refused(void **state) {
+    (void)state;
+    pair_opts o = pair_defaults();
+    o.rooms_max = 4;
+    pair *w = pair_new(&o);
+    uint32_t dst[3] = {1, 2, 3};
+    pd_xfer_dest d = {.prompt_tokens = 10, .pages = dst, .n_pages = 3, .mamba_slot = 0, .meta_row = 0};
+    /* Inconsistent destinations. */
+    pd_xfer_dest bad = d;
+    bad.n_pages = 2;
+    assert_err(w->dx.vt->receiver_open(w->dx.self, 1, w->peer, &bad), PD_ERR_INVALID);
+    bad = d;
+    bad.cached_tokens = 3;
+    assert_err(w->dx.vt->receiver_open(w->dx.self, 1, w->peer, &bad), PD_ERR_INVALID);
+    uint32_t far[3] = {1, 2, 999};
+    bad = d;
+    bad.pages = far;
+    assert_err(w->dx.vt->receiver_open(w->dx.self, 1, w->peer, &bad), PD_ERR_INVALID);
+    assert_err(w->dx.vt->receiver_open(w->dx.self, 1, "no-port-here", &d), PD_ERR_INVALID);
+    assert_err(w->dx.vt->receiver_open(w->dx.self, 1, "127.0.0.1:99999", &d), PD_ERR_INVALID);
+    /* Roles. */
+    assert_err(w->dx.vt->sender_open(w->dx.self, 1), PD_ERR_STATE);
+    assert_err(w->px.vt->receiver_open(w->px.self, 1, w->peer, &d), PD_ERR_STATE);
+    /* Sends before bootstrap, unknown rooms, duplicates. */
+    assert_ok(w->px.vt->sender_open(w->px.self, 1));
+    uint32_t src[3] = {0, 1, 2};
+    assert_err(w->px.vt->send_pages(w->px.self, 1, 0, src, 3), PD_ERR_STATE);
+    assert_err(w->px.vt->send_pages(w->px.self, 42, 0, src, 3), PD_ERR_NOTFOUND);
+    assert_ok(w->dx.vt->receiver_open(w->dx.self, 1, w->peer, &d));
+    assert_err(w->dx.vt->receiver_open(w->dx.self, 1, w->peer, &d), PD_ERR_EXISTS);
+    WAIT_FOR(st_of(w->px, 1) == PD_XFER_WAITING_FOR_INPUT);
+    uint32_t big[3] = {0, 1, 5000};
+    assert_err(w->px.vt->send_pages(w->px.self, 1, 0, big, 3), PD_ERR_INVALID);
+    assert_err(w->px.vt->send_final(w->px.self, 1, 0, src, 2, 0, 0), PD_ERR_INVALID);          /* short */
+    assert_err(w->px.vt->send_final(w->px.self, 1, 0, src, 3, PD_POOL_NONE, 0), PD_ERR_INVALID); /* no state */
+    assert_err(w->px.vt->send_final(w->px.self, 1, 0, src, 3, 0, 999), PD_ERR_INVALID);        /* bad row */
+    assert_ok(w->px.vt->send_final(w->px.self, 1, 0, src, 3, 0, 0));
+    assert_err(w->px.vt->send_final(w->px.self, 1, 0, src, 3, 0, 0), PD_ERR_STATE);
+    WAIT_FOR(st_of(w->dx, 1) == PD_XFER_SUCCESS);
+    /* The table is bounded by rooms_max. */
+    for (uint64_t r = 2; r <= 4; r++) assert_ok(w->px.vt->sender_open(w->px.self, r));
+    assert_err(w->px.vt->sender_open(w->px.self, 5), PD_ERR_NOMEM);
+    /* Unknown rooms: no status, nothing to drain, abort is a no-op. */
+    assert_int_equal(st_of(w->px, 99), PD_XFER_NONE);
+    assert_true(drained_of(w->px, 99));
+    assert_ok(w->px.vt->abort(w->px.self, 99));
+    for (uint64_t r = 2; r <= 4; r++) {
+        assert_ok(w->px.vt->abort(w->px.self, r));
+        assert_true(drained_of(w->px, r));
+        w->px.vt->close(w->px.self, r);
+    }
+    WAIT_FOR(drained_of(w->px, 1) && drained_of(w->dx, 1));
+    w->px.vt->close(w->px.self, 1);
+    w->dx.vt->close(w->dx.self, 1);
+    pair_free(w);
+}
+
+static void create_refuses_bad_config(void **state) {
+    (void)state;
+    pd_net_config c;
+    pd_net_config_default(&c, PD_NET_PREFILL);
+    c.listen_host = "127.0.0.1";
+    c.bootstrap_port = 0;
+    char msg[256];
+    pd_net *n = NULL;
+    c.page_size = 0;
+    assert_err(pd_net_create(&n, &c, msg, sizeof(msg)), PD_ERR_INVALID);
+    c.page_size = 16;
+    c.heartbeat_ms = 500;
+    c.dead_after_ms = 400;
+    assert_err(pd_net_create(&n, &c, msg, sizeof(msg)), PD_ERR_INVALID);
+    assert_non_null(strstr(msg, "dead_after_ms"));
+    c.dead_after_ms = 5000;
+    c.listen_host = "not an address";
+    assert_int_not_equal(pd_net_create(&n, &c, msg, sizeof(msg)), PD_OK);
+    c.listen_host = "127.0.0.1";
+    assert_ok(pd_net_create(&n, &c, msg, sizeof(msg)));
+    assert_int_not_equal(pd_net_bootstrap_port(n), 0);
+    /* start before register is refused */
+    assert_err(pd_net_start(n, msg, sizeof(msg)), PD_ERR_STATE);
+    pd_net_destroy(n);
+}
+
+int main(void) {
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(room_success_data_lands),
+        cmocka_unit_test(sender_open_before_or_after_destination),
+        cmocka_unit_test(cached_prefix_only_later_pages_sent),
+        cmocka_unit_test(sender_abort_fails_receiver_both_drain),
+        cmocka_unit_test(sender_abort_before_destination_fails_late_receiver),
+        cmocka_unit_test(receiver_abort_drains_only_after_sender_stops),
+        cmocka_unit_test(unreachable_prefill_fails_and_drains_at_once),
+        cmocka_unit_test(abort_error_still_drains),
+        cmocka_unit_test(decode_death_fails_and_drains_prefill_rooms),
+        cmocka_unit_test(prefill_death_fails_and_drains_decode_rooms),
+        cmocka_unit_test(many_rooms_concurrently),
+        cmocka_unit_test(completion_never_before_data),
+        cmocka_unit_test(bad_calls_are_refused),
+        cmocka_unit_test(create_refuses_bad_config),
+    };
+    if (getenv("PD_TEST_FILTER")) cmocka_set_test_filter(getenv("PD_TEST_FILTER"));
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}

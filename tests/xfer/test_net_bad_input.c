@@ -1,0 +1,573 @@
+/* Hostile or broken peers on the bootstrap channel. A raw TCP client plays a
+ * bad decode node against a real prefill node (garbage, truncated messages,
+ * oversize lengths, a wrong version, missing or wrong tokens, messages out
+ * of turn, destinations that do not fit, rooms that are not its own, a peer
+ * that goes silent); a raw TCP server plays a bad prefill node against a real
+ * decode node. Every case must be refused — an ERROR reply and/or a closed
+ * connection — and counted in bad_messages, and afterwards a well-behaved
+ * decode node still completes a room with the data intact. */
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <sys/time.h>
+#include <unistd.h>
+
+#include <ucp/api/ucp.h>
+
+#include "bootstrap_proto.h"
+#include "net_fixture.h"
+
+#define TOKEN "s3cret"
+
+/* ---- a raw peer ---------------------------------------------------------------- */
+
+static int raw_connect(uint16_t port) {
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    assert_true(fd >= 0);
+    struct sockaddr_in sa = {.sin_family = AF_INET, .sin_port = htons(port), .sin_addr.s_addr = htonl(0x7F000001)};
+    assert_int_equal(connect(fd, (struct sockaddr *)&sa, sizeof(sa)), 0);
+    struct timeval tv = {.tv_sec = 20};
+    setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+    return fd;
+}
+
+static void raw_send(int fd, const void *buf, size_t len) {
+    const uint8_t *p = buf;
+    while (len > 0) {
+        ssize_t w = send(fd, p, len, MSG_NOSIGNAL);
+        if (w <= 0) return; /* the node may already have closed on us */
+        p += w;
+        len -= (size_t)w;
+    }
+}
+
+static bool raw_read_exact(int fd, uint8_t *buf, size_t len) {
+    while (len > 0) {
+        ssize_t r = recv(fd, buf, len, 0);
+        if (r <= 0) return false;
+        buf += r;
+        len -= (size_t)r;
+    }
+    return true;
+}
+
+typedef struct raw_msg {
+    pd_bp_header h;
+    uint8_t payload[PD_BP_HELLO_MAX];
+} raw_msg;
+
+/* Next message other than PING; false on EOF (or a reset, or 20 s silence). */
+static bool raw_read(int fd, raw_msg *m) {
+    for (;;) {
+        uint8_t hdr[PD_BP_HEADER_BYTES];
+        if (!raw_read_exact(fd, hdr, sizeof(hdr))) return false;
+        pd_bp_code code;
+        assert_ok(pd_bp_header_check(hdr, &m->h, &code)); /* the node only sends good frames */
+        assert_true(m->h.length <= sizeof(m->payload));
+        if (!raw_read_exact(fd, m->payload, m->h.length)) return false;
+        if (m->h.type != PD_BP_PING) return true;
+    }
+}
+
+/* The node answers with ERROR(code) and closes the connection. */
+static void expect_refused(int fd, pd_bp_code code, const char *text_part) {
+    raw_msg m;
+    assert_true(raw_read(fd, &m));
+    assert_int_equal(m.h.type, PD_BP_ERROR);
+    pd_bp_error e;
+    assert_ok(pd_bp_error_read(m.payload, m.h.length, &e));
+    assert_int_equal(e.code, code);
+    assert_false(e.has_room);
+    if (text_part) {
+        char text[PD_BP_ERROR_TEXT_MAX + 1];
+        memcpy(text, e.text, e.text_len);
+        text[e.text_len] = 0;
+        if (!strstr(text, text_part)) fail_msg("error text '%s' lacks '%s'", text, text_part);
+    }
+    assert_false(raw_read(fd, &m)); /* then EOF */
+    close(fd);
+}
+
+/* The node answers with a room-level ERROR and keeps the connection. */
+static void expect_room_error(int fd, pd_bp_code code, uint64_t room) {
+    raw_msg m;
+    assert_true(raw_read(fd, &m));
+    assert_int_equal(m.h.type, PD_BP_ERROR);
+    pd_bp_error e;
+    assert_ok(pd_bp_error_read(m.payload, m.h.length, &e));
+    assert_int_equal(e.code, code);
+    assert_true(e.has_room);
+    assert_int_equal(e.room, room);
+}
+
+static void expect_room_msg(int fd, pd_bp_type type, uint64_t room) {
+    raw_msg m;
+    assert_true(raw_read(fd, &m));
+    if (m.h.type != type) fail_msg("got %s, want %s", pd_bp_type_name(m.h.type), pd_bp_type_name(type));
+    uint64_t r, v;
+    assert_ok(pd_bp_room_read(m.payload, m.h.length, &r, &v));
+    assert_int_equal(r, room);
+}
+
+/* ---- a UCX identity for the raw decode peer's HELLO ---------------------------------- */
+
+static struct rogue {
+    ucp_context_h ctx;
+    ucp_worker_h worker;
+    ucp_address_t *addr;
+    size_t addr_len;
+    uint8_t *mem;
+    ucp_mem_h memh;
+    void *rkey;
+    size_t rkey_len;
+} rogue;
+
+static void rogue_init(const pair_opts *o) {
+    ucp_config_t *uc;
+    assert_int_equal(ucp_config_read(NULL, NULL, &uc), UCS_OK);
+    ucp_params_t prm = {.field_mask = UCP_PARAM_FIELD_FEATURES, .features = UCP_FEATURE_RMA};
+    assert_int_equal(ucp_init(&prm, uc, &rogue.ctx), UCS_OK);
+    ucp_config_release(uc);
+    ucp_worker_params_t wp = {.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE, .thread_mode = UCS_THREAD_MODE_SINGLE};
+    assert_int_equal(ucp_worker_create(rogue.ctx, &wp, &rogue.worker), UCS_OK);
+    assert_int_equal(ucp_worker_get_address(rogue.worker, &rogue.addr, &rogue.addr_len), UCS_OK);
+    size_t bytes = o->kv_pages * o->kv_page_bytes + o->mamba_slots * o->mamba_slot_bytes + o->meta_rows * 32;
+    rogue.mem = calloc(1, bytes);
+    ucp_mem_map_params_t mp = {.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH,
+                               .address = rogue.mem, .length = bytes};
+    assert_int_equal(ucp_mem_map(rogue.ctx, &mp, &rogue.memh), UCS_OK);
+    assert_int_equal(ucp_rkey_pack(rogue.ctx, rogue.memh, &rogue.rkey, &rogue.rkey_len), UCS_OK);
+}
+
+static void rogue_fini(void) {
+    ucp_rkey_buffer_release(rogue.rkey);
+    ucp_mem_unmap(rogue.ctx, rogue.memh);
+    ucp_worker_release_address(rogue.worker, rogue.addr);
+    ucp_worker_destroy(rogue.worker);
+    ucp_cleanup(rogue.ctx);
+    free(rogue.mem);
+}
+
+static size_t rogue_hello(uint8_t *buf, size_t cap, const pair_opts *o, const char *token, uint32_t page_size) {
+    pd_bp_hello h = {
+        .node_id = 666, .page_size = page_size, .meta_row_bytes = sizeof(pd_meta_row),
+        .token_len = token ? (uint16_t)strlen(token) : 0, .token = (const uint8_t *)token,
+        .worker_addr_len = (uint16_t)rogue.addr_len, .worker_addr = (const uint8_t *)rogue.addr,
+    };
+    uint64_t base = (uint64_t)(uintptr_t)rogue.mem;
+    size_t kv = o->kv_pages * o->kv_page_bytes, mb = o->mamba_slots * o->mamba_slot_bytes;
+    h.region[0] = (pd_bp_region){base, o->kv_page_bytes, o->kv_pages, (uint16_t)rogue.rkey_len, rogue.rkey};
+    h.region[1] = (pd_bp_region){base + kv, o->mamba_slot_bytes, o->mamba_slots, (uint16_t)rogue.rkey_len, rogue.rkey};
+    h.region[2] = (pd_bp_region){base + kv + mb, sizeof(pd_meta_row), o->meta_rows, (uint16_t)rogue.rkey_len, rogue.rkey};
+    size_t len = pd_bp_hello_write(buf, cap, &h);
+    assert_true(len > 0);
+    return len;
+}
+
+/* A raw decode peer that completed the handshake. */
+static int rogue_connected(pair *w) {
+    static uint8_t buf[PD_BP_HEADER_BYTES + PD_BP_HELLO_MAX];
+    int fd = raw_connect(pd_net_bootstrap_port(w->pre));
+    raw_send(fd, buf, rogue_hello(buf, sizeof(buf), &w->o, TOKEN, w->o.page_size));
+    raw_msg m;
+    assert_true(raw_read(fd, &m));
+    assert_int_equal(m.h.type, PD_BP_HELLO_OK);
+    return fd;
+}
+
+static void send_dest(int fd, uint64_t room, uint32_t prompt, uint32_t cached, uint32_t mamba, uint32_t meta,
+                      const uint32_t *pages, uint32_t n) {
+    static uint8_t buf[PD_BP_HEADER_BYTES + PD_BP_DEST_FIXED + 4 * 256];
+    size_t len = pd_bp_dest_write(buf, sizeof(buf), room, prompt, cached, mamba, meta, pages, n);
+    assert_true(len > 0);
+    raw_send(fd, buf, len);
+}
+
+/* ---- the well-behaved decode node, afterwards ------------------------------------------ */
+
+static void valid_decode_still_completes_a_room(pair *w, uint64_t room) {
+    uint32_t src[3] = {7, 8, 9}, dst[3] = {40, 41, 43};
+    pd_xfer_dest d = {.prompt_tokens = 11, .pages = dst, .n_pages = 3, .mamba_slot = 1, .meta_row = 2};
+    assert_ok(w->dx.vt->receiver_open(w->dx.self, room, w->peer, &d));
+    assert_ok(w->px.vt->sender_open(w->px.self, room));
+    WAIT_FOR(st_of(w->px, room) == PD_XFER_WAITING_FOR_INPUT);
+    assert_ok(w->px.vt->send_final(w->px.self, room, 0, src, 3, 0, 4));
+    WAIT_FOR(st_of(w->dx, room) == PD_XFER_SUCCESS);
+    for (int i = 0; i < 3; i++) assert_true(unit_equal(w, 0, src[i], dst[i]));
+    assert_true(unit_equal(w, 1, 0, 1));
+    assert_true(unit_equal(w, 2, 4, 2));
+    WAIT_FOR(drained_of(w->px, room) && drained_of(w->dx, room));
+    w->px.vt->close(w->px.self, room);
+    w->dx.vt->close(w->dx.self, room);
+}
+
+static pair *secure_pair(void) {
+    pair_opts o = pair_defaults();
+    o.token = TOKEN;
+    o.dead_after_ms = 1000;
+    return pair_new(&o);
+}
+
+/* ---- framing ------------------------------------------------------------------------------ */
+
+static void garbage_bytes_are_refused(void **state) {
+    (void)state;
+    pair *w = secure_pair();
+    int fd = raw_connect(pd_net_bootstrap_port(w->pre));
+    uint8_t junk[300];
+    pd_rng rng;
+    pd_rng_seed(&rng, test_seed(3));
+    for (size_t i = 0; i < sizeof(junk); i++) junk[i] = (uint8_t)pd_rng_next(&rng);
+    junk[0] = 'G'; /* never the magic */
+    raw_send(fd, junk, sizeof(junk));
+    expect_refused(fd, PD_BP_E_MALFORMED, NULL);
+    /* An HTTP request on the wrong port, the classic. */
+    fd = raw_connect(pd_net_bootstrap_port(w->pre));
+    const char *http = "GET /health HTTP/1.1\r\nHost: x\r\n\r\n";
+    raw_send(fd, http, strlen(http));
+    expect_refused(fd, PD_BP_E_MALFORMED, NULL);
+    WAIT_FOR(stats_of(w->pre).bad_messages == 2);
+    valid_decode_still_completes_a_room(w, 1);
+    assert_int_equal(stats_of(w->pre).bad_messages, 2);
+    pair_free(w);
+}
+
+static void truncated_message_is_refused(void **state) {
+    (void)state;
+    pair *w = secure_pair();
+    /* A HELLO announcing 200 bytes, 10 of which arrive before the close. */
+    int fd = raw_connect(pd_net_bootstrap_port(w->pre));
+    uint8_t buf[PD_BP_HEADER_BYTES + 10] = {0};
+    pd_bp_header_write(buf, PD_BP_HELLO, 200);
+    raw_send(fd, buf, sizeof(buf));
+    shutdown(fd, SHUT_WR);
+    raw_msg m;
+    assert_false(raw_read(fd, &m)); /* closed, nothing to say to a half message */
+    close(fd);
+    WAIT_FOR(stats_of(w->pre).bad_messages == 1);
+    /* Half a header, then silence: dropped when the handshake times out. */
+    fd = raw_connect(pd_net_bootstrap_port(w->pre));
+    raw_send(fd, buf, 7);
+    assert_false(raw_read(fd, &m));
+    close(fd);
+    WAIT_FOR(stats_of(w->pre).bad_messages == 2);
+    valid_decode_still_completes_a_room(w, 2);
+    pair_free(w);
+}
+
+static void oversize_length_is_refused(void **state) {
+    (void)state;
+    pair *w = secure_pair();
+    int fd = raw_connect(pd_net_bootstrap_port(w->pre));
+    uint8_t buf[PD_BP_HEADER_BYTES];
+    pd_bp_header_write(buf, PD_BP_DEST, 0xFFFFFFF0u); /* 4 GiB: never buffered */
+    raw_send(fd, buf, sizeof(buf));
+    expect_refused(fd, PD_BP_E_TOO_BIG, "over the limit");
+    fd = raw_connect(pd_net_bootstrap_port(w->pre));
+    pd_bp_header_write(buf, PD_BP_HELLO, PD_BP_HELLO_MAX + 1);
+    raw_send(fd, buf, sizeof(buf));
+    expect_refused(fd, PD_BP_E_TOO_BIG, NULL);
+    WAIT_FOR(stats_of(w->pre).bad_messages == 2);
+    valid_decode_still_completes_a_room(w, 3);
+    pair_free(w);
+}
+
+static void wrong_version_is_refused_with_a_clear_error(void **state) {
+    (void)state;
+    pair *w = secure_pair();
+    static uint8_t buf[PD_BP_HEADER_BYTES + PD_BP_HELLO_MAX];
+    int fd = raw_connect(pd_net_bootstrap_port(w->pre));
+    size_t len = rogue_hello(buf, sizeof(buf), &w->o, TOKEN, w->o.page_size);
+    pd_bp_put_u16(buf + 4, 2); /* a newer peer */
+    raw_send(fd, buf, len);
+    expect_refused(fd, PD_BP_E_VERSION, "version 2 not supported");
+    WAIT_FOR(stats_of(w->pre).bad_messages == 1);
+    valid_decode_still_completes_a_room(w, 4);
+    pair_free(w);
+}
+
+/* ---- the handshake --------------------------------------------------------------------------- */
+
+static void missing_or_wrong_token_is_refused(void **state) {
+    (void)state;
+    pair *w = secure_pair();
+    static uint8_t buf[PD_BP_HEADER_BYTES + PD_BP_HELLO_MAX];
+    const char *tokens[] = {NULL, "s3crex", "s3cret-and-more", "s3cre"};
+    for (size_t i = 0; i < PD_ARRAY_LEN(tokens); i++) {
+        int fd = raw_connect(pd_net_bootstrap_port(w->pre));
+        raw_send(fd, buf, rogue_hello(buf, sizeof(buf), &w->o, tokens[i], w->o.page_size));
+        expect_refused(fd, PD_BP_E_AUTH, "token");
+    }
+    WAIT_FOR(stats_of(w->pre).bad_messages == 4);
+    /* A real decode node with the wrong token: its rooms fail and drain. */
+    pair_opts o = w->o;
+    o.decode_token = "wrong";
+    node_mem m;
+    mem_alloc(&m, &o, false);
+    pd_net *bad = node_start(&o, PD_NET_DECODE, &m);
+    pd_xfer bx = pd_net_endpoint(bad);
+    uint32_t dst[1] = {3};
+    pd_xfer_dest d = {.prompt_tokens = 2, .pages = dst, .n_pages = 1, .mamba_slot = 0, .meta_row = 0};
+    assert_ok(bx.vt->receiver_open(bx.self, 77, w->peer, &d));
+    WAIT_FOR(st_of(bx, 77) == PD_XFER_FAILED);
+    assert_true(drained_of(bx, 77));
+    bx.vt->close(bx.self, 77);
+    pd_net_destroy(bad);
+    mem_free(&m);
+    WAIT_FOR(stats_of(w->pre).bad_messages == 5);
+    valid_decode_still_completes_a_room(w, 5);
+    pair_free(w);
+}
+
+static void messages_out_of_turn_are_refused(void **state) {
+    (void)state;
+    pair *w = secure_pair();
+    /* A destination before the handshake. */
+    int fd = raw_connect(pd_net_bootstrap_port(w->pre));
+    uint32_t pages[1] = {1};
+    send_dest(fd, 9, 3, 0, 0, 0, pages, 1);
+    expect_refused(fd, PD_BP_E_UNEXPECTED, "HELLO");
+    /* A message only a prefill node sends. */
+    fd = rogue_connected(w);
+    uint8_t buf[64];
+    raw_send(fd, buf, pd_bp_room_write(buf, sizeof(buf), PD_BP_DONE, 9, 0));
+    expect_refused(fd, PD_BP_E_UNEXPECTED, NULL);
+    /* HELLO twice. */
+    fd = rogue_connected(w);
+    static uint8_t hb[PD_BP_HEADER_BYTES + PD_BP_HELLO_MAX];
+    raw_send(fd, hb, rogue_hello(hb, sizeof(hb), &w->o, TOKEN, w->o.page_size));
+    expect_refused(fd, PD_BP_E_UNEXPECTED, "twice");
+    /* A page size that does not match. */
+    fd = raw_connect(pd_net_bootstrap_port(w->pre));
+    raw_send(fd, hb, rogue_hello(hb, sizeof(hb), &w->o, TOKEN, w->o.page_size * 2));
+    expect_refused(fd, PD_BP_E_MISMATCH, "page size");
+    WAIT_FOR(stats_of(w->pre).bad_messages == 4);
+    valid_decode_still_completes_a_room(w, 6);
+    pair_free(w);
+}
+
+/* ---- destinations and rooms ------------------------------------------------------------------ */
+
+static void destinations_that_do_not_fit_are_refused(void **state) {
+    (void)state;
+    pair *w = secure_pair();
+    int fd = rogue_connected(w);
+    uint32_t ok[3] = {1, 2, 3}, far[3] = {1, 2, 100000};
+    /* Page id out of range: refused, the connection stays. */
+    send_dest(fd, 20, 12, 0, 0, 0, far, 3);
+    expect_room_error(fd, PD_BP_E_DEST_INVALID, 20);
+    /* Page count that does not match the prompt. */
+    send_dest(fd, 21, 13, 0, 0, 0, ok, 3);
+    expect_room_error(fd, PD_BP_E_DEST_INVALID, 21);
+    /* Cached prefix not page aligned; metadata row and Mamba slot out of range. */
+    send_dest(fd, 22, 12, 2, 0, 0, ok, 3);
+    expect_room_error(fd, PD_BP_E_DEST_INVALID, 22);
+    send_dest(fd, 23, 12, 0, 0, 9999, ok, 3);
+    expect_room_error(fd, PD_BP_E_DEST_INVALID, 23);
+    send_dest(fd, 24, 12, 0, 77, 0, ok, 3);
+    expect_room_error(fd, PD_BP_E_DEST_INVALID, 24);
+    send_dest(fd, 25, 12, 0, PD_BP_NONE, 0, ok, 3); /* this model has Mamba layers */
+    expect_room_error(fd, PD_BP_E_DEST_INVALID, 25);
+    /* A good one, then the same room again. */
+    send_dest(fd, 26, 12, 0, 0, 0, ok, 3);
+    expect_room_msg(fd, PD_BP_DEST_OK, 26);
+    send_dest(fd, 26, 12, 0, 0, 0, ok, 3);
+    expect_room_error(fd, PD_BP_E_ROOM_DUPLICATE, 26);
+    assert_int_equal(stats_of(w->pre).bad_messages, 7);
+    /* Its own room it may abort: acknowledged. */
+    uint8_t buf[64];
+    raw_send(fd, buf, pd_bp_room_write(buf, sizeof(buf), PD_BP_ABORT, 26, 1));
+    expect_room_msg(fd, PD_BP_ACK, 26);
+    /* A room the engine opened whose destination came from someone else:
+     * this connection may not touch it. */
+    uint32_t src[3] = {7, 8, 9}, dst[3] = {40, 41, 43};
+    pd_xfer_dest d = {.prompt_tokens = 11, .pages = dst, .n_pages = 3, .mamba_slot = 1, .meta_row = 2};
+    assert_ok(w->dx.vt->receiver_open(w->dx.self, 30, w->peer, &d));
+    assert_ok(w->px.vt->sender_open(w->px.self, 30));
+    WAIT_FOR(st_of(w->px, 30) == PD_XFER_WAITING_FOR_INPUT);
+    raw_send(fd, buf, pd_bp_room_write(buf, sizeof(buf), PD_BP_ABORT, 30, 1));
+    expect_room_error(fd, PD_BP_E_ROOM_UNKNOWN, 30);
+    send_dest(fd, 30, 12, 0, 0, 0, ok, 3); /* nor hijack it */
+    expect_room_error(fd, PD_BP_E_ROOM_DUPLICATE, 30);
+    assert_int_equal(stats_of(w->pre).bad_messages, 9);
+    assert_int_equal(st_of(w->px, 30), PD_XFER_WAITING_FOR_INPUT);
+    assert_ok(w->px.vt->send_final(w->px.self, 30, 0, src, 3, 0, 4));
+    WAIT_FOR(st_of(w->dx, 30) == PD_XFER_SUCCESS);
+    for (int i = 0; i < 3; i++) assert_true(unit_equal(w, 0, src[i], dst[i]));
+    WAIT_FOR(drained_of(w->px, 30) && drained_of(w->dx, 30));
+    w->px.vt->close(w->px.self, 30);
+    w->dx.vt->close(w->dx.self, 30);
+    /* An abort for a room nobody knows is answered (it may have crossed a
+     * close), not counted. */
+    raw_send(fd, buf, pd_bp_room_write(buf, sizeof(buf), PD_BP_ABORT, 31, 1));
+    expect_room_msg(fd, PD_BP_ACK, 31);
+    assert_int_equal(stats_of(w->pre).bad_messages, 9);
+    close(fd);
+    valid_decode_still_completes_a_room(w, 7);
+    pair_free(w);
+}
+
+static void silent_peer_is_dropped(void **state) {
+    (void)state;
+    pair *w = secure_pair();
+    /* Handshaken, then silent: its heartbeats stop, the node drops it. */
+    int fd = rogue_connected(w);
+    uint32_t ok[3] = {1, 2, 3};
+    send_dest(fd, 40, 12, 0, 0, 0, ok, 3);
+    expect_room_msg(fd, PD_BP_DEST_OK, 40);
+    assert_ok(w->px.vt->sender_open(w->px.self, 40));
+    raw_msg m;
+    assert_false(raw_read(fd, &m)); /* PINGs are skipped; then the close */
+    close(fd);
+    WAIT_FOR(stats_of(w->pre).peers_lost == 1);
+    assert_int_equal(st_of(w->px, 40), PD_XFER_FAILED);
+    assert_true(drained_of(w->px, 40));
+    w->px.vt->close(w->px.self, 40);
+    /* Connected, never a word: dropped at the handshake deadline. */
+    fd = raw_connect(pd_net_bootstrap_port(w->pre));
+    assert_false(raw_read(fd, &m));
+    close(fd);
+    valid_decode_still_completes_a_room(w, 8);
+    pair_free(w);
+}
+
+/* ---- a bad prefill node against a real decode node ---------------------------------------------- */
+
+typedef enum fake_mode {
+    FAKE_GARBAGE,        /* answers HELLO with bytes that are not a message */
+    FAKE_SILENT,         /* never answers */
+    FAKE_NEW_VERSION,    /* answers in protocol version 9 */
+    FAKE_UNKNOWN_ROOMS,  /* handshakes, then talks about rooms the decode does not have */
+} fake_mode;
+
+static int listen_local(uint16_t *port) {
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    struct sockaddr_in sa = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(0x7F000001)};
+    assert_int_equal(bind(fd, (struct sockaddr *)&sa, sizeof(sa)), 0);
+    assert_int_equal(listen(fd, 4), 0);
+    socklen_t sl = sizeof(sa);
+    getsockname(fd, (struct sockaddr *)&sa, &sl);
+    *port = ntohs(sa.sin_port);
+    return fd;
+}
+
+static void fake_prefill_case(fake_mode mode) {
+    pair_opts o = pair_defaults();
+    o.dead_after_ms = 1000;
+    node_mem dm;
+    mem_alloc(&dm, &o, false);
+    pd_net *dec = node_start(&o, PD_NET_DECODE, &dm);
+    pd_xfer dx = pd_net_endpoint(dec);
+    uint16_t port;
+    int lfd = listen_local(&port);
+    char peer[64];
+    snprintf(peer, sizeof(peer), "127.0.0.1:%u", port);
+    uint32_t dst[2] = {5, 6};
+    pd_xfer_dest d = {.prompt_tokens = 8, .pages = dst, .n_pages = 2, .mamba_slot = 0, .meta_row = 1};
+    assert_ok(dx.vt->receiver_open(dx.self, 55, peer, &d));
+    int fd = accept(lfd, NULL, NULL);
+    assert_true(fd >= 0);
+    struct timeval tv = {.tv_sec = 20};
+    setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+    raw_msg m;
+    assert_true(raw_read(fd, &m));
+    assert_int_equal(m.h.type, PD_BP_HELLO);
+    pd_bp_hello h;
+    assert_ok(pd_bp_hello_read(m.payload, m.h.length, &h));
+    assert_int_equal(h.page_size, o.page_size);
+    assert_int_equal(h.region[0].units, o.kv_pages);
+    uint8_t buf[256];
+    switch (mode) {
+    case FAKE_GARBAGE:
+        memset(buf, 0x5A, 64);
+        raw_send(fd, buf, 64);
+        break;
+    case FAKE_SILENT: break;
+    case FAKE_NEW_VERSION:
+        pd_bp_hello_ok_write(buf, sizeof(buf), 1, o.page_size);
+        pd_bp_put_u16(buf + 4, 9);
+        raw_send(fd, buf, 32);
+        break;
+    case FAKE_UNKNOWN_ROOMS: {
+        raw_send(fd, buf, pd_bp_hello_ok_write(buf, sizeof(buf), 1, o.page_size));
+        assert_true(raw_read(fd, &m));
+        assert_int_equal(m.h.type, PD_BP_DEST);
+        raw_send(fd, buf, pd_bp_room_write(buf, sizeof(buf), PD_BP_DEST_OK, 55, 0));
+        WAIT_FOR(st_of(dx, 55) == PD_XFER_WAITING_FOR_INPUT);
+        /* DONE for a room the decode never opened: refused, counted, the
+         * connection and the real room survive. */
+        raw_send(fd, buf, pd_bp_room_write(buf, sizeof(buf), PD_BP_DONE, 56, 0));
+        expect_room_error(fd, PD_BP_E_ROOM_UNKNOWN, 56);
+        assert_int_equal(st_of(dx, 55), PD_XFER_WAITING_FOR_INPUT);
+        assert_false(drained_of(dx, 55));
+        /* Stray ACKs are harmless (they can cross a close). */
+        raw_send(fd, buf, pd_bp_room_write(buf, sizeof(buf), PD_BP_ACK, 57, 0));
+        /* A message type a decode node never receives ends the connection. */
+        size_t len = pd_bp_dest_write(buf, sizeof(buf), 55, 8, 0, 0, 0, dst, 2);
+        raw_send(fd, buf, len);
+        expect_refused(fd, PD_BP_E_UNEXPECTED, NULL);
+        fd = -1;
+        break;
+    }
+    }
+    WAIT_FOR(st_of(dx, 55) == PD_XFER_FAILED);
+    WAIT_FOR(drained_of(dx, 55));
+    pd_net_stats s = stats_of(dec);
+    assert_int_equal(s.bad_messages, mode == FAKE_SILENT ? 0 : mode == FAKE_UNKNOWN_ROOMS ? 2 : 1);
+    dx.vt->close(dx.self, 55);
+    if (fd >= 0) close(fd);
+    close(lfd);
+    pd_net_destroy(dec);
+    mem_free(&dm);
+}
+
+static void decode_refuses_a_garbage_prefill(void **state) {
+    (void)state;
+    fake_prefill_case(FAKE_GARBAGE);
+}
+
+static void decode_gives_up_on_a_silent_prefill(void **state) {
+    (void)state;
+    fake_prefill_case(FAKE_SILENT);
+}
+
+static void decode_refuses_a_newer_protocol(void **state) {
+    (void)state;
+    fake_prefill_case(FAKE_NEW_VERSION);
+}
+
+static void decode_refuses_messages_about_unknown_rooms(void **state) {
+    (void)state;
+    fake_prefill_case(FAKE_UNKNOWN_ROOMS);
+}
+
+static int setup(void **state) {
+    (void)state;
+    pair_opts o = pair_defaults();
+    rogue_init(&o);
+    return 0;
+}
+
+static int teardown(void **state) {
+    (void)state;
+    rogue_fini();
+    return 0;
+}
+
+int main(void) {
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(garbage_bytes_are_refused),
+        cmocka_unit_test(truncated_message_is_refused),
+        cmocka_unit_test(oversize_length_is_refused),
+        cmocka_unit_test(wrong_version_is_refused_with_a_clear_error),
+        cmocka_unit_test(missing_or_wrong_token_is_refused),
+        cmocka_unit_test(messages_out_of_turn_are_refused),
+        cmocka_unit_test(destinations_that_do_not_fit_are_refused),
+        cmocka_unit_test(silent_peer_is_dropped),
+        cmocka_unit_test(decode_refuses_a_garbage_prefill),
+        cmocka_unit_test(decode_gives_up_on_a_silent_prefill),
+        cmocka_unit_test(decode_refuses_a_newer_protocol),
+        cmocka_unit_test(decode_refuses_messages_about_unknown_rooms),
+    };
+    if (getenv("PD_TEST_FILTER")) cmocka_set_test_filter(getenv("PD_TEST_FILTER"));
+    return cmocka_run_group_tests(tests, setup, teardown);
+}

@@ -1,0 +1,214 @@
+/* The real engines over the real transport: a prefill engine and a decode
+ * engine, each with the synthetic executor (its tokens depend on every KV
+ * value and the Mamba state being exactly where the page tables say), talk
+ * through two pd_net nodes on 127.0.0.1. The test thread plays both
+ * scheduler threads. Requests with shared prefixes (prefix cache on both
+ * sides, so cached prefixes and partial sends happen), chunked prefill with
+ * overlap, and aborts on either side at arbitrary moments; then every
+ * finished request's tokens must equal the request run alone, every request
+ * has exactly one terminal event per node, and both engines end idle and
+ * clean — which needs drained() to have become true for every room. */
+#include "net_fixture.h"
+#include "pdserve/engine.h"
+#include "pdserve/synth.h"
+
+#define REQS 40
+#define VOCAB 64
+#define PAGE 4
+
+typedef struct out {
+    int32_t tokens[16];
+    uint32_t n_tokens;
+    uint32_t terms[2];
+    pd_terminal_kind kind[2];
+} out;
+
+typedef struct side {
+    int idx;
+    pd_synth *sx;
+    pd_engine *e;
+    pd_net *net;
+    pd_meta_row meta[16];
+    out *outs;
+} side;
+
+static int rid_index(const char *rid) { return atoi(rid + 1); }
+
+static void on_token(void *self, const char *rid, uint64_t room, int32_t t, float lp, uint32_t i) {
+    (void)room, (void)lp;
+    side *s = self;
+    out *o = &s->outs[rid_index(rid)];
+    assert_int_equal(i, o->n_tokens);
+    assert_true(o->n_tokens < 16);
+    o->tokens[o->n_tokens++] = t;
+}
+
+static void on_term(void *self, const pd_terminal_event *ev) {
+    side *s = self;
+    out *o = &s->outs[rid_index(ev->rid)];
+    o->terms[s->idx]++;
+    o->kind[s->idx] = ev->kind;
+    assert_int_equal(ev->inserts_after_terminal, 0);
+}
+
+static const pd_sink_vtable sink_vt = {on_token, on_term};
+
+static pd_synth_config synth_config(void) {
+    return (pd_synth_config){.page_size = PAGE, .kv_pages = 160, .mamba_slots = 8 * 3 + 4, .layers = 3,
+                             .vocab = VOCAB, .eos_token = VOCAB - 1, .batch_max = 8};
+}
+
+static void side_open(side *s, int idx, out *outs) {
+    s->idx = idx;
+    s->outs = outs;
+    pd_synth_config sc = synth_config();
+    assert_ok(pd_synth_create(&s->sx, &sc));
+    pd_executor ex = pd_synth_executor(s->sx);
+    pd_exec_memory mem;
+    ex.vt->memory(ex.self, &mem);
+    pair_opts o = pair_defaults();
+    o.page_size = PAGE;
+    pd_net_config nc = node_config(&o, idx == 0 ? PD_NET_PREFILL : PD_NET_DECODE);
+    /* A prefill request aborted before its engine opened the room never
+     * tells the transport; the decode half's destination is an orphan until
+     * orphan_ms (or the decode engine's transfer timeout). Short here. */
+    nc.orphan_ms = 1500;
+    char msg[256];
+    if (pd_net_create(&s->net, &nc, msg, sizeof(msg))) fail_msg("%s", msg);
+    if (pd_net_register(s->net, &mem, s->meta, 16, msg, sizeof(msg))) fail_msg("%s", msg);
+    if (pd_net_start(s->net, msg, sizeof(msg))) fail_msg("%s", msg);
+    pd_engine_config ec;
+    pd_engine_config_default(&ec, idx == 0 ? PD_ROLE_PREFILL : PD_ROLE_DECODE);
+    ec.page_size = PAGE;
+    ec.kv_pages = sc.kv_pages;
+    ec.rows = 8;
+    ec.mamba_slots = sc.mamba_slots;
+    ec.meta_rows = 16;
+    ec.requests_max = REQS + 8;
+    ec.chunk_tokens = 8;
+    ec.batch_max = 8;
+    ec.new_tokens_max = 16;
+    /* Generous for a loaded machine, short enough that a request whose
+     * other half was aborted alone ends within the test. */
+    ec.bootstrap_timeout_us = 8u * 1000000u;
+    ec.transfer_timeout_us = 8u * 1000000u;
+    ec.meta_mem = s->meta;
+    pd_sink sink = {&sink_vt, s};
+    if (pd_engine_create(&s->e, &ec, ex, pd_net_endpoint(s->net), sink, msg, sizeof(msg))) fail_msg("%s", msg);
+}
+
+static void side_check_clean(side *s) {
+    char buf[4096];
+    pd_strbuf sb;
+    pd_strbuf_init(&sb, buf, sizeof(buf));
+    if (pd_engine_check(s->e, &sb) != PD_OK) fail_msg("%s", buf);
+    assert_true(pd_engine_idle(s->e));
+}
+
+static void side_close(side *s) {
+    pd_engine_destroy(s->e);
+    pd_net_destroy(s->net);
+    pd_synth_destroy(s->sx);
+}
+
+static void engines_hand_off_over_the_network(void **state) {
+    (void)state;
+    static out outs[REQS];
+    memset(outs, 0, sizeof(outs));
+    side pre = {0}, dec = {0};
+    side_open(&pre, 0, outs);
+    side_open(&dec, 1, outs);
+    char peer[64];
+    snprintf(peer, sizeof(peer), "127.0.0.1:%u", pd_net_bootstrap_port(pre.net));
+
+    pd_rng rng;
+    pd_rng_seed(&rng, test_seed(11));
+    static int32_t prompts[REQS][80];
+    static uint32_t lens[REQS], max_new[REQS];
+    char rids[REQS][8];
+    int abort_at[REQS];   /* step at which the request is aborted; -1: never */
+    int abort_side[REQS]; /* 0 prefill, 1 decode, 2 both */
+    int32_t base[48];
+    for (int i = 0; i < 48; i++) base[i] = (int32_t)pd_rng_below(&rng, VOCAB - 1);
+    for (int k = 0; k < REQS; k++) {
+        lens[k] = 3 + (uint32_t)pd_rng_below(&rng, 60);
+        uint32_t shared = pd_rng_chance(&rng, 1, 2) ? PD_MIN(lens[k], 4 * (uint32_t)pd_rng_below(&rng, 12)) : 0;
+        for (uint32_t i = 0; i < lens[k]; i++)
+            prompts[k][i] = i < shared ? base[i] : (int32_t)pd_rng_below(&rng, VOCAB - 1);
+        max_new[k] = 1 + (uint32_t)pd_rng_below(&rng, 8);
+        snprintf(rids[k], sizeof(rids[k]), "r%d", k);
+        abort_at[k] = pd_rng_chance(&rng, 1, 4) ? (int)pd_rng_below(&rng, 60) : -1;
+        /* Mostly both halves, as the router does; sometimes one alone. */
+        abort_side[k] = pd_rng_chance(&rng, 1, 2) ? 2 : (int)pd_rng_below(&rng, 2);
+    }
+    int submitted = 0;
+    uint64_t t0 = t_now_ms();
+    for (int step = 0;; step++) {
+        uint64_t now_us = (t_now_ms() - t0) * 1000u + (uint64_t)step; /* strictly increasing */
+        /* Requests arrive a few per step, at both nodes (as the router sends them). */
+        for (int j = 0; j < 3 && submitted < REQS; j++, submitted++) {
+            int k = submitted;
+            pd_request_spec spec = {.rid = rids[k], .room = 0xBEEF0000u + (uint64_t)k, .prompt = prompts[k],
+                                    .prompt_len = lens[k], .max_new_tokens = max_new[k],
+                                    .sampling = {.top_p = 1.0f}, .peer = peer};
+            pd_reject why;
+            assert_ok(pd_engine_submit(pre.e, &spec, now_us, &why));
+            assert_ok(pd_engine_submit(dec.e, &spec, now_us, &why));
+        }
+        for (int k = 0; k < submitted; k++) {
+            if (abort_at[k] != step) continue;
+            if (abort_side[k] != 1) pd_engine_abort(pre.e, rids[k]);
+            if (abort_side[k] != 0) pd_engine_abort(dec.e, rids[k]);
+        }
+        pd_engine_step(pre.e, now_us);
+        pd_engine_step(dec.e, now_us);
+        if (submitted == REQS && step > 60 && pd_engine_idle(pre.e) && pd_engine_idle(dec.e)) break;
+        if (t_now_ms() - t0 > DEADLINE_MS) {
+            static char buf[16384];
+            pd_strbuf sb;
+            pd_strbuf_init(&sb, buf, sizeof(buf));
+            pd_engine_report(pre.e, PD_REPORT_TEXT, &sb);
+            pd_strbuf_append(&sb, "\n---- decode ----\n");
+            pd_engine_report(dec.e, PD_REPORT_TEXT, &sb);
+            fail_msg("engines did not become idle:\n%s", buf);
+        }
+        t_sleep_ms(1);
+    }
+    int finished = 0;
+    pd_synth_config sc = synth_config();
+    for (int k = 0; k < REQS; k++) {
+        out *o = &outs[k];
+        /* Exactly one terminal event on each node. */
+        assert_int_equal(o->terms[0], 1);
+        assert_int_equal(o->terms[1], 1);
+        if (abort_at[k] < 0) {
+            /* Untouched requests finish, with the tokens of the request run alone. */
+            if (o->kind[1] != PD_TERM_FINISHED) fail_msg("request %d ended %d on decode", k, o->kind[1]);
+            assert_int_equal(o->kind[0], PD_TERM_FINISHED);
+        }
+        if (o->kind[1] == PD_TERM_FINISHED) {
+            int32_t ref[16];
+            pd_sampling smp = {.top_p = 1.0f};
+            uint32_t n = pd_synth_reference(&sc, true, prompts[k], lens[k], max_new[k], NULL, 0, false, &smp, ref);
+            assert_int_equal(o->n_tokens, n);
+            assert_memory_equal(o->tokens, ref, n * sizeof(int32_t));
+            finished++;
+        }
+    }
+    assert_true(finished >= REQS / 2);
+    side_check_clean(&pre);
+    side_check_clean(&dec);
+    WAIT_FOR(pd_net_rooms_live(pre.net) == 0 && pd_net_rooms_live(dec.net) == 0);
+    pd_net_stats ps = stats_of(pre.net), ds = stats_of(dec.net);
+    assert_int_equal(ps.bad_messages + ds.bad_messages, 0);
+    assert_int_equal(ps.peers_connected, 1);
+    side_close(&dec);
+    side_close(&pre);
+}
+
+int main(void) {
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(engines_hand_off_over_the_network),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
