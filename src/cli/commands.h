@@ -8,5 +8,6 @@
 int pd_cmd_sim(int argc, char **argv);
 int pd_cmd_model(int argc, char **argv);
 int pd_cmd_generate(int argc, char **argv);
+int pd_cmd_router(int argc, char **argv);
 
 #endif
