@@ -679,6 +679,15 @@ static enum MHD_Result handle_metrics(req *q, struct MHD_Connection *c) {
 
 /* ---- libmicrohttpd callbacks ----------------------------------------------------- */
 
+static enum MHD_Result answer_too_large(req *q, struct MHD_Connection *c) {
+    if (q->route == ROUTE_GENERATE || q->route == ROUTE_COMPLETIONS) {
+        pd_router_stats_begin(&q->r->stats);
+        q->generation = true;
+    }
+    return answer_error(q, c, 413, NULL, "the body is larger than %zu bytes",
+                        q->r->cfg.max_body_bytes);
+}
+
 static enum MHD_Result on_request(void *cls, struct MHD_Connection *c, const char *url,
                                   const char *method, const char *version,
                                   const char *upload_data, size_t *upload_data_size,
@@ -703,6 +712,10 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *c, const cha
             unsigned long long v = strtoull(cl, &end, 10);
             if (errno || *end || v > r->cfg.max_body_bytes) q->too_large = true;
         }
+        /* Refused before a byte of the body is read (MHD then closes the
+         * connection instead of reading the rest). */
+        if (q->too_large && q->route != ROUTE_NONE && !strcmp(method, routes[q->route].method))
+            return answer_too_large(q, c);
         return MHD_YES;
     }
     if (*upload_data_size > 0) {
@@ -715,9 +728,7 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *c, const cha
     if (strcmp(method, routes[q->route].method))
         return answer_error(q, c, 405, routes[q->route].method, "%s takes %s, not %.16s",
                             routes[q->route].path, routes[q->route].method, method);
-    if (q->too_large)
-        return answer_error(q, c, 413, NULL, "the body is larger than %zu bytes",
-                            r->cfg.max_body_bytes);
+    if (q->too_large) return answer_too_large(q, c);
     switch (q->route) {
     case ROUTE_GENERATE:
     case ROUTE_COMPLETIONS: return handle_generation(q, c);

@@ -59,6 +59,7 @@ typedef struct fw_req {
     char *body;
     size_t len;
     live *lv;                 /* registered while generating */
+    int fd;                   /* the router's connection, watched while waiting */
     fw_behaviour b;
     /* stream state */
     int next;                 /* next token index */
@@ -83,6 +84,27 @@ static bool fw_wait(fake_worker *fw, live *lv, int ms) {
         pthread_cond_timedwait(&fw->cv, &fw->mu, &ts);
     pthread_mutex_unlock(&fw->mu);
     return hit;
+}
+
+/* The router closed the connection (a real node would notice and abort). */
+static bool conn_closed(int fd) {
+    if (fd < 0) return false;
+    char c;
+    ssize_t r = recv(fd, &c, 1, MSG_PEEK | MSG_DONTWAIT);
+    return r == 0 || (r < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR);
+}
+
+/* fw_wait that also ends when the request's connection closes; checks the
+ * socket every 25 ms. */
+static bool fw_wait_req(fw_req *q, int ms) {
+    uint64_t until = now_ms() + (uint64_t)(ms > 0 ? ms : 0);
+    for (;;) {
+        uint64_t now = now_ms();
+        int slice = until > now ? (int)PD_MIN(until - now, 25u) : 0;
+        if (fw_wait(q->fw, q->lv, slice)) return true;
+        if (conn_closed(q->fd)) return true;
+        if (now_ms() >= until) return false;
+    }
 }
 
 static bool is_aborted(fake_worker *fw, live *lv) {
@@ -162,15 +184,16 @@ static ssize_t stream_reader(void *cls, uint64_t pos, char *buf, size_t max) {
         return snprintf(buf, max, "data: this is not json\n\n");
     }
     if (q->b.hang) {
-        if (!fw_wait(fw, q->lv, HANG_MAX_MS)) return MHD_CONTENT_READER_END_WITH_ERROR;
+        if (!fw_wait_req(q, HANG_MAX_MS) || !is_aborted(fw, q->lv)) return MHD_CONTENT_READER_END_WITH_ERROR;
         ev = answer(q, rid, 0, 0, "abort");
         q->final_sent = true;
     } else if (fw->prefill) {
-        fw_wait(fw, q->lv, q->b.delay_ms);
+        fw_wait_req(q, q->b.delay_ms);
         ev = answer(q, rid, 0, 0, is_aborted(fw, q->lv) ? "abort" : "transferred");
         q->final_sent = true;
     } else if (q->next < q->tokens) {
-        if (fw_wait(fw, q->lv, q->b.delay_ms)) {
+        if (fw_wait_req(q, q->b.delay_ms)) {
+            if (!is_aborted(fw, q->lv)) return MHD_CONTENT_READER_END_WITH_ERROR;
             ev = answer(q, rid, 0, 0, "abort");
             q->final_sent = true;
         } else {
@@ -241,6 +264,8 @@ static enum MHD_Result handle_generate(fw_req *q, struct MHD_Connection *c) {
     }
     if (b->garbage && !stream) return reply(c, 200, "application/json", "this is not json");
     q->lv = live_add(fw, rid);
+    const union MHD_ConnectionInfo *ci = MHD_get_connection_info(c, MHD_CONNECTION_INFO_CONNECTION_FD);
+    q->fd = ci ? ci->connect_fd : -1;
     q->tokens = b->tokens > 0 ? b->tokens : 4;
     if (stream) {
         struct MHD_Response *r =
@@ -251,15 +276,16 @@ static enum MHD_Result handle_generate(fw_req *q, struct MHD_Connection *c) {
         return ret;
     }
     if (b->hang) {
-        if (!fw_wait(fw, q->lv, HANG_MAX_MS)) return MHD_NO;
+        if (!fw_wait_req(q, HANG_MAX_MS) || !is_aborted(fw, q->lv)) return MHD_NO;
         return reply_json(c, 200, answer(q, rid, 0, 0, "abort"));
     }
     if (fw->prefill) {
-        fw_wait(fw, q->lv, b->delay_ms);
+        fw_wait_req(q, b->delay_ms);
         return reply_json(c, 200, answer(q, rid, 0, 0, is_aborted(fw, q->lv) ? "abort" : "transferred"));
     }
     int made = 0;
-    while (made < q->tokens && !fw_wait(fw, q->lv, b->delay_ms)) made++;
+    while (made < q->tokens && !fw_wait_req(q, b->delay_ms)) made++;
+    if (made < q->tokens && !is_aborted(fw, q->lv)) return MHD_NO; /* closed or stopped */
     return reply_json(c, 200, answer(q, rid, 0, made, made < q->tokens ? "abort" : "length"));
 }
 
@@ -271,7 +297,7 @@ static enum MHD_Result handle_abort(fw_req *q, struct MHD_Connection *c) {
     int n = 0;
     pthread_mutex_lock(&fw->mu);
     if (fw->aborts < RECORDS_MAX) fw->abort_rids[fw->aborts++] = strdup(all ? "*" : rid ? rid : "");
-    for (live *lv = fw->lives; lv; lv = lv->next) {
+    for (live *lv = fw->b.deaf ? NULL : fw->lives; lv; lv = lv->next) {
         if (lv->aborted) continue;
         if (all || (rid && !strcmp(lv->rid, rid))) {
             lv->aborted = true;

@@ -12,6 +12,7 @@
  *   hang       never answer, until aborted (then an abort answer) or stopped
  *   close      close the connection without answering
  *   garbage    HTTP 200 with a body (or an event) that is not JSON
+ *   deaf       aborts are recorded but do not reach the requests
  *   health     /health answers health_status, or never (health_hang)
  *
  * A live request ends early, with finish_reason abort, when an
@@ -35,6 +36,8 @@ typedef struct fw_behaviour {
     bool close;
     bool garbage;
     bool no_done;          /* stream: end after the final event without [DONE] */
+    bool deaf;             /* /abort_request is recorded but answered 404, as if the
+                              rid were not registered yet */
     int health_status;     /* 0 = 200 */
     bool health_hang;
 } fw_behaviour;
