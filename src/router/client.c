@@ -5,6 +5,7 @@
 
 #include <jansson.h>
 #include <pthread.h>
+#include <stdlib.h>
 #include <string.h>
 #include <time.h>
 
@@ -60,7 +61,7 @@ void pd_router_fanout_post(pd_router_post *posts, size_t n, const char *body,
                            uint32_t timeout_ms, uint32_t connect_timeout_ms) {
     PD_ASSERT(n <= 2 * PD_ROUTER_WORKERS_MAX);
     CURL *easy[2 * PD_ROUTER_WORKERS_MAX] = {0};
-    small_body bodies[2 * PD_ROUTER_WORKERS_MAX];
+    small_body *bodies = calloc(n ? n : 1, sizeof *bodies);
     struct curl_slist *hdrs = curl_slist_append(NULL, "Content-Type: application/json");
     struct curl_slist *more = hdrs ? curl_slist_append(hdrs, "Expect:") : NULL;
     if (!more) {
@@ -71,9 +72,7 @@ void pd_router_fanout_post(pd_router_post *posts, size_t n, const char *body,
     for (size_t i = 0; i < n; i++) {
         posts[i].status = 0;
         posts[i].aborted = -1;
-        bodies[i].len = 0;
-        bodies[i].data[0] = '\0';
-        if (!multi || !hdrs) continue;
+        if (!multi || !hdrs || !bodies) continue;
         easy[i] = curl_easy_init();
         if (!easy[i]) continue;
         pd_router_client_setup(easy[i], connect_timeout_ms);
@@ -113,4 +112,5 @@ void pd_router_fanout_post(pd_router_post *posts, size_t n, const char *body,
     }
     if (multi) curl_multi_cleanup(multi);
     curl_slist_free_all(hdrs);
+    free(bodies);
 }

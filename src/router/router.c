@@ -36,6 +36,7 @@
 #include <string.h>
 #include <sys/random.h>
 #include <sys/socket.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "client.h"
@@ -207,6 +208,14 @@ static void table_remove(pd_router *r, long i) {
     PD_ASSERT(r->slots[i].used);
     memset(&r->slots[i], 0, sizeof r->slots[i]);
     pthread_mutex_unlock(&r->table_mu);
+}
+
+static size_t table_used(pd_router *r) {
+    size_t n = 0;
+    pthread_mutex_lock(&r->table_mu);
+    for (size_t i = 0; i < r->cfg.connections_max; i++) n += r->slots[i].used;
+    pthread_mutex_unlock(&r->table_mu);
+    return n;
 }
 
 /* Flags the requests with this rid (all when rid is NULL) for abort.
@@ -595,9 +604,10 @@ static enum MHD_Result handle_abort(req *q, struct MHD_Connection *c) {
 }
 
 static json_t *workers_json(pd_router *r) {
-    pd_router_worker snap[2 * PD_ROUTER_WORKERS_MAX];
-    pd_router_workers_snapshot(&r->workers, snap);
+    pd_router_worker *snap = malloc(r->workers.count * sizeof *snap);
     json_t *arr = json_array();
+    if (!snap) return arr;
+    pd_router_workers_snapshot(&r->workers, snap);
     for (size_t i = 0; i < r->workers.count; i++) {
         const pd_router_worker *w = &snap[i];
         json_t *o = json_pack("{s:s, s:s, s:b, s:i, s:I, s:I, s:I, s:I, s:I}", "url",
@@ -614,6 +624,7 @@ static json_t *workers_json(pd_router *r) {
         }
         json_array_append_new(arr, o);
     }
+    free(snap);
     return arr;
 }
 
@@ -642,9 +653,13 @@ static enum MHD_Result handle_metrics(req *q, struct MHD_Connection *c) {
     size_t cap = 8192 + r->workers.count * 1024;
     char *buf = malloc(cap);
     if (!buf) return answer_error(q, c, 500, NULL, "out of memory");
+    pd_router_worker *snap = malloc(r->workers.count * sizeof *snap);
+    if (!snap) {
+        free(buf);
+        return answer_error(q, c, 500, NULL, "out of memory");
+    }
     pd_strbuf sb;
     pd_strbuf_init(&sb, buf, cap);
-    pd_router_worker snap[2 * PD_ROUTER_WORKERS_MAX];
     pd_router_workers_snapshot(&r->workers, snap);
     static const char *families[][2] = {
         {"pdserve_router_worker_healthy", "gauge"},
@@ -673,6 +688,7 @@ static enum MHD_Result handle_metrics(req *q, struct MHD_Connection *c) {
     q->answered = true;
     enum MHD_Result ret =
         pd_http_queue_text(c, 200, "text/plain; version=0.0.4", sb.data, sb.len);
+    free(snap);
     free(buf);
     return ret;
 }
@@ -821,7 +837,15 @@ void pd_router_stop(pd_router *r) {
     for (size_t i = 0; i < r->cfg.connections_max; i++)
         if (r->slots[i].used && r->slots[i].fwd) pd_fwd_request_shutdown(r->slots[i].fwd);
     pthread_mutex_unlock(&r->table_mu);
-    /* Joins every connection thread; the flagged forwards end at once. */
+    /* The flagged forwards abort their halves and answer 503; give them the
+     * time to do so (bounded: aborts have their own timeout) before the
+     * sockets are shut, so their clients get an answer, not a reset. */
+    uint64_t until_ms = pd_router_now_ms() + 2ull * r->cfg.abort_timeout_ms + 1000;
+    while (table_used(r) > 0 && pd_router_now_ms() < until_ms) {
+        struct timespec ts = {0, 5 * 1000000L};
+        nanosleep(&ts, NULL);
+    }
+    /* Joins every connection thread. */
     MHD_stop_daemon(r->mhd);
     r->mhd = NULL;
     pd_router_health_stop(&r->health);

@@ -26,8 +26,8 @@ void pd_router_stats_destroy(pd_router_stats *s) { pthread_mutex_destroy(&s->mu)
 
 void pd_router_stats_begin(pd_router_stats *s) {
     pthread_mutex_lock(&s->mu);
-    s->requests_total++;
-    s->in_flight++;
+    s->c.requests_total++;
+    s->c.in_flight++;
     pthread_mutex_unlock(&s->mu);
 }
 
@@ -35,29 +35,28 @@ void pd_router_stats_end(pd_router_stats *s, unsigned status, double latency_s) 
     size_t b = 0;
     while (b < PD_ROUTER_LATENCY_BUCKETS - 1 && latency_s > latency_le_s[b]) b++;
     pthread_mutex_lock(&s->mu);
-    PD_ASSERT(s->in_flight > 0);
-    s->in_flight--;
+    PD_ASSERT(s->c.in_flight > 0);
+    s->c.in_flight--;
     if (status == PD_ROUTER_STATUS_CLIENT_GONE) {
-        s->client_disconnects_total++;
+        s->c.client_disconnects_total++;
     } else {
-        s->by_status[status_slot(status)]++;
-        s->latency_buckets[b]++;
-        s->latency_count++;
-        s->latency_sum_s += latency_s;
+        s->c.by_status[status_slot(status)]++;
+        s->c.latency_buckets[b]++;
+        s->c.latency_count++;
+        s->c.latency_sum_s += latency_s;
     }
     pthread_mutex_unlock(&s->mu);
 }
 
 void pd_router_stats_aborts_sent(pd_router_stats *s, uint64_t n) {
     pthread_mutex_lock(&s->mu);
-    s->worker_aborts_sent_total += n;
+    s->c.worker_aborts_sent_total += n;
     pthread_mutex_unlock(&s->mu);
 }
 
 json_t *pd_router_stats_json(pd_router_stats *s) {
-    pd_router_stats c;
     pthread_mutex_lock(&s->mu);
-    memcpy(&c, s, sizeof c);
+    pd_router_counters c = s->c;
     pthread_mutex_unlock(&s->mu);
     json_t *by = json_object();
     uint64_t errors = 0;
@@ -78,9 +77,8 @@ json_t *pd_router_stats_json(pd_router_stats *s) {
 }
 
 void pd_router_stats_prometheus(pd_router_stats *s, pd_strbuf *sb) {
-    pd_router_stats c;
     pthread_mutex_lock(&s->mu);
-    memcpy(&c, s, sizeof c);
+    pd_router_counters c = s->c;
     pthread_mutex_unlock(&s->mu);
     pd_strbuf_printf(sb, "# TYPE pdserve_router_requests_total counter\n"
                          "pdserve_router_requests_total %llu\n",

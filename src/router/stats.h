@@ -23,8 +23,7 @@
 /* Status recorded for a client that went away before its answer. */
 #define PD_ROUTER_STATUS_CLIENT_GONE 0u
 
-typedef struct pd_router_stats {
-    pthread_mutex_t mu;
+typedef struct pd_router_counters {
     uint64_t requests_total;
     uint64_t in_flight;
     uint64_t by_status[PD_ROUTER_STATUSES];
@@ -33,6 +32,11 @@ typedef struct pd_router_stats {
     uint64_t latency_buckets[PD_ROUTER_LATENCY_BUCKETS]; /* cumulative on output only */
     uint64_t latency_count;
     double latency_sum_s;
+} pd_router_counters;
+
+typedef struct pd_router_stats {
+    pthread_mutex_t mu;
+    pd_router_counters c;
 } pd_router_stats;
 
 void pd_router_stats_init(pd_router_stats *s);

@@ -5,6 +5,7 @@
  * the router after the grace period, with an abort answer for the client. */
 #include <pthread.h>
 #include <signal.h>
+#include <stdio.h>
 #include <unistd.h>
 
 #include "../test_util.h"
@@ -222,6 +223,48 @@ static void abort_the_worker_missed_is_ended_by_the_router(void **state) {
     fw_stop(d);
 }
 
+static void stopping_the_router_ends_requests_in_flight(void **state) {
+    (void)state;
+    fake_worker *p = fw_start("prefill"), *d = fw_start("decode");
+    pd_router *r = tk_router(&p, 1, &d, 1, NULL);
+    fw_set(p, &(fw_behaviour){.hang = true});
+    fw_set(d, &(fw_behaviour){.hang = true});
+    static const char *bodies[3] = {"{\"text\": \"x\", \"rid\": \"stop-0\"}",
+                                    "{\"text\": \"x\", \"rid\": \"stop-1\", \"stream\": true}",
+                                    "{\"prompt\": \"x\", \"rid\": \"stop-2\"}"};
+    bg b[3];
+    for (int i = 0; i < 3; i++) bg_start(&b[i], r, i == 2 ? "/v1/completions" : "/generate", bodies[i]);
+    assert_true(fw_wait_live_count(d, 3, WAIT_MS));
+    pd_router_destroy(r); /* returns: nothing waits for the hung workers */
+    /* (every client was answered before the sockets closed) */
+    for (int i = 0; i < 3; i++) {
+        pthread_join(b[i].t, NULL);
+        char rid[16];
+        snprintf(rid, sizeof rid, "stop-%d", i);
+        assert_true(fw_got_abort(p, rid));
+        assert_true(fw_got_abort(d, rid));
+        /* The client got a 503: an error body, or for the stream whose
+         * head had gone out, an error event then [DONE]. */
+        json_t *o = tc_json(&b[i].resp);
+        if (b[i].resp.status == 503) {
+            assert_non_null(tc_error_message(o, 503));
+        } else {
+            assert_int_equal(b[i].resp.status, 200);
+            size_t tokens;
+            char why[256] = "";
+            json_t *final = tc_sse_check(b[i].resp.body, b[i].resp.len, &tokens, why, sizeof why);
+            if (!final || !tc_error_message(final, 503))
+                fail_msg("stop-%d: %s: %s", i, why, b[i].resp.body);
+            json_decref(final);
+        }
+        json_decref(o);
+        tc_free(&b[i].resp);
+    }
+    assert_true(fw_wait_live_count(d, 0, WAIT_MS));
+    fw_stop(p);
+    fw_stop(d);
+}
+
 int main(void) {
     signal(SIGPIPE, SIG_IGN);
     const struct CMUnitTest tests[] = {
@@ -229,6 +272,7 @@ int main(void) {
         cmocka_unit_test(client_hangup_mid_stream_aborts_both_halves),
         cmocka_unit_test(abort_request_reaches_every_worker_and_counts),
         cmocka_unit_test(abort_the_worker_missed_is_ended_by_the_router),
+        cmocka_unit_test(stopping_the_router_ends_requests_in_flight),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
