@@ -266,9 +266,10 @@ typedef struct req {
     bool too_large;
     bool answered;           /* a response is queued */
     bool generation;         /* counted in the stats */
+    bool recorded;           /* its outcome is in the stats */
     unsigned status;         /* for the stats, when no forward decides it */
     long slot;
-    bool picked;
+    bool picked;             /* a worker pair counts this request in flight */
     size_t prefill, decode;
     pd_fwd *fwd;
     uint64_t start_ms;
@@ -310,6 +311,15 @@ static void body_append(req *q, const char *data, size_t n) {
     q->body[q->len] = '\0';
 }
 
+/* A generation request's outcome goes into the stats when the answer is
+ * decided — before the client can read it, so a client that reads the
+ * answer and then the stats sees its own request counted. Idempotent. */
+static void record_outcome(req *q, unsigned status) {
+    if (!q->generation || q->recorded) return;
+    q->recorded = true;
+    pd_router_stats_end(&q->r->stats, status, (double)(pd_router_now_ms() - q->start_ms) / 1e3);
+}
+
 #if defined(__GNUC__)
 __attribute__((format(printf, 5, 6)))
 #endif
@@ -322,6 +332,7 @@ static enum MHD_Result answer_error(req *q, struct MHD_Connection *c, unsigned s
     va_end(ap);
     q->status = status;
     q->answered = true;
+    record_outcome(q, status);
     return pd_http_queue_error(c, status, allow, "%s", message);
 }
 
@@ -435,11 +446,25 @@ static json_t *parse_object(req *q, struct MHD_Connection *c) {
 
 /* ---- routes ------------------------------------------------------------------------ */
 
+/* The pair stops counting this request as soon as the answer is decided —
+ * before the client has it — so a client that sends its next request the
+ * moment it reads this answer finds the load it expects (least_load). */
+static void release_workers(req *q) {
+    if (!q->picked) return;
+    q->picked = false;
+    pd_router_workers_release(&q->r->workers, q->prefill,
+                              q->fwd && pd_fwd_half_failed(q->fwd, PD_ROUTER_PREFILL));
+    pd_router_workers_release(&q->r->workers, q->decode,
+                              q->fwd && pd_fwd_half_failed(q->fwd, PD_ROUTER_DECODE));
+}
+
 static ssize_t stream_reader(void *cls, uint64_t pos, char *buf, size_t max) {
     (void)pos;
     req *q = cls;
     long n = pd_fwd_stream_read(q->fwd, buf, max);
     if (n > 0) return (ssize_t)n;
+    release_workers(q);
+    record_outcome(q, pd_fwd_outcome(q->fwd));
     return n == 0 ? MHD_CONTENT_READER_END_OF_STREAM : MHD_CONTENT_READER_END_WITH_ERROR;
 }
 
@@ -524,6 +549,10 @@ static enum MHD_Result handle_generation(req *q, struct MHD_Connection *c) {
     pd_fwd_head head;
     pd_fwd_head_wait(q->fwd, &head);
     q->answered = true;
+    if (head.kind != PD_FWD_STREAM) {
+        release_workers(q); /* both halves are over */
+        record_outcome(q, pd_fwd_outcome(q->fwd));
+    }
     if (head.kind == PD_FWD_GONE) return MHD_NO; /* nobody to answer: close */
     if (head.kind == PD_FWD_FULL) {
         return pd_http_queue_text(c, head.status, head.content_type, head.body, head.body_len);
@@ -775,17 +804,11 @@ static void on_completed(void *cls, struct MHD_Connection *c, void **req_cls,
     } else if (q->generation && !q->answered) {
         status = PD_ROUTER_STATUS_CLIENT_GONE;
     }
-    if (q->picked) {
-        pd_router_workers_release(&r->workers, q->prefill,
-                                  q->fwd && pd_fwd_half_failed(q->fwd, PD_ROUTER_PREFILL));
-        pd_router_workers_release(&r->workers, q->decode,
-                                  q->fwd && pd_fwd_half_failed(q->fwd, PD_ROUTER_DECODE));
-    }
+    release_workers(q);
     /* Off the table before the forward goes: an abort may hold a pointer. */
     if (q->slot >= 0) table_remove(r, q->slot);
     pd_fwd_destroy(q->fwd);
-    if (q->generation)
-        pd_router_stats_end(&r->stats, status, (double)(pd_router_now_ms() - q->start_ms) / 1e3);
+    record_outcome(q, status);
     free(q->body);
     free(q);
 }

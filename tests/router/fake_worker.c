@@ -46,6 +46,8 @@ struct fake_worker {
     size_t generates;
     char *abort_rids[RECORDS_MAX];
     size_t aborts;
+    char *completed_rids[RECORDS_MAX];
+    size_t completions;
     size_t healths;
     live *lives;
     size_t live_count;
@@ -166,6 +168,12 @@ static json_t *answer(const fw_req *q, const char *rid, int from, int to, const 
                      "completion_tokens", to - from);
 }
 
+static void record_completed(fake_worker *fw, const char *rid) {
+    pthread_mutex_lock(&fw->mu);
+    if (fw->completions < RECORDS_MAX) fw->completed_rids[fw->completions++] = strdup(rid);
+    pthread_mutex_unlock(&fw->mu);
+}
+
 static ssize_t stream_reader(void *cls, uint64_t pos, char *buf, size_t max) {
     (void)pos;
     fw_req *q = cls;
@@ -203,6 +211,7 @@ static ssize_t stream_reader(void *cls, uint64_t pos, char *buf, size_t max) {
     } else {
         ev = answer(q, rid, 0, 0, "length");
         q->final_sent = true;
+        record_completed(fw, rid);
     }
     char *text = json_dumps(ev, JSON_COMPACT);
     json_decref(ev);
@@ -286,6 +295,7 @@ static enum MHD_Result handle_generate(fw_req *q, struct MHD_Connection *c) {
     int made = 0;
     while (made < q->tokens && !fw_wait_req(q, b->delay_ms)) made++;
     if (made < q->tokens && !is_aborted(fw, q->lv)) return MHD_NO; /* closed or stopped */
+    if (made == q->tokens) record_completed(fw, rid);
     return reply_json(c, 200, answer(q, rid, 0, made, made < q->tokens ? "abort" : "length"));
 }
 
@@ -416,6 +426,7 @@ void fw_stop(fake_worker *fw) {
         free(fw->generate_rids[i]);
     }
     for (size_t i = 0; i < fw->aborts; i++) free(fw->abort_rids[i]);
+    for (size_t i = 0; i < fw->completions; i++) free(fw->completed_rids[i]);
     PD_ASSERT(fw->lives == NULL);
     pthread_cond_destroy(&fw->cv);
     pthread_mutex_destroy(&fw->mu);
@@ -455,6 +466,13 @@ static bool has(char **list, size_t n, const char *rid) {
 bool fw_got_generate(fake_worker *fw, const char *rid) {
     pthread_mutex_lock(&fw->mu);
     bool v = has(fw->generate_rids, fw->generates, rid);
+    pthread_mutex_unlock(&fw->mu);
+    return v;
+}
+
+bool fw_got_completed(fake_worker *fw, const char *rid) {
+    pthread_mutex_lock(&fw->mu);
+    bool v = has(fw->completed_rids, fw->completions, rid);
     pthread_mutex_unlock(&fw->mu);
     return v;
 }

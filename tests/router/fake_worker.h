@@ -57,6 +57,8 @@ json_t *fw_generate_body(fake_worker *fw, size_t i);
 bool fw_got_generate(fake_worker *fw, const char *rid);
 size_t fw_abort_count(fake_worker *fw);
 bool fw_got_abort(fake_worker *fw, const char *rid);
+/* The decode side finished this rid normally (finish_reason length). */
+bool fw_got_completed(fake_worker *fw, const char *rid);
 size_t fw_health_count(fake_worker *fw);
 size_t fw_live_count(fake_worker *fw);
 

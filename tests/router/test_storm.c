@@ -4,7 +4,13 @@
  * half by closing the connection. Every client that stayed connected gets
  * exactly one complete final answer; every abort reached both workers of
  * its request; afterwards nothing is left in flight anywhere and the router
- * is healthy. PD_TEST_SEED changes the random moments. */
+ * is healthy. PD_TEST_SEED changes the random moments.
+ *
+ * A request is aborted only once both of its workers have it, within
+ * 120 ms; a request lasts TOKENS x 20 ms. On a starved machine the test's
+ * own loop may notice a request too late to abort it: such a request must
+ * then simply have finished normally, and at least 20 of each kind of
+ * abort must have happened for the run to count. */
 #include <curl/curl.h>
 #include <signal.h>
 #include <stdio.h>
@@ -13,7 +19,7 @@
 #include "test_client.h"
 
 #define N 200
-#define TOKENS 20
+#define TOKENS 30
 #define WAIT_MS 60000
 
 enum fate { KEEP, ABORT_REQUEST, HANG_UP };
@@ -160,10 +166,11 @@ static void abort_storm_every_client_answered_once_every_abort_delivered(void **
     }
     assert_int_equal(open_transfers, 0);
 
-    size_t aborted_answers = 0;
+    size_t aborted_answers = 0, acted[3] = {0};
     for (int i = 0; i < N; i++) {
         client *c = &cl[i];
-        if (c->fate != KEEP && !c->acted) fail_msg("%s: never reached both workers", c->rid);
+        if (c->fate != KEEP && !c->acted) c->fate = KEEP; /* finished before its moment */
+        if (c->acted) acted[c->fate]++;
         if (c->closed) continue;
         if (!c->done || c->resp.curl_code != CURLE_OK || c->resp.status != 200)
             fail_msg("%s: transfer %d, status %ld: %s", c->rid, c->resp.curl_code, c->resp.status,
@@ -198,16 +205,22 @@ static void abort_storm_every_client_answered_once_every_abort_delivered(void **
     /* Most aborts land while the request is generating (it lasts TOKENS x
      * 20 ms, the abort comes within 120 ms of its start); timing decides
      * which, so only "some" is asserted. */
-    print_message("storm: %zu of %d /abort_request aborts ended a generating request\n",
-                  aborted_answers, N / 4);
+    print_message("storm: %zu hang-ups, %zu /abort_request (%zu of them ended a generating request)\n",
+                  acted[HANG_UP], acted[ABORT_REQUEST], aborted_answers);
+    assert_true(acted[HANG_UP] >= 20 && acted[ABORT_REQUEST] >= 20);
     assert_true(aborted_answers > 0);
-    /* Every abort reached both workers of its request. */
+    /* Every abort reached both workers of its request. A hang-up that came
+     * after the decode node had finished may have found the answer already
+     * sent (nothing to abort then); any other must have reached both. */
+    size_t hangups_mid_request = 0;
     for (int i = 0; i < N; i++) {
         client *c = &cl[i];
         if (c->fate == KEEP) continue;
         int wp = -1, wd = -1;
         assert_true(got_generate_anywhere(p, c->rid, &wp));
         assert_true(got_generate_anywhere(d, c->rid, &wd));
+        if (c->fate == HANG_UP && fw_got_completed(d[wd], c->rid)) continue;
+        hangups_mid_request += c->fate == HANG_UP;
         if (!fw_wait_got_abort(p[wp], c->rid, 20000)) fail_msg("%s: prefill never got the abort", c->rid);
         if (!fw_wait_got_abort(d[wd], c->rid, 20000)) fail_msg("%s: decode never got the abort", c->rid);
     }
@@ -225,7 +238,7 @@ static void abort_storm_every_client_answered_once_every_abort_delivered(void **
         assert_true(json_is_true(json_object_get(w, "healthy")));
     }
     json_int_t gone = json_integer_value(json_object_get(json_object_get(info, "counters"), "client_disconnects"));
-    assert_int_equal(gone, N / 4);
+    assert_true(gone >= (json_int_t)hangups_mid_request && gone <= (json_int_t)acted[HANG_UP]);
     json_decref(info);
     tc_response resp;
     tc_request("POST", gen_url, "{\"text\": \"after\"}", 10000, &resp);
