@@ -130,6 +130,8 @@ static unsigned transport_status(const half *h, char *msg, size_t cap) {
 
 /* ---- libcurl callbacks ---------------------------------------------------- */
 
+static void scan_events(pd_fwd *f);
+
 static void note_head(half *h) {
     if (h->head_known) return;
     h->head_known = true;
@@ -161,14 +163,19 @@ static size_t half_write(char *ptr, size_t size, size_t nmemb, void *userdata) {
     size_t n = size * nmemb;
     note_head(h);
     if (h->sse) {
+        /* Nothing after [DONE] goes out, nor anything after garbage. */
+        if (f->saw_done || f->garbage) return n;
         if (n <= SSE_WINDOW - f->sse_len) {
             memcpy(f->sse + f->sse_len, ptr, n);
             f->sse_len += n;
             h->paused = false;
             return n;
         }
-        /* Would it fit once the client took the complete events? If not,
-         * one event is larger than the window: the stream is unusable. */
+        /* Full. Would the chunk fit once the client took every complete
+         * event? If not, one event is larger than the window and the
+         * stream is unusable; if so, wait for the client. */
+        scan_events(f);
+        if (f->saw_done || f->garbage) return n;
         if (n > SSE_WINDOW - (f->sse_len - f->ready)) {
             h->overflow = true;
             return 0;

@@ -25,6 +25,7 @@
 
 #define RECORDS_MAX 8192
 #define HANG_MAX_MS 30000
+#define STREAM_BLOCK 16384
 
 typedef struct live {
     char rid[160];
@@ -64,6 +65,8 @@ typedef struct fw_req {
     int fd;                   /* the router's connection, watched while waiting */
     fw_behaviour b;
     /* stream state */
+    char *pending;            /* an event not yet fully handed to MHD */
+    size_t pending_len, pending_off;
     int next;                 /* next token index */
     int tokens;
     bool final_sent, done_sent;
@@ -142,30 +145,40 @@ static json_t *error_body(unsigned status, const char *message) {
 /* One answer object: tokens [from, to) as text "tK " and ids K; final
  * finish reason or null. Generate or completions shape. */
 static json_t *answer(const fw_req *q, const char *rid, int from, int to, const char *finish) {
-    char text[4096] = "";
+    size_t pad = q->b.pad_bytes > 0 ? (size_t)q->b.pad_bytes : 0;
+    size_t cap = 4096 + pad * (size_t)(to - from);
+    char *text = calloc(1, cap);
     size_t tl = 0;
     json_t *ids = json_array();
-    for (int k = from; k < to && tl + 16 < sizeof text; k++) {
-        tl += (size_t)snprintf(text + tl, sizeof text - tl, "t%d ", k);
+    for (int k = from; k < to && tl + 16 + pad < cap; k++) {
+        tl += (size_t)snprintf(text + tl, cap - tl, "t%d ", k);
+        memset(text + tl, 'x', pad);
+        tl += pad;
+        text[tl] = '\0';
         json_array_append_new(ids, json_integer(k));
     }
+    json_t *out;
     if (q->path == P_COMPLETIONS) {
         json_decref(ids);
         char id[200];
         snprintf(id, sizeof id, "cmpl-%s", rid);
-        return json_pack("{s:s, s:s, s:i, s:s, s:[{s:i, s:s, s:o, s:n}]}", "id", id, "object",
-                         "text_completion", "created", 1, "model", "fake", "choices", "index", 0,
-                         "text", text, "finish_reason", finish ? json_string(finish) : json_null(),
-                         "logprobs");
+        out = json_pack("{s:s, s:s, s:i, s:s, s:[{s:i, s:s, s:o, s:n}]}", "id", id, "object",
+                        "text_completion", "created", 1, "model", "fake", "choices", "index", 0,
+                        "text", text, "finish_reason", finish ? json_string(finish) : json_null(),
+                        "logprobs");
+        free(text);
+        return out;
     }
     json_t *fr = json_null();
     if (finish && !strcmp(finish, "abort"))
         fr = json_pack("{s:s, s:s, s:i}", "type", "abort", "message", "aborted", "status_code", 499);
     else if (finish)
         fr = json_pack("{s:s}", "type", finish);
-    return json_pack("{s:s, s:o, s:{s:s, s:o, s:i, s:i}}", "text", text, "output_ids", ids,
-                     "meta_info", "id", rid, "finish_reason", fr, "prompt_tokens", 3,
-                     "completion_tokens", to - from);
+    out = json_pack("{s:s, s:o, s:{s:s, s:o, s:i, s:i}}", "text", text, "output_ids", ids,
+                    "meta_info", "id", rid, "finish_reason", fr, "prompt_tokens", 3,
+                    "completion_tokens", to - from);
+    free(text);
+    return out;
 }
 
 static void record_completed(fake_worker *fw, const char *rid) {
@@ -174,25 +187,29 @@ static void record_completed(fake_worker *fw, const char *rid) {
     pthread_mutex_unlock(&fw->mu);
 }
 
-static ssize_t stream_reader(void *cls, uint64_t pos, char *buf, size_t max) {
-    (void)pos;
-    fw_req *q = cls;
+/* The next event of the stream, malloc'd, or NULL at the end (with *err
+ * when the stream must break off). */
+static char *next_event(fw_req *q, bool *err) {
     fake_worker *fw = q->fw;
-    if (q->done_sent) return MHD_CONTENT_READER_END_OF_STREAM;
+    *err = false;
+    if (q->done_sent) return NULL;
     json_t *ev = NULL;
     const char *rid = q->lv->rid;
     if (q->final_sent) {
-        if (q->b.no_done) return MHD_CONTENT_READER_END_OF_STREAM;
+        if (q->b.no_done) return NULL;
         q->done_sent = true;
-        return snprintf(buf, max, "data: [DONE]\n\n");
+        return strdup("data: [DONE]\n\n");
     }
     if (q->b.garbage) {
         q->final_sent = true;
         q->b.no_done = true;
-        return snprintf(buf, max, "data: this is not json\n\n");
+        return strdup("data: this is not json\n\n");
     }
     if (q->b.hang) {
-        if (!fw_wait_req(q, HANG_MAX_MS) || !is_aborted(fw, q->lv)) return MHD_CONTENT_READER_END_WITH_ERROR;
+        if (!fw_wait_req(q, HANG_MAX_MS) || !is_aborted(fw, q->lv)) {
+            *err = true;
+            return NULL;
+        }
         ev = answer(q, rid, 0, 0, "abort");
         q->final_sent = true;
     } else if (fw->prefill) {
@@ -201,7 +218,10 @@ static ssize_t stream_reader(void *cls, uint64_t pos, char *buf, size_t max) {
         q->final_sent = true;
     } else if (q->next < q->tokens) {
         if (fw_wait_req(q, q->b.delay_ms)) {
-            if (!is_aborted(fw, q->lv)) return MHD_CONTENT_READER_END_WITH_ERROR;
+            if (!is_aborted(fw, q->lv)) {
+                *err = true;
+                return NULL;
+            }
             ev = answer(q, rid, 0, 0, "abort");
             q->final_sent = true;
         } else {
@@ -215,10 +235,29 @@ static ssize_t stream_reader(void *cls, uint64_t pos, char *buf, size_t max) {
     }
     char *text = json_dumps(ev, JSON_COMPACT);
     json_decref(ev);
-    int n = snprintf(buf, max, "data: %s\n\n", text);
+    size_t cap = strlen(text) + 16;
+    char *out = malloc(cap);
+    snprintf(out, cap, "data: %s\n\n", text);
     free(text);
-    PD_ASSERT(n > 0 && (size_t)n < max);
-    return n;
+    return out;
+}
+
+static ssize_t stream_reader(void *cls, uint64_t pos, char *buf, size_t max) {
+    (void)pos;
+    fw_req *q = cls;
+    if (q->pending_off == q->pending_len) {
+        free(q->pending);
+        q->pending = NULL;
+        q->pending_len = q->pending_off = 0;
+        bool err;
+        q->pending = next_event(q, &err);
+        if (!q->pending) return err ? MHD_CONTENT_READER_END_WITH_ERROR : MHD_CONTENT_READER_END_OF_STREAM;
+        q->pending_len = strlen(q->pending);
+    }
+    size_t n = PD_MIN(max, q->pending_len - q->pending_off);
+    memcpy(buf, q->pending + q->pending_off, n);
+    q->pending_off += n;
+    return (ssize_t)n;
 }
 
 static live *live_add(fake_worker *fw, const char *rid) {
@@ -278,7 +317,7 @@ static enum MHD_Result handle_generate(fw_req *q, struct MHD_Connection *c) {
     q->tokens = b->tokens > 0 ? b->tokens : 4;
     if (stream) {
         struct MHD_Response *r =
-            MHD_create_response_from_callback(MHD_SIZE_UNKNOWN, 8192, stream_reader, q, NULL);
+            MHD_create_response_from_callback(MHD_SIZE_UNKNOWN, STREAM_BLOCK, stream_reader, q, NULL);
         MHD_add_response_header(r, "Content-Type", "text/event-stream");
         enum MHD_Result ret = MHD_queue_response(c, 200, r);
         MHD_destroy_response(r);
@@ -386,6 +425,7 @@ static void on_completed(void *cls, struct MHD_Connection *c, void **req_cls,
     fw_req *q = *req_cls;
     if (!q) return;
     if (q->lv) live_remove(fw, q->lv);
+    free(q->pending);
     free(q->body);
     free(q);
     *req_cls = NULL;

@@ -36,6 +36,7 @@ typedef struct fw_behaviour {
     bool close;
     bool garbage;
     bool no_done;          /* stream: end after the final event without [DONE] */
+    int pad_bytes;         /* decode: each token's text padded with this many 'x' */
     bool deaf;             /* /abort_request is recorded but answered 404, as if the
                               rid were not registered yet */
     int health_status;     /* 0 = 200 */

@@ -137,6 +137,12 @@ static void garbage_and_closed_connections_are_502(void **state) {
     post(r, "/generate", "{\"text\": \"x\", \"stream\": true}", &resp);
     expect_error_event(&resp, 502);
     tc_free(&resp);
+    /* One event larger than the router's event window (256 KiB). */
+    fw_set(d, &(fw_behaviour){.tokens = 3, .pad_bytes = 300000});
+    post(r, "/generate", "{\"text\": \"x\", \"stream\": true, \"rid\": \"huge-1\"}", &resp);
+    expect_error_event(&resp, 502);
+    tc_free(&resp);
+    assert_true(fw_wait_got_abort(d, "huge-1", WAIT_MS));
     /* The decode node closes the connection without a word. */
     fw_set(d, &(fw_behaviour){.close = true});
     post(r, "/generate", "{\"text\": \"x\"}", &resp);

@@ -2,6 +2,7 @@
  * body plus the bootstrap fields, rooms are fresh, the client gets the
  * decode node's answer (status and body, streamed event by event), and the
  * policies spread requests as they promise. */
+#include <curl/curl.h>
 #include <pthread.h>
 #include <signal.h>
 
@@ -166,6 +167,68 @@ static void streaming_passes_every_event_in_order_then_done(void **state) {
     fw_stop(d);
 }
 
+/* A client that reads slowly: the router's event window fills, the decode
+ * transfer is paused and resumed, and still every event arrives in order. */
+typedef struct slow_reader {
+    tc_response resp;
+    bool slept;
+} slow_reader;
+
+static size_t slow_write(char *ptr, size_t size, size_t n, void *ud) {
+    slow_reader *s = ud;
+    if (!s->slept) {
+        s->slept = true;
+        tk_sleep_ms(1500);
+    }
+    size_t k = size * n;
+    s->resp.body = realloc(s->resp.body, s->resp.len + k + 1);
+    memcpy(s->resp.body + s->resp.len, ptr, k);
+    s->resp.len += k;
+    s->resp.body[s->resp.len] = '\0';
+    return k;
+}
+
+static void slow_reader_gets_every_event(void **state) {
+    (void)state;
+    fake_worker *p = fw_start("prefill"), *d = fw_start("decode");
+    enum { TOKENS = 3000 };
+    fw_set(d, &(fw_behaviour){.tokens = TOKENS, .pad_bytes = 1000}); /* ~3 MB of events */
+    pd_router *r = tk_router(&p, 1, &d, 1, NULL);
+    char url[128];
+    slow_reader sr = {0};
+    CURL *e = curl_easy_init();
+    curl_easy_setopt(e, CURLOPT_URL, tk_url(r, "/generate", url, sizeof url));
+    curl_easy_setopt(e, CURLOPT_NOPROXY, "*");
+    curl_easy_setopt(e, CURLOPT_POSTFIELDS, "{\"text\": \"x\", \"stream\": true}");
+    curl_easy_setopt(e, CURLOPT_WRITEFUNCTION, slow_write);
+    curl_easy_setopt(e, CURLOPT_WRITEDATA, &sr);
+    curl_easy_setopt(e, CURLOPT_BUFFERSIZE, 16384L);
+    curl_easy_setopt(e, CURLOPT_TIMEOUT_MS, 60000L);
+    assert_int_equal(curl_easy_perform(e), CURLE_OK);
+    curl_easy_cleanup(e);
+    size_t tokens;
+    char why[256] = "";
+    json_t *final = tc_sse_check(sr.resp.body, sr.resp.len, &tokens, why, sizeof why);
+    if (!final) fail_msg("%s", why);
+    if (tokens != TOKENS) {
+        char *text = json_dumps(final, JSON_COMPACT);
+        fail_msg("%zu tokens, then %.300s", tokens, text);
+    }
+    json_decref(final);
+    const char *at = sr.resp.body;
+    for (int k = 0; k < TOKENS; k += 7) {
+        char needle[32];
+        snprintf(needle, sizeof needle, "\"t%d x", k);
+        const char *hit = strstr(at, needle);
+        if (!hit) fail_msg("token %d missing or out of order", k);
+        at = hit;
+    }
+    tc_free(&sr.resp);
+    pd_router_destroy(r);
+    fw_stop(p);
+    fw_stop(d);
+}
+
 static void round_robin_alternates_across_two_by_two(void **state) {
     (void)state;
     fake_worker *p[2] = {fw_start("prefill"), fw_start("prefill")};
@@ -266,6 +329,7 @@ int main(void) {
         cmocka_unit_test(both_halves_get_the_body_with_bootstrap_fields),
         cmocka_unit_test(client_gets_the_decode_status_and_body),
         cmocka_unit_test(streaming_passes_every_event_in_order_then_done),
+        cmocka_unit_test(slow_reader_gets_every_event),
         cmocka_unit_test(round_robin_alternates_across_two_by_two),
         cmocka_unit_test(least_load_picks_the_worker_with_fewer_in_flight),
     };
