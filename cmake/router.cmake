@@ -37,8 +37,10 @@ if(PD_BUILD_TESTS)
                        test_router_failures test_router_abort test_router_input test_router_storm
                        PROPERTIES TIMEOUT 120)
 
-  # The command line: --help, bad usage, and a router process answering /health.
+  # The command line: --help, bad usage, a router process that listens and
+  # stops on SIGINT.
   add_test(NAME router_cli
            COMMAND ${CMAKE_COMMAND} -DPDSERVE=$<TARGET_FILE:pdserve>
+                   -DWORK=${CMAKE_BINARY_DIR}/router_cli
                    -P ${CMAKE_SOURCE_DIR}/tests/router/cli.cmake)
 endif()

@@ -174,6 +174,10 @@ int pd_cmd_router(int argc, char **argv) {
         if (pd_router_url_parse(spec, prefill, &u, msg, sizeof msg) != PD_OK)
             return usage_error(msg, "");
     }
+    /* A shell starts background jobs with SIGINT ignored; an ignored signal
+     * is discarded, never seen by sigwait. The router wants both. */
+    signal(SIGINT, SIG_DFL);
+    signal(SIGTERM, SIG_DFL);
     sigset_t stop_signals;
     sigemptyset(&stop_signals);
     sigaddset(&stop_signals, SIGINT);
