@@ -12,5 +12,6 @@ int pd_cmd_serve(int argc, char **argv);
 int pd_cmd_prefill(int argc, char **argv);
 int pd_cmd_decode(int argc, char **argv);
 int pd_cmd_run(int argc, char **argv);
+int pd_cmd_router(int argc, char **argv);
 
 #endif

@@ -20,6 +20,7 @@ static const command commands[] = {
     {"sim", pd_cmd_sim, "deterministic simulator: random runs, swarms, exploration, scenario replay"},
     {"model", pd_cmd_model, "model tools: `model init` writes a model directory"},
     {"generate", pd_cmd_generate, "offline generation with the tiny hybrid model"},
+    {"router", pd_cmd_router, "HTTP router: pairs each request with a prefill and a decode node"},
 };
 
 static void usage(FILE *to) {

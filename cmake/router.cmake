@@ -1,0 +1,46 @@
+# The HTTP router (src/router): library, CLI hook, tests.
+# Included by the top-level CMakeLists.txt before the pdserve executable.
+find_package(Threads REQUIRED)
+pkg_check_modules(MICROHTTPD REQUIRED IMPORTED_TARGET libmicrohttpd)
+pkg_check_modules(CURL REQUIRED IMPORTED_TARGET libcurl)
+
+add_library(pd_router STATIC
+  src/router/http.c
+  src/router/policy.c
+  src/router/workers.c
+  src/router/health.c
+  src/router/client.c
+  src/router/forward.c
+  src/router/stats.c
+  src/router/router.c)
+target_include_directories(pd_router PUBLIC ${CMAKE_SOURCE_DIR}/src/router)
+target_compile_definitions(pd_router PRIVATE PD_VERSION="${PROJECT_VERSION}")
+target_link_libraries(pd_router PUBLIC pd_base PkgConfig::JANSSON PkgConfig::MICROHTTPD
+                      PkgConfig::CURL Threads::Threads)
+
+list(APPEND PD_CLI_SOURCES src/cli/cmd_router.c)
+list(APPEND PD_CLI_LIBS pd_router)
+
+if(PD_BUILD_TESTS)
+  # The fake prefill/decode workers and a small HTTP client for the tests.
+  add_library(pd_router_testkit STATIC tests/router/fake_worker.c tests/router/test_client.c)
+  target_link_libraries(pd_router_testkit PUBLIC pd_router)
+
+  pd_add_test(test_router_units tests/router/test_units.c pd_router_testkit)
+  pd_add_test(test_router_forward tests/router/test_forward.c pd_router_testkit)
+  pd_add_test(test_router_health tests/router/test_health.c pd_router_testkit)
+  pd_add_test(test_router_failures tests/router/test_failures.c pd_router_testkit)
+  pd_add_test(test_router_abort tests/router/test_abort.c pd_router_testkit)
+  pd_add_test(test_router_input tests/router/test_input.c pd_router_testkit)
+  pd_add_test(test_router_storm tests/router/test_storm.c pd_router_testkit)
+  set_tests_properties(test_router_units test_router_forward test_router_health
+                       test_router_failures test_router_abort test_router_input test_router_storm
+                       PROPERTIES TIMEOUT 120)
+
+  # The command line: --help, bad usage, a router process that listens and
+  # stops on SIGINT.
+  add_test(NAME router_cli
+           COMMAND ${CMAKE_COMMAND} -DPDSERVE=$<TARGET_FILE:pdserve>
+                   -DWORK=${CMAKE_BINARY_DIR}/router_cli
+                   -P ${CMAKE_SOURCE_DIR}/tests/router/cli.cmake)
+endif()

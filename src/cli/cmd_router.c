@@ -1,0 +1,209 @@
+/*
+ * pdserve router — the HTTP router of a disaggregated deployment.
+ *
+ * Parses the options into a pd_router_config, starts the router
+ * (src/router), prints one line saying where it listens and waits for
+ * SIGINT or SIGTERM, then stops it: requests in flight get their workers
+ * aborted and a 503. The signals are blocked before any thread starts and
+ * taken with sigwait, so no handler runs in a library thread.
+ *
+ * Exit codes: 0 stopped by a signal, 1 runtime failure (cannot listen),
+ * 2 usage error.
+ */
+#include <errno.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "commands.h"
+#include "router.h"
+
+static void usage(FILE *to) {
+    fprintf(to,
+            "usage: pdserve router --prefill URL [--prefill URL ...] --decode URL [--decode URL ...]\n"
+            "                      [options]\n"
+            "\n"
+            "An HTTP server with the client API of a serve node (docs/http-api.md). Each\n"
+            "POST /generate or /v1/completions goes to one healthy prefill node and one healthy\n"
+            "decode node at once, with a fresh random bootstrap room; the client gets the decode\n"
+            "node's answer (streamed when it asked for \"stream\": true). See docs/router.md.\n"
+            "\n"
+            "workers:\n"
+            "  --prefill URL[@PORT]        a prefill node, http://host:port; the optional @PORT\n"
+            "                              is its bootstrap port (default: --bootstrap-port).\n"
+            "                              Repeat for more nodes (at most %d per role)\n"
+            "  --decode URL                a decode node, http://host:port; repeatable\n"
+            "  --bootstrap-port N          bootstrap port of prefill nodes given without @PORT\n"
+            "                              (default 8998). The bootstrap host is the URL's host\n"
+            "  --policy NAME               round_robin (default): each role's healthy nodes in\n"
+            "                              turn; least_load: the healthy node with the fewest\n"
+            "                              requests in flight from this router\n"
+            "\n"
+            "server:\n"
+            "  --host H                    listen address (default 127.0.0.1)\n"
+            "  --port P                    listen port (default 30000; 0 = any free port)\n"
+            "  --max-body-bytes N          larger request bodies get 413 (default 1048576)\n"
+            "  --max-connections N         client connections = requests in flight (default 1024)\n"
+            "\n"
+            "health and timeouts:\n"
+            "  --health-interval-ms N      GET /health of every worker this often (default 1000);\n"
+            "                              2 failures in a row take a worker out, 1 success\n"
+            "                              brings it back\n"
+            "  --health-timeout-ms N       one probe's time limit (default 1000)\n"
+            "  --request-timeout-s N       a request's time limit, both halves, streaming\n"
+            "                              included; then 504 and both halves aborted (default 600)\n"
+            "  --abort-grace-ms N          after POST /abort_request, how long the decode node\n"
+            "                              gets to end the answer itself (default 1000)\n"
+            "  --help                      this text\n"
+            "\n"
+            "Example:\n"
+            "  pdserve router --prefill http://10.0.0.5:30001@8998 --decode http://10.0.0.6:30002\n"
+            "\n"
+            "Stops on SIGINT/SIGTERM. Exit codes: 0 stopped, 1 runtime error, 2 usage error.\n",
+            PD_ROUTER_WORKERS_MAX);
+}
+
+static bool parse_u64(const char *s, uint64_t lo, uint64_t hi, uint64_t *out) {
+    if (!s || !*s || *s == '-' || *s == '+') return false;
+    char *end;
+    errno = 0;
+    unsigned long long v = strtoull(s, &end, 10);
+    if (errno || *end || v < lo || v > hi) return false;
+    *out = v;
+    return true;
+}
+
+static int usage_error(const char *what, const char *detail) {
+    fprintf(stderr, "pdserve router: %s%s (see pdserve router --help)\n", what, detail);
+    return 2;
+}
+
+/* 0 on success, else the exit code (2). */
+static int parse_args(int argc, char **argv, pd_router_config *cfg, bool *help) {
+    pd_router_config_default(cfg);
+    *help = false;
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i];
+        if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
+            *help = true;
+            return 0;
+        }
+        /* every other option takes a value: --opt VALUE or --opt=VALUE */
+        char name[64];
+        const char *val = NULL;
+        const char *eq = strchr(a, '=');
+        if (!strncmp(a, "--", 2) && eq && (size_t)(eq - a) < sizeof name) {
+            memcpy(name, a, (size_t)(eq - a));
+            name[eq - a] = '\0';
+            val = eq + 1;
+        } else {
+            snprintf(name, sizeof name, "%s", a);
+            if (i + 1 < argc) val = argv[++i];
+        }
+        if (strncmp(name, "--", 2)) return usage_error("unexpected argument ", name);
+        if (!val) return usage_error(name, " needs a value");
+        uint64_t v = 0;
+        bool ok = true;
+        if (!strcmp(name, "--prefill")) {
+            if (cfg->prefill_count == PD_ROUTER_WORKERS_MAX)
+                return usage_error("too many --prefill nodes", "");
+            cfg->prefill[cfg->prefill_count++] = val;
+        } else if (!strcmp(name, "--decode")) {
+            if (cfg->decode_count == PD_ROUTER_WORKERS_MAX)
+                return usage_error("too many --decode nodes", "");
+            cfg->decode[cfg->decode_count++] = val;
+        } else if (!strcmp(name, "--host")) {
+            cfg->host = val;
+        } else if (!strcmp(name, "--port")) {
+            ok = parse_u64(val, 0, 65535, &v);
+            cfg->port = (uint16_t)v;
+        } else if (!strcmp(name, "--bootstrap-port")) {
+            ok = parse_u64(val, 1, 65535, &v);
+            cfg->bootstrap_port = (uint16_t)v;
+        } else if (!strcmp(name, "--policy")) {
+            ok = pd_router_policy_parse(val, &cfg->policy) == PD_OK;
+        } else if (!strcmp(name, "--health-interval-ms")) {
+            ok = parse_u64(val, 1, 3600000, &v);
+            cfg->health_interval_ms = (uint32_t)v;
+        } else if (!strcmp(name, "--health-timeout-ms")) {
+            ok = parse_u64(val, 1, 3600000, &v);
+            cfg->health_timeout_ms = (uint32_t)v;
+        } else if (!strcmp(name, "--request-timeout-s")) {
+            ok = parse_u64(val, 1, 86400, &v);
+            cfg->request_timeout_ms = (uint32_t)(v * 1000);
+        } else if (!strcmp(name, "--abort-grace-ms")) {
+            ok = parse_u64(val, 0, 3600000, &v);
+            cfg->abort_grace_ms = (uint32_t)v;
+        } else if (!strcmp(name, "--max-body-bytes")) {
+            ok = parse_u64(val, 1, (uint64_t)1 << 32, &v);
+            cfg->max_body_bytes = (size_t)v;
+        } else if (!strcmp(name, "--max-connections")) {
+            ok = parse_u64(val, 1, 65536, &v);
+            cfg->connections_max = (uint32_t)v;
+        } else {
+            return usage_error("unknown option ", name);
+        }
+        if (!ok) {
+            fprintf(stderr, "pdserve router: %s: bad value '%s' (see pdserve router --help)\n", name,
+                    val);
+            return 2;
+        }
+    }
+    if (cfg->prefill_count == 0) return usage_error("at least one --prefill URL is required", "");
+    if (cfg->decode_count == 0) return usage_error("at least one --decode URL is required", "");
+    return 0;
+}
+
+int pd_cmd_router(int argc, char **argv) {
+    pd_router_config cfg;
+    bool help;
+    int rc = parse_args(argc, argv, &cfg, &help);
+    if (rc) return rc;
+    if (help) {
+        usage(stdout);
+        return 0;
+    }
+    char msg[256];
+    /* Worker URLs are checked here so that a typo is a usage error. */
+    for (size_t i = 0; i < cfg.prefill_count + cfg.decode_count; i++) {
+        bool prefill = i < cfg.prefill_count;
+        pd_router_url u;
+        const char *spec = prefill ? cfg.prefill[i] : cfg.decode[i - cfg.prefill_count];
+        if (pd_router_url_parse(spec, prefill, &u, msg, sizeof msg) != PD_OK)
+            return usage_error(msg, "");
+    }
+    /* A shell starts background jobs with SIGINT ignored; an ignored signal
+     * is discarded, never seen by sigwait. The router wants both. */
+    signal(SIGINT, SIG_DFL);
+    signal(SIGTERM, SIG_DFL);
+    sigset_t stop_signals;
+    sigemptyset(&stop_signals);
+    sigaddset(&stop_signals, SIGINT);
+    sigaddset(&stop_signals, SIGTERM);
+    pthread_sigmask(SIG_BLOCK, &stop_signals, NULL);
+    signal(SIGPIPE, SIG_IGN);
+
+    pd_router *r = NULL;
+    pd_err err = pd_router_create(&r, &cfg, msg, sizeof msg);
+    if (err) {
+        fprintf(stderr, "pdserve router: %s\n", msg);
+        return err == PD_ERR_INVALID ? 2 : 1;
+    }
+    err = pd_router_start(r, msg, sizeof msg);
+    if (err) {
+        fprintf(stderr, "pdserve router: %s\n", msg);
+        pd_router_destroy(r);
+        return 1;
+    }
+    printf("pdserve router listening on http://%s:%u (%zu prefill, %zu decode, policy %s)\n",
+           cfg.host, (unsigned)pd_router_port(r), cfg.prefill_count, cfg.decode_count,
+           pd_router_policy_name(cfg.policy));
+    fflush(stdout);
+    int sig = 0;
+    sigwait(&stop_signals, &sig);
+    fprintf(stderr, "pdserve router: signal %d, stopping\n", sig);
+    pd_router_destroy(r);
+    return 0;
+}

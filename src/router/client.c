@@ -1,0 +1,116 @@
+/*
+ * Common libcurl settings and the fan-out POST; see client.h.
+ */
+#include "client.h"
+
+#include <jansson.h>
+#include <pthread.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "router.h"
+
+static pthread_once_t global_once = PTHREAD_ONCE_INIT;
+static CURLcode global_rc = CURLE_OK;
+
+static void global_init_once(void) { global_rc = curl_global_init(CURL_GLOBAL_DEFAULT); }
+
+pd_err pd_router_client_global_init(char *msg, size_t msg_cap) {
+    pthread_once(&global_once, global_init_once);
+    if (global_rc != CURLE_OK)
+        return pd_errorf(msg, msg_cap, PD_ERR_INTERNAL, "curl_global_init: %s",
+                         curl_easy_strerror(global_rc));
+    return PD_OK;
+}
+
+void pd_router_client_setup(CURL *easy, uint32_t connect_timeout_ms) {
+    curl_easy_setopt(easy, CURLOPT_NOSIGNAL, 1L);
+    /* Workers are addressed directly; an http_proxy in the environment must
+     * not reroute them. */
+    curl_easy_setopt(easy, CURLOPT_NOPROXY, "*");
+    curl_easy_setopt(easy, CURLOPT_HTTP_VERSION, (long)CURL_HTTP_VERSION_1_1);
+    curl_easy_setopt(easy, CURLOPT_CONNECTTIMEOUT_MS, (long)connect_timeout_ms);
+    curl_easy_setopt(easy, CURLOPT_TCP_NODELAY, 1L);
+}
+
+uint64_t pd_router_now_ms(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000u + (uint64_t)ts.tv_nsec / 1000000u;
+}
+
+/* An answer body, kept up to a small bound: aborts answer a few bytes. */
+typedef struct small_body {
+    char data[1024];
+    size_t len;
+} small_body;
+
+static size_t small_body_write(char *ptr, size_t size, size_t nmemb, void *userdata) {
+    small_body *b = userdata;
+    size_t n = size * nmemb;
+    size_t room = sizeof b->data - 1 - b->len;
+    size_t take = n < room ? n : room;
+    memcpy(b->data + b->len, ptr, take);
+    b->len += take;
+    b->data[b->len] = '\0';
+    return n; /* the excess is dropped, not an error */
+}
+
+void pd_router_fanout_post(pd_router_post *posts, size_t n, const char *body,
+                           uint32_t timeout_ms, uint32_t connect_timeout_ms) {
+    PD_ASSERT(n <= 2 * PD_ROUTER_WORKERS_MAX);
+    CURL *easy[2 * PD_ROUTER_WORKERS_MAX] = {0};
+    small_body *bodies = calloc(n ? n : 1, sizeof *bodies);
+    struct curl_slist *hdrs = curl_slist_append(NULL, "Content-Type: application/json");
+    struct curl_slist *more = hdrs ? curl_slist_append(hdrs, "Expect:") : NULL;
+    if (!more) {
+        curl_slist_free_all(hdrs);
+        hdrs = NULL;
+    }
+    CURLM *multi = curl_multi_init();
+    for (size_t i = 0; i < n; i++) {
+        posts[i].status = 0;
+        posts[i].aborted = -1;
+        if (!multi || !hdrs || !bodies) continue;
+        easy[i] = curl_easy_init();
+        if (!easy[i]) continue;
+        pd_router_client_setup(easy[i], connect_timeout_ms);
+        curl_easy_setopt(easy[i], CURLOPT_URL, posts[i].url);
+        curl_easy_setopt(easy[i], CURLOPT_HTTPHEADER, hdrs);
+        curl_easy_setopt(easy[i], CURLOPT_POSTFIELDS, body);
+        curl_easy_setopt(easy[i], CURLOPT_POSTFIELDSIZE, (long)strlen(body));
+        curl_easy_setopt(easy[i], CURLOPT_TIMEOUT_MS, (long)timeout_ms);
+        curl_easy_setopt(easy[i], CURLOPT_WRITEFUNCTION, small_body_write);
+        curl_easy_setopt(easy[i], CURLOPT_WRITEDATA, &bodies[i]);
+        if (curl_multi_add_handle(multi, easy[i]) != CURLM_OK) {
+            curl_easy_cleanup(easy[i]);
+            easy[i] = NULL;
+        }
+    }
+    if (multi) {
+        /* Each handle ends by its own CURLOPT_TIMEOUT_MS; the loop bound is a
+         * backstop against a clock or library surprise. */
+        uint64_t give_up_ms = pd_router_now_ms() + (uint64_t)timeout_ms + connect_timeout_ms + 1000;
+        int running = 1;
+        while (running > 0 && pd_router_now_ms() < give_up_ms) {
+            if (curl_multi_perform(multi, &running) != CURLM_OK) break;
+            if (running > 0) curl_multi_poll(multi, NULL, 0, 100, NULL);
+        }
+    }
+    for (size_t i = 0; i < n; i++) {
+        if (!easy[i]) continue;
+        long status = 0;
+        curl_easy_getinfo(easy[i], CURLINFO_RESPONSE_CODE, &status);
+        posts[i].status = status;
+        json_t *root = json_loadb(bodies[i].data, bodies[i].len, 0, NULL);
+        json_t *aborted = root ? json_object_get(root, "aborted") : NULL;
+        if (json_is_integer(aborted)) posts[i].aborted = (long long)json_integer_value(aborted);
+        json_decref(root);
+        curl_multi_remove_handle(multi, easy[i]);
+        curl_easy_cleanup(easy[i]);
+    }
+    if (multi) curl_multi_cleanup(multi);
+    curl_slist_free_all(hdrs);
+    free(bodies);
+}

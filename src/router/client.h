@@ -1,0 +1,42 @@
+/*
+ * The router as an HTTP client of its workers: the settings every libcurl
+ * handle gets, and a fan-out POST that sends one body to several workers at
+ * once and waits for all of them (bounded by a timeout).
+ *
+ * The fan-out is what aborts use: a client that hangs up costs one
+ * /abort_request to each half, a router-level /abort_request one to every
+ * worker, all in parallel so a dead worker costs one timeout, not one per
+ * worker. It blocks the calling thread, which is always a connection's own
+ * thread (libmicrohttpd thread-per-connection), never a shared one.
+ */
+#ifndef PDSERVE_ROUTER_CLIENT_H
+#define PDSERVE_ROUTER_CLIENT_H
+
+#include <curl/curl.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "pdserve/base.h"
+
+/* curl_global_init, once per process; safe to call from any thread. */
+pd_err pd_router_client_global_init(char *msg, size_t msg_cap);
+
+/* No signals, no proxy from the environment, HTTP/1.1, the connect timeout. */
+void pd_router_client_setup(CURL *easy, uint32_t connect_timeout_ms);
+
+typedef struct pd_router_post {
+    char url[320];          /* full URL, path included */
+    long status;            /* HTTP status, 0 when the worker did not answer */
+    long long aborted;      /* the answer's integer "aborted" field, -1 if absent */
+} pd_router_post;
+
+/* POSTs `body` (JSON) to every posts[i].url at once and fills status and
+ * aborted. Returns when all have answered or failed; each is limited to
+ * timeout_ms. n <= 2 * PD_ROUTER_WORKERS_MAX. */
+void pd_router_fanout_post(pd_router_post *posts, size_t n, const char *body,
+                           uint32_t timeout_ms, uint32_t connect_timeout_ms);
+
+/* Milliseconds of CLOCK_MONOTONIC. */
+uint64_t pd_router_now_ms(void);
+
+#endif

@@ -1,0 +1,856 @@
+/*
+ * One request's two halves; see forward.h for the phases and the order of
+ * decisions.
+ *
+ * The one rule behind every exit path: a half the router stops waiting for
+ * is told so. abandon_all() sends /abort_request {"rid"} to both workers
+ * (even a half that already finished: it costs a 404 and covers the race
+ * where a worker had not registered the rid yet) and closes both
+ * connections; abort_half() does the same for the one still running when
+ * the other half's failure decided the answer. A half that ended by itself
+ * (the decode node's final answer, the prefill node's hand-off) is never
+ * aborted afterwards.
+ *
+ * Event stream bookkeeping, in one buffer of SSE_WINDOW bytes:
+ *
+ *     [0, ready)         complete events, checked, waiting for the client
+ *     [ready, sse_len)   the start of an event still arriving
+ *
+ * Only complete events go out, so a router-made ending (error event or
+ * abort event, then [DONE]) never lands in the middle of a worker's event.
+ */
+#include "forward.h"
+
+#include <curl/curl.h>
+#include <errno.h>
+#include <jansson.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/types.h>
+#include <time.h>
+
+#include "client.h"
+#include "http.h"
+#include "stats.h"
+
+#define SSE_WINDOW (256u * 1024u)          /* event stream window; one event must fit */
+#define PREFILL_BODY_MAX (64u * 1024u)     /* kept of the prefill node's answer */
+#define SETTLE_MS 500u                     /* after the decode's answer, for the prefill's */
+#define POLL_SLICE_MS 1000u                /* a wait is never longer: re-check the clock */
+
+enum { PREFILL = 0, DECODE = 1 };
+
+typedef struct half {
+    pd_fwd *f;
+    int role;
+    char url[PD_ROUTER_URL_MAX + 32];
+    char abort_url[PD_ROUTER_URL_MAX + 32];
+    CURL *easy;
+    bool added;           /* in the multi handle */
+    bool done;            /* ended: completed, failed or closed by the router */
+    bool closed;          /* closed by the router before it completed */
+    bool aborted;         /* an /abort_request went to this worker */
+    bool failed;          /* for the worker's failure count */
+    CURLcode rc;
+    long status;
+    bool head_known;
+    bool sse;             /* decode: passing an event stream through */
+    bool paused;
+    bool overflow;        /* the answer outgrew its bound */
+    char content_type[128];
+    char *body;           /* buffered answer (not used when sse) */
+    size_t len, cap, cap_max;
+} half;
+
+struct pd_fwd {
+    pd_fwd_api api;
+    char rid[PD_ROUTER_RID_MAX + 32];
+    char model[128];
+    bool stream;
+    char *body;
+    size_t body_len;
+    int client_fd;
+    uint32_t timeout_ms, connect_timeout_ms, abort_timeout_ms, abort_grace_ms;
+
+    CURLM *multi;
+    struct curl_slist *hdrs;
+    half h[2];
+    bool started;
+    uint64_t deadline_ms;
+    uint64_t grace_deadline_ms;   /* 0 until an abort was requested and seen */
+    atomic_bool abort_requested;
+    atomic_bool shutdown_requested;
+    bool watch_client;
+    bool client_gone;
+    bool ended;                   /* nothing more to produce after what is queued */
+    unsigned outcome;
+    unsigned aborts_sent;
+
+    /* FULL answers made by the router, and the content type handed out. */
+    char *own_body;
+    char content_type[128];
+
+    /* STREAM */
+    char *sse;
+    size_t sse_len, ready, scanned;
+    bool saw_final, saw_done, garbage;
+    char *tail;
+    size_t tail_len, tail_off;
+};
+
+/* ---- small helpers ------------------------------------------------------ */
+
+static void copy_str(char *dst, size_t cap, const char *src) {
+    snprintf(dst, cap, "%s", src ? src : "");
+}
+
+static bool half_transport_failed(const half *h) { return h->done && !h->closed && h->rc != CURLE_OK; }
+static bool half_http_failed(const half *h) {
+    return h->done && !h->closed && h->rc == CURLE_OK && h->status >= 400;
+}
+static bool half_running(const half *h) { return h->added && !h->done; }
+
+/* The status a transport failure maps to, and its message. */
+static unsigned transport_status(const half *h, char *msg, size_t cap) {
+    const char *who = h->role == PREFILL ? "prefill" : "decode";
+    if (h->overflow) {
+        snprintf(msg, cap, "the %s node's answer is larger than the router's limit", who);
+        return 502;
+    }
+    if (h->rc == CURLE_OPERATION_TIMEDOUT) {
+        snprintf(msg, cap, "the %s node did not accept the connection in time", who);
+        return 504;
+    }
+    snprintf(msg, cap, "the %s node failed: %s", who, curl_easy_strerror(h->rc));
+    return 502;
+}
+
+/* ---- libcurl callbacks ---------------------------------------------------- */
+
+static void scan_events(pd_fwd *f);
+
+static void note_head(half *h) {
+    if (h->head_known) return;
+    h->head_known = true;
+    curl_easy_getinfo(h->easy, CURLINFO_RESPONSE_CODE, &h->status);
+    char *ct = NULL;
+    curl_easy_getinfo(h->easy, CURLINFO_CONTENT_TYPE, &ct);
+    copy_str(h->content_type, sizeof h->content_type, ct ? ct : "application/json");
+    if (h->role == DECODE && h->f->stream && h->status == 200 &&
+        !strncmp(h->content_type, "text/event-stream", 17))
+        h->sse = true;
+}
+
+/* The blank line after a final (>= 200) status's headers: the head is known
+ * before any body byte, so a stream's headers reach the client at once. */
+static size_t half_header(char *buf, size_t size, size_t nitems, void *userdata) {
+    half *h = userdata;
+    size_t n = size * nitems;
+    if ((n == 2 && buf[0] == '\r' && buf[1] == '\n') || (n == 1 && buf[0] == '\n')) {
+        long status = 0;
+        curl_easy_getinfo(h->easy, CURLINFO_RESPONSE_CODE, &status);
+        if (status >= 200) note_head(h);
+    }
+    return n;
+}
+
+static size_t half_write(char *ptr, size_t size, size_t nmemb, void *userdata) {
+    half *h = userdata;
+    pd_fwd *f = h->f;
+    size_t n = size * nmemb;
+    note_head(h);
+    if (h->sse) {
+        /* Nothing after [DONE] goes out, nor anything after garbage. */
+        if (f->saw_done || f->garbage) return n;
+        if (n <= SSE_WINDOW - f->sse_len) {
+            memcpy(f->sse + f->sse_len, ptr, n);
+            f->sse_len += n;
+            h->paused = false;
+            return n;
+        }
+        /* Full. Would the chunk fit once the client took every complete
+         * event? If not, one event is larger than the window and the
+         * stream is unusable; if so, wait for the client. */
+        scan_events(f);
+        if (f->saw_done || f->garbage) return n;
+        if (n > SSE_WINDOW - (f->sse_len - f->ready)) {
+            h->overflow = true;
+            return 0;
+        }
+        h->paused = true;
+        return CURL_WRITEFUNC_PAUSE;
+    }
+    if (h->overflow) return h->role == PREFILL ? n : 0;
+    if (n > h->cap_max - h->len) {
+        h->overflow = true;
+        /* The prefill node's answer matters only as an error message: keep
+         * its start, drop the rest. The decode node's answer is the
+         * client's: a truncated one would be wrong, so the transfer fails. */
+        return h->role == PREFILL ? n : 0;
+    }
+    if (h->len + n + 1 > h->cap) {
+        size_t cap = h->cap ? h->cap : 4096;
+        while (cap < h->len + n + 1) cap *= 2;
+        if (cap > h->cap_max + 1) cap = h->cap_max + 1;
+        char *nb = realloc(h->body, cap);
+        if (!nb) {
+            h->overflow = true;
+            return h->role == PREFILL ? n : 0;
+        }
+        h->body = nb;
+        h->cap = cap;
+    }
+    memcpy(h->body + h->len, ptr, n);
+    h->len += n;
+    h->body[h->len] = '\0';
+    return n;
+}
+
+/* ---- driving the transfers ------------------------------------------------ */
+
+static void harvest(pd_fwd *f) {
+    CURLMsg *m;
+    int left;
+    while ((m = curl_multi_info_read(f->multi, &left))) {
+        if (m->msg != CURLMSG_DONE) continue;
+        half *h = NULL;
+        curl_easy_getinfo(m->easy_handle, CURLINFO_PRIVATE, (char **)&h);
+        PD_ASSERT(h != NULL && h->easy == m->easy_handle);
+        CURLcode rc = m->data.result;
+        note_head(h);
+        h->rc = rc;
+        h->done = true;
+        curl_multi_remove_handle(f->multi, h->easy);
+        h->added = false;
+        if (rc != CURLE_OK || h->status >= 500) h->failed = true;
+    }
+}
+
+/* A hang-up shows as end-of-file (or an error) on a peek. Data means the
+ * client pipelined its next request: from then on a hang-up cannot be told
+ * from data without reading it, so the watch stops (the stream's writes
+ * still notice a hang-up). */
+static void check_client(pd_fwd *f) {
+    if (!f->watch_client || f->client_gone) return;
+    char c;
+    ssize_t r = recv(f->client_fd, &c, 1, MSG_PEEK | MSG_DONTWAIT);
+    if (r == 0) f->client_gone = true;
+    else if (r > 0) f->watch_client = false;
+    else if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) f->client_gone = true;
+}
+
+static void pump(pd_fwd *f, uint64_t wait_ms) {
+    if (wait_ms > POLL_SLICE_MS) wait_ms = POLL_SLICE_MS;
+    struct curl_waitfd wfd = {.fd = f->client_fd, .events = CURL_WAIT_POLLIN, .revents = 0};
+    bool watch = f->watch_client && !f->client_gone;
+    curl_multi_poll(f->multi, watch ? &wfd : NULL, watch ? 1u : 0u, (int)wait_ms, NULL);
+    /* Checked after every wait, not only when poll flags the socket: a
+     * reset can come back as POLLERR alone, which curl does not report. */
+    check_client(f);
+    int running = 0;
+    curl_multi_perform(f->multi, &running);
+    harvest(f);
+}
+
+static void close_half(half *h) {
+    if (h->added) {
+        curl_multi_remove_handle(h->f->multi, h->easy);
+        h->added = false;
+    }
+    if (!h->done) {
+        h->done = true;
+        h->closed = true;
+    }
+}
+
+/* /abort_request {"rid"} to the given halves' workers at once. */
+static void send_aborts(pd_fwd *f, bool prefill, bool decode) {
+    pd_router_post posts[2];
+    size_t n = 0;
+    for (int r = 0; r < 2; r++) {
+        if (!(r == PREFILL ? prefill : decode) || f->h[r].aborted) continue;
+        f->h[r].aborted = true;
+        copy_str(posts[n].url, sizeof posts[n].url, f->h[r].abort_url);
+        n++;
+    }
+    if (n == 0) return;
+    json_t *o = json_pack("{s:s}", "rid", f->rid);
+    char *body = o ? json_dumps(o, JSON_COMPACT) : NULL;
+    json_decref(o);
+    if (!body) return;
+    pd_router_fanout_post(posts, n, body, f->abort_timeout_ms, f->connect_timeout_ms);
+    free(body);
+    f->aborts_sent += (unsigned)n;
+}
+
+/* Both workers are told and both connections closed. `blame`: the halves
+ * still running count as failed (they ran out of time). */
+static void abandon_all(pd_fwd *f, bool blame) {
+    for (int r = 0; r < 2; r++)
+        if (blame && half_running(&f->h[r])) f->h[r].failed = true;
+    send_aborts(f, true, true);
+    close_half(&f->h[PREFILL]);
+    close_half(&f->h[DECODE]);
+}
+
+/* The other half decided the answer: tell this one if it still runs. */
+static void abort_half(pd_fwd *f, int role) {
+    if (!half_running(&f->h[role])) return;
+    send_aborts(f, role == PREFILL, role == DECODE);
+    close_half(&f->h[role]);
+}
+
+/* After the decode node's own final answer: give the prefill node a moment
+ * to finish its (normally already finished) hand-off answer, then tell it if
+ * it has not. The decode connection, if still open, is simply closed. */
+static void settle(pd_fwd *f) {
+    uint64_t until_ms = pd_router_now_ms() + SETTLE_MS;
+    while (half_running(&f->h[PREFILL]) && !f->client_gone) {
+        uint64_t now = pd_router_now_ms();
+        if (now >= until_ms) break;
+        pump(f, until_ms - now);
+    }
+    abort_half(f, PREFILL);
+    close_half(&f->h[DECODE]);
+}
+
+/* ---- router-made answers ---------------------------------------------------- */
+
+/* The final answer of an aborted request in the API's shape: a whole body
+ * (non-streaming) or the data of one event (streaming). */
+static char *abort_answer(const pd_fwd *f, bool event) {
+    json_t *o;
+    if (f->api == PD_FWD_GENERATE) {
+        o = json_pack("{s:s, s:[], s:{s:s, s:{s:s, s:s, s:i}, s:i, s:i, s:i}}", "text", "",
+                      "output_ids", "meta_info", "id", f->rid, "finish_reason", "type", "abort",
+                      "message", "aborted by the router", "status_code", 499, "prompt_tokens", 0,
+                      "completion_tokens", 0, "cached_tokens", 0);
+    } else {
+        char id[PD_ROUTER_RID_MAX + 40];
+        snprintf(id, sizeof id, "cmpl-%s", f->rid);
+        o = json_pack("{s:s, s:s, s:I, s:s, s:[{s:i, s:s, s:s, s:n}]}", "id", id, "object",
+                      "text_completion", "created", (json_int_t)time(NULL), "model", f->model,
+                      "choices", "index", 0, "text", "", "finish_reason", "abort", "logprobs");
+        if (o && !event)
+            json_object_set_new(o, "usage",
+                                json_pack("{s:i, s:i, s:i}", "prompt_tokens", 0,
+                                          "completion_tokens", 0, "total_tokens", 0));
+    }
+    char *text = o ? json_dumps(o, JSON_COMPACT) : NULL;
+    json_decref(o);
+    return text;
+}
+
+static void set_full(pd_fwd *f, pd_fwd_head *head, unsigned status, char *own_body) {
+    free(f->own_body);
+    f->own_body = own_body;
+    copy_str(f->content_type, sizeof f->content_type, "application/json");
+    head->kind = PD_FWD_FULL;
+    head->status = status;
+    head->content_type = f->content_type;
+    head->body = own_body ? own_body : "";
+    head->body_len = own_body ? strlen(own_body) : 0;
+    f->outcome = status;
+    f->ended = true;
+}
+
+#if defined(__GNUC__)
+__attribute__((format(printf, 4, 5)))
+#endif
+static void set_error(pd_fwd *f, pd_fwd_head *head, unsigned status, const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    char *body = pd_http_error_body_v(status, fmt, ap);
+    va_end(ap);
+    set_full(f, head, status, body);
+}
+
+/* Ends the stream with `event_data` (may be NULL: no event) then [DONE]. */
+static void set_tail(pd_fwd *f, char *event_data, unsigned outcome) {
+    static const char done[] = "data: [DONE]\n\n";
+    PD_ASSERT(f->ready == 0);
+    f->sse_len = 0; /* a partial event from the worker is dropped */
+    f->scanned = 0;
+    size_t ev = event_data ? strlen(event_data) : 0;
+    size_t cap = ev + 16 + sizeof done;
+    free(f->tail);
+    f->tail = malloc(cap);
+    if (f->tail) {
+        int n = event_data ? snprintf(f->tail, cap, "data: %s\n\n%s", event_data, done)
+                           : snprintf(f->tail, cap, "%s", done);
+        f->tail_len = n > 0 ? (size_t)n : 0;
+    } else {
+        f->tail_len = 0;
+    }
+    f->tail_off = 0;
+    free(event_data);
+    f->outcome = outcome;
+    f->ended = true;
+}
+
+#if defined(__GNUC__)
+__attribute__((format(printf, 3, 4)))
+#endif
+static void set_error_tail(pd_fwd *f, unsigned status, const char *fmt, ...) {
+    char *ev = NULL;
+    if (!f->saw_final) {
+        va_list ap;
+        va_start(ap, fmt);
+        ev = pd_http_error_body_v(status, fmt, ap);
+        va_end(ap);
+    }
+    set_tail(f, ev, f->saw_final ? 200 : status);
+}
+
+static void set_abort_tail(pd_fwd *f) {
+    set_tail(f, f->saw_final ? NULL : abort_answer(f, true), f->saw_final ? 200 : 499);
+}
+
+/* ---- creation ---------------------------------------------------------------- */
+
+static pd_err half_init(pd_fwd *f, int role, const char *base, const char *path, char *msg,
+                        size_t msg_cap) {
+    half *h = &f->h[role];
+    h->f = f;
+    h->role = role;
+    snprintf(h->url, sizeof h->url, "%s%s", base, path);
+    snprintf(h->abort_url, sizeof h->abort_url, "%s/abort_request", base);
+    h->cap_max = role == PREFILL ? PREFILL_BODY_MAX : 0;
+    h->easy = curl_easy_init();
+    if (!h->easy) return pd_errorf(msg, msg_cap, PD_ERR_NOMEM, "curl_easy_init failed");
+    pd_router_client_setup(h->easy, f->connect_timeout_ms);
+    curl_easy_setopt(h->easy, CURLOPT_URL, h->url);
+    curl_easy_setopt(h->easy, CURLOPT_HTTPHEADER, f->hdrs);
+    curl_easy_setopt(h->easy, CURLOPT_POSTFIELDS, f->body);
+    curl_easy_setopt(h->easy, CURLOPT_POSTFIELDSIZE_LARGE, (curl_off_t)f->body_len);
+    curl_easy_setopt(h->easy, CURLOPT_WRITEFUNCTION, half_write);
+    curl_easy_setopt(h->easy, CURLOPT_WRITEDATA, h);
+    curl_easy_setopt(h->easy, CURLOPT_HEADERFUNCTION, half_header);
+    curl_easy_setopt(h->easy, CURLOPT_HEADERDATA, h);
+    curl_easy_setopt(h->easy, CURLOPT_PRIVATE, (char *)h);
+    return PD_OK;
+}
+
+pd_err pd_fwd_create(pd_fwd **out, const pd_fwd_params *p, char *msg, size_t msg_cap) {
+    *out = NULL;
+    PD_ASSERT(p->rid && p->body && p->prefill_base && p->decode_base);
+    PD_ASSERT(p->timeout_ms > 0 && p->max_response_bytes > 0);
+    pd_fwd *f = calloc(1, sizeof *f);
+    if (!f) {
+        free(p->body);
+        return pd_errorf(msg, msg_cap, PD_ERR_NOMEM, "out of memory");
+    }
+    f->api = p->api;
+    copy_str(f->rid, sizeof f->rid, p->rid);
+    copy_str(f->model, sizeof f->model, p->model ? p->model : "pdserve");
+    f->stream = p->stream;
+    f->body = p->body;
+    f->body_len = p->body_len;
+    f->client_fd = p->client_fd;
+    f->watch_client = p->client_fd >= 0;
+    f->timeout_ms = p->timeout_ms;
+    f->connect_timeout_ms = PD_MIN(p->connect_timeout_ms, p->timeout_ms);
+    f->abort_timeout_ms = p->abort_timeout_ms;
+    f->abort_grace_ms = p->abort_grace_ms;
+    atomic_init(&f->abort_requested, false);
+    atomic_init(&f->shutdown_requested, false);
+    const char *path = p->api == PD_FWD_GENERATE ? "/generate" : "/v1/completions";
+    pd_err err = PD_OK;
+    f->multi = curl_multi_init();
+    struct curl_slist *a = curl_slist_append(NULL, "Content-Type: application/json");
+    struct curl_slist *b = a ? curl_slist_append(a, "Expect:") : NULL;
+    f->hdrs = b ? b : a;
+    if (!f->multi || !b) err = pd_errorf(msg, msg_cap, PD_ERR_NOMEM, "out of memory");
+    if (!err) err = half_init(f, PREFILL, p->prefill_base, path, msg, msg_cap);
+    if (!err) err = half_init(f, DECODE, p->decode_base, path, msg, msg_cap);
+    f->h[DECODE].cap_max = p->max_response_bytes;
+    if (!err && p->stream && !(f->sse = malloc(SSE_WINDOW)))
+        err = pd_errorf(msg, msg_cap, PD_ERR_NOMEM, "out of memory");
+    if (err) {
+        pd_fwd_destroy(f);
+        return err;
+    }
+    *out = f;
+    return PD_OK;
+}
+
+/* ---- head ------------------------------------------------------------------- */
+
+/* The decode node's complete (non-streamed) answer decides the response. */
+static void finish_full(pd_fwd *f, pd_fwd_head *head) {
+    half *d = &f->h[DECODE];
+    char why[256];
+    if (d->rc != CURLE_OK) {
+        unsigned status = transport_status(d, why, sizeof why);
+        abort_half(f, PREFILL);
+        set_error(f, head, status, "%s", why);
+        return;
+    }
+    json_t *root = json_loadb(d->body ? d->body : "", d->len, 0, NULL);
+    bool is_object = json_is_object(root);
+    json_decref(root);
+    if (d->status >= 400) {
+        abort_half(f, PREFILL);
+        if (!is_object) {
+            set_error(f, head, (unsigned)d->status, "the decode node answered HTTP %ld", d->status);
+            return;
+        }
+    } else if (!is_object) {
+        d->failed = true;
+        abort_half(f, PREFILL);
+        set_error(f, head, 502, "the decode node answered HTTP %ld with a body that is not JSON",
+                  d->status);
+        return;
+    } else {
+        settle(f);
+    }
+    head->kind = PD_FWD_FULL;
+    head->status = (unsigned)d->status;
+    copy_str(f->content_type, sizeof f->content_type, d->content_type);
+    head->content_type = f->content_type;
+    head->body = d->body ? d->body : "";
+    head->body_len = d->len;
+    f->outcome = head->status;
+    f->ended = true;
+}
+
+/* The prefill node failed before the decode node answered: its failure is
+ * the answer and the decode half is told to stop. */
+static void prefill_failed(pd_fwd *f, pd_fwd_head *head) {
+    half *p = &f->h[PREFILL];
+    abort_half(f, DECODE);
+    char why[256];
+    if (p->rc != CURLE_OK) {
+        unsigned status = transport_status(p, why, sizeof why);
+        if (head) set_error(f, head, status, "%s", why);
+        else set_error_tail(f, status, "%s", why);
+        return;
+    }
+    /* Pass the node's own error body through when it is one, re-encoded on
+     * one line (as an event it must be one line). */
+    json_t *root = json_loadb(p->body ? p->body : "", p->len, 0, NULL);
+    char *own = json_is_object(json_object_get(root, "error")) ? json_dumps(root, JSON_COMPACT)
+                                                               : NULL;
+    json_decref(root);
+    unsigned status = (unsigned)p->status;
+    if (head && own) set_full(f, head, status, own);
+    else if (head) set_error(f, head, status, "the prefill node answered HTTP %u", status);
+    else if (own && !f->saw_final) set_tail(f, own, status);
+    else {
+        free(own);
+        set_error_tail(f, status, "the prefill node answered HTTP %u", status);
+    }
+}
+
+/* Common checks of both phases; true when the answer got decided. `head` is
+ * NULL in the stream phase. */
+static bool check_exits(pd_fwd *f, pd_fwd_head *head, uint64_t *wait_ms) {
+    uint64_t now = pd_router_now_ms();
+    if (atomic_load(&f->shutdown_requested)) {
+        abandon_all(f, false);
+        if (head) set_error(f, head, 503, "the router is shutting down");
+        else set_error_tail(f, 503, "the router is shutting down");
+        return true;
+    }
+    if (now >= f->deadline_ms) {
+        abandon_all(f, true);
+        if (head) set_error(f, head, 504, "no answer within the request timeout (%u ms)",
+                            f->timeout_ms);
+        else set_error_tail(f, 504, "no answer within the request timeout (%u ms)", f->timeout_ms);
+        return true;
+    }
+    uint64_t until = f->deadline_ms;
+    if (atomic_load(&f->abort_requested)) {
+        if (f->grace_deadline_ms == 0) f->grace_deadline_ms = now + f->abort_grace_ms;
+        if (now >= f->grace_deadline_ms) {
+            abandon_all(f, false);
+            if (head) {
+                if (f->stream) {
+                    head->kind = PD_FWD_STREAM;
+                    head->status = 200;
+                    copy_str(f->content_type, sizeof f->content_type, "text/event-stream");
+                    head->content_type = f->content_type;
+                    set_abort_tail(f);
+                } else {
+                    set_full(f, head, 200, abort_answer(f, false));
+                    f->outcome = 499;
+                }
+            } else {
+                set_abort_tail(f);
+            }
+            return true;
+        }
+        until = PD_MIN(until, f->grace_deadline_ms);
+    }
+    *wait_ms = until - now;
+    return false;
+}
+
+void pd_fwd_head_wait(pd_fwd *f, pd_fwd_head *head) {
+    memset(head, 0, sizeof *head);
+    PD_ASSERT(!f->started);
+    f->started = true;
+    f->deadline_ms = pd_router_now_ms() + f->timeout_ms;
+    for (int r = 0; r < 2; r++) {
+        if (curl_multi_add_handle(f->multi, f->h[r].easy) == CURLM_OK) {
+            f->h[r].added = true;
+        } else {
+            f->h[r].done = true;
+            f->h[r].rc = CURLE_OUT_OF_MEMORY;
+        }
+    }
+    int running = 0;
+    curl_multi_perform(f->multi, &running);
+    harvest(f);
+    half *p = &f->h[PREFILL], *d = &f->h[DECODE];
+    for (;;) {
+        if (f->client_gone) {
+            abandon_all(f, false);
+            head->kind = PD_FWD_GONE;
+            f->outcome = PD_ROUTER_STATUS_CLIENT_GONE;
+            f->ended = true;
+            return;
+        }
+        if (d->sse) {
+            head->kind = PD_FWD_STREAM;
+            head->status = 200;
+            copy_str(f->content_type, sizeof f->content_type, d->content_type);
+            head->content_type = f->content_type;
+            f->outcome = 200;
+            return;
+        }
+        if (d->done) {
+            finish_full(f, head);
+            return;
+        }
+        if (half_transport_failed(p) || half_http_failed(p)) {
+            prefill_failed(f, head);
+            return;
+        }
+        uint64_t wait_ms = 0;
+        if (check_exits(f, head, &wait_ms)) return;
+        pump(f, wait_ms);
+    }
+}
+
+/* ---- stream ------------------------------------------------------------------- */
+
+/* Classifies one complete event: [DONE], final (finish_reason set, or an
+ * error object), or neither. Returns false for garbage (data not JSON). */
+static bool classify_event(pd_fwd *f, const char *ev, size_t len) {
+    char data[SSE_WINDOW > 4096 ? 4096 : SSE_WINDOW];
+    char *big = NULL;
+    char *dst = data;
+    size_t cap = sizeof data, dlen = 0;
+    bool any = false;
+    size_t i = 0;
+    while (i < len) {
+        size_t j = i;
+        while (j < len && ev[j] != '\n') j++;
+        size_t line_len = j - i;
+        if (line_len && ev[i + line_len - 1] == '\r') line_len--;
+        if (line_len >= 5 && !memcmp(ev + i, "data:", 5)) {
+            const char *v = ev + i + 5;
+            size_t vl = line_len - 5;
+            if (vl && *v == ' ') v++, vl--;
+            size_t need = dlen + (any ? 1 : 0) + vl + 1;
+            if (need > cap) {
+                char *nb = malloc(len + 2);
+                if (!nb) return false;
+                memcpy(nb, dst, dlen);
+                free(big);
+                big = dst = nb;
+                cap = len + 2;
+            }
+            if (any) dst[dlen++] = '\n';
+            memcpy(dst + dlen, v, vl);
+            dlen += vl;
+            any = true;
+        }
+        i = j + 1;
+    }
+    bool ok = true;
+    if (any) {
+        if (dlen == 6 && !memcmp(dst, "[DONE]", 6)) {
+            f->saw_done = true;
+        } else {
+            json_t *root = json_loadb(dst, dlen, 0, NULL);
+            if (!json_is_object(root)) {
+                ok = false;
+            } else {
+                json_t *meta = json_object_get(root, "meta_info");
+                json_t *choices = json_object_get(root, "choices");
+                json_t *fr = json_object_get(meta, "finish_reason");
+                if (!fr && json_is_array(choices))
+                    fr = json_object_get(json_array_get(choices, 0), "finish_reason");
+                if ((fr && !json_is_null(fr)) || json_object_get(root, "error"))
+                    f->saw_final = true;
+            }
+            json_decref(root);
+        }
+    }
+    free(big);
+    return ok;
+}
+
+/* Moves `ready` over every complete event received. */
+static void scan_events(pd_fwd *f) {
+    while (!f->saw_done && !f->garbage) {
+        size_t from = f->scanned > f->ready + 3 ? f->scanned - 3 : f->ready;
+        size_t end = 0;
+        for (size_t i = from; i + 1 < f->sse_len; i++) {
+            if (f->sse[i] == '\n' && f->sse[i + 1] == '\n') {
+                end = i + 2;
+                break;
+            }
+            if (i + 3 < f->sse_len && !memcmp(f->sse + i, "\r\n\r\n", 4)) {
+                end = i + 4;
+                break;
+            }
+        }
+        if (end == 0) {
+            f->scanned = f->sse_len;
+            return;
+        }
+        if (!classify_event(f, f->sse + f->ready, end - f->ready)) {
+            f->garbage = true;
+            return;
+        }
+        f->ready = end;
+        f->scanned = end;
+        if (f->saw_done) f->sse_len = end; /* nothing after [DONE] goes out */
+    }
+}
+
+/* Called once the client has taken every complete event: the chunk curl
+ * holds back now fits (half_write refused for good any chunk that could not
+ * fit even then). */
+static void unpause(pd_fwd *f) {
+    half *d = &f->h[DECODE];
+    PD_ASSERT(f->ready == 0);
+    if (d->paused && d->added) {
+        d->paused = false;
+        /* May call half_write right here. */
+        curl_easy_pause(d->easy, CURLPAUSE_CONT);
+    }
+}
+
+long pd_fwd_stream_read(pd_fwd *f, char *buf, size_t max) {
+    PD_ASSERT(f->started && max > 0);
+    half *p = &f->h[PREFILL], *d = &f->h[DECODE];
+    for (;;) {
+        if (f->ready > 0) {
+            size_t n = PD_MIN(max, f->ready);
+            memcpy(buf, f->sse, n);
+            memmove(f->sse, f->sse + n, f->sse_len - n);
+            f->sse_len -= n;
+            f->ready -= n;
+            f->scanned -= n;
+            return (long)n;
+        }
+        if (f->tail_off < f->tail_len) {
+            size_t n = PD_MIN(max, f->tail_len - f->tail_off);
+            memcpy(buf, f->tail + f->tail_off, n);
+            f->tail_off += n;
+            return (long)n;
+        }
+        if (f->ended) return 0;
+        if (f->saw_done) {
+            settle(f);
+            f->outcome = 200;
+            f->ended = true;
+            continue;
+        }
+        unpause(f);
+        scan_events(f);
+        if (f->ready > 0 || f->saw_done) continue;
+        if (f->garbage || d->overflow) {
+            d->failed = true;
+            abandon_all(f, false);
+            set_error_tail(f, 502, "the decode node sent a malformed or oversized event");
+            continue;
+        }
+        if (d->done) {
+            /* The decode stream ended without [DONE]. */
+            abort_half(f, PREFILL);
+            if (d->rc != CURLE_OK && !d->closed) {
+                char why[256];
+                unsigned status = transport_status(d, why, sizeof why);
+                set_error_tail(f, status, "%s", why);
+            } else {
+                set_error_tail(f, 502, "the decode node ended the stream without a final event");
+            }
+            continue;
+        }
+        if (half_transport_failed(p) || half_http_failed(p)) {
+            prefill_failed(f, NULL);
+            continue;
+        }
+        if (f->client_gone) {
+            abandon_all(f, false);
+            f->outcome = PD_ROUTER_STATUS_CLIENT_GONE;
+            f->ended = true;
+            return -1;
+        }
+        uint64_t wait_ms = 0;
+        if (check_exits(f, NULL, &wait_ms)) continue;
+        pump(f, wait_ms);
+    }
+}
+
+/* ---- control from other threads, end, queries ------------------------------- */
+
+void pd_fwd_request_abort(pd_fwd *f) {
+    atomic_store(&f->abort_requested, true);
+    curl_multi_wakeup(f->multi);
+}
+
+void pd_fwd_request_shutdown(pd_fwd *f) {
+    atomic_store(&f->shutdown_requested, true);
+    curl_multi_wakeup(f->multi);
+}
+
+void pd_fwd_close(pd_fwd *f) {
+    if (!f->started) return;
+    if (!f->ended || f->tail_off < f->tail_len || f->ready > 0) {
+        /* The exchange ended before the answer was fully handed out: the
+         * client went away (or the connection failed) mid-answer. */
+        abandon_all(f, false);
+        f->outcome = PD_ROUTER_STATUS_CLIENT_GONE;
+        f->ended = true;
+        f->ready = f->tail_len = f->tail_off = 0;
+        return;
+    }
+    close_half(&f->h[PREFILL]);
+    close_half(&f->h[DECODE]);
+}
+
+unsigned pd_fwd_outcome(const pd_fwd *f) { return f->outcome; }
+
+bool pd_fwd_half_failed(const pd_fwd *f, pd_router_role role) {
+    return f->h[role == PD_ROUTER_PREFILL ? PREFILL : DECODE].failed;
+}
+
+unsigned pd_fwd_aborts_sent(const pd_fwd *f) { return f->aborts_sent; }
+
+void pd_fwd_destroy(pd_fwd *f) {
+    if (!f) return;
+    for (int r = 0; r < 2; r++) {
+        half *h = &f->h[r];
+        if (h->easy) {
+            if (h->added) curl_multi_remove_handle(f->multi, h->easy);
+            curl_easy_cleanup(h->easy);
+        }
+        free(h->body);
+    }
+    if (f->multi) curl_multi_cleanup(f->multi);
+    curl_slist_free_all(f->hdrs);
+    free(f->body);
+    free(f->own_body);
+    free(f->sse);
+    free(f->tail);
+    free(f);
+}

@@ -1,0 +1,885 @@
+/*
+ * The router's HTTP server: routes, request validation, the table of
+ * requests in flight, and the glue between libmicrohttpd and a forward.
+ *
+ * libmicrohttpd runs in thread-per-connection mode. A request's handler may
+ * block for as long as the request lives: it validates the body, picks a
+ * pair, rewrites the body with the bootstrap fields and drives the forward
+ * (forward.c) until the response's head is decided, then queues it; a
+ * streamed body is produced by the same thread from MHD's content-reader
+ * callback. The price is one thread per client connection, bounded by
+ * connections_max; the gain is straight-line code with no hand-written
+ * event loop, and a forward that is never shared between threads.
+ *
+ * The in-flight table (one slot per possible connection, a linear scan
+ * under a mutex) maps rids to forwards for the two things that reach a
+ * request from outside its thread: a router-level /abort_request and
+ * shutdown. A slot is taken before the workers hear of the rid, so an
+ * /abort_request can never miss a request that a worker already has;
+ * a flag set before the forward exists is handed to it when it attaches.
+ *
+ * MHD's request-completed callback is the single end of every request:
+ * it closes the forward (which aborts whatever still runs — this is where a
+ * hang-up that MHD noticed while writing ends up), releases the workers,
+ * frees the slot and records the outcome.
+ */
+#include "router.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <jansson.h>
+#include <microhttpd.h>
+#include <netdb.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/random.h>
+#include <sys/socket.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "client.h"
+#include "forward.h"
+#include "health.h"
+#include "http.h"
+#include "stats.h"
+#include "workers.h"
+
+#ifndef PD_VERSION
+#define PD_VERSION "0.1.0"
+#endif
+
+#define STREAM_BLOCK_BYTES (16u * 1024u)
+
+typedef struct slot {
+    bool used;
+    bool abort_pending;      /* flagged before the forward attached */
+    char rid[PD_ROUTER_RID_MAX + 1];
+    pd_fwd *fwd;
+} slot;
+
+struct pd_router {
+    pd_router_config cfg;
+    char host[256];
+    pd_router_workers workers;
+    pd_router_health health;
+    pd_router_stats stats;
+    struct MHD_Daemon *mhd;
+    uint16_t port;
+    bool started;
+    bool stopped;
+
+    pthread_mutex_t table_mu;
+    slot *slots;             /* cfg.connections_max of them */
+    bool stopping;           /* guarded by table_mu */
+};
+
+/* ---- configuration ---------------------------------------------------------- */
+
+void pd_router_config_default(pd_router_config *cfg) {
+    memset(cfg, 0, sizeof *cfg);
+    cfg->host = "127.0.0.1";
+    cfg->port = 30000;
+    cfg->bootstrap_port = PD_ROUTER_DEFAULT_BOOTSTRAP_PORT;
+    cfg->policy = PD_ROUTER_ROUND_ROBIN;
+    cfg->health_interval_ms = 1000;
+    cfg->health_timeout_ms = 1000;
+    cfg->unhealthy_after = 2;
+    cfg->request_timeout_ms = 600u * 1000u;
+    cfg->connect_timeout_ms = 5000;
+    cfg->abort_timeout_ms = 2000;
+    cfg->abort_grace_ms = 1000;
+    cfg->max_body_bytes = 1u << 20;
+    cfg->max_response_bytes = 64u << 20;
+    cfg->connections_max = 1024;
+}
+
+pd_err pd_router_create(pd_router **out, const pd_router_config *cfg, char *msg, size_t msg_cap) {
+    *out = NULL;
+    pd_err err = pd_router_client_global_init(msg, msg_cap);
+    if (err) return err;
+    if (!cfg->host || !*cfg->host || strlen(cfg->host) >= sizeof((pd_router *)0)->host)
+        return pd_errorf(msg, msg_cap, PD_ERR_INVALID, "a listen host is required");
+    if (cfg->health_interval_ms == 0 || cfg->health_timeout_ms == 0)
+        return pd_errorf(msg, msg_cap, PD_ERR_INVALID, "health interval and timeout must be > 0");
+    if (cfg->request_timeout_ms == 0 || cfg->connect_timeout_ms == 0 ||
+        cfg->abort_timeout_ms == 0)
+        return pd_errorf(msg, msg_cap, PD_ERR_INVALID, "timeouts must be > 0");
+    if (cfg->max_body_bytes == 0 || cfg->max_response_bytes == 0)
+        return pd_errorf(msg, msg_cap, PD_ERR_INVALID, "size limits must be > 0");
+    if (cfg->connections_max == 0 || cfg->connections_max > 65536)
+        return pd_errorf(msg, msg_cap, PD_ERR_INVALID, "connections_max must be 1..65536");
+    if (cfg->policy != PD_ROUTER_ROUND_ROBIN && cfg->policy != PD_ROUTER_LEAST_LOAD)
+        return pd_errorf(msg, msg_cap, PD_ERR_INVALID, "unknown policy");
+    pd_router *r = calloc(1, sizeof *r);
+    if (!r) return pd_errorf(msg, msg_cap, PD_ERR_NOMEM, "out of memory");
+    r->cfg = *cfg;
+    snprintf(r->host, sizeof r->host, "%s", cfg->host);
+    r->cfg.host = r->host;
+    /* The worker specs are parsed now; the table does not keep the strings. */
+    for (size_t i = 0; i < PD_ROUTER_WORKERS_MAX; i++) r->cfg.prefill[i] = r->cfg.decode[i] = NULL;
+    err = pd_router_workers_init(&r->workers, cfg, msg, msg_cap);
+    if (err) {
+        free(r);
+        return err;
+    }
+    r->slots = calloc(cfg->connections_max, sizeof *r->slots);
+    if (!r->slots) {
+        pd_router_workers_destroy(&r->workers);
+        free(r);
+        return pd_errorf(msg, msg_cap, PD_ERR_NOMEM, "out of memory");
+    }
+    pthread_mutex_init(&r->table_mu, NULL);
+    pd_router_stats_init(&r->stats);
+    *out = r;
+    return PD_OK;
+}
+
+uint16_t pd_router_port(const pd_router *r) { return r->port; }
+
+/* ---- ids -------------------------------------------------------------------- */
+
+static bool random_bytes(void *buf, size_t n) {
+    if (getrandom(buf, n, 0) == (ssize_t)n) return true;
+    int fd = open("/dev/urandom", O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return false;
+    bool ok = read(fd, buf, n) == (ssize_t)n;
+    close(fd);
+    return ok;
+}
+
+/* A fresh room: random, non-zero, below 2^63 so that every JSON parser that
+ * reads signed 64-bit integers (jansson among them) takes it whole. */
+static bool new_room(uint64_t *room) {
+    for (int tries = 0; tries < 8; tries++) {
+        uint64_t v;
+        if (!random_bytes(&v, sizeof v)) return false;
+        v &= INT64_MAX;
+        if (v) {
+            *room = v;
+            return true;
+        }
+    }
+    return false;
+}
+
+/* ---- the in-flight table ------------------------------------------------------- */
+
+/* Takes a slot for rid. PD_ERR_EXISTS: a live request has it; PD_ERR_NOMEM:
+ * full; PD_ERR_STATE: shutting down. */
+static pd_err table_add(pd_router *r, const char *rid, long *slot_out) {
+    pthread_mutex_lock(&r->table_mu);
+    pd_err err = PD_OK;
+    long free_slot = -1;
+    if (r->stopping) err = PD_ERR_STATE;
+    for (size_t i = 0; !err && i < r->cfg.connections_max; i++) {
+        slot *s = &r->slots[i];
+        if (!s->used) {
+            if (free_slot < 0) free_slot = (long)i;
+        } else if (!strcmp(s->rid, rid)) {
+            err = PD_ERR_EXISTS;
+        }
+    }
+    if (!err && free_slot < 0) err = PD_ERR_NOMEM;
+    if (!err) {
+        slot *s = &r->slots[free_slot];
+        memset(s, 0, sizeof *s);
+        s->used = true;
+        snprintf(s->rid, sizeof s->rid, "%s", rid);
+        *slot_out = free_slot;
+    }
+    pthread_mutex_unlock(&r->table_mu);
+    return err;
+}
+
+static void table_attach(pd_router *r, long i, pd_fwd *f) {
+    pthread_mutex_lock(&r->table_mu);
+    slot *s = &r->slots[i];
+    PD_ASSERT(s->used && s->fwd == NULL);
+    s->fwd = f;
+    if (s->abort_pending) pd_fwd_request_abort(f);
+    if (r->stopping) pd_fwd_request_shutdown(f);
+    pthread_mutex_unlock(&r->table_mu);
+}
+
+static void table_remove(pd_router *r, long i) {
+    pthread_mutex_lock(&r->table_mu);
+    PD_ASSERT(r->slots[i].used);
+    memset(&r->slots[i], 0, sizeof r->slots[i]);
+    pthread_mutex_unlock(&r->table_mu);
+}
+
+static size_t table_used(pd_router *r) {
+    size_t n = 0;
+    pthread_mutex_lock(&r->table_mu);
+    for (size_t i = 0; i < r->cfg.connections_max; i++) n += r->slots[i].used;
+    pthread_mutex_unlock(&r->table_mu);
+    return n;
+}
+
+/* Flags the requests with this rid (all when rid is NULL) for abort.
+ * Returns how many. */
+static size_t table_flag_abort(pd_router *r, const char *rid) {
+    size_t n = 0;
+    pthread_mutex_lock(&r->table_mu);
+    for (size_t i = 0; i < r->cfg.connections_max; i++) {
+        slot *s = &r->slots[i];
+        if (!s->used || (rid && strcmp(s->rid, rid))) continue;
+        n++;
+        if (s->fwd) pd_fwd_request_abort(s->fwd);
+        else s->abort_pending = true;
+    }
+    pthread_mutex_unlock(&r->table_mu);
+    return n;
+}
+
+/* ---- per-request state ------------------------------------------------------------ */
+
+typedef enum route {
+    ROUTE_GENERATE,
+    ROUTE_COMPLETIONS,
+    ROUTE_ABORT,
+    ROUTE_HEALTH,
+    ROUTE_SERVER_INFO,
+    ROUTE_METRICS,
+    ROUTE_NONE,
+} route;
+
+static const struct {
+    const char *path;
+    const char *method;
+} routes[] = {
+    [ROUTE_GENERATE] = {"/generate", "POST"},
+    [ROUTE_COMPLETIONS] = {"/v1/completions", "POST"},
+    [ROUTE_ABORT] = {"/abort_request", "POST"},
+    [ROUTE_HEALTH] = {"/health", "GET"},
+    [ROUTE_SERVER_INFO] = {"/server_info", "GET"},
+    [ROUTE_METRICS] = {"/metrics", "GET"},
+};
+
+typedef struct req {
+    pd_router *r;
+    route route;
+    char *body;
+    size_t len, cap;
+    bool too_large;
+    bool answered;           /* a response is queued */
+    bool generation;         /* counted in the stats */
+    bool recorded;           /* its outcome is in the stats */
+    unsigned status;         /* for the stats, when no forward decides it */
+    long slot;
+    bool picked;             /* a worker pair counts this request in flight */
+    size_t prefill, decode;
+    pd_fwd *fwd;
+    uint64_t start_ms;
+} req;
+
+static route find_route(const char *url) {
+    for (size_t i = 0; i < PD_ARRAY_LEN(routes); i++)
+        if (!strcmp(url, routes[i].path)) return (route)i;
+    return ROUTE_NONE;
+}
+
+/* Keeps at most max_body_bytes; past that only remembers that it was. */
+static void body_append(req *q, const char *data, size_t n) {
+    size_t max = q->r->cfg.max_body_bytes;
+    if (q->too_large) return;
+    if (n > max - q->len) {
+        q->too_large = true;
+        free(q->body);
+        q->body = NULL;
+        q->len = q->cap = 0;
+        return;
+    }
+    if (q->len + n + 1 > q->cap) {
+        size_t cap = q->cap ? q->cap : 1024;
+        while (cap < q->len + n + 1) cap *= 2;
+        char *nb = realloc(q->body, cap);
+        if (!nb) {
+            q->too_large = true; /* refused like an oversized body: the router lives on */
+            free(q->body);
+            q->body = NULL;
+            q->len = q->cap = 0;
+            return;
+        }
+        q->body = nb;
+        q->cap = cap;
+    }
+    memcpy(q->body + q->len, data, n);
+    q->len += n;
+    q->body[q->len] = '\0';
+}
+
+/* A generation request's outcome goes into the stats when the answer is
+ * decided — before the client can read it, so a client that reads the
+ * answer and then the stats sees its own request counted. Idempotent. */
+static void record_outcome(req *q, unsigned status) {
+    if (!q->generation || q->recorded) return;
+    q->recorded = true;
+    pd_router_stats_end(&q->r->stats, status, (double)(pd_router_now_ms() - q->start_ms) / 1e3);
+}
+
+#if defined(__GNUC__)
+__attribute__((format(printf, 5, 6)))
+#endif
+static enum MHD_Result answer_error(req *q, struct MHD_Connection *c, unsigned status,
+                                    const char *allow, const char *fmt, ...) {
+    char message[512];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(message, sizeof message, fmt, ap);
+    va_end(ap);
+    q->status = status;
+    q->answered = true;
+    record_outcome(q, status);
+    return pd_http_queue_error(c, status, allow, "%s", message);
+}
+
+static enum MHD_Result answer_json(req *q, struct MHD_Connection *c, unsigned status, json_t *o) {
+    char *text = o ? json_dumps(o, JSON_COMPACT) : NULL;
+    json_decref(o);
+    if (!text) return answer_error(q, c, 500, NULL, "out of memory");
+    q->status = status;
+    q->answered = true;
+    enum MHD_Result ret = pd_http_queue_json(c, status, text, strlen(text));
+    free(text);
+    return ret;
+}
+
+/* ---- validation ------------------------------------------------------------------- */
+
+typedef enum kind { K_STRING, K_BOOL, K_INTEGER, K_NUMBER, K_ARRAY, K_OBJECT, K_PROMPT } kind;
+
+static bool has_kind(json_t *v, kind k) {
+    switch (k) {
+    case K_STRING: return json_is_string(v);
+    case K_BOOL: return json_is_boolean(v);
+    case K_INTEGER: return json_is_integer(v);
+    case K_NUMBER: return json_is_number(v);
+    case K_ARRAY: return json_is_array(v);
+    case K_OBJECT: return json_is_object(v);
+    case K_PROMPT: return json_is_string(v) || json_is_array(v);
+    }
+    return false;
+}
+
+static const char *kind_name(kind k) {
+    static const char *names[] = {"a string", "a boolean", "an integer", "a number",
+                                  "an array", "an object", "a string or an array of token ids"};
+    return names[k];
+}
+
+typedef struct field_rule {
+    const char *name;
+    kind kind;
+} field_rule;
+
+static const field_rule generate_rules[] = {
+    {"text", K_STRING},   {"input_ids", K_ARRAY}, {"sampling_params", K_OBJECT},
+    {"stream", K_BOOL},   {"rid", K_STRING},
+};
+static const field_rule sampling_rules[] = {
+    {"max_new_tokens", K_INTEGER}, {"temperature", K_NUMBER}, {"top_p", K_NUMBER},
+    {"stop_token_ids", K_ARRAY},   {"ignore_eos", K_BOOL},
+};
+static const field_rule completions_rules[] = {
+    {"model", K_STRING},       {"prompt", K_PROMPT},     {"max_tokens", K_INTEGER},
+    {"temperature", K_NUMBER}, {"top_p", K_NUMBER},      {"stream", K_BOOL},
+    {"stop_token_ids", K_ARRAY}, {"ignore_eos", K_BOOL}, {"rid", K_STRING},
+};
+
+/* The fields the router knows must have their type; the rest is the
+ * workers' to judge (unknown fields are ignored, as the API says). Returns
+ * false with the message naming the field. */
+static bool check_fields(json_t *o, const field_rule *rules, size_t n, const char *prefix,
+                         char *why, size_t cap) {
+    for (size_t i = 0; i < n; i++) {
+        json_t *v = json_object_get(o, rules[i].name);
+        if (v && !has_kind(v, rules[i].kind)) {
+            snprintf(why, cap, "%s%s must be %s", prefix, rules[i].name, kind_name(rules[i].kind));
+            return false;
+        }
+    }
+    return true;
+}
+
+static bool validate_generation(route rt, json_t *o, char *why, size_t cap) {
+    if (rt == ROUTE_GENERATE) {
+        if (!check_fields(o, generate_rules, PD_ARRAY_LEN(generate_rules), "", why, cap))
+            return false;
+        json_t *sp = json_object_get(o, "sampling_params");
+        if (sp && !check_fields(sp, sampling_rules, PD_ARRAY_LEN(sampling_rules),
+                                "sampling_params.", why, cap))
+            return false;
+    } else if (!check_fields(o, completions_rules, PD_ARRAY_LEN(completions_rules), "", why, cap)) {
+        return false;
+    }
+    json_t *rid = json_object_get(o, "rid");
+    if (rid) {
+        size_t n = json_string_length(rid);
+        if (n == 0 || n > PD_ROUTER_RID_MAX || strlen(json_string_value(rid)) != n) {
+            snprintf(why, cap, "rid must be a non-empty string of at most %d bytes",
+                     PD_ROUTER_RID_MAX);
+            return false;
+        }
+    }
+    return true;
+}
+
+/* Parses a body that must be one JSON object; answers 400 otherwise. */
+static json_t *parse_object(req *q, struct MHD_Connection *c) {
+    json_error_t jerr;
+    json_t *o = json_loadb(q->body ? q->body : "", q->len, 0, &jerr);
+    if (!o) {
+        answer_error(q, c, 400, NULL, "malformed JSON: %s (line %d, column %d)", jerr.text,
+                     jerr.line, jerr.column);
+        return NULL;
+    }
+    if (!json_is_object(o)) {
+        json_decref(o);
+        answer_error(q, c, 400, NULL, "the body must be a JSON object");
+        return NULL;
+    }
+    return o;
+}
+
+/* ---- routes ------------------------------------------------------------------------ */
+
+/* The pair stops counting this request as soon as the answer is decided —
+ * before the client has it — so a client that sends its next request the
+ * moment it reads this answer finds the load it expects (least_load). */
+static void release_workers(req *q) {
+    if (!q->picked) return;
+    q->picked = false;
+    pd_router_workers_release(&q->r->workers, q->prefill,
+                              q->fwd && pd_fwd_half_failed(q->fwd, PD_ROUTER_PREFILL));
+    pd_router_workers_release(&q->r->workers, q->decode,
+                              q->fwd && pd_fwd_half_failed(q->fwd, PD_ROUTER_DECODE));
+}
+
+static ssize_t stream_reader(void *cls, uint64_t pos, char *buf, size_t max) {
+    (void)pos;
+    req *q = cls;
+    long n = pd_fwd_stream_read(q->fwd, buf, max);
+    if (n > 0) return (ssize_t)n;
+    release_workers(q);
+    record_outcome(q, pd_fwd_outcome(q->fwd));
+    return n == 0 ? MHD_CONTENT_READER_END_OF_STREAM : MHD_CONTENT_READER_END_WITH_ERROR;
+}
+
+static enum MHD_Result handle_generation(req *q, struct MHD_Connection *c) {
+    pd_router *r = q->r;
+    pd_router_stats_begin(&r->stats);
+    q->generation = true;
+    json_t *o = parse_object(q, c);
+    if (!o) return MHD_YES;
+    char why[256];
+    if (!validate_generation(q->route, o, why, sizeof why)) {
+        json_decref(o);
+        return answer_error(q, c, 400, NULL, "%s", why);
+    }
+    char rid[PD_ROUTER_RID_MAX + 1];
+    json_t *jrid = json_object_get(o, "rid");
+    uint64_t rid_bits = 0;
+    if (jrid) {
+        snprintf(rid, sizeof rid, "%s", json_string_value(jrid));
+    } else if (random_bytes(&rid_bits, sizeof rid_bits)) {
+        snprintf(rid, sizeof rid, "%016llx", (unsigned long long)rid_bits);
+    } else {
+        json_decref(o);
+        return answer_error(q, c, 500, NULL, "no randomness for a request id");
+    }
+    bool stream = json_is_true(json_object_get(o, "stream"));
+    const char *model = json_string_value(json_object_get(o, "model"));
+    char model_copy[128];
+    snprintf(model_copy, sizeof model_copy, "%s", model ? model : "pdserve");
+
+    pd_err err = table_add(r, rid, &q->slot);
+    if (err) {
+        json_decref(o);
+        if (err == PD_ERR_EXISTS)
+            return answer_error(q, c, 409, NULL, "a live request already has rid %s", rid);
+        if (err == PD_ERR_STATE) return answer_error(q, c, 503, NULL, "the router is shutting down");
+        return answer_error(q, c, 429, NULL, "too many requests in flight");
+    }
+    if (pd_router_workers_pick(&r->workers, &q->prefill, &q->decode) != PD_OK) {
+        json_decref(o);
+        return answer_error(q, c, 503, NULL, "no healthy prefill/decode pair");
+    }
+    q->picked = true;
+    uint64_t room;
+    if (!new_room(&room)) {
+        json_decref(o);
+        return answer_error(q, c, 500, NULL, "no randomness for a bootstrap room");
+    }
+    const pd_router_worker *pw = &r->workers.w[q->prefill]; /* url fields are immutable */
+    const pd_router_worker *dw = &r->workers.w[q->decode];
+    json_object_set_new(o, "bootstrap_host", json_string(pw->url.host));
+    json_object_set_new(o, "bootstrap_port", json_integer(pw->url.bootstrap_port));
+    json_object_set_new(o, "bootstrap_room", json_integer((json_int_t)room));
+    json_object_set_new(o, "rid", json_string(rid));
+    char *body = json_dumps(o, JSON_COMPACT);
+    json_decref(o);
+    if (!body) return answer_error(q, c, 500, NULL, "out of memory");
+
+    const union MHD_ConnectionInfo *ci =
+        MHD_get_connection_info(c, MHD_CONNECTION_INFO_CONNECTION_FD);
+    pd_fwd_params p = {
+        .api = q->route == ROUTE_GENERATE ? PD_FWD_GENERATE : PD_FWD_COMPLETIONS,
+        .rid = rid,
+        .model = model_copy,
+        .stream = stream,
+        .body = body,
+        .body_len = strlen(body),
+        .prefill_base = pw->url.base,
+        .decode_base = dw->url.base,
+        .client_fd = ci ? ci->connect_fd : -1,
+        .timeout_ms = r->cfg.request_timeout_ms,
+        .connect_timeout_ms = r->cfg.connect_timeout_ms,
+        .abort_timeout_ms = r->cfg.abort_timeout_ms,
+        .abort_grace_ms = r->cfg.abort_grace_ms,
+        .max_response_bytes = r->cfg.max_response_bytes,
+    };
+    char msg[256];
+    if (pd_fwd_create(&q->fwd, &p, msg, sizeof msg) != PD_OK)
+        return answer_error(q, c, 500, NULL, "%s", msg);
+    table_attach(r, q->slot, q->fwd);
+
+    pd_fwd_head head;
+    pd_fwd_head_wait(q->fwd, &head);
+    q->answered = true;
+    if (head.kind != PD_FWD_STREAM) {
+        release_workers(q); /* both halves are over */
+        record_outcome(q, pd_fwd_outcome(q->fwd));
+    }
+    if (head.kind == PD_FWD_GONE) return MHD_NO; /* nobody to answer: close */
+    if (head.kind == PD_FWD_FULL) {
+        return pd_http_queue_text(c, head.status, head.content_type, head.body, head.body_len);
+    }
+    struct MHD_Response *resp = MHD_create_response_from_callback(
+        MHD_SIZE_UNKNOWN, STREAM_BLOCK_BYTES, stream_reader, q, NULL);
+    if (!resp) return MHD_NO;
+    MHD_add_response_header(resp, MHD_HTTP_HEADER_CONTENT_TYPE, head.content_type);
+    MHD_add_response_header(resp, MHD_HTTP_HEADER_CACHE_CONTROL, "no-cache");
+    enum MHD_Result ret = MHD_queue_response(c, head.status, resp);
+    MHD_destroy_response(resp);
+    return ret;
+}
+
+static enum MHD_Result handle_abort(req *q, struct MHD_Connection *c) {
+    pd_router *r = q->r;
+    json_t *o = parse_object(q, c);
+    if (!o) return MHD_YES;
+    json_t *rid = json_object_get(o, "rid");
+    json_t *all = json_object_get(o, "abort_all");
+    if (rid && (!json_is_string(rid) || json_string_length(rid) == 0 ||
+                json_string_length(rid) > PD_ROUTER_RID_MAX)) {
+        json_decref(o);
+        return answer_error(q, c, 400, NULL, "rid must be a non-empty string of at most %d bytes",
+                            PD_ROUTER_RID_MAX);
+    }
+    if (all && !json_is_boolean(all)) {
+        json_decref(o);
+        return answer_error(q, c, 400, NULL, "abort_all must be a boolean");
+    }
+    bool abort_all = json_is_true(all);
+    if (!abort_all && !rid) {
+        json_decref(o);
+        return answer_error(q, c, 400, NULL, "expected {\"rid\": \"...\"} or {\"abort_all\": true}");
+    }
+    char rid_copy[PD_ROUTER_RID_MAX + 1] = "";
+    if (!abort_all) snprintf(rid_copy, sizeof rid_copy, "%s", json_string_value(rid));
+    json_decref(o);
+
+    /* The router's own requests first: none can slip past, and those whose
+     * workers have not registered the rid yet are ended by their forward. */
+    size_t requests = table_flag_abort(r, abort_all ? NULL : rid_copy);
+
+    json_t *fwd = abort_all ? json_pack("{s:b}", "abort_all", 1) : json_pack("{s:s}", "rid", rid_copy);
+    char *fwd_body = fwd ? json_dumps(fwd, JSON_COMPACT) : NULL;
+    json_decref(fwd);
+    if (!fwd_body) return answer_error(q, c, 500, NULL, "out of memory");
+    size_t n = r->workers.count;
+    pd_router_post *posts = calloc(n, sizeof *posts);
+    if (!posts) {
+        free(fwd_body);
+        return answer_error(q, c, 500, NULL, "out of memory");
+    }
+    for (size_t i = 0; i < n; i++)
+        snprintf(posts[i].url, sizeof posts[i].url, "%s/abort_request", r->workers.w[i].url.base);
+    pd_router_fanout_post(posts, n, fwd_body, r->cfg.abort_timeout_ms, r->cfg.connect_timeout_ms);
+    free(fwd_body);
+    pd_router_stats_aborts_sent(&r->stats, n);
+
+    long long total = 0;
+    json_t *per = json_array();
+    for (size_t i = 0; i < n; i++) {
+        long long a = posts[i].status == 200 && posts[i].aborted > 0 ? posts[i].aborted : 0;
+        total += a;
+        json_array_append_new(per, json_pack("{s:s, s:s, s:i, s:I}", "url", r->workers.w[i].url.base,
+                                             "role", pd_router_role_name(r->workers.w[i].role),
+                                             "status", (int)posts[i].status, "aborted",
+                                             (json_int_t)a));
+    }
+    free(posts);
+    if (!abort_all && total == 0 && requests == 0) {
+        json_decref(per);
+        return answer_error(q, c, 404, NULL, "no live request has rid %s", rid_copy);
+    }
+    return answer_json(q, c, 200,
+                       json_pack("{s:I, s:I, s:o}", "aborted", (json_int_t)total, "requests",
+                                 (json_int_t)requests, "workers", per));
+}
+
+static json_t *workers_json(pd_router *r) {
+    pd_router_worker *snap = malloc(r->workers.count * sizeof *snap);
+    json_t *arr = json_array();
+    if (!snap) return arr;
+    pd_router_workers_snapshot(&r->workers, snap);
+    for (size_t i = 0; i < r->workers.count; i++) {
+        const pd_router_worker *w = &snap[i];
+        json_t *o = json_pack("{s:s, s:s, s:b, s:i, s:I, s:I, s:I, s:I, s:I}", "url",
+                              w->url.base, "role", pd_router_role_name(w->role), "healthy",
+                              w->healthy, "consecutive_probe_failures",
+                              (int)w->probe_failures_consecutive, "in_flight",
+                              (json_int_t)w->in_flight, "requests", (json_int_t)w->requests_total,
+                              "failures", (json_int_t)w->failures_total, "probes",
+                              (json_int_t)w->probes_total, "probe_failures",
+                              (json_int_t)w->probe_failures_total);
+        if (o && w->role == PD_ROUTER_PREFILL) {
+            json_object_set_new(o, "bootstrap_host", json_string(w->url.host));
+            json_object_set_new(o, "bootstrap_port", json_integer(w->url.bootstrap_port));
+        }
+        json_array_append_new(arr, o);
+    }
+    free(snap);
+    return arr;
+}
+
+static enum MHD_Result handle_server_info(req *q, struct MHD_Connection *c) {
+    pd_router *r = q->r;
+    const pd_router_config *k = &r->cfg;
+    json_t *cfg = json_pack(
+        "{s:s, s:i, s:s, s:i, s:I, s:I, s:i, s:I, s:I, s:I, s:I, s:I, s:I, s:I}", "host", k->host,
+        "port", (int)r->port, "policy", pd_router_policy_name(k->policy), "bootstrap_port",
+        (int)k->bootstrap_port, "health_interval_ms", (json_int_t)k->health_interval_ms,
+        "health_timeout_ms", (json_int_t)k->health_timeout_ms, "unhealthy_after",
+        (int)r->workers.unhealthy_after, "request_timeout_ms", (json_int_t)k->request_timeout_ms,
+        "connect_timeout_ms", (json_int_t)k->connect_timeout_ms, "abort_timeout_ms",
+        (json_int_t)k->abort_timeout_ms, "abort_grace_ms", (json_int_t)k->abort_grace_ms,
+        "max_body_bytes", (json_int_t)k->max_body_bytes, "max_response_bytes",
+        (json_int_t)k->max_response_bytes, "connections_max", (json_int_t)k->connections_max);
+    json_t *o = json_pack("{s:s, s:s, s:o, s:b, s:o, s:o}", "role", "router", "version",
+                          PD_VERSION, "config", cfg, "healthy_pair",
+                          pd_router_workers_have_pair(&r->workers), "workers", workers_json(r),
+                          "counters", pd_router_stats_json(&r->stats));
+    return answer_json(q, c, 200, o);
+}
+
+static enum MHD_Result handle_metrics(req *q, struct MHD_Connection *c) {
+    pd_router *r = q->r;
+    size_t cap = 8192 + r->workers.count * 1024;
+    char *buf = malloc(cap);
+    if (!buf) return answer_error(q, c, 500, NULL, "out of memory");
+    pd_router_worker *snap = malloc(r->workers.count * sizeof *snap);
+    if (!snap) {
+        free(buf);
+        return answer_error(q, c, 500, NULL, "out of memory");
+    }
+    pd_strbuf sb;
+    pd_strbuf_init(&sb, buf, cap);
+    pd_router_workers_snapshot(&r->workers, snap);
+    static const char *families[][2] = {
+        {"pdserve_router_worker_healthy", "gauge"},
+        {"pdserve_router_worker_requests_running", "gauge"},
+        {"pdserve_router_worker_requests_total", "counter"},
+        {"pdserve_router_worker_failures_total", "counter"},
+        {"pdserve_router_worker_probe_failures_total", "counter"},
+    };
+    for (size_t f = 0; f < PD_ARRAY_LEN(families); f++) {
+        pd_strbuf_printf(&sb, "# TYPE %s %s\n", families[f][0], families[f][1]);
+        for (size_t i = 0; i < r->workers.count; i++) {
+            const pd_router_worker *w = &snap[i];
+            unsigned long long v = f == 0   ? (unsigned long long)w->healthy
+                                   : f == 1 ? (unsigned long long)w->in_flight
+                                   : f == 2 ? (unsigned long long)w->requests_total
+                                   : f == 3 ? (unsigned long long)w->failures_total
+                                            : (unsigned long long)w->probe_failures_total;
+            pd_strbuf_printf(&sb, "%s{worker=\"%s\",role=\"%s\"} %llu\n", families[f][0],
+                             w->url.base, pd_router_role_name(w->role), v);
+        }
+    }
+    pd_strbuf_printf(&sb, "# TYPE pdserve_router_healthy_pair gauge\npdserve_router_healthy_pair %d\n",
+                     pd_router_workers_have_pair(&r->workers) ? 1 : 0);
+    pd_router_stats_prometheus(&r->stats, &sb);
+    q->status = 200;
+    q->answered = true;
+    enum MHD_Result ret =
+        pd_http_queue_text(c, 200, "text/plain; version=0.0.4", sb.data, sb.len);
+    free(snap);
+    free(buf);
+    return ret;
+}
+
+/* ---- libmicrohttpd callbacks ----------------------------------------------------- */
+
+static enum MHD_Result answer_too_large(req *q, struct MHD_Connection *c) {
+    if (q->route == ROUTE_GENERATE || q->route == ROUTE_COMPLETIONS) {
+        pd_router_stats_begin(&q->r->stats);
+        q->generation = true;
+    }
+    return answer_error(q, c, 413, NULL, "the body is larger than %zu bytes",
+                        q->r->cfg.max_body_bytes);
+}
+
+static enum MHD_Result on_request(void *cls, struct MHD_Connection *c, const char *url,
+                                  const char *method, const char *version,
+                                  const char *upload_data, size_t *upload_data_size,
+                                  void **req_cls) {
+    (void)version;
+    pd_router *r = cls;
+    req *q = *req_cls;
+    if (!q) {
+        q = calloc(1, sizeof *q);
+        if (!q) return MHD_NO;
+        q->r = r;
+        q->slot = -1;
+        q->route = find_route(url);
+        q->start_ms = pd_router_now_ms();
+        *req_cls = q;
+        /* A declared length over the limit is refused before reading it. */
+        const char *cl =
+            MHD_lookup_connection_value(c, MHD_HEADER_KIND, MHD_HTTP_HEADER_CONTENT_LENGTH);
+        if (cl) {
+            char *end;
+            errno = 0;
+            unsigned long long v = strtoull(cl, &end, 10);
+            if (errno || *end || v > r->cfg.max_body_bytes) q->too_large = true;
+        }
+        /* Refused before a byte of the body is read (MHD then closes the
+         * connection instead of reading the rest). */
+        if (q->too_large && q->route != ROUTE_NONE && !strcmp(method, routes[q->route].method))
+            return answer_too_large(q, c);
+        return MHD_YES;
+    }
+    if (*upload_data_size > 0) {
+        if (!q->answered) body_append(q, upload_data, *upload_data_size);
+        *upload_data_size = 0;
+        return MHD_YES;
+    }
+    if (q->answered) return MHD_YES;
+    if (q->route == ROUTE_NONE) return answer_error(q, c, 404, NULL, "unknown path %.200s", url);
+    if (strcmp(method, routes[q->route].method))
+        return answer_error(q, c, 405, routes[q->route].method, "%s takes %s, not %.16s",
+                            routes[q->route].path, routes[q->route].method, method);
+    if (q->too_large) return answer_too_large(q, c);
+    switch (q->route) {
+    case ROUTE_GENERATE:
+    case ROUTE_COMPLETIONS: return handle_generation(q, c);
+    case ROUTE_ABORT: return handle_abort(q, c);
+    case ROUTE_HEALTH:
+        if (!pd_router_workers_have_pair(&r->workers))
+            return answer_error(q, c, 503, NULL, "no healthy prefill/decode pair");
+        return answer_json(q, c, 200, json_pack("{s:s}", "status", "ok"));
+    case ROUTE_SERVER_INFO: return handle_server_info(q, c);
+    case ROUTE_METRICS: return handle_metrics(q, c);
+    case ROUTE_NONE: break;
+    }
+    return MHD_NO;
+}
+
+static void on_completed(void *cls, struct MHD_Connection *c, void **req_cls,
+                         enum MHD_RequestTerminationCode toe) {
+    (void)c, (void)toe;
+    pd_router *r = cls;
+    req *q = *req_cls;
+    if (!q) return;
+    *req_cls = NULL;
+    unsigned status = q->status;
+    if (q->fwd) {
+        pd_fwd_close(q->fwd);
+        status = pd_fwd_outcome(q->fwd);
+        pd_router_stats_aborts_sent(&r->stats, pd_fwd_aborts_sent(q->fwd));
+    } else if (q->generation && !q->answered) {
+        status = PD_ROUTER_STATUS_CLIENT_GONE;
+    }
+    release_workers(q);
+    /* Off the table before the forward goes: an abort may hold a pointer. */
+    if (q->slot >= 0) table_remove(r, q->slot);
+    pd_fwd_destroy(q->fwd);
+    record_outcome(q, status);
+    free(q->body);
+    free(q);
+}
+
+/* ---- start / stop ------------------------------------------------------------------- */
+
+pd_err pd_router_start(pd_router *r, char *msg, size_t msg_cap) {
+    if (r->started) return pd_errorf(msg, msg_cap, PD_ERR_STATE, "the router is already started");
+    struct addrinfo hints = {.ai_family = AF_UNSPEC, .ai_socktype = SOCK_STREAM,
+                             .ai_flags = AI_PASSIVE | AI_NUMERICSERV};
+    struct addrinfo *ai = NULL;
+    char port[8];
+    snprintf(port, sizeof port, "%u", (unsigned)r->cfg.port);
+    int gai = getaddrinfo(r->host, port, &hints, &ai);
+    if (gai != 0 || !ai)
+        return pd_errorf(msg, msg_cap, PD_ERR_INVALID, "cannot resolve listen host '%s': %s",
+                         r->host, gai_strerror(gai));
+    unsigned flags = MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_THREAD_PER_CONNECTION | MHD_USE_POLL;
+    if (ai->ai_family == AF_INET6) flags |= MHD_USE_IPv6;
+    r->mhd = MHD_start_daemon(flags, r->cfg.port, NULL, NULL, on_request, r,
+                              MHD_OPTION_SOCK_ADDR, ai->ai_addr,
+                              MHD_OPTION_NOTIFY_COMPLETED, on_completed, r,
+                              MHD_OPTION_CONNECTION_LIMIT, (unsigned)r->cfg.connections_max,
+                              MHD_OPTION_LISTENING_ADDRESS_REUSE, 1u,
+                              MHD_OPTION_END);
+    freeaddrinfo(ai);
+    if (!r->mhd)
+        return pd_errorf(msg, msg_cap, PD_ERR_IO, "cannot listen on %s:%u (in use? not local?)",
+                         r->host, (unsigned)r->cfg.port);
+    const union MHD_DaemonInfo *di = MHD_get_daemon_info(r->mhd, MHD_DAEMON_INFO_BIND_PORT);
+    r->port = di ? di->port : r->cfg.port;
+    pd_err err = pd_router_health_start(&r->health, &r->workers, r->cfg.health_interval_ms,
+                                        r->cfg.health_timeout_ms, r->cfg.connect_timeout_ms, msg,
+                                        msg_cap);
+    if (err) {
+        MHD_stop_daemon(r->mhd);
+        r->mhd = NULL;
+        return err;
+    }
+    r->started = true;
+    return PD_OK;
+}
+
+void pd_router_stop(pd_router *r) {
+    if (!r->started || r->stopped) return;
+    r->stopped = true;
+    pthread_mutex_lock(&r->table_mu);
+    r->stopping = true;
+    for (size_t i = 0; i < r->cfg.connections_max; i++)
+        if (r->slots[i].used && r->slots[i].fwd) pd_fwd_request_shutdown(r->slots[i].fwd);
+    pthread_mutex_unlock(&r->table_mu);
+    /* The flagged forwards abort their halves and answer 503; give them the
+     * time to do so (bounded: aborts have their own timeout) before the
+     * sockets are shut, so their clients get an answer, not a reset. */
+    uint64_t until_ms = pd_router_now_ms() + 2ull * r->cfg.abort_timeout_ms + 1000;
+    while (table_used(r) > 0 && pd_router_now_ms() < until_ms) {
+        struct timespec ts = {0, 5 * 1000000L};
+        nanosleep(&ts, NULL);
+    }
+    /* Joins every connection thread. */
+    MHD_stop_daemon(r->mhd);
+    r->mhd = NULL;
+    pd_router_health_stop(&r->health);
+}
+
+void pd_router_destroy(pd_router *r) {
+    if (!r) return;
+    pd_router_stop(r);
+    pd_router_stats_destroy(&r->stats);
+    pthread_mutex_destroy(&r->table_mu);
+    pd_router_workers_destroy(&r->workers);
+    free(r->slots);
+    free(r);
+}

@@ -1,0 +1,114 @@
+/*
+ * pd_router — the HTTP front door of a disaggregated deployment.
+ *
+ * A client talks to the router exactly as it would talk to a colocated
+ * `serve` node (docs/http-api.md). For every POST /generate or
+ * /v1/completions the router picks one healthy prefill node and one healthy
+ * decode node, draws a fresh random bootstrap room, adds the prefill node's
+ * bootstrap address, the room and a rid to the body and sends the same body
+ * to both nodes at once. The prefill node computes the prompt and pushes the
+ * KV cache into the room; the decode node waits in the same room, generates
+ * and answers. The router returns the decode node's answer — streamed event
+ * by event when the client asked for a stream.
+ *
+ * The promise, whatever the workers do: exactly one complete HTTP response
+ * per client request, and every half of a request that the router stops
+ * waiting for (client gone, timeout, abort, the other half failed) is told
+ * so with POST /abort_request, so no worker keeps computing for nobody.
+ *
+ * Threads. libmicrohttpd runs one thread per client connection; a request's
+ * thread drives its own libcurl multi handle (both halves at once) and
+ * watches the client's socket for a hang-up while it waits. A background
+ * thread checks GET /health of every worker. Nothing here prints or exits;
+ * errors come back as pd_err with a message in a caller-owned buffer.
+ *
+ * The pieces, one file each: http.c (error bodies and responses), policy.c
+ * (which worker), workers.c (the worker table: health state and load),
+ * health.c (the checker thread), fanout.c (one POST to several workers at
+ * once, used for aborts), forward.c (one request's two halves), stats.c
+ * (counters and the latency histogram), router.c (the server and routes).
+ */
+#ifndef PDSERVE_ROUTER_H
+#define PDSERVE_ROUTER_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "pdserve/base.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define PD_ROUTER_WORKERS_MAX 64        /* per role */
+#define PD_ROUTER_URL_MAX 256           /* bytes, including the NUL */
+#define PD_ROUTER_RID_MAX 128           /* bytes of a client-supplied rid */
+#define PD_ROUTER_DEFAULT_BOOTSTRAP_PORT 8998
+
+typedef struct pd_router pd_router;
+
+typedef enum pd_router_policy {
+    PD_ROUTER_ROUND_ROBIN = 0, /* each role's healthy workers in turn */
+    PD_ROUTER_LEAST_LOAD,      /* fewest requests in flight from this router */
+} pd_router_policy;
+
+typedef struct pd_router_config {
+    const char *host;                 /* listen address (default "127.0.0.1") */
+    uint16_t port;                    /* 0 = any free port (see pd_router_port) */
+    /* Worker specs: "http://host:port" for both roles; a prefill spec may end
+     * in "@N" to give that node's bootstrap port (otherwise bootstrap_port). */
+    const char *prefill[PD_ROUTER_WORKERS_MAX];
+    size_t prefill_count;
+    const char *decode[PD_ROUTER_WORKERS_MAX];
+    size_t decode_count;
+    uint16_t bootstrap_port;          /* default 8998 */
+    pd_router_policy policy;
+    uint32_t health_interval_ms;      /* default 1000 */
+    uint32_t health_timeout_ms;       /* one /health probe; default 1000 */
+    uint32_t unhealthy_after;         /* consecutive failed probes; default 2 */
+    uint32_t request_timeout_ms;      /* whole request, both halves; default 600 s */
+    uint32_t connect_timeout_ms;      /* TCP connect to a worker; default 5000 */
+    uint32_t abort_timeout_ms;        /* one /abort_request to a worker; default 2000 */
+    uint32_t abort_grace_ms;          /* after an /abort_request, how long the decode
+                                         node gets to end the response itself; default 1000 */
+    size_t max_body_bytes;            /* client request bodies; default 1 MiB */
+    size_t max_response_bytes;        /* a non-streamed worker answer; default 64 MiB */
+    uint32_t connections_max;         /* client connections = requests in flight; default 1024 */
+} pd_router_config;
+
+/* Fills the defaults above (no workers). */
+void pd_router_config_default(pd_router_config *cfg);
+
+/* One worker address, parsed. */
+typedef struct pd_router_url {
+    char base[PD_ROUTER_URL_MAX];     /* "http://host:port", no trailing slash */
+    char host[PD_ROUTER_URL_MAX];     /* host as written, IPv6 brackets removed */
+    uint16_t port;
+    uint16_t bootstrap_port;          /* the "@N" suffix, 0 when absent */
+} pd_router_url;
+
+/* Parses "http://host:port[/]" with an optional "@N" suffix (allow_bootstrap).
+ * Refuses other schemes, user info, paths, missing or out-of-range ports. */
+pd_err pd_router_url_parse(const char *spec, bool allow_bootstrap, pd_router_url *out,
+                           char *msg, size_t msg_cap);
+
+/* "round_robin" / "least_load" <-> pd_router_policy. */
+const char *pd_router_policy_name(pd_router_policy p);
+pd_err pd_router_policy_parse(const char *s, pd_router_policy *out);
+
+/* Validates the configuration and parses the worker specs. */
+pd_err pd_router_create(pd_router **out, const pd_router_config *cfg, char *msg, size_t msg_cap);
+/* Binds the listening socket, starts the server and the health checker. */
+pd_err pd_router_start(pd_router *r, char *msg, size_t msg_cap);
+/* The port actually bound (after start). */
+uint16_t pd_router_port(const pd_router *r);
+/* Ends every request in flight (both halves aborted, the client answered
+ * 503), stops the server and the health checker. Idempotent. */
+void pd_router_stop(pd_router *r);
+/* Stops if needed and frees. NULL is allowed. */
+void pd_router_destroy(pd_router *r);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* PDSERVE_ROUTER_H */

@@ -1,0 +1,212 @@
+/* Bad input at the router: each refusal has its status and the JSON error
+ * body (naming the field where one is wrong), nothing reaches the workers,
+ * and the router serves normally afterwards. */
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <signal.h>
+#include <stdio.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include "../test_util.h"
+#include "test_client.h"
+
+#define WAIT_MS 10000
+
+typedef struct bad_case {
+    const char *method;
+    const char *path;
+    const char *body;
+    long status;
+    const char *message_part;   /* must appear in the error message */
+    const char *allow;          /* 405: the Allow header */
+} bad_case;
+
+static const bad_case cases[] = {
+    {"POST", "/generate", "{\"text\": \"x\"", 400, "malformed JSON", NULL},
+    {"POST", "/generate", "", 400, "malformed JSON", NULL},
+    {"POST", "/generate", "[1, 2]", 400, "JSON object", NULL},
+    {"POST", "/generate", "\"text\"", 400, "malformed JSON", NULL},
+    {"POST", "/generate", "{\"text\": \"x\", \"stream\": \"yes\"}", 400, "stream", NULL},
+    {"POST", "/generate", "{\"text\": 7}", 400, "text", NULL},
+    {"POST", "/generate", "{\"input_ids\": \"1 2\"}", 400, "input_ids", NULL},
+    {"POST", "/generate", "{\"text\": \"x\", \"sampling_params\": [1]}", 400, "sampling_params", NULL},
+    {"POST", "/generate", "{\"text\": \"x\", \"sampling_params\": {\"max_new_tokens\": \"8\"}}", 400,
+     "sampling_params.max_new_tokens", NULL},
+    {"POST", "/generate", "{\"text\": \"x\", \"sampling_params\": {\"temperature\": true}}", 400,
+     "sampling_params.temperature", NULL},
+    {"POST", "/generate", "{\"text\": \"x\", \"rid\": 12}", 400, "rid", NULL},
+    {"POST", "/generate", "{\"text\": \"x\", \"rid\": \"\"}", 400, "rid", NULL},
+    {"POST", "/v1/completions", "{\"prompt\": 5}", 400, "prompt", NULL},
+    {"POST", "/v1/completions", "{\"prompt\": \"x\", \"max_tokens\": 1.5}", 400, "max_tokens", NULL},
+    {"POST", "/v1/completions", "{\"prompt\": \"x\", \"stream\": 1}", 400, "stream", NULL},
+    {"POST", "/abort_request", "{}", 400, "rid", NULL},
+    {"POST", "/abort_request", "{\"rid\": 5}", 400, "rid", NULL},
+    {"POST", "/abort_request", "{\"abort_all\": \"yes\"}", 400, "abort_all", NULL},
+    {"POST", "/abort_request", "nope", 400, "malformed JSON", NULL},
+    {"GET", "/nowhere", NULL, 404, "unknown path", NULL},
+    {"POST", "/v1/chat/completions", "{}", 404, "unknown path", NULL},
+    {"GET", "/generate", NULL, 405, "POST", "POST"},
+    {"DELETE", "/v1/completions", NULL, 405, "POST", "POST"},
+    {"POST", "/health", "{}", 405, "GET", "GET"},
+    {"PUT", "/metrics", "x", 405, "GET", "GET"},
+};
+
+static void bad_requests_get_their_status_and_error_body(void **state) {
+    (void)state;
+    fake_worker *p = fw_start("prefill"), *d = fw_start("decode");
+    pd_router *r = tk_router(&p, 1, &d, 1, NULL);
+    char url[256];
+    for (size_t i = 0; i < PD_ARRAY_LEN(cases); i++) {
+        const bad_case *c = &cases[i];
+        tc_response resp;
+        tc_request(c->method, tk_url(r, c->path, url, sizeof url), c->body, WAIT_MS, &resp);
+        if (resp.status != c->status)
+            fail_msg("case %zu (%s %s %s): status %ld, want %ld: %s", i, c->method, c->path,
+                     c->body ? c->body : "", resp.status, c->status, resp.body);
+        json_t *o = tc_json(&resp);
+        const char *m = tc_error_message(o, c->status);
+        if (!m || !strstr(m, c->message_part))
+            fail_msg("case %zu: error body '%s' lacks '%s'", i, resp.body, c->message_part);
+        if (c->allow) assert_string_equal(resp.allow, c->allow);
+        assert_non_null(strstr(resp.content_type, "application/json"));
+        json_decref(o);
+        tc_free(&resp);
+    }
+    assert_int_equal(fw_generate_count(p), 0);
+    assert_int_equal(fw_generate_count(d), 0);
+    /* Still healthy and serving. */
+    tc_response resp;
+    tc_request("GET", tk_url(r, "/health", url, sizeof url), NULL, WAIT_MS, &resp);
+    assert_int_equal(resp.status, 200);
+    tc_free(&resp);
+    tc_request("POST", tk_url(r, "/generate", url, sizeof url), "{\"text\": \"ok\"}", WAIT_MS, &resp);
+    assert_int_equal(resp.status, 200);
+    tc_free(&resp);
+    json_t *info = tk_server_info(r);
+    json_t *counters = json_object_get(info, "counters");
+    assert_int_equal(json_integer_value(json_object_get(json_object_get(counters, "responses"), "400")), 15);
+    assert_int_equal(json_integer_value(json_object_get(json_object_get(counters, "responses"), "200")), 1);
+    assert_int_equal(json_integer_value(json_object_get(counters, "in_flight")), 0);
+    json_decref(info);
+    pd_router_destroy(r);
+    fw_stop(p);
+    fw_stop(d);
+}
+
+/* POSTs `chunks` chunks of `chunk_len` bytes (a JSON object padded with
+ * spaces) with Transfer-Encoding: chunked; returns the answer's status. */
+static long chunked_post_status(uint16_t port, const char *path, int chunks, size_t chunk_len) {
+    struct sockaddr_in sa = {.sin_family = AF_INET, .sin_port = htons(port)};
+    sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    PD_ASSERT(connect(fd, (struct sockaddr *)&sa, sizeof sa) == 0);
+    char head[256];
+    int n = snprintf(head, sizeof head,
+                     "POST %s HTTP/1.1\r\nHost: 127.0.0.1\r\nTransfer-Encoding: chunked\r\n"
+                     "Content-Type: application/json\r\nConnection: close\r\n\r\n", path);
+    PD_ASSERT(send(fd, head, (size_t)n, MSG_NOSIGNAL) == n);
+    char *chunk = malloc(chunk_len + 32);
+    for (int i = 0; i < chunks; i++) {
+        size_t k = (size_t)snprintf(chunk, 32, "%zx\r\n", chunk_len);
+        memset(chunk + k, ' ', chunk_len);
+        if (i == 0) memcpy(chunk + k, "{\"text\": \"x\"}", 13 < chunk_len ? 13 : 0);
+        memcpy(chunk + k + chunk_len, "\r\n", 2);
+        (void)!send(fd, chunk, k + chunk_len + 2, MSG_NOSIGNAL); /* may fail once refused */
+    }
+    (void)!send(fd, "0\r\n\r\n", 5, MSG_NOSIGNAL);
+    free(chunk);
+    char buf[512] = "";
+    size_t len = 0;
+    uint64_t until = tk_now_ms() + WAIT_MS;
+    while (len < 12 && tk_now_ms() < until) {
+        ssize_t r = recv(fd, buf + len, sizeof buf - 1 - len, 0);
+        if (r <= 0) break;
+        len += (size_t)r;
+    }
+    close(fd);
+    buf[len] = '\0';
+    long status = 0;
+    if (sscanf(buf, "HTTP/1.%*d %ld", &status) != 1) return 0;
+    return status;
+}
+
+static void oversized_bodies_get_413(void **state) {
+    (void)state;
+    fake_worker *p = fw_start("prefill"), *d = fw_start("decode");
+    pd_router_config cfg;
+    tk_config(&cfg);
+    cfg.max_body_bytes = 1000;
+    pd_router *r = tk_router(&p, 1, &d, 1, &cfg);
+    char url[128];
+    size_t n = 5000;
+    char *big = malloc(n + 64);
+    int k = snprintf(big, n + 64, "{\"text\": \"");
+    memset(big + k, 'a', n);
+    strcpy(big + k + n, "\"}");
+    tc_response resp;
+    tc_request("POST", tk_url(r, "/generate", url, sizeof url), big, WAIT_MS, &resp);
+    assert_int_equal(resp.status, 413);
+    json_t *o = tc_json(&resp);
+    assert_non_null(tc_error_message(o, 413));
+    assert_string_equal(json_string_value(json_object_get(json_object_get(o, "error"), "type")),
+                        "request_too_large");
+    json_decref(o);
+    tc_free(&resp);
+    /* Without a declared length (a chunked upload) the limit holds too. */
+    assert_int_equal(chunked_post_status(pd_router_port(r), "/generate", 6, 500), 413);
+    assert_int_equal(chunked_post_status(pd_router_port(r), "/generate", 1, 14), 200);
+    /* Just under the limit is fine. */
+    big[k + 900] = '\0';
+    strcat(big, "\"}");
+    tc_request("POST", tk_url(r, "/generate", url, sizeof url), big, WAIT_MS, &resp);
+    assert_int_equal(resp.status, 200);
+    tc_free(&resp);
+    free(big);
+    tc_request("GET", tk_url(r, "/health", url, sizeof url), NULL, WAIT_MS, &resp);
+    assert_int_equal(resp.status, 200);
+    tc_free(&resp);
+    assert_int_equal(fw_generate_count(d), 2);
+    pd_router_destroy(r);
+    fw_stop(p);
+    fw_stop(d);
+}
+
+static void duplicate_live_rid_is_a_conflict(void **state) {
+    (void)state;
+    fake_worker *p = fw_start("prefill"), *d = fw_start("decode");
+    pd_router *r = tk_router(&p, 1, &d, 1, NULL);
+    fw_set(d, &(fw_behaviour){.hang = true});
+    int fd = tc_raw_post(pd_router_port(r), "/generate", "{\"text\": \"x\", \"rid\": \"twin\"}");
+    assert_true(fw_wait_got_generate(d, "twin", WAIT_MS));
+    char url[128];
+    tc_response resp;
+    tc_request("POST", tk_url(r, "/generate", url, sizeof url), "{\"text\": \"y\", \"rid\": \"twin\"}", WAIT_MS, &resp);
+    assert_int_equal(resp.status, 409);
+    json_t *o = tc_json(&resp);
+    assert_non_null(tc_error_message(o, 409));
+    json_decref(o);
+    tc_free(&resp);
+    assert_int_equal(fw_generate_count(d), 1);
+    close(fd);
+    assert_true(fw_wait_got_abort(d, "twin", WAIT_MS));
+    assert_true(tk_wait_idle(r, WAIT_MS));
+    /* Once the first one is gone the rid is free again. */
+    fw_set(d, &(fw_behaviour){0});
+    tc_request("POST", tk_url(r, "/generate", url, sizeof url), "{\"text\": \"y\", \"rid\": \"twin\"}", WAIT_MS, &resp);
+    assert_int_equal(resp.status, 200);
+    tc_free(&resp);
+    pd_router_destroy(r);
+    fw_stop(p);
+    fw_stop(d);
+}
+
+int main(void) {
+    signal(SIGPIPE, SIG_IGN);
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(bad_requests_get_their_status_and_error_body),
+        cmocka_unit_test(oversized_bodies_get_413),
+        cmocka_unit_test(duplicate_live_rid_is_a_conflict),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}

@@ -1,0 +1,168 @@
+/* The router's pieces without sockets: worker URL parsing, the two
+ * policies over candidate snapshots, the health hysteresis of the worker
+ * table, and the error body format. */
+#include <jansson.h>
+
+#include "../test_util.h"
+#include "http.h"
+#include "policy.h"
+#include "workers.h"
+
+static void worker_urls_parse_with_optional_bootstrap_port(void **state) {
+    (void)state;
+    pd_router_url u;
+    char msg[256];
+    assert_ok(pd_router_url_parse("http://127.0.0.1:30001", true, &u, msg, sizeof msg));
+    assert_string_equal(u.base, "http://127.0.0.1:30001");
+    assert_string_equal(u.host, "127.0.0.1");
+    assert_int_equal(u.port, 30001);
+    assert_int_equal(u.bootstrap_port, 0);
+
+    assert_ok(pd_router_url_parse("http://node-a:30001/@9000", true, &u, msg, sizeof msg));
+    assert_string_equal(u.base, "http://node-a:30001");
+    assert_string_equal(u.host, "node-a");
+    assert_int_equal(u.bootstrap_port, 9000);
+
+    assert_ok(pd_router_url_parse("http://[::1]:8080", false, &u, msg, sizeof msg));
+    assert_string_equal(u.base, "http://[::1]:8080");
+    assert_string_equal(u.host, "::1");
+
+    const char *bad[] = {"127.0.0.1:30001",       "https://h:1",         "http://h",
+                         "http://h:0",            "http://h:65536",      "http://:80",
+                         "http://h:80/generate",  "http://u@h:80",       "http://h:80@",
+                         "http://h:80@0",         "http://h:80@x",       "http://::1:80",
+                         "http://h:8a",           "",                    "http://h:80@1@2"};
+    for (size_t i = 0; i < PD_ARRAY_LEN(bad); i++) {
+        msg[0] = '\0';
+        assert_err(pd_router_url_parse(bad[i], true, &u, msg, sizeof msg), PD_ERR_INVALID);
+        assert_true(strlen(msg) > 0);
+    }
+    /* A decode node has no bootstrap port. */
+    assert_err(pd_router_url_parse("http://h:80@9000", false, &u, msg, sizeof msg), PD_ERR_INVALID);
+    assert_non_null(strstr(msg, "prefill"));
+}
+
+static void round_robin_visits_each_healthy_worker_once_per_turn(void **state) {
+    (void)state;
+    pd_router_candidate c[3] = {{true, 5}, {true, 0}, {true, 9}};
+    size_t cursor = 0;
+    assert_int_equal(pd_router_policy_pick(PD_ROUTER_ROUND_ROBIN, c, 3, &cursor), 0);
+    assert_int_equal(pd_router_policy_pick(PD_ROUTER_ROUND_ROBIN, c, 3, &cursor), 1);
+    assert_int_equal(pd_router_policy_pick(PD_ROUTER_ROUND_ROBIN, c, 3, &cursor), 2);
+    assert_int_equal(pd_router_policy_pick(PD_ROUTER_ROUND_ROBIN, c, 3, &cursor), 0);
+    c[1].healthy = false;
+    assert_int_equal(pd_router_policy_pick(PD_ROUTER_ROUND_ROBIN, c, 3, &cursor), 2);
+    assert_int_equal(pd_router_policy_pick(PD_ROUTER_ROUND_ROBIN, c, 3, &cursor), 0);
+    c[0].healthy = c[2].healthy = false;
+    assert_int_equal(pd_router_policy_pick(PD_ROUTER_ROUND_ROBIN, c, 3, &cursor), PD_ROUTER_PICK_NONE);
+    assert_int_equal(pd_router_policy_pick(PD_ROUTER_ROUND_ROBIN, c, 0, &cursor), PD_ROUTER_PICK_NONE);
+}
+
+static void least_load_picks_fewest_in_flight_and_rotates_ties(void **state) {
+    (void)state;
+    pd_router_candidate c[3] = {{true, 2}, {true, 1}, {true, 3}};
+    size_t cursor = 0;
+    assert_int_equal(pd_router_policy_pick(PD_ROUTER_LEAST_LOAD, c, 3, &cursor), 1);
+    c[1].in_flight = 2; /* now 0 and 1 tie at 2: the one at or after the cursor (2) wraps to 0 */
+    assert_int_equal(pd_router_policy_pick(PD_ROUTER_LEAST_LOAD, c, 3, &cursor), 0);
+    assert_int_equal(pd_router_policy_pick(PD_ROUTER_LEAST_LOAD, c, 3, &cursor), 1);
+    c[2].in_flight = 0;
+    c[2].healthy = false; /* the least loaded is unhealthy: never picked */
+    assert_int_not_equal(pd_router_policy_pick(PD_ROUTER_LEAST_LOAD, c, 3, &cursor), 2);
+}
+
+static void worker_leaves_after_two_failed_probes_and_returns_after_one(void **state) {
+    (void)state;
+    pd_router_config cfg;
+    pd_router_config_default(&cfg);
+    cfg.prefill[0] = "http://127.0.0.1:1@7000";
+    cfg.prefill_count = 1;
+    cfg.decode[0] = "http://127.0.0.1:2";
+    cfg.decode[1] = "http://127.0.0.1:3";
+    cfg.decode_count = 2;
+    pd_router_workers t;
+    char msg[256];
+    assert_ok(pd_router_workers_init(&t, &cfg, msg, sizeof msg));
+    assert_int_equal(t.w[0].url.bootstrap_port, 7000);
+    assert_true(pd_router_workers_have_pair(&t));
+    assert_false(pd_router_workers_probe(&t, 0, false)); /* one failure: still in */
+    assert_true(t.w[0].healthy);
+    assert_true(pd_router_workers_probe(&t, 0, false)); /* two: out */
+    assert_false(t.w[0].healthy);
+    assert_false(pd_router_workers_have_pair(&t));
+    size_t p, d;
+    assert_err(pd_router_workers_pick(&t, &p, &d), PD_ERR_NOTFOUND);
+    assert_true(pd_router_workers_probe(&t, 0, true)); /* one success: back */
+    assert_ok(pd_router_workers_pick(&t, &p, &d));
+    assert_int_equal(p, 0);
+    assert_int_equal(t.w[p].in_flight, 1);
+    assert_int_equal(t.w[d].in_flight, 1);
+    pd_router_workers_release(&t, p, false);
+    pd_router_workers_release(&t, d, true);
+    assert_int_equal(t.w[d].failures_total, 1);
+    assert_int_equal(t.w[d].in_flight, 0);
+    pd_router_workers_destroy(&t);
+
+    /* Duplicates and empty roles are refused. */
+    cfg.decode[1] = "http://127.0.0.1:2";
+    assert_err(pd_router_workers_init(&t, &cfg, msg, sizeof msg), PD_ERR_INVALID);
+    assert_non_null(strstr(msg, "twice"));
+    cfg.decode_count = 0;
+    assert_err(pd_router_workers_init(&t, &cfg, msg, sizeof msg), PD_ERR_INVALID);
+}
+
+static void error_bodies_follow_the_api(void **state) {
+    (void)state;
+    const unsigned statuses[] = {400, 404, 405, 409, 413, 429, 500, 502, 503, 504};
+    const char *types[] = {"invalid_request_error", "not_found_error", "method_not_allowed",
+                           "conflict_error", "request_too_large", "rate_limit_error",
+                           "internal_error", "bad_gateway", "unavailable_error", "timeout_error"};
+    for (size_t i = 0; i < PD_ARRAY_LEN(statuses); i++) {
+        char *body = pd_http_error_body(statuses[i], "quote \" and %s", "newline\n");
+        json_t *o = json_loads(body, 0, NULL);
+        assert_non_null(o);
+        json_t *e = json_object_get(o, "error");
+        assert_string_equal(json_string_value(json_object_get(e, "type")), types[i]);
+        assert_int_equal(json_integer_value(json_object_get(e, "code")), statuses[i]);
+        assert_string_equal(json_string_value(json_object_get(e, "message")), "quote \" and newline\n");
+        json_decref(o);
+        free(body);
+    }
+}
+
+static void create_refuses_bad_configurations(void **state) {
+    (void)state;
+    pd_router_config cfg;
+    pd_router_config_default(&cfg);
+    pd_router *r = NULL;
+    char msg[256];
+    assert_err(pd_router_create(&r, &cfg, msg, sizeof msg), PD_ERR_INVALID); /* no workers */
+    cfg.prefill[0] = "http://127.0.0.1:1";
+    cfg.decode[0] = "ftp://127.0.0.1:2";
+    cfg.prefill_count = cfg.decode_count = 1;
+    assert_err(pd_router_create(&r, &cfg, msg, sizeof msg), PD_ERR_INVALID);
+    assert_non_null(strstr(msg, "ftp://"));
+    cfg.decode[0] = "http://127.0.0.1:2";
+    cfg.health_interval_ms = 0;
+    assert_err(pd_router_create(&r, &cfg, msg, sizeof msg), PD_ERR_INVALID);
+    assert_null(r);
+    cfg.health_interval_ms = 1000;
+    assert_ok(pd_router_create(&r, &cfg, msg, sizeof msg));
+    pd_router_destroy(r); /* never started: fine */
+    pd_router_policy pol;
+    assert_ok(pd_router_policy_parse("least_load", &pol));
+    assert_int_equal(pol, PD_ROUTER_LEAST_LOAD);
+    assert_err(pd_router_policy_parse("random", &pol), PD_ERR_INVALID);
+}
+
+int main(void) {
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(worker_urls_parse_with_optional_bootstrap_port),
+        cmocka_unit_test(round_robin_visits_each_healthy_worker_once_per_turn),
+        cmocka_unit_test(least_load_picks_fewest_in_flight_and_rotates_ties),
+        cmocka_unit_test(worker_leaves_after_two_failed_probes_and_returns_after_one),
+        cmocka_unit_test(error_bodies_follow_the_api),
+        cmocka_unit_test(create_refuses_bad_configurations),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
