@@ -30,8 +30,8 @@ def free_port():
 class Server:
     """A pdserve process (serve, prefill, decode, router or run)."""
 
-    def __init__(self, args, port_flag="--port", env=None, wait=True, name=None):
-        self.port = free_port()
+    def __init__(self, args, port_flag="--port", env=None, wait=True, name=None, port=None):
+        self.port = port or free_port()
         self.name = name or args[0]
         cmd = [PDSERVE] + list(args) + [port_flag, str(self.port)]
         full_env = dict(os.environ)
