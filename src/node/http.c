@@ -677,7 +677,11 @@ pd_err http_start(pd_node *n, http_server **out, uint16_t *bound_port, char *msg
     http_server *h = calloc(1, sizeof(*h));
     if (!h) return pd_errorf(msg, cap, PD_ERR_NOMEM, "out of memory");
     h->n = n;
-    h->d = MHD_start_daemon(MHD_USE_THREAD_PER_CONNECTION | MHD_USE_INTERNAL_POLLING_THREAD, cfg->port, NULL,
+    /* poll(), not select(): one process (pdserve run) holds more than
+     * FD_SETSIZE sockets under load, and select() refuses those. */
+    h->d = MHD_start_daemon(MHD_USE_THREAD_PER_CONNECTION | MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_POLL |
+                                MHD_USE_ERROR_LOG,
+                            cfg->port, NULL,
                             NULL, handler, n, MHD_OPTION_SOCK_ADDR, (struct sockaddr *)&addr,
                             MHD_OPTION_NOTIFY_COMPLETED, completed, n, MHD_OPTION_CONNECTION_LIMIT,
                             (unsigned)4096, MHD_OPTION_CONNECTION_TIMEOUT, (unsigned)60,

@@ -826,7 +826,7 @@ pd_err pd_router_start(pd_router *r, char *msg, size_t msg_cap) {
     if (gai != 0 || !ai)
         return pd_errorf(msg, msg_cap, PD_ERR_INVALID, "cannot resolve listen host '%s': %s",
                          r->host, gai_strerror(gai));
-    unsigned flags = MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_THREAD_PER_CONNECTION | MHD_USE_POLL;
+    unsigned flags = MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_THREAD_PER_CONNECTION | MHD_USE_POLL | MHD_USE_ERROR_LOG;
     if (ai->ai_family == AF_INET6) flags |= MHD_USE_IPv6;
     r->mhd = MHD_start_daemon(flags, r->cfg.port, NULL, NULL, on_request, r,
                               MHD_OPTION_SOCK_ADDR, ai->ai_addr,
