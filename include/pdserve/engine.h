@@ -168,6 +168,7 @@ typedef struct pd_engine_counters {
     uint64_t submitted, rejected, finished, aborted, failed;
     uint64_t batches, prefill_tokens, decode_tokens, cached_tokens;
     uint64_t xfer_abort_errors;    /* transport abort() reported an error */
+    uint64_t rooms_cancelled;      /* rooms ended here before they opened (xfer.h, cancel) */
     uint64_t retire_deferred;      /* retires that waited for a forward */
     uint64_t requeued;             /* optimistic attempts released back */
     uint64_t late_results_ignored; /* results for already-retired requests */
@@ -177,6 +178,12 @@ typedef struct pd_engine_counters {
 } pd_engine_counters;
 
 void pd_engine_counters_get(const pd_engine *e, pd_engine_counters *out);
+
+/* A request for `room` was refused before it reached pd_engine_submit (bad
+ * input at the front end): cancels the room at the transport (xfer.h) so the
+ * peer's half of the request fails now instead of at its timeout — unless
+ * the room is live here. peer: the prefill's bootstrap address (decode). */
+void pd_engine_cancel_room(pd_engine *e, uint64_t room, const char *peer);
 pd_ledger *pd_engine_ledger(pd_engine *e);
 const pd_engine_config *pd_engine_config_of(const pd_engine *e);
 

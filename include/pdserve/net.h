@@ -100,6 +100,8 @@ typedef struct pd_net_stats {
                                               mode (UCX 1.13 shared memory lacks it) */
     uint64_t writes_abandoned;             /* writes to a dead peer of such an endpoint that
                                               never completed; given up after drain_grace_ms */
+    uint64_t rooms_cancelled;              /* rooms ended here before they opened; the peer
+                                              is told (xfer.h, cancel) */
 } pd_net_stats;
 void pd_net_stats_get(pd_net *n, pd_net_stats *out);
 

@@ -20,6 +20,15 @@
  * drained(room) is true once no operation of the room will touch this
  * node's memory again: only then may memory the room could touch be reused.
  * close(room) forgets the room; call it only once drained.
+ *
+ * cancel(room, peer) is for a request that ends on this side before it ever
+ * opened its room (aborted or failed while queued, or refused at submit):
+ * the peer's half may be waiting for a destination or for data that will
+ * never come. The transport tells the peer where it can — now if the peer
+ * has the room open, or later if the peer opens it afterwards (a tombstone)
+ * — so the peer fails the room at once instead of at its timeout. Best
+ * effort: it holds nothing of this node's memory, and no drained() or
+ * close() follows. NULL where a transport cannot.
  */
 #ifndef PDSERVE_XFER_H
 #define PDSERVE_XFER_H
@@ -91,6 +100,9 @@ typedef struct pd_xfer_vtable {
     pd_err (*abort)(void *self, uint64_t room);
     bool (*drained)(void *self, uint64_t room);
     void (*close)(void *self, uint64_t room);
+    /* This side ends a room it never opened; peer as for receiver_open
+     * (decode side) or NULL (prefill side). May be NULL. */
+    void (*cancel)(void *self, uint64_t room, const char *peer);
 } pd_xfer_vtable;
 
 typedef struct pd_xfer {

@@ -409,6 +409,14 @@ static void release_local(pd_engine *e, req *r, bool insert, bool quarantine, bo
     }
 }
 
+/* Step 3 for a request that never opened its room: its peer's half may be
+ * waiting for it; the transport tells the peer (xfer.h, cancel). */
+static void cancel_room(pd_engine *e, uint64_t room, const char *peer) {
+    if (!e->xfer.vt || !e->xfer.vt->cancel || room == 0) return;
+    e->xfer.vt->cancel(e->xfer.self, room, e->cfg.role == PD_ROLE_DECODE && peer && peer[0] ? peer : NULL);
+    e->ctr.rooms_cancelled++;
+}
+
 void eng_retire(pd_engine *e, req *r, pd_terminal_kind kind, pd_finish_reason finish,
                 int status, const char *msg) {
     if (!r->live || r->queue == Q_DRAINING) return; /* already fully retired */
@@ -431,6 +439,8 @@ void eng_retire(pd_engine *e, req *r, pd_terminal_kind kind, pd_finish_reason fi
     if (room && r->term != PD_TERM_FINISHED) {
         pd_err err = e->xfer.vt->abort(e->xfer.self, r->room);
         if (err != PD_OK) e->ctr.xfer_abort_errors++;
+    } else if (!room && e->cfg.role != PD_ROLE_COLOCATED && r->term != PD_TERM_FINISHED) {
+        cancel_room(e, r->room, r->peer);
     }
     bool quarantine = room && !e->xfer.vt->drained(e->xfer.self, r->room);
     release_local(e, r, true, quarantine, false);
@@ -714,7 +724,23 @@ static pd_err reject(pd_engine *e, pd_reject *why, pd_err err, int status, const
     return err;
 }
 
+static pd_err submit(pd_engine *e, const pd_request_spec *s, uint64_t now_us, pd_reject *why);
+
+void pd_engine_cancel_room(pd_engine *e, uint64_t room, const char *peer) {
+    if (e->cfg.role == PD_ROLE_COLOCATED || room == 0 || ht_find(e, K_ROOM, NULL, room) != NONE) return;
+    cancel_room(e, room, peer);
+}
+
 pd_err pd_engine_submit(pd_engine *e, const pd_request_spec *s, uint64_t now_us, pd_reject *why) {
+    pd_err err = submit(e, s, now_us, why);
+    /* A refused half leaves its peer's half waiting: cancel the room, unless
+     * the refusal was for a room that is live here (a duplicate must not end
+     * the request that holds it). */
+    if (err != PD_OK && s) pd_engine_cancel_room(e, s->room, s->peer);
+    return err;
+}
+
+static pd_err submit(pd_engine *e, const pd_request_spec *s, uint64_t now_us, pd_reject *why) {
     e->now = now_us;
     if (!s) return reject(e, why, PD_ERR_INVALID, 400, "no request");
     if (!s->rid || !s->rid[0]) return reject(e, why, PD_ERR_INVALID, 400, "rid is empty");

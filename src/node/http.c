@@ -459,6 +459,19 @@ static void sse_free(void *cls) { (void)cls; /* conn_state is freed by the compl
 
 /* ---- handlers -------------------------------------------------------------------------- */
 
+/* A refused body that still names a room: the other node's half of the
+ * request (the router sends both at once) must not wait for this one. */
+static void cancel_refused(pd_node *n, json_t *root) {
+    json_t *room = json_object_get(root, "bootstrap_room");
+    if (!json_is_integer(room) || json_integer_value(room) <= 0) return;
+    json_t *host = json_object_get(root, "bootstrap_host"), *port = json_object_get(root, "bootstrap_port");
+    char peer[PD_PEER_MAX] = "";
+    if (json_is_string(host) && json_is_integer(port) && json_integer_value(port) >= 1 &&
+        json_integer_value(port) <= 65535)
+        snprintf(peer, sizeof(peer), "%s:%lld", json_string_value(host), (long long)json_integer_value(port));
+    node_cancel_room(n, (uint64_t)json_integer_value(room), peer);
+}
+
 static enum MHD_Result handle_generate(conn_state *st, struct MHD_Connection *conn, bool openai) {
     pd_node *n = st->n;
     if (st->too_big)
@@ -469,6 +482,7 @@ static enum MHD_Result handle_generate(conn_state *st, struct MHD_Connection *co
     parsed p;
     char err[256];
     int status = parse_request(n, root, openai, &p, err, sizeof(err));
+    if (status) cancel_refused(n, root);
     json_decref(root);
     if (status) {
         free(p.prompt);

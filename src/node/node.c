@@ -35,6 +35,8 @@ typedef struct cmd {
     call *c;
     char rid[PD_RID_MAX];
     cmd_reply *reply;
+    uint64_t room;                 /* CANCEL_ROOM */
+    char peer[PD_PEER_MAX];
 } cmd;
 
 typedef struct hist {
@@ -238,6 +240,21 @@ pd_err node_command(pd_node *n, cmd_kind kind, call *c, const char *rid, cmd_rep
     return PD_OK;
 }
 
+void node_cancel_room(pd_node *n, uint64_t room, const char *peer) {
+    if (room == 0 || n->cfg.role == PD_NODE_SERVE) return;
+    pthread_mutex_lock(&n->mu);
+    if (!atomic_load(&n->stopping) && n->cmd_n < CMDS_MAX) {
+        cmd *q = &n->cmds[(n->cmd_head + n->cmd_n) % CMDS_MAX];
+        memset(q, 0, sizeof(*q));
+        q->kind = CMD_CANCEL_ROOM;
+        q->room = room;
+        snprintf(q->peer, sizeof(q->peer), "%s", peer ? peer : "");
+        n->cmd_n++;
+        pthread_cond_signal(&n->cv);
+    }
+    pthread_mutex_unlock(&n->mu);
+}
+
 pd_err node_command_wait(pd_node *n, cmd_kind kind, const char *rid, cmd_reply *reply) {
     memset(reply, 0, sizeof(*reply));
     pthread_mutex_init(&reply->mu, NULL);
@@ -297,6 +314,9 @@ static void run_command(pd_node *n, cmd *q) {
         if (q->reply) reply_done(q->reply, k, NULL);
         break;
     }
+    case CMD_CANCEL_ROOM:
+        pd_engine_cancel_room(n->eng, q->room, q->peer);
+        break;
     case CMD_INFO:
         reply_done(q->reply, 0, info_json(n));
         break;
@@ -391,7 +411,7 @@ static char *info_json(pd_node *n) {
     json_t *ctr = json_object();
 #define CTR(name) json_object_set_new(ctr, #name, json_integer((json_int_t)c.name))
     CTR(submitted); CTR(rejected); CTR(finished); CTR(aborted); CTR(failed); CTR(batches);
-    CTR(prefill_tokens); CTR(decode_tokens); CTR(cached_tokens); CTR(xfer_abort_errors);
+    CTR(prefill_tokens); CTR(decode_tokens); CTR(cached_tokens); CTR(xfer_abort_errors); CTR(rooms_cancelled);
     CTR(retire_deferred); CTR(requeued); CTR(late_results_ignored); CTR(queued_bootstrap);
     CTR(queued_waiting); CTR(loading); CTR(running); CTR(parked); CTR(transferring);
     CTR(draining); CTR(prealloc); CTR(wait_transfer);
@@ -488,6 +508,9 @@ static char *metrics_text(pd_node *n) {
     tb_printf(&t, "# HELP pdserve_transfer_failures_total Transport abort() calls that reported an error.\n"
                   "# TYPE pdserve_transfer_failures_total counter\npdserve_transfer_failures_total %llu\n",
               (unsigned long long)c.xfer_abort_errors);
+    tb_printf(&t, "# HELP pdserve_rooms_cancelled_total Requests that ended before opening their room; the peer was told.\n"
+                  "# TYPE pdserve_rooms_cancelled_total counter\npdserve_rooms_cancelled_total %llu\n",
+              (unsigned long long)c.rooms_cancelled);
     tb_printf(&t, "# HELP pdserve_pool_units Units of each pool by ownership state.\n# TYPE pdserve_pool_units gauge\n");
     pd_ledger *l = pd_engine_ledger(n->eng);
     for (int pid = 0; pid < pd_ledger_pool_count(l); pid++) {

@@ -51,7 +51,7 @@ call *call_new(void);
 void call_ref(call *c);
 void call_unref(call *c);
 
-typedef enum cmd_kind { CMD_SUBMIT, CMD_ABORT, CMD_ABORT_ALL, CMD_INFO, CMD_METRICS } cmd_kind;
+typedef enum cmd_kind { CMD_SUBMIT, CMD_ABORT, CMD_ABORT_ALL, CMD_INFO, CMD_METRICS, CMD_CANCEL_ROOM } cmd_kind;
 
 /* A command with a synchronous answer (the HTTP thread waits on it). */
 typedef struct cmd_reply {
@@ -67,6 +67,10 @@ struct pd_node;
 /* Queues a command; PD_ERR_NOMEM when the queue is full, PD_ERR_STATE when
  * the node is stopping. For SUBMIT the scheduler takes a reference. */
 pd_err node_command(struct pd_node *n, cmd_kind kind, call *c, const char *rid, cmd_reply *reply);
+/* A request for `room` was refused before it reached the engine (bad
+ * input): queues pd_engine_cancel_room, so the other node's half of the
+ * request does not wait for it. Best effort, no reply. */
+void node_cancel_room(struct pd_node *n, uint64_t room, const char *peer);
 /* Queues a command and waits for its reply. */
 pd_err node_command_wait(struct pd_node *n, cmd_kind kind, const char *rid, cmd_reply *reply);
 

@@ -878,6 +878,7 @@ static pd_err cmd_expect(sim *s, const line_args *a, char *msg, size_t cap) {
             uint64_t v;
             if (!strcmp(name, "requeued")) v = c.requeued;
             else if (!strcmp(name, "xfer_abort_errors")) v = c.xfer_abort_errors;
+            else if (!strcmp(name, "rooms_cancelled")) v = c.rooms_cancelled;
             else if (!strcmp(name, "retire_deferred")) v = c.retire_deferred;
             else if (!strcmp(name, "late_results_ignored")) v = c.late_results_ignored;
             else if (!strcmp(name, "rejected")) v = c.rejected;

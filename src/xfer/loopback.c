@@ -15,6 +15,12 @@
  * effect. The receiver side is drained when no write is pending and the
  * sender can post no more: it completed, aborted, acknowledged the
  * receiver's abort, or was declared dead.
+ *
+ * Tombstones. A side that ends a room its peer has not opened yet (abort,
+ * or cancel() of a room it never opened) leaves news for the peer: the room
+ * stays, with the peer's status already FAILED, so the late side fails at
+ * open instead of waiting out its timeout. A tombstone never blocks a live
+ * room: when the table is full the oldest is evicted.
  */
 #include "pdserve/loopback.h"
 
@@ -67,6 +73,9 @@ typedef struct room {
     pd_lb_outcome boot, xfer;
     uint32_t pending_data, pending_all;
     uint32_t inc[2];         /* each side's incarnation when it opened the room */
+    bool cancelled[2];       /* the side ended the room without opening it */
+    bool tomb;               /* kept only to tell a side that has not opened it */
+    uint64_t tomb_seq;       /* eviction order of tombstones */
     uint64_t last_data_due;  /* writes and the completion notice keep their order */
 } room;
 
@@ -87,7 +96,7 @@ struct pd_loopback {
     uint32_t ops_cap, op_free;
     uint32_t *heap, heap_n;    /* runnable ops, by (due, seq) */
     uint32_t *held, held_n;    /* ops parked by a HOLD outcome, in posting order */
-    uint64_t seq, now;
+    uint64_t seq, now, tomb_seq;
     side_mem sides[2];
     pd_rng rng;              /* latency jitter */
 };
@@ -109,11 +118,28 @@ static uint32_t room_find(pd_loopback *lb, uint64_t id) {
     }
 }
 
+static void room_free(pd_loopback *lb, uint32_t r);
+
+/* The oldest tombstone, to make space for a live room; NONE if there is none. */
+static uint32_t tomb_victim(const pd_loopback *lb) {
+    uint32_t best = NONE;
+    for (uint32_t r = 0; r < lb->cfg.rooms_max; r++) {
+        const room *rm = &lb->rooms[r];
+        if (rm->used && rm->tomb && rm->pending_all == 0 && (best == NONE || rm->tomb_seq < lb->rooms[best].tomb_seq))
+            best = r;
+    }
+    return best;
+}
+
 static uint32_t room_get(pd_loopback *lb, uint64_t id) {
     uint32_t r = room_find(lb, id);
     if (r != NONE) return r;
     for (r = 0; r < lb->cfg.rooms_max && lb->rooms[r].used; r++) {}
-    if (r == lb->cfg.rooms_max) return NONE;
+    if (r == lb->cfg.rooms_max) {
+        r = tomb_victim(lb);
+        if (r == NONE) return NONE;
+        room_free(lb, r);
+    }
     room *rm = &lb->rooms[r];
     memset(rm, 0, sizeof(*rm));
     rm->used = true;
@@ -125,11 +151,31 @@ static uint32_t room_get(pd_loopback *lb, uint64_t id) {
     return r;
 }
 
+/* A side that has not opened the room (nor given it up) would find it FAILED. */
+static bool carries_news(const room *rm) {
+    for (int s = 0; s < 2; s++)
+        if (!rm->open[s] && !rm->cancelled[s] && rm->st[s] == PD_XFER_FAILED) return true;
+    return false;
+}
+
 static void room_release_if_done(pd_loopback *lb, uint32_t r) {
     room *rm = &lb->rooms[r];
     if (!rm->used || rm->pending_all) return;
     for (int s = 0; s < 2; s++)
         if (rm->open[s] && !rm->closed[s]) return;
+    if (carries_news(rm)) {
+        if (!rm->tomb) {
+            rm->tomb = true;
+            rm->tomb_seq = ++lb->tomb_seq;
+        }
+        return;
+    }
+    room_free(lb, r);
+}
+
+static void room_free(pd_loopback *lb, uint32_t r) {
+    room *rm = &lb->rooms[r];
+    PD_ASSERT(rm->used && rm->pending_all == 0);
     uint32_t i = (uint32_t)pd_hash_u64(rm->id) & lb->ht_mask;
     while (lb->room_ht[i] != r) i = (i + 1) & lb->ht_mask;
     lb->room_ht[i] = NONE;
@@ -442,6 +488,7 @@ static pd_err ep_sender_open(void *self, uint64_t room_id) {
     room *rm = &lb->rooms[r];
     if (rm->open[PD_LB_PREFILL]) return PD_ERR_EXISTS;
     rm->open[PD_LB_PREFILL] = true;
+    rm->tomb = false;
     rm->inc[PD_LB_PREFILL] = lb->sides[PD_LB_PREFILL].inc;
     if (rm->st[PD_LB_PREFILL] == PD_XFER_NONE)
         rm->st[PD_LB_PREFILL] = rm->dest_known ? PD_XFER_WAITING_FOR_INPUT : PD_XFER_BOOTSTRAPPING;
@@ -546,6 +593,7 @@ static pd_err ep_receiver_open(void *self, uint64_t room_id, const char *peer, c
     rm->mamba_slot = dest->mamba_slot;
     rm->meta_row = dest->meta_row;
     rm->open[PD_LB_DECODE] = true;
+    rm->tomb = false;
     rm->inc[PD_LB_DECODE] = lb->sides[PD_LB_DECODE].inc;
     if (rm->st[PD_LB_DECODE] == PD_XFER_NONE) rm->st[PD_LB_DECODE] = PD_XFER_BOOTSTRAPPING;
     if (!op_post(lb, r, OP_DEST, lb->cfg.latency)) return PD_ERR_NOMEM;
@@ -606,6 +654,28 @@ static void ep_close(void *self, uint64_t room_id) {
     room_release_if_done(ep->lb, r);
 }
 
+static void ep_cancel(void *self, uint64_t room_id, const char *peer) {
+    (void)peer;
+    endpoint *ep = self;
+    pd_loopback *lb = ep->lb;
+    if (!lb->sides[ep->side].alive) return;
+    uint32_t r = room_get(lb, room_id);
+    if (r == NONE) return; /* no slot even for a tombstone: the peer's timeout decides */
+    room *rm = &lb->rooms[r];
+    if (rm->open[ep->side] || rm->cancelled[ep->side]) return;
+    rm->cancelled[ep->side] = true;
+    if (ep->side == PD_LB_PREFILL) {
+        /* Nothing was ever posted: the sender is done now. */
+        if (!rm->s_done) {
+            rm->s_done = true;
+            op_post(lb, r, OP_R_NOTICE, lb->cfg.latency);
+        }
+    } else if (!rm->r_stopped) {
+        op_post(lb, r, OP_R_ABORT, lb->cfg.latency);
+    }
+    room_release_if_done(lb, r);
+}
+
 static const pd_xfer_vtable loopback_vt = {
     .sender_open = ep_sender_open,
     .sender_peer_cached = ep_sender_peer_cached,
@@ -616,6 +686,7 @@ static const pd_xfer_vtable loopback_vt = {
     .abort = ep_abort,
     .drained = ep_drained,
     .close = ep_close,
+    .cancel = ep_cancel,
 };
 
 /* ---- lifecycle and controls ---------------------------------------------------- */

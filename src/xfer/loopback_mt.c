@@ -98,10 +98,16 @@ static void mt_close(void *self, uint64_t room) {
     LOCKED(ep, ep->inner.vt->close(ep->inner.self, room));
 }
 
+static void mt_cancel(void *self, uint64_t room, const char *peer) {
+    mt_endpoint *ep = self;
+    LOCKED(ep, ep->inner.vt->cancel(ep->inner.self, room, peer));
+}
+
 static const pd_xfer_vtable mt_vt = {
     .sender_open = mt_sender_open, .sender_peer_cached = mt_sender_peer_cached,
     .send_pages = mt_send_pages, .send_final = mt_send_final, .receiver_open = mt_receiver_open,
     .status = mt_status, .abort = mt_abort, .drained = mt_drained, .close = mt_close,
+    .cancel = mt_cancel,
 };
 
 static void *progress_main(void *arg) {

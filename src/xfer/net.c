@@ -22,6 +22,15 @@
  * with ABORT instead of being orphaned). Orphans and tombstones expire after
  * orphan_ms. On the decode side a room lives from receiver_open to close.
  *
+ * Rooms ended before they opened (xfer.h, cancel). Prefill: a tombstone
+ * answers the decode's DEST with ABORT, or an orphan DEST already here gets
+ * its ABORT now. Decode: a cancel-only record sends one ABORT to the
+ * prefill, then goes; the same happens at close() for a room whose
+ * destination never left (aborted while the connection was still coming
+ * up). A prefill node that gets ABORT for a room without a destination
+ * fails the room if the engine has it open, or keeps a tombstone so that a
+ * later sender_open() fails at once.
+ *
  * The data path of one room, prefill side:
  *   send_pages/send_final stage coalesced page runs (a run = consecutive
  *   source pages onto consecutive destination pages = one put), then the
@@ -150,6 +159,7 @@ typedef struct room {
     bool abort_req, abort_sent;
     bool peer_lost;
     bool lost_unreliable;    /* the lost peer's endpoint had no peer-failure mode */
+    bool cancel_only;        /* never opened here: one ABORT to the prefill, then freed */
     uint64_t lost_ms;
 } room;
 
@@ -773,6 +783,16 @@ static bool send_dest(pd_net *n, uint32_t pi, room *rm) {
 
 static void pump_receiver(pd_net *n, room *rm, uint64_t now) {
     peer *p = peer_of(n, rm);
+    if (rm->cancel_only) {
+        /* Tell the prefill once the connection is up; a lost connection
+         * tells it nothing, and the room goes either way. */
+        if (p) {
+            if (p->state != PS_READY) return;
+            send_room_msg(n, rm->peer, PD_BP_ABORT, rm->id, ABORT_REASON_ENGINE);
+        }
+        room_free(n, ridx(n, rm));
+        return;
+    }
     if (!p || rm->stopped) return;
     uint32_t pi = rm->peer;
     if (!rm->dest_sent) {
@@ -963,12 +983,31 @@ static void on_decode_abort(pd_net *n, uint32_t pi, uint64_t room_id) {
     peer *p = &n->peers[pi];
     uint32_t r = room_find(n, room_id);
     if (r == NONE) {
-        /* Closed here already (a race with our own notice): nothing of it
-         * can write any more. */
+        /* Closed here already (a race with our own notice: nothing of it
+         * can write any more), or the decode half ended before this half
+         * opened: a tombstone makes a later sender_open fail at once. */
+        r = room_new(n, room_id);
+        if (r != NONE) {
+            room *tomb = &n->rooms[r];
+            tomb->st = PD_XFER_FAILED;
+            tomb->r_aborted = true;
+            tomb->s_done = true;
+        }
         send_room_msg(n, pi, PD_BP_ACK, room_id, 0);
         return;
     }
     room *rm = &n->rooms[r];
+    if (rm->peer == NONE) {
+        /* No destination came: the decode half ended before it sent one.
+         * Nothing was ever written. */
+        rm->r_aborted = true;
+        set_st(n, rm, PD_XFER_FAILED);
+        rm->s_done = true;
+        stages_drop(n, rm);
+        send_room_msg(n, pi, PD_BP_ACK, room_id, 0);
+        if (rm->closed) room_free(n, r); /* our own tombstone: both halves are gone */
+        return;
+    }
     if (rm->peer != pi || rm->peer_gen != p->gen) {
         refuse_room(n, pi, PD_BP_E_ROOM_UNKNOWN, room_id, "this connection holds no destination for the room");
         return;
@@ -1709,6 +1748,19 @@ static uint32_t peer_for_addr(pd_net *n, const char *addr) {
     return pi;
 }
 
+/* A connection started for nothing: forget it again if no room uses it. */
+static void peer_forget_if_unused(pd_net *n, uint32_t pi) {
+    if (pi == NONE || n->peers[pi].state != PS_RESOLVE) return;
+    for (uint32_t i = 0; i < n->cfg.rooms_max; i++)
+        if (n->rooms[i].used && n->rooms[i].peer == pi && n->rooms[i].peer_gen == n->peers[pi].gen) return;
+    peer_release(n, &n->peers[pi]);
+}
+
+static bool addr_ok(const char *addr) {
+    char host[PEER_ADDR_MAX], port[16];
+    return addr && strlen(addr) < PEER_ADDR_MAX && split_addr(addr, host, sizeof(host), port, sizeof(port));
+}
+
 static pd_err v_receiver_open(void *self, uint64_t id, const char *peer_addr, const pd_xfer_dest *dest) {
     pd_net *n = self;
     if (n->cfg.role != PD_NET_DECODE || !n->registered) return PD_ERR_STATE;
@@ -1722,9 +1774,7 @@ static pd_err v_receiver_open(void *self, uint64_t id, const char *peer_addr, co
         return PD_ERR_INVALID;
     for (uint32_t i = 0; i < dest->n_pages; i++)
         if (dest->pages[i] >= n->units[REG_KV]) return PD_ERR_INVALID;
-    char host[PEER_ADDR_MAX], port[16];
-    if (strlen(peer_addr) >= PEER_ADDR_MAX || !split_addr(peer_addr, host, sizeof(host), port, sizeof(port)))
-        return PD_ERR_INVALID;
+    if (!addr_ok(peer_addr)) return PD_ERR_INVALID;
     uint32_t *pages = malloc(((size_t)dest->n_pages + 1) * sizeof(uint32_t));
     if (!pages) return PD_ERR_NOMEM;
     if (dest->n_pages) memcpy(pages, dest->pages, dest->n_pages * sizeof(uint32_t));
@@ -1750,12 +1800,8 @@ static pd_err v_receiver_open(void *self, uint64_t id, const char *peer_addr, co
         rm->st = PD_XFER_BOOTSTRAPPING;
         n->stats.rooms_opened++;
         mark_dirty(n, rm);
-    } else if (pi != NONE && n->peers[pi].state == PS_RESOLVE) {
-        /* A connection started for nothing: forget it again if no room uses it. */
-        bool used = false;
-        for (uint32_t i = 0; i < n->cfg.rooms_max && !used; i++)
-            used = n->rooms[i].used && n->rooms[i].peer == pi && n->rooms[i].peer_gen == n->peers[pi].gen;
-        if (!used) peer_release(n, &n->peers[pi]);
+    } else {
+        peer_forget_if_unused(n, pi);
     }
     pthread_mutex_unlock(&n->mu);
     free(pages);
@@ -1839,13 +1885,73 @@ static void v_close(void *self, uint64_t id) {
     pd_net *n = self;
     pthread_mutex_lock(&n->mu);
     uint32_t r = room_find(n, id);
+    bool kick = false;
     if (r != NONE && !n->rooms[r].closed) {
         room *rm = &n->rooms[r];
         rm->closed = true;
         rm->t_ms = now_ms();
-        room_try_release(n, rm);
+        if (n->cfg.role == PD_NET_DECODE && !rm->dest_sent && peer_of(n, rm)) {
+            /* Ended before its destination left: the prefill half may be
+             * waiting for one. Tell it, then forget the room. */
+            rm->cancel_only = true;
+            mark_dirty(n, rm);
+            kick = true;
+        } else {
+            room_try_release(n, rm);
+        }
     }
     pthread_mutex_unlock(&n->mu);
+    if (kick) wake(n);
+}
+
+static void v_cancel(void *self, uint64_t id, const char *peer_addr) {
+    pd_net *n = self;
+    if (!n->registered) return;
+    pthread_mutex_lock(&n->mu);
+    uint32_t r = room_find(n, id);
+    if (n->cfg.role == PD_NET_PREFILL) {
+        if (r == NONE) {
+            /* The decode half may still send its destination: answer it with ABORT. */
+            r = room_new(n, id);
+            if (r != NONE) {
+                room *rm = &n->rooms[r];
+                rm->early_abort = true;
+                rm->s_done = true;
+                rm->closed = true;
+                rm->st = PD_XFER_FAILED;
+                n->stats.rooms_cancelled++;
+            }
+        } else if (!n->rooms[r].open && !n->rooms[r].closed) {
+            room *rm = &n->rooms[r];
+            rm->s_done = true;
+            rm->closed = true;
+            rm->t_ms = now_ms();
+            n->stats.rooms_cancelled++;
+            if (rm->dest_known && rm->st != PD_XFER_FAILED && peer_of(n, rm)) {
+                /* An orphan destination: its decode half waits for data. */
+                rm->note = N_ABORT;
+                rm->note_value = ABORT_REASON_ENGINE;
+                mark_dirty(n, rm);
+            } else {
+                room_try_release(n, rm);
+            }
+        }
+    } else if (r == NONE && addr_ok(peer_addr)) {
+        uint32_t pi = peer_for_addr(n, peer_addr);
+        if (pi != NONE && (r = room_new(n, id)) != NONE) {
+            room *rm = &n->rooms[r];
+            rm->peer = pi;
+            rm->peer_gen = n->peers[pi].gen;
+            rm->closed = true;
+            rm->cancel_only = true;
+            n->stats.rooms_cancelled++;
+            mark_dirty(n, rm);
+        } else {
+            peer_forget_if_unused(n, pi);
+        }
+    }
+    pthread_mutex_unlock(&n->mu);
+    wake(n);
 }
 
 static const pd_xfer_vtable net_vt = {
@@ -1858,6 +1964,7 @@ static const pd_xfer_vtable net_vt = {
     .abort = v_abort,
     .drained = v_drained,
     .close = v_close,
+    .cancel = v_cancel,
 };
 
 /* ---- lifecycle ------------------------------------------------------------------------------ */

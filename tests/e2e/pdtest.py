@@ -170,3 +170,44 @@ def prompts(n=24):
         length = [1, 2, 5, 9, 15, 16, 17, 31, 32, 33, 63, 64, 65, 100, 127, 128, 129, 200, 255, 256, 257, 300, 3, 47][i % 24]
         out.append((base[i % 17:] + base)[:length])
     return out
+
+
+def check_refused_half_ends_its_peer(p, d, boot_port, room_base):
+    """Each half of a request (same rid and room on both nodes, as the router
+    sends them) where one node refuses its half — bad input at the HTTP layer,
+    or a prompt that fits the prefill node but not the decode node's KV pool.
+    The nodes run with bootstrap and transfer timeouts far beyond this test's
+    patience, so the other half ends in time only because the refusing node
+    told it through the transport. Both nodes end idle-clean."""
+    import threading
+
+    long_text = "a prompt long enough to overflow a small decode pool " * 14
+    cases = [
+        # (which node refuses, what it is sent, the status it answers)
+        ("decode", {"text": "hello there", "sampling_params": {"max_new_tokens": 4, "temperature": -1}}, 400),
+        ("decode", {"text": long_text, "sampling_params": {"max_new_tokens": 700, "ignore_eos": True}}, 413),
+        ("prefill", {"text": "hello there", "sampling_params": {"max_new_tokens": "four"}}, 400),
+    ]
+    before = {n.name: n.info()["counters"].get("rooms_cancelled", 0) for n in (p, d)}
+    for i, (refuser, bad, want_status) in enumerate(cases):
+        room = room_base + i
+        boot = {"bootstrap_room": room, "bootstrap_host": "127.0.0.1", "bootstrap_port": boot_port,
+                "rid": "refused-%d" % room}
+        good = {"text": bad["text"], "sampling_params": {"max_new_tokens": 4}}
+        if refuser == "decode" and want_status == 413:
+            good = dict(bad)  # the same body: only the decode node lacks the room for it
+        waiting, refusing = (p, d) if refuser == "decode" else (d, p)
+        out = {}
+        t = threading.Thread(target=lambda: out.setdefault("r", waiting.post("/generate", dict(good, **boot))))
+        t.start()
+        time.sleep(0.2)  # usually the waiting half is queued first; the other order is covered too
+        st, body = refusing.post("/generate", dict(bad, **boot))
+        assert st == want_status, (refuser, st, body)
+        t.join(30)
+        assert not t.is_alive(), "the %s half of room %d still waits for its refused peer" % (waiting.name, room)
+        st, body = out["r"]
+        assert st >= 500, (waiting.name, st, body)
+    for n in (p, d):
+        n.wait_idle_clean()
+    after = {n.name: n.info()["counters"]["rooms_cancelled"] for n in (p, d)}
+    assert after[d.name] - before[d.name] == 2 and after[p.name] - before[p.name] == 1, (before, after)

@@ -120,6 +120,15 @@ def test_loopback_page_16_chunk_48_prefix_reuse():
         pair.stop()
 
 
+def test_refused_half_ends_its_peer():
+    pair = RunPair(["--bootstrap-timeout-ms", "600000", "--transfer-timeout-ms", "600000",
+                    "--max-total-tokens", "1024"])
+    try:
+        pdtest.check_refused_half_ends_its_peer(pair.p, pair.d, 8998, 5000)
+    finally:
+        pair.stop()
+
+
 def test_pd_node_refuses_requests_without_bootstrap_fields():
     pair = RunPair([])
     try:
@@ -138,4 +147,5 @@ if __name__ == "__main__":
         test_loopback_page_1_chunk_7,
         test_loopback_page_16_chunk_48_prefix_reuse,
         test_pd_node_refuses_requests_without_bootstrap_fields,
+        test_refused_half_ends_its_peer,
     ])

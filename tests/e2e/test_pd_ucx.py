@@ -67,6 +67,15 @@ def test_ucx_shm_page_1_chunk_7():
         cl.stop()
 
 
+def test_ucx_refused_half_ends_its_peer():
+    cl = Cluster("tcp", ["--bootstrap-timeout-ms", "600000", "--transfer-timeout-ms", "600000",
+                         "--max-total-tokens", "1024"])
+    try:
+        pdtest.check_refused_half_ends_its_peer(cl.p, cl.d, cl.boot, 7000)
+    finally:
+        cl.stop()
+
+
 def test_decode_sigkill_mid_transfer_then_restart():
     cl = Cluster("tcp", ["--page-size", "16", "--chunked-prefill-size", "32", "--max-prompt-tokens", "8192"])
     try:
@@ -132,4 +141,4 @@ def test_decode_sigkill_mid_transfer_then_restart():
 
 if __name__ == "__main__":
     pdtest.run_tests([test_ucx_tcp_page_16_chunk_64, test_ucx_shm_page_1_chunk_7,
-                      test_decode_sigkill_mid_transfer_then_restart])
+                      test_ucx_refused_half_ends_its_peer, test_decode_sigkill_mid_transfer_then_restart])

@@ -248,6 +248,64 @@ static void sender_abort_before_destination_fails_late_receiver(void **state) {
     pair_free(w);
 }
 
+/* cancel(): a half that ends before it ever opened the room tells the other
+ * half, whichever opened first. The transport has no timeouts of its own: a
+ * half nobody tells would wait until WAIT_FOR's deadline. */
+static void sender_cancel_fails_receiver_either_order(void **state) {
+    (void)state;
+    pair_opts o = pair_defaults();
+    pair *w = pair_new(&o);
+    spec s;
+    /* The destination is here first (an orphan): it gets its ABORT now. */
+    spec_init(&s, w, 21, 8, 0);
+    s.dst[0] = 1, s.dst[1] = 2;
+    receiver_open(w, &s);
+    WAIT_FOR(pd_net_rooms_live(w->pre) == 1);
+    w->px.vt->cancel(w->px.self, s.room, NULL);
+    WAIT_FOR(st_of(w->dx, s.room) == PD_XFER_FAILED);
+    WAIT_FOR(drained_of(w->dx, s.room));
+    w->dx.vt->close(w->dx.self, s.room);
+    /* The prefill half ends first: the late destination is answered. */
+    spec_init(&s, w, 22, 8, 0);
+    s.dst[0] = 3, s.dst[1] = 4;
+    w->px.vt->cancel(w->px.self, s.room, NULL);
+    assert_int_equal(st_of(w->px, s.room), PD_XFER_NONE); /* never opened here */
+    receiver_open(w, &s);
+    WAIT_FOR(st_of(w->dx, s.room) == PD_XFER_FAILED);
+    WAIT_FOR(drained_of(w->dx, s.room));
+    w->dx.vt->close(w->dx.self, s.room);
+    wait_no_rooms(w);
+    assert_int_equal(stats_of(w->pre).rooms_cancelled, 2);
+    assert_true(unit_untouched(w, 0, 1) && unit_untouched(w, 0, 3));
+    pair_free(w);
+}
+
+static void receiver_cancel_fails_sender_either_order(void **state) {
+    (void)state;
+    pair_opts o = pair_defaults();
+    pair *w = pair_new(&o);
+    /* The prefill half waits for a destination that will never come. */
+    assert_ok(w->px.vt->sender_open(w->px.self, 31));
+    w->dx.vt->cancel(w->dx.self, 31, w->peer);
+    assert_int_equal(st_of(w->dx, 31), PD_XFER_NONE);
+    WAIT_FOR(st_of(w->px, 31) == PD_XFER_FAILED);
+    assert_true(drained_of(w->px, 31));
+    w->px.vt->close(w->px.self, 31);
+    /* The decode half ends first: the prefill half fails as it opens. */
+    w->dx.vt->cancel(w->dx.self, 32, w->peer);
+    WAIT_FOR(pd_net_rooms_live(w->pre) == 1 && pd_net_rooms_live(w->dec) == 0);
+    assert_ok(w->px.vt->sender_open(w->px.self, 32));
+    assert_int_equal(st_of(w->px, 32), PD_XFER_FAILED);
+    w->px.vt->close(w->px.self, 32);
+    /* A bad address is ignored: nothing to tell, nothing kept. */
+    w->dx.vt->cancel(w->dx.self, 33, "no port here");
+    w->dx.vt->cancel(w->dx.self, 34, NULL);
+    wait_no_rooms(w);
+    assert_int_equal(stats_of(w->dec).rooms_cancelled, 2);
+    assert_int_equal(stats_of(w->pre).bad_messages + stats_of(w->dec).bad_messages, 0);
+    pair_free(w);
+}
+
 static void receiver_abort_drains_only_after_sender_stops(void **state) {
     (void)state;
     pair_opts o = pair_defaults();
@@ -628,6 +686,8 @@ int main(void) {
         cmocka_unit_test(cached_prefix_only_later_pages_sent),
         cmocka_unit_test(sender_abort_fails_receiver_both_drain),
         cmocka_unit_test(sender_abort_before_destination_fails_late_receiver),
+        cmocka_unit_test(sender_cancel_fails_receiver_either_order),
+        cmocka_unit_test(receiver_cancel_fails_sender_either_order),
         cmocka_unit_test(receiver_abort_drains_only_after_sender_stops),
         cmocka_unit_test(unreachable_prefill_fails_and_drains_at_once),
         cmocka_unit_test(abort_error_still_drains),

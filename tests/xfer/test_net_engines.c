@@ -58,7 +58,9 @@ static pd_synth_config synth_config(void) {
                              .vocab = VOCAB, .eos_token = VOCAB - 1, .batch_max = 8};
 }
 
-static void side_open(side *s, int idx, out *outs) {
+/* no_timeouts: no engine timeouts and no orphan expiry, so a half that
+ * nobody tells would wait forever. */
+static void side_open(side *s, int idx, out *outs, bool no_timeouts) {
     s->idx = idx;
     s->outs = outs;
     pd_synth_config sc = synth_config();
@@ -72,7 +74,7 @@ static void side_open(side *s, int idx, out *outs) {
     /* A prefill request aborted before its engine opened the room never
      * tells the transport; the decode half's destination is an orphan until
      * orphan_ms (or the decode engine's transfer timeout). Short here. */
-    nc.orphan_ms = 1500;
+    nc.orphan_ms = no_timeouts ? 600000 : 1500;
     char msg[256];
     if (pd_net_create(&s->net, &nc, msg, sizeof(msg))) fail_msg("%s", msg);
     if (pd_net_register(s->net, &mem, s->meta, 16, msg, sizeof(msg))) fail_msg("%s", msg);
@@ -92,6 +94,7 @@ static void side_open(side *s, int idx, out *outs) {
      * other half was aborted alone ends within the test. */
     ec.bootstrap_timeout_us = 8u * 1000000u;
     ec.transfer_timeout_us = 8u * 1000000u;
+    if (no_timeouts) ec.bootstrap_timeout_us = ec.transfer_timeout_us = 0;
     ec.meta_mem = s->meta;
     pd_sink sink = {&sink_vt, s};
     if (pd_engine_create(&s->e, &ec, ex, pd_net_endpoint(s->net), sink, msg, sizeof(msg))) fail_msg("%s", msg);
@@ -116,8 +119,8 @@ static void engines_hand_off_over_the_network(void **state) {
     static out outs[REQS];
     memset(outs, 0, sizeof(outs));
     side pre = {0}, dec = {0};
-    side_open(&pre, 0, outs);
-    side_open(&dec, 1, outs);
+    side_open(&pre, 0, outs, false);
+    side_open(&dec, 1, outs, false);
     char peer[64];
     snprintf(peer, sizeof(peer), "127.0.0.1:%u", pd_net_bootstrap_port(pre.net));
 
@@ -206,9 +209,119 @@ static void engines_hand_off_over_the_network(void **state) {
     side_close(&pre);
 }
 
+/* Steps both engines until both are idle; fails with their reports if that
+ * does not happen within the deadline. */
+static void run_until_idle(side *pre, side *dec, uint64_t t0, uint64_t *step) {
+    for (;; (*step)++) {
+        uint64_t now_us = (t_now_ms() - t0) * 1000u + *step;
+        pd_engine_step(pre->e, now_us);
+        pd_engine_step(dec->e, now_us);
+        if (pd_engine_idle(pre->e) && pd_engine_idle(dec->e)) return;
+        if (t_now_ms() - t0 > DEADLINE_MS) {
+            static char buf[16384];
+            pd_strbuf sb;
+            pd_strbuf_init(&sb, buf, sizeof(buf));
+            pd_engine_report(pre->e, PD_REPORT_TEXT, &sb);
+            pd_strbuf_append(&sb, "\n---- decode ----\n");
+            pd_engine_report(dec->e, PD_REPORT_TEXT, &sb);
+            fail_msg("a half was left waiting for its peer:\n%s", buf);
+        }
+        t_sleep_ms(1);
+    }
+}
+
+/* One half ends before it opened its room — aborted while queued, or
+ * refused at submit — and there are no timeouts: the other half ends only
+ * because the transport told it (xfer.h, cancel). Without that it would
+ * wait forever and the test would hit its deadline. */
+static void a_half_that_never_opened_ends_its_peer(void **state) {
+    (void)state;
+    static out outs[8];
+    memset(outs, 0, sizeof(outs));
+    side pre = {0}, dec = {0};
+    side_open(&pre, 0, outs, true);
+    side_open(&dec, 1, outs, true);
+    char peer[64];
+    snprintf(peer, sizeof(peer), "127.0.0.1:%u", pd_net_bootstrap_port(pre.net));
+    int32_t prompt[20];
+    for (int i = 0; i < 20; i++) prompt[i] = (int32_t)(i * 7 % (VOCAB - 1));
+    pd_request_spec spec = {.prompt = prompt, .prompt_len = 20, .max_new_tokens = 4,
+                            .sampling = {.top_p = 1.0f}, .peer = peer};
+    pd_reject why;
+    uint64_t t0 = t_now_ms(), step = 1;
+
+    /* r0: the prefill half is waiting for its destination; the decode half
+     * is aborted while it waits for memory, before it opens the room. */
+    spec.rid = "r0", spec.room = 0x5EED0000u;
+    assert_ok(pd_engine_submit(pre.e, &spec, step, &why));
+    pd_engine_step(pre.e, step++);
+    assert_ok(pd_engine_submit(dec.e, &spec, step, &why));
+    assert_ok(pd_engine_abort(dec.e, "r0"));
+    run_until_idle(&pre, &dec, t0, &step);
+    assert_int_equal(outs[0].kind[1], PD_TERM_ABORTED);
+    assert_int_equal(outs[0].kind[0], PD_TERM_FAILED);
+
+    /* r1: the prefill half is aborted before it opens the room; the decode
+     * half comes later and sends its destination. */
+    spec.rid = "r1", spec.room = 0x5EED0001u;
+    assert_ok(pd_engine_submit(pre.e, &spec, step, &why));
+    assert_ok(pd_engine_abort(pre.e, "r1"));
+    pd_engine_step(pre.e, step++);
+    assert_ok(pd_engine_submit(dec.e, &spec, step, &why));
+    run_until_idle(&pre, &dec, t0, &step);
+    assert_int_equal(outs[1].kind[0], PD_TERM_ABORTED);
+    assert_int_equal(outs[1].kind[1], PD_TERM_FAILED);
+
+    /* r2: the decode half opens its room and is aborted at once (its
+     * destination may not have left yet), the prefill half comes later. */
+    spec.rid = "r2", spec.room = 0x5EED0002u;
+    assert_ok(pd_engine_submit(dec.e, &spec, step, &why));
+    pd_engine_step(dec.e, step++);
+    assert_ok(pd_engine_abort(dec.e, "r2"));
+    pd_engine_step(dec.e, step++);
+    assert_ok(pd_engine_submit(pre.e, &spec, step, &why));
+    run_until_idle(&pre, &dec, t0, &step);
+    assert_int_equal(outs[2].kind[1], PD_TERM_ABORTED);
+    assert_int_equal(outs[2].kind[0], PD_TERM_FAILED);
+
+    /* r3: the decode node refuses its half (the rid is live there with
+     * another room); the prefill half must not wait for it. */
+    pd_request_spec other = spec;
+    other.rid = "r3", other.room = 0x5EED00FFu;
+    assert_ok(pd_engine_submit(pre.e, &other, step, &why)); /* r3's own pair, to keep decode's r3 live */
+    assert_ok(pd_engine_submit(dec.e, &other, step, &why));
+    spec.rid = "r4", spec.room = 0x5EED0004u;
+    assert_ok(pd_engine_submit(pre.e, &spec, step, &why));
+    spec.rid = "r3"; /* same rid as the live one, the room of r4's prefill half */
+    assert_err(pd_engine_submit(dec.e, &spec, step, &why), PD_ERR_EXISTS);
+    assert_int_equal(why.status, 409);
+    run_until_idle(&pre, &dec, t0, &step);
+    assert_int_equal(outs[3].kind[0], PD_TERM_FINISHED); /* the live pair is untouched */
+    assert_int_equal(outs[3].kind[1], PD_TERM_FINISHED);
+    assert_int_equal(outs[4].kind[0], PD_TERM_FAILED);
+    assert_int_equal(outs[4].terms[1], 0);
+
+    for (int k = 0; k < 5; k++) assert_int_equal(outs[k].terms[0], 1);
+    for (int k = 0; k < 4; k++) assert_int_equal(outs[k].terms[1], 1);
+    pd_engine_counters pc, dc;
+    pd_engine_counters_get(pre.e, &pc);
+    pd_engine_counters_get(dec.e, &dc);
+    assert_int_equal(pc.rooms_cancelled, 1); /* r1 */
+    assert_true(dc.rooms_cancelled >= 2);    /* r0 and r4's refusal; r2 if its destination had not left */
+    side_check_clean(&pre);
+    side_check_clean(&dec);
+    pd_net_stats ps = stats_of(pre.net), ds = stats_of(dec.net);
+    assert_int_equal(ps.bad_messages + ds.bad_messages, 0);
+    /* Every tombstone did its job (each late half came) and went. */
+    WAIT_FOR(pd_net_rooms_live(dec.net) == 0 && pd_net_rooms_live(pre.net) == 0);
+    side_close(&dec);
+    side_close(&pre);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(engines_hand_off_over_the_network),
+        cmocka_unit_test(a_half_that_never_opened_ends_its_peer),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
