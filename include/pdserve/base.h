@@ -90,6 +90,15 @@ __attribute__((format(printf, 2, 3)))
 #endif
 void pd_strbuf_printf(pd_strbuf *sb, const char *fmt, ...);
 void pd_strbuf_vprintf(pd_strbuf *sb, const char *fmt, va_list ap);
+/* The OpenAI-style error "type" for an HTTP status (both HTTP front ends). */
+const char *pd_http_error_type(unsigned status);
+
+/* Appends "violation: <text>\n" to report (if any) and returns
+ * PD_ERR_INTERNAL: the shared shape of every ownership check's findings. */
+#if defined(__GNUC__)
+__attribute__((format(printf, 2, 3)))
+#endif
+pd_err pd_violation(pd_strbuf *report, const char *fmt, ...);
 /* Appends s as a JSON string literal, quotes included. */
 void pd_strbuf_json_string(pd_strbuf *sb, const char *s);
 

@@ -102,6 +102,18 @@ void pd_strbuf_vprintf(pd_strbuf *sb, const char *fmt, va_list ap) {
     }
 }
 
+pd_err pd_violation(pd_strbuf *report, const char *fmt, ...) {
+    if (report) {
+        va_list ap;
+        va_start(ap, fmt);
+        pd_strbuf_append(report, "violation: ");
+        pd_strbuf_vprintf(report, fmt, ap);
+        pd_strbuf_append(report, "\n");
+        va_end(ap);
+    }
+    return PD_ERR_INTERNAL;
+}
+
 void pd_strbuf_printf(pd_strbuf *sb, const char *fmt, ...) {
     va_list ap;
     va_start(ap, fmt);
@@ -226,4 +238,20 @@ uint64_t pd_hash_tokens(const int32_t *tokens, size_t n, uint64_t seed) {
             0x100000001B3ull;
     }
     return pd_hash_u64(h);
+}
+
+const char *pd_http_error_type(unsigned status) {
+    switch (status) {
+    case 400: return "invalid_request_error";
+    case 404: return "not_found_error";
+    case 405: return "method_not_allowed";
+    case 409: return "conflict_error";
+    case 413: return "request_too_large";
+    case 429: return "rate_limit_error";
+    case 500: return "internal_error";
+    case 502: return "bad_gateway";
+    case 503: return "unavailable_error";
+    case 504: return "timeout_error";
+    default: return status >= 500 ? "internal_error" : "invalid_request_error";
+    }
 }

@@ -19,6 +19,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "args.h"
 #include "commands.h"
 #include "pdserve/model.h"
 #include "pdserve/pool.h"
@@ -72,26 +73,6 @@ static double now_ms(void) {
     return (double)ts.tv_sec * 1e3 + (double)ts.tv_nsec / 1e6;
 }
 
-static bool parse_u64(const char *s, uint64_t lo, uint64_t hi, uint64_t *out) {
-    if (!s || !*s || *s == '-' || *s == '+') return false;
-    char *end;
-    errno = 0;
-    unsigned long long v = strtoull(s, &end, 10);
-    if (errno || *end || v < lo || v > hi) return false;
-    *out = v;
-    return true;
-}
-
-static bool parse_float(const char *s, float lo, float hi, float *out) {
-    if (!s || !*s) return false;
-    char *end;
-    errno = 0;
-    float v = strtof(s, &end);
-    if (errno || *end || !isfinite(v) || v < lo || v > hi) return false;
-    *out = v;
-    return true;
-}
-
 typedef struct gen_opts {
     const char *prompt, *model_dir, *config, *layers;
     uint64_t seed, max_new, page_size, chunk, sampling_seed, threads;
@@ -122,16 +103,7 @@ static int parse_args(int argc, char **argv, gen_opts *o, bool *help) {
         if (!strcmp(a, "--ignore-eos")) { o->ignore_eos = true; continue; }
         /* every other option takes a value: --opt VALUE or --opt=VALUE */
         char name[64];
-        const char *val = NULL;
-        const char *eq = strchr(a, '=');
-        if (eq && (size_t)(eq - a) < sizeof(name)) {
-            memcpy(name, a, (size_t)(eq - a));
-            name[eq - a] = '\0';
-            val = eq + 1;
-        } else {
-            snprintf(name, sizeof(name), "%s", a);
-            if (i + 1 < argc) val = argv[++i];
-        }
+        const char *val = pd_cli_option(argc, argv, &i, name, sizeof(name));
         bool known = true, ok = true;
         if (!val) return usage_error("%s needs a value%s", name, "");
         if (!strcmp(name, "--prompt")) o->prompt = val;
@@ -144,16 +116,16 @@ static int parse_args(int argc, char **argv, gen_opts *o, bool *help) {
             o->builtin_option = true;
         }
         else if (!strcmp(name, "--seed")) {
-            ok = parse_u64(val, 0, UINT64_MAX, &o->seed);
+            ok = pd_cli_u64(val, 0, UINT64_MAX, &o->seed);
             o->builtin_option = true;
         }
-        else if (!strcmp(name, "--max-new-tokens")) ok = parse_u64(val, 1, MAX_NEW_TOKENS_MAX, &o->max_new);
-        else if (!strcmp(name, "--page-size")) ok = parse_u64(val, 1, PD_MODEL_PAGE_SIZE_MAX, &o->page_size);
-        else if (!strcmp(name, "--chunked-prefill-size")) ok = parse_u64(val, 1, UINT32_MAX, &o->chunk);
-        else if (!strcmp(name, "--threads")) ok = parse_u64(val, 1, PD_MODEL_THREADS_MAX, &o->threads);
-        else if (!strcmp(name, "--sampling-seed")) ok = parse_u64(val, 0, UINT64_MAX, &o->sampling_seed);
-        else if (!strcmp(name, "--temperature")) ok = parse_float(val, 0.0f, 1000.0f, &o->temperature);
-        else if (!strcmp(name, "--top-p")) ok = parse_float(val, 1e-6f, 1.0f, &o->top_p);
+        else if (!strcmp(name, "--max-new-tokens")) ok = pd_cli_u64(val, 1, MAX_NEW_TOKENS_MAX, &o->max_new);
+        else if (!strcmp(name, "--page-size")) ok = pd_cli_u64(val, 1, PD_MODEL_PAGE_SIZE_MAX, &o->page_size);
+        else if (!strcmp(name, "--chunked-prefill-size")) ok = pd_cli_u64(val, 1, UINT32_MAX, &o->chunk);
+        else if (!strcmp(name, "--threads")) ok = pd_cli_u64(val, 1, PD_MODEL_THREADS_MAX, &o->threads);
+        else if (!strcmp(name, "--sampling-seed")) ok = pd_cli_u64(val, 0, UINT64_MAX, &o->sampling_seed);
+        else if (!strcmp(name, "--temperature")) ok = pd_cli_float(val, 0.0f, 1000.0f, &o->temperature);
+        else if (!strcmp(name, "--top-p")) ok = pd_cli_float(val, 1e-6f, 1.0f, &o->top_p);
         else known = false;
         if (!known) return usage_error("unknown option '%s'%s", name, "");
         if (!ok) return usage_error("%s: bad value '%s'", name, val);

@@ -13,6 +13,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "args.h"
 #include "commands.h"
 #include "pdserve/model.h"
 
@@ -41,16 +42,6 @@ static void usage(FILE *to) {
             "  --help             this text\n");
 }
 
-static bool parse_u64(const char *s, uint64_t lo, uint64_t hi, uint64_t *out) {
-    if (!s || !*s || *s == '-' || *s == '+') return false;
-    char *end;
-    errno = 0;
-    unsigned long long v = strtoull(s, &end, 10);
-    if (errno || *end || v < lo || v > hi) return false;
-    *out = v;
-    return true;
-}
-
 typedef struct model_opts {
     const char *out, *model_dir, *config, *layers, *dtype;
     uint64_t dim, seed, page_size;
@@ -73,16 +64,7 @@ static int parse_args(const char *sub, int argc, char **argv, model_opts *o, boo
             return 0;
         }
         char name[64];
-        const char *val = NULL;
-        const char *eq = strchr(a, '=');
-        if (eq && (size_t)(eq - a) < sizeof(name)) {
-            memcpy(name, a, (size_t)(eq - a));
-            name[eq - a] = '\0';
-            val = eq + 1;
-        } else {
-            snprintf(name, sizeof(name), "%s", a);
-            if (i + 1 < argc) val = argv[++i];
-        }
+        const char *val = pd_cli_option(argc, argv, &i, name, sizeof(name));
         bool ok = true;
         bool init_only = false;
         if (!strcmp(name, "--out")) {
@@ -100,13 +82,13 @@ static int parse_args(const char *sub, int argc, char **argv, model_opts *o, boo
             o->dtype = val;
             init_only = true;
         } else if (!strcmp(name, "--dim")) {
-            ok = parse_u64(val, 1, 65536, &o->dim);
+            ok = pd_cli_u64(val, 1, 65536, &o->dim);
             o->have_dim = o->builtin_option = true;
         } else if (!strcmp(name, "--seed")) {
-            ok = parse_u64(val, 0, UINT64_MAX, &o->seed);
+            ok = pd_cli_u64(val, 0, UINT64_MAX, &o->seed);
             init_only = true;
         } else if (!strcmp(name, "--page-size")) {
-            ok = parse_u64(val, 1, PD_MODEL_PAGE_SIZE_MAX, &o->page_size);
+            ok = pd_cli_u64(val, 1, PD_MODEL_PAGE_SIZE_MAX, &o->page_size);
         } else {
             return usage_error(sub, "unknown option ", name);
         }

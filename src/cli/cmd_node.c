@@ -11,6 +11,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "args.h"
 #include "commands.h"
 #include "node_options.h"
 
@@ -57,15 +58,7 @@ void pd_node_usage(FILE *to, const char *cmd, const char *what) {
     fprintf(to, "  %-38s %s\n", "--help", "this text");
 }
 
-static bool parse_num(const char *v, uint64_t max, uint64_t *out) {
-    if (!v || !*v) return false;
-    char *end;
-    errno = 0;
-    unsigned long long x = strtoull(v, &end, 10);
-    if (*end || errno || x > max || v[0] == '-') return false;
-    *out = x;
-    return true;
-}
+static bool parse_num(const char *v, uint64_t max, uint64_t *out) { return pd_cli_u64(v, 0, max, out); }
 
 int pd_node_parse(int argc, char **argv, pd_node_config *c, int *consumed_until) {
     for (int i = 1; i < argc; i++) {

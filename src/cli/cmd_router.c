@@ -17,6 +17,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "args.h"
 #include "commands.h"
 #include "router.h"
 
@@ -65,16 +66,6 @@ static void usage(FILE *to) {
             PD_ROUTER_WORKERS_MAX);
 }
 
-static bool parse_u64(const char *s, uint64_t lo, uint64_t hi, uint64_t *out) {
-    if (!s || !*s || *s == '-' || *s == '+') return false;
-    char *end;
-    errno = 0;
-    unsigned long long v = strtoull(s, &end, 10);
-    if (errno || *end || v < lo || v > hi) return false;
-    *out = v;
-    return true;
-}
-
 static int usage_error(const char *what, const char *detail) {
     fprintf(stderr, "pdserve router: %s%s (see pdserve router --help)\n", what, detail);
     return 2;
@@ -92,16 +83,7 @@ static int parse_args(int argc, char **argv, pd_router_config *cfg, bool *help) 
         }
         /* every other option takes a value: --opt VALUE or --opt=VALUE */
         char name[64];
-        const char *val = NULL;
-        const char *eq = strchr(a, '=');
-        if (!strncmp(a, "--", 2) && eq && (size_t)(eq - a) < sizeof name) {
-            memcpy(name, a, (size_t)(eq - a));
-            name[eq - a] = '\0';
-            val = eq + 1;
-        } else {
-            snprintf(name, sizeof name, "%s", a);
-            if (i + 1 < argc) val = argv[++i];
-        }
+        const char *val = pd_cli_option(argc, argv, &i, name, sizeof name);
         if (strncmp(name, "--", 2)) return usage_error("unexpected argument ", name);
         if (!val) return usage_error(name, " needs a value");
         uint64_t v = 0;
@@ -117,30 +99,30 @@ static int parse_args(int argc, char **argv, pd_router_config *cfg, bool *help) 
         } else if (!strcmp(name, "--host")) {
             cfg->host = val;
         } else if (!strcmp(name, "--port")) {
-            ok = parse_u64(val, 0, 65535, &v);
+            ok = pd_cli_u64(val, 0, 65535, &v);
             cfg->port = (uint16_t)v;
         } else if (!strcmp(name, "--bootstrap-port")) {
-            ok = parse_u64(val, 1, 65535, &v);
+            ok = pd_cli_u64(val, 1, 65535, &v);
             cfg->bootstrap_port = (uint16_t)v;
         } else if (!strcmp(name, "--policy")) {
             ok = pd_router_policy_parse(val, &cfg->policy) == PD_OK;
         } else if (!strcmp(name, "--health-interval-ms")) {
-            ok = parse_u64(val, 1, 3600000, &v);
+            ok = pd_cli_u64(val, 1, 3600000, &v);
             cfg->health_interval_ms = (uint32_t)v;
         } else if (!strcmp(name, "--health-timeout-ms")) {
-            ok = parse_u64(val, 1, 3600000, &v);
+            ok = pd_cli_u64(val, 1, 3600000, &v);
             cfg->health_timeout_ms = (uint32_t)v;
         } else if (!strcmp(name, "--request-timeout-s")) {
-            ok = parse_u64(val, 1, 86400, &v);
+            ok = pd_cli_u64(val, 1, 86400, &v);
             cfg->request_timeout_ms = (uint32_t)(v * 1000);
         } else if (!strcmp(name, "--abort-grace-ms")) {
-            ok = parse_u64(val, 0, 3600000, &v);
+            ok = pd_cli_u64(val, 0, 3600000, &v);
             cfg->abort_grace_ms = (uint32_t)v;
         } else if (!strcmp(name, "--max-body-bytes")) {
-            ok = parse_u64(val, 1, (uint64_t)1 << 32, &v);
+            ok = pd_cli_u64(val, 1, (uint64_t)1 << 32, &v);
             cfg->max_body_bytes = (size_t)v;
         } else if (!strcmp(name, "--max-connections")) {
-            ok = parse_u64(val, 1, 65536, &v);
+            ok = pd_cli_u64(val, 1, 65536, &v);
             cfg->connections_max = (uint32_t)v;
         } else {
             return usage_error("unknown option ", name);

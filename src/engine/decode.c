@@ -111,16 +111,7 @@ static int prealloc(pd_engine *e, req *r) {
      * token is never fed back. */
     uint32_t total = PD_DIV_CEIL(r->prompt_len + r->max_new - 1, ps);
     uint32_t need = total - cached / ps;
-    if (eng_kv_available(e) < need) {
-        if (r->holds_lock) {
-            PD_MUST(pd_cache_unlock(e->cache, r->lock_node));
-            r->holds_lock = r->holds_kv = false;
-            r->lock_node = PD_CNODE_NONE;
-        }
-        return 0;
-    }
-    r->reserved = need;
-    e->reserved += need;
+    if (!eng_reserve_pages(e, r, need)) return 0;
     r->n_pages = r->own_from = cached / ps;
     r->cached_tokens = cached;
     e->ctr.cached_tokens += cached;

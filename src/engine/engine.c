@@ -245,6 +245,20 @@ uint64_t eng_kv_available(pd_engine *e) {
     return avail > e->reserved ? avail - e->reserved : 0;
 }
 
+bool eng_reserve_pages(pd_engine *e, req *r, uint32_t need) {
+    if (eng_kv_available(e) < need) {
+        if (r->holds_lock) { /* the prefix it matched: not worth holding while it waits */
+            PD_MUST(pd_cache_unlock(e->cache, r->lock_node));
+            r->holds_lock = r->holds_kv = false;
+            r->lock_node = PD_CNODE_NONE;
+        }
+        return false;
+    }
+    r->reserved = need;
+    e->reserved += need;
+    return true;
+}
+
 pd_err eng_alloc_pages(pd_engine *e, req *r, uint32_t n) {
     if (n == 0) return PD_OK;
     PD_ASSERTF(r->reserved >= n, "request %s allocates %u pages beyond its reservation %u",
@@ -865,18 +879,6 @@ static bool describe(void *ctx, pd_owner owner, pd_owner_desc *d) {
     return true;
 }
 
-static pd_err engine_violation(pd_strbuf *report, const char *fmt, ...) {
-    if (report) {
-        va_list ap;
-        va_start(ap, fmt);
-        pd_strbuf_append(report, "violation: ");
-        pd_strbuf_vprintf(report, fmt, ap);
-        pd_strbuf_append(report, "\n");
-        va_end(ap);
-    }
-    return PD_ERR_INTERNAL;
-}
-
 /* Every live record holds exactly the units its flags say (strict mode). */
 static pd_err check_requests(pd_engine *e, pd_strbuf *report) {
     pd_err result = PD_OK;
@@ -897,7 +899,7 @@ static pd_err check_requests(pd_engine *e, pd_strbuf *report) {
                 uint64_t lo = o & 0xFFFFFFFFull;
                 req *r = (lo && lo <= e->cfg.requests_max) ? &e->reqs[lo - 1] : NULL;
                 if (!r || !r->live || r->gen != (uint32_t)(o >> 32)) {
-                    result = engine_violation(report, "pool %s unit %u held by a request that no longer exists (owner %llu)",
+                    result = pd_violation(report, "pool %s unit %u held by a request that no longer exists (owner %llu)",
                                               pd_pool_name(p), u, (unsigned long long)o);
                     continue;
                 }
@@ -905,7 +907,7 @@ static pd_err check_requests(pd_engine *e, pd_strbuf *report) {
             } else if (st == PD_UNIT_QUARANTINE) {
                 uint32_t idx = ht_find(e, K_ROOM, NULL, o);
                 if (idx == NONE || e->reqs[idx].queue != Q_DRAINING) {
-                    result = engine_violation(report, "pool %s unit %u quarantined for room %llu that nothing drains",
+                    result = pd_violation(report, "pool %s unit %u quarantined for room %llu that nothing drains",
                                               pd_pool_name(p), u, (unsigned long long)o);
                     continue;
                 }
@@ -931,11 +933,11 @@ static pd_err check_requests(pd_engine *e, pd_strbuf *report) {
                 want_q = r->q_meta;
             }
             if (req_units[i] != want)
-                result = engine_violation(report, "request %s (%s) holds %u %s units, its flags say %u",
+                result = pd_violation(report, "request %s (%s) holds %u %s units, its flags say %u",
                                           r->rid, queue_names[r->queue < Q__COUNT ? r->queue : 0],
                                           req_units[i], pd_pool_name(p), want);
             if (q_units[i] != want_q)
-                result = engine_violation(report, "room %llu of %s has %u %s units quarantined, its flags say %u",
+                result = pd_violation(report, "room %llu of %s has %u %s units quarantined, its flags say %u",
                                           (unsigned long long)r->room, r->rid, q_units[i], pd_pool_name(p), want_q);
         }
         free(req_units);
@@ -945,7 +947,7 @@ static pd_err check_requests(pd_engine *e, pd_strbuf *report) {
     for (uint32_t i = 0; i < e->cfg.requests_max; i++)
         if (e->reqs[i].live) reserved += e->reqs[i].reserved;
     if (reserved != e->reserved)
-        result = engine_violation(report, "reservations: records sum to %llu, engine counts %llu",
+        result = pd_violation(report, "reservations: records sum to %llu, engine counts %llu",
                                   (unsigned long long)reserved, (unsigned long long)e->reserved);
     return result;
 }
@@ -962,7 +964,7 @@ pd_err pd_engine_check(pd_engine *e, pd_strbuf *report) {
     if (e->cache && e->cfg.strict) {
         char msg[256];
         if (pd_cache_verify(e->cache, msg, sizeof(msg)) != PD_OK)
-            result = engine_violation(report, "prefix cache: %s", msg);
+            result = pd_violation(report, "prefix cache: %s", msg);
     }
     if (result != PD_OK && report) {
         /* Engine-level violations first, then the ledger's own view. */

@@ -175,6 +175,10 @@ void eng_release_for_requeue(pd_engine *e, req *r);
 /* Memory helpers. */
 pd_err eng_alloc_pages(pd_engine *e, req *r, uint32_t n);       /* appends to r->pages */
 uint64_t eng_kv_available(pd_engine *e);                          /* free + evictable - reserved */
+/* Admission: reserves `need` pages for r if free + evictable - reserved
+ * covers them; otherwise drops the cache lock r took for its prefix match
+ * and returns false (r stays queued). */
+bool eng_reserve_pages(pd_engine *e, req *r, uint32_t need);
 pd_err eng_alloc_slot(pd_engine *e, int pool_id, pd_owner owner, uint32_t *out);
 void eng_cache_lock(pd_engine *e, req *r, pd_cnode node);
 /* Inserts pages[0, tokens/ps) (+ snapshot) into the cache, moves r's lock to

@@ -199,16 +199,7 @@ static int admit(pd_engine *e, req *r) {
      * last sampled token is never fed back). */
     uint32_t positions = e->cfg.role == PD_ROLE_COLOCATED ? r->prompt_len + r->max_new - 1 : r->prompt_len;
     uint32_t need = PD_DIV_CEIL(positions, ps) - use / ps;
-    if (eng_kv_available(e) < need) {
-        if (r->holds_lock) {
-            PD_MUST(pd_cache_unlock(e->cache, r->lock_node));
-            r->holds_lock = r->holds_kv = false;
-            r->lock_node = PD_CNODE_NONE;
-        }
-        return 0;
-    }
-    r->reserved = need;
-    e->reserved += need;
+    if (!eng_reserve_pages(e, r, need)) return 0;
     PD_MUST(eng_alloc_slot(e, e->row_id, r->owner, &r->row));
     r->holds_row = true;
     if (e->mamba) {

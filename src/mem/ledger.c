@@ -289,18 +289,6 @@ uint64_t pd_ledger_owner_units(const pd_ledger *l, int pool_id,
 
 /* ---- check -------------------------------------------------------------- */
 
-static pd_err violation(pd_strbuf *report, const char *fmt, ...) {
-    if (report) {
-        va_list ap;
-        va_start(ap, fmt);
-        pd_strbuf_append(report, "violation: ");
-        pd_strbuf_vprintf(report, fmt, ap);
-        pd_strbuf_append(report, "\n");
-        va_end(ap);
-    }
-    return PD_ERR_INTERNAL;
-}
-
 pd_err pd_ledger_check(const pd_ledger *l, const pd_check_opts *opts,
                        pd_strbuf *report) {
     static const pd_check_opts defaults = {0};
@@ -314,7 +302,7 @@ pd_err pd_ledger_check(const pd_ledger *l, const pd_check_opts *opts,
         uint64_t sum = 0;
         for (int s = 0; s < PD_UNIT_STATE__COUNT; s++) sum += lp->count[s];
         if (sum != lp->total)
-            result = violation(report,
+            result = pd_violation(report,
                                "pool %s: conservation: free %llu + evictable %llu + "
                                "protected %llu + req %llu + quarantine %llu = %llu != "
                                "total %u",
@@ -329,7 +317,7 @@ pd_err pd_ledger_check(const pd_ledger *l, const pd_check_opts *opts,
         /* Source 2: the pool's own free count. */
         uint32_t pool_free = pd_pool_free_count(lp->pool);
         if (pool_free != lp->count[PD_UNIT_FREE])
-            result = violation(report,
+            result = pd_violation(report,
                                "pool %s: ledger counts %llu free, the pool %u",
                                name, (unsigned long long)lp->count[PD_UNIT_FREE],
                                pool_free);
@@ -338,14 +326,14 @@ pd_err pd_ledger_check(const pd_ledger *l, const pd_check_opts *opts,
         uint64_t c_evict = opts->cache ? opts->cache->evictable[pid] : 0;
         uint64_t c_prot = opts->cache ? opts->cache->protected_[pid] : 0;
         if (c_evict != lp->count[PD_UNIT_CACHE_EVICTABLE])
-            result = violation(report,
+            result = pd_violation(report,
                                "pool %s: ledger counts %llu cache-evictable, the "
                                "prefix cache %llu",
                                name,
                                (unsigned long long)lp->count[PD_UNIT_CACHE_EVICTABLE],
                                (unsigned long long)c_evict);
         if (c_prot != lp->count[PD_UNIT_CACHE_PROTECTED])
-            result = violation(report,
+            result = pd_violation(report,
                                "pool %s: ledger counts %llu cache-protected, the "
                                "prefix cache %llu",
                                name,
@@ -357,47 +345,47 @@ pd_err pd_ledger_check(const pd_ledger *l, const pd_check_opts *opts,
             for (uint32_t i = 0; i < lp->total; i++) {
                 uint8_t st = lp->state[i];
                 if (st >= PD_UNIT_STATE__COUNT) {
-                    result = violation(report, "pool %s unit %u: bad state %u",
+                    result = pd_violation(report, "pool %s unit %u: bad state %u",
                                        name, i, st);
                     continue;
                 }
                 recount[st]++;
                 bool bitmap_free = pd_pool_is_free(lp->pool, i);
                 if (bitmap_free != (st == PD_UNIT_FREE))
-                    result = violation(report,
+                    result = pd_violation(report,
                                        "pool %s unit %u: ledger says %s, the pool "
                                        "bitmap says %s",
                                        name, i, state_names[st],
                                        bitmap_free ? "free" : "allocated");
                 if (l->strict && st == PD_UNIT_FREE &&
                     lp->owner[i] != PD_OWNER_NONE)
-                    result = violation(report, "pool %s unit %u: free but owned by %llu",
+                    result = pd_violation(report, "pool %s unit %u: free but owned by %llu",
                                        name, i, (unsigned long long)lp->owner[i]);
             }
             for (int s = 0; s < PD_UNIT_STATE__COUNT; s++)
                 if (recount[s] != lp->count[s])
-                    result = violation(report,
+                    result = pd_violation(report,
                                        "pool %s: %s counter %llu, per-unit states %llu",
                                        name, state_names[s],
                                        (unsigned long long)lp->count[s],
                                        (unsigned long long)recount[s]);
             char msg[160];
             if (pd_pool_verify(lp->pool, msg, sizeof(msg)) != PD_OK)
-                result = violation(report, "%s", msg);
+                result = pd_violation(report, "%s", msg);
         }
 
         if (opts->expect_idle) {
             if (lp->count[PD_UNIT_REQ] != 0)
-                result = violation(report, "pool %s: idle but %llu units held by "
+                result = pd_violation(report, "pool %s: idle but %llu units held by "
                                            "requests",
                                    name, (unsigned long long)lp->count[PD_UNIT_REQ]);
             if (lp->count[PD_UNIT_QUARANTINE] != 0)
-                result = violation(report,
+                result = pd_violation(report,
                                    "pool %s: idle but %llu units in quarantine", name,
                                    (unsigned long long)lp->count[PD_UNIT_QUARANTINE]);
             if ((kind == PD_POOL_ROW || kind == PD_POOL_META) &&
                 lp->count[PD_UNIT_FREE] != lp->total)
-                result = violation(report, "pool %s: idle but %llu of %u rows in use",
+                result = pd_violation(report, "pool %s: idle but %llu of %u rows in use",
                                    name,
                                    (unsigned long long)(lp->total -
                                                         lp->count[PD_UNIT_FREE]),

@@ -50,21 +50,6 @@ typedef struct conn_state {
 
 /* ---- responses ----------------------------------------------------------------- */
 
-static const char *error_type(int status) {
-    switch (status) {
-    case 400: return "invalid_request_error";
-    case 404: return "not_found_error";
-    case 405: return "method_not_allowed";
-    case 409: return "conflict_error";
-    case 413: return "request_too_large";
-    case 429: return "rate_limit_error";
-    case 502: return "bad_gateway";
-    case 503: return "unavailable_error";
-    case 504: return "timeout_error";
-    default: return "internal_error";
-    }
-}
-
 static enum MHD_Result send_text(struct MHD_Connection *conn, int status, char *text, const char *type,
                                  const char *allow) {
     struct MHD_Response *r = MHD_create_response_from_buffer(strlen(text), text, MHD_RESPMEM_MUST_FREE);
@@ -98,7 +83,7 @@ static enum MHD_Result send_error_allow(struct MHD_Connection *conn, int status,
     va_end(ap);
     char safe[600];
     pd_utf8_sanitize(msg, strlen(msg), safe, sizeof(safe));
-    json_t *err = json_pack("{s:{s:s,s:s,s:i}}", "error", "message", safe, "type", error_type(status),
+    json_t *err = json_pack("{s:{s:s,s:s,s:i}}", "error", "message", safe, "type", pd_http_error_type((unsigned)status),
                             "code", status);
     return send_json(conn, status, err, allow);
 }

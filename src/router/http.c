@@ -15,22 +15,6 @@
 #include "http.h"
 #include "pdserve/base.h"
 
-const char *pd_http_error_type(unsigned status) {
-    switch (status) {
-    case 400: return "invalid_request_error";
-    case 404: return "not_found_error";
-    case 405: return "method_not_allowed";
-    case 409: return "conflict_error";
-    case 413: return "request_too_large";
-    case 429: return "rate_limit_error";
-    case 500: return "internal_error";
-    case 502: return "bad_gateway";
-    case 503: return "unavailable_error";
-    case 504: return "timeout_error";
-    default: return status >= 500 ? "internal_error" : "invalid_request_error";
-    }
-}
-
 char *pd_http_error_body_v(unsigned status, const char *fmt, va_list ap) {
     char message[512];
     vsnprintf(message, sizeof message, fmt, ap);

@@ -17,9 +17,6 @@
 #include <microhttpd.h>
 #include <stddef.h>
 
-/* The error "type" of docs/http-api.md for an HTTP status. */
-const char *pd_http_error_type(unsigned status);
-
 /* A malloc'd {"error": {...}} body; NULL only when out of memory. */
 #if defined(__GNUC__)
 __attribute__((format(printf, 2, 3)))
