@@ -68,6 +68,11 @@ typedef struct pd_sim_options {
  * *report. */
 pd_err pd_sim_random(const pd_sim_options *o, pd_sim_result *res, pd_strbuf *report);
 
+/* The configuration line ("config ...") the random run of o->seed uses, in
+ * out; on a bad o->config, PD_ERR_PARSE with the reason in out. Runs nothing:
+ * a crash report can name the configuration of the seed that crashed. */
+pd_err pd_sim_seed_config(const pd_sim_options *o, char *out, size_t out_cap);
+
 /* Replays a scenario. PD_OK if it parses, no invariant breaks and every
  * expect holds; otherwise *report says which line failed and why.
  * config_extra (may be NULL), a "config ..." line, is applied after the

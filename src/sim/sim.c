@@ -1328,23 +1328,39 @@ static pd_err finish_run(sim *s, pd_err err, const char *msg, pd_sim_result *res
     return PD_OK;
 }
 
-pd_err pd_sim_random(const pd_sim_options *o, pd_sim_result *res, pd_strbuf *report) {
-    sim s;
-    memset(&s, 0, sizeof(s));
-    cfg_default(&s.cfg);
-    s.trace = o->trace;
-    gen g = {.s = &s, .faults = o->faults, .target = o->requests ? o->requests : 50};
-    pd_rng_seed(&g.rng, o->seed);
+/* The configuration a random run uses: the defaults, varied by the seed in
+ * a swarm, then the --config overrides. */
+static pd_err seed_config(const pd_sim_options *o, sim *s, char *msg, size_t cap) {
+    cfg_default(&s->cfg);
     if (o->vary) {
         /* Its own generator: the same seed gives the same scenario whether the
          * configuration is derived here or passed back in with --config. */
         pd_rng crng;
         pd_rng_seed(&crng, o->seed ^ 0xC0F1C0F1ull);
-        vary_config(&s.cfg, &crng);
+        vary_config(&s->cfg, &crng);
     }
+    return o->config ? exec_line(s, o->config, msg, cap) : PD_OK;
+}
+
+pd_err pd_sim_seed_config(const pd_sim_options *o, char *out, size_t out_cap) {
+    sim s;
+    memset(&s, 0, sizeof(s));
+    char msg[256] = "";
+    pd_err err = seed_config(o, &s, msg, sizeof(msg));
+    if (err) snprintf(out, out_cap, "%s", msg);
+    else cfg_format(&s.cfg, out, out_cap);
+    sim_free(&s);
+    return err;
+}
+
+pd_err pd_sim_random(const pd_sim_options *o, pd_sim_result *res, pd_strbuf *report) {
+    sim s;
+    memset(&s, 0, sizeof(s));
+    s.trace = o->trace;
+    gen g = {.s = &s, .faults = o->faults, .target = o->requests ? o->requests : 50};
+    pd_rng_seed(&g.rng, o->seed);
     char msg[512] = "";
-    pd_err err = PD_OK;
-    if (o->config) err = exec_line(&s, o->config, msg, sizeof(msg));
+    pd_err err = seed_config(o, &s, msg, sizeof(msg));
     char cfgline[480];
     cfg_format(&s.cfg, cfgline, sizeof(cfgline));
     if (!err) {
