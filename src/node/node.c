@@ -29,6 +29,9 @@
 
 #define CMDS_MAX 4096
 #define HIST_BUCKETS 12
+/* One strict-mode report: the violations and the attribution of every pool;
+ * longer reports are cut (pd_strbuf), the count of violations is not. */
+#define STRICT_REPORT_BYTES (64u * 1024u)
 
 typedef struct cmd {
     cmd_kind kind;
@@ -79,6 +82,8 @@ struct pd_node {
     /* scheduler thread only */
     hist ttft, itl, e2e;
     uint64_t violations;
+    char *strict_report;             /* STRICT_REPORT_BYTES, strict mode only: each node
+                                        its own, as two run in one process (pdserve run) */
 };
 
 /* ---- small helpers --------------------------------------------------------- */
@@ -326,15 +331,19 @@ static void run_command(pd_node *n, cmd *q) {
     }
 }
 
-static void strict_check(pd_node *n) {
-    static char buf[1 << 16];
+const char *node_strict_check(pd_node *n) {
+    PD_ASSERT(n->cfg.strict && n->strict_report);
     pd_strbuf sb;
-    pd_strbuf_init(&sb, buf, sizeof(buf));
+    pd_strbuf_init(&sb, n->strict_report, STRICT_REPORT_BYTES);
     if (pd_engine_check(n->eng, &sb) != PD_OK) {
         if (n->violations++ < 3) fprintf(stderr, "pdserve %s: ownership check failed:\n%s\n",
-                                         pd_node_role_name(n->cfg.role), buf);
+                                         pd_node_role_name(n->cfg.role), n->strict_report);
     }
+    PD_ASSERT(sb.len < STRICT_REPORT_BYTES && n->strict_report[sb.len] == '\0');
+    return n->strict_report;
 }
+
+pd_engine *node_engine(pd_node *n) { return n->eng; }
 
 static void *sched_main(void *arg) {
     pd_node *n = arg;
@@ -353,7 +362,7 @@ static void *sched_main(void *arg) {
         for (uint32_t i = 0; i < k; i++) run_command(n, &batch[i]);
         if (stop) break;
         pd_engine_step(n->eng, node_now_us());
-        if (n->cfg.strict) strict_check(n);
+        if (n->cfg.strict) node_strict_check(n);
         pthread_mutex_lock(&n->mu);
         if (n->cmd_n == 0 && !atomic_load(&n->stopping)) {
             /* Busy: results and transfers arrive unannounced, look again soon. */
@@ -617,7 +626,8 @@ pd_err pd_node_create(pd_node **out, const pd_node_config *cfg_in, char *msg, si
     n->requests_max = ec.requests_max;
     n->calls = calloc(ec.requests_max, sizeof(call *));
     n->cmds = calloc(CMDS_MAX, sizeof(cmd));
-    if (!n->meta || !n->calls || !n->cmds) {
+    if (c->strict) n->strict_report = calloc(1, STRICT_REPORT_BYTES);
+    if (!n->meta || !n->calls || !n->cmds || (c->strict && !n->strict_report)) {
         err = pd_errorf(msg, cap, PD_ERR_NOMEM, "out of memory");
         goto fail;
     }
@@ -749,6 +759,7 @@ void pd_node_destroy(pd_node *n) {
     free(n->calls);
     free(n->meta);
     free(n->cmds);
+    free(n->strict_report);
     for (int i = 0; i < 8; i++) free(n->strings[i]);
     pthread_mutex_destroy(&n->mu);
     pthread_cond_destroy(&n->cv);
