@@ -70,6 +70,13 @@ _Noreturn void pd_panic(const char *file, int line, const char *expr,
 #define PD_MAX(a, b) ((a) > (b) ? (a) : (b))
 #define PD_DIV_CEIL(a, b) (((a) + (b)-1) / (b))
 
+/* ---- request ids ----------------------------------------------------------
+ * The one limit on a request id (rid), for every layer that handles one: the
+ * engine and the nodes store rids in PD_RID_MAX-byte arrays, and the router,
+ * which knows HTTP and base only, refuses at its door any rid the nodes would
+ * refuse. Bytes with the terminating NUL: a rid is 1 to PD_RID_MAX - 1 bytes. */
+#define PD_RID_MAX 64
+
 /* ---- bounded string builder ---------------------------------------------
  * Writes into a caller-owned buffer, never past its capacity, always
  * NUL-terminated. Output beyond the capacity is dropped and `truncated` set,

@@ -32,7 +32,6 @@ typedef enum pd_role { PD_ROLE_PREFILL, PD_ROLE_DECODE, PD_ROLE_COLOCATED } pd_r
 
 const char *pd_role_name(pd_role role);
 
-#define PD_RID_MAX 64
 #define PD_STOP_TOKENS_MAX 8
 #define PD_PEER_MAX 96
 

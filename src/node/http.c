@@ -157,6 +157,15 @@ typedef struct parsed {
     uint64_t room;
 } parsed;
 
+/* A rid the engine takes: 1 to PD_RID_MAX - 1 bytes (base.h), no NUL. A
+ * longer one is refused, never cut: cut, it would name another request. */
+static bool rid_acceptable(json_t *v) {
+    size_t n = json_string_length(v);
+    return json_is_string(v) && n > 0 && n < PD_RID_MAX && strlen(json_string_value(v)) == n;
+}
+
+#define RID_RULE "'rid' must have 1 to %d bytes, without NUL"
+
 /* 0 on success; otherwise the HTTP status, with the message in err. */
 static int parse_request(pd_node *n, json_t *root, bool openai, parsed *p, char *err, size_t cap) {
     const pd_node_config *cfg = node_config(n);
@@ -252,8 +261,7 @@ static int parse_request(pd_node *n, json_t *root, bool openai, parsed *p, char 
     }
     if ((v = json_object_get(root, "rid")) && !json_is_null(v)) {
         if (!json_is_string(v)) return snprintf(err, cap, "'rid' must be a string"), 400;
-        if (json_string_length(v) == 0 || json_string_length(v) >= PD_RID_MAX)
-            return snprintf(err, cap, "'rid' must have 1 to %d characters", PD_RID_MAX - 1), 400;
+        if (!rid_acceptable(v)) return snprintf(err, cap, RID_RULE, PD_RID_MAX - 1), 400;
         snprintf(p->rid, sizeof(p->rid), "%s", json_string_value(v));
     }
     /* Bootstrap fields (set by the router on prefill and decode nodes). */
@@ -567,6 +575,9 @@ static enum MHD_Result handle_abort(conn_state *st, struct MHD_Connection *conn)
     if (all && json_is_true(all)) {
         json_decref(root);
         err = node_command_wait(n, CMD_ABORT_ALL, NULL, &reply);
+    } else if (rid && json_is_string(rid) && !rid_acceptable(rid)) {
+        json_decref(root);
+        return send_error(conn, 400, RID_RULE, PD_RID_MAX - 1);
     } else if (rid && json_is_string(rid)) {
         char r[PD_RID_MAX];
         snprintf(r, sizeof(r), "%s", json_string_value(rid));

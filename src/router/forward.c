@@ -67,7 +67,7 @@ typedef struct half {
 
 struct pd_fwd {
     pd_fwd_api api;
-    char rid[PD_ROUTER_RID_MAX + 32];
+    char rid[PD_RID_MAX];
     char model[128];
     bool stream;
     char *body;
@@ -329,7 +329,7 @@ static char *abort_answer(const pd_fwd *f, bool event) {
                       "message", "aborted by the router", "status_code", 499, "prompt_tokens", 0,
                       "completion_tokens", 0, "cached_tokens", 0);
     } else {
-        char id[PD_ROUTER_RID_MAX + 40];
+        char id[PD_RID_MAX + 8];   /* "cmpl-" and the rid */
         snprintf(id, sizeof id, "cmpl-%s", f->rid);
         o = json_pack("{s:s, s:s, s:I, s:s, s:[{s:i, s:s, s:s, s:n}]}", "id", id, "object",
                       "text_completion", "created", (json_int_t)time(NULL), "model", f->model,
@@ -437,6 +437,7 @@ static pd_err half_init(pd_fwd *f, int role, const char *base, const char *path,
 pd_err pd_fwd_create(pd_fwd **out, const pd_fwd_params *p, char *msg, size_t msg_cap) {
     *out = NULL;
     PD_ASSERT(p->rid && p->body && p->prefill_base && p->decode_base);
+    PD_ASSERT(p->rid[0] != '\0' && strlen(p->rid) < PD_RID_MAX); /* checked at the door */
     PD_ASSERT(p->timeout_ms > 0 && p->max_response_bytes > 0);
     pd_fwd *f = calloc(1, sizeof *f);
     if (!f) {

@@ -55,7 +55,7 @@
 typedef struct slot {
     bool used;
     bool abort_pending;      /* flagged before the forward attached */
-    char rid[PD_ROUTER_RID_MAX + 1];
+    char rid[PD_RID_MAX];
     pd_fwd *fwd;
 } slot;
 
@@ -389,6 +389,18 @@ static const field_rule completions_rules[] = {
     {"stop_token_ids", K_ARRAY}, {"ignore_eos", K_BOOL}, {"rid", K_STRING},
 };
 
+/* A client-supplied rid must be one the nodes accept (PD_RID_MAX, base.h):
+ * the router refuses the rest at the door rather than forward a request
+ * that both halves would refuse. An embedded NUL would reach the nodes as a
+ * different, shorter rid, so it is refused too. */
+#define RID_RULE "rid must be a non-empty string of at most %d bytes, without NUL"
+
+static bool rid_acceptable(json_t *rid) {
+    if (!json_is_string(rid)) return false;
+    size_t n = json_string_length(rid);
+    return n > 0 && n < PD_RID_MAX && strlen(json_string_value(rid)) == n;
+}
+
 /* The fields the router knows must have their type; the rest is the
  * workers' to judge (unknown fields are ignored, as the API says). Returns
  * false with the message naming the field. */
@@ -416,13 +428,9 @@ static bool validate_generation(route rt, json_t *o, char *why, size_t cap) {
         return false;
     }
     json_t *rid = json_object_get(o, "rid");
-    if (rid) {
-        size_t n = json_string_length(rid);
-        if (n == 0 || n > PD_ROUTER_RID_MAX || strlen(json_string_value(rid)) != n) {
-            snprintf(why, cap, "rid must be a non-empty string of at most %d bytes",
-                     PD_ROUTER_RID_MAX);
-            return false;
-        }
+    if (rid && !rid_acceptable(rid)) {
+        snprintf(why, cap, RID_RULE, PD_RID_MAX - 1);
+        return false;
     }
     return true;
 }
@@ -479,7 +487,7 @@ static enum MHD_Result handle_generation(req *q, struct MHD_Connection *c) {
         json_decref(o);
         return answer_error(q, c, 400, NULL, "%s", why);
     }
-    char rid[PD_ROUTER_RID_MAX + 1];
+    char rid[PD_RID_MAX];
     json_t *jrid = json_object_get(o, "rid");
     uint64_t rid_bits = 0;
     if (jrid) {
@@ -573,11 +581,9 @@ static enum MHD_Result handle_abort(req *q, struct MHD_Connection *c) {
     if (!o) return MHD_YES;
     json_t *rid = json_object_get(o, "rid");
     json_t *all = json_object_get(o, "abort_all");
-    if (rid && (!json_is_string(rid) || json_string_length(rid) == 0 ||
-                json_string_length(rid) > PD_ROUTER_RID_MAX)) {
+    if (rid && !rid_acceptable(rid)) {
         json_decref(o);
-        return answer_error(q, c, 400, NULL, "rid must be a non-empty string of at most %d bytes",
-                            PD_ROUTER_RID_MAX);
+        return answer_error(q, c, 400, NULL, RID_RULE, PD_RID_MAX - 1);
     }
     if (all && !json_is_boolean(all)) {
         json_decref(o);
@@ -588,7 +594,7 @@ static enum MHD_Result handle_abort(req *q, struct MHD_Connection *c) {
         json_decref(o);
         return answer_error(q, c, 400, NULL, "expected {\"rid\": \"...\"} or {\"abort_all\": true}");
     }
-    char rid_copy[PD_ROUTER_RID_MAX + 1] = "";
+    char rid_copy[PD_RID_MAX] = "";
     if (!abort_all) snprintf(rid_copy, sizeof rid_copy, "%s", json_string_value(rid));
     json_decref(o);
 

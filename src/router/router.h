@@ -42,7 +42,6 @@ extern "C" {
 
 #define PD_ROUTER_WORKERS_MAX 64        /* per role */
 #define PD_ROUTER_URL_MAX 256           /* bytes, including the NUL */
-#define PD_ROUTER_RID_MAX 128           /* bytes of a client-supplied rid */
 #define PD_ROUTER_DEFAULT_BOOTSTRAP_PORT 8998
 
 typedef struct pd_router pd_router;

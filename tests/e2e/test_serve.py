@@ -182,6 +182,42 @@ def test_client_disconnect_aborts_the_request():
         srv.stop()
 
 
+def test_abort_of_an_overlong_rid_never_aborts_its_prefix():
+    """A rid is at most 63 bytes (PD_RID_MAX - 1). An abort naming a longer
+    rid is refused with a 400; it must never be cut to 63 bytes and abort the
+    live request whose rid is that prefix."""
+    srv = Server(["serve", "--strict", "--max-new-tokens", "1000"])
+    try:
+        victim = "v" * 63
+        expect_error(srv, 400, "/generate", {"text": "hi", "rid": victim + "w"}, contains="'rid'")
+        results = {}
+
+        def long_request():
+            results["victim"] = srv.post("/generate", {"text": "long one", "rid": victim,
+                                                       "sampling_params": {"max_new_tokens": 600,
+                                                                           "ignore_eos": True}})
+
+        t = threading.Thread(target=long_request)
+        t.start()
+        deadline = time.time() + 10
+        while time.time() < deadline and srv.info()["counters"]["submitted"] < 1:
+            time.sleep(0.01)
+        for longer in (victim + "x", victim + "y" * 65):
+            expect_error(srv, 400, "/abort_request", {"rid": longer}, contains="63")
+        expect_error(srv, 400, "/abort_request", {"rid": ""}, contains="'rid'")
+        assert srv.info()["counters"]["aborted"] == 0
+        st, obj = srv.post("/abort_request", {"rid": victim})
+        assert st == 200 and obj["aborted"] == 1, (st, obj)
+        t.join(60)
+        st, body = results["victim"]
+        assert st == 200 and body["meta_info"]["finish_reason"]["type"] == "abort", body
+        assert body["meta_info"]["id"] == victim, body
+        info = srv.wait_idle_clean()
+        assert info["counters"]["ownership_violations"] == 0
+    finally:
+        srv.stop()
+
+
 if __name__ == "__main__":
     pdtest.run_tests([
         test_serve_matches_generate_page_16_chunk_512,
@@ -190,4 +226,5 @@ if __name__ == "__main__":
         test_openai_completions_and_prefix_reuse,
         test_bad_input_gets_clear_errors_and_leaks_nothing,
         test_client_disconnect_aborts_the_request,
+        test_abort_of_an_overlong_rid_never_aborts_its_prefix,
     ])

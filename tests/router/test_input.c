@@ -201,12 +201,68 @@ static void duplicate_live_rid_is_a_conflict(void **state) {
     fw_stop(d);
 }
 
+/* POSTs body to path and expects a 400 whose message names the rid limit. */
+static void expect_rid_refused(pd_router *r, const char *path, const char *body) {
+    char url[128], limit[64];
+    snprintf(limit, sizeof limit, "at most %d bytes", PD_RID_MAX - 1);
+    tc_response resp;
+    tc_request("POST", tk_url(r, path, url, sizeof url), body, WAIT_MS, &resp);
+    if (resp.status != 400) fail_msg("%s: status %ld, want 400: %s", path, resp.status, resp.body);
+    json_t *o = tc_json(&resp);
+    const char *m = tc_error_message(o, 400);
+    if (!m || !strstr(m, "rid") || !strstr(m, limit))
+        fail_msg("%s: error body '%s' does not name the rid limit ('%s')", path, resp.body, limit);
+    json_decref(o);
+    tc_free(&resp);
+}
+
+/* The nodes refuse rids of PD_RID_MAX bytes or more (base.h); the router
+ * holds the same limit, so such a rid is refused at the door with a 400
+ * naming it, and neither half of the request is ever sent. */
+static void rid_over_the_nodes_limit_is_refused_before_forwarding(void **state) {
+    (void)state;
+    fake_worker *p = fw_start("prefill"), *d = fw_start("decode");
+    pd_router *r = tk_router(&p, 1, &d, 1, NULL);
+    static const size_t too_long[] = {PD_RID_MAX, PD_RID_MAX + 1, 100, 128, 129};
+    char rid[256], body[512];
+    for (size_t i = 0; i < PD_ARRAY_LEN(too_long); i++) {
+        memset(rid, 'r', too_long[i]);
+        rid[too_long[i]] = '\0';
+        snprintf(body, sizeof body, "{\"text\": \"x\", \"rid\": \"%s\"}", rid);
+        expect_rid_refused(r, "/generate", body);
+        snprintf(body, sizeof body, "{\"prompt\": \"x\", \"rid\": \"%s\"}", rid);
+        expect_rid_refused(r, "/v1/completions", body);
+        snprintf(body, sizeof body, "{\"rid\": \"%s\"}", rid);
+        expect_rid_refused(r, "/abort_request", body);
+    }
+    assert_int_equal(fw_generate_count(p), 0);
+    assert_int_equal(fw_generate_count(d), 0);
+    assert_int_equal(fw_abort_count(p), 0);
+    assert_int_equal(fw_abort_count(d), 0);
+    /* One byte less is a rid the nodes take: forwarded whole. */
+    memset(rid, 'r', PD_RID_MAX - 1);
+    rid[PD_RID_MAX - 1] = '\0';
+    snprintf(body, sizeof body, "{\"text\": \"x\", \"rid\": \"%s\"}", rid);
+    char url[128];
+    tc_response resp;
+    tc_request("POST", tk_url(r, "/generate", url, sizeof url), body, WAIT_MS, &resp);
+    assert_int_equal(resp.status, 200);
+    tc_free(&resp);
+    assert_true(fw_got_generate(p, rid));
+    assert_true(fw_got_generate(d, rid));
+    assert_int_equal(fw_generate_count(d), 1);
+    pd_router_destroy(r);
+    fw_stop(p);
+    fw_stop(d);
+}
+
 int main(void) {
     signal(SIGPIPE, SIG_IGN);
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(bad_requests_get_their_status_and_error_body),
         cmocka_unit_test(oversized_bodies_get_413),
         cmocka_unit_test(duplicate_live_rid_is_a_conflict),
+        cmocka_unit_test(rid_over_the_nodes_limit_is_refused_before_forwarding),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
