@@ -100,9 +100,6 @@ typedef struct pd_terminal_event {
     uint32_t prompt_tokens;
     uint32_t completion_tokens;
     uint32_t cached_tokens;
-    /* Insertions into the prefix cache on this request's behalf after its
-     * abort or failure was recorded. Always 0 unless the engine is broken. */
-    uint32_t inserts_after_terminal;
 } pd_terminal_event;
 
 typedef struct pd_sink_vtable {
@@ -193,10 +190,45 @@ void pd_engine_report(pd_engine *e, pd_report_format fmt, pd_strbuf *out);
  * or 0 if the rid is not live. */
 uint64_t pd_engine_request_id(const pd_engine *e, const char *rid);
 
-/* Observer of prefix-cache insertions (tests, simulator): rid, and whether
- * the request already had a terminal reason recorded. */
-typedef void (*pd_insert_observer)(void *ctx, const char *rid, bool after_terminal);
-void pd_engine_set_insert_observer(pd_engine *e, pd_insert_observer fn, void *ctx);
+/* What the engine does on a request's behalf, reported as it happens, so an
+ * observer outside the engine (the simulator's oracle) can judge every action
+ * against the lifecycle rules instead of trusting the engine's own flags.
+ * The engine reports; it never checks its own reports. */
+typedef enum pd_action {
+    PD_ACT_ACCEPT = 0,      /* submit accepted it */
+    PD_ACT_TERMINAL_REASON, /* retire step 1: its terminal reason is recorded (once) */
+    PD_ACT_ROOM_OPEN,       /* opened its room at the transport (sender or receiver) */
+    PD_ACT_LAUNCH,          /* a forward that includes it was launched (final: its last chunk) */
+    PD_ACT_RESULT,          /* a result of one of its forwards is being processed */
+    PD_ACT_SEND_PAGES,      /* posted a middle send of KV pages */
+    PD_ACT_SEND_FINAL,      /* posted the final send (last pages, Mamba state, metadata row) */
+    PD_ACT_PARK,            /* final chunk done, bootstrap pending: parked */
+    PD_ACT_REQUEUE,         /* optimistic attempt released back to a queue */
+    PD_ACT_INSERT,          /* inserted computed pages into the prefix cache */
+    PD_ACT_COMMIT,          /* decode: took the transferred data as its own */
+    PD_ACT_TOKEN,           /* emitted a generated token */
+    PD_ACT_ROOM_ABORT,      /* retire step 3: aborted its room at the transport */
+    PD_ACT_ROOM_CANCEL,     /* retire step 3: cancelled a room it never opened */
+    PD_ACT_RELEASE,         /* retire step 4: released what it held (final: with insertion) */
+    PD_ACT_TERMINAL,        /* retire step 5: emitted its terminal event */
+    PD_ACT__COUNT
+} pd_action;
+
+const char *pd_action_name(pd_action a);
+
+typedef struct pd_action_event {
+    pd_action action;
+    uint64_t req;             /* the engine's id of the record (pd_engine_request_id) */
+    const char *rid;
+    uint64_t room;
+    pd_terminal_kind kind;    /* TERMINAL_REASON, TERMINAL: the reason */
+    bool final;               /* LAUNCH: the prompt's last chunk; RELEASE: success insertion */
+    uint32_t n;               /* SEND_*: pages posted; INSERT: tokens inserted */
+} pd_action_event;
+
+typedef void (*pd_action_observer)(void *ctx, const pd_action_event *ev);
+/* At most one observer; NULL removes it. Costs one branch per action when unset. */
+void pd_engine_set_action_observer(pd_engine *e, pd_action_observer fn, void *ctx);
 
 #ifdef __cplusplus
 }

@@ -46,6 +46,7 @@ static bool finished(pd_engine *e, req *r, pd_finish_reason *why) {
 void decode_emit_token(pd_engine *e, req *r, int32_t token, float logprob) {
     r->last_token = token;
     r->out_len++;
+    eng_act(e, r, PD_ACT_TOKEN, false, r->out_len);
     e->sink.vt->token(e->sink.self, r->rid, r->room, token, logprob, r->out_len - 1);
     pd_finish_reason why;
     if (finished(e, r, &why)) eng_retire(e, r, PD_TERM_FINISHED, why, 200, "");
@@ -63,6 +64,7 @@ static void commit(pd_engine *e, req *r) {
     }
     int32_t first = meta->first_token;
     float logprob = meta->first_logprob;
+    eng_act(e, r, PD_ACT_COMMIT, false, 0);
     /* The room is complete: nothing will write here again. */
     if (e->xfer.vt->drained(e->xfer.self, r->room)) {
         e->xfer.vt->close(e->xfer.self, r->room);
@@ -136,7 +138,8 @@ static int prealloc(pd_engine *e, req *r) {
         fail(e, r, 502, "bootstrap: could not reach the prefill node");
         return 1;
     }
-    r->holds_room = true;
+    r->holds_room = r->opened_room = true;
+    eng_act(e, r, PD_ACT_ROOM_OPEN, false, 0);
     return 1;
 }
 

@@ -67,6 +67,27 @@ const char *pd_xfer_status_name(pd_xfer_status st) {
     return "unknown";
 }
 
+const char *pd_action_name(pd_action a) {
+    static const char *const names[PD_ACT__COUNT] = {
+        [PD_ACT_ACCEPT] = "accept",         [PD_ACT_TERMINAL_REASON] = "terminal-reason",
+        [PD_ACT_ROOM_OPEN] = "room-open",   [PD_ACT_LAUNCH] = "launch",
+        [PD_ACT_RESULT] = "result",         [PD_ACT_SEND_PAGES] = "send-pages",
+        [PD_ACT_SEND_FINAL] = "send-final", [PD_ACT_PARK] = "park",
+        [PD_ACT_REQUEUE] = "requeue",       [PD_ACT_INSERT] = "insert",
+        [PD_ACT_COMMIT] = "commit",         [PD_ACT_TOKEN] = "token",
+        [PD_ACT_ROOM_ABORT] = "room-abort", [PD_ACT_ROOM_CANCEL] = "room-cancel",
+        [PD_ACT_RELEASE] = "release",       [PD_ACT_TERMINAL] = "terminal",
+    };
+    return (unsigned)a < PD_ACT__COUNT ? names[a] : "unknown";
+}
+
+void eng_act(pd_engine *e, const req *r, pd_action a, bool final, uint32_t n) {
+    if (!e->obs) return;
+    pd_action_event ev = {.action = a, .req = r->owner, .rid = r->rid, .room = r->room,
+                          .kind = r->term, .final = final, .n = n};
+    e->obs(e->obs_ctx, &ev);
+}
+
 uint64_t pd_room_nonce(uint64_t room) {
     uint64_t n = pd_hash_u64(room ^ 0xA5A5F00DCAFEull);
     return n ? n : 1;
@@ -216,7 +237,7 @@ static void record_free(pd_engine *e, req *r) {
     PD_ASSERT(!r->q_pages && !r->q_mamba && !r->q_meta && !r->q_lock);
     q_remove(e, r);
     uint32_t idx = eng_idx(e, r);
-    ht_del(e, K_RID, idx);
+    if (r->rid_indexed) ht_del(e, K_RID, idx);
     if (e->cfg.role != PD_ROLE_COLOCATED) ht_del(e, K_ROOM, idx);
     free(r->prompt);
     r->prompt = NULL;
@@ -294,10 +315,7 @@ uint32_t eng_cache_insert(pd_engine *e, req *r, uint32_t tokens, uint32_t snapsh
     uint32_t ps = e->cfg.page_size;
     uint32_t n = tokens / ps;
     PD_ASSERT(n <= r->n_pages);
-    /* Only success inserts after a terminal reason is recorded. */
-    bool after = r->term == PD_TERM_ABORTED || r->term == PD_TERM_FAILED;
-    if (after) r->inserts_after_terminal++;
-    if (e->obs) e->obs(e->obs_ctx, r->rid, after);
+    eng_act(e, r, PD_ACT_INSERT, false, n * ps);
     pd_cache_insert_result res;
     PD_MUST(pd_cache_insert(e->cache, r->prompt, n * ps, r->pages, r->owner, snapshot_slot,
                             e->dups, &res));
@@ -333,9 +351,14 @@ void eng_emit_terminal(pd_engine *e, req *r) {
         .rid = r->rid, .room = r->room, .kind = r->term, .finish = r->finish,
         .status_code = r->status, .message = r->msg, .prompt_tokens = r->prompt_len,
         .completion_tokens = r->out_len, .cached_tokens = r->cached_tokens,
-        .inserts_after_terminal = r->inserts_after_terminal,
     };
+    eng_act(e, r, PD_ACT_TERMINAL, false, 0);
     e->sink.vt->terminal(e->sink.self, &ev);
+    /* The client has its answer: the rid is free for a new request (engine.h),
+     * while this record may still drain its room. */
+    PD_ASSERT(r->rid_indexed);
+    ht_del(e, K_RID, eng_idx(e, r));
+    r->rid_indexed = false;
 }
 
 static void free_or_quarantine(pd_engine *e, req *r, int pool_id, const uint32_t *u,
@@ -440,6 +463,7 @@ void eng_retire(pd_engine *e, req *r, pd_terminal_kind kind, pd_finish_reason fi
         r->finish = finish;
         r->status = status;
         snprintf(r->msg, sizeof(r->msg), "%s", msg ? msg : "");
+        eng_act(e, r, PD_ACT_TERMINAL_REASON, false, 0);
     }
     if (r->forwards_in_flight > 0) {
         if (!r->retire_pending) {
@@ -451,12 +475,17 @@ void eng_retire(pd_engine *e, req *r, pd_terminal_kind kind, pd_finish_reason fi
     }
     bool room = r->holds_room;
     if (room && r->term != PD_TERM_FINISHED) {
+        eng_act(e, r, PD_ACT_ROOM_ABORT, false, 0);
         pd_err err = e->xfer.vt->abort(e->xfer.self, r->room);
         if (err != PD_OK) e->ctr.xfer_abort_errors++;
-    } else if (!room && e->cfg.role != PD_ROLE_COLOCATED && r->term != PD_TERM_FINISHED) {
+    } else if (!r->opened_room && e->cfg.role != PD_ROLE_COLOCATED && r->term != PD_TERM_FINISHED) {
+        /* Only a room this request never opened is cancelled: one it opened
+         * and closed (decode, at commit) is over for both sides. */
+        eng_act(e, r, PD_ACT_ROOM_CANCEL, false, 0);
         cancel_room(e, r->room, r->peer);
     }
     bool quarantine = room && !e->xfer.vt->drained(e->xfer.self, r->room);
+    eng_act(e, r, PD_ACT_RELEASE, r->term == PD_TERM_FINISHED, 0);
     release_local(e, r, true, quarantine, false);
     eng_emit_terminal(e, r);
     if (quarantine) {
@@ -549,6 +578,7 @@ void eng_batch_add(pd_engine *e, batch_rec *b, req *r, const int32_t *tokens, ui
     b->n++;
     r->forwards_in_flight++;
     r->pending_chunk = true;
+    eng_act(e, r, PD_ACT_LAUNCH, final, n);
 }
 
 void eng_batch_launch(pd_engine *e, batch_rec *b) {
@@ -580,6 +610,7 @@ bool eng_batch_poll(pd_engine *e, void (*fn)(pd_engine *, req *, const bitem *,
         PD_ASSERT(r->forwards_in_flight > 0);
         r->forwards_in_flight--;
         if (r->forwards_in_flight == 0) r->pending_chunk = false;
+        eng_act(e, r, PD_ACT_RESULT, it->final, it->n);
         fn(e, r, it, &e->results[i]);
     }
     return true;
@@ -820,6 +851,7 @@ static pd_err submit(pd_engine *e, const pd_request_spec *s, uint64_t now_us, pd
     r->bootstrapped = e->cfg.role == PD_ROLE_COLOCATED; /* nothing to hand over */
     uint32_t idx = eng_idx(e, r);
     ht_put(e, K_RID, idx);
+    r->rid_indexed = true;
     if (e->cfg.role != PD_ROLE_COLOCATED) ht_put(e, K_ROOM, idx);
     static const uint8_t first_queue[] = {
         [PD_ROLE_PREFILL] = Q_BOOTSTRAP, [PD_ROLE_DECODE] = Q_PREALLOC, [PD_ROLE_COLOCATED] = Q_WAITING,
@@ -827,6 +859,7 @@ static pd_err submit(pd_engine *e, const pd_request_spec *s, uint64_t now_us, pd
     q_push(e, r, first_queue[e->cfg.role]);
     r->t_state = now_us;
     e->ctr.submitted++;
+    eng_act(e, r, PD_ACT_ACCEPT, false, 0);
     return PD_OK;
 }
 
@@ -999,7 +1032,7 @@ void pd_engine_counters_get(const pd_engine *e, pd_engine_counters *out) {
 pd_ledger *pd_engine_ledger(pd_engine *e) { return e->ledger; }
 const pd_engine_config *pd_engine_config_of(const pd_engine *e) { return &e->cfg; }
 
-void pd_engine_set_insert_observer(pd_engine *e, pd_insert_observer fn, void *ctx) {
+void pd_engine_set_action_observer(pd_engine *e, pd_action_observer fn, void *ctx) {
     e->obs = fn;
     e->obs_ctx = ctx;
 }

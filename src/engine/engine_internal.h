@@ -102,7 +102,8 @@ typedef struct req {
     int status;
     char msg[128];
     bool streamed;
-    uint32_t inserts_after_terminal;
+    bool opened_room;      /* it opened its room (sender or receiver): never cancel it */
+    bool rid_indexed;      /* in the rid index: until its terminal event is emitted */
 } req;
 
 /* One item of a batch in flight. */
@@ -153,9 +154,12 @@ struct pd_engine {
     uint64_t now;
     uint64_t next_load_id;
     pd_engine_counters ctr;
-    pd_insert_observer obs;
+    pd_action_observer obs;
     void *obs_ctx;
 };
+
+/* Reports an action on r's behalf to the observer, if any. */
+void eng_act(pd_engine *e, const req *r, pd_action a, bool final, uint32_t n);
 
 /* ---- engine.c: shared machinery ---- */
 req *eng_req(pd_engine *e, uint32_t idx);

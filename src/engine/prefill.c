@@ -37,6 +37,7 @@ static bool send_ready(pd_engine *e, req *r) {
     limit = PD_MIN(limit, r->n_pages);
     uint32_t from = PD_MAX(r->sent_pages, r->peer_cached / ps);
     if (limit <= from) return true;
+    eng_act(e, r, PD_ACT_SEND_PAGES, false, limit - from);
     pd_err err = e->xfer.vt->send_pages(e->xfer.self, r->room, from, r->pages + from, limit - from);
     if (err != PD_OK) {
         fail(e, r, "transfer: posting pages failed");
@@ -53,6 +54,7 @@ static void send_final(pd_engine *e, req *r) {
     uint32_t total = PD_DIV_CEIL(r->prompt_len, ps);
     uint32_t from = PD_MAX(r->sent_pages, r->peer_cached / ps);
     PD_ASSERT(r->n_pages >= total && r->holds_meta);
+    eng_act(e, r, PD_ACT_SEND_FINAL, true, total > from ? total - from : 0);
     pd_err err = e->xfer.vt->send_final(e->xfer.self, r->room, from, r->pages + from,
                                         total > from ? total - from : 0,
                                         e->mamba ? r->mamba_run : PD_POOL_NONE, r->meta_row);
@@ -114,7 +116,8 @@ static void poll_bootstrap_queue(pd_engine *e) {
                 fail(e, r, "bootstrap: the transport could not open the room");
                 continue;
             }
-            r->holds_room = true;
+            r->holds_room = r->opened_room = true;
+            eng_act(e, r, PD_ACT_ROOM_OPEN, false, 0);
         }
         if (!room_check(e, r)) continue;
         if (r->bootstrapped || r->attempts < e->cfg.optimistic_attempts) q_move(e, r, Q_WAITING);
@@ -244,6 +247,7 @@ static int admit(pd_engine *e, req *r) {
 }
 
 static void requeue(pd_engine *e, req *r) {
+    eng_act(e, r, PD_ACT_REQUEUE, false, r->attempts + 1);
     r->attempts++;
     e->ctr.requeued++;
     eng_release_for_requeue(e, r);
@@ -364,8 +368,12 @@ static void on_result(pd_engine *e, req *r, const bitem *it, const pd_item_resul
         .first_logprob = res->logprob, .prompt_tokens = r->prompt_len,
         .prefill_cached_tokens = r->cached_tokens, .decode_cached_tokens = r->peer_cached,
     };
-    if (r->bootstrapped) send_final(e, r);
-    else q_move(e, r, Q_PARKED);
+    if (r->bootstrapped) {
+        send_final(e, r);
+    } else {
+        eng_act(e, r, PD_ACT_PARK, false, 0);
+        q_move(e, r, Q_PARKED);
+    }
 }
 
 void prefill_step(pd_engine *e) {

@@ -26,6 +26,7 @@
 #include "pdserve/model.h"
 #include "pdserve/stream.h"
 #include "pdserve/synth.h"
+#include "oracle.h"
 
 #define SIDE_P 0
 #define SIDE_D 1
@@ -114,7 +115,7 @@ typedef struct sreq {
     int status[2];
     int32_t *tokens;
     uint32_t n_tokens;
-    bool cached_after_term;
+    uint64_t term_seq[2];        /* when each node's terminal event came (O3) */
     uint64_t owner_p;
     uint32_t chunks;
     uint32_t hold_mask;
@@ -137,6 +138,7 @@ typedef struct sim {
     sim_cfg cfg;
     bool built;
     pd_loopback *lb;
+    sim_oracle *oracle;          /* judges every action the engines report */
     node nodes[2];
     uint64_t now;
     sreq *reqs;
@@ -155,6 +157,8 @@ typedef struct sim {
     bool hold_clear;             /* explorer: no more holds (draining) */
     uint32_t lineno;
     const char *name;
+    uint64_t term_seq;           /* terminal events so far, both nodes */
+    uint32_t last_ended;         /* the request whose terminal event came last (+1; 0: none) */
 } sim;
 
 static const char *side_name(int side) { return side == SIDE_P ? "prefill" : "decode"; }
@@ -229,25 +233,21 @@ static void on_terminal(void *self, const pd_terminal_event *ev) {
     if (r->terms[side] > 1)
         violation(s, "%s: %u terminal events on %s (%s after %s)", r->rid, r->terms[side],
                   side_name(side), pd_terminal_kind_name(ev->kind), pd_terminal_kind_name(r->kind[side]));
-    if (getenv("PD_SIM_DEBUG_TERMINALS"))
-        fprintf(stderr, "terminal %s %s %s %d %s\n", side_name(side), r->rid,
-                pd_terminal_kind_name(ev->kind), ev->status_code, ev->message);
     r->kind[side] = ev->kind;
     r->finish[side] = ev->finish;
     r->status[side] = ev->status_code;
-    if (ev->inserts_after_terminal)
-        violation(s, "%s: %u prefix-cache insertions on %s after its terminal reason", r->rid,
-                  ev->inserts_after_terminal, side_name(side));
+    r->term_seq[side] = ++s->term_seq;
+    uint32_t client = (uint32_t)(r - s->reqs);
+    s->last_ended = client + 1;
+    oracle_terminal_seen(s->oracle, side, client, r->rid, ev->kind);
 }
 
-static void on_insert(void *ctx, const char *rid, bool after_terminal) {
+static void on_action(void *ctx, const pd_action_event *ev) {
     node *n = ctx;
-    if (!after_terminal) return;
-    sreq *r = find_req(n->sim, rid);
-    if (r) r->cached_after_term = true;
-    violation(n->sim, "%s: inserted into the %s prefix cache after its abort or failure", rid,
-              side_name(n->side));
+    oracle_on_action(n->sim->oracle, n->side, ev);
 }
+
+static void on_oracle_violation(void *ctx, const char *msg) { violation(ctx, "%s", msg); }
 
 static int jitter_delay(sim *s) {
     return s->cfg.exec_jitter ? (int)pd_rng_below(&s->jitter, s->cfg.exec_jitter + 1) : 0;
@@ -325,7 +325,7 @@ static pd_err node_build(sim *s, int side, char *msg, size_t cap) {
                            pd_loopback_endpoint(s->lb, side == SIDE_P ? PD_LB_PREFILL : PD_LB_DECODE),
                            sink, msg, cap);
     if (err) return err;
-    pd_engine_set_insert_observer(n->eng, on_insert, n);
+    pd_engine_set_action_observer(n->eng, on_action, n);
     pd_exec_memory mem;
     pd_executor ex = pd_stream_executor(n->st);
     ex.vt->memory(ex.self, &mem);
@@ -357,6 +357,8 @@ static pd_err world_build(sim *s, char *msg, size_t cap) {
     pd_rng_seed(&s->jitter, c->jitter_seed);
     pd_err err = pd_loopback_create(&s->lb, &lc);
     if (err) return pd_errorf(msg, cap, err, "transport: bad configuration");
+    s->oracle = oracle_create(c->requests_max, on_oracle_violation, s);
+    if (!s->oracle) return pd_errorf(msg, cap, PD_ERR_NOMEM, "oracle: out of memory");
     if (c->tiny) {
         pd_model_config mc;
         if ((err = pd_model_config_preset(&mc, "tiny", msg, cap))) return err;
@@ -374,6 +376,7 @@ static void sim_free(sim *s) {
     for (int side = 0; side < 2; side++)
         if (s->nodes[side].eng || s->nodes[side].st) node_destroy(&s->nodes[side]);
     pd_loopback_destroy(s->lb);
+    oracle_destroy(s->oracle);
     pd_model_destroy(s->model);
     for (uint32_t i = 0; i < s->n_reqs; i++) {
         free(s->reqs[i].prompt);
@@ -622,6 +625,7 @@ static pd_err cmd_submit(sim *s, const line_args *a, char *msg, size_t cap) {
         .peer = "loopback",
     };
     bool accepted_any = false;
+    oracle_expect_client(s->oracle, s->n_reqs);
     for (int side = 0; side < 2; side++) {
         if (!(at & (1 << side))) continue;
         /* A duplicate goes where the original is still live, and must be refused there. */
@@ -636,6 +640,9 @@ static pd_err cmd_submit(sim *s, const line_args *a, char *msg, size_t cap) {
         if (dup_live && (tmp.acc[side] || why.status != 409))
             violation(s, "%s: duplicate of a live rid answered %s on %s, expected 409", rid,
                       tmp.acc[side] ? "accepted" : "a different status", side_name(side));
+        if (!dup_live && !tmp.acc[side] && why.status == 409)
+            violation(s, "%s: refused on %s as a duplicate (%s), but no request with that rid "
+                         "is live there", rid, side_name(side), why.message);
         if (side == SIDE_P && tmp.acc[side]) tmp.owner_p = pd_engine_request_id(n->eng, rid);
     }
     if (dup_live) {
@@ -709,7 +716,10 @@ static pd_err cmd_abort(sim *s, const line_args *a, char *msg, size_t cap) {
             continue;
         }
         bool expected_live = live_on(r, side);
+        uint32_t client = (uint32_t)(r - s->reqs);
+        pd_terminal_kind before = oracle_reason(s->oracle, side, client);
         pd_err err = pd_engine_abort(s->nodes[side].eng, r->rid);
+        if (err == PD_OK) oracle_abort_accepted(s->oracle, side, client, r->rid, before);
         if (err == PD_OK && !expected_live)
             violation(s, "%s: abort on %s accepted but the request had ended there", r->rid, side_name(side));
         if (err == PD_ERR_NOTFOUND && expected_live)
@@ -738,6 +748,7 @@ static pd_err cmd_kill(sim *s, const line_args *a, bool kill, char *msg, size_t 
         pd_loopback_kill(s->lb, side == SIDE_P ? PD_LB_PREFILL : PD_LB_DECODE);
         for (uint32_t i = 0; i < s->n_reqs; i++)
             if (live_on(&s->reqs[i], side)) s->reqs[i].lost[side] = true;
+        oracle_node_lost(s->oracle, side);
         node_destroy(n);
         return PD_OK;
     }
@@ -782,8 +793,19 @@ static pd_err cmd_drain(sim *s, char *msg, size_t cap) {
                      DRAIN_TICKS_MAX, state, pd_loopback_pending(s->lb));
 }
 
+/* O3: the client sees the outcome of the node that ended first. A prefill
+ * half that finished (handed off) is not an end the client sees; one that
+ * was aborted or failed before the decode half ended is. */
+static bool prefill_ended_first(const sreq *r) {
+    if (!r->acc[SIDE_P] || r->lost[SIDE_P] || r->terms[SIDE_P] == 0) return false;
+    if (r->kind[SIDE_P] == PD_TERM_FINISHED) return false;
+    if (!r->acc[SIDE_D]) return false;
+    return r->terms[SIDE_D] == 0 || r->term_seq[SIDE_P] < r->term_seq[SIDE_D];
+}
+
 static const char *outcome_name(const sreq *r, int side_or_client) {
     if (side_or_client < 0) {
+        if (prefill_ended_first(r)) return pd_terminal_kind_name(r->kind[SIDE_P]);
         if (r->acc[SIDE_D] && !r->lost[SIDE_D]) return r->terms[SIDE_D] ? pd_terminal_kind_name(r->kind[SIDE_D]) : "none";
         if (r->lost[SIDE_D]) return "failed"; /* the node died under it */
         if (r->acc[SIDE_P]) return r->terms[SIDE_P] ? pd_terminal_kind_name(r->kind[SIDE_P]) : "none";
@@ -921,7 +943,7 @@ static pd_err cmd_expect(sim *s, const line_args *a, char *msg, size_t cap) {
                                      live ? "live" : "gone", side_name(side));
             }
         } else if (!strcmp(w, "uncached")) {
-            if (r->cached_after_term)
+            if (oracle_cached_after_term(s->oracle, (uint32_t)(r - s->reqs)))
                 return pd_errorf(msg, cap, PD_ERR_STATE, "expect %s uncached: it was inserted after its terminal reason", r->rid);
         } else if (!strncmp(w, "terminal=", 9)) {
             const char *got = outcome_name(r, which);

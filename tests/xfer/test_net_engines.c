@@ -48,7 +48,13 @@ static void on_term(void *self, const pd_terminal_event *ev) {
     out *o = &s->outs[rid_index(ev->rid)];
     o->terms[s->idx]++;
     o->kind[s->idx] = ev->kind;
-    assert_int_equal(ev->inserts_after_terminal, 0);
+}
+
+/* Nothing is inserted into the prefix cache for an aborted or failed request. */
+static void on_action(void *ctx, const pd_action_event *ev) {
+    (void)ctx;
+    if (ev->action == PD_ACT_INSERT)
+        assert_true(ev->kind == PD_TERM_NONE || ev->kind == PD_TERM_FINISHED);
 }
 
 static const pd_sink_vtable sink_vt = {on_token, on_term};
@@ -98,6 +104,7 @@ static void side_open(side *s, int idx, out *outs, bool no_timeouts) {
     ec.meta_mem = s->meta;
     pd_sink sink = {&sink_vt, s};
     if (pd_engine_create(&s->e, &ec, ex, pd_net_endpoint(s->net), sink, msg, sizeof(msg))) fail_msg("%s", msg);
+    pd_engine_set_action_observer(s->e, on_action, NULL);
 }
 
 static void side_check_clean(side *s) {
