@@ -35,14 +35,15 @@ typedef enum pd_sim_fault {
     PD_FAULT_HOLD = 1u << 2,        /* forward results held back, released late */
     PD_FAULT_XFER = 1u << 3,        /* transfer failure, hang, slowness */
     PD_FAULT_ABORT_ERROR = 1u << 4, /* the transport's abort() reports an error */
-    PD_FAULT_KILL = 1u << 5,        /* decode death and restart */
+    PD_FAULT_KILL = 1u << 5,        /* node death and restart (decode or prefill) */
     PD_FAULT_DUP = 1u << 6,         /* the same rid submitted twice */
     PD_FAULT_OVERSIZE = 1u << 7,    /* prompts that do not fit */
-    PD_FAULT_ALL = 0xFFu,
+    PD_FAULT_REUSE = 1u << 8,       /* a rid reused right after its terminal event */
+    PD_FAULT_ALL = 0x1FFu,
 } pd_sim_fault;
 
 /* "all", "none" or a comma list of: abort, bootstrap, hold, xfer,
- * abort-error, kill, dup, oversize. */
+ * abort-error, kill, dup, oversize, reuse. */
 pd_err pd_sim_parse_faults(const char *list, uint32_t *out, char *msg, size_t msg_cap);
 
 typedef struct pd_sim_result {

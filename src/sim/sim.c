@@ -1106,7 +1106,7 @@ pd_err pd_sim_parse_faults(const char *list, uint32_t *out, char *msg, size_t ca
     static const struct { const char *name; uint32_t bit; } names[] = {
         {"abort", PD_FAULT_ABORT}, {"bootstrap", PD_FAULT_BOOTSTRAP}, {"hold", PD_FAULT_HOLD},
         {"xfer", PD_FAULT_XFER}, {"abort-error", PD_FAULT_ABORT_ERROR}, {"kill", PD_FAULT_KILL},
-        {"dup", PD_FAULT_DUP}, {"oversize", PD_FAULT_OVERSIZE},
+        {"dup", PD_FAULT_DUP}, {"oversize", PD_FAULT_OVERSIZE}, {"reuse", PD_FAULT_REUSE},
     };
     *out = 0;
     if (!list || !strcmp(list, "all")) {
@@ -1121,7 +1121,8 @@ pd_err pd_sim_parse_faults(const char *list, uint32_t *out, char *msg, size_t ca
         while (i < PD_ARRAY_LEN(names) && strcmp(names[i].name, tok)) i++;
         if (i == PD_ARRAY_LEN(names))
             return pd_errorf(msg, cap, PD_ERR_PARSE,
-                             "unknown fault '%s' (known: abort, bootstrap, hold, xfer, abort-error, kill, dup, oversize, all, none)",
+                             "unknown fault '%s' (known: abort, bootstrap, hold, xfer, abort-error, kill, dup, "
+                             "oversize, reuse, all, none)",
                              tok);
         *out |= names[i].bit;
     }
@@ -1162,7 +1163,8 @@ typedef struct gen {
     pd_rng rng;
     uint32_t faults;
     uint32_t submitted, target;
-    uint32_t kills, dead_ticks;
+    uint32_t kills, dead_ticks[2];
+    uint32_t reused;
     char line[256];
 } gen;
 
@@ -1238,6 +1240,61 @@ static pd_err gen_submit(gen *g, char *msg, size_t cap) {
     return PD_OK;
 }
 
+/* Aborts at the worst moments the oracle can name: between a final chunk's
+ * launch and its result (prefill), and after commit while generating
+ * (decode). */
+static pd_err gen_worst_aborts(gen *g, char *msg, size_t cap) {
+    sim *s = g->s;
+    for (uint32_t i = 0; i < s->n_reqs; i++) {
+        sreq *r = &s->reqs[i];
+        const char *at = NULL;
+        if (oracle_final_in_flight(s->oracle, i) && pd_rng_chance(&g->rng, 1, 10))
+            at = pd_rng_chance(&g->rng, 1, 2) ? "" : " at=prefill";
+        else if (oracle_running(s->oracle, i) && pd_rng_chance(&g->rng, 1, 40))
+            at = " at=decode";
+        if (!at) continue;
+        snprintf(g->line, sizeof(g->line), "abort %s%s", r->rid, at);
+        pd_err err = gen_exec(g, msg, cap);
+        if (err) return err;
+    }
+    return PD_OK;
+}
+
+/* A rid reused right after its terminal event, while its room may still
+ * drain: a new request (new room) that must be accepted. */
+static pd_err gen_reuse(gen *g, char *msg, size_t cap) {
+    sim *s = g->s;
+    if (!s->last_ended || g->reused >= 8 || !pd_rng_chance(&g->rng, 1, 4)) return PD_OK;
+    sreq *r = &s->reqs[s->last_ended - 1];
+    s->last_ended = 0;
+    /* Lines name requests by rid, so the old one must have nothing left for
+     * a later line to release. */
+    if (live_on(r, SIDE_P) || live_on(r, SIDE_D) || find_req(s, r->rid) != r || r->hold_mask ||
+        r->boot_held || r->xfer_held)
+        return PD_OK;
+    snprintf(g->line, sizeof(g->line), "submit %s len=%u max_new=%u", r->rid, r->len, r->max_new);
+    g->reused++;
+    return gen_exec(g, msg, cap);
+}
+
+/* Node death and restart, either node, at most twice a run. */
+static pd_err gen_kills(gen *g, char *msg, size_t cap) {
+    sim *s = g->s;
+    for (int side = 0; side < 2; side++) {
+        if (s->nodes[side].alive || ++g->dead_ticks[side] <= 12) continue;
+        snprintf(g->line, sizeof(g->line), "restart %s", side_name(side));
+        g->dead_ticks[side] = 0;
+        return gen_exec(g, msg, cap);
+    }
+    if (g->kills >= 2 || !s->nodes[SIDE_P].alive || !s->nodes[SIDE_D].alive ||
+        !pd_rng_chance(&g->rng, 1, 250))
+        return PD_OK;
+    g->kills++;
+    snprintf(g->line, sizeof(g->line), "kill %s",
+             side_name(pd_rng_chance(&g->rng, 1, 3) ? SIDE_P : SIDE_D));
+    return gen_exec(g, msg, cap);
+}
+
 static pd_err gen_faults(gen *g, char *msg, size_t cap) {
     sim *s = g->s;
     pd_rng *rng = &g->rng;
@@ -1261,6 +1318,8 @@ static pd_err gen_faults(gen *g, char *msg, size_t cap) {
         snprintf(g->line, sizeof(g->line), "abort all");
         if ((err = gen_exec(g, msg, cap))) return err;
     }
+    if ((g->faults & PD_FAULT_ABORT) && (err = gen_worst_aborts(g, msg, cap))) return err;
+    if ((g->faults & PD_FAULT_REUSE) && (err = gen_reuse(g, msg, cap))) return err;
     for (uint32_t i = 0; i < s->n_reqs; i++) {
         sreq *r = &s->reqs[i];
         if (r->boot_held && pd_rng_chance(rng, 1, 8)) {
@@ -1284,19 +1343,7 @@ static pd_err gen_faults(gen *g, char *msg, size_t cap) {
                  pd_rng_chance(rng, 1, 2) ? "sender" : "receiver", pd_rng_chance(rng, 1, 2) ? "on" : "off");
         if ((err = gen_exec(g, msg, cap))) return err;
     }
-    if (g->faults & PD_FAULT_KILL) {
-        if (!s->nodes[SIDE_D].alive) {
-            if (++g->dead_ticks > 12) {
-                snprintf(g->line, sizeof(g->line), "restart decode");
-                g->dead_ticks = 0;
-                if ((err = gen_exec(g, msg, cap))) return err;
-            }
-        } else if (g->kills < 2 && pd_rng_chance(rng, 1, 250)) {
-            g->kills++;
-            snprintf(g->line, sizeof(g->line), "kill decode");
-            if ((err = gen_exec(g, msg, cap))) return err;
-        }
-    }
+    if (g->faults & PD_FAULT_KILL) return gen_kills(g, msg, cap);
     return PD_OK;
 }
 
@@ -1309,8 +1356,9 @@ static pd_err gen_wind_down(gen *g, char *msg, size_t cap) {
         snprintf(g->line, sizeof(g->line), "%s", lines[i]);
         if ((err = gen_exec(g, msg, cap))) return err;
     }
-    if (!s->nodes[SIDE_D].alive) {
-        snprintf(g->line, sizeof(g->line), "restart decode");
+    for (int side = 0; side < 2; side++) {
+        if (s->nodes[side].alive) continue;
+        snprintf(g->line, sizeof(g->line), "restart %s", side_name(side));
         if ((err = gen_exec(g, msg, cap))) return err;
     }
     for (uint32_t i = 0; i < s->n_reqs; i++) {
