@@ -4,6 +4,8 @@
 #   make test    install missing Debian packages, build with ASan+UBSan, run ctest
 #   make bench   optimised build, then every benchmark with its figures
 #   make soak    the simulator's long swarm (SOAK_SEEDS=100000 seeds, all faults)
+#   make mutants every planted bug in tests/mutants/*.patch must be caught by the swarm
+#                or the explore (tools/mutants.sh; MUTANTS="a.patch b.patch" for a subset)
 #
 JOBS   ?= $(shell nproc 2>/dev/null || echo 2)
 TEST_DIR := build/test
@@ -11,12 +13,12 @@ REL_DIR  := build/release
 
 SOAK_SEEDS ?= 100000
 
-.PHONY: all deps test build-test release run bench soak clean help
+.PHONY: all deps test build-test release run bench soak mutants clean help
 
 all: release
 
 help:
-	@sed -n '2,8p' Makefile
+	@sed -n '2,10p' Makefile
 
 deps:
 	@scripts/deps.sh
@@ -52,6 +54,11 @@ soak: release
 	wait $$a; ra=$$?; wait $$b; rb=$$?; \
 	tail -n 3 $(REL_DIR)/soak_a.txt $(REL_DIR)/soak_b.txt; \
 	test $$ra -eq 0 -a $$rb -eq 0
+
+# Mutation testing (not part of make test): each patch applied to a scratch
+# copy under build/mutants, rebuilt, and run through the swarm and the explore.
+mutants: deps
+	@tools/mutants.sh $(MUTANTS)
 
 clean:
 	rm -rf build
