@@ -1521,7 +1521,10 @@ pd_err pd_sim_scenario(const char *text, const char *name, const char *config_ex
 
 /* ---- exhaustive exploration --------------------------------------------------------------- */
 
-enum { EV_RESULT, EV_BOOT_OK, EV_BOOT_FAIL, EV_XFER_OK, EV_XFER_FAIL, EV_ABORT, EV__COUNT };
+enum {
+    EV_RESULT, EV_BOOT_OK, EV_BOOT_FAIL, EV_XFER_OK, EV_XFER_FAIL, EV_ABORT, EV_ABORT_DECODE,
+    EV__COUNT
+};
 
 typedef struct xchoice {
     uint8_t ev, req;
@@ -1529,7 +1532,7 @@ typedef struct xchoice {
 
 typedef struct xstate {
     bool boot_decided[2], xfer_decided[2];
-    bool boot_fail_used, xfer_fail_used, abort_used;
+    bool boot_fail_used, xfer_fail_used, abort_used, decode_abort_used;
 } xstate;
 
 static uint32_t enabled_events(sim *s, const xstate *x, xchoice *out) {
@@ -1549,6 +1552,9 @@ static uint32_t enabled_events(sim *s, const xstate *x, xchoice *out) {
             if (!x->xfer_fail_used) out[n++] = (xchoice){EV_XFER_FAIL, i};
         }
         if (!x->abort_used && live) out[n++] = (xchoice){EV_ABORT, i};
+        /* A decode abort after commit, while the request generates. */
+        if (!x->decode_abort_used && oracle_running(s->oracle, i))
+            out[n++] = (xchoice){EV_ABORT_DECODE, i};
     }
     return n;
 }
@@ -1575,6 +1581,10 @@ static pd_err apply_choice(sim *s, xstate *x, xchoice c, char *msg, size_t cap) 
         if (c.ev == EV_XFER_FAIL) x->xfer_fail_used = true;
         snprintf(line, sizeof(line), "xfer %s %s", rid, c.ev == EV_XFER_OK ? "ok" : "fail");
         break;
+    case EV_ABORT_DECODE:
+        x->decode_abort_used = true;
+        snprintf(line, sizeof(line), "abort %s at=decode", rid);
+        break;
     default:
         x->abort_used = true;
         snprintf(line, sizeof(line), "abort %s", rid);
@@ -1585,17 +1595,33 @@ static pd_err apply_choice(sim *s, xstate *x, xchoice c, char *msg, size_t cap) 
 
 /* Runs one schedule: follows prefix[0..n_prefix) and then always the first
  * enabled choice, recording the choice counts it saw into counts[]. */
-static pd_err explore_one(const uint32_t *prefix, uint32_t n_prefix, uint32_t *choices,
-                          uint32_t *counts, uint32_t *depth, pd_strbuf *report) {
+/* The configurations explored, one after the other: plain; optimistic
+ * (prefill starts before the handshake completes and retries once); and
+ * with every transport abort reporting an error. */
+static const struct {
+    const char *config, *fault;
+} explore_configs[] = {
+    {"config page_size=4 chunk=4 kv_pages=48 rows=4 mamba=on overlap=on optimistic=0 "
+     "prefix_cache=on batch=2 timeout=40 latency=1", NULL},
+    {"config page_size=4 chunk=4 kv_pages=48 rows=4 mamba=on overlap=on optimistic=1 "
+     "prefix_cache=on batch=2 timeout=40 latency=1", NULL},
+    {"config page_size=4 chunk=4 kv_pages=48 rows=4 mamba=on overlap=on optimistic=0 "
+     "prefix_cache=on batch=2 timeout=40 latency=1", "abort-error"},
+};
+
+static pd_err explore_one(uint32_t config, const uint32_t *prefix, uint32_t n_prefix,
+                          uint32_t *choices, uint32_t *counts, uint32_t *depth, pd_strbuf *report) {
     sim s;
     memset(&s, 0, sizeof(s));
     cfg_default(&s.cfg);
     char msg[512] = "";
-    static const char *const setup[] = {
-        "config page_size=4 chunk=4 kv_pages=48 rows=4 mamba=on overlap=on optimistic=0 "
-        "prefix_cache=on batch=2 timeout=40 latency=1",
-        "submit r1 len=10 max_new=2", "submit r2 len=10 max_new=2", /* chunks 4+4+2 and 2+4+4 */
+    bool abort_error = explore_configs[config].fault != NULL;
+    const char *const setup[] = {
+        explore_configs[config].config,
+        "submit r1 len=10 max_new=5", "submit r2 len=10 max_new=2", /* chunks 4+4+2 and 2+4+4 */
         "bootstrap r1 hold", "bootstrap r2 hold", "xfer r1 hang", "xfer r2 hang",
+        abort_error ? "fault sender-abort-error on" : "",
+        abort_error ? "fault receiver-abort-error on" : "",
     };
     s.hold_all_prefill = true;
     pd_err err = PD_OK;
@@ -1619,6 +1645,9 @@ static pd_err explore_one(const uint32_t *prefix, uint32_t n_prefix, uint32_t *c
     if (!err) {
         /* Let everything go and finish. */
         s.hold_clear = true;
+        if (abort_error) err = exec_line(&s, "fault sender-abort-error off", msg, sizeof(msg));
+        if (!err && abort_error)
+            err = exec_line(&s, "fault receiver-abort-error off", msg, sizeof(msg));
         while (pd_stream_blocked(s.nodes[SIDE_P].st))
             pd_stream_hold(s.nodes[SIDE_P].st, pd_stream_head_batch(s.nodes[SIDE_P].st), false);
         for (uint8_t i = 0; i < 2 && !err; i++) {
@@ -1640,14 +1669,15 @@ static pd_err explore_one(const uint32_t *prefix, uint32_t n_prefix, uint32_t *c
     return err;
 }
 
-pd_err pd_sim_explore(uint64_t limit, pd_sim_explore_result *res, pd_strbuf *report) {
-    memset(res, 0, sizeof(*res));
+/* Depth-first over every schedule of one configuration. */
+static pd_err explore_config(uint32_t config, uint64_t limit, pd_sim_explore_result *res,
+                             pd_strbuf *report) {
     enum { DEPTH_MAX = 256 };
     uint32_t prefix[DEPTH_MAX], choices[DEPTH_MAX], counts[DEPTH_MAX];
     uint32_t n_prefix = 0;
     for (;;) {
         uint32_t depth = 0;
-        pd_err err = explore_one(prefix, n_prefix, choices, counts, &depth, report);
+        pd_err err = explore_one(config, prefix, n_prefix, choices, counts, &depth, report);
         res->schedules++;
         if (depth > res->max_choices) res->max_choices = depth;
         if (err) {
@@ -1662,6 +1692,16 @@ pd_err pd_sim_explore(uint64_t limit, pd_sim_explore_result *res, pd_strbuf *rep
         prefix[d]++;
         n_prefix = (uint32_t)d + 1;
         if (limit && res->schedules >= limit) break;
+    }
+    return PD_OK;
+}
+
+pd_err pd_sim_explore(uint64_t limit, pd_sim_explore_result *res, pd_strbuf *report) {
+    memset(res, 0, sizeof(*res));
+    for (uint32_t c = 0; c < PD_ARRAY_LEN(explore_configs); c++) {
+        if (limit && res->schedules >= limit) break;
+        pd_err err = explore_config(c, limit, res, report);
+        if (err) return err;
     }
     return PD_OK;
 }
