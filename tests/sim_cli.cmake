@@ -35,6 +35,15 @@ if(NOT LAST_OUT MATCHES "expect r1 terminal=aborted: got finished")
   message(FATAL_ERROR "a failed expect does not say what it got: ${LAST_OUT}")
 endif()
 expect_rc(1 sim --scenario ${OUT}/does_not_exist.scn)
+# The end-of-run checks apply to every scenario (docs/simulator.md): one that
+# ends with a request still in flight fails instead of passing unchecked.
+file(WRITE ${OUT}/no_drain.scn "submit r1 len=8 max_new=4\nstep 2\nexpect r1 terminal=none\n")
+expect_rc(1 sim --scenario ${OUT}/no_drain.scn)
+if(NOT LAST_OUT MATCHES "ends with work pending" OR NOT LAST_OUT MATCHES "0 terminal events on decode")
+  message(FATAL_ERROR "a scenario ending mid-flight is not failed by the end checks: ${LAST_OUT}")
+endif()
+file(WRITE ${OUT}/drained.scn "submit r1 len=8 max_new=4\ndrain\nexpect r1 terminal=finished\n")
+expect_rc(0 sim --scenario ${OUT}/drained.scn)
 # An option a mode would ignore is refused, never silently dropped: --explore
 # runs its own fixed configuration on the synthetic model.
 expect_rc(2 sim --explore --model tiny)

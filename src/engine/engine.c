@@ -817,14 +817,19 @@ static pd_err submit(pd_engine *e, const pd_request_spec *s, uint64_t now_us, pd
         if (s->prompt[i] < 0 || (uint32_t)s->prompt[i] >= e->info.vocab)
             return reject(e, why, PD_ERR_INVALID, 400, "prompt token %d at position %u outside the vocabulary (size %u)",
                           s->prompt[i], i, e->info.vocab);
+    /* A generating node holds KV for positions [0, prompt + max_new - 1): the
+     * last sampled token is never fed back (decode.c, prealloc). */
     bool generates = e->cfg.role != PD_ROLE_PREFILL;
-    uint64_t need_tokens = s->prompt_len + (generates ? s->max_new_tokens : 0);
+    uint32_t new_kv = generates ? s->max_new_tokens - 1 : 0;
+    uint64_t need_tokens = (uint64_t)s->prompt_len + new_kv;
     uint64_t pool_tokens = (uint64_t)e->cfg.kv_pages * e->cfg.page_size;
     if (s->prompt_len > e->cfg.prompt_tokens_max || need_tokens > pool_tokens)
         return reject(e, why, PD_ERR_TOOBIG, 413,
-                      "prompt of %u tokens (+%u new) does not fit: limit %u prompt tokens, KV pool %llu tokens",
+                      "prompt of %u tokens (+%u generated, KV for %llu positions) does not fit: "
+                      "limit %u prompt tokens, KV pool %llu tokens",
                       s->prompt_len, generates ? s->max_new_tokens : 0,
-                      e->cfg.prompt_tokens_max, (unsigned long long)pool_tokens);
+                      (unsigned long long)need_tokens, e->cfg.prompt_tokens_max,
+                      (unsigned long long)pool_tokens);
     if (ht_find(e, K_RID, s->rid, 0) != NONE)
         return reject(e, why, PD_ERR_EXISTS, 409, "rid '%s' is already live", s->rid);
     if (e->cfg.role != PD_ROLE_COLOCATED && ht_find(e, K_ROOM, NULL, s->room) != NONE)
