@@ -211,6 +211,7 @@ typedef enum pd_action {
     PD_ACT_ROOM_CANCEL,     /* retire step 3: cancelled a room it never opened */
     PD_ACT_RELEASE,         /* retire step 4: released what it held (final: with insertion) */
     PD_ACT_TERMINAL,        /* retire step 5: emitted its terminal event */
+    PD_ACT_ROOM_CLOSE,      /* closed its room: no write of the room will touch memory again */
     PD_ACT__COUNT
 } pd_action;
 

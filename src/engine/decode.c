@@ -67,6 +67,7 @@ static void commit(pd_engine *e, req *r) {
     eng_act(e, r, PD_ACT_COMMIT, false, 0);
     /* The room is complete: nothing will write here again. */
     if (e->xfer.vt->drained(e->xfer.self, r->room)) {
+        eng_act(e, r, PD_ACT_ROOM_CLOSE, false, 0);
         e->xfer.vt->close(e->xfer.self, r->room);
         r->holds_room = false;
         pd_err err = pd_ledger_free(e->ledger, e->meta_id, &r->meta_row, 1, PD_UNIT_REQ, r->owner);

@@ -77,6 +77,7 @@ const char *pd_action_name(pd_action a) {
         [PD_ACT_COMMIT] = "commit",         [PD_ACT_TOKEN] = "token",
         [PD_ACT_ROOM_ABORT] = "room-abort", [PD_ACT_ROOM_CANCEL] = "room-cancel",
         [PD_ACT_RELEASE] = "release",       [PD_ACT_TERMINAL] = "terminal",
+        [PD_ACT_ROOM_CLOSE] = "room-close",
     };
     return (unsigned)a < PD_ACT__COUNT ? names[a] : "unknown";
 }
@@ -493,6 +494,7 @@ void eng_retire(pd_engine *e, req *r, pd_terminal_kind kind, pd_finish_reason fi
         return;
     }
     if (room) {
+        eng_act(e, r, PD_ACT_ROOM_CLOSE, false, 0);
         e->xfer.vt->close(e->xfer.self, r->room);
         r->holds_room = false;
     }
@@ -545,6 +547,7 @@ static void drain_poll(pd_engine *e) {
             r->lock_node = PD_CNODE_NONE;
             r->q_lock = false;
         }
+        eng_act(e, r, PD_ACT_ROOM_CLOSE, false, 0);
         e->xfer.vt->close(e->xfer.self, r->room);
         r->holds_room = false;
         record_free(e, r);

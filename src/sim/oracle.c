@@ -20,7 +20,7 @@ typedef struct orec {
     pd_terminal_kind reason; /* A1: recorded at TERMINAL_REASON */
     uint32_t in_flight;      /* A4: launches minus results */
     bool final_launched, final_done;
-    bool opened, aborted, cancelled, released, release_insert, emitted;
+    bool opened, aborted, cancelled, released, release_insert, emitted, closed;
 } orec;
 
 typedef struct oclient {
@@ -38,6 +38,7 @@ struct sim_oracle {
     uint32_t n_clients, cap_clients;
     uint32_t next_client;
     oracle_report_fn report;
+    oracle_drained_fn drained;
     void *ctx;
     uint64_t actions;
 };
@@ -53,12 +54,14 @@ static void fail(sim_oracle *o, const char *fmt, ...) {
     o->report(o->ctx, buf);
 }
 
-sim_oracle *oracle_create(uint32_t records_max, oracle_report_fn report, void *ctx) {
-    PD_ASSERT(records_max > 0 && report);
+sim_oracle *oracle_create(uint32_t records_max, oracle_report_fn report, oracle_drained_fn drained,
+                          void *ctx) {
+    PD_ASSERT(records_max > 0 && report && drained);
     sim_oracle *o = calloc(1, sizeof(*o));
     if (!o) return NULL;
     o->records_max = records_max;
     o->report = report;
+    o->drained = drained;
     o->ctx = ctx;
     o->next_client = NO_CLIENT;
     for (int s = 0; s < ORACLE_SIDES; s++) {
@@ -240,11 +243,26 @@ static void judge_flow(sim_oracle *o, int side, orec *r, const pd_action_event *
     }
 }
 
+/* A5: the room is closed once, when drained, by a request that opened it. */
+static void judge_close(sim_oracle *o, int side, orec *r, const pd_action_event *ev) {
+    const char *sw = side_word(side);
+    if (!r->opened) fail(o, "%s: [A5] closed a room on %s it never opened", ev->rid, sw);
+    if (r->closed) fail(o, "%s: [A5] closed its room on %s twice", ev->rid, sw);
+    if (!o->drained(o->ctx, side, ev->room))
+        fail(o, "%s: [A5] closed its room on %s before the transport reported it drained "
+                "(a late write may land in memory already reused)", ev->rid, sw);
+    r->closed = true;
+}
+
 void oracle_on_action(sim_oracle *o, int side, const pd_action_event *ev) {
     PD_ASSERT(side >= 0 && side < ORACLE_SIDES && ev);
     o->actions++;
     orec *r = record_of(o, side, ev);
     if (!r || ev->action == PD_ACT_ACCEPT) return;
+    if (ev->action == PD_ACT_ROOM_CLOSE) {
+        judge_close(o, side, r, ev);
+        return;
+    }
     if (r->emitted) {
         fail(o, "%s: [A2] %s on %s after its terminal event", ev->rid, pd_action_name(ev->action),
              side_word(side));

@@ -13,13 +13,15 @@
  *       opened, no forward launched, nothing sent, parked, requeued,
  *       committed, streamed — and nothing inserted into the prefix cache but
  *       the success release's own insertion;
- *   A2  nothing at all after the terminal event;
+ *   A2  nothing after the terminal event but closing the drained room;
  *   A3  the retire path in order: reason (once), then room abort or cancel,
  *       release, terminal event; release never while a forward of the
  *       request is in flight; a room it opened is never cancelled, a room it
  *       never opened never aborted;
  *   A4  forwards balance: every result matches a launch; no requeue while a
  *       forward is in flight;
+ *   A5  a room is closed only once the transport says it is drained (no
+ *       write of it will touch this node's memory again), and only once;
  *   O1  an abort accepted by a node ends the request there as aborted,
  *       unless a terminal reason was already recorded (the first one wins);
  *       the terminal event carries the recorded reason;
@@ -39,12 +41,15 @@
 #define ORACLE_SIDES 2
 
 typedef void (*oracle_report_fn)(void *ctx, const char *msg);
+/* The transport's own word: is the room drained on that side? (A5) */
+typedef bool (*oracle_drained_fn)(void *ctx, int side, uint64_t room);
 
 typedef struct sim_oracle sim_oracle;
 
 /* records_max: the engines' requests_max (the low half of an owner id is
  * the record index + 1). NULL when out of memory. */
-sim_oracle *oracle_create(uint32_t records_max, oracle_report_fn report, void *ctx);
+sim_oracle *oracle_create(uint32_t records_max, oracle_report_fn report, oracle_drained_fn drained,
+                          void *ctx);
 void oracle_destroy(sim_oracle *o);
 
 /* The next ACCEPT on any side belongs to this client request (the sim's

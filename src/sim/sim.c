@@ -249,6 +249,12 @@ static void on_action(void *ctx, const pd_action_event *ev) {
 
 static void on_oracle_violation(void *ctx, const char *msg) { violation(ctx, "%s", msg); }
 
+static bool on_oracle_drained(void *ctx, int side, uint64_t room) {
+    sim *s = ctx;
+    pd_xfer x = pd_loopback_endpoint(s->lb, side == SIDE_P ? PD_LB_PREFILL : PD_LB_DECODE);
+    return x.vt->drained(x.self, room);
+}
+
 static int jitter_delay(sim *s) {
     return s->cfg.exec_jitter ? (int)pd_rng_below(&s->jitter, s->cfg.exec_jitter + 1) : 0;
 }
@@ -357,7 +363,7 @@ static pd_err world_build(sim *s, char *msg, size_t cap) {
     pd_rng_seed(&s->jitter, c->jitter_seed);
     pd_err err = pd_loopback_create(&s->lb, &lc);
     if (err) return pd_errorf(msg, cap, err, "transport: bad configuration");
-    s->oracle = oracle_create(c->requests_max, on_oracle_violation, s);
+    s->oracle = oracle_create(c->requests_max, on_oracle_violation, on_oracle_drained, s);
     if (!s->oracle) return pd_errorf(msg, cap, PD_ERR_NOMEM, "oracle: out of memory");
     if (c->tiny) {
         pd_model_config mc;
