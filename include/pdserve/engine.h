@@ -131,7 +131,8 @@ typedef struct pd_reject {
     char message[192];
 } pd_reject;
 
-/* Accepts a request (PD_OK) or refuses it before it enters any queue:
+/* Accepts a request (PD_OK) or refuses it before it enters any queue
+ * (a generating node needs KV for prompt + max_new_tokens - 1 positions):
  * PD_ERR_INVALID (400: empty prompt, max_new_tokens < 1 or above the bound,
  * bad sampling parameters, missing room, too many stop tokens),
  * PD_ERR_TOOBIG (413: the prompt cannot fit the KV pool),
@@ -187,7 +188,9 @@ const pd_engine_config *pd_engine_config_of(const pd_engine *e);
 void pd_engine_report(pd_engine *e, pd_report_format fmt, pd_strbuf *out);
 
 /* The engine's id of a live request (the ledger owner and pd_batch_item.req),
- * or 0 if the rid is not live. */
+ * or 0 if the rid is not live. A request is live until its terminal event is
+ * out; then its rid is free for a new request, even while its record still
+ * drains its room. */
 uint64_t pd_engine_request_id(const pd_engine *e, const char *rid);
 
 /* What the engine does on a request's behalf, reported as it happens, so an

@@ -57,7 +57,9 @@ void pd_loopback_register(pd_loopback *lb, pd_lb_side side, const pd_exec_memory
 
 /* Performs everything due at or before now, in posting order. */
 void pd_loopback_advance(pd_loopback *lb, uint64_t now);
-/* Operations posted but not yet performed (held ones included). */
+/* Operations posted but not yet performed (held ones included). A room
+ * whose two halves are both gone holds none: its queued operations go with
+ * it, whatever their kind and even if a HOLD parked them. */
 uint32_t pd_loopback_pending(const pd_loopback *lb);
 /* Earliest due time of a runnable (not held) operation; UINT64_MAX if none. */
 uint64_t pd_loopback_next_due(const pd_loopback *lb);

@@ -12,11 +12,15 @@
  * lines, ready to paste into tests/scenarios/.
  *
  * After every line: both engines' checks (ledger three-source check, clean
- * idle when idle, request flags vs ledger, prefix cache invariants), at most
- * one terminal event per request and node, no prefix-cache insertion after a
- * request's terminal reason. At the end: exactly one terminal event per
- * request on every node it reached, clean idle, and every finished request's
- * tokens equal to the same request run alone.
+ * idle when idle, request flags vs ledger, prefix cache invariants) and at
+ * most one terminal event per request and node. On every action an engine
+ * reports (pd_action): the oracle's rules (src/sim/oracle.h) — no work after
+ * the terminal reason, the retire path in order, an accepted abort ends as
+ * aborted, decode commits only what prefill sent, rooms closed only when
+ * drained. At the end of every run and scenario: exactly one terminal event
+ * per request on every node that accepted it, nothing pending, clean idle,
+ * and every request's tokens equal to the same request run alone (all of
+ * them when it finished, the streamed prefix otherwise).
  */
 #ifndef PDSERVE_SIM_H
 #define PDSERVE_SIM_H
