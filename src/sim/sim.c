@@ -1379,6 +1379,9 @@ static pd_err gen_wind_down(gen *g, char *msg, size_t cap) {
             r->xfer_held = false;
             if ((err = gen_exec(g, msg, cap))) return err;
         }
+        /* Lines name the latest request with a rid; an older one (the rid was
+         * reused) cannot be released by name, which gen_reuse prevents. */
+        PD_ASSERT(!r->hold_mask || find_req(s, r->rid) == r);
         while (r->hold_mask) {
             uint32_t k = (uint32_t)__builtin_ctz(r->hold_mask) + 1;
             snprintf(g->line, sizeof(g->line), "release %s chunk=%u", r->rid, k);
