@@ -21,6 +21,15 @@
  * stays, with the peer's status already FAILED, so the late side fails at
  * open instead of waiting out its timeout. A tombstone never blocks a live
  * room: when the table is full the oldest is evicted.
+ *
+ * Both halves gone. Once each side has closed the room it opened (a killed
+ * side's rooms close with it) or ended it without opening it (cancel), the
+ * room goes at once with every operation still queued for it: control ones
+ * (the destination, abort notices, acknowledgements, death notices) and ones
+ * parked by a HOLD as well as data. Nobody is left to learn anything, and no
+ * memory belongs to the room any more — a write still queued then could only
+ * hit memory reused by someone else. Until then data is dropped only by the
+ * rules above (abort, failure, a side's death), never because one half left.
  */
 #include "pdserve/loopback.h"
 
@@ -158,9 +167,29 @@ static bool carries_news(const room *rm) {
     return false;
 }
 
+/* The side is gone for good: it closed the room it opened (or died with it
+ * open, which closes it), or it ended the room without ever opening it. */
+static bool half_gone(const room *rm, int side) {
+    return rm->open[side] ? rm->closed[side] : rm->cancelled[side];
+}
+
+static void drop_ops(pd_loopback *lb, uint32_t r, bool data_only);
+
 static void room_release_if_done(pd_loopback *lb, uint32_t r) {
     room *rm = &lb->rooms[r];
-    if (!rm->used || rm->pending_all) return;
+    if (!rm->used) return;
+    if (half_gone(rm, PD_LB_PREFILL) && half_gone(rm, PD_LB_DECODE)) {
+        /* Both halves are gone: no side is left to learn anything or to be
+         * written (neither memory belongs to the room any more), so every
+         * queued operation goes with the room — control ones and ones parked
+         * by a HOLD included. Kept, a parked handshake would pin the room
+         * and keep the transport busy forever. */
+        drop_ops(lb, r, false);
+        PD_ASSERT(rm->pending_all == 0 && !carries_news(rm));
+        room_free(lb, r);
+        return;
+    }
+    if (rm->pending_all) return;
     for (int s = 0; s < 2; s++)
         if (rm->open[s] && !rm->closed[s]) return;
     if (carries_news(rm)) {
@@ -295,28 +324,42 @@ static void op_free_slot(pd_loopback *lb, uint32_t o) {
     lb->op_free = o;
 }
 
-/* Drops the room's queued data operations (runnable and held): they will
- * never touch memory. Runnable ones stay in the heap, marked cancelled. */
-static void drop_data(pd_loopback *lb, uint32_t r) {
+/* Drops the room's queued operations — only the data ones (they will never
+ * touch memory), or all of them when nobody is left to hear or be written.
+ * Runnable ones stay in the heap, marked cancelled (pd_loopback_advance frees
+ * them); held ones leave lb->held at once. Either way the room's counts drop
+ * now, so pd_loopback_pending and the room agree. */
+static void drop_ops(pd_loopback *lb, uint32_t r, bool data_only) {
+    uint32_t pending_before = lb->rooms[r].pending_all;
+    uint32_t dropped = 0;
     for (uint32_t i = 0; i < lb->heap_n; i++) {
         op *p = &lb->ops[lb->heap[i]];
-        if (p->room_idx == r && is_data(p->kind) && !p->cancelled) {
+        if (p->room_idx == r && (!data_only || is_data(p->kind)) && !p->cancelled) {
             op_uncount(lb, p);
             p->cancelled = true;
+            dropped++;
         }
     }
     uint32_t keep = 0;
     for (uint32_t i = 0; i < lb->held_n; i++) {
         uint32_t o = lb->held[i];
-        if (lb->ops[o].room_idx == r && is_data(lb->ops[o].kind)) {
-            op_uncount(lb, &lb->ops[o]);
+        op *p = &lb->ops[o];
+        PD_ASSERT(p->live && p->held && !p->cancelled);
+        if (p->room_idx == r && (!data_only || is_data(p->kind))) {
+            op_uncount(lb, p);
             op_free_slot(lb, o);
+            dropped++;
         } else {
             lb->held[keep++] = o;
         }
     }
     lb->held_n = keep;
+    PD_ASSERT(lb->rooms[r].pending_all == pending_before - dropped);
+    /* The operation pd_loopback_advance is running (if of this room) is still counted. */
+    PD_ASSERT(data_only ? lb->rooms[r].pending_data <= 1 : lb->rooms[r].pending_all <= 1);
 }
+
+static void drop_data(pd_loopback *lb, uint32_t r) { drop_ops(lb, r, true); }
 
 static void fail_room(pd_loopback *lb, uint32_t r) {
     room *rm = &lb->rooms[r];
@@ -753,18 +796,37 @@ void pd_loopback_register(pd_loopback *lb, pd_lb_side side, const pd_exec_memory
     s->meta_rows = meta_rows;
 }
 
-void pd_loopback_set_bootstrap(pd_loopback *lb, uint64_t room_id, pd_lb_outcome o) {
-    uint32_t r = room_get(lb, room_id);
+/* A room that only ever carried a programmed outcome, now back to the
+ * default, is no different from no room: forget it. A test that releases a
+ * hold after both halves are gone (and the room with them) must not leave a
+ * blank room pinning a slot forever. */
+static void room_forget_if_blank(pd_loopback *lb, uint32_t r) {
+    const room *rm = &lb->rooms[r];
+    for (int s = 0; s < 2; s++)
+        if (rm->open[s] || rm->cancelled[s] || rm->st[s] != PD_XFER_NONE) return;
+    if (rm->pending_all || rm->tomb || rm->dest_known || rm->s_done || rm->s_aborting ||
+        rm->r_stopped || rm->boot != PD_LB_OK || rm->xfer != PD_LB_OK)
+        return;
+    room_free(lb, r);
+}
+
+static void set_outcome(pd_loopback *lb, uint64_t room_id, bool boot, pd_lb_outcome o) {
+    uint32_t r = room_find(lb, room_id);
+    if (r == NONE && o == PD_LB_OK) return; /* the default: nothing to remember */
+    if (r == NONE) r = room_get(lb, room_id);
     if (r == NONE) return;
-    lb->rooms[r].boot = o;
+    if (boot) lb->rooms[r].boot = o;
+    else lb->rooms[r].xfer = o;
     unhold_room(lb, r);
+    room_forget_if_blank(lb, r);
+}
+
+void pd_loopback_set_bootstrap(pd_loopback *lb, uint64_t room_id, pd_lb_outcome o) {
+    set_outcome(lb, room_id, true, o);
 }
 
 void pd_loopback_set_transfer(pd_loopback *lb, uint64_t room_id, pd_lb_outcome o) {
-    uint32_t r = room_get(lb, room_id);
-    if (r == NONE) return;
-    lb->rooms[r].xfer = o;
-    unhold_room(lb, r);
+    set_outcome(lb, room_id, false, o);
 }
 
 void pd_loopback_set_abort_error(pd_loopback *lb, pd_lb_side side, bool on) {
@@ -787,6 +849,8 @@ void pd_loopback_kill(pd_loopback *lb, pd_lb_side side) {
             op *p = op_post(lb, r, OP_DEAD, lb->cfg.dead_grace);
             if (p) p->side = peer;
         }
+        /* The peer's half may be gone already: then the room goes now. */
+        room_release_if_done(lb, r);
     }
 }
 
