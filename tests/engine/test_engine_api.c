@@ -114,8 +114,9 @@ static void bad_requests_are_refused_with_a_reason(void **state) {
     s = good(); s.stop_tokens = stops; s.n_stop_tokens = 1; refused(w, s, PD_ERR_INVALID, 400, "stop token 77");
     s = good(); prompt[3] = 50; refused(w, s, PD_ERR_INVALID, 400, "prompt token 50 at position 3");
     s = good(); prompt[3] = -1; refused(w, s, PD_ERR_INVALID, 400, "prompt token -1");
-    /* 61 prompt + 4 new tokens > 64 KV tokens on a decode node. */
-    s = good(); s.prompt_len = 61; refused(w, s, PD_ERR_TOOBIG, 413, "does not fit");
+    /* 62 prompt + 4 new tokens need KV for 65 positions (the last token is
+     * never fed back): more than the decode node's 64. 61 + 4 would fit. */
+    s = good(); s.prompt_len = 62; refused(w, s, PD_ERR_TOOBIG, 413, "does not fit");
     pd_engine_counters c;
     pd_engine_counters_get(w->e, &c);
     assert_int_equal(c.rejected, 17);
