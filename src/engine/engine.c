@@ -479,7 +479,8 @@ void eng_retire(pd_engine *e, req *r, pd_terminal_kind kind, pd_finish_reason fi
         eng_act(e, r, PD_ACT_ROOM_ABORT, false, 0);
         pd_err err = e->xfer.vt->abort(e->xfer.self, r->room);
         if (err != PD_OK) e->ctr.xfer_abort_errors++;
-    } else if (!r->opened_room && e->cfg.role != PD_ROLE_COLOCATED && r->term != PD_TERM_FINISHED) {
+    } else if (!r->opened_room && e->cfg.role != PD_ROLE_COLOCATED &&
+               r->term != PD_TERM_FINISHED) {
         /* Only a room this request never opened is cancelled: one it opened
          * and closed (decode, at commit) is over for both sides. */
         eng_act(e, r, PD_ACT_ROOM_CANCEL, false, 0);

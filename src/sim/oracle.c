@@ -177,7 +177,8 @@ static void judge_retire(sim_oracle *o, int side, orec *r, const pd_action_event
              pd_action_name(ev->action), sw);
     if (ev->action == PD_ACT_ROOM_ABORT || ev->action == PD_ACT_ROOM_CANCEL) {
         if (r->released)
-            fail(o, "%s: [A3] %s on %s after the local release", rid, pd_action_name(ev->action), sw);
+            fail(o, "%s: [A3] %s on %s after the local release", rid, pd_action_name(ev->action),
+                 sw);
         if (ev->action == PD_ACT_ROOM_ABORT && !r->opened)
             fail(o, "%s: [A3] aborted a room on %s it never opened", rid, sw);
         if (ev->action == PD_ACT_ROOM_CANCEL && r->opened)
@@ -219,7 +220,8 @@ static void judge_flow(sim_oracle *o, int side, orec *r, const pd_action_event *
         break;
     case PD_ACT_RESULT:
         if (r->in_flight == 0)
-            fail(o, "%s: [A4] a result on %s without a forward in flight", ev->rid, side_word(side));
+            fail(o, "%s: [A4] a result on %s without a forward in flight", ev->rid,
+                 side_word(side));
         else r->in_flight--;
         if (ev->final && side == 0) r->final_done = true;
         break;
@@ -275,7 +277,8 @@ void oracle_on_action(sim_oracle *o, int side, const pd_action_event *ev) {
     case PD_ACT_TERMINAL_REASON:
         if (r->reason != PD_TERM_NONE)
             fail(o, "%s: [A3] a second terminal reason on %s (%s after %s)", ev->rid,
-                 side_word(side), pd_terminal_kind_name(ev->kind), pd_terminal_kind_name(r->reason));
+                 side_word(side), pd_terminal_kind_name(ev->kind),
+                 pd_terminal_kind_name(r->reason));
         else r->reason = ev->kind;
         return;
     case PD_ACT_INSERT:

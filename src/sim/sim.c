@@ -1127,9 +1127,8 @@ pd_err pd_sim_parse_faults(const char *list, uint32_t *out, char *msg, size_t ca
         while (i < PD_ARRAY_LEN(names) && strcmp(names[i].name, tok)) i++;
         if (i == PD_ARRAY_LEN(names))
             return pd_errorf(msg, cap, PD_ERR_PARSE,
-                             "unknown fault '%s' (known: abort, bootstrap, hold, xfer, abort-error, kill, dup, "
-                             "oversize, reuse, all, none)",
-                             tok);
+                             "unknown fault '%s' (known: abort, bootstrap, hold, xfer, "
+                             "abort-error, kill, dup, oversize, reuse, all, none)", tok);
         *out |= names[i].bit;
     }
     return PD_OK;
