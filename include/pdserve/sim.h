@@ -66,6 +66,11 @@ typedef struct pd_sim_options {
     bool vary;            /* derive the configuration from the seed too (swarm) */
     const char *config;   /* optional "config ..." overrides (after vary) */
     FILE *trace;          /* every executed line (NULL: none) */
+    /* Called with each violation as it is found (NULL: none), before the run
+     * goes on: a driver can keep it somewhere that survives a crash later in
+     * the same run (an assertion the violation leads to, say). */
+    void (*on_violation)(void *ctx, const char *msg);
+    void *violation_ctx;
 } pd_sim_options;
 
 /* A random run. PD_OK without violations; PD_ERR_INTERNAL with the seed, the

@@ -306,18 +306,31 @@ typedef struct seed_page {
     int rc;
     uint64_t seeds_done, failed_seeds;
     pd_sim_result total; /* of the seeds that passed */
+    char first_violation[512]; /* of seed `running`: what a crash may have followed */
 } seed_page;
+
+/* Keeps the running seed's first violation on the page: an assertion that
+ * a violation leads to kills the child before its report is printed. */
+static void keep_violation(void *ctx, const char *msg) {
+    volatile seed_page *pg = ctx;
+    if (pg->first_violation[0]) return;
+    size_t n = strnlen(msg, sizeof(pg->first_violation) - 1);
+    for (size_t i = 0; i < n; i++) pg->first_violation[i] = msg[i] == '\n' ? ' ' : msg[i];
+    pg->first_violation[n] = 0;
+}
 
 /* Runs the seeds and prints what an in-process run prints, but the summary. */
 static int run_seeds(const sim_args *a, FILE *trace, volatile seed_page *pg, pd_strbuf *report) {
     pd_sim_options o = {.requests = (uint32_t)a->requests, .faults = a->fault_bits,
-                        .trace = trace, .vary = a->mode == MODE_SEEDS, .config = a->config};
+                        .trace = trace, .vary = a->mode == MODE_SEEDS, .config = a->config,
+                        .on_violation = keep_violation, .violation_ctx = (void *)pg};
     pd_sim_result total = {0};
     for (uint64_t s = a->seed_first;; s++) {
         o.seed = s;
         pd_sim_result r;
         pd_strbuf_reset(report);
         pg->running = s;
+        pg->first_violation[0] = 0;
         pg->in_seed = 1;
         pd_err err = pd_sim_random(&o, &r, report);
         pg->in_seed = 0;
@@ -371,6 +384,8 @@ static void report_crash(const sim_args *a, const seed_page *pg, int status) {
     char config[480];
     bool named = pd_sim_seed_config(&o, config, sizeof(config)) == PD_OK;
     fprintf(stderr, "seed %llu crashed (%s)\n", (unsigned long long)pg->running, how);
+    if (pg->first_violation[0])
+        fprintf(stderr, "# its first violation, before the crash: %s\n", pg->first_violation);
     fprintf(stderr, "%s%s\n", named ? "" : "# the configuration cannot be named: ", config);
     if (a->trace_path) fprintf(stderr, "# its last lines: %s\n", a->trace_path);
     print_reproduce(a, pg->running, config);

@@ -158,6 +158,8 @@ typedef struct sim {
     uint32_t lineno;
     const char *name;
     uint64_t term_seq;           /* terminal events so far, both nodes */
+    void (*on_violation)(void *ctx, const char *msg); /* pd_sim_options */
+    void *violation_ctx;
     uint32_t last_ended;         /* the request whose terminal event came last (+1; 0: none) */
 } sim;
 
@@ -170,6 +172,7 @@ static void violation(sim *s, const char *fmt, ...) {
     vsnprintf(buf, sizeof(buf), fmt, ap);
     va_end(ap);
     s->violations++;
+    if (s->on_violation) s->on_violation(s->violation_ctx, buf);
     if (s->violations <= 5) {
         tb_add(&s->report, "violation: ");
         tb_add(&s->report, buf);
@@ -1435,6 +1438,8 @@ pd_err pd_sim_random(const pd_sim_options *o, pd_sim_result *res, pd_strbuf *rep
     sim s;
     memset(&s, 0, sizeof(s));
     s.trace = o->trace;
+    s.on_violation = o->on_violation;
+    s.violation_ctx = o->violation_ctx;
     gen g = {.s = &s, .faults = o->faults, .target = o->requests ? o->requests : 50};
     pd_rng_seed(&g.rng, o->seed);
     char msg[512] = "";
