@@ -26,7 +26,7 @@ if(PD_BUILD_TESTS)
   add_executable(test_net_bad_input tests/xfer/test_net_bad_input.c)
   # The prefill and decode engines (synthetic executor) driving pd_net.
   add_executable(test_net_engines tests/xfer/test_net_engines.c)
-  target_link_libraries(test_net_engines PRIVATE pd_sim)
+  target_link_libraries(test_net_engines PRIVATE pd_engine pd_exec)
   foreach(t test_net test_net_bad_input test_net_engines)
     target_link_libraries(${t} PRIVATE pd_net PkgConfig::CMOCKA)
     target_include_directories(${t} PRIVATE ${CMAKE_SOURCE_DIR}/src/xfer)

@@ -13,7 +13,9 @@ add_library(pd_router STATIC
   src/router/forward.c
   src/router/stats.c
   src/router/router.c)
-target_include_directories(pd_router PUBLIC ${CMAKE_SOURCE_DIR}/src/router)
+# Its public header is include/pdserve/router.h; the rest is private (the
+# router's own tests, beside it, reach the internals through the test kit).
+target_include_directories(pd_router PRIVATE ${CMAKE_SOURCE_DIR}/src/router)
 target_compile_definitions(pd_router PRIVATE PD_VERSION="${PROJECT_VERSION}")
 target_link_libraries(pd_router PUBLIC pd_base PkgConfig::JANSSON PkgConfig::MICROHTTPD
                       PkgConfig::CURL Threads::Threads)
@@ -25,6 +27,7 @@ if(PD_BUILD_TESTS)
   # The fake prefill/decode workers and a small HTTP client for the tests.
   add_library(pd_router_testkit STATIC tests/router/fake_worker.c tests/router/test_client.c)
   target_link_libraries(pd_router_testkit PUBLIC pd_router)
+  target_include_directories(pd_router_testkit PUBLIC ${CMAKE_SOURCE_DIR}/src/router)
 
   pd_add_test(test_router_units tests/router/test_units.c pd_router_testkit)
   pd_add_test(test_router_forward tests/router/test_forward.c pd_router_testkit)

@@ -25,7 +25,6 @@
 #define PDSERVE_EXECUTOR_H
 
 #include "pdserve/base.h"
-#include "pdserve/cache.h"
 #include "pdserve/pool.h"
 
 #ifdef __cplusplus

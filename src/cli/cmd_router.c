@@ -19,7 +19,7 @@
 
 #include "args.h"
 #include "commands.h"
-#include "router.h"
+#include "pdserve/router.h"
 
 static void usage(FILE *to) {
     fprintf(to,

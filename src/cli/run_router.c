@@ -3,7 +3,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "../router/router.h"
+#include "pdserve/router.h"
 #include "run_router.h"
 
 struct pd_run_router {

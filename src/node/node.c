@@ -22,9 +22,7 @@
 #include "node_internal.h"
 #include "pdserve/model.h"
 #include "pdserve/stream.h"
-#ifdef PD_HAVE_NET
 #include "pdserve/net.h"
-#endif
 #include "pdserve/tokenizer.h"
 
 #define CMDS_MAX 4096
@@ -61,9 +59,7 @@ struct pd_node {
     pd_engine *eng;
     pd_meta_row *meta;
     uint32_t meta_rows;
-#ifdef PD_HAVE_NET
     pd_net *net;                     /* --transfer-backend ucx */
-#endif
     uint32_t requests_max;
     call **calls;                    /* by engine record index */
 
@@ -651,7 +647,6 @@ pd_err pd_node_create(pd_node **out, const pd_node_config *cfg_in, char *msg, si
                 goto fail;
             }
             xfer = pd_loopback_mt_endpoint(c->loopback, role == PD_ROLE_PREFILL ? PD_LB_PREFILL : PD_LB_DECODE);
-#ifdef PD_HAVE_NET
         } else if (!strcmp(c->transfer_backend, "ucx")) {
             pd_net_config nc = {
                 .role = role == PD_ROLE_PREFILL ? PD_NET_PREFILL : PD_NET_DECODE,
@@ -661,7 +656,6 @@ pd_err pd_node_create(pd_node **out, const pd_node_config *cfg_in, char *msg, si
             };
             if ((err = pd_net_create(&n->net, &nc, msg, cap))) goto fail;
             xfer = pd_net_endpoint(n->net);
-#endif
         } else {
             err = pd_errorf(msg, cap, PD_ERR_INVALID, "unknown --transfer-backend '%s' (loopback or ucx)",
                             c->transfer_backend);
@@ -676,9 +670,7 @@ pd_err pd_node_create(pd_node **out, const pd_node_config *cfg_in, char *msg, si
     if (role != PD_ROLE_COLOCATED && c->loopback && !strcmp(c->transfer_backend, "loopback"))
         pd_loopback_mt_register(c->loopback, role == PD_ROLE_PREFILL ? PD_LB_PREFILL : PD_LB_DECODE, &mem,
                                 n->meta, n->meta_rows);
-#ifdef PD_HAVE_NET
     if (n->net && (err = pd_net_register(n->net, &mem, n->meta, n->meta_rows, msg, cap))) goto fail;
-#endif
     *out = n;
     return PD_OK;
 fail:
@@ -689,9 +681,7 @@ fail:
 pd_err pd_node_start(pd_node *n, char *msg, size_t cap) {
     pd_err err = pd_stream_start_worker(n->stream);
     if (err) return pd_errorf(msg, cap, err, "could not start the executor worker");
-#ifdef PD_HAVE_NET
     if (n->net && (err = pd_net_start(n->net, msg, cap))) return err;
-#endif
     if (pthread_create(&n->sched, NULL, sched_main, n) != 0)
         return pd_errorf(msg, cap, PD_ERR_NOMEM, "could not start the scheduler thread");
     n->sched_running = true;
@@ -700,9 +690,7 @@ pd_err pd_node_start(pd_node *n, char *msg, size_t cap) {
 
 uint16_t pd_node_http_port(const pd_node *n) { return n->http_port; }
 uint16_t pd_node_bootstrap_port(const pd_node *n) {
-#ifdef PD_HAVE_NET
     if (n->net) return pd_net_bootstrap_port(n->net);
-#endif
     return n->cfg.bootstrap_port;
 }
 
@@ -750,9 +738,7 @@ void pd_node_destroy(pd_node *n) {
         }
     if (n->http) http_stop(n->http);
     pd_engine_destroy(n->eng);
-#ifdef PD_HAVE_NET
     pd_net_destroy(n->net); /* after the engine: it may still call the endpoint */
-#endif
     pd_stream_destroy(n->stream);
     if (n->model_ex.vt) pd_model_executor_destroy(&n->model_ex);
     pd_model_destroy(n->model);

@@ -9,7 +9,7 @@
 #include <string.h>
 #include <time.h>
 
-#include "router.h"
+#include "pdserve/router.h"
 
 static pthread_once_t global_once = PTHREAD_ONCE_INIT;
 static CURLcode global_rc = CURLE_OK;

@@ -22,7 +22,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "router.h"
+#include "pdserve/router.h"
 
 typedef struct pd_router_candidate {
     bool healthy;

@@ -23,7 +23,7 @@
  * hang-up that MHD noticed while writing ends up), releases the workers,
  * frees the slot and records the outcome.
  */
-#include "router.h"
+#include "pdserve/router.h"
 
 #include <errno.h>
 #include <fcntl.h>

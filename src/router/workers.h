@@ -24,7 +24,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "router.h"
+#include "pdserve/router.h"
 
 typedef enum pd_router_role { PD_ROUTER_PREFILL = 0, PD_ROUTER_DECODE = 1 } pd_router_role;
 

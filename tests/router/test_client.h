@@ -12,7 +12,7 @@
 #include <stdint.h>
 
 #include "fake_worker.h"
-#include "router.h"
+#include "pdserve/router.h"
 
 typedef struct tc_response {
     long status;              /* 0 when no HTTP answer */
