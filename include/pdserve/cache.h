@@ -103,8 +103,6 @@ pd_err pd_cache_create(pd_cache **out, const pd_cache_config *cfg);
  * ledger: call pd_cache_clear first for an orderly shutdown. */
 void pd_cache_destroy(pd_cache *c);
 
-uint32_t pd_cache_page_size(const pd_cache *c);
-
 typedef struct pd_cache_match_result {
     uint32_t dev_tokens;     /* prefix whose KV is on device (page multiple) */
     pd_cnode dev_node;       /* node ending at dev_tokens (ROOT when 0) */

@@ -61,8 +61,6 @@ void pd_loopback_advance(pd_loopback *lb, uint64_t now);
  * whose two halves are both gone holds none: its queued operations go with
  * it, whatever their kind and even if a HOLD parked them. */
 uint32_t pd_loopback_pending(const pd_loopback *lb);
-/* Earliest due time of a runnable (not held) operation; UINT64_MAX if none. */
-uint64_t pd_loopback_next_due(const pd_loopback *lb);
 
 /* ---- the test double's controls ---- */
 void pd_loopback_set_bootstrap(pd_loopback *lb, uint64_t room, pd_lb_outcome o);

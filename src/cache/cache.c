@@ -502,7 +502,6 @@ void pd_cache_destroy(pd_cache *c) {
     free(c);
 }
 
-uint32_t pd_cache_page_size(const pd_cache *c) { return c->page_size; }
 uint64_t pd_cache_clock(const pd_cache *c) { return c->clock; }
 
 /* ---- match ---------------------------------------------------------------- */

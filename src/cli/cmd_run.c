@@ -30,6 +30,10 @@ int pd_cmd_run(int argc, char **argv) {
     bool router = true;
     /* Our own flags first, the node flags for the rest. */
     char **rest = calloc((size_t)argc + 1, sizeof(char *));
+    if (!rest) {
+        fprintf(stderr, "pdserve run: out of memory\n");
+        return 1;
+    }
     int nrest = 0;
     rest[nrest++] = argv[0];
     for (int i = 1; i < argc; i++) {

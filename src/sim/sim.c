@@ -310,6 +310,7 @@ static pd_err node_build(sim *s, int side, char *msg, size_t cap) {
     if ((err = pd_stream_create(&n->st, inner, c->batch))) return pd_errorf(msg, cap, err, "stream");
     pd_stream_set_hold_fn(n->st, side == SIDE_P ? on_launch_prefill : on_launch_decode, s);
     n->meta = calloc(c->meta_rows, sizeof(pd_meta_row));
+    if (!n->meta) return pd_errorf(msg, cap, PD_ERR_NOMEM, "out of memory for metadata rows");
     pd_engine_config ec;
     pd_engine_config_default(&ec, side == SIDE_P ? PD_ROLE_PREFILL : PD_ROLE_DECODE);
     ec.page_size = c->page_size;
@@ -429,6 +430,7 @@ static void trace_emit(sim *s, const char *line) {
     if (s->trace) fprintf(s->trace, "%s\n", line);
     free(s->tail[s->tail_pos]);
     s->tail[s->tail_pos] = strdup(line);
+    PD_ASSERT(s->tail[s->tail_pos]); /* the simulator's own bookkeeping: small, bounded */
     s->tail_pos = (s->tail_pos + 1) % TAIL_LINES;
     if (s->tail_n < TAIL_LINES) s->tail_n++;
 }
@@ -600,6 +602,11 @@ static pd_err cmd_submit(sim *s, const line_args *a, char *msg, size_t cap) {
     tmp.max_new = max_new;
     tmp.prompt = malloc((len + 1) * sizeof(int32_t));
     tmp.tokens = malloc((max_new + 1) * sizeof(int32_t));
+    if (!tmp.prompt || !tmp.tokens) {
+        free(tmp.prompt);
+        free(tmp.tokens);
+        return pd_errorf(msg, cap, PD_ERR_NOMEM, "submit: out of memory for %u tokens", len);
+    }
     prompt_for(s, rid, tmp.prompt, len);
     const char *pre = arg(a, "prefix");
     if (pre) {
@@ -662,9 +669,15 @@ static pd_err cmd_submit(sim *s, const line_args *a, char *msg, size_t cap) {
     }
     if (!accepted_any) s->rejected++;
     if (s->n_reqs == s->cap_reqs) {
-        s->cap_reqs = s->cap_reqs ? s->cap_reqs * 2 : 64;
-        s->reqs = realloc(s->reqs, s->cap_reqs * sizeof(sreq));
-        PD_ASSERT(s->reqs);
+        uint32_t grown_cap = s->cap_reqs ? s->cap_reqs * 2 : 64;
+        sreq *grown = realloc(s->reqs, grown_cap * sizeof(sreq));
+        if (!grown) {
+            free(tmp.prompt);
+            free(tmp.tokens);
+            return pd_errorf(msg, cap, PD_ERR_NOMEM, "submit: out of memory for requests");
+        }
+        s->reqs = grown;
+        s->cap_reqs = grown_cap;
     }
     s->reqs[s->n_reqs++] = tmp;
     return PD_OK;
@@ -836,6 +849,7 @@ static uint32_t tiny_reference(sim *s, const sreq *r, int32_t *out) {
     pd_err err = pd_model_executor_create(&ex, s->model, ps, pages, c->mamba ? 1 : 0, 0, 1, msg, sizeof(msg));
     PD_ASSERTF(err == PD_OK, "%s", msg);
     uint32_t *pt = malloc(pages * sizeof(uint32_t));
+    PD_ASSERT(pt);
     for (uint32_t i = 0; i < pages; i++) pt[i] = i;
     int32_t eos = pd_model_config_get(s->model)->eos_token;
     pd_batch_item it = {
@@ -865,6 +879,7 @@ static bool tokens_match_reference(sim *s, const sreq *r, bool *prefix_only) {
     pd_synth_config sc = {.page_size = c->page_size, .layers = c->layers, .vocab = c->vocab,
                           .eos_token = (int32_t)c->vocab - 1};
     int32_t *ref = malloc((r->max_new + 1) * sizeof(int32_t));
+    PD_ASSERT(ref);
     uint32_t n = c->tiny ? tiny_reference(s, r, ref)
                          : pd_synth_reference(&sc, c->mamba, r->prompt, r->len, r->max_new, NULL, 0,
                                               r->ignore_eos, &r->sampling, ref);

@@ -500,10 +500,6 @@ uint32_t pd_loopback_pending(const pd_loopback *lb) {
     return n;
 }
 
-uint64_t pd_loopback_next_due(const pd_loopback *lb) {
-    return lb->heap_n ? lb->ops[lb->heap[0]].due : UINT64_MAX;
-}
-
 static void unhold_room(pd_loopback *lb, uint32_t r) {
     uint32_t keep = 0;
     for (uint32_t i = 0; i < lb->held_n; i++) {
