@@ -65,16 +65,7 @@ static void commit(pd_engine *e, req *r) {
     int32_t first = meta->first_token;
     float logprob = meta->first_logprob;
     eng_act(e, r, PD_ACT_COMMIT, false, 0);
-    /* The room is complete: nothing will write here again. */
-    if (e->xfer.vt->drained(e->xfer.self, r->room)) {
-        eng_act(e, r, PD_ACT_ROOM_CLOSE, false, 0);
-        e->xfer.vt->close(e->xfer.self, r->room);
-        r->holds_room = false;
-        pd_err err = pd_ledger_free(e->ledger, e->meta_id, &r->meta_row, 1, PD_UNIT_REQ, r->owner);
-        PD_ASSERTF(err == PD_OK, "%s", pd_ledger_last_error(e->ledger));
-        r->meta_row = NONE;
-        r->holds_meta = false;
-    }
+    eng_release_at_commit(e, r);
     r->done = r->prompt_len;
     q_move(e, r, Q_RUNNING);
     decode_emit_token(e, r, first, logprob);
@@ -128,7 +119,7 @@ static int prealloc(pd_engine *e, req *r) {
         r->holds_mamba = true;
     }
     uint32_t dest_pages = PD_DIV_CEIL(r->prompt_len, ps) - cached / ps;
-    PD_MUST(eng_alloc_pages(e, r, dest_pages));
+    eng_alloc_pages(e, r, dest_pages);
     pd_xfer_dest dest = {
         .prompt_tokens = r->prompt_len, .cached_tokens = cached,
         .pages = r->pages + cached / ps, .n_pages = dest_pages,
@@ -146,10 +137,7 @@ static int prealloc(pd_engine *e, req *r) {
 
 void decode_on_result(pd_engine *e, req *r, const bitem *it, const pd_item_result *res) {
     (void)it;
-    if (r->term != PD_TERM_NONE || r->retire_pending) {
-        if (r->forwards_in_flight == 0) eng_retire(e, r, r->term, r->finish, r->status, r->msg);
-        return;
-    }
+    if (eng_result_after_retire(e, r)) return;
     e->ctr.decode_tokens++;
     decode_emit_token(e, r, res->token, res->logprob);
 }
@@ -163,8 +151,11 @@ void decode_add_items(pd_engine *e, batch_rec *b) {
         req *r = eng_req(e, idx);
         idx = r->qnext;
         if (r->forwards_in_flight > 0) continue;
-        uint32_t pos = r->prompt_len + r->out_len - 1; /* where the last token goes */
-        if (pos / ps >= r->n_pages && eng_alloc_pages(e, r, 1) != PD_OK) continue;
+        /* Where the last token goes: below prompt + max_new - 1, the positions
+         * reserved at admission (the last sampled token is never fed back). */
+        uint32_t pos = r->prompt_len + r->out_len - 1;
+        PD_ASSERT(r->out_len < r->max_new);
+        if (pos / ps >= r->n_pages) eng_alloc_pages(e, r, 1);
         eng_batch_add(e, b, r, &r->last_token, pos, 1, true, r->out_len, NONE, false, true);
     }
 }

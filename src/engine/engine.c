@@ -7,15 +7,19 @@
  * The retire path (DESIGN.md section 3) is eng_retire:
  *   1. record the terminal reason if none is recorded (first reason wins);
  *   2. while a forward of the request is in flight, mark the retire pending
- *      and return — the last result calls eng_retire again;
+ *      and return — the last result calls eng_retire again
+ *      (eng_result_after_retire, which drops every such result);
  *   3. tell the transport to abort the room, best effort: an error is
  *      counted, never allowed to skip step 4;
- *   4. release locally, each only if its flag says it is held, clearing the
- *      flag: (on success only: insert into the prefix cache) metadata row,
- *      host load, Mamba slots, cache lock, own pages, row. Units the room may
- *      still touch go to QUARANTINE(room) and the cache lock is kept until
- *      the transport reports the room drained;
+ *   4. release locally (release_retired), each only if its flag says it is
+ *      held, clearing the flag: (on success only: insert into the prefix
+ *      cache) metadata row, host load, Mamba slots, cache lock, own pages,
+ *      row. Units the room may still touch go to QUARANTINE(room) and the
+ *      cache lock is kept until the transport reports the room drained;
  *   5. emit the terminal event unless already emitted.
+ * The two releases that do not end a request live here too, so that units
+ * are given back in this file only: the optimistic requeue
+ * (eng_release_for_requeue) and decode's commit (eng_release_at_commit).
  */
 #include <math.h>
 #include <stdio.h>
@@ -281,20 +285,20 @@ bool eng_reserve_pages(pd_engine *e, req *r, uint32_t need) {
     return true;
 }
 
-pd_err eng_alloc_pages(pd_engine *e, req *r, uint32_t n) {
-    if (n == 0) return PD_OK;
+void eng_alloc_pages(pd_engine *e, req *r, uint32_t n) {
+    if (n == 0) return;
     PD_ASSERTF(r->reserved >= n, "request %s allocates %u pages beyond its reservation %u",
                r->rid, n, r->reserved);
     PD_ASSERT(r->n_pages + n <= e->pages_per_req);
     uint32_t free_now = pd_pool_free_count(e->kv);
     if (free_now < n && e->cache) PD_MUST(pd_cache_evict(e->cache, n - free_now, NULL));
-    pd_err err = pd_ledger_alloc(e->ledger, e->kv_id, n, r->owner, r->pages + r->n_pages);
-    if (err != PD_OK) return err;
+    /* Within r's reservation, which admission checked against free +
+     * evictable pages (eng_reserve_pages): this allocation cannot fail. */
+    LEDGER_MUST(e, pd_ledger_alloc(e->ledger, e->kv_id, n, r->owner, r->pages + r->n_pages));
     r->n_pages += n;
     r->holds_kv = true;
     r->reserved -= n;
     e->reserved -= n;
-    return PD_OK;
 }
 
 pd_err eng_alloc_slot(pd_engine *e, int pool_id, pd_owner owner, uint32_t *out) {
@@ -311,7 +315,7 @@ void eng_cache_lock(pd_engine *e, req *r, pd_cnode node) {
     r->holds_kv = true;
 }
 
-uint32_t eng_cache_insert(pd_engine *e, req *r, uint32_t tokens, uint32_t snapshot_slot) {
+void eng_cache_insert(pd_engine *e, req *r, uint32_t tokens, uint32_t snapshot_slot) {
     PD_ASSERT(e->cache);
     uint32_t ps = e->cfg.page_size;
     uint32_t n = tokens / ps;
@@ -336,7 +340,13 @@ uint32_t eng_cache_insert(pd_engine *e, req *r, uint32_t tokens, uint32_t snapsh
         r->holds_lock = true;
         r->holds_kv = true;
     }
-    return res.mamba_taken ? snapshot_slot : NONE;
+    /* A track slot the cache took is the cache's now: r forgets it, and its
+     * next snapshot allocates a new one. */
+    if (!res.mamba_taken) return;
+    int track = r->mamba_track[0] == snapshot_slot ? 0 : 1;
+    PD_ASSERTF(snapshot_slot != NONE && r->mamba_track[track] == snapshot_slot,
+               "the cache took Mamba slot %u, not a track slot of %s", snapshot_slot, r->rid);
+    r->mamba_track[track] = NONE;
 }
 
 /* ---- the retire path --------------------------------------------------------- */
@@ -380,64 +390,74 @@ static uint32_t mamba_slots_of(req *r, uint32_t *out) {
     return n;
 }
 
-/* Step 4 of the retire path. keep_room: the optimistic requeue keeps the
- * metadata row and the room (the request is not ending). */
-static void release_local(pd_engine *e, req *r, bool insert, bool quarantine, bool keep_room) {
+/* Step 4, on success only: the computed prompt goes into the prefix cache,
+ * with the snapshot of its end if one was taken there. */
+static void insert_finished_prompt(pd_engine *e, req *r) {
+    if (!e->cache || !r->holds_kv || r->term != PD_TERM_FINISHED) return;
     uint32_t ps = e->cfg.page_size;
-    /* Success only: the computed prompt goes into the prefix cache, with the
-     * snapshot of its end if one was taken there. */
-    if (insert && e->cache && r->holds_kv && r->term == PD_TERM_FINISHED) {
-        uint32_t whole = (PD_MIN(r->done, r->prompt_len) / ps) * ps;
-        uint32_t snap = (r->holds_mamba && whole == r->prompt_len) ? r->final_snap : NONE;
-        if (whole > 0) {
-            uint32_t taken = eng_cache_insert(e, r, whole, snap);
-            for (int i = 0; i < 2 && taken != NONE; i++)
-                if (r->mamba_track[i] == taken) r->mamba_track[i] = NONE;
+    uint32_t whole = (PD_MIN(r->done, r->prompt_len) / ps) * ps;
+    uint32_t snap = (r->holds_mamba && whole == r->prompt_len) ? r->final_snap : NONE;
+    if (whole > 0) eng_cache_insert(e, r, whole, snap);
+    r->final_snap = NONE;
+}
+
+static void release_meta_row(pd_engine *e, req *r, bool quarantine) {
+    if (!r->holds_meta) return;
+    free_or_quarantine(e, r, e->meta_id, &r->meta_row, 1, quarantine);
+    r->q_meta = quarantine;
+    if (!quarantine) r->meta_row = NONE;
+    r->holds_meta = false;
+}
+
+/* A host-tier load in flight: cancelled at the executor and the cache; its
+ * device pages return to the reservation and go with the rest. */
+static void cancel_host_load(pd_engine *e, req *r) {
+    if (!r->holds_host) return;
+    e->exec.vt->load_cancel(e->exec.self, r->load_id);
+    PD_MUST(pd_cache_load_cancel(e->cache, r->ticket));
+    PD_ASSERT(r->n_pages == r->load_from + r->load_pages);
+    r->n_pages = r->load_from;
+    r->reserved += r->load_pages;
+    e->reserved += r->load_pages;
+    r->ticket = PD_TICKET_NONE;
+    r->holds_host = false;
+}
+
+/* Own pages and the cache lock. Quarantined pages keep the lock: the room
+ * may still read the cached prefix they extend. */
+static void release_kv(pd_engine *e, req *r, bool quarantine) {
+    if (!r->holds_kv) return;
+    uint32_t own = r->n_pages - r->own_from;
+    free_or_quarantine(e, r, e->kv_id, r->pages + r->own_from, own, quarantine);
+    r->q_pages = quarantine && own > 0;
+    if (r->holds_lock) {
+        if (quarantine) {
+            r->q_lock = true;
+        } else {
+            PD_MUST(pd_cache_unlock(e->cache, r->lock_node));
+            r->lock_node = PD_CNODE_NONE;
         }
-        r->final_snap = NONE;
+        r->holds_lock = false;
     }
+    if (!r->q_pages) r->n_pages = r->own_from = 0;
+    r->holds_kv = false;
+}
+
+/* Step 4 after the metadata row, shared with the optimistic requeue: what the
+ * request computes with — host load, Mamba slots (before the row, which maps
+ * to them), cache lock and own pages, the reservation, the row. */
+static void release_compute(pd_engine *e, req *r, bool quarantine) {
     r->pending_chunk = false;
-    if (r->holds_meta && !keep_room) {
-        free_or_quarantine(e, r, e->meta_id, &r->meta_row, 1, quarantine);
-        r->q_meta = quarantine;
-        if (!quarantine) r->meta_row = NONE;
-        r->holds_meta = false;
-    }
-    if (r->holds_host) {
-        e->exec.vt->load_cancel(e->exec.self, r->load_id);
-        PD_MUST(pd_cache_load_cancel(e->cache, r->ticket));
-        PD_ASSERT(r->n_pages == r->load_from + r->load_pages);
-        r->n_pages = r->load_from;
-        r->reserved += r->load_pages; /* returned below with the rest */
-        e->reserved += r->load_pages;
-        r->ticket = PD_TICKET_NONE;
-        r->holds_host = false;
-    }
+    cancel_host_load(e, r);
     if (r->holds_mamba) {
         uint32_t slots[3];
         uint32_t n = mamba_slots_of(r, slots);
-        bool q = quarantine && !keep_room;
-        free_or_quarantine(e, r, e->mamba_id, slots, n, q);
-        r->q_mamba = q && n > 0;
-        if (!q) r->mamba_run = r->mamba_track[0] = r->mamba_track[1] = NONE;
+        free_or_quarantine(e, r, e->mamba_id, slots, n, quarantine);
+        r->q_mamba = quarantine && n > 0;
+        if (!quarantine) r->mamba_run = r->mamba_track[0] = r->mamba_track[1] = NONE;
         r->holds_mamba = false;
     }
-    if (r->holds_kv) {
-        bool q = quarantine && !keep_room;
-        free_or_quarantine(e, r, e->kv_id, r->pages + r->own_from, r->n_pages - r->own_from, q);
-        r->q_pages = q && r->n_pages > r->own_from;
-        if (r->holds_lock) {
-            if (q) {
-                r->q_lock = true;
-            } else {
-                PD_MUST(pd_cache_unlock(e->cache, r->lock_node));
-                r->lock_node = PD_CNODE_NONE;
-            }
-            r->holds_lock = false;
-        }
-        if (!r->q_pages) r->n_pages = r->own_from = 0;
-        r->holds_kv = false;
-    }
+    release_kv(e, r, quarantine);
     e->reserved -= r->reserved;
     r->reserved = 0;
     if (r->holds_row) {
@@ -445,6 +465,15 @@ static void release_local(pd_engine *e, req *r, bool insert, bool quarantine, bo
         r->row = NONE;
         r->holds_row = false;
     }
+}
+
+/* Step 4 of the retire path: everything the flags say r holds. quarantine:
+ * the room is not drained, so what it may still touch (pages, Mamba slots,
+ * metadata row, and the cache lock) stays out of use until it is. */
+static void release_retired(pd_engine *e, req *r, bool quarantine) {
+    insert_finished_prompt(e, r);
+    release_meta_row(e, r, quarantine);
+    release_compute(e, r, quarantine);
 }
 
 /* Step 3 for a request that never opened its room: its peer's half may be
@@ -488,7 +517,7 @@ void eng_retire(pd_engine *e, req *r, pd_terminal_kind kind, pd_finish_reason fi
     }
     bool quarantine = room && !e->xfer.vt->drained(e->xfer.self, r->room);
     eng_act(e, r, PD_ACT_RELEASE, r->term == PD_TERM_FINISHED, 0);
-    release_local(e, r, true, quarantine, false);
+    release_retired(e, r, quarantine);
     eng_emit_terminal(e, r);
     if (quarantine) {
         q_move(e, r, Q_DRAINING);
@@ -503,17 +532,37 @@ void eng_retire(pd_engine *e, req *r, pd_terminal_kind kind, pd_finish_reason fi
     record_free(e, r);
 }
 
+bool eng_result_after_retire(pd_engine *e, req *r) {
+    if (r->term == PD_TERM_NONE && !r->retire_pending) return false;
+    if (r->forwards_in_flight == 0) eng_retire(e, r, r->term, r->finish, r->status, r->msg);
+    return true;
+}
+
 void eng_release_for_requeue(pd_engine *e, req *r) {
     PD_ASSERT(r->forwards_in_flight == 0 && !r->holds_host && r->term == PD_TERM_NONE);
     uint32_t ps = e->cfg.page_size;
     /* Keep what was computed: cache its whole pages, then let go. */
     if (e->cache && r->holds_kv && r->done >= ps) eng_cache_insert(e, r, (r->done / ps) * ps, NONE);
-    release_local(e, r, false, false, true);
+    /* Still bootstrapping, so nothing was sent: nothing to quarantine. The
+     * metadata row and the room stay for the next attempt. */
+    PD_ASSERT(!r->bootstrapped && r->holds_meta && r->holds_room);
+    release_compute(e, r, false);
     r->launched = r->done = r->sent_pages = 0;
     r->cached_tokens = 0;
     r->n_pages = r->own_from = 0;
     r->track_next = 0;
     r->final_snap = NONE;
+}
+
+void eng_release_at_commit(pd_engine *e, req *r) {
+    PD_ASSERT(r->holds_room && r->holds_meta);
+    if (!e->xfer.vt->drained(e->xfer.self, r->room)) return;
+    eng_act(e, r, PD_ACT_ROOM_CLOSE, false, 0);
+    e->xfer.vt->close(e->xfer.self, r->room);
+    r->holds_room = false;
+    LEDGER_MUST(e, pd_ledger_free(e->ledger, e->meta_id, &r->meta_row, 1, PD_UNIT_REQ, r->owner));
+    r->meta_row = NONE;
+    r->holds_meta = false;
 }
 
 /* Called every step for draining records: frees what the room could touch

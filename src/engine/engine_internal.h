@@ -172,12 +172,22 @@ void q_move(pd_engine *e, req *r, uint8_t queue);
  * the first one wins. Idempotent; defers while a forward is in flight. */
 void eng_retire(pd_engine *e, req *r, pd_terminal_kind kind, pd_finish_reason finish,
                 int status, const char *msg);
+/* Step 2's other half, for the result of a forward of r: if r has a
+ * terminal reason (its retire pending), the result must be dropped — nothing
+ * of it is cached, sent or streamed — and the last one in flight completes
+ * the retire. Returns true if the caller must drop the result. */
+bool eng_result_after_retire(pd_engine *e, req *r);
 /* Releases memory without ending the request (optimistic requeue): caches the
  * computed prefix, frees the rest; keeps the meta row and the room. */
 void eng_release_for_requeue(pd_engine *e, req *r);
+/* Decode, at commit: once the transport says the room is drained (nothing
+ * will write here again), closes it and frees the metadata row; otherwise
+ * both stay until the retire path. The request keeps the rest to generate. */
+void eng_release_at_commit(pd_engine *e, req *r);
 
 /* Memory helpers. */
-pd_err eng_alloc_pages(pd_engine *e, req *r, uint32_t n);       /* appends to r->pages */
+/* Appends n pages to r->pages out of r's reservation: cannot fail. */
+void eng_alloc_pages(pd_engine *e, req *r, uint32_t n);
 uint64_t eng_kv_available(pd_engine *e);                          /* free + evictable - reserved */
 /* Admission: reserves `need` pages for r if free + evictable - reserved
  * covers them; otherwise drops the cache lock r took for its prefix match
@@ -185,12 +195,11 @@ uint64_t eng_kv_available(pd_engine *e);                          /* free + evic
 bool eng_reserve_pages(pd_engine *e, req *r, uint32_t need);
 pd_err eng_alloc_slot(pd_engine *e, int pool_id, pd_owner owner, uint32_t *out);
 void eng_cache_lock(pd_engine *e, req *r, pd_cnode node);
-/* Inserts pages[0, tokens/ps) (+ snapshot) into the cache, moves r's lock to
- * the new node, frees duplicates. Returns the snapshot slot if the cache took
- * it (NONE otherwise). */
-uint32_t eng_cache_insert(pd_engine *e, req *r, uint32_t tokens, uint32_t snapshot_slot);
+/* Inserts pages[0, tokens/ps) (+ snapshot, a track slot of r or NONE) into
+ * the cache, moves r's lock to the new node, frees duplicates. If the cache
+ * takes the snapshot, r's track slot forgets it (the slot is the cache's). */
+void eng_cache_insert(pd_engine *e, req *r, uint32_t tokens, uint32_t snapshot_slot);
 
-bool eng_poll_room(pd_engine *e, req *r); /* prefill/decode: timeouts + failures; false if retired */
 void eng_emit_terminal(pd_engine *e, req *r);
 
 /* Batches. */

@@ -103,12 +103,13 @@ static void poll_bootstrap_queue(pd_engine *e) {
         req *r = eng_req(e, idx);
         idx = r->qnext;
         if (!r->holds_meta) {
-            if (pd_pool_free_count(e->meta) == 0 ||
-                eng_alloc_slot(e, e->meta_id, r->owner, &r->meta_row) != PD_OK) {
-                if (e->cfg.bootstrap_timeout_us && e->now - r->t_submit > e->cfg.bootstrap_timeout_us)
+            if (pd_pool_free_count(e->meta) == 0) {
+                uint64_t timeout_us = e->cfg.bootstrap_timeout_us;
+                if (timeout_us && e->now - r->t_submit > timeout_us)
                     fail(e, r, "bootstrap timed out waiting for a metadata row");
                 continue;
             }
+            PD_MUST(eng_alloc_slot(e, e->meta_id, r->owner, &r->meta_row));
             r->holds_meta = true;
         }
         if (!r->holds_room) {
@@ -264,12 +265,13 @@ static uint32_t add_chunk(pd_engine *e, batch_rec *b, req *r, uint32_t budget) {
      * snapshots are taken at chunk ends: end the last full page's chunk there
      * so the whole prompt (but its partial last page) can be cached. */
     uint32_t last_page_end = (r->prompt_len / ps) * ps;
-    if (e->tracks > 0 && end == r->prompt_len && end != last_page_end && last_page_end > r->launched) {
+    if (e->tracks > 0 && end == r->prompt_len && end != last_page_end &&
+        last_page_end > r->launched) {
         end = last_page_end;
         n = end - r->launched;
     }
     uint32_t need = PD_DIV_CEIL(end, ps) > r->n_pages ? PD_DIV_CEIL(end, ps) - r->n_pages : 0;
-    if (eng_alloc_pages(e, r, need) != PD_OK) return 0; /* cannot happen under the reservation */
+    eng_alloc_pages(e, r, need);
     uint32_t snap = NONE;
     if (e->tracks > 0 && end % ps == 0) {
         uint32_t t = r->track_next % e->tracks;
@@ -335,23 +337,17 @@ static void on_result(pd_engine *e, req *r, const bitem *it, const pd_item_resul
         decode_on_result(e, r, it, res);
         return;
     }
-    if (r->term != PD_TERM_NONE || r->retire_pending) {
-        /* Aborted or failed while this forward ran: the last result in flight
-         * completes the retire; nothing of this chunk is cached or sent. */
-        if (r->forwards_in_flight == 0) eng_retire(e, r, r->term, r->finish, r->status, r->msg);
-        return;
-    }
+    /* Aborted or failed while this forward ran: the last result in flight
+     * completes the retire; nothing of this chunk is cached or sent. */
+    if (eng_result_after_retire(e, r)) return;
     uint32_t ps = e->cfg.page_size;
     r->done = it->start + it->n;
     if (!it->final) {
         if (e->cache) {
             uint32_t whole = (r->done / ps) * ps;
-            uint32_t snap = (it->snapshot_slot != NONE && r->done % ps == 0) ? it->snapshot_slot : NONE;
-            if (whole > r->own_from * ps || snap != NONE) {
-                uint32_t taken = eng_cache_insert(e, r, whole, snap);
-                for (int i = 0; i < 2 && taken != NONE; i++)
-                    if (r->mamba_track[i] == taken) r->mamba_track[i] = NONE;
-            }
+            bool at_snapshot = it->snapshot_slot != NONE && r->done % ps == 0;
+            uint32_t snap = at_snapshot ? it->snapshot_slot : NONE;
+            if (whole > r->own_from * ps || snap != NONE) eng_cache_insert(e, r, whole, snap);
         }
         send_ready(e, r);
         return;
