@@ -5,7 +5,6 @@ pkg_check_modules(MICROHTTPD REQUIRED IMPORTED_TARGET libmicrohttpd)
 pkg_check_modules(CURL REQUIRED IMPORTED_TARGET libcurl)
 
 add_library(pd_router STATIC
-  src/router/http.c
   src/router/policy.c
   src/router/workers.c
   src/router/health.c
@@ -17,7 +16,7 @@ add_library(pd_router STATIC
 # router's own tests, beside it, reach the internals through the test kit).
 target_include_directories(pd_router PRIVATE ${CMAKE_SOURCE_DIR}/src/router)
 target_compile_definitions(pd_router PRIVATE PD_VERSION="${PROJECT_VERSION}")
-target_link_libraries(pd_router PUBLIC pd_base PkgConfig::JANSSON PkgConfig::MICROHTTPD
+target_link_libraries(pd_router PUBLIC pd_http PkgConfig::JANSSON PkgConfig::MICROHTTPD
                       PkgConfig::CURL Threads::Threads)
 
 list(APPEND PD_CLI_SOURCES src/cli/cmd_router.c)

@@ -1,6 +1,6 @@
 /*
  * pdserve base layer: error codes, always-on assertions, a bounded string
- * builder, a deterministic PRNG and a hash for token runs.
+ * builder, a UTF-8 sanitiser, a deterministic PRNG and a hash for token runs.
  *
  * Everything above this layer reports failure by returning a pd_err (0 = ok)
  * and, where a person will read it, by filling a caller-owned message buffer.
@@ -97,9 +97,6 @@ __attribute__((format(printf, 2, 3)))
 #endif
 void pd_strbuf_printf(pd_strbuf *sb, const char *fmt, ...);
 void pd_strbuf_vprintf(pd_strbuf *sb, const char *fmt, va_list ap);
-/* The OpenAI-style error "type" for an HTTP status (both HTTP front ends). */
-const char *pd_http_error_type(unsigned status);
-
 /* Appends "violation: <text>\n" to report (if any) and returns
  * PD_ERR_INTERNAL: the shared shape of every ownership check's findings. */
 #if defined(__GNUC__)
@@ -108,6 +105,14 @@ __attribute__((format(printf, 2, 3)))
 pd_err pd_violation(pd_strbuf *report, const char *fmt, ...);
 /* Appends s as a JSON string literal, quotes included. */
 void pd_strbuf_json_string(pd_strbuf *sb, const char *s);
+
+/* Copies in[0..len) to out replacing every byte that is not part of a valid
+ * UTF-8 sequence (and every NUL) by U+FFFD; at most cap - 1 bytes,
+ * NUL-terminated when cap > 0, never splitting a character. Returns the
+ * bytes the whole result needs (excluding the NUL), at most 3 * len. Text
+ * that leaves the process as JSON (a model's bytes, a message quoting a
+ * client's) goes through it: JSON strings must be UTF-8. */
+size_t pd_utf8_sanitize(const char *in, size_t len, char *out, size_t cap);
 
 /* snprintf into a fixed message buffer; a NULL or zero-size buffer is allowed
  * and ignored. Returns err so callers can `return pd_errorf(msg, n, ...)`. */

@@ -8,7 +8,7 @@
  * state through the engine, not to be efficient with context.
  *
  * Decoded bytes need not be valid UTF-8 (a model may emit any byte), so
- * pd_utf8_sanitize makes text safe for JSON and terminals.
+ * pd_utf8_sanitize (base.h) makes text safe for JSON and terminals.
  */
 #ifndef PDSERVE_TOKENIZER_H
 #define PDSERVE_TOKENIZER_H
@@ -31,12 +31,6 @@ size_t pd_tokenizer_encode(const char *text, size_t len, bool add_bos, int32_t *
  * skipped) to out, at most cap - 1 of them, NUL-terminated when cap > 0.
  * Returns how many bytes the whole sequence decodes to. */
 size_t pd_tokenizer_decode(const int32_t *tokens, size_t n, char *out, size_t cap);
-
-/* Copies in[0..len) to out replacing every byte that is not part of a valid
- * UTF-8 sequence (and every NUL) by U+FFFD; at most cap - 1 bytes,
- * NUL-terminated when cap > 0, never splitting a character. Returns the
- * bytes the whole result needs (excluding the NUL). */
-size_t pd_utf8_sanitize(const char *in, size_t len, char *out, size_t cap);
 
 #ifdef __cplusplus
 }

@@ -1,5 +1,6 @@
 /*
- * base.c — error names, panic, bounded string builder, PRNG, token hash.
+ * base.c — error names, panic, bounded string builder, UTF-8 sanitiser, PRNG,
+ * token hash.
  *
  * Small utilities every layer uses. The PRNG and hash are deliberately our
  * own, fully specified algorithms so that a simulator seed reproduces the
@@ -142,6 +143,52 @@ void pd_strbuf_json_string(pd_strbuf *sb, const char *s) {
     pd_strbuf_append(sb, "\"");
 }
 
+/* Length of the valid UTF-8 sequence starting at s[0] (s has len bytes), or
+ * 0 when s[0] does not start one. Refuses overlong forms, surrogates and
+ * code points above U+10FFFF, as RFC 3629 does. */
+static size_t utf8_valid_len(const unsigned char *s, size_t len) {
+    unsigned char c = s[0];
+    if (c >= 0x01 && c < 0x80) return 1;
+    size_t n;
+    uint32_t cp, min;
+    if (c >= 0xc2 && c <= 0xdf) n = 2, cp = c & 0x1fu, min = 0x80;
+    else if (c >= 0xe0 && c <= 0xef) n = 3, cp = c & 0x0fu, min = 0x800;
+    else if (c >= 0xf0 && c <= 0xf4) n = 4, cp = c & 0x07u, min = 0x10000;
+    else return 0;
+    if (len < n) return 0;
+    for (size_t i = 1; i < n; i++) {
+        if ((s[i] & 0xc0u) != 0x80u) return 0;
+        cp = (cp << 6) | (s[i] & 0x3fu);
+    }
+    if (cp < min || cp > 0x10ffff || (cp >= 0xd800 && cp <= 0xdfff)) return 0;
+    return n;
+}
+
+size_t pd_utf8_sanitize(const char *in, size_t len, char *out, size_t cap) {
+    static const char replacement[] = "\xef\xbf\xbd";
+    PD_ASSERT(in != NULL || len == 0);
+    PD_ASSERT(out != NULL || cap == 0);
+    const unsigned char *s = (const unsigned char *)in;
+    size_t need = 0, w = 0;
+    bool full = cap == 0; /* once a piece does not fit, none after it is written */
+    for (size_t i = 0; i < len;) {
+        size_t n = utf8_valid_len(s + i, len - i);
+        const char *piece = n ? in + i : replacement;
+        size_t piece_len = n ? n : 3;
+        if (!full && w + piece_len <= cap - 1) {
+            memcpy(out + w, piece, piece_len);
+            w += piece_len;
+        } else {
+            full = true;
+        }
+        need += piece_len;
+        i += n ? n : 1;
+    }
+    PD_ASSERT(w <= need && need <= 3 * len);
+    if (cap > 0) out[w] = '\0';
+    return need;
+}
+
 pd_err pd_errorf(char *msg, size_t msg_cap, pd_err err, const char *fmt, ...) {
     if (msg && msg_cap > 0) {
         va_list ap;
@@ -238,20 +285,4 @@ uint64_t pd_hash_tokens(const int32_t *tokens, size_t n, uint64_t seed) {
             0x100000001B3ull;
     }
     return pd_hash_u64(h);
-}
-
-const char *pd_http_error_type(unsigned status) {
-    switch (status) {
-    case 400: return "invalid_request_error";
-    case 404: return "not_found_error";
-    case 405: return "method_not_allowed";
-    case 409: return "conflict_error";
-    case 413: return "request_too_large";
-    case 429: return "rate_limit_error";
-    case 500: return "internal_error";
-    case 502: return "bad_gateway";
-    case 503: return "unavailable_error";
-    case 504: return "timeout_error";
-    default: return status >= 500 ? "internal_error" : "invalid_request_error";
-    }
 }

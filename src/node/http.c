@@ -24,6 +24,7 @@
 #include <time.h>
 
 #include "node_internal.h"
+#include "pdserve/http.h"
 #include "pdserve/tokenizer.h"
 
 struct http_server {
@@ -48,47 +49,12 @@ typedef struct conn_state {
     uint64_t created;        /* /v1/completions "created" */
 } conn_state;
 
-/* ---- responses ----------------------------------------------------------------- */
+/* ---- responses -----------------------------------------------------------------
+ * Bodies, errors and headers come from the http layer (pdserve/http.h), shared
+ * with the router; only the event stream is built here. */
 
-static enum MHD_Result send_text(struct MHD_Connection *conn, int status, char *text, const char *type,
-                                 const char *allow) {
-    struct MHD_Response *r = MHD_create_response_from_buffer(strlen(text), text, MHD_RESPMEM_MUST_FREE);
-    if (!r) {
-        free(text);
-        return MHD_NO;
-    }
-    MHD_add_response_header(r, "Content-Type", type);
-    if (allow) MHD_add_response_header(r, "Allow", allow);
-    enum MHD_Result ret = MHD_queue_response(conn, (unsigned)status, r);
-    MHD_destroy_response(r);
-    return ret;
-}
-
-static enum MHD_Result send_json(struct MHD_Connection *conn, int status, json_t *obj, const char *allow) {
-    char *text = json_dumps(obj, JSON_COMPACT);
-    json_decref(obj);
-    if (!text) return MHD_NO;
-    return send_text(conn, status, text, "application/json", allow);
-}
-
-#if defined(__GNUC__)
-__attribute__((format(printf, 4, 5)))
-#endif
-static enum MHD_Result send_error_allow(struct MHD_Connection *conn, int status, const char *allow,
-                                        const char *fmt, ...) {
-    char msg[512];
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(msg, sizeof(msg), fmt, ap);
-    va_end(ap);
-    char safe[600];
-    pd_utf8_sanitize(msg, strlen(msg), safe, sizeof(safe));
-    json_t *err = json_pack("{s:{s:s,s:s,s:i}}", "error", "message", safe, "type", pd_http_error_type((unsigned)status),
-                            "code", status);
-    return send_json(conn, status, err, allow);
-}
-
-#define send_error(conn, status, ...) send_error_allow(conn, status, NULL, __VA_ARGS__)
+#define send_error(conn, status, ...) \
+    pd_http_queue_error(conn, (unsigned)(status), NULL, __VA_ARGS__)
 
 /* ---- client liveness ----------------------------------------------------------------- */
 
@@ -556,7 +522,7 @@ static enum MHD_Result handle_generate(conn_state *st, struct MHD_Connection *co
         json_object_set_new(body, "meta_info", meta_info(c, true));
     }
     free(text);
-    return send_json(conn, http, body, NULL);
+    return pd_http_queue_json_value(conn, (unsigned)http, body);
 }
 
 static enum MHD_Result handle_abort(conn_state *st, struct MHD_Connection *conn) {
@@ -589,14 +555,18 @@ static enum MHD_Result handle_abort(conn_state *st, struct MHD_Connection *conn)
         return send_error(conn, 400, "give 'rid' (a string) or 'abort_all': true");
     }
     if (err) return send_error(conn, 503, "the server is shutting down");
-    return send_json(conn, 200, json_pack("{s:I}", "aborted", (json_int_t)reply.value), NULL);
+    json_t *body = json_pack("{s:I}", "aborted", (json_int_t)reply.value);
+    return pd_http_queue_json_value(conn, 200, body);
 }
 
 static enum MHD_Result handle_text_command(conn_state *st, struct MHD_Connection *conn, cmd_kind kind) {
     cmd_reply reply;
     if (node_command_wait(st->n, kind, NULL, &reply) != PD_OK || !reply.text)
         return send_error(conn, 503, "the server is shutting down");
-    return send_text(conn, 200, reply.text, kind == CMD_INFO ? "application/json" : "text/plain; version=0.0.4", NULL);
+    const char *type = kind == CMD_INFO ? "application/json" : "text/plain; version=0.0.4";
+    enum MHD_Result ret = pd_http_queue_text(conn, 200, type, reply.text, strlen(reply.text));
+    free(reply.text);
+    return ret;
 }
 
 typedef struct route {
@@ -644,14 +614,16 @@ static enum MHD_Result handler(void *cls, struct MHD_Connection *conn, const cha
         if (!strcmp(url, routes[i].path)) r = &routes[i];
     if (!r) return send_error(conn, 404, "no such path: %s", url);
     if (strcmp(method, r->method))
-        return send_error_allow(conn, 405, r->method, "%s %s is not allowed (use %s)", method, url, r->method);
+        return pd_http_queue_error(conn, 405, r->method, "%s %s is not allowed (use %s)", method,
+                                   url, r->method);
     if (node_stopping(n)) return send_error(conn, 503, "the server is shutting down");
     if (!strcmp(url, "/generate")) return handle_generate(st, conn, false);
     if (!strcmp(url, "/v1/completions")) return handle_generate(st, conn, true);
     if (!strcmp(url, "/abort_request")) return handle_abort(st, conn);
     if (!strcmp(url, "/health"))
-        return send_json(conn, 200, json_pack("{s:s,s:s}", "status", "ok", "role",
-                                              pd_node_role_name(node_config(n)->role)), NULL);
+        return pd_http_queue_json_value(conn, 200,
+                                        json_pack("{s:s,s:s}", "status", "ok", "role",
+                                                  pd_node_role_name(node_config(n)->role)));
     if (!strcmp(url, "/metrics")) {
         if (!node_config(n)->enable_metrics) return send_error(conn, 404, "metrics are off (start with --enable-metrics)");
         return handle_text_command(st, conn, CMD_METRICS);

@@ -33,7 +33,7 @@
 #include <time.h>
 
 #include "client.h"
-#include "http.h"
+#include "pdserve/http.h"
 #include "stats.h"
 
 #define SSE_WINDOW (256u * 1024u)          /* event stream window; one event must fit */

@@ -42,7 +42,7 @@
 #include "client.h"
 #include "forward.h"
 #include "health.h"
-#include "http.h"
+#include "pdserve/http.h"
 #include "stats.h"
 #include "workers.h"
 

@@ -256,6 +256,36 @@ static void rid_over_the_nodes_limit_is_refused_before_forwarding(void **state) 
     fw_stop(d);
 }
 
+/* An error message that quotes client bytes which are not UTF-8 (a
+ * percent-escaped path, or a long path the message cuts inside a character)
+ * still comes with the JSON error body, the bad bytes shown as U+FFFD:
+ * a body built from the raw bytes would not be JSON at all. */
+static void error_quoting_invalid_utf8_still_has_a_json_body(void **state) {
+    (void)state;
+    fake_worker *p = fw_start("prefill"), *d = fw_start("decode");
+    pd_router *r = tk_router(&p, 1, &d, 1, NULL);
+    char long_path[256] = "/";
+    memset(long_path + 1, 'a', 198);
+    snprintf(long_path + 199, sizeof long_path - 199, "%%C3%%A9"); /* cut after 0xC3 */
+    const char *paths[] = {"/bad%FF%FEbytes", long_path};
+    for (size_t i = 0; i < PD_ARRAY_LEN(paths); i++) {
+        char url[512];
+        tc_response resp;
+        tc_request("GET", tk_url(r, paths[i], url, sizeof url), NULL, WAIT_MS, &resp);
+        if (resp.status != 404) fail_msg("%s: status %ld, want 404", paths[i], resp.status);
+        json_t *o = tc_json(&resp);
+        const char *m = tc_error_message(o, 404);
+        if (!m || !strstr(m, "unknown path") || !strstr(m, "\xef\xbf\xbd"))
+            fail_msg("%s: error body '%s' lacks the path with U+FFFD", paths[i],
+                     resp.body ? resp.body : "(none)");
+        json_decref(o);
+        tc_free(&resp);
+    }
+    pd_router_destroy(r);
+    fw_stop(p);
+    fw_stop(d);
+}
+
 int main(void) {
     signal(SIGPIPE, SIG_IGN);
     const struct CMUnitTest tests[] = {
@@ -263,6 +293,7 @@ int main(void) {
         cmocka_unit_test(oversized_bodies_get_413),
         cmocka_unit_test(duplicate_live_rid_is_a_conflict),
         cmocka_unit_test(rid_over_the_nodes_limit_is_refused_before_forwarding),
+        cmocka_unit_test(error_quoting_invalid_utf8_still_has_a_json_body),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -1,10 +1,7 @@
 /* The router's pieces without sockets: worker URL parsing, the two
- * policies over candidate snapshots, the health hysteresis of the worker
- * table, and the error body format. */
-#include <jansson.h>
-
+ * policies over candidate snapshots and the health hysteresis of the worker
+ * table. (The error body is the http layer's: tests/http.) */
 #include "../test_util.h"
-#include "http.h"
 #include "policy.h"
 #include "workers.h"
 
@@ -111,25 +108,6 @@ static void worker_leaves_after_two_failed_probes_and_returns_after_one(void **s
     assert_err(pd_router_workers_init(&t, &cfg, msg, sizeof msg), PD_ERR_INVALID);
 }
 
-static void error_bodies_follow_the_api(void **state) {
-    (void)state;
-    const unsigned statuses[] = {400, 404, 405, 409, 413, 429, 500, 502, 503, 504};
-    const char *types[] = {"invalid_request_error", "not_found_error", "method_not_allowed",
-                           "conflict_error", "request_too_large", "rate_limit_error",
-                           "internal_error", "bad_gateway", "unavailable_error", "timeout_error"};
-    for (size_t i = 0; i < PD_ARRAY_LEN(statuses); i++) {
-        char *body = pd_http_error_body(statuses[i], "quote \" and %s", "newline\n");
-        json_t *o = json_loads(body, 0, NULL);
-        assert_non_null(o);
-        json_t *e = json_object_get(o, "error");
-        assert_string_equal(json_string_value(json_object_get(e, "type")), types[i]);
-        assert_int_equal(json_integer_value(json_object_get(e, "code")), statuses[i]);
-        assert_string_equal(json_string_value(json_object_get(e, "message")), "quote \" and newline\n");
-        json_decref(o);
-        free(body);
-    }
-}
-
 static void create_refuses_bad_configurations(void **state) {
     (void)state;
     pd_router_config cfg;
@@ -161,7 +139,6 @@ int main(void) {
         cmocka_unit_test(round_robin_visits_each_healthy_worker_once_per_turn),
         cmocka_unit_test(least_load_picks_fewest_in_flight_and_rotates_ties),
         cmocka_unit_test(worker_leaves_after_two_failed_probes_and_returns_after_one),
-        cmocka_unit_test(error_bodies_follow_the_api),
         cmocka_unit_test(create_refuses_bad_configurations),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
