@@ -110,7 +110,8 @@ static inline pd_cache_insert_result cfx_insert(cfx *f, pd_owner owner, const in
     cfx_compute(f, owner, tokens, 0, n_pages, pages);
     pd_cache_insert_result r;
     assert_ok(pd_cache_insert(f->c, tokens, n_pages * f->ps, pages, owner, mamba_slot, dups, &r));
-    if (r.dup_pages) assert_ok(pd_ledger_free(f->l, f->kv_id, dups, r.dup_pages, PD_UNIT_REQ, owner));
+    if (r.dup_pages)
+        assert_ok(pd_ledger_free(f->l, f->kv_id, dups, r.dup_pages, PD_UNIT_REQ, owner));
     free(pages);
     free(dups);
     return r;

@@ -454,7 +454,8 @@ static void insert_refuses_unaligned_length(void **state) {
     uint32_t pages[2], dups[2];
     pd_cache_insert_result r;
     assert_err(pd_cache_insert(f->c, t, 6, pages, 1, PD_POOL_NONE, dups, &r), PD_ERR_INVALID);
-    assert_err(pd_cache_insert(f->c, t, 4, pages, 1, 0, dups, &r), PD_ERR_INVALID); /* no mamba pool */
+    /* A mamba slot, but the cache has no mamba pool. */
+    assert_err(pd_cache_insert(f->c, t, 4, pages, 1, 0, dups, &r), PD_ERR_INVALID);
     cfx_check(f, true);
     cfx_free(f);
 }

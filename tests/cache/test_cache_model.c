@@ -156,115 +156,134 @@ static bool is_prefix_of(const int32_t *a, uint32_t a_len, const int32_t *b, uin
     return a_len <= b_len && memcmp(a, b, a_len * sizeof(int32_t)) == 0;
 }
 
+/* The pages an eviction event covers: records first..end of m->victim. */
+typedef struct victim_span {
+    rec *last; /* the record of page `end` */
+    uint32_t first, end;
+    uint32_t end_tok;
+    uint64_t clock;
+} victim_span;
+
+static void judge_device_eviction(model *m, const pd_evict_event *ev, const victim_span *v) {
+    rec *last = v->last;
+    uint32_t first = v->first, end = v->end, end_tok = v->end_tok;
+    uint64_t clock = v->clock;
+    m->cascade_len = 0;
+    assert_true(last->dev != NONE && last->lock == 0 && !last->loading);
+    assert_false(last->has_dev_child);
+    assert_true(ev->stamp == last->st_dev);
+    for (uint32_t i = 0; i < REF_CAP; i++) {
+        rec *r = &m->recs[i];
+        if (r->used == 1 && r->dev != NONE && r->lock == 0 && !r->has_dev_child)
+            assert_true(last->st_dev <= r->st_dev); /* nothing older was eligible */
+    }
+    for (uint32_t p = first; p <= end; p++) {
+        rec *r = ref_find(m, m->victim, p);
+        assert_non_null(r);
+        assert_true(r->dev != NONE && r->lock == 0);
+        if (r->snap != NONE) {
+            assert_int_equal(r->mlock, 0);
+            r->snap = NONE;
+        }
+        r->dev = NONE;
+        if (ev->written_back) {
+            assert_true(r->host == NONE);
+            r->host = PENDING;
+            r->st_host = clock;
+        }
+    }
+    if (ev->node_deleted) {
+        assert_false(ev->written_back);
+        for (uint32_t p = first; p <= end; p++) {
+            rec *r = ref_find(m, m->victim, p);
+            assert_true(r->host == NONE);
+        }
+        /* Its host-only subtree goes next, as cascade HOST events. */
+        memcpy(m->cascade_root, m->victim, end_tok * sizeof(int32_t));
+        m->cascade_len = end_tok;
+        /* The node's own records go only once no child remains; with no
+         * host copy they hold nothing, so drop them now unless children
+         * still hang below (then the cascade removes them first). */
+        if (!last->has_child)
+            for (uint32_t p = first; p <= end; p++) ref_del(m, ref_find(m, m->victim, p));
+    }
+}
+
+/* A cascade root whose last child just went disappears too. */
+static void drop_emptied_cascade_root(model *m) {
+    uint32_t root_pages = m->cascade_len / m->ps;
+    rec *root = ref_find(m, m->cascade_root, root_pages);
+    if (!root || root->dev != NONE || root->host != NONE) return;
+    ref_scan_children(m);
+    if (root->has_child) return;
+    for (uint32_t p = root_pages; p >= 1; p--) {
+        rec *r = ref_find(m, m->cascade_root, p);
+        if (!r || r->dev != NONE || r->host != NONE || r->has_child) break;
+        ref_del(m, r);
+        ref_scan_children(m);
+    }
+}
+
+static void judge_host_eviction(model *m, const pd_evict_event *ev, const victim_span *v) {
+    rec *last = v->last;
+    uint32_t first = v->first, end = v->end, end_tok = v->end_tok;
+    bool cascade = m->cascade_len > 0 && end_tok > m->cascade_len &&
+                   is_prefix_of(m->cascade_root, m->cascade_len, m->victim, end_tok);
+    assert_true(last->host != NONE && last->lock == 0 && !last->loading);
+    assert_true(ev->node_deleted == (last->dev == NONE));
+    if (last->dev == NONE) assert_false(last->has_child);
+    if (!cascade) {
+        assert_true(ev->stamp == last->st_host);
+        for (uint32_t i = 0; i < REF_CAP; i++) {
+            rec *r = &m->recs[i];
+            if (r->used == 1 && r->host != NONE && r->lock == 0 &&
+                (r->dev != NONE || !r->has_child))
+                assert_true(last->st_host <= r->st_host);
+        }
+    } else {
+        assert_true(ev->node_deleted);
+    }
+    for (uint32_t p = first; p <= end; p++) {
+        rec *r = ref_find(m, m->victim, p);
+        assert_non_null(r);
+        assert_true(r->host != NONE);
+        r->host = NONE;
+    }
+    if (ev->node_deleted) {
+        for (uint32_t p = first; p <= end; p++) ref_del(m, ref_find(m, m->victim, p));
+        if (cascade) drop_emptied_cascade_root(m);
+    }
+}
+
+static void judge_snapshot_eviction(model *m, const pd_evict_event *ev, rec *last) {
+    assert_true(last->snap != NONE && last->mlock == 0);
+    assert_true(ev->stamp == last->st_mamba);
+    for (uint32_t i = 0; i < REF_CAP; i++) {
+        rec *r = &m->recs[i];
+        if (r->used == 1 && r->snap != NONE && r->mlock == 0)
+            assert_true(last->st_mamba <= r->st_mamba);
+    }
+    last->snap = NONE;
+}
+
 static void on_evict(void *ctx, const pd_evict_event *ev) {
     (void)ctx;
     model *m = M;
     cfx *f = m->f;
     m->events++;
-    uint32_t end_tok = pd_cache_node_prefix(f->c, ev->node, m->victim, sizeof(m->victim) / sizeof(int32_t));
+    uint32_t end_tok =
+        pd_cache_node_prefix(f->c, ev->node, m->victim, sizeof(m->victim) / sizeof(int32_t));
     assert_int_equal(end_tok, ev->end_tokens);
-    uint32_t end = end_tok / m->ps, first = end - ev->pages + 1;
-    rec *last = ref_find(m, m->victim, end);
-    assert_non_null(last);
-    uint64_t clock = pd_cache_clock(f->c);
+    victim_span v = {.end_tok = end_tok, .end = end_tok / m->ps};
+    v.first = v.end - ev->pages + 1;
+    v.last = ref_find(m, m->victim, v.end);
+    assert_non_null(v.last);
+    v.clock = pd_cache_clock(f->c);
     ref_scan_children(m);
 
-    if (ev->kind == PD_EVICT_DEVICE) {
-        m->cascade_len = 0;
-        assert_true(last->dev != NONE && last->lock == 0 && !last->loading);
-        assert_false(last->has_dev_child);
-        assert_true(ev->stamp == last->st_dev);
-        for (uint32_t i = 0; i < REF_CAP; i++) {
-            rec *r = &m->recs[i];
-            if (r->used == 1 && r->dev != NONE && r->lock == 0 && !r->has_dev_child)
-                assert_true(last->st_dev <= r->st_dev); /* nothing older was eligible */
-        }
-        for (uint32_t p = first; p <= end; p++) {
-            rec *r = ref_find(m, m->victim, p);
-            assert_non_null(r);
-            assert_true(r->dev != NONE && r->lock == 0);
-            if (r->snap != NONE) {
-                assert_int_equal(r->mlock, 0);
-                r->snap = NONE;
-            }
-            r->dev = NONE;
-            if (ev->written_back) {
-                assert_true(r->host == NONE);
-                r->host = PENDING;
-                r->st_host = clock;
-            }
-        }
-        if (ev->node_deleted) {
-            assert_false(ev->written_back);
-            for (uint32_t p = first; p <= end; p++) {
-                rec *r = ref_find(m, m->victim, p);
-                assert_true(r->host == NONE);
-            }
-            /* Its host-only subtree goes next, as cascade HOST events. */
-            memcpy(m->cascade_root, m->victim, end_tok * sizeof(int32_t));
-            m->cascade_len = end_tok;
-            /* The node's own records go only once no child remains; with no
-             * host copy they hold nothing, so drop them now unless children
-             * still hang below (then the cascade removes them first). */
-            if (!last->has_child)
-                for (uint32_t p = first; p <= end; p++) ref_del(m, ref_find(m, m->victim, p));
-        }
-        return;
-    }
-
-    if (ev->kind == PD_EVICT_HOST) {
-        bool cascade = m->cascade_len > 0 && end_tok > m->cascade_len &&
-                       is_prefix_of(m->cascade_root, m->cascade_len, m->victim, end_tok);
-        assert_true(last->host != NONE && last->lock == 0 && !last->loading);
-        assert_true(ev->node_deleted == (last->dev == NONE));
-        if (last->dev == NONE) assert_false(last->has_child);
-        if (!cascade) {
-            assert_true(ev->stamp == last->st_host);
-            for (uint32_t i = 0; i < REF_CAP; i++) {
-                rec *r = &m->recs[i];
-                if (r->used == 1 && r->host != NONE && r->lock == 0 &&
-                    (r->dev != NONE || !r->has_child))
-                    assert_true(last->st_host <= r->st_host);
-            }
-        } else {
-            assert_true(ev->node_deleted);
-        }
-        for (uint32_t p = first; p <= end; p++) {
-            rec *r = ref_find(m, m->victim, p);
-            assert_non_null(r);
-            assert_true(r->host != NONE);
-            r->host = NONE;
-        }
-        if (ev->node_deleted) {
-            for (uint32_t p = first; p <= end; p++) ref_del(m, ref_find(m, m->victim, p));
-            /* A cascade root whose last child just went disappears too. */
-            if (cascade) {
-                uint32_t root_pages = m->cascade_len / m->ps;
-                rec *root = ref_find(m, m->cascade_root, root_pages);
-                if (root && root->dev == NONE && root->host == NONE) {
-                    ref_scan_children(m);
-                    if (!root->has_child) {
-                        for (uint32_t p = root_pages; p >= 1; p--) {
-                            rec *r = ref_find(m, m->cascade_root, p);
-                            if (!r || r->dev != NONE || r->host != NONE || r->has_child) break;
-                            ref_del(m, r);
-                            ref_scan_children(m);
-                        }
-                    }
-                }
-            }
-        }
-        return;
-    }
-
-    /* Snapshot */
-    assert_true(last->snap != NONE && last->mlock == 0);
-    assert_true(ev->stamp == last->st_mamba);
-    for (uint32_t i = 0; i < REF_CAP; i++) {
-        rec *r = &m->recs[i];
-        if (r->used == 1 && r->snap != NONE && r->mlock == 0) assert_true(last->st_mamba <= r->st_mamba);
-    }
-    last->snap = NONE;
+    if (ev->kind == PD_EVICT_DEVICE) judge_device_eviction(m, ev, &v);
+    else if (ev->kind == PD_EVICT_HOST) judge_host_eviction(m, ev, &v);
+    else judge_snapshot_eviction(m, ev, v.last);
 }
 
 /* ---- full comparison ------------------------------------------------------ */
@@ -383,11 +402,64 @@ static void ref_lock(model *m, const int32_t *q, uint32_t len, int delta) {
 
 /* ---- operations ----------------------------------------------------------- */
 
+/* Sometimes start loading the host part of a held path back to the device:
+ * pages dev+1..h->len, none of them already loading. */
+static void maybe_start_load(model *m, held *h, const int32_t *q, uint32_t dev) {
+    cfx *f = m->f;
+    bool busy = false;
+    for (uint32_t p = dev + 1; p <= h->len; p++) busy |= ref_find(m, q, p)->loading;
+    if (busy || !pd_rng_chance(&m->rng, 2, 3)) return;
+    uint32_t dev_out[MAXP], host_out[MAXP], n;
+    pd_cache_ticket t;
+    h->owner = ++m->next_owner;
+    pd_err e = pd_cache_load_begin(f->c, h->node, h->owner, dev_out, host_out, MAXP, &n, &t);
+    if (e != PD_OK) {
+        assert_err(e, PD_ERR_NOMEM);
+        return;
+    }
+    assert_int_equal(n, h->len - dev);
+    for (uint32_t j = 0; j < n; j++) {
+        rec *r = ref_find(m, q, dev + 1 + j);
+        if (r->host == PENDING) r->host = host_out[j];
+        assert_int_equal(r->host, host_out[j]);
+        r->loading = true;
+        r->load_dev = dev_out[j];
+        r->load_ticket = t;
+    }
+    h->loading = true;
+    h->ticket = t;
+}
+
+/* Holds a lock on part of what a match found (as an admitted request does),
+ * sometimes the snapshot lock too, and sometimes starts a load. */
+static void hold_matched(model *m, const int32_t *q, const pd_cache_match_result *res, uint32_t dev,
+                         uint32_t host, uint32_t mamba) {
+    cfx *f = m->f;
+    held *h = &m->held[m->n_held];
+    memset(h, 0, sizeof(*h));
+    uint32_t which = (uint32_t)pd_rng_below(&m->rng, 3);
+    if (which == 0 && mamba > 0) { h->node = res->mamba_node; h->len = mamba; }
+    else if (which == 1 && dev > 0) { h->node = res->dev_node; h->len = dev; }
+    else { h->node = res->host_node; h->len = host; }
+    memcpy(h->tokens, q, h->len * m->ps * sizeof(int32_t));
+    assert_ok(pd_cache_lock(f->c, h->node));
+    ref_lock(m, q, h->len, +1);
+    m->n_held++;
+    rec *end = ref_find(m, q, h->len);
+    if (end->snap != NONE && pd_rng_chance(&m->rng, 1, 2)) {
+        assert_ok(pd_cache_mamba_lock(f->c, h->node));
+        end->mlock++;
+        h->mamba = true;
+    }
+    if (h->len > dev && !end->loading && end->dev == NONE) maybe_start_load(m, h, q, dev);
+}
+
 static void op_match(model *m) {
     cfx *f = m->f;
     int32_t q[MAXP * 4];
     uint32_t len = make_query(m, q);
-    uint32_t n_tokens = len * m->ps + (uint32_t)pd_rng_below(&m->rng, m->ps); /* partial tail ignored */
+    /* Add a partial page, which the match must ignore. */
+    uint32_t n_tokens = len * m->ps + (uint32_t)pd_rng_below(&m->rng, m->ps);
     int32_t qq[MAXP * 4 + 4];
     memcpy(qq, q, len * m->ps * sizeof(int32_t));
     for (uint32_t i = len * m->ps; i < n_tokens; i++) qq[i] = 1;
@@ -416,59 +488,17 @@ static void op_match(model *m) {
     check_node_is(m, res.mamba_node, q, mamba);
     touch(m, q, host);
 
-    /* Sometimes hold a lock on what was found (as an admitted request does),
-     * and sometimes start loading the host part back. */
-    if (m->n_held < PD_ARRAY_LEN(m->held) && host > 0 && pd_rng_chance(&m->rng, 1, 2)) {
-        held *h = &m->held[m->n_held];
-        memset(h, 0, sizeof(*h));
-        uint32_t which = (uint32_t)pd_rng_below(&m->rng, 3);
-        if (which == 0 && mamba > 0) { h->node = res.mamba_node; h->len = mamba; }
-        else if (which == 1 && dev > 0) { h->node = res.dev_node; h->len = dev; }
-        else { h->node = res.host_node; h->len = host; }
-        memcpy(h->tokens, q, h->len * m->ps * sizeof(int32_t));
-        assert_ok(pd_cache_lock(f->c, h->node));
-        ref_lock(m, q, h->len, +1);
-        m->n_held++;
-        rec *end = ref_find(m, q, h->len);
-        if (end->snap != NONE && pd_rng_chance(&m->rng, 1, 2)) {
-            assert_ok(pd_cache_mamba_lock(f->c, h->node));
-            end->mlock++;
-            h->mamba = true;
-        }
-        if (h->len > dev && !end->loading && end->dev == NONE) {
-            bool busy = false;
-            for (uint32_t p = dev + 1; p <= h->len; p++) busy |= ref_find(m, q, p)->loading;
-            if (!busy && pd_rng_chance(&m->rng, 2, 3)) {
-                uint32_t dev_out[MAXP], host_out[MAXP], n;
-                pd_cache_ticket t;
-                h->owner = ++m->next_owner;
-                pd_err e = pd_cache_load_begin(f->c, h->node, h->owner, dev_out, host_out, MAXP, &n, &t);
-                if (e == PD_OK) {
-                    assert_int_equal(n, h->len - dev);
-                    for (uint32_t j = 0; j < n; j++) {
-                        rec *r = ref_find(m, q, dev + 1 + j);
-                        if (r->host == PENDING) r->host = host_out[j];
-                        assert_int_equal(r->host, host_out[j]);
-                        r->loading = true;
-                        r->load_dev = dev_out[j];
-                        r->load_ticket = t;
-                    }
-                    h->loading = true;
-                    h->ticket = t;
-                } else {
-                    assert_err(e, PD_ERR_NOMEM);
-                }
-            }
-        }
-    }
+    if (m->n_held < PD_ARRAY_LEN(m->held) && host > 0 && pd_rng_chance(&m->rng, 1, 2))
+        hold_matched(m, q, &res, dev, host, mamba);
 }
 
-static void op_insert(model *m) {
+/* Fills pages[0..len) as a request would before inserting: the cache's pages
+ * for a matched prefix, fresh pages (evicting for room) for the rest. False
+ * if there is no room. */
+static bool pages_for_insert(model *m, const int32_t *q, uint32_t len, pd_owner owner,
+                             uint32_t *pages) {
     cfx *f = m->f;
-    int32_t q[MAXP * 4];
-    uint32_t len = make_query(m, q);
-    pd_owner owner = ++m->next_owner;
-    uint32_t pages[MAXP], dups[MAXP], fresh[MAXP];
+    uint32_t fresh[MAXP];
     uint32_t reuse = 0;
     if (pd_rng_chance(&m->rng, 1, 2)) {
         /* Use the cache's pages for the matched prefix, as a request does. */
@@ -487,9 +517,19 @@ static void op_insert(model *m) {
         if (!r || r->dev != pages[p]) { reuse = p; break; }
     }
     need = len - reuse;
-    if (pd_pool_free_count(f->kv) < need) return;
+    if (pd_pool_free_count(f->kv) < need) return false;
     assert_ok(pd_ledger_alloc(f->l, f->kv_id, need, owner, fresh));
     memcpy(pages + reuse, fresh, need * sizeof(uint32_t));
+    return true;
+}
+
+static void op_insert(model *m) {
+    cfx *f = m->f;
+    int32_t q[MAXP * 4];
+    uint32_t len = make_query(m, q);
+    pd_owner owner = ++m->next_owner;
+    uint32_t pages[MAXP], dups[MAXP];
+    if (!pages_for_insert(m, q, len, owner, pages)) return;
 
     uint32_t slot = PD_POOL_NONE;
     if (f->mamba && pd_rng_chance(&m->rng, 2, 3)) {
@@ -539,7 +579,8 @@ static void op_insert(model *m) {
     /* The caller frees what the cache did not take. */
     if (n_dups) assert_ok(pd_ledger_free(f->l, f->kv_id, dups, n_dups, PD_UNIT_REQ, owner));
     if (covered < len)
-        assert_ok(pd_ledger_free(f->l, f->kv_id, orig + covered, len - covered, PD_UNIT_REQ, owner));
+        assert_ok(
+            pd_ledger_free(f->l, f->kv_id, orig + covered, len - covered, PD_UNIT_REQ, owner));
     if (slot != PD_POOL_NONE && !res.mamba_taken)
         assert_ok(pd_ledger_free(f->l, f->mamba_id, &slot, 1, PD_UNIT_REQ, owner));
 }
