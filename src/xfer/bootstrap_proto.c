@@ -13,56 +13,56 @@
 
 /* ---- little-endian helpers ---------------------------------------------------- */
 
-uint16_t pd_bp_get_u16(const uint8_t *p) { return (uint16_t)(p[0] | (uint16_t)p[1] << 8); }
+uint16_t bp_get_u16(const uint8_t *p) { return (uint16_t)(p[0] | (uint16_t)p[1] << 8); }
 
-uint32_t pd_bp_get_u32(const uint8_t *p) {
+uint32_t bp_get_u32(const uint8_t *p) {
     return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
 }
 
-uint64_t pd_bp_get_u64(const uint8_t *p) {
-    return (uint64_t)pd_bp_get_u32(p) | (uint64_t)pd_bp_get_u32(p + 4) << 32;
+uint64_t bp_get_u64(const uint8_t *p) {
+    return (uint64_t)bp_get_u32(p) | (uint64_t)bp_get_u32(p + 4) << 32;
 }
 
-void pd_bp_put_u16(uint8_t *p, uint16_t v) {
+void bp_put_u16(uint8_t *p, uint16_t v) {
     p[0] = (uint8_t)v;
     p[1] = (uint8_t)(v >> 8);
 }
 
-void pd_bp_put_u32(uint8_t *p, uint32_t v) {
+void bp_put_u32(uint8_t *p, uint32_t v) {
     for (int i = 0; i < 4; i++) p[i] = (uint8_t)(v >> (8 * i));
 }
 
-void pd_bp_put_u64(uint8_t *p, uint64_t v) {
-    pd_bp_put_u32(p, (uint32_t)v);
-    pd_bp_put_u32(p + 4, (uint32_t)(v >> 32));
+void bp_put_u64(uint8_t *p, uint64_t v) {
+    bp_put_u32(p, (uint32_t)v);
+    bp_put_u32(p + 4, (uint32_t)(v >> 32));
 }
 
 /* ---- names ------------------------------------------------------------------- */
 
-const char *pd_bp_type_name(uint32_t type) {
-    static const char *const names[PD_BP__TYPE_COUNT] = {
-        [PD_BP_HELLO] = "HELLO", [PD_BP_HELLO_OK] = "HELLO_OK", [PD_BP_DEST] = "DEST",
-        [PD_BP_DEST_OK] = "DEST_OK", [PD_BP_START] = "START", [PD_BP_DONE] = "DONE",
-        [PD_BP_ABORT] = "ABORT", [PD_BP_ACK] = "ACK", [PD_BP_PING] = "PING",
-        [PD_BP_ERROR] = "ERROR",
+const char *bp_type_name(uint32_t type) {
+    static const char *const names[BP__TYPE_COUNT] = {
+        [BP_HELLO] = "HELLO", [BP_HELLO_OK] = "HELLO_OK", [BP_DEST] = "DEST",
+        [BP_DEST_OK] = "DEST_OK", [BP_START] = "START", [BP_DONE] = "DONE",
+        [BP_ABORT] = "ABORT", [BP_ACK] = "ACK", [BP_PING] = "PING",
+        [BP_ERROR] = "ERROR",
     };
-    return type < PD_BP__TYPE_COUNT && names[type] ? names[type] : "UNKNOWN";
+    return type < BP__TYPE_COUNT && names[type] ? names[type] : "UNKNOWN";
 }
 
-const char *pd_bp_code_name(uint32_t code) {
-    switch ((pd_bp_code)code) {
-    case PD_BP_E_MALFORMED: return "malformed";
-    case PD_BP_E_VERSION: return "version";
-    case PD_BP_E_AUTH: return "auth";
-    case PD_BP_E_TOO_BIG: return "too_big";
-    case PD_BP_E_UNEXPECTED: return "unexpected";
-    case PD_BP_E_ROOM_UNKNOWN: return "room_unknown";
-    case PD_BP_E_ROOM_DUPLICATE: return "room_duplicate";
-    case PD_BP_E_DEST_INVALID: return "dest_invalid";
-    case PD_BP_E_MISMATCH: return "mismatch";
-    case PD_BP_E_BUSY: return "busy";
-    case PD_BP_E_UCX: return "ucx";
-    case PD_BP_E_TIMEOUT: return "timeout";
+const char *bp_code_name(uint32_t code) {
+    switch ((bp_code)code) {
+    case BP_E_MALFORMED: return "malformed";
+    case BP_E_VERSION: return "version";
+    case BP_E_AUTH: return "auth";
+    case BP_E_TOO_BIG: return "too_big";
+    case BP_E_UNEXPECTED: return "unexpected";
+    case BP_E_ROOM_UNKNOWN: return "room_unknown";
+    case BP_E_ROOM_DUPLICATE: return "room_duplicate";
+    case BP_E_DEST_INVALID: return "dest_invalid";
+    case BP_E_MISMATCH: return "mismatch";
+    case BP_E_BUSY: return "busy";
+    case BP_E_UCX: return "ucx";
+    case BP_E_TIMEOUT: return "timeout";
     }
     return "unknown";
 }
@@ -71,124 +71,124 @@ const char *pd_bp_code_name(uint32_t code) {
 
 /* Largest payload each type may carry; 0 for unknown types. */
 static uint32_t payload_max(uint32_t type) {
-    switch ((pd_bp_type)type) {
-    case PD_BP_HELLO: return PD_BP_HELLO_MAX;
-    case PD_BP_HELLO_OK: return 16;
-    case PD_BP_DEST: return PD_BP_PAYLOAD_MAX;
-    case PD_BP_DEST_OK:
-    case PD_BP_START:
-    case PD_BP_DONE:
-    case PD_BP_ABORT:
-    case PD_BP_ACK: return PD_BP_ROOM_MSG_BYTES;
-    case PD_BP_PING: return 0;
-    case PD_BP_ERROR: return 16 + PD_BP_ERROR_TEXT_MAX;
-    case PD_BP__TYPE_COUNT: break;
+    switch ((bp_type)type) {
+    case BP_HELLO: return BP_HELLO_MAX;
+    case BP_HELLO_OK: return 16;
+    case BP_DEST: return BP_PAYLOAD_MAX;
+    case BP_DEST_OK:
+    case BP_START:
+    case BP_DONE:
+    case BP_ABORT:
+    case BP_ACK: return BP_ROOM_MSG_BYTES;
+    case BP_PING: return 0;
+    case BP_ERROR: return 16 + BP_ERROR_TEXT_MAX;
+    case BP__TYPE_COUNT: break;
     }
     return 0;
 }
 
-pd_err pd_bp_header_check(const uint8_t *buf, pd_bp_header *out, pd_bp_code *code) {
-    pd_bp_header h = {
-        .magic = pd_bp_get_u32(buf),
-        .version = pd_bp_get_u16(buf + 4),
-        .type = pd_bp_get_u16(buf + 6),
-        .flags = pd_bp_get_u32(buf + 8),
-        .length = pd_bp_get_u32(buf + 12),
+pd_err bp_header_check(const uint8_t *buf, bp_header *out, bp_code *code) {
+    bp_header h = {
+        .magic = bp_get_u32(buf),
+        .version = bp_get_u16(buf + 4),
+        .type = bp_get_u16(buf + 6),
+        .flags = bp_get_u32(buf + 8),
+        .length = bp_get_u32(buf + 12),
     };
     *out = h;
-    if (h.magic != PD_BP_MAGIC) {
-        *code = PD_BP_E_MALFORMED;
+    if (h.magic != BP_MAGIC) {
+        *code = BP_E_MALFORMED;
         return PD_ERR_PARSE;
     }
-    if (h.version != PD_BP_VERSION) {
-        *code = PD_BP_E_VERSION;
+    if (h.version != BP_VERSION) {
+        *code = BP_E_VERSION;
         return PD_ERR_PARSE;
     }
     if (h.flags != 0) {
-        *code = PD_BP_E_MALFORMED;
+        *code = BP_E_MALFORMED;
         return PD_ERR_PARSE;
     }
-    if (h.type == 0 || h.type >= PD_BP__TYPE_COUNT) {
-        *code = PD_BP_E_UNEXPECTED;
+    if (h.type == 0 || h.type >= BP__TYPE_COUNT) {
+        *code = BP_E_UNEXPECTED;
         return PD_ERR_PARSE;
     }
     if (h.length > payload_max(h.type)) {
-        *code = PD_BP_E_TOO_BIG;
+        *code = BP_E_TOO_BIG;
         return PD_ERR_TOOBIG;
     }
     return PD_OK;
 }
 
-void pd_bp_header_write(uint8_t *buf, pd_bp_type type, uint32_t length) {
-    pd_bp_put_u32(buf, PD_BP_MAGIC);
-    pd_bp_put_u16(buf + 4, PD_BP_VERSION);
-    pd_bp_put_u16(buf + 6, (uint16_t)type);
-    pd_bp_put_u32(buf + 8, 0);
-    pd_bp_put_u32(buf + 12, length);
+void bp_header_write(uint8_t *buf, bp_type type, uint32_t length) {
+    bp_put_u32(buf, BP_MAGIC);
+    bp_put_u16(buf + 4, BP_VERSION);
+    bp_put_u16(buf + 6, (uint16_t)type);
+    bp_put_u32(buf + 8, 0);
+    bp_put_u32(buf + 12, length);
 }
 
 /* ---- HELLO -------------------------------------------------------------------- */
 
 #define HELLO_FIXED 24u
 #define HELLO_REGION 24u
-#define HELLO_HEAD (HELLO_FIXED + PD_BP_REG_COUNT * HELLO_REGION)
+#define HELLO_HEAD (HELLO_FIXED + BP_REG_COUNT * HELLO_REGION)
 
-size_t pd_bp_hello_write(uint8_t *out, size_t cap, const pd_bp_hello *h) {
-    if (h->token_len > PD_BP_TOKEN_MAX || h->worker_addr_len > PD_BP_WORKER_ADDR_MAX) return 0;
+size_t bp_hello_write(uint8_t *out, size_t cap, const bp_hello *h) {
+    if (h->token_len > BP_TOKEN_MAX || h->worker_addr_len > BP_WORKER_ADDR_MAX) return 0;
     size_t len = HELLO_HEAD + h->token_len + h->worker_addr_len;
-    for (int r = 0; r < PD_BP_REG_COUNT; r++) {
-        if (h->region[r].rkey_len > PD_BP_RKEY_MAX) return 0;
+    for (int r = 0; r < BP_REG_COUNT; r++) {
+        if (h->region[r].rkey_len > BP_RKEY_MAX) return 0;
         len += h->region[r].rkey_len;
     }
-    if (len > PD_BP_HELLO_MAX || PD_BP_HEADER_BYTES + len > cap) return 0;
-    uint8_t *p = out + PD_BP_HEADER_BYTES;
+    if (len > BP_HELLO_MAX || BP_HEADER_BYTES + len > cap) return 0;
+    uint8_t *p = out + BP_HEADER_BYTES;
     memset(p, 0, HELLO_HEAD);
-    pd_bp_put_u64(p, h->node_id);
-    pd_bp_put_u32(p + 8, h->page_size);
-    pd_bp_put_u32(p + 12, h->meta_row_bytes);
-    pd_bp_put_u16(p + 16, h->token_len);
-    pd_bp_put_u16(p + 18, h->worker_addr_len);
-    for (int r = 0; r < PD_BP_REG_COUNT; r++) {
+    bp_put_u64(p, h->node_id);
+    bp_put_u32(p + 8, h->page_size);
+    bp_put_u32(p + 12, h->meta_row_bytes);
+    bp_put_u16(p + 16, h->token_len);
+    bp_put_u16(p + 18, h->worker_addr_len);
+    for (int r = 0; r < BP_REG_COUNT; r++) {
         uint8_t *q = p + HELLO_FIXED + r * HELLO_REGION;
-        pd_bp_put_u64(q, h->region[r].base);
-        pd_bp_put_u64(q + 8, h->region[r].unit_bytes);
-        pd_bp_put_u32(q + 16, h->region[r].units);
-        pd_bp_put_u16(q + 20, h->region[r].rkey_len);
+        bp_put_u64(q, h->region[r].base);
+        bp_put_u64(q + 8, h->region[r].unit_bytes);
+        bp_put_u32(q + 16, h->region[r].units);
+        bp_put_u16(q + 20, h->region[r].rkey_len);
     }
     uint8_t *v = p + HELLO_HEAD;
     if (h->token_len) memcpy(v, h->token, h->token_len);
     v += h->token_len;
     if (h->worker_addr_len) memcpy(v, h->worker_addr, h->worker_addr_len);
     v += h->worker_addr_len;
-    for (int r = 0; r < PD_BP_REG_COUNT; r++) {
+    for (int r = 0; r < BP_REG_COUNT; r++) {
         if (h->region[r].rkey_len) memcpy(v, h->region[r].rkey, h->region[r].rkey_len);
         v += h->region[r].rkey_len;
     }
-    pd_bp_header_write(out, PD_BP_HELLO, (uint32_t)len);
-    return PD_BP_HEADER_BYTES + len;
+    bp_header_write(out, BP_HELLO, (uint32_t)len);
+    return BP_HEADER_BYTES + len;
 }
 
-pd_err pd_bp_hello_read(const uint8_t *p, uint32_t len, pd_bp_hello *out) {
+pd_err bp_hello_read(const uint8_t *p, uint32_t len, bp_hello *out) {
     if (len < HELLO_HEAD) return PD_ERR_PARSE;
     memset(out, 0, sizeof(*out));
-    out->node_id = pd_bp_get_u64(p);
-    out->page_size = pd_bp_get_u32(p + 8);
-    out->meta_row_bytes = pd_bp_get_u32(p + 12);
-    out->token_len = pd_bp_get_u16(p + 16);
-    out->worker_addr_len = pd_bp_get_u16(p + 18);
-    if (pd_bp_get_u32(p + 20) != 0) return PD_ERR_PARSE;
-    if (out->token_len > PD_BP_TOKEN_MAX || out->worker_addr_len > PD_BP_WORKER_ADDR_MAX ||
+    out->node_id = bp_get_u64(p);
+    out->page_size = bp_get_u32(p + 8);
+    out->meta_row_bytes = bp_get_u32(p + 12);
+    out->token_len = bp_get_u16(p + 16);
+    out->worker_addr_len = bp_get_u16(p + 18);
+    if (bp_get_u32(p + 20) != 0) return PD_ERR_PARSE;
+    if (out->token_len > BP_TOKEN_MAX || out->worker_addr_len > BP_WORKER_ADDR_MAX ||
         out->worker_addr_len == 0)
         return PD_ERR_PARSE;
     size_t want = HELLO_HEAD + (size_t)out->token_len + out->worker_addr_len;
-    for (int r = 0; r < PD_BP_REG_COUNT; r++) {
+    for (int r = 0; r < BP_REG_COUNT; r++) {
         const uint8_t *q = p + HELLO_FIXED + r * HELLO_REGION;
-        pd_bp_region *g = &out->region[r];
-        g->base = pd_bp_get_u64(q);
-        g->unit_bytes = pd_bp_get_u64(q + 8);
-        g->units = pd_bp_get_u32(q + 16);
-        g->rkey_len = pd_bp_get_u16(q + 20);
-        if (pd_bp_get_u16(q + 22) != 0 || g->rkey_len > PD_BP_RKEY_MAX) return PD_ERR_PARSE;
+        bp_region *g = &out->region[r];
+        g->base = bp_get_u64(q);
+        g->unit_bytes = bp_get_u64(q + 8);
+        g->units = bp_get_u32(q + 16);
+        g->rkey_len = bp_get_u16(q + 20);
+        if (bp_get_u16(q + 22) != 0 || g->rkey_len > BP_RKEY_MAX) return PD_ERR_PARSE;
         /* A region is either absent (no units, no key) or complete, and its
          * byte range must not wrap the address space. */
         if ((g->units == 0) != (g->rkey_len == 0)) return PD_ERR_PARSE;
@@ -203,7 +203,7 @@ pd_err pd_bp_hello_read(const uint8_t *p, uint32_t len, pd_bp_hello *out) {
     v += out->token_len;
     out->worker_addr = v;
     v += out->worker_addr_len;
-    for (int r = 0; r < PD_BP_REG_COUNT; r++) {
+    for (int r = 0; r < BP_REG_COUNT; r++) {
         out->region[r].rkey = out->region[r].rkey_len ? v : NULL;
         v += out->region[r].rkey_len;
     }
@@ -212,107 +212,106 @@ pd_err pd_bp_hello_read(const uint8_t *p, uint32_t len, pd_bp_hello *out) {
 
 /* ---- HELLO_OK ------------------------------------------------------------------- */
 
-size_t pd_bp_hello_ok_write(uint8_t *out, size_t cap, uint64_t node_id, uint32_t page_size) {
-    if (cap < PD_BP_HEADER_BYTES + 16) return 0;
-    pd_bp_header_write(out, PD_BP_HELLO_OK, 16);
-    pd_bp_put_u64(out + 16, node_id);
-    pd_bp_put_u32(out + 24, page_size);
-    pd_bp_put_u32(out + 28, 0);
-    return PD_BP_HEADER_BYTES + 16;
+size_t bp_hello_ok_write(uint8_t *out, size_t cap, uint64_t node_id, uint32_t page_size) {
+    if (cap < BP_HEADER_BYTES + 16) return 0;
+    bp_header_write(out, BP_HELLO_OK, 16);
+    bp_put_u64(out + 16, node_id);
+    bp_put_u32(out + 24, page_size);
+    bp_put_u32(out + 28, 0);
+    return BP_HEADER_BYTES + 16;
 }
 
-pd_err pd_bp_hello_ok_read(const uint8_t *p, uint32_t len, uint64_t *node_id, uint32_t *page_size) {
-    if (len != 16 || pd_bp_get_u32(p + 12) != 0) return PD_ERR_PARSE;
-    *node_id = pd_bp_get_u64(p);
-    *page_size = pd_bp_get_u32(p + 8);
+pd_err bp_hello_ok_read(const uint8_t *p, uint32_t len, uint64_t *node_id, uint32_t *page_size) {
+    if (len != 16 || bp_get_u32(p + 12) != 0) return PD_ERR_PARSE;
+    *node_id = bp_get_u64(p);
+    *page_size = bp_get_u32(p + 8);
     return PD_OK;
 }
 
 /* ---- DEST ------------------------------------------------------------------------ */
 
-size_t pd_bp_dest_write(uint8_t *out, size_t cap, uint64_t room, uint32_t prompt_tokens,
-                        uint32_t cached_tokens, uint32_t mamba_slot, uint32_t meta_row,
-                        const uint32_t *pages, uint32_t n_pages) {
-    if (n_pages > PD_BP_DEST_PAGES_MAX) return 0;
-    size_t len = PD_BP_DEST_FIXED + 4u * (size_t)n_pages;
-    if (PD_BP_HEADER_BYTES + len > cap) return 0;
-    pd_bp_header_write(out, PD_BP_DEST, (uint32_t)len);
-    uint8_t *p = out + PD_BP_HEADER_BYTES;
-    pd_bp_put_u64(p, room);
-    pd_bp_put_u32(p + 8, prompt_tokens);
-    pd_bp_put_u32(p + 12, cached_tokens);
-    pd_bp_put_u32(p + 16, mamba_slot);
-    pd_bp_put_u32(p + 20, meta_row);
-    pd_bp_put_u32(p + 24, n_pages);
-    pd_bp_put_u32(p + 28, 0);
-    for (uint32_t i = 0; i < n_pages; i++) pd_bp_put_u32(p + PD_BP_DEST_FIXED + 4u * i, pages[i]);
-    return PD_BP_HEADER_BYTES + len;
+size_t bp_dest_write(uint8_t *out, size_t cap, uint64_t room, uint32_t prompt_tokens,
+                     uint32_t cached_tokens, uint32_t mamba_slot, uint32_t meta_row,
+                     const uint32_t *pages, uint32_t n_pages) {
+    if (n_pages > BP_DEST_PAGES_MAX) return 0;
+    size_t len = BP_DEST_FIXED + 4u * (size_t)n_pages;
+    if (BP_HEADER_BYTES + len > cap) return 0;
+    bp_header_write(out, BP_DEST, (uint32_t)len);
+    uint8_t *p = out + BP_HEADER_BYTES;
+    bp_put_u64(p, room);
+    bp_put_u32(p + 8, prompt_tokens);
+    bp_put_u32(p + 12, cached_tokens);
+    bp_put_u32(p + 16, mamba_slot);
+    bp_put_u32(p + 20, meta_row);
+    bp_put_u32(p + 24, n_pages);
+    bp_put_u32(p + 28, 0);
+    for (uint32_t i = 0; i < n_pages; i++) bp_put_u32(p + BP_DEST_FIXED + 4u * i, pages[i]);
+    return BP_HEADER_BYTES + len;
 }
 
-pd_err pd_bp_dest_read(const uint8_t *p, uint32_t len, pd_bp_dest *out) {
-    if (len < PD_BP_DEST_FIXED) return PD_ERR_PARSE;
-    out->room = pd_bp_get_u64(p);
-    out->prompt_tokens = pd_bp_get_u32(p + 8);
-    out->cached_tokens = pd_bp_get_u32(p + 12);
-    out->mamba_slot = pd_bp_get_u32(p + 16);
-    out->meta_row = pd_bp_get_u32(p + 20);
-    out->n_pages = pd_bp_get_u32(p + 24);
-    if (pd_bp_get_u32(p + 28) != 0) return PD_ERR_PARSE;
-    if (out->n_pages > PD_BP_DEST_PAGES_MAX ||
-        (uint64_t)len != PD_BP_DEST_FIXED + 4ull * out->n_pages)
+pd_err bp_dest_read(const uint8_t *p, uint32_t len, bp_dest *out) {
+    if (len < BP_DEST_FIXED) return PD_ERR_PARSE;
+    out->room = bp_get_u64(p);
+    out->prompt_tokens = bp_get_u32(p + 8);
+    out->cached_tokens = bp_get_u32(p + 12);
+    out->mamba_slot = bp_get_u32(p + 16);
+    out->meta_row = bp_get_u32(p + 20);
+    out->n_pages = bp_get_u32(p + 24);
+    if (bp_get_u32(p + 28) != 0) return PD_ERR_PARSE;
+    if (out->n_pages > BP_DEST_PAGES_MAX || (uint64_t)len != BP_DEST_FIXED + 4ull * out->n_pages)
         return PD_ERR_PARSE;
-    out->pages = p + PD_BP_DEST_FIXED;
+    out->pages = p + BP_DEST_FIXED;
     return PD_OK;
 }
 
 /* ---- room messages, PING, ERROR ---------------------------------------------------- */
 
-size_t pd_bp_room_write(uint8_t *out, size_t cap, pd_bp_type type, uint64_t room, uint64_t value) {
-    if (cap < PD_BP_HEADER_BYTES + PD_BP_ROOM_MSG_BYTES) return 0;
-    pd_bp_header_write(out, type, PD_BP_ROOM_MSG_BYTES);
-    pd_bp_put_u64(out + 16, room);
-    pd_bp_put_u64(out + 24, value);
-    return PD_BP_HEADER_BYTES + PD_BP_ROOM_MSG_BYTES;
+size_t bp_room_write(uint8_t *out, size_t cap, bp_type type, uint64_t room, uint64_t value) {
+    if (cap < BP_HEADER_BYTES + BP_ROOM_MSG_BYTES) return 0;
+    bp_header_write(out, type, BP_ROOM_MSG_BYTES);
+    bp_put_u64(out + 16, room);
+    bp_put_u64(out + 24, value);
+    return BP_HEADER_BYTES + BP_ROOM_MSG_BYTES;
 }
 
-pd_err pd_bp_room_read(const uint8_t *p, uint32_t len, uint64_t *room, uint64_t *value) {
-    if (len != PD_BP_ROOM_MSG_BYTES) return PD_ERR_PARSE;
-    *room = pd_bp_get_u64(p);
-    *value = pd_bp_get_u64(p + 8);
+pd_err bp_room_read(const uint8_t *p, uint32_t len, uint64_t *room, uint64_t *value) {
+    if (len != BP_ROOM_MSG_BYTES) return PD_ERR_PARSE;
+    *room = bp_get_u64(p);
+    *value = bp_get_u64(p + 8);
     return PD_OK;
 }
 
-size_t pd_bp_ping_write(uint8_t *out, size_t cap) {
-    if (cap < PD_BP_HEADER_BYTES) return 0;
-    pd_bp_header_write(out, PD_BP_PING, 0);
-    return PD_BP_HEADER_BYTES;
+size_t bp_ping_write(uint8_t *out, size_t cap) {
+    if (cap < BP_HEADER_BYTES) return 0;
+    bp_header_write(out, BP_PING, 0);
+    return BP_HEADER_BYTES;
 }
 
-size_t pd_bp_error_write(uint8_t *out, size_t cap, pd_bp_code code, bool has_room, uint64_t room,
-                         const char *text) {
+size_t bp_error_write(uint8_t *out, size_t cap, bp_code code, bool has_room, uint64_t room,
+                      const char *text) {
     size_t tl = text ? strlen(text) : 0;
-    if (tl > PD_BP_ERROR_TEXT_MAX) tl = PD_BP_ERROR_TEXT_MAX;
+    if (tl > BP_ERROR_TEXT_MAX) tl = BP_ERROR_TEXT_MAX;
     size_t len = 16 + tl;
-    if (PD_BP_HEADER_BYTES + len > cap) return 0;
-    pd_bp_header_write(out, PD_BP_ERROR, (uint32_t)len);
-    uint8_t *p = out + PD_BP_HEADER_BYTES;
-    pd_bp_put_u32(p, (uint32_t)code);
-    pd_bp_put_u16(p + 4, (uint16_t)tl);
-    pd_bp_put_u16(p + 6, has_room ? PD_BP_ERROR_FLAG_ROOM : 0);
-    pd_bp_put_u64(p + 8, has_room ? room : 0);
+    if (BP_HEADER_BYTES + len > cap) return 0;
+    bp_header_write(out, BP_ERROR, (uint32_t)len);
+    uint8_t *p = out + BP_HEADER_BYTES;
+    bp_put_u32(p, (uint32_t)code);
+    bp_put_u16(p + 4, (uint16_t)tl);
+    bp_put_u16(p + 6, has_room ? BP_ERROR_FLAG_ROOM : 0);
+    bp_put_u64(p + 8, has_room ? room : 0);
     if (tl) memcpy(p + 16, text, tl);
-    return PD_BP_HEADER_BYTES + len;
+    return BP_HEADER_BYTES + len;
 }
 
-pd_err pd_bp_error_read(const uint8_t *p, uint32_t len, pd_bp_error *out) {
+pd_err bp_error_read(const uint8_t *p, uint32_t len, bp_error *out) {
     if (len < 16) return PD_ERR_PARSE;
-    out->code = pd_bp_get_u32(p);
-    out->text_len = pd_bp_get_u16(p + 4);
-    uint16_t flags = pd_bp_get_u16(p + 6);
-    out->has_room = flags & PD_BP_ERROR_FLAG_ROOM;
-    out->room = pd_bp_get_u64(p + 8);
-    if ((flags & ~PD_BP_ERROR_FLAG_ROOM) || (!out->has_room && out->room) || out->text_len > PD_BP_ERROR_TEXT_MAX ||
-        (uint32_t)16 + out->text_len != len)
+    out->code = bp_get_u32(p);
+    out->text_len = bp_get_u16(p + 4);
+    uint16_t flags = bp_get_u16(p + 6);
+    out->has_room = flags & BP_ERROR_FLAG_ROOM;
+    out->room = bp_get_u64(p + 8);
+    if ((flags & ~BP_ERROR_FLAG_ROOM) || (!out->has_room && out->room) ||
+        out->text_len > BP_ERROR_TEXT_MAX || (uint32_t)16 + out->text_len != len)
         return PD_ERR_PARSE;
     out->text = p + 16;
     return PD_OK;

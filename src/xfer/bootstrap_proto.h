@@ -7,9 +7,9 @@
  * Framing. Every message is a 16-byte header followed by `length` payload
  * bytes. All integers are little-endian, fixed width, whatever the host:
  *
- *   off 0  u32 magic    PD_BP_MAGIC ("PDBS" as bytes)
- *   off 4  u16 version  PD_BP_VERSION
- *   off 6  u16 type     pd_bp_type
+ *   off 0  u32 magic    BP_MAGIC ("PDBS" as bytes)
+ *   off 4  u16 version  BP_VERSION
+ *   off 6  u16 type     bp_type
  *   off 8  u32 flags    0 in version 1 (anything else is refused)
  *   off 12 u32 length   payload bytes, at most the type's limit
  *
@@ -32,88 +32,88 @@
 
 #include "pdserve/base.h"
 
-#define PD_BP_MAGIC 0x53424450u /* bytes 'P' 'D' 'B' 'S' */
-#define PD_BP_VERSION 1u
-#define PD_BP_HEADER_BYTES 16u
+#define BP_MAGIC 0x53424450u /* bytes 'P' 'D' 'B' 'S' */
+#define BP_VERSION 1u
+#define BP_HEADER_BYTES 16u
 /* Hard limit on any payload: a destination of 262,144 pages (4M tokens at
  * page size 16) fits. */
-#define PD_BP_PAYLOAD_MAX (1u << 20)
-#define PD_BP_HELLO_MAX (64u << 10)
-#define PD_BP_TOKEN_MAX 256u
-#define PD_BP_WORKER_ADDR_MAX 8192u
-#define PD_BP_RKEY_MAX 4096u
-#define PD_BP_ERROR_TEXT_MAX 240u
-#define PD_BP_DEST_FIXED 32u
-#define PD_BP_DEST_PAGES_MAX ((PD_BP_PAYLOAD_MAX - PD_BP_DEST_FIXED) / 4u)
-#define PD_BP_ROOM_MSG_BYTES 16u
-#define PD_BP_NONE UINT32_MAX
+#define BP_PAYLOAD_MAX (1u << 20)
+#define BP_HELLO_MAX (64u << 10)
+#define BP_TOKEN_MAX 256u
+#define BP_WORKER_ADDR_MAX 8192u
+#define BP_RKEY_MAX 4096u
+#define BP_ERROR_TEXT_MAX 240u
+#define BP_DEST_FIXED 32u
+#define BP_DEST_PAGES_MAX ((BP_PAYLOAD_MAX - BP_DEST_FIXED) / 4u)
+#define BP_ROOM_MSG_BYTES 16u
+#define BP_NONE UINT32_MAX
 
-typedef enum pd_bp_type {
-    PD_BP_HELLO = 1,   /* decode -> prefill: memory descriptors, token */
-    PD_BP_HELLO_OK,    /* prefill -> decode: accepted */
-    PD_BP_DEST,        /* decode -> prefill: a room's destination */
-    PD_BP_DEST_OK,     /* prefill -> decode: destination accepted (WAITING_FOR_INPUT) */
-    PD_BP_START,       /* prefill -> decode: the first write of the room was posted */
-    PD_BP_DONE,        /* prefill -> decode: every write of the room landed */
-    PD_BP_ABORT,       /* both ways: decode asks to stop / prefill stopped for good */
-    PD_BP_ACK,         /* prefill -> decode: stopped after the decode's ABORT */
-    PD_BP_PING,        /* both ways: heartbeat, empty payload */
-    PD_BP_ERROR,       /* both ways: a refusal, of one room or of the connection */
-    PD_BP__TYPE_COUNT
-} pd_bp_type;
+typedef enum bp_type {
+    BP_HELLO = 1,   /* decode -> prefill: memory descriptors, token */
+    BP_HELLO_OK,    /* prefill -> decode: accepted */
+    BP_DEST,        /* decode -> prefill: a room's destination */
+    BP_DEST_OK,     /* prefill -> decode: destination accepted (WAITING_FOR_INPUT) */
+    BP_START,       /* prefill -> decode: the first write of the room was posted */
+    BP_DONE,        /* prefill -> decode: every write of the room landed */
+    BP_ABORT,       /* both ways: decode asks to stop / prefill stopped for good */
+    BP_ACK,         /* prefill -> decode: stopped after the decode's ABORT */
+    BP_PING,        /* both ways: heartbeat, empty payload */
+    BP_ERROR,       /* both ways: a refusal, of one room or of the connection */
+    BP__TYPE_COUNT
+} bp_type;
 
-/* Error codes carried by PD_BP_ERROR. An ERROR with the room flag refuses
+/* Error codes carried by BP_ERROR. An ERROR with the room flag refuses
  * that room only; without it, it ends the connection. */
-typedef enum pd_bp_code {
-    PD_BP_E_MALFORMED = 1,  /* bad magic, bad field, wrong length */
-    PD_BP_E_VERSION,        /* unsupported protocol version */
-    PD_BP_E_AUTH,           /* missing or wrong token */
-    PD_BP_E_TOO_BIG,        /* length over the limit */
-    PD_BP_E_UNEXPECTED,     /* message type not valid in this state or direction */
-    PD_BP_E_ROOM_UNKNOWN,   /* the room is not this connection's */
-    PD_BP_E_ROOM_DUPLICATE, /* a destination for this room already exists */
-    PD_BP_E_DEST_INVALID,   /* page ids, slot or row out of range; sizes inconsistent */
-    PD_BP_E_MISMATCH,       /* page size or memory layout differs between nodes */
-    PD_BP_E_BUSY,           /* no room or connection slot free */
-    PD_BP_E_UCX,            /* no UCX path to the peer's worker */
-    PD_BP_E_TIMEOUT,        /* hello or message not completed in time */
-} pd_bp_code;
+typedef enum bp_code {
+    BP_E_MALFORMED = 1,  /* bad magic, bad field, wrong length */
+    BP_E_VERSION,        /* unsupported protocol version */
+    BP_E_AUTH,           /* missing or wrong token */
+    BP_E_TOO_BIG,        /* length over the limit */
+    BP_E_UNEXPECTED,     /* message type not valid in this state or direction */
+    BP_E_ROOM_UNKNOWN,   /* the room is not this connection's */
+    BP_E_ROOM_DUPLICATE, /* a destination for this room already exists */
+    BP_E_DEST_INVALID,   /* page ids, slot or row out of range; sizes inconsistent */
+    BP_E_MISMATCH,       /* page size or memory layout differs between nodes */
+    BP_E_BUSY,           /* no room or connection slot free */
+    BP_E_UCX,            /* no UCX path to the peer's worker */
+    BP_E_TIMEOUT,        /* hello or message not completed in time */
+} bp_code;
 
-const char *pd_bp_type_name(uint32_t type);
-const char *pd_bp_code_name(uint32_t code);
+const char *bp_type_name(uint32_t type);
+const char *bp_code_name(uint32_t code);
 
-typedef struct pd_bp_header {
+typedef struct bp_header {
     uint32_t magic;
     uint16_t version, type;
     uint32_t flags, length;
-} pd_bp_header;
+} bp_header;
 
 /* Little-endian accessors (unaligned-safe). */
-uint16_t pd_bp_get_u16(const uint8_t *p);
-uint32_t pd_bp_get_u32(const uint8_t *p);
-uint64_t pd_bp_get_u64(const uint8_t *p);
-void pd_bp_put_u16(uint8_t *p, uint16_t v);
-void pd_bp_put_u32(uint8_t *p, uint32_t v);
-void pd_bp_put_u64(uint8_t *p, uint64_t v);
+uint16_t bp_get_u16(const uint8_t *p);
+uint32_t bp_get_u32(const uint8_t *p);
+uint64_t bp_get_u64(const uint8_t *p);
+void bp_put_u16(uint8_t *p, uint16_t v);
+void bp_put_u32(uint8_t *p, uint32_t v);
+void bp_put_u64(uint8_t *p, uint64_t v);
 
 /* Parses and validates 16 header bytes. On failure *code says what to put
  * in the error reply (the connection is then closed). */
-pd_err pd_bp_header_check(const uint8_t *buf, pd_bp_header *out, pd_bp_code *code);
-void pd_bp_header_write(uint8_t *buf, pd_bp_type type, uint32_t length);
+pd_err bp_header_check(const uint8_t *buf, bp_header *out, bp_code *code);
+void bp_header_write(uint8_t *buf, bp_type type, uint32_t length);
 
 /* ---- messages ------------------------------------------------------------ */
 
-enum { PD_BP_REG_KV = 0, PD_BP_REG_MAMBA = 1, PD_BP_REG_META = 2, PD_BP_REG_COUNT = 3 };
+enum { BP_REG_KV = 0, BP_REG_MAMBA = 1, BP_REG_META = 2, BP_REG_COUNT = 3 };
 
-typedef struct pd_bp_region {
+typedef struct bp_region {
     uint64_t base;          /* remote virtual address of unit 0 */
     uint64_t unit_bytes;
     uint32_t units;         /* 0: no such region */
     uint16_t rkey_len;
     const uint8_t *rkey;    /* packed UCX remote key */
-} pd_bp_region;
+} bp_region;
 
-typedef struct pd_bp_hello {
+typedef struct bp_hello {
     uint64_t node_id;
     uint32_t page_size;
     uint32_t meta_row_bytes;
@@ -121,50 +121,50 @@ typedef struct pd_bp_hello {
     const uint8_t *token;
     uint16_t worker_addr_len;
     const uint8_t *worker_addr;
-    pd_bp_region region[PD_BP_REG_COUNT];
-} pd_bp_hello;
+    bp_region region[BP_REG_COUNT];
+} bp_hello;
 
-typedef struct pd_bp_dest {
+typedef struct bp_dest {
     uint64_t room;
     uint32_t prompt_tokens, cached_tokens;
-    uint32_t mamba_slot, meta_row;   /* PD_BP_NONE: none */
+    uint32_t mamba_slot, meta_row;   /* BP_NONE: none */
     uint32_t n_pages;
-    const uint8_t *pages;            /* n_pages little-endian u32, read with pd_bp_dest_page */
-} pd_bp_dest;
+    const uint8_t *pages;            /* n_pages little-endian u32, read with bp_dest_page */
+} bp_dest;
 
-#define PD_BP_ERROR_FLAG_ROOM 1u
+#define BP_ERROR_FLAG_ROOM 1u
 
-typedef struct pd_bp_error {
+typedef struct bp_error {
     uint32_t code;
     bool has_room;                   /* false: about the connection */
     uint64_t room;
     uint16_t text_len;
     const uint8_t *text;             /* not NUL-terminated */
-} pd_bp_error;
+} bp_error;
 
 /* Encoders write a whole message (header included) into out[0, cap) and
  * return its size, or 0 if it does not fit or a field is out of range. */
-size_t pd_bp_hello_write(uint8_t *out, size_t cap, const pd_bp_hello *h);
-size_t pd_bp_hello_ok_write(uint8_t *out, size_t cap, uint64_t node_id, uint32_t page_size);
+size_t bp_hello_write(uint8_t *out, size_t cap, const bp_hello *h);
+size_t bp_hello_ok_write(uint8_t *out, size_t cap, uint64_t node_id, uint32_t page_size);
 /* pages are host-order uint32 values. */
-size_t pd_bp_dest_write(uint8_t *out, size_t cap, uint64_t room, uint32_t prompt_tokens,
-                        uint32_t cached_tokens, uint32_t mamba_slot, uint32_t meta_row,
-                        const uint32_t *pages, uint32_t n_pages);
+size_t bp_dest_write(uint8_t *out, size_t cap, uint64_t room, uint32_t prompt_tokens,
+                     uint32_t cached_tokens, uint32_t mamba_slot, uint32_t meta_row,
+                     const uint32_t *pages, uint32_t n_pages);
 /* DEST_OK, START, DONE, ABORT, ACK: a room and one 64-bit value (DONE: bytes
  * written; ABORT: reason; others: 0). */
-size_t pd_bp_room_write(uint8_t *out, size_t cap, pd_bp_type type, uint64_t room, uint64_t value);
-size_t pd_bp_ping_write(uint8_t *out, size_t cap);
-size_t pd_bp_error_write(uint8_t *out, size_t cap, pd_bp_code code, bool has_room, uint64_t room,
-                         const char *text);
+size_t bp_room_write(uint8_t *out, size_t cap, bp_type type, uint64_t room, uint64_t value);
+size_t bp_ping_write(uint8_t *out, size_t cap);
+size_t bp_error_write(uint8_t *out, size_t cap, bp_code code, bool has_room, uint64_t room,
+                      const char *text);
 
 /* Decoders take the payload (after the header) and its length. */
-pd_err pd_bp_hello_read(const uint8_t *p, uint32_t len, pd_bp_hello *out);
-pd_err pd_bp_hello_ok_read(const uint8_t *p, uint32_t len, uint64_t *node_id, uint32_t *page_size);
-pd_err pd_bp_dest_read(const uint8_t *p, uint32_t len, pd_bp_dest *out);
-static inline uint32_t pd_bp_dest_page(const pd_bp_dest *d, uint32_t i) {
-    return pd_bp_get_u32(d->pages + 4u * (size_t)i);
+pd_err bp_hello_read(const uint8_t *p, uint32_t len, bp_hello *out);
+pd_err bp_hello_ok_read(const uint8_t *p, uint32_t len, uint64_t *node_id, uint32_t *page_size);
+pd_err bp_dest_read(const uint8_t *p, uint32_t len, bp_dest *out);
+static inline uint32_t bp_dest_page(const bp_dest *d, uint32_t i) {
+    return bp_get_u32(d->pages + 4u * (size_t)i);
 }
-pd_err pd_bp_room_read(const uint8_t *p, uint32_t len, uint64_t *room, uint64_t *value);
-pd_err pd_bp_error_read(const uint8_t *p, uint32_t len, pd_bp_error *out);
+pd_err bp_room_read(const uint8_t *p, uint32_t len, uint64_t *room, uint64_t *value);
+pd_err bp_error_read(const uint8_t *p, uint32_t len, bp_error *out);
 
 #endif /* PDSERVE_XFER_BOOTSTRAP_PROTO_H */

@@ -102,10 +102,10 @@
 #include "bootstrap_proto.h"
 
 #define NONE UINT32_MAX
-#define REG_KV PD_BP_REG_KV
-#define REG_MAMBA PD_BP_REG_MAMBA
-#define REG_META PD_BP_REG_META
-#define REG_N PD_BP_REG_COUNT
+#define REG_KV BP_REG_KV
+#define REG_MAMBA BP_REG_MAMBA
+#define REG_META BP_REG_META
+#define REG_N BP_REG_COUNT
 #define STAGE_FINAL 0xFFu
 
 #define RX_INIT_BYTES (64u << 10)
@@ -201,7 +201,7 @@ typedef struct peer {
 struct pd_net {
     pd_net_config cfg;
     char listen_host[128];
-    char token[PD_BP_TOKEN_MAX + 1];
+    char token[BP_TOKEN_MAX + 1];
     size_t token_len;
     pthread_mutex_t mu;
     pthread_t thread;
@@ -487,35 +487,35 @@ static void tx_commit(pd_net *n, peer *p, size_t len) {
 }
 
 /* Queues a room message; false if the peer had to be failed. */
-static bool send_room_msg(pd_net *n, uint32_t pi, pd_bp_type type, uint64_t room_id, uint64_t value) {
+static bool send_room_msg(pd_net *n, uint32_t pi, bp_type type, uint64_t room_id, uint64_t value) {
     peer *p = &n->peers[pi];
-    uint8_t *b = tx_reserve(p, PD_BP_HEADER_BYTES + PD_BP_ROOM_MSG_BYTES);
+    uint8_t *b = tx_reserve(p, BP_HEADER_BYTES + BP_ROOM_MSG_BYTES);
     if (!b) {
         peer_fail(n, pi, "send queue full: the peer does not read");
         return false;
     }
-    tx_commit(n, p, pd_bp_room_write(b, PD_BP_HEADER_BYTES + PD_BP_ROOM_MSG_BYTES, type, room_id, value));
+    tx_commit(n, p, bp_room_write(b, BP_HEADER_BYTES + BP_ROOM_MSG_BYTES, type, room_id, value));
     return true;
 }
 
-static void send_error(pd_net *n, uint32_t pi, pd_bp_code code, bool has_room, uint64_t room_id,
+static void send_error(pd_net *n, uint32_t pi, bp_code code, bool has_room, uint64_t room_id,
                        const char *text) {
     peer *p = &n->peers[pi];
-    uint8_t *b = tx_reserve(p, PD_BP_HEADER_BYTES + 16 + PD_BP_ERROR_TEXT_MAX);
+    uint8_t *b = tx_reserve(p, BP_HEADER_BYTES + 16 + BP_ERROR_TEXT_MAX);
     if (!b) {
         peer_fail(n, pi, "send queue full: the peer does not read");
         return;
     }
-    tx_commit(n, p, pd_bp_error_write(b, PD_BP_HEADER_BYTES + 16 + PD_BP_ERROR_TEXT_MAX, code, has_room, room_id, text));
+    tx_commit(n, p, bp_error_write(b, BP_HEADER_BYTES + 16 + BP_ERROR_TEXT_MAX, code, has_room, room_id, text));
     n->stats.error_replies++;
 }
 
 /* A protocol violation that ends the connection: counted, answered with an
  * ERROR, then the connection is closed once the reply is out. */
-static void refuse_conn(pd_net *n, uint32_t pi, pd_bp_code code, const char *text) {
+static void refuse_conn(pd_net *n, uint32_t pi, bp_code code, const char *text) {
     peer *p = &n->peers[pi];
     n->stats.bad_messages++;
-    net_log(n, "pd_net: refusing %s: %s (%s)", p->addr, text, pd_bp_code_name(code));
+    net_log(n, "pd_net: refusing %s: %s (%s)", p->addr, text, bp_code_name(code));
     send_error(n, pi, code, false, 0, text);
     if (p->state == PS_FREE) return;
     p->closing_after_tx = true;
@@ -523,7 +523,7 @@ static void refuse_conn(pd_net *n, uint32_t pi, pd_bp_code code, const char *tex
 }
 
 /* A room-level refusal: counted, answered, the connection stays. */
-static void refuse_room(pd_net *n, uint32_t pi, pd_bp_code code, uint64_t room_id, const char *text) {
+static void refuse_room(pd_net *n, uint32_t pi, bp_code code, uint64_t room_id, const char *text) {
     n->stats.bad_messages++;
     net_log(n, "pd_net: refusing room %llu from %s: %s", (unsigned long long)room_id, n->peers[pi].addr, text);
     send_error(n, pi, code, true, room_id, text);
@@ -720,7 +720,7 @@ static void pump_sender(pd_net *n, room *rm, uint64_t now) {
             }
             if (!rm->started) {
                 rm->started = true;
-                if (!send_room_msg(n, pi, PD_BP_START, rm->id, 0)) return;
+                if (!send_room_msg(n, pi, BP_START, rm->id, 0)) return;
             }
             if (!post_put(n, rm, p, &s)) {
                 write_failed(n, rm);
@@ -746,11 +746,11 @@ static void pump_sender(pd_net *n, room *rm, uint64_t now) {
                 notice note = rm->note;
                 rm->note = N_NONE;
                 if (note == N_DONE) {
-                    if (!send_room_msg(n, pi, PD_BP_DONE, rm->id, rm->bytes)) return;
+                    if (!send_room_msg(n, pi, BP_DONE, rm->id, rm->bytes)) return;
                     rm->s_done = true;
                     set_st(n, rm, PD_XFER_SUCCESS);
                 } else {
-                    pd_bp_type t = note == N_ACK ? PD_BP_ACK : PD_BP_ABORT;
+                    bp_type t = note == N_ACK ? BP_ACK : BP_ABORT;
                     if (!send_room_msg(n, pi, t, rm->id, rm->note_value)) return;
                 }
             }
@@ -765,13 +765,13 @@ static void pump_sender(pd_net *n, room *rm, uint64_t now) {
 
 static bool send_dest(pd_net *n, uint32_t pi, room *rm) {
     peer *p = &n->peers[pi];
-    size_t max = PD_BP_HEADER_BYTES + PD_BP_DEST_FIXED + 4u * (size_t)rm->n_dest;
+    size_t max = BP_HEADER_BYTES + BP_DEST_FIXED + 4u * (size_t)rm->n_dest;
     uint8_t *b = tx_reserve(p, max);
     if (!b) {
         peer_fail(n, pi, "send queue full: the peer does not read");
         return false;
     }
-    size_t len = pd_bp_dest_write(b, max, rm->id, rm->prompt, rm->cached, rm->mamba_slot, rm->meta_row,
+    size_t len = bp_dest_write(b, max, rm->id, rm->prompt, rm->cached, rm->mamba_slot, rm->meta_row,
                                   rm->dest, rm->n_dest);
     PD_ASSERT(len == max);
     tx_commit(n, p, len);
@@ -788,7 +788,7 @@ static void pump_receiver(pd_net *n, room *rm, uint64_t now) {
          * tells it nothing, and the room goes either way. */
         if (p) {
             if (p->state != PS_READY) return;
-            send_room_msg(n, rm->peer, PD_BP_ABORT, rm->id, ABORT_REASON_ENGINE);
+            send_room_msg(n, rm->peer, BP_ABORT, rm->id, ABORT_REASON_ENGINE);
         }
         room_free(n, ridx(n, rm));
         return;
@@ -805,13 +805,13 @@ static void pump_receiver(pd_net *n, room *rm, uint64_t now) {
             return;
         }
         rm->abort_sent = true;
-        send_room_msg(n, pi, PD_BP_ABORT, rm->id, ABORT_REASON_ENGINE);
+        send_room_msg(n, pi, BP_ABORT, rm->id, ABORT_REASON_ENGINE);
     }
 }
 
 /* ---- messages: prefill side --------------------------------------------------------- */
 
-static bool token_ok(const pd_net *n, const pd_bp_hello *h) {
+static bool token_ok(const pd_net *n, const bp_hello *h) {
     if (n->token_len == 0) return true;
     /* Compare every byte whatever the lengths: the time taken does not say
      * how much of a guess was right. */
@@ -825,38 +825,38 @@ static bool token_ok(const pd_net *n, const pd_bp_hello *h) {
 
 static void on_hello(pd_net *n, uint32_t pi, const uint8_t *pl, uint32_t len) {
     peer *p = &n->peers[pi];
-    pd_bp_hello h;
+    bp_hello h;
     if (p->state != PS_HELLO) {
-        refuse_conn(n, pi, PD_BP_E_UNEXPECTED, "HELLO sent twice");
+        refuse_conn(n, pi, BP_E_UNEXPECTED, "HELLO sent twice");
         return;
     }
-    if (pd_bp_hello_read(pl, len, &h) != PD_OK) {
-        refuse_conn(n, pi, PD_BP_E_MALFORMED, "malformed HELLO");
+    if (bp_hello_read(pl, len, &h) != PD_OK) {
+        refuse_conn(n, pi, BP_E_MALFORMED, "malformed HELLO");
         return;
     }
     if (!token_ok(n, &h)) {
-        refuse_conn(n, pi, PD_BP_E_AUTH, h.token_len ? "wrong token" : "this node requires a token");
+        refuse_conn(n, pi, BP_E_AUTH, h.token_len ? "wrong token" : "this node requires a token");
         return;
     }
     char why[160];
     if (h.page_size != n->cfg.page_size) {
         snprintf(why, sizeof(why), "page size %u, this node uses %u", h.page_size, n->cfg.page_size);
-        refuse_conn(n, pi, PD_BP_E_MISMATCH, why);
+        refuse_conn(n, pi, BP_E_MISMATCH, why);
         return;
     }
     if (h.meta_row_bytes != sizeof(pd_meta_row) || h.region[REG_META].units == 0 ||
         h.region[REG_META].unit_bytes != sizeof(pd_meta_row)) {
-        refuse_conn(n, pi, PD_BP_E_MISMATCH, "metadata rows differ from this node's");
+        refuse_conn(n, pi, BP_E_MISMATCH, "metadata rows differ from this node's");
         return;
     }
     if (h.region[REG_KV].units == 0 || h.region[REG_KV].unit_bytes != n->unit[REG_KV]) {
         snprintf(why, sizeof(why), "KV page bytes %llu, this node uses %zu",
                  (unsigned long long)h.region[REG_KV].unit_bytes, n->unit[REG_KV]);
-        refuse_conn(n, pi, PD_BP_E_MISMATCH, why);
+        refuse_conn(n, pi, BP_E_MISMATCH, why);
         return;
     }
     if (h.region[REG_MAMBA].units && n->units[REG_MAMBA] && h.region[REG_MAMBA].unit_bytes != n->unit[REG_MAMBA]) {
-        refuse_conn(n, pi, PD_BP_E_MISMATCH, "Mamba slot bytes differ from this node's");
+        refuse_conn(n, pi, BP_E_MISMATCH, "Mamba slot bytes differ from this node's");
         return;
     }
     /* The worker address and keys are opaque to us; UCX parses them. */
@@ -881,7 +881,7 @@ static void on_hello(pd_net *n, uint32_t pi, const uint8_t *pl, uint32_t len) {
     if (st != UCS_OK) {
         p->ep = NULL;
         snprintf(why, sizeof(why), "no UCX path to the decode node's worker: %s", ucs_status_string(st));
-        refuse_conn(n, pi, PD_BP_E_UCX, why);
+        refuse_conn(n, pi, BP_E_UCX, why);
         return;
     }
     for (int r = 0; r < REG_N; r++) {
@@ -892,17 +892,17 @@ static void on_hello(pd_net *n, uint32_t pi, const uint8_t *pl, uint32_t len) {
         st = ucp_ep_rkey_unpack(p->ep, h.region[r].rkey, &p->rkey[r]);
         if (st != UCS_OK) {
             p->rkey[r] = NULL;
-            refuse_conn(n, pi, PD_BP_E_MALFORMED, "a remote key does not unpack");
+            refuse_conn(n, pi, BP_E_MALFORMED, "a remote key does not unpack");
             return;
         }
     }
     p->node_id = h.node_id;
-    uint8_t *b = tx_reserve(p, PD_BP_HEADER_BYTES + 16);
+    uint8_t *b = tx_reserve(p, BP_HEADER_BYTES + 16);
     if (!b) {
         peer_fail(n, pi, "send queue full");
         return;
     }
-    tx_commit(n, p, pd_bp_hello_ok_write(b, PD_BP_HEADER_BYTES + 16, n->node_id, n->cfg.page_size));
+    tx_commit(n, p, bp_hello_ok_write(b, BP_HEADER_BYTES + 16, n->node_id, n->cfg.page_size));
     p->state = PS_READY;
     p->ever_ready = true;
     p->t_state_ms = now_ms();
@@ -911,49 +911,49 @@ static void on_hello(pd_net *n, uint32_t pi, const uint8_t *pl, uint32_t len) {
 
 /* Checks a destination against the decode node's advertised memory and this
  * node's; NULL if acceptable, else why not. */
-static const char *dest_problem(const pd_net *n, const peer *p, const pd_bp_dest *d) {
+static const char *dest_problem(const pd_net *n, const peer *p, const bp_dest *d) {
     uint32_t ps = n->cfg.page_size;
     if (d->prompt_tokens == 0) return "empty prompt";
     if (d->cached_tokens % ps || d->cached_tokens > d->prompt_tokens) return "cached prefix not a page multiple within the prompt";
     if (d->n_pages != PD_DIV_CEIL(d->prompt_tokens, ps) - d->cached_tokens / ps) return "page count does not match the prompt";
     for (uint32_t i = 0; i < d->n_pages; i++)
-        if (pd_bp_dest_page(d, i) >= p->runits[REG_KV]) return "destination page out of range";
+        if (bp_dest_page(d, i) >= p->runits[REG_KV]) return "destination page out of range";
     if (d->meta_row >= p->runits[REG_META]) return "metadata row out of range";
-    if (d->mamba_slot != PD_BP_NONE && d->mamba_slot >= p->runits[REG_MAMBA]) return "Mamba slot out of range";
-    if ((d->mamba_slot != PD_BP_NONE) != (n->units[REG_MAMBA] > 0)) return "Mamba slot given for a model without one, or missing";
+    if (d->mamba_slot != BP_NONE && d->mamba_slot >= p->runits[REG_MAMBA]) return "Mamba slot out of range";
+    if ((d->mamba_slot != BP_NONE) != (n->units[REG_MAMBA] > 0)) return "Mamba slot given for a model without one, or missing";
     return NULL;
 }
 
 static void on_dest(pd_net *n, uint32_t pi, const uint8_t *pl, uint32_t len) {
     peer *p = &n->peers[pi];
-    pd_bp_dest d;
-    if (pd_bp_dest_read(pl, len, &d) != PD_OK) {
-        refuse_conn(n, pi, PD_BP_E_MALFORMED, "malformed DEST");
+    bp_dest d;
+    if (bp_dest_read(pl, len, &d) != PD_OK) {
+        refuse_conn(n, pi, BP_E_MALFORMED, "malformed DEST");
         return;
     }
     const char *bad = dest_problem(n, p, &d);
     if (bad) {
-        refuse_room(n, pi, PD_BP_E_DEST_INVALID, d.room, bad);
+        refuse_room(n, pi, BP_E_DEST_INVALID, d.room, bad);
         return;
     }
     uint32_t r = room_find(n, d.room);
     if (r != NONE) {
         room *rm = &n->rooms[r];
         if (rm->dest_known || rm->peer != NONE) {
-            refuse_room(n, pi, PD_BP_E_ROOM_DUPLICATE, d.room, "a destination for this room already exists");
+            refuse_room(n, pi, BP_E_ROOM_DUPLICATE, d.room, "a destination for this room already exists");
             return;
         }
         if (rm->early_abort || rm->st == PD_XFER_FAILED) {
             /* The prefill half is gone already: tell the decode half now. */
             rm->dest_known = true; /* a tombstone's job is done */
-            send_room_msg(n, pi, PD_BP_ABORT, d.room, ABORT_REASON_ENGINE);
+            send_room_msg(n, pi, BP_ABORT, d.room, ABORT_REASON_ENGINE);
             room_try_release(n, rm);
             return;
         }
     } else {
         r = room_new(n, d.room);
         if (r == NONE) {
-            send_error(n, pi, PD_BP_E_BUSY, true, d.room, "no room slot free on the prefill node");
+            send_error(n, pi, BP_E_BUSY, true, d.room, "no room slot free on the prefill node");
             return;
         }
     }
@@ -961,10 +961,10 @@ static void on_dest(pd_net *n, uint32_t pi, const uint8_t *pl, uint32_t len) {
     uint32_t *pages = malloc(((size_t)d.n_pages + 1) * sizeof(uint32_t));
     if (!pages) {
         if (!rm->open) room_free(n, r);
-        send_error(n, pi, PD_BP_E_BUSY, true, d.room, "out of memory on the prefill node");
+        send_error(n, pi, BP_E_BUSY, true, d.room, "out of memory on the prefill node");
         return;
     }
-    for (uint32_t i = 0; i < d.n_pages; i++) pages[i] = pd_bp_dest_page(&d, i);
+    for (uint32_t i = 0; i < d.n_pages; i++) pages[i] = bp_dest_page(&d, i);
     rm->dest = pages;
     rm->n_dest = d.n_pages;
     rm->prompt = d.prompt_tokens;
@@ -976,7 +976,7 @@ static void on_dest(pd_net *n, uint32_t pi, const uint8_t *pl, uint32_t len) {
     rm->peer_gen = p->gen;
     if (!rm->open) rm->t_ms = now_ms();
     if (rm->open && rm->st == PD_XFER_BOOTSTRAPPING) set_st(n, rm, PD_XFER_WAITING_FOR_INPUT);
-    send_room_msg(n, pi, PD_BP_DEST_OK, d.room, 0);
+    send_room_msg(n, pi, BP_DEST_OK, d.room, 0);
 }
 
 static void on_decode_abort(pd_net *n, uint32_t pi, uint64_t room_id) {
@@ -993,7 +993,7 @@ static void on_decode_abort(pd_net *n, uint32_t pi, uint64_t room_id) {
             tomb->r_aborted = true;
             tomb->s_done = true;
         }
-        send_room_msg(n, pi, PD_BP_ACK, room_id, 0);
+        send_room_msg(n, pi, BP_ACK, room_id, 0);
         return;
     }
     room *rm = &n->rooms[r];
@@ -1004,19 +1004,19 @@ static void on_decode_abort(pd_net *n, uint32_t pi, uint64_t room_id) {
         set_st(n, rm, PD_XFER_FAILED);
         rm->s_done = true;
         stages_drop(n, rm);
-        send_room_msg(n, pi, PD_BP_ACK, room_id, 0);
+        send_room_msg(n, pi, BP_ACK, room_id, 0);
         if (rm->closed) room_free(n, r); /* our own tombstone: both halves are gone */
         return;
     }
     if (rm->peer != pi || rm->peer_gen != p->gen) {
-        refuse_room(n, pi, PD_BP_E_ROOM_UNKNOWN, room_id, "this connection holds no destination for the room");
+        refuse_room(n, pi, BP_E_ROOM_UNKNOWN, room_id, "this connection holds no destination for the room");
         return;
     }
     rm->r_aborted = true;
     set_st(n, rm, PD_XFER_FAILED);
     stages_drop(n, rm);
     if (rm->s_done && rm->note == N_NONE) {
-        send_room_msg(n, pi, PD_BP_ACK, room_id, 0);
+        send_room_msg(n, pi, BP_ACK, room_id, 0);
         return;
     }
     rm->s_done = true;
@@ -1037,15 +1037,15 @@ static room *own_room(pd_net *n, uint32_t pi, uint64_t room_id) {
 
 static void on_decode_msg(pd_net *n, uint32_t pi, uint32_t type, const uint8_t *pl, uint32_t len) {
     peer *p = &n->peers[pi];
-    if (type == PD_BP_HELLO_OK) {
+    if (type == BP_HELLO_OK) {
         uint64_t node_id;
         uint32_t ps;
         if (p->state != PS_HELLO) {
-            refuse_conn(n, pi, PD_BP_E_UNEXPECTED, "HELLO_OK out of turn");
-        } else if (pd_bp_hello_ok_read(pl, len, &node_id, &ps) != PD_OK) {
-            refuse_conn(n, pi, PD_BP_E_MALFORMED, "malformed HELLO_OK");
+            refuse_conn(n, pi, BP_E_UNEXPECTED, "HELLO_OK out of turn");
+        } else if (bp_hello_ok_read(pl, len, &node_id, &ps) != PD_OK) {
+            refuse_conn(n, pi, BP_E_MALFORMED, "malformed HELLO_OK");
         } else if (ps != n->cfg.page_size) {
-            refuse_conn(n, pi, PD_BP_E_MISMATCH, "page size differs");
+            refuse_conn(n, pi, BP_E_MISMATCH, "page size differs");
         } else {
             p->node_id = node_id;
             p->state = PS_READY;
@@ -1059,37 +1059,37 @@ static void on_decode_msg(pd_net *n, uint32_t pi, uint32_t type, const uint8_t *
         return;
     }
     if (p->state != PS_READY) {
-        refuse_conn(n, pi, PD_BP_E_UNEXPECTED, "message before HELLO_OK");
+        refuse_conn(n, pi, BP_E_UNEXPECTED, "message before HELLO_OK");
         return;
     }
     uint64_t room_id, value;
     switch (type) {
-    case PD_BP_DEST_OK:
-    case PD_BP_START:
-    case PD_BP_DONE:
-    case PD_BP_ABORT:
-    case PD_BP_ACK: {
-        if (pd_bp_room_read(pl, len, &room_id, &value) != PD_OK) {
-            refuse_conn(n, pi, PD_BP_E_MALFORMED, "malformed room message");
+    case BP_DEST_OK:
+    case BP_START:
+    case BP_DONE:
+    case BP_ABORT:
+    case BP_ACK: {
+        if (bp_room_read(pl, len, &room_id, &value) != PD_OK) {
+            refuse_conn(n, pi, BP_E_MALFORMED, "malformed room message");
             return;
         }
         room *rm = own_room(n, pi, room_id);
         if (!rm) {
             /* ACK may cross our close legitimately; anything else about a
              * room we do not have is the peer's mistake. */
-            if (type != PD_BP_ACK) refuse_room(n, pi, PD_BP_E_ROOM_UNKNOWN, room_id, "unknown room");
+            if (type != BP_ACK) refuse_room(n, pi, BP_E_ROOM_UNKNOWN, room_id, "unknown room");
             return;
         }
-        if (type == PD_BP_DEST_OK) {
+        if (type == BP_DEST_OK) {
             if (rm->st == PD_XFER_BOOTSTRAPPING) set_st(n, rm, PD_XFER_WAITING_FOR_INPUT);
-        } else if (type == PD_BP_START) {
+        } else if (type == BP_START) {
             if (rm->st == PD_XFER_BOOTSTRAPPING || rm->st == PD_XFER_WAITING_FOR_INPUT)
                 set_st(n, rm, PD_XFER_TRANSFERRING);
-        } else if (type == PD_BP_DONE) {
+        } else if (type == BP_DONE) {
             rm->stopped = true;
             n->stats.bytes_received += value;
             set_st(n, rm, PD_XFER_SUCCESS);
-        } else if (type == PD_BP_ABORT) {
+        } else if (type == BP_ABORT) {
             rm->stopped = true;
             set_st(n, rm, PD_XFER_FAILED);
         } else {
@@ -1098,28 +1098,28 @@ static void on_decode_msg(pd_net *n, uint32_t pi, uint32_t type, const uint8_t *
         return;
     }
     default:
-        refuse_conn(n, pi, PD_BP_E_UNEXPECTED, "message type not sent to a decode node");
+        refuse_conn(n, pi, BP_E_UNEXPECTED, "message type not sent to a decode node");
         return;
     }
 }
 
 static void on_error_msg(pd_net *n, uint32_t pi, const uint8_t *pl, uint32_t len) {
-    pd_bp_error e;
-    if (pd_bp_error_read(pl, len, &e) != PD_OK) {
-        refuse_conn(n, pi, PD_BP_E_MALFORMED, "malformed ERROR");
+    bp_error e;
+    if (bp_error_read(pl, len, &e) != PD_OK) {
+        refuse_conn(n, pi, BP_E_MALFORMED, "malformed ERROR");
         return;
     }
-    char text[PD_BP_ERROR_TEXT_MAX + 1];
+    char text[BP_ERROR_TEXT_MAX + 1];
     memcpy(text, e.text, e.text_len);
     text[e.text_len] = 0;
     if (!e.has_room) {
-        char why[PD_BP_ERROR_TEXT_MAX + 64];
-        snprintf(why, sizeof(why), "peer refused the connection: %s (%s)", text, pd_bp_code_name(e.code));
+        char why[BP_ERROR_TEXT_MAX + 64];
+        snprintf(why, sizeof(why), "peer refused the connection: %s (%s)", text, bp_code_name(e.code));
         peer_fail(n, pi, why);
         return;
     }
     net_log(n, "pd_net: %s refused room %llu: %s (%s)", n->peers[pi].addr, (unsigned long long)e.room, text,
-            pd_bp_code_name(e.code));
+            bp_code_name(e.code));
     if (n->cfg.role == PD_NET_DECODE) {
         /* The prefill refused our destination: it will never write to it. */
         room *rm = own_room(n, pi, e.room);
@@ -1132,37 +1132,37 @@ static void on_error_msg(pd_net *n, uint32_t pi, const uint8_t *pl, uint32_t len
 
 static void on_message(pd_net *n, uint32_t pi, uint32_t type, const uint8_t *pl, uint32_t len) {
     peer *p = &n->peers[pi];
-    if (type == PD_BP_ERROR) {
+    if (type == BP_ERROR) {
         on_error_msg(n, pi, pl, len);
         return;
     }
-    if (type == PD_BP_PING) {
-        if (p->state != PS_READY) refuse_conn(n, pi, PD_BP_E_UNEXPECTED, "PING before the handshake");
+    if (type == BP_PING) {
+        if (p->state != PS_READY) refuse_conn(n, pi, BP_E_UNEXPECTED, "PING before the handshake");
         return;
     }
     if (n->cfg.role == PD_NET_DECODE) {
         on_decode_msg(n, pi, type, pl, len);
         return;
     }
-    if (type == PD_BP_HELLO) {
+    if (type == BP_HELLO) {
         on_hello(n, pi, pl, len);
         return;
     }
     if (p->state != PS_READY) {
-        refuse_conn(n, pi, PD_BP_E_UNEXPECTED, "the first message must be HELLO");
+        refuse_conn(n, pi, BP_E_UNEXPECTED, "the first message must be HELLO");
         return;
     }
     uint64_t room_id, value;
     switch (type) {
-    case PD_BP_DEST: on_dest(n, pi, pl, len); return;
-    case PD_BP_ABORT:
-        if (pd_bp_room_read(pl, len, &room_id, &value) != PD_OK) {
-            refuse_conn(n, pi, PD_BP_E_MALFORMED, "malformed ABORT");
+    case BP_DEST: on_dest(n, pi, pl, len); return;
+    case BP_ABORT:
+        if (bp_room_read(pl, len, &room_id, &value) != PD_OK) {
+            refuse_conn(n, pi, BP_E_MALFORMED, "malformed ABORT");
             return;
         }
         on_decode_abort(n, pi, room_id);
         return;
-    default: refuse_conn(n, pi, PD_BP_E_UNEXPECTED, "message type not sent to a prefill node"); return;
+    default: refuse_conn(n, pi, BP_E_UNEXPECTED, "message type not sent to a prefill node"); return;
     }
 }
 
@@ -1173,22 +1173,22 @@ static void peer_parse(pd_net *n, uint32_t pi) {
     peer *p = &n->peers[pi];
     uint32_t gen = p->gen;
     size_t off = 0;
-    while (p->state != PS_FREE && p->gen == gen && !p->closing_after_tx && p->rx_len - off >= PD_BP_HEADER_BYTES) {
-        pd_bp_header h;
-        pd_bp_code code;
-        if (pd_bp_header_check(p->rx + off, &h, &code) != PD_OK) {
+    while (p->state != PS_FREE && p->gen == gen && !p->closing_after_tx && p->rx_len - off >= BP_HEADER_BYTES) {
+        bp_header h;
+        bp_code code;
+        if (bp_header_check(p->rx + off, &h, &code) != PD_OK) {
             char why[96];
-            if (code == PD_BP_E_VERSION)
+            if (code == BP_E_VERSION)
                 snprintf(why, sizeof(why), "protocol version %u not supported; this node speaks %u", h.version,
-                         PD_BP_VERSION);
-            else if (code == PD_BP_E_TOO_BIG)
-                snprintf(why, sizeof(why), "%s of %u bytes is over the limit", pd_bp_type_name(h.type), h.length);
+                         BP_VERSION);
+            else if (code == BP_E_TOO_BIG)
+                snprintf(why, sizeof(why), "%s of %u bytes is over the limit", bp_type_name(h.type), h.length);
             else
-                snprintf(why, sizeof(why), "bad header (%s)", code == PD_BP_E_MALFORMED ? "magic or flags" : "type");
+                snprintf(why, sizeof(why), "bad header (%s)", code == BP_E_MALFORMED ? "magic or flags" : "type");
             refuse_conn(n, pi, code, why);
             return;
         }
-        size_t need = PD_BP_HEADER_BYTES + (size_t)h.length;
+        size_t need = BP_HEADER_BYTES + (size_t)h.length;
         if (p->rx_len - off < need) {
             if (need > p->rx_cap) {
                 /* The header was checked: need is within the type's limit. */
@@ -1207,7 +1207,7 @@ static void peer_parse(pd_net *n, uint32_t pi) {
             }
             break;
         }
-        on_message(n, pi, h.type, p->rx + off + PD_BP_HEADER_BYTES, h.length);
+        on_message(n, pi, h.type, p->rx + off + BP_HEADER_BYTES, h.length);
         off += need;
     }
     if (p->state == PS_FREE || p->gen != gen) return;
@@ -1272,8 +1272,8 @@ static void accept_all(pd_net *n) {
         setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
         uint32_t pi = set_nonblocking(fd) ? peer_alloc(n) : NONE;
         if (pi == NONE) {
-            uint8_t b[PD_BP_HEADER_BYTES + 16 + PD_BP_ERROR_TEXT_MAX];
-            size_t len = pd_bp_error_write(b, sizeof(b), PD_BP_E_BUSY, false, 0, "too many connections");
+            uint8_t b[BP_HEADER_BYTES + 16 + BP_ERROR_TEXT_MAX];
+            size_t len = bp_error_write(b, sizeof(b), BP_E_BUSY, false, 0, "too many connections");
             ssize_t w = send(fd, b, len, MSG_NOSIGNAL | MSG_DONTWAIT);
             (void)w;
             n->stats.error_replies++;
@@ -1319,7 +1319,7 @@ static bool split_addr(const char *s, char *host, size_t host_cap, char *port, s
 
 static void queue_hello(pd_net *n, uint32_t pi) {
     peer *p = &n->peers[pi];
-    pd_bp_hello h = {
+    bp_hello h = {
         .node_id = n->node_id,
         .page_size = n->cfg.page_size,
         .meta_row_bytes = sizeof(pd_meta_row),
@@ -1329,15 +1329,15 @@ static void queue_hello(pd_net *n, uint32_t pi) {
         .worker_addr = (const uint8_t *)n->waddr,
     };
     for (int r = 0; r < REG_N; r++)
-        h.region[r] = (pd_bp_region){
+        h.region[r] = (bp_region){
             .base = (uint64_t)(uintptr_t)n->base[r],
             .unit_bytes = n->unit[r],
             .units = n->units[r],
             .rkey_len = (uint16_t)n->rkey_len[r],
             .rkey = n->rkey_buf[r],
         };
-    uint8_t *b = tx_reserve(p, PD_BP_HEADER_BYTES + PD_BP_HELLO_MAX);
-    size_t len = b ? pd_bp_hello_write(b, PD_BP_HEADER_BYTES + PD_BP_HELLO_MAX, &h) : 0;
+    uint8_t *b = tx_reserve(p, BP_HEADER_BYTES + BP_HELLO_MAX);
+    size_t len = b ? bp_hello_write(b, BP_HEADER_BYTES + BP_HELLO_MAX, &h) : 0;
     if (len == 0) {
         peer_fail(n, pi, "cannot encode HELLO (worker address or keys too large)");
         return;
@@ -1473,9 +1473,9 @@ static void timers(pd_net *n, uint64_t now) {
             continue;
         }
         if (since(now, p->last_tx_ms) >= n->cfg.heartbeat_ms) {
-            uint8_t *b = tx_reserve(p, PD_BP_HEADER_BYTES);
+            uint8_t *b = tx_reserve(p, BP_HEADER_BYTES);
             if (!b) peer_fail(n, pi, "send queue full");
-            else tx_commit(n, p, pd_bp_ping_write(b, PD_BP_HEADER_BYTES));
+            else tx_commit(n, p, bp_ping_write(b, BP_HEADER_BYTES));
         }
     }
     if (n->cfg.role == PD_NET_PREFILL) abandon_dead_writes(n, now);
@@ -1501,7 +1501,7 @@ static void timers(pd_net *n, uint64_t now) {
             if (!rm->closed && rm->dest_known && !rm->r_aborted && rm->st != PD_XFER_FAILED) {
                 /* A destination the engine never claimed: free the decode's pages. */
                 uint32_t pi = rm->peer;
-                if (peer_of(n, rm)) send_room_msg(n, pi, PD_BP_ABORT, rm->id, ABORT_REASON_ORPHAN);
+                if (peer_of(n, rm)) send_room_msg(n, pi, BP_ABORT, rm->id, ABORT_REASON_ORPHAN);
             }
             room_free(n, r);
         }
@@ -1768,7 +1768,7 @@ static pd_err v_receiver_open(void *self, uint64_t id, const char *peer_addr, co
     if (!dest || !peer_addr || dest->prompt_tokens == 0 || dest->cached_tokens % ps ||
         dest->cached_tokens > dest->prompt_tokens ||
         dest->n_pages != PD_DIV_CEIL(dest->prompt_tokens, ps) - dest->cached_tokens / ps ||
-        dest->n_pages > PD_BP_DEST_PAGES_MAX || (dest->n_pages && !dest->pages) ||
+        dest->n_pages > BP_DEST_PAGES_MAX || (dest->n_pages && !dest->pages) ||
         dest->meta_row >= n->units[REG_META] ||
         (dest->mamba_slot != PD_POOL_NONE && dest->mamba_slot >= n->units[REG_MAMBA]))
         return PD_ERR_INVALID;
@@ -2033,7 +2033,7 @@ static pd_err ucx_init(pd_net *n, char *msg, size_t cap) {
         n->waddr = NULL;
         return pd_errorf(msg, cap, PD_ERR_IO, "UCX worker address: %s", ucs_status_string(st));
     }
-    if (n->waddr_len > PD_BP_WORKER_ADDR_MAX)
+    if (n->waddr_len > BP_WORKER_ADDR_MAX)
         return pd_errorf(msg, cap, PD_ERR_TOOBIG, "UCX worker address of %zu bytes is over the protocol's limit",
                          n->waddr_len);
     const char *tls = n->cfg.ucx_tls ? n->cfg.ucx_tls : getenv("UCX_TLS");
@@ -2077,8 +2077,8 @@ pd_err pd_net_create(pd_net **out, const pd_net_config *cfg, char *msg, size_t m
     if (cfg->role != PD_NET_PREFILL && cfg->role != PD_NET_DECODE)
         return pd_errorf(msg, msg_cap, PD_ERR_INVALID, "role must be prefill or decode");
     if (cfg->page_size == 0) return pd_errorf(msg, msg_cap, PD_ERR_INVALID, "page_size must be positive");
-    if (cfg->token && strlen(cfg->token) > PD_BP_TOKEN_MAX)
-        return pd_errorf(msg, msg_cap, PD_ERR_INVALID, "token longer than %u bytes", PD_BP_TOKEN_MAX);
+    if (cfg->token && strlen(cfg->token) > BP_TOKEN_MAX)
+        return pd_errorf(msg, msg_cap, PD_ERR_INVALID, "token longer than %u bytes", BP_TOKEN_MAX);
     pd_net *n = calloc(1, sizeof(*n));
     if (!n) return pd_errorf(msg, msg_cap, PD_ERR_NOMEM, "out of memory");
     n->cfg = *cfg;
@@ -2200,7 +2200,7 @@ pd_err pd_net_register(pd_net *n, const pd_exec_memory *mem, pd_meta_row *meta, 
             n->rkey_buf[r] = NULL;
             return pd_errorf(msg, msg_cap, PD_ERR_IO, "UCX remote key: %s", ucs_status_string(st));
         }
-        if (n->rkey_len[r] == 0 || n->rkey_len[r] > PD_BP_RKEY_MAX)
+        if (n->rkey_len[r] == 0 || n->rkey_len[r] > BP_RKEY_MAX)
             return pd_errorf(msg, msg_cap, PD_ERR_TOOBIG, "UCX remote key of %zu bytes", n->rkey_len[r]);
     }
     n->registered = true;

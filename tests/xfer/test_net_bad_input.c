@@ -51,34 +51,34 @@ static bool raw_read_exact(int fd, uint8_t *buf, size_t len) {
 }
 
 typedef struct raw_msg {
-    pd_bp_header h;
-    uint8_t payload[PD_BP_HELLO_MAX];
+    bp_header h;
+    uint8_t payload[BP_HELLO_MAX];
 } raw_msg;
 
 /* Next message other than PING; false on EOF (or a reset, or 20 s silence). */
 static bool raw_read(int fd, raw_msg *m) {
     for (;;) {
-        uint8_t hdr[PD_BP_HEADER_BYTES];
+        uint8_t hdr[BP_HEADER_BYTES];
         if (!raw_read_exact(fd, hdr, sizeof(hdr))) return false;
-        pd_bp_code code;
-        assert_ok(pd_bp_header_check(hdr, &m->h, &code)); /* the node only sends good frames */
+        bp_code code;
+        assert_ok(bp_header_check(hdr, &m->h, &code)); /* the node only sends good frames */
         assert_true(m->h.length <= sizeof(m->payload));
         if (!raw_read_exact(fd, m->payload, m->h.length)) return false;
-        if (m->h.type != PD_BP_PING) return true;
+        if (m->h.type != BP_PING) return true;
     }
 }
 
 /* The node answers with ERROR(code) and closes the connection. */
-static void expect_refused(int fd, pd_bp_code code, const char *text_part) {
+static void expect_refused(int fd, bp_code code, const char *text_part) {
     raw_msg m;
     assert_true(raw_read(fd, &m));
-    assert_int_equal(m.h.type, PD_BP_ERROR);
-    pd_bp_error e;
-    assert_ok(pd_bp_error_read(m.payload, m.h.length, &e));
+    assert_int_equal(m.h.type, BP_ERROR);
+    bp_error e;
+    assert_ok(bp_error_read(m.payload, m.h.length, &e));
     assert_int_equal(e.code, code);
     assert_false(e.has_room);
     if (text_part) {
-        char text[PD_BP_ERROR_TEXT_MAX + 1];
+        char text[BP_ERROR_TEXT_MAX + 1];
         memcpy(text, e.text, e.text_len);
         text[e.text_len] = 0;
         if (!strstr(text, text_part)) fail_msg("error text '%s' lacks '%s'", text, text_part);
@@ -88,23 +88,23 @@ static void expect_refused(int fd, pd_bp_code code, const char *text_part) {
 }
 
 /* The node answers with a room-level ERROR and keeps the connection. */
-static void expect_room_error(int fd, pd_bp_code code, uint64_t room) {
+static void expect_room_error(int fd, bp_code code, uint64_t room) {
     raw_msg m;
     assert_true(raw_read(fd, &m));
-    assert_int_equal(m.h.type, PD_BP_ERROR);
-    pd_bp_error e;
-    assert_ok(pd_bp_error_read(m.payload, m.h.length, &e));
+    assert_int_equal(m.h.type, BP_ERROR);
+    bp_error e;
+    assert_ok(bp_error_read(m.payload, m.h.length, &e));
     assert_int_equal(e.code, code);
     assert_true(e.has_room);
     assert_int_equal(e.room, room);
 }
 
-static void expect_room_msg(int fd, pd_bp_type type, uint64_t room) {
+static void expect_room_msg(int fd, bp_type type, uint64_t room) {
     raw_msg m;
     assert_true(raw_read(fd, &m));
-    if (m.h.type != type) fail_msg("got %s, want %s", pd_bp_type_name(m.h.type), pd_bp_type_name(type));
+    if (m.h.type != type) fail_msg("got %s, want %s", bp_type_name(m.h.type), bp_type_name(type));
     uint64_t r, v;
-    assert_ok(pd_bp_room_read(m.payload, m.h.length, &r, &v));
+    assert_ok(bp_room_read(m.payload, m.h.length, &r, &v));
     assert_int_equal(r, room);
 }
 
@@ -148,36 +148,36 @@ static void rogue_fini(void) {
 }
 
 static size_t rogue_hello(uint8_t *buf, size_t cap, const pair_opts *o, const char *token, uint32_t page_size) {
-    pd_bp_hello h = {
+    bp_hello h = {
         .node_id = 666, .page_size = page_size, .meta_row_bytes = sizeof(pd_meta_row),
         .token_len = token ? (uint16_t)strlen(token) : 0, .token = (const uint8_t *)token,
         .worker_addr_len = (uint16_t)rogue.addr_len, .worker_addr = (const uint8_t *)rogue.addr,
     };
     uint64_t base = (uint64_t)(uintptr_t)rogue.mem;
     size_t kv = o->kv_pages * o->kv_page_bytes, mb = o->mamba_slots * o->mamba_slot_bytes;
-    h.region[0] = (pd_bp_region){base, o->kv_page_bytes, o->kv_pages, (uint16_t)rogue.rkey_len, rogue.rkey};
-    h.region[1] = (pd_bp_region){base + kv, o->mamba_slot_bytes, o->mamba_slots, (uint16_t)rogue.rkey_len, rogue.rkey};
-    h.region[2] = (pd_bp_region){base + kv + mb, sizeof(pd_meta_row), o->meta_rows, (uint16_t)rogue.rkey_len, rogue.rkey};
-    size_t len = pd_bp_hello_write(buf, cap, &h);
+    h.region[0] = (bp_region){base, o->kv_page_bytes, o->kv_pages, (uint16_t)rogue.rkey_len, rogue.rkey};
+    h.region[1] = (bp_region){base + kv, o->mamba_slot_bytes, o->mamba_slots, (uint16_t)rogue.rkey_len, rogue.rkey};
+    h.region[2] = (bp_region){base + kv + mb, sizeof(pd_meta_row), o->meta_rows, (uint16_t)rogue.rkey_len, rogue.rkey};
+    size_t len = bp_hello_write(buf, cap, &h);
     assert_true(len > 0);
     return len;
 }
 
 /* A raw decode peer that completed the handshake. */
 static int rogue_connected(pair *w) {
-    static uint8_t buf[PD_BP_HEADER_BYTES + PD_BP_HELLO_MAX];
+    static uint8_t buf[BP_HEADER_BYTES + BP_HELLO_MAX];
     int fd = raw_connect(pd_net_bootstrap_port(w->pre));
     raw_send(fd, buf, rogue_hello(buf, sizeof(buf), &w->o, TOKEN, w->o.page_size));
     raw_msg m;
     assert_true(raw_read(fd, &m));
-    assert_int_equal(m.h.type, PD_BP_HELLO_OK);
+    assert_int_equal(m.h.type, BP_HELLO_OK);
     return fd;
 }
 
 static void send_dest(int fd, uint64_t room, uint32_t prompt, uint32_t cached, uint32_t mamba, uint32_t meta,
                       const uint32_t *pages, uint32_t n) {
-    static uint8_t buf[PD_BP_HEADER_BYTES + PD_BP_DEST_FIXED + 4 * 256];
-    size_t len = pd_bp_dest_write(buf, sizeof(buf), room, prompt, cached, mamba, meta, pages, n);
+    static uint8_t buf[BP_HEADER_BYTES + BP_DEST_FIXED + 4 * 256];
+    size_t len = bp_dest_write(buf, sizeof(buf), room, prompt, cached, mamba, meta, pages, n);
     assert_true(len > 0);
     raw_send(fd, buf, len);
 }
@@ -219,12 +219,12 @@ static void garbage_bytes_are_refused(void **state) {
     for (size_t i = 0; i < sizeof(junk); i++) junk[i] = (uint8_t)pd_rng_next(&rng);
     junk[0] = 'G'; /* never the magic */
     raw_send(fd, junk, sizeof(junk));
-    expect_refused(fd, PD_BP_E_MALFORMED, NULL);
+    expect_refused(fd, BP_E_MALFORMED, NULL);
     /* An HTTP request on the wrong port, the classic. */
     fd = raw_connect(pd_net_bootstrap_port(w->pre));
     const char *http = "GET /health HTTP/1.1\r\nHost: x\r\n\r\n";
     raw_send(fd, http, strlen(http));
-    expect_refused(fd, PD_BP_E_MALFORMED, NULL);
+    expect_refused(fd, BP_E_MALFORMED, NULL);
     WAIT_FOR(stats_of(w->pre).bad_messages == 2);
     valid_decode_still_completes_a_room(w, 1);
     assert_int_equal(stats_of(w->pre).bad_messages, 2);
@@ -236,8 +236,8 @@ static void truncated_message_is_refused(void **state) {
     pair *w = secure_pair();
     /* A HELLO announcing 200 bytes, 10 of which arrive before the close. */
     int fd = raw_connect(pd_net_bootstrap_port(w->pre));
-    uint8_t buf[PD_BP_HEADER_BYTES + 10] = {0};
-    pd_bp_header_write(buf, PD_BP_HELLO, 200);
+    uint8_t buf[BP_HEADER_BYTES + 10] = {0};
+    bp_header_write(buf, BP_HELLO, 200);
     raw_send(fd, buf, sizeof(buf));
     shutdown(fd, SHUT_WR);
     raw_msg m;
@@ -258,14 +258,14 @@ static void oversize_length_is_refused(void **state) {
     (void)state;
     pair *w = secure_pair();
     int fd = raw_connect(pd_net_bootstrap_port(w->pre));
-    uint8_t buf[PD_BP_HEADER_BYTES];
-    pd_bp_header_write(buf, PD_BP_DEST, 0xFFFFFFF0u); /* 4 GiB: never buffered */
+    uint8_t buf[BP_HEADER_BYTES];
+    bp_header_write(buf, BP_DEST, 0xFFFFFFF0u); /* 4 GiB: never buffered */
     raw_send(fd, buf, sizeof(buf));
-    expect_refused(fd, PD_BP_E_TOO_BIG, "over the limit");
+    expect_refused(fd, BP_E_TOO_BIG, "over the limit");
     fd = raw_connect(pd_net_bootstrap_port(w->pre));
-    pd_bp_header_write(buf, PD_BP_HELLO, PD_BP_HELLO_MAX + 1);
+    bp_header_write(buf, BP_HELLO, BP_HELLO_MAX + 1);
     raw_send(fd, buf, sizeof(buf));
-    expect_refused(fd, PD_BP_E_TOO_BIG, NULL);
+    expect_refused(fd, BP_E_TOO_BIG, NULL);
     WAIT_FOR(stats_of(w->pre).bad_messages == 2);
     valid_decode_still_completes_a_room(w, 3);
     pair_free(w);
@@ -274,12 +274,12 @@ static void oversize_length_is_refused(void **state) {
 static void wrong_version_is_refused_with_a_clear_error(void **state) {
     (void)state;
     pair *w = secure_pair();
-    static uint8_t buf[PD_BP_HEADER_BYTES + PD_BP_HELLO_MAX];
+    static uint8_t buf[BP_HEADER_BYTES + BP_HELLO_MAX];
     int fd = raw_connect(pd_net_bootstrap_port(w->pre));
     size_t len = rogue_hello(buf, sizeof(buf), &w->o, TOKEN, w->o.page_size);
-    pd_bp_put_u16(buf + 4, 2); /* a newer peer */
+    bp_put_u16(buf + 4, 2); /* a newer peer */
     raw_send(fd, buf, len);
-    expect_refused(fd, PD_BP_E_VERSION, "version 2 not supported");
+    expect_refused(fd, BP_E_VERSION, "version 2 not supported");
     WAIT_FOR(stats_of(w->pre).bad_messages == 1);
     valid_decode_still_completes_a_room(w, 4);
     pair_free(w);
@@ -290,12 +290,12 @@ static void wrong_version_is_refused_with_a_clear_error(void **state) {
 static void missing_or_wrong_token_is_refused(void **state) {
     (void)state;
     pair *w = secure_pair();
-    static uint8_t buf[PD_BP_HEADER_BYTES + PD_BP_HELLO_MAX];
+    static uint8_t buf[BP_HEADER_BYTES + BP_HELLO_MAX];
     const char *tokens[] = {NULL, "s3crex", "s3cret-and-more", "s3cre"};
     for (size_t i = 0; i < PD_ARRAY_LEN(tokens); i++) {
         int fd = raw_connect(pd_net_bootstrap_port(w->pre));
         raw_send(fd, buf, rogue_hello(buf, sizeof(buf), &w->o, tokens[i], w->o.page_size));
-        expect_refused(fd, PD_BP_E_AUTH, "token");
+        expect_refused(fd, BP_E_AUTH, "token");
     }
     WAIT_FOR(stats_of(w->pre).bad_messages == 4);
     /* A real decode node with the wrong token: its rooms fail and drain. */
@@ -325,21 +325,21 @@ static void messages_out_of_turn_are_refused(void **state) {
     int fd = raw_connect(pd_net_bootstrap_port(w->pre));
     uint32_t pages[1] = {1};
     send_dest(fd, 9, 3, 0, 0, 0, pages, 1);
-    expect_refused(fd, PD_BP_E_UNEXPECTED, "HELLO");
+    expect_refused(fd, BP_E_UNEXPECTED, "HELLO");
     /* A message only a prefill node sends. */
     fd = rogue_connected(w);
     uint8_t buf[64];
-    raw_send(fd, buf, pd_bp_room_write(buf, sizeof(buf), PD_BP_DONE, 9, 0));
-    expect_refused(fd, PD_BP_E_UNEXPECTED, NULL);
+    raw_send(fd, buf, bp_room_write(buf, sizeof(buf), BP_DONE, 9, 0));
+    expect_refused(fd, BP_E_UNEXPECTED, NULL);
     /* HELLO twice. */
     fd = rogue_connected(w);
-    static uint8_t hb[PD_BP_HEADER_BYTES + PD_BP_HELLO_MAX];
+    static uint8_t hb[BP_HEADER_BYTES + BP_HELLO_MAX];
     raw_send(fd, hb, rogue_hello(hb, sizeof(hb), &w->o, TOKEN, w->o.page_size));
-    expect_refused(fd, PD_BP_E_UNEXPECTED, "twice");
+    expect_refused(fd, BP_E_UNEXPECTED, "twice");
     /* A page size that does not match. */
     fd = raw_connect(pd_net_bootstrap_port(w->pre));
     raw_send(fd, hb, rogue_hello(hb, sizeof(hb), &w->o, TOKEN, w->o.page_size * 2));
-    expect_refused(fd, PD_BP_E_MISMATCH, "page size");
+    expect_refused(fd, BP_E_MISMATCH, "page size");
     WAIT_FOR(stats_of(w->pre).bad_messages == 4);
     valid_decode_still_completes_a_room(w, 6);
     pair_free(w);
@@ -354,29 +354,29 @@ static void destinations_that_do_not_fit_are_refused(void **state) {
     uint32_t ok[3] = {1, 2, 3}, far[3] = {1, 2, 100000};
     /* Page id out of range: refused, the connection stays. */
     send_dest(fd, 20, 12, 0, 0, 0, far, 3);
-    expect_room_error(fd, PD_BP_E_DEST_INVALID, 20);
+    expect_room_error(fd, BP_E_DEST_INVALID, 20);
     /* Page count that does not match the prompt. */
     send_dest(fd, 21, 13, 0, 0, 0, ok, 3);
-    expect_room_error(fd, PD_BP_E_DEST_INVALID, 21);
+    expect_room_error(fd, BP_E_DEST_INVALID, 21);
     /* Cached prefix not page aligned; metadata row and Mamba slot out of range. */
     send_dest(fd, 22, 12, 2, 0, 0, ok, 3);
-    expect_room_error(fd, PD_BP_E_DEST_INVALID, 22);
+    expect_room_error(fd, BP_E_DEST_INVALID, 22);
     send_dest(fd, 23, 12, 0, 0, 9999, ok, 3);
-    expect_room_error(fd, PD_BP_E_DEST_INVALID, 23);
+    expect_room_error(fd, BP_E_DEST_INVALID, 23);
     send_dest(fd, 24, 12, 0, 77, 0, ok, 3);
-    expect_room_error(fd, PD_BP_E_DEST_INVALID, 24);
-    send_dest(fd, 25, 12, 0, PD_BP_NONE, 0, ok, 3); /* this model has Mamba layers */
-    expect_room_error(fd, PD_BP_E_DEST_INVALID, 25);
+    expect_room_error(fd, BP_E_DEST_INVALID, 24);
+    send_dest(fd, 25, 12, 0, BP_NONE, 0, ok, 3); /* this model has Mamba layers */
+    expect_room_error(fd, BP_E_DEST_INVALID, 25);
     /* A good one, then the same room again. */
     send_dest(fd, 26, 12, 0, 0, 0, ok, 3);
-    expect_room_msg(fd, PD_BP_DEST_OK, 26);
+    expect_room_msg(fd, BP_DEST_OK, 26);
     send_dest(fd, 26, 12, 0, 0, 0, ok, 3);
-    expect_room_error(fd, PD_BP_E_ROOM_DUPLICATE, 26);
+    expect_room_error(fd, BP_E_ROOM_DUPLICATE, 26);
     assert_int_equal(stats_of(w->pre).bad_messages, 7);
     /* Its own room it may abort: acknowledged. */
     uint8_t buf[64];
-    raw_send(fd, buf, pd_bp_room_write(buf, sizeof(buf), PD_BP_ABORT, 26, 1));
-    expect_room_msg(fd, PD_BP_ACK, 26);
+    raw_send(fd, buf, bp_room_write(buf, sizeof(buf), BP_ABORT, 26, 1));
+    expect_room_msg(fd, BP_ACK, 26);
     /* A room the engine opened whose destination came from someone else:
      * this connection may not touch it. */
     uint32_t src[3] = {7, 8, 9}, dst[3] = {40, 41, 43};
@@ -384,10 +384,10 @@ static void destinations_that_do_not_fit_are_refused(void **state) {
     assert_ok(w->dx.vt->receiver_open(w->dx.self, 30, w->peer, &d));
     assert_ok(w->px.vt->sender_open(w->px.self, 30));
     WAIT_FOR(st_of(w->px, 30) == PD_XFER_WAITING_FOR_INPUT);
-    raw_send(fd, buf, pd_bp_room_write(buf, sizeof(buf), PD_BP_ABORT, 30, 1));
-    expect_room_error(fd, PD_BP_E_ROOM_UNKNOWN, 30);
+    raw_send(fd, buf, bp_room_write(buf, sizeof(buf), BP_ABORT, 30, 1));
+    expect_room_error(fd, BP_E_ROOM_UNKNOWN, 30);
     send_dest(fd, 30, 12, 0, 0, 0, ok, 3); /* nor hijack it */
-    expect_room_error(fd, PD_BP_E_ROOM_DUPLICATE, 30);
+    expect_room_error(fd, BP_E_ROOM_DUPLICATE, 30);
     assert_int_equal(stats_of(w->pre).bad_messages, 9);
     assert_int_equal(st_of(w->px, 30), PD_XFER_WAITING_FOR_INPUT);
     assert_ok(w->px.vt->send_final(w->px.self, 30, 0, src, 3, 0, 4));
@@ -398,8 +398,8 @@ static void destinations_that_do_not_fit_are_refused(void **state) {
     w->dx.vt->close(w->dx.self, 30);
     /* An abort for a room nobody knows is answered (it may have crossed a
      * close), not counted. */
-    raw_send(fd, buf, pd_bp_room_write(buf, sizeof(buf), PD_BP_ABORT, 31, 1));
-    expect_room_msg(fd, PD_BP_ACK, 31);
+    raw_send(fd, buf, bp_room_write(buf, sizeof(buf), BP_ABORT, 31, 1));
+    expect_room_msg(fd, BP_ACK, 31);
     assert_int_equal(stats_of(w->pre).bad_messages, 9);
     close(fd);
     valid_decode_still_completes_a_room(w, 7);
@@ -413,7 +413,7 @@ static void silent_peer_is_dropped(void **state) {
     int fd = rogue_connected(w);
     uint32_t ok[3] = {1, 2, 3};
     send_dest(fd, 40, 12, 0, 0, 0, ok, 3);
-    expect_room_msg(fd, PD_BP_DEST_OK, 40);
+    expect_room_msg(fd, BP_DEST_OK, 40);
     assert_ok(w->px.vt->sender_open(w->px.self, 40));
     raw_msg m;
     assert_false(raw_read(fd, &m)); /* PINGs are skipped; then the close */
@@ -470,9 +470,9 @@ static void fake_prefill_case(fake_mode mode) {
     setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
     raw_msg m;
     assert_true(raw_read(fd, &m));
-    assert_int_equal(m.h.type, PD_BP_HELLO);
-    pd_bp_hello h;
-    assert_ok(pd_bp_hello_read(m.payload, m.h.length, &h));
+    assert_int_equal(m.h.type, BP_HELLO);
+    bp_hello h;
+    assert_ok(bp_hello_read(m.payload, m.h.length, &h));
     assert_int_equal(h.page_size, o.page_size);
     assert_int_equal(h.region[0].units, o.kv_pages);
     uint8_t buf[256];
@@ -483,28 +483,28 @@ static void fake_prefill_case(fake_mode mode) {
         break;
     case FAKE_SILENT: break;
     case FAKE_NEW_VERSION:
-        pd_bp_hello_ok_write(buf, sizeof(buf), 1, o.page_size);
-        pd_bp_put_u16(buf + 4, 9);
+        bp_hello_ok_write(buf, sizeof(buf), 1, o.page_size);
+        bp_put_u16(buf + 4, 9);
         raw_send(fd, buf, 32);
         break;
     case FAKE_UNKNOWN_ROOMS: {
-        raw_send(fd, buf, pd_bp_hello_ok_write(buf, sizeof(buf), 1, o.page_size));
+        raw_send(fd, buf, bp_hello_ok_write(buf, sizeof(buf), 1, o.page_size));
         assert_true(raw_read(fd, &m));
-        assert_int_equal(m.h.type, PD_BP_DEST);
-        raw_send(fd, buf, pd_bp_room_write(buf, sizeof(buf), PD_BP_DEST_OK, 55, 0));
+        assert_int_equal(m.h.type, BP_DEST);
+        raw_send(fd, buf, bp_room_write(buf, sizeof(buf), BP_DEST_OK, 55, 0));
         WAIT_FOR(st_of(dx, 55) == PD_XFER_WAITING_FOR_INPUT);
         /* DONE for a room the decode never opened: refused, counted, the
          * connection and the real room survive. */
-        raw_send(fd, buf, pd_bp_room_write(buf, sizeof(buf), PD_BP_DONE, 56, 0));
-        expect_room_error(fd, PD_BP_E_ROOM_UNKNOWN, 56);
+        raw_send(fd, buf, bp_room_write(buf, sizeof(buf), BP_DONE, 56, 0));
+        expect_room_error(fd, BP_E_ROOM_UNKNOWN, 56);
         assert_int_equal(st_of(dx, 55), PD_XFER_WAITING_FOR_INPUT);
         assert_false(drained_of(dx, 55));
         /* Stray ACKs are harmless (they can cross a close). */
-        raw_send(fd, buf, pd_bp_room_write(buf, sizeof(buf), PD_BP_ACK, 57, 0));
+        raw_send(fd, buf, bp_room_write(buf, sizeof(buf), BP_ACK, 57, 0));
         /* A message type a decode node never receives ends the connection. */
-        size_t len = pd_bp_dest_write(buf, sizeof(buf), 55, 8, 0, 0, 0, dst, 2);
+        size_t len = bp_dest_write(buf, sizeof(buf), 55, 8, 0, 0, 0, dst, 2);
         raw_send(fd, buf, len);
-        expect_refused(fd, PD_BP_E_UNEXPECTED, NULL);
+        expect_refused(fd, BP_E_UNEXPECTED, NULL);
         fd = -1;
         break;
     }

@@ -8,80 +8,80 @@
 #include "bootstrap_proto.h"
 #include "pdserve/xfer.h"
 
-static uint8_t buf[PD_BP_HEADER_BYTES + PD_BP_HELLO_MAX];
+static uint8_t buf[BP_HEADER_BYTES + BP_HELLO_MAX];
 
 static void header_fields_are_little_endian_at_fixed_offsets(void **state) {
     (void)state;
-    size_t len = pd_bp_room_write(buf, sizeof(buf), PD_BP_DONE, 0x0102030405060708ull, 0x1122334455667788ull);
+    size_t len = bp_room_write(buf, sizeof(buf), BP_DONE, 0x0102030405060708ull, 0x1122334455667788ull);
     assert_int_equal(len, 32);
-    const uint8_t want[16] = {'P', 'D', 'B', 'S', 1, 0, PD_BP_DONE, 0, 0, 0, 0, 0, 16, 0, 0, 0};
+    const uint8_t want[16] = {'P', 'D', 'B', 'S', 1, 0, BP_DONE, 0, 0, 0, 0, 0, 16, 0, 0, 0};
     assert_memory_equal(buf, want, 16);
     assert_int_equal(buf[16], 0x08);
     assert_int_equal(buf[23], 0x01);
     assert_int_equal(buf[24], 0x88);
-    pd_bp_header h;
-    pd_bp_code code;
-    assert_ok(pd_bp_header_check(buf, &h, &code));
-    assert_int_equal(h.type, PD_BP_DONE);
+    bp_header h;
+    bp_code code;
+    assert_ok(bp_header_check(buf, &h, &code));
+    assert_int_equal(h.type, BP_DONE);
     assert_int_equal(h.length, 16);
     uint64_t room, value;
-    assert_ok(pd_bp_room_read(buf + 16, h.length, &room, &value));
+    assert_ok(bp_room_read(buf + 16, h.length, &room, &value));
     assert_true(room == 0x0102030405060708ull && value == 0x1122334455667788ull);
 }
 
 static void damaged_headers_are_refused_with_their_code(void **state) {
     (void)state;
-    pd_bp_header h;
-    pd_bp_code code;
-    pd_bp_ping_write(buf, sizeof(buf));
-    assert_ok(pd_bp_header_check(buf, &h, &code));
+    bp_header h;
+    bp_code code;
+    bp_ping_write(buf, sizeof(buf));
+    assert_ok(bp_header_check(buf, &h, &code));
     buf[0] ^= 1;
-    assert_err(pd_bp_header_check(buf, &h, &code), PD_ERR_PARSE);
-    assert_int_equal(code, PD_BP_E_MALFORMED);
-    pd_bp_ping_write(buf, sizeof(buf));
-    pd_bp_put_u16(buf + 4, 2);
-    assert_err(pd_bp_header_check(buf, &h, &code), PD_ERR_PARSE);
-    assert_int_equal(code, PD_BP_E_VERSION);
+    assert_err(bp_header_check(buf, &h, &code), PD_ERR_PARSE);
+    assert_int_equal(code, BP_E_MALFORMED);
+    bp_ping_write(buf, sizeof(buf));
+    bp_put_u16(buf + 4, 2);
+    assert_err(bp_header_check(buf, &h, &code), PD_ERR_PARSE);
+    assert_int_equal(code, BP_E_VERSION);
     assert_int_equal(h.version, 2);
-    pd_bp_ping_write(buf, sizeof(buf));
-    pd_bp_put_u32(buf + 8, 4);
-    assert_err(pd_bp_header_check(buf, &h, &code), PD_ERR_PARSE);
-    assert_int_equal(code, PD_BP_E_MALFORMED);
-    pd_bp_ping_write(buf, sizeof(buf));
-    pd_bp_put_u16(buf + 6, 77);
-    assert_err(pd_bp_header_check(buf, &h, &code), PD_ERR_PARSE);
-    assert_int_equal(code, PD_BP_E_UNEXPECTED);
+    bp_ping_write(buf, sizeof(buf));
+    bp_put_u32(buf + 8, 4);
+    assert_err(bp_header_check(buf, &h, &code), PD_ERR_PARSE);
+    assert_int_equal(code, BP_E_MALFORMED);
+    bp_ping_write(buf, sizeof(buf));
+    bp_put_u16(buf + 6, 77);
+    assert_err(bp_header_check(buf, &h, &code), PD_ERR_PARSE);
+    assert_int_equal(code, BP_E_UNEXPECTED);
     /* Oversize: over the global limit, and over a small type's limit. */
-    pd_bp_header_write(buf, PD_BP_DEST, PD_BP_PAYLOAD_MAX + 1);
-    assert_err(pd_bp_header_check(buf, &h, &code), PD_ERR_TOOBIG);
-    assert_int_equal(code, PD_BP_E_TOO_BIG);
-    pd_bp_header_write(buf, PD_BP_ACK, 17);
-    assert_err(pd_bp_header_check(buf, &h, &code), PD_ERR_TOOBIG);
-    pd_bp_header_write(buf, PD_BP_PING, 1);
-    assert_err(pd_bp_header_check(buf, &h, &code), PD_ERR_TOOBIG);
+    bp_header_write(buf, BP_DEST, BP_PAYLOAD_MAX + 1);
+    assert_err(bp_header_check(buf, &h, &code), PD_ERR_TOOBIG);
+    assert_int_equal(code, BP_E_TOO_BIG);
+    bp_header_write(buf, BP_ACK, 17);
+    assert_err(bp_header_check(buf, &h, &code), PD_ERR_TOOBIG);
+    bp_header_write(buf, BP_PING, 1);
+    assert_err(bp_header_check(buf, &h, &code), PD_ERR_TOOBIG);
 }
 
-static pd_bp_hello sample_hello(uint8_t *keys) {
+static bp_hello sample_hello(uint8_t *keys) {
     static const uint8_t addr[40] = {9, 8, 7};
     for (int i = 0; i < 30; i++) keys[i] = (uint8_t)(i * 3);
-    pd_bp_hello h = {
+    bp_hello h = {
         .node_id = 0xFEEDu, .page_size = 16, .meta_row_bytes = sizeof(pd_meta_row),
         .token_len = 6, .token = (const uint8_t *)"secret",
         .worker_addr_len = sizeof(addr), .worker_addr = addr,
     };
-    h.region[0] = (pd_bp_region){.base = 0x10000, .unit_bytes = 4096, .units = 100, .rkey_len = 10, .rkey = keys};
-    h.region[1] = (pd_bp_region){.base = 0x90000, .unit_bytes = 999, .units = 3, .rkey_len = 12, .rkey = keys + 10};
-    h.region[2] = (pd_bp_region){.base = 0xA0000, .unit_bytes = 32, .units = 8, .rkey_len = 8, .rkey = keys + 22};
+    h.region[0] = (bp_region){.base = 0x10000, .unit_bytes = 4096, .units = 100, .rkey_len = 10, .rkey = keys};
+    h.region[1] = (bp_region){.base = 0x90000, .unit_bytes = 999, .units = 3, .rkey_len = 12, .rkey = keys + 10};
+    h.region[2] = (bp_region){.base = 0xA0000, .unit_bytes = 32, .units = 8, .rkey_len = 8, .rkey = keys + 22};
     return h;
 }
 
 static void hello_round_trips_and_checks_lengths(void **state) {
     (void)state;
     uint8_t keys[30];
-    pd_bp_hello h = sample_hello(keys), g;
-    size_t len = pd_bp_hello_write(buf, sizeof(buf), &h);
+    bp_hello h = sample_hello(keys), g;
+    size_t len = bp_hello_write(buf, sizeof(buf), &h);
     assert_int_equal(len, 16 + 96 + 6 + 40 + 30);
-    assert_ok(pd_bp_hello_read(buf + 16, (uint32_t)(len - 16), &g));
+    assert_ok(bp_hello_read(buf + 16, (uint32_t)(len - 16), &g));
     assert_int_equal(g.node_id, h.node_id);
     assert_int_equal(g.page_size, 16);
     assert_int_equal(g.token_len, 6);
@@ -95,77 +95,77 @@ static void hello_round_trips_and_checks_lengths(void **state) {
         assert_memory_equal(g.region[r].rkey, h.region[r].rkey, h.region[r].rkey_len);
     }
     /* One byte short or one byte extra: refused. */
-    assert_err(pd_bp_hello_read(buf + 16, (uint32_t)(len - 17), &g), PD_ERR_PARSE);
-    assert_err(pd_bp_hello_read(buf + 16, (uint32_t)(len - 15), &g), PD_ERR_PARSE);
+    assert_err(bp_hello_read(buf + 16, (uint32_t)(len - 17), &g), PD_ERR_PARSE);
+    assert_err(bp_hello_read(buf + 16, (uint32_t)(len - 15), &g), PD_ERR_PARSE);
     /* A region whose byte range wraps the address space. */
-    pd_bp_hello w = h;
+    bp_hello w = h;
     w.region[0].base = UINT64_MAX - 100;
-    len = pd_bp_hello_write(buf, sizeof(buf), &w);
-    assert_err(pd_bp_hello_read(buf + 16, (uint32_t)(len - 16), &g), PD_ERR_PARSE);
+    len = bp_hello_write(buf, sizeof(buf), &w);
+    assert_err(bp_hello_read(buf + 16, (uint32_t)(len - 16), &g), PD_ERR_PARSE);
     /* A region with units but no key. */
     w = h;
     w.region[1].rkey_len = 0;
-    len = pd_bp_hello_write(buf, sizeof(buf), &w);
-    assert_err(pd_bp_hello_read(buf + 16, (uint32_t)(len - 16), &g), PD_ERR_PARSE);
+    len = bp_hello_write(buf, sizeof(buf), &w);
+    assert_err(bp_hello_read(buf + 16, (uint32_t)(len - 16), &g), PD_ERR_PARSE);
     /* Too long a token cannot even be encoded. */
     w = h;
-    w.token_len = PD_BP_TOKEN_MAX + 1;
-    assert_int_equal(pd_bp_hello_write(buf, sizeof(buf), &w), 0);
+    w.token_len = BP_TOKEN_MAX + 1;
+    assert_int_equal(bp_hello_write(buf, sizeof(buf), &w), 0);
 }
 
 static void dest_round_trips_and_refuses_inconsistent_counts(void **state) {
     (void)state;
     uint32_t pages[5] = {4, 0xFFFFFFFEu, 7, 8, 1};
-    size_t len = pd_bp_dest_write(buf, sizeof(buf), 55, 70, 0, PD_BP_NONE, 3, pages, 5);
+    size_t len = bp_dest_write(buf, sizeof(buf), 55, 70, 0, BP_NONE, 3, pages, 5);
     assert_int_equal(len, 16 + 32 + 20);
-    pd_bp_dest d;
-    assert_ok(pd_bp_dest_read(buf + 16, (uint32_t)(len - 16), &d));
+    bp_dest d;
+    assert_ok(bp_dest_read(buf + 16, (uint32_t)(len - 16), &d));
     assert_int_equal(d.room, 55);
     assert_int_equal(d.prompt_tokens, 70);
-    assert_int_equal(d.mamba_slot, PD_BP_NONE);
+    assert_int_equal(d.mamba_slot, BP_NONE);
     assert_int_equal(d.meta_row, 3);
     assert_int_equal(d.n_pages, 5);
-    for (uint32_t i = 0; i < 5; i++) assert_int_equal(pd_bp_dest_page(&d, i), pages[i]);
+    for (uint32_t i = 0; i < 5; i++) assert_int_equal(bp_dest_page(&d, i), pages[i]);
     /* n_pages says 5, the payload holds 4 or 6 pages. */
-    assert_err(pd_bp_dest_read(buf + 16, (uint32_t)(len - 16 - 4), &d), PD_ERR_PARSE);
-    assert_err(pd_bp_dest_read(buf + 16, (uint32_t)(len - 16 + 4), &d), PD_ERR_PARSE);
+    assert_err(bp_dest_read(buf + 16, (uint32_t)(len - 16 - 4), &d), PD_ERR_PARSE);
+    assert_err(bp_dest_read(buf + 16, (uint32_t)(len - 16 + 4), &d), PD_ERR_PARSE);
     /* A page count whose byte size would overflow. */
-    pd_bp_put_u32(buf + 16 + 24, 0xFFFFFFFFu);
-    assert_err(pd_bp_dest_read(buf + 16, (uint32_t)(len - 16), &d), PD_ERR_PARSE);
+    bp_put_u32(buf + 16 + 24, 0xFFFFFFFFu);
+    assert_err(bp_dest_read(buf + 16, (uint32_t)(len - 16), &d), PD_ERR_PARSE);
     /* Reserved bits set. */
-    len = pd_bp_dest_write(buf, sizeof(buf), 55, 70, 0, 1, 3, pages, 5);
-    pd_bp_put_u32(buf + 16 + 28, 1);
-    assert_err(pd_bp_dest_read(buf + 16, (uint32_t)(len - 16), &d), PD_ERR_PARSE);
+    len = bp_dest_write(buf, sizeof(buf), 55, 70, 0, 1, 3, pages, 5);
+    bp_put_u32(buf + 16 + 28, 1);
+    assert_err(bp_dest_read(buf + 16, (uint32_t)(len - 16), &d), PD_ERR_PARSE);
 }
 
 static void error_and_small_messages_round_trip(void **state) {
     (void)state;
-    size_t len = pd_bp_error_write(buf, sizeof(buf), PD_BP_E_AUTH, false, 0, "wrong token");
-    pd_bp_error e;
-    assert_ok(pd_bp_error_read(buf + 16, (uint32_t)(len - 16), &e));
-    assert_int_equal(e.code, PD_BP_E_AUTH);
+    size_t len = bp_error_write(buf, sizeof(buf), BP_E_AUTH, false, 0, "wrong token");
+    bp_error e;
+    assert_ok(bp_error_read(buf + 16, (uint32_t)(len - 16), &e));
+    assert_int_equal(e.code, BP_E_AUTH);
     assert_false(e.has_room);
     assert_int_equal(e.text_len, 11);
     assert_memory_equal(e.text, "wrong token", 11);
-    len = pd_bp_error_write(buf, sizeof(buf), PD_BP_E_ROOM_DUPLICATE, true, 0, "dup");
-    assert_ok(pd_bp_error_read(buf + 16, (uint32_t)(len - 16), &e));
+    len = bp_error_write(buf, sizeof(buf), BP_E_ROOM_DUPLICATE, true, 0, "dup");
+    assert_ok(bp_error_read(buf + 16, (uint32_t)(len - 16), &e));
     assert_true(e.has_room);
     assert_int_equal(e.room, 0); /* room 0 is an ordinary room */
     /* Text is cut at the limit, never overflows. */
     char longtext[600];
     memset(longtext, 'x', sizeof(longtext) - 1);
     longtext[sizeof(longtext) - 1] = 0;
-    len = pd_bp_error_write(buf, sizeof(buf), PD_BP_E_MALFORMED, false, 0, longtext);
-    assert_int_equal(len, 16 + 16 + PD_BP_ERROR_TEXT_MAX);
+    len = bp_error_write(buf, sizeof(buf), BP_E_MALFORMED, false, 0, longtext);
+    assert_int_equal(len, 16 + 16 + BP_ERROR_TEXT_MAX);
     uint64_t id;
     uint32_t ps;
-    len = pd_bp_hello_ok_write(buf, sizeof(buf), 77, 16);
-    assert_ok(pd_bp_hello_ok_read(buf + 16, 16, &id, &ps));
+    len = bp_hello_ok_write(buf, sizeof(buf), 77, 16);
+    assert_ok(bp_hello_ok_read(buf + 16, 16, &id, &ps));
     assert_true(id == 77 && ps == 16);
-    assert_err(pd_bp_hello_ok_read(buf + 16, 15, &id, &ps), PD_ERR_PARSE);
-    assert_string_equal(pd_bp_type_name(PD_BP_ACK), "ACK");
-    assert_string_equal(pd_bp_type_name(999), "UNKNOWN");
-    assert_string_equal(pd_bp_code_name(PD_BP_E_VERSION), "version");
+    assert_err(bp_hello_ok_read(buf + 16, 15, &id, &ps), PD_ERR_PARSE);
+    assert_string_equal(bp_type_name(BP_ACK), "ACK");
+    assert_string_equal(bp_type_name(999), "UNKNOWN");
+    assert_string_equal(bp_code_name(BP_E_VERSION), "version");
 }
 
 static void mutated_messages_never_read_out_of_bounds(void **state) {
@@ -173,14 +173,14 @@ static void mutated_messages_never_read_out_of_bounds(void **state) {
     pd_rng rng;
     pd_rng_seed(&rng, test_seed(7));
     uint8_t keys[30];
-    pd_bp_hello h = sample_hello(keys);
+    bp_hello h = sample_hello(keys);
     uint32_t pages[9] = {1, 2, 3, 4, 5, 6, 7, 8, 9};
-    static uint8_t msg[4][PD_BP_HEADER_BYTES + 400];
+    static uint8_t msg[4][BP_HEADER_BYTES + 400];
     size_t lens[4] = {
-        pd_bp_hello_write(msg[0], sizeof(msg[0]), &h),
-        pd_bp_dest_write(msg[1], sizeof(msg[1]), 1, 33, 0, 0, 0, pages, 9),
-        pd_bp_error_write(msg[2], sizeof(msg[2]), PD_BP_E_BUSY, true, 9, "busy"),
-        pd_bp_room_write(msg[3], sizeof(msg[3]), PD_BP_ABORT, 3, 1),
+        bp_hello_write(msg[0], sizeof(msg[0]), &h),
+        bp_dest_write(msg[1], sizeof(msg[1]), 1, 33, 0, 0, 0, pages, 9),
+        bp_error_write(msg[2], sizeof(msg[2]), BP_E_BUSY, true, 9, "busy"),
+        bp_room_write(msg[3], sizeof(msg[3]), BP_ABORT, 3, 1),
     };
     for (int iter = 0; iter < 20000; iter++) {
         int k = (int)pd_rng_below(&rng, 4);
@@ -193,22 +193,22 @@ static void mutated_messages_never_read_out_of_bounds(void **state) {
         for (uint32_t i = PD_MIN(plen, (uint32_t)(lens[k] - 16)); i < plen; i++) p[i] = (uint8_t)pd_rng_next(&rng);
         for (int flips = (int)pd_rng_below(&rng, 4); flips > 0 && plen > 0; flips--)
             p[pd_rng_below(&rng, plen)] ^= (uint8_t)(1u << pd_rng_below(&rng, 8));
-        pd_bp_hello gh;
-        pd_bp_dest gd;
-        pd_bp_error ge;
+        bp_hello gh;
+        bp_dest gd;
+        bp_error ge;
         uint64_t a, b;
-        if (pd_bp_hello_read(p, plen, &gh) == PD_OK) {
+        if (bp_hello_read(p, plen, &gh) == PD_OK) {
             size_t total = (size_t)gh.token_len + gh.worker_addr_len;
             for (int r = 0; r < 3; r++) total += gh.region[r].rkey_len;
             assert_true(96 + total == plen);
         }
-        if (pd_bp_dest_read(p, plen, &gd) == PD_OK) {
+        if (bp_dest_read(p, plen, &gd) == PD_OK) {
             uint32_t sum = 0;
-            for (uint32_t i = 0; i < gd.n_pages; i++) sum += pd_bp_dest_page(&gd, i);
+            for (uint32_t i = 0; i < gd.n_pages; i++) sum += bp_dest_page(&gd, i);
             (void)sum;
         }
-        if (pd_bp_error_read(p, plen, &ge) == PD_OK) assert_true(16u + ge.text_len == plen);
-        if (pd_bp_room_read(p, plen, &a, &b) == PD_OK) assert_int_equal(plen, 16);
+        if (bp_error_read(p, plen, &ge) == PD_OK) assert_true(16u + ge.text_len == plen);
+        if (bp_room_read(p, plen, &a, &b) == PD_OK) assert_int_equal(plen, 16);
         free(p);
     }
 }
