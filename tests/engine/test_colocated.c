@@ -58,7 +58,8 @@ static void check(pd_engine *e) {
     if (pd_engine_check(e, &sb) != PD_OK) fail_msg("%s", buf);
 }
 
-static void run_colocated(bool mamba, bool overlap, uint32_t page_size, uint32_t chunk, int abort_at) {
+static void run_colocated(bool mamba, bool overlap, uint32_t page_size, uint32_t chunk,
+                          int abort_at) {
     memset(outs, 0, sizeof(outs));
     pd_synth_config sc = {.page_size = page_size, .kv_pages = 96, .mamba_slots = mamba ? 24 : 0,
                           .layers = 2, .vocab = 61, .eos_token = 60, .batch_max = 8};
@@ -76,7 +77,8 @@ static void run_colocated(bool mamba, bool overlap, uint32_t page_size, uint32_t
     pd_engine *e;
     char msg[256];
     pd_sink sink = {&sink_vt, NULL};
-    pd_err err = pd_engine_create(&e, &c, pd_synth_executor(sx), (pd_xfer){0}, sink, msg, sizeof(msg));
+    pd_err err =
+        pd_engine_create(&e, &c, pd_synth_executor(sx), (pd_xfer){0}, sink, msg, sizeof(msg));
     if (err) fail_msg("%s", msg);
     pd_engine_set_action_observer(e, on_action, NULL);
     int32_t prompts[REQS][48];
@@ -86,7 +88,8 @@ static void run_colocated(bool mamba, bool overlap, uint32_t page_size, uint32_t
     for (int i = 0; i < REQS; i++) {
         lens[i] = (uint32_t)pd_rng_range(&rng, 1, 48);
         for (uint32_t k = 0; k < lens[i]; k++)
-            prompts[i][k] = (i > 0 && k < lens[i] / 2) ? prompts[0][k % lens[0]] : (int32_t)pd_rng_below(&rng, 60);
+            prompts[i][k] = (i > 0 && k < lens[i] / 2) ? prompts[0][k % lens[0]]
+                                                       : (int32_t)pd_rng_below(&rng, 60);
         snprintf(outs[i].rid, sizeof(outs[i].rid), "c%d", i);
         pd_request_spec s = {.rid = outs[i].rid, .prompt = prompts[i], .prompt_len = lens[i],
                              .max_new_tokens = 1 + (uint32_t)(i % 6), .sampling = {.top_p = 1.0f}};
@@ -106,8 +109,8 @@ static void run_colocated(bool mamba, bool overlap, uint32_t page_size, uint32_t
     for (int i = 0; i < REQS; i++) {
         assert_int_equal(outs[i].terminals, 1);
         int32_t ref[16];
-        uint32_t n = pd_synth_reference(&sc, mamba, prompts[i], lens[i], 1 + (uint32_t)(i % 6), NULL, 0, false,
-                                        &(pd_sampling){.top_p = 1.0f}, ref);
+        uint32_t n = pd_synth_reference(&sc, mamba, prompts[i], lens[i], 1 + (uint32_t)(i % 6),
+                                        NULL, 0, false, &(pd_sampling){.top_p = 1.0f}, ref);
         if (outs[i].kind == PD_TERM_FINISHED) assert_int_equal(outs[i].n, n);
         else assert_int_equal(outs[i].kind, PD_TERM_ABORTED);
         for (uint32_t k = 0; k < outs[i].n; k++) assert_int_equal(outs[i].tokens[k], ref[k]);

@@ -42,16 +42,17 @@ static world *world_new(pd_role role) {
     world *w = calloc(1, sizeof(*w));
     pd_loopback_config lc = {.latency = 1, .rooms_max = 16, .page_size = 4};
     assert_ok(pd_loopback_create(&w->lb, &lc));
-    pd_synth_config sc = {.page_size = 4, .kv_pages = 16, .layers = 1, .vocab = 50, .eos_token = 49, .batch_max = 8};
+    pd_synth_config sc = {.page_size = 4, .kv_pages = 16, .layers = 1,
+                          .vocab = 50, .eos_token = 49, .batch_max = 8};
     assert_ok(pd_synth_create(&w->sx, &sc));
     pd_engine_config c;
     base_config(&c, role);
     c.meta_mem = w->meta;
     char msg[256];
     pd_sink sink = {&sink_vt, w};
+    pd_lb_side side = role == PD_ROLE_PREFILL ? PD_LB_PREFILL : PD_LB_DECODE;
     pd_err err = pd_engine_create(&w->e, &c, pd_synth_executor(w->sx),
-                                  pd_loopback_endpoint(w->lb, role == PD_ROLE_PREFILL ? PD_LB_PREFILL : PD_LB_DECODE),
-                                  sink, msg, sizeof(msg));
+                                  pd_loopback_endpoint(w->lb, side), sink, msg, sizeof(msg));
     if (err) fail_msg("create: %s", msg);
     return w;
 }
@@ -101,17 +102,21 @@ static void bad_requests_are_refused_with_a_reason(void **state) {
     s = good(); s.rid = longrid; refused(w, s, PD_ERR_INVALID, 400, "rid longer than");
     s = good(); s.room = 0; refused(w, s, PD_ERR_INVALID, 400, "unknown room");
     s = good(); s.prompt_len = 0; refused(w, s, PD_ERR_INVALID, 400, "empty prompt");
-    s = good(); s.max_new_tokens = 0; refused(w, s, PD_ERR_INVALID, 400, "max_new_tokens must be at least 1");
+    s = good(); s.max_new_tokens = 0;
+    refused(w, s, PD_ERR_INVALID, 400, "max_new_tokens must be at least 1");
     s = good(); s.max_new_tokens = 33; refused(w, s, PD_ERR_INVALID, 400, "above the limit 32");
     s = good(); s.sampling.temperature = -0.5f; refused(w, s, PD_ERR_INVALID, 400, "temperature");
     s = good(); s.sampling.temperature = NAN; refused(w, s, PD_ERR_INVALID, 400, "temperature");
-    s = good(); s.sampling.temperature = INFINITY; refused(w, s, PD_ERR_INVALID, 400, "temperature");
+    s = good(); s.sampling.temperature = INFINITY;
+    refused(w, s, PD_ERR_INVALID, 400, "temperature");
     s = good(); s.sampling.top_p = 0.0f; refused(w, s, PD_ERR_INVALID, 400, "top_p");
     s = good(); s.sampling.top_p = 1.5f; refused(w, s, PD_ERR_INVALID, 400, "top_p");
     int32_t stops[9] = {1};
-    s = good(); s.stop_tokens = stops; s.n_stop_tokens = 9; refused(w, s, PD_ERR_INVALID, 400, "stop tokens");
+    s = good(); s.stop_tokens = stops; s.n_stop_tokens = 9;
+    refused(w, s, PD_ERR_INVALID, 400, "stop tokens");
     stops[0] = 77;
-    s = good(); s.stop_tokens = stops; s.n_stop_tokens = 1; refused(w, s, PD_ERR_INVALID, 400, "stop token 77");
+    s = good(); s.stop_tokens = stops; s.n_stop_tokens = 1;
+    refused(w, s, PD_ERR_INVALID, 400, "stop token 77");
     s = good(); prompt[3] = 50; refused(w, s, PD_ERR_INVALID, 400, "prompt token 50 at position 3");
     s = good(); prompt[3] = -1; refused(w, s, PD_ERR_INVALID, 400, "prompt token -1");
     /* 62 prompt + 4 new tokens need KV for 65 positions (the last token is
@@ -172,16 +177,24 @@ static void abort_of_unknown_or_ended_rid_is_not_found(void **state) {
     world_free(w);
 }
 
+/* pd_engine_create for a prefill engine on sx; msg gets the reason of a refusal. */
+static pd_err create_prefill(pd_engine **e, const pd_engine_config *c, pd_synth *sx,
+                             pd_loopback *lb, char *msg, size_t msg_cap) {
+    pd_sink sink = {&sink_vt, NULL};
+    return pd_engine_create(e, c, pd_synth_executor(sx), pd_loopback_endpoint(lb, PD_LB_PREFILL),
+                            sink, msg, msg_cap);
+}
+
 static void create_refuses_inconsistent_configurations(void **state) {
     (void)state;
     pd_loopback *lb;
     pd_loopback_config lc = {.latency = 1, .rooms_max = 4, .page_size = 4};
     assert_ok(pd_loopback_create(&lb, &lc));
     pd_synth *sx;
-    pd_synth_config sc = {.page_size = 4, .kv_pages = 16, .layers = 1, .vocab = 50, .eos_token = -1, .batch_max = 8};
+    pd_synth_config sc = {.page_size = 4, .kv_pages = 16, .layers = 1,
+                          .vocab = 50, .eos_token = -1, .batch_max = 8};
     assert_ok(pd_synth_create(&sx, &sc));
     pd_meta_row meta[4];
-    pd_sink sink = {&sink_vt, NULL};
     pd_engine *e = NULL;
     char msg[256];
     pd_engine_config c;
@@ -189,36 +202,36 @@ static void create_refuses_inconsistent_configurations(void **state) {
     c.meta_mem = meta;
     c.meta_rows = 4;
     c.kv_pages = 32; /* the executor has 16 */
-    assert_err(pd_engine_create(&e, &c, pd_synth_executor(sx), pd_loopback_endpoint(lb, PD_LB_PREFILL), sink, msg, sizeof(msg)), PD_ERR_INVALID);
+    assert_err(create_prefill(&e, &c, sx, lb, msg, sizeof(msg)), PD_ERR_INVALID);
     assert_non_null(strstr(msg, "smaller than the pools"));
     base_config(&c, PD_ROLE_PREFILL);
     c.meta_mem = meta;
     c.meta_rows = 4;
     c.page_size = 8;
-    assert_err(pd_engine_create(&e, &c, pd_synth_executor(sx), pd_loopback_endpoint(lb, PD_LB_PREFILL), sink, msg, sizeof(msg)), PD_ERR_INVALID);
+    assert_err(create_prefill(&e, &c, sx, lb, msg, sizeof(msg)), PD_ERR_INVALID);
     assert_non_null(strstr(msg, "page size"));
     base_config(&c, PD_ROLE_PREFILL);
     c.meta_mem = meta;
     c.meta_rows = 4;
     c.mamba_slots = 4; /* the executor has no Mamba state */
-    assert_err(pd_engine_create(&e, &c, pd_synth_executor(sx), pd_loopback_endpoint(lb, PD_LB_PREFILL), sink, msg, sizeof(msg)), PD_ERR_INVALID);
+    assert_err(create_prefill(&e, &c, sx, lb, msg, sizeof(msg)), PD_ERR_INVALID);
     pd_synth *hybrid;
     sc.mamba_slots = 4;
     assert_ok(pd_synth_create(&hybrid, &sc));
     base_config(&c, PD_ROLE_PREFILL);
     c.meta_mem = meta;
     c.meta_rows = 4; /* and mamba_slots = 0 for a model with Mamba layers */
-    assert_err(pd_engine_create(&e, &c, pd_synth_executor(hybrid), pd_loopback_endpoint(lb, PD_LB_PREFILL), sink, msg, sizeof(msg)), PD_ERR_INVALID);
+    assert_err(create_prefill(&e, &c, hybrid, lb, msg, sizeof(msg)), PD_ERR_INVALID);
     assert_non_null(strstr(msg, "has Mamba layers but mamba_slots is 0"));
     pd_synth_destroy(hybrid);
     base_config(&c, PD_ROLE_PREFILL);
     c.meta_mem = NULL;
-    assert_err(pd_engine_create(&e, &c, pd_synth_executor(sx), pd_loopback_endpoint(lb, PD_LB_PREFILL), sink, msg, sizeof(msg)), PD_ERR_INVALID);
+    assert_err(create_prefill(&e, &c, sx, lb, msg, sizeof(msg)), PD_ERR_INVALID);
     base_config(&c, PD_ROLE_PREFILL);
     c.meta_mem = meta;
     c.host_pages = 8;
     c.prefix_cache = false;
-    assert_err(pd_engine_create(&e, &c, pd_synth_executor(sx), pd_loopback_endpoint(lb, PD_LB_PREFILL), sink, msg, sizeof(msg)), PD_ERR_INVALID);
+    assert_err(create_prefill(&e, &c, sx, lb, msg, sizeof(msg)), PD_ERR_INVALID);
     assert_null(e);
     pd_synth_destroy(sx);
     pd_loopback_destroy(lb);
@@ -241,7 +254,8 @@ static void engine_check_catches_flags_disagreeing_with_the_ledger(void **state)
     assert_ok(pd_ledger_alloc(pd_engine_ledger(w->e), 0, 1, owner, &page));
     pd_strbuf_reset(&sb);
     assert_err(pd_engine_check(w->e, &sb), PD_ERR_INTERNAL);
-    if (!strstr(buf, "request a (BOOTSTRAP) holds 1 kv units, its flags say 0")) fail_msg("%s", buf);
+    if (!strstr(buf, "request a (BOOTSTRAP) holds 1 kv units, its flags say 0"))
+        fail_msg("%s", buf);
     assert_non_null(strstr(buf, "rid=a"));
     assert_ok(pd_ledger_free(pd_engine_ledger(w->e), 0, &page, 1, PD_UNIT_REQ, owner));
     pd_strbuf_reset(&sb);

@@ -148,8 +148,10 @@ static void moves_to_or_from_free_and_freeing_protected_are_refused(void **state
     uint32_t p[2];
     assert_ok(pd_ledger_alloc(f->l, f->kv_id, 2, 5, p));
     assert_err(pd_ledger_move(f->l, f->kv_id, p, 2, PD_UNIT_REQ, 5, PD_UNIT_FREE, 0), PD_ERR_STATE);
-    assert_ok(pd_ledger_move(f->l, f->kv_id, p, 2, PD_UNIT_REQ, 5, PD_UNIT_CACHE_PROTECTED, PD_OWNER_CACHE));
-    assert_err(pd_ledger_free(f->l, f->kv_id, p, 2, PD_UNIT_CACHE_PROTECTED, PD_OWNER_CACHE), PD_ERR_STATE);
+    assert_ok(pd_ledger_move(f->l, f->kv_id, p, 2, PD_UNIT_REQ, 5, PD_UNIT_CACHE_PROTECTED,
+                             PD_OWNER_CACHE));
+    assert_err(pd_ledger_free(f->l, f->kv_id, p, 2, PD_UNIT_CACHE_PROTECTED, PD_OWNER_CACHE),
+               PD_ERR_STATE);
     assert_ok(pd_ledger_move(f->l, f->kv_id, p, 2, PD_UNIT_CACHE_PROTECTED, PD_OWNER_CACHE,
                              PD_UNIT_CACHE_EVICTABLE, PD_OWNER_CACHE));
     assert_ok(pd_ledger_free(f->l, f->kv_id, p, 2, PD_UNIT_CACHE_EVICTABLE, PD_OWNER_CACHE));
@@ -250,7 +252,8 @@ static void idle_check_names_the_culprit(void **state) {
     assert_non_null(strstr(buf, "pool kv: idle but 6 units held by requests"));
     assert_non_null(strstr(buf, "pool kv: idle but 2 units in quarantine"));
     assert_non_null(strstr(buf, "pool row: idle but 1 of 4 rows in use"));
-    assert_non_null(strstr(buf, "REQ owner 7 (rid=req-7 room=4242 state=PREFILL terminal=aborted) holds kv 6 [0-5]; row 1 [0]; mamba 3 [0-2]"));
+    assert_non_null(strstr(buf, "REQ owner 7 (rid=req-7 room=4242 state=PREFILL terminal=aborted) "
+                                "holds kv 6 [0-5]; row 1 [0]; mamba 3 [0-2]"));
     assert_non_null(strstr(buf, "QUARANTINE room 555 holds kv 2 [6-7]"));
     /* Not idle: conservation alone holds. */
     o.expect_idle = false;
