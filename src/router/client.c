@@ -16,7 +16,7 @@ static CURLcode global_rc = CURLE_OK;
 
 static void global_init_once(void) { global_rc = curl_global_init(CURL_GLOBAL_DEFAULT); }
 
-pd_err pd_router_client_global_init(char *msg, size_t msg_cap) {
+pd_err rt_client_global_init(char *msg, size_t msg_cap) {
     pthread_once(&global_once, global_init_once);
     if (global_rc != CURLE_OK)
         return pd_errorf(msg, msg_cap, PD_ERR_INTERNAL, "curl_global_init: %s",
@@ -24,7 +24,7 @@ pd_err pd_router_client_global_init(char *msg, size_t msg_cap) {
     return PD_OK;
 }
 
-void pd_router_client_setup(CURL *easy, uint32_t connect_timeout_ms) {
+void rt_client_setup(CURL *easy, uint32_t connect_timeout_ms) {
     curl_easy_setopt(easy, CURLOPT_NOSIGNAL, 1L);
     /* Workers are addressed directly; an http_proxy in the environment must
      * not reroute them. */
@@ -34,7 +34,7 @@ void pd_router_client_setup(CURL *easy, uint32_t connect_timeout_ms) {
     curl_easy_setopt(easy, CURLOPT_TCP_NODELAY, 1L);
 }
 
-uint64_t pd_router_now_ms(void) {
+uint64_t rt_now_ms(void) {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return (uint64_t)ts.tv_sec * 1000u + (uint64_t)ts.tv_nsec / 1000000u;
@@ -57,8 +57,8 @@ static size_t small_body_write(char *ptr, size_t size, size_t nmemb, void *userd
     return n; /* the excess is dropped, not an error */
 }
 
-void pd_router_fanout_post(pd_router_post *posts, size_t n, const char *body,
-                           uint32_t timeout_ms, uint32_t connect_timeout_ms) {
+void rt_fanout_post(rt_post *posts, size_t n, const char *body, uint32_t timeout_ms,
+                    uint32_t connect_timeout_ms) {
     PD_ASSERT(n <= 2 * PD_ROUTER_WORKERS_MAX);
     CURL *easy[2 * PD_ROUTER_WORKERS_MAX] = {0};
     small_body *bodies = calloc(n ? n : 1, sizeof *bodies);
@@ -75,7 +75,7 @@ void pd_router_fanout_post(pd_router_post *posts, size_t n, const char *body,
         if (!multi || !hdrs || !bodies) continue;
         easy[i] = curl_easy_init();
         if (!easy[i]) continue;
-        pd_router_client_setup(easy[i], connect_timeout_ms);
+        rt_client_setup(easy[i], connect_timeout_ms);
         curl_easy_setopt(easy[i], CURLOPT_URL, posts[i].url);
         curl_easy_setopt(easy[i], CURLOPT_HTTPHEADER, hdrs);
         curl_easy_setopt(easy[i], CURLOPT_POSTFIELDS, body);
@@ -91,9 +91,9 @@ void pd_router_fanout_post(pd_router_post *posts, size_t n, const char *body,
     if (multi) {
         /* Each handle ends by its own CURLOPT_TIMEOUT_MS; the loop bound is a
          * backstop against a clock or library surprise. */
-        uint64_t give_up_ms = pd_router_now_ms() + (uint64_t)timeout_ms + connect_timeout_ms + 1000;
+        uint64_t give_up_ms = rt_now_ms() + (uint64_t)timeout_ms + connect_timeout_ms + 1000;
         int running = 1;
-        while (running > 0 && pd_router_now_ms() < give_up_ms) {
+        while (running > 0 && rt_now_ms() < give_up_ms) {
             if (curl_multi_perform(multi, &running) != CURLM_OK) break;
             if (running > 0) curl_multi_poll(multi, NULL, 0, 100, NULL);
         }

@@ -19,24 +19,24 @@
 #include "pdserve/base.h"
 
 /* curl_global_init, once per process; safe to call from any thread. */
-pd_err pd_router_client_global_init(char *msg, size_t msg_cap);
+pd_err rt_client_global_init(char *msg, size_t msg_cap);
 
 /* No signals, no proxy from the environment, HTTP/1.1, the connect timeout. */
-void pd_router_client_setup(CURL *easy, uint32_t connect_timeout_ms);
+void rt_client_setup(CURL *easy, uint32_t connect_timeout_ms);
 
-typedef struct pd_router_post {
+typedef struct rt_post {
     char url[320];          /* full URL, path included */
     long status;            /* HTTP status, 0 when the worker did not answer */
     long long aborted;      /* the answer's integer "aborted" field, -1 if absent */
-} pd_router_post;
+} rt_post;
 
 /* POSTs `body` (JSON) to every posts[i].url at once and fills status and
  * aborted. Returns when all have answered or failed; each is limited to
  * timeout_ms. n <= 2 * PD_ROUTER_WORKERS_MAX. */
-void pd_router_fanout_post(pd_router_post *posts, size_t n, const char *body,
-                           uint32_t timeout_ms, uint32_t connect_timeout_ms);
+void rt_fanout_post(rt_post *posts, size_t n, const char *body, uint32_t timeout_ms,
+                    uint32_t connect_timeout_ms);
 
 /* Milliseconds of CLOCK_MONOTONIC. */
-uint64_t pd_router_now_ms(void);
+uint64_t rt_now_ms(void);
 
 #endif

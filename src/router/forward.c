@@ -44,7 +44,7 @@
 enum { PREFILL = 0, DECODE = 1 };
 
 typedef struct half {
-    pd_fwd *f;
+    rt_fwd *f;
     int role;
     char url[PD_ROUTER_URL_MAX + 32];
     char abort_url[PD_ROUTER_URL_MAX + 32];
@@ -65,8 +65,8 @@ typedef struct half {
     size_t len, cap, cap_max;
 } half;
 
-struct pd_fwd {
-    pd_fwd_api api;
+struct rt_fwd {
+    rt_fwd_api api;
     char rid[PD_RID_MAX];
     char model[128];
     bool stream;
@@ -130,7 +130,7 @@ static unsigned transport_status(const half *h, char *msg, size_t cap) {
 
 /* ---- libcurl callbacks ---------------------------------------------------- */
 
-static void scan_events(pd_fwd *f);
+static void scan_events(rt_fwd *f);
 
 static void note_head(half *h) {
     if (h->head_known) return;
@@ -159,7 +159,7 @@ static size_t half_header(char *buf, size_t size, size_t nitems, void *userdata)
 
 static size_t half_write(char *ptr, size_t size, size_t nmemb, void *userdata) {
     half *h = userdata;
-    pd_fwd *f = h->f;
+    rt_fwd *f = h->f;
     size_t n = size * nmemb;
     note_head(h);
     if (h->sse) {
@@ -211,7 +211,7 @@ static size_t half_write(char *ptr, size_t size, size_t nmemb, void *userdata) {
 
 /* ---- driving the transfers ------------------------------------------------ */
 
-static void harvest(pd_fwd *f) {
+static void harvest(rt_fwd *f) {
     CURLMsg *m;
     int left;
     while ((m = curl_multi_info_read(f->multi, &left))) {
@@ -233,7 +233,7 @@ static void harvest(pd_fwd *f) {
  * client pipelined its next request: from then on a hang-up cannot be told
  * from data without reading it, so the watch stops (the stream's writes
  * still notice a hang-up). */
-static void check_client(pd_fwd *f) {
+static void check_client(rt_fwd *f) {
     if (!f->watch_client || f->client_gone) return;
     char c;
     ssize_t r = recv(f->client_fd, &c, 1, MSG_PEEK | MSG_DONTWAIT);
@@ -242,7 +242,7 @@ static void check_client(pd_fwd *f) {
     else if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) f->client_gone = true;
 }
 
-static void pump(pd_fwd *f, uint64_t wait_ms) {
+static void pump(rt_fwd *f, uint64_t wait_ms) {
     if (wait_ms > POLL_SLICE_MS) wait_ms = POLL_SLICE_MS;
     struct curl_waitfd wfd = {.fd = f->client_fd, .events = CURL_WAIT_POLLIN, .revents = 0};
     bool watch = f->watch_client && !f->client_gone;
@@ -267,8 +267,8 @@ static void close_half(half *h) {
 }
 
 /* /abort_request {"rid"} to the given halves' workers at once. */
-static void send_aborts(pd_fwd *f, bool prefill, bool decode) {
-    pd_router_post posts[2];
+static void send_aborts(rt_fwd *f, bool prefill, bool decode) {
+    rt_post posts[2];
     size_t n = 0;
     for (int r = 0; r < 2; r++) {
         if (!(r == PREFILL ? prefill : decode) || f->h[r].aborted) continue;
@@ -281,14 +281,14 @@ static void send_aborts(pd_fwd *f, bool prefill, bool decode) {
     char *body = o ? json_dumps(o, JSON_COMPACT) : NULL;
     json_decref(o);
     if (!body) return;
-    pd_router_fanout_post(posts, n, body, f->abort_timeout_ms, f->connect_timeout_ms);
+    rt_fanout_post(posts, n, body, f->abort_timeout_ms, f->connect_timeout_ms);
     free(body);
     f->aborts_sent += (unsigned)n;
 }
 
 /* Both workers are told and both connections closed. `blame`: the halves
  * still running count as failed (they ran out of time). */
-static void abandon_all(pd_fwd *f, bool blame) {
+static void abandon_all(rt_fwd *f, bool blame) {
     for (int r = 0; r < 2; r++)
         if (blame && half_running(&f->h[r])) f->h[r].failed = true;
     send_aborts(f, true, true);
@@ -297,7 +297,7 @@ static void abandon_all(pd_fwd *f, bool blame) {
 }
 
 /* The other half decided the answer: tell this one if it still runs. */
-static void abort_half(pd_fwd *f, int role) {
+static void abort_half(rt_fwd *f, int role) {
     if (!half_running(&f->h[role])) return;
     send_aborts(f, role == PREFILL, role == DECODE);
     close_half(&f->h[role]);
@@ -306,10 +306,10 @@ static void abort_half(pd_fwd *f, int role) {
 /* After the decode node's own final answer: give the prefill node a moment
  * to finish its (normally already finished) hand-off answer, then tell it if
  * it has not. The decode connection, if still open, is simply closed. */
-static void settle(pd_fwd *f) {
-    uint64_t until_ms = pd_router_now_ms() + SETTLE_MS;
+static void settle(rt_fwd *f) {
+    uint64_t until_ms = rt_now_ms() + SETTLE_MS;
     while (half_running(&f->h[PREFILL]) && !f->client_gone) {
-        uint64_t now = pd_router_now_ms();
+        uint64_t now = rt_now_ms();
         if (now >= until_ms) break;
         pump(f, until_ms - now);
     }
@@ -321,9 +321,9 @@ static void settle(pd_fwd *f) {
 
 /* The final answer of an aborted request in the API's shape: a whole body
  * (non-streaming) or the data of one event (streaming). */
-static char *abort_answer(const pd_fwd *f, bool event) {
+static char *abort_answer(const rt_fwd *f, bool event) {
     json_t *o;
-    if (f->api == PD_FWD_GENERATE) {
+    if (f->api == RT_FWD_GENERATE) {
         o = json_pack("{s:s, s:[], s:{s:s, s:{s:s, s:s, s:i}, s:i, s:i, s:i}}", "text", "",
                       "output_ids", "meta_info", "id", f->rid, "finish_reason", "type", "abort",
                       "message", "aborted by the router", "status_code", 499, "prompt_tokens", 0,
@@ -344,11 +344,11 @@ static char *abort_answer(const pd_fwd *f, bool event) {
     return text;
 }
 
-static void set_full(pd_fwd *f, pd_fwd_head *head, unsigned status, char *own_body) {
+static void set_full(rt_fwd *f, rt_fwd_head *head, unsigned status, char *own_body) {
     free(f->own_body);
     f->own_body = own_body;
     copy_str(f->content_type, sizeof f->content_type, "application/json");
-    head->kind = PD_FWD_FULL;
+    head->kind = RT_FWD_FULL;
     head->status = status;
     head->content_type = f->content_type;
     head->body = own_body ? own_body : "";
@@ -360,7 +360,7 @@ static void set_full(pd_fwd *f, pd_fwd_head *head, unsigned status, char *own_bo
 #if defined(__GNUC__)
 __attribute__((format(printf, 4, 5)))
 #endif
-static void set_error(pd_fwd *f, pd_fwd_head *head, unsigned status, const char *fmt, ...) {
+static void set_error(rt_fwd *f, rt_fwd_head *head, unsigned status, const char *fmt, ...) {
     va_list ap;
     va_start(ap, fmt);
     char *body = pd_http_error_body_v(status, fmt, ap);
@@ -369,7 +369,7 @@ static void set_error(pd_fwd *f, pd_fwd_head *head, unsigned status, const char 
 }
 
 /* Ends the stream with `event_data` (may be NULL: no event) then [DONE]. */
-static void set_tail(pd_fwd *f, char *event_data, unsigned outcome) {
+static void set_tail(rt_fwd *f, char *event_data, unsigned outcome) {
     static const char done[] = "data: [DONE]\n\n";
     PD_ASSERT(f->ready == 0);
     f->sse_len = 0; /* a partial event from the worker is dropped */
@@ -394,7 +394,7 @@ static void set_tail(pd_fwd *f, char *event_data, unsigned outcome) {
 #if defined(__GNUC__)
 __attribute__((format(printf, 3, 4)))
 #endif
-static void set_error_tail(pd_fwd *f, unsigned status, const char *fmt, ...) {
+static void set_error_tail(rt_fwd *f, unsigned status, const char *fmt, ...) {
     char *ev = NULL;
     if (!f->saw_final) {
         va_list ap;
@@ -405,13 +405,13 @@ static void set_error_tail(pd_fwd *f, unsigned status, const char *fmt, ...) {
     set_tail(f, ev, f->saw_final ? 200 : status);
 }
 
-static void set_abort_tail(pd_fwd *f) {
+static void set_abort_tail(rt_fwd *f) {
     set_tail(f, f->saw_final ? NULL : abort_answer(f, true), f->saw_final ? 200 : 499);
 }
 
 /* ---- creation ---------------------------------------------------------------- */
 
-static pd_err half_init(pd_fwd *f, int role, const char *base, const char *path, char *msg,
+static pd_err half_init(rt_fwd *f, int role, const char *base, const char *path, char *msg,
                         size_t msg_cap) {
     half *h = &f->h[role];
     h->f = f;
@@ -421,7 +421,7 @@ static pd_err half_init(pd_fwd *f, int role, const char *base, const char *path,
     h->cap_max = role == PREFILL ? PREFILL_BODY_MAX : 0;
     h->easy = curl_easy_init();
     if (!h->easy) return pd_errorf(msg, msg_cap, PD_ERR_NOMEM, "curl_easy_init failed");
-    pd_router_client_setup(h->easy, f->connect_timeout_ms);
+    rt_client_setup(h->easy, f->connect_timeout_ms);
     curl_easy_setopt(h->easy, CURLOPT_URL, h->url);
     curl_easy_setopt(h->easy, CURLOPT_HTTPHEADER, f->hdrs);
     curl_easy_setopt(h->easy, CURLOPT_POSTFIELDS, f->body);
@@ -434,12 +434,12 @@ static pd_err half_init(pd_fwd *f, int role, const char *base, const char *path,
     return PD_OK;
 }
 
-pd_err pd_fwd_create(pd_fwd **out, const pd_fwd_params *p, char *msg, size_t msg_cap) {
+pd_err rt_fwd_create(rt_fwd **out, const rt_fwd_params *p, char *msg, size_t msg_cap) {
     *out = NULL;
     PD_ASSERT(p->rid && p->body && p->prefill_base && p->decode_base);
     PD_ASSERT(p->rid[0] != '\0' && strlen(p->rid) < PD_RID_MAX); /* checked at the door */
     PD_ASSERT(p->timeout_ms > 0 && p->max_response_bytes > 0);
-    pd_fwd *f = calloc(1, sizeof *f);
+    rt_fwd *f = calloc(1, sizeof *f);
     if (!f) {
         free(p->body);
         return pd_errorf(msg, msg_cap, PD_ERR_NOMEM, "out of memory");
@@ -458,7 +458,7 @@ pd_err pd_fwd_create(pd_fwd **out, const pd_fwd_params *p, char *msg, size_t msg
     f->abort_grace_ms = p->abort_grace_ms;
     atomic_init(&f->abort_requested, false);
     atomic_init(&f->shutdown_requested, false);
-    const char *path = p->api == PD_FWD_GENERATE ? "/generate" : "/v1/completions";
+    const char *path = p->api == RT_FWD_GENERATE ? "/generate" : "/v1/completions";
     pd_err err = PD_OK;
     f->multi = curl_multi_init();
     struct curl_slist *a = curl_slist_append(NULL, "Content-Type: application/json");
@@ -471,7 +471,7 @@ pd_err pd_fwd_create(pd_fwd **out, const pd_fwd_params *p, char *msg, size_t msg
     if (!err && p->stream && !(f->sse = malloc(SSE_WINDOW)))
         err = pd_errorf(msg, msg_cap, PD_ERR_NOMEM, "out of memory");
     if (err) {
-        pd_fwd_destroy(f);
+        rt_fwd_destroy(f);
         return err;
     }
     *out = f;
@@ -481,7 +481,7 @@ pd_err pd_fwd_create(pd_fwd **out, const pd_fwd_params *p, char *msg, size_t msg
 /* ---- head ------------------------------------------------------------------- */
 
 /* The decode node's complete (non-streamed) answer decides the response. */
-static void finish_full(pd_fwd *f, pd_fwd_head *head) {
+static void finish_full(rt_fwd *f, rt_fwd_head *head) {
     half *d = &f->h[DECODE];
     char why[256];
     if (d->rc != CURLE_OK) {
@@ -508,7 +508,7 @@ static void finish_full(pd_fwd *f, pd_fwd_head *head) {
     } else {
         settle(f);
     }
-    head->kind = PD_FWD_FULL;
+    head->kind = RT_FWD_FULL;
     head->status = (unsigned)d->status;
     copy_str(f->content_type, sizeof f->content_type, d->content_type);
     head->content_type = f->content_type;
@@ -520,7 +520,7 @@ static void finish_full(pd_fwd *f, pd_fwd_head *head) {
 
 /* The prefill node failed before the decode node answered: its failure is
  * the answer and the decode half is told to stop. */
-static void prefill_failed(pd_fwd *f, pd_fwd_head *head) {
+static void prefill_failed(rt_fwd *f, rt_fwd_head *head) {
     half *p = &f->h[PREFILL];
     abort_half(f, DECODE);
     char why[256];
@@ -548,8 +548,8 @@ static void prefill_failed(pd_fwd *f, pd_fwd_head *head) {
 
 /* Common checks of both phases; true when the answer got decided. `head` is
  * NULL in the stream phase. */
-static bool check_exits(pd_fwd *f, pd_fwd_head *head, uint64_t *wait_ms) {
-    uint64_t now = pd_router_now_ms();
+static bool check_exits(rt_fwd *f, rt_fwd_head *head, uint64_t *wait_ms) {
+    uint64_t now = rt_now_ms();
     if (atomic_load(&f->shutdown_requested)) {
         abandon_all(f, false);
         if (head) set_error(f, head, 503, "the router is shutting down");
@@ -570,7 +570,7 @@ static bool check_exits(pd_fwd *f, pd_fwd_head *head, uint64_t *wait_ms) {
             abandon_all(f, false);
             if (head) {
                 if (f->stream) {
-                    head->kind = PD_FWD_STREAM;
+                    head->kind = RT_FWD_STREAM;
                     head->status = 200;
                     copy_str(f->content_type, sizeof f->content_type, "text/event-stream");
                     head->content_type = f->content_type;
@@ -590,11 +590,11 @@ static bool check_exits(pd_fwd *f, pd_fwd_head *head, uint64_t *wait_ms) {
     return false;
 }
 
-void pd_fwd_head_wait(pd_fwd *f, pd_fwd_head *head) {
+void rt_fwd_head_wait(rt_fwd *f, rt_fwd_head *head) {
     memset(head, 0, sizeof *head);
     PD_ASSERT(!f->started);
     f->started = true;
-    f->deadline_ms = pd_router_now_ms() + f->timeout_ms;
+    f->deadline_ms = rt_now_ms() + f->timeout_ms;
     for (int r = 0; r < 2; r++) {
         if (curl_multi_add_handle(f->multi, f->h[r].easy) == CURLM_OK) {
             f->h[r].added = true;
@@ -610,13 +610,13 @@ void pd_fwd_head_wait(pd_fwd *f, pd_fwd_head *head) {
     for (;;) {
         if (f->client_gone) {
             abandon_all(f, false);
-            head->kind = PD_FWD_GONE;
-            f->outcome = PD_ROUTER_STATUS_CLIENT_GONE;
+            head->kind = RT_FWD_GONE;
+            f->outcome = RT_STATUS_CLIENT_GONE;
             f->ended = true;
             return;
         }
         if (d->sse) {
-            head->kind = PD_FWD_STREAM;
+            head->kind = RT_FWD_STREAM;
             head->status = 200;
             copy_str(f->content_type, sizeof f->content_type, d->content_type);
             head->content_type = f->content_type;
@@ -641,7 +641,7 @@ void pd_fwd_head_wait(pd_fwd *f, pd_fwd_head *head) {
 
 /* Classifies one complete event: [DONE], final (finish_reason set, or an
  * error object), or neither. Returns false for garbage (data not JSON). */
-static bool classify_event(pd_fwd *f, const char *ev, size_t len) {
+static bool classify_event(rt_fwd *f, const char *ev, size_t len) {
     char data[SSE_WINDOW > 4096 ? 4096 : SSE_WINDOW];
     char *big = NULL;
     char *dst = data;
@@ -698,7 +698,7 @@ static bool classify_event(pd_fwd *f, const char *ev, size_t len) {
 }
 
 /* Moves `ready` over every complete event received. */
-static void scan_events(pd_fwd *f) {
+static void scan_events(rt_fwd *f) {
     while (!f->saw_done && !f->garbage) {
         size_t from = f->scanned > f->ready + 3 ? f->scanned - 3 : f->ready;
         size_t end = 0;
@@ -729,7 +729,7 @@ static void scan_events(pd_fwd *f) {
 /* Called once the client has taken every complete event: the chunk curl
  * holds back now fits (half_write refused for good any chunk that could not
  * fit even then). */
-static void unpause(pd_fwd *f) {
+static void unpause(rt_fwd *f) {
     half *d = &f->h[DECODE];
     PD_ASSERT(f->ready == 0);
     if (d->paused && d->added) {
@@ -739,7 +739,7 @@ static void unpause(pd_fwd *f) {
     }
 }
 
-long pd_fwd_stream_read(pd_fwd *f, char *buf, size_t max) {
+long rt_fwd_stream_read(rt_fwd *f, char *buf, size_t max) {
     PD_ASSERT(f->started && max > 0);
     half *p = &f->h[PREFILL], *d = &f->h[DECODE];
     for (;;) {
@@ -792,7 +792,7 @@ long pd_fwd_stream_read(pd_fwd *f, char *buf, size_t max) {
         }
         if (f->client_gone) {
             abandon_all(f, false);
-            f->outcome = PD_ROUTER_STATUS_CLIENT_GONE;
+            f->outcome = RT_STATUS_CLIENT_GONE;
             f->ended = true;
             return -1;
         }
@@ -804,23 +804,23 @@ long pd_fwd_stream_read(pd_fwd *f, char *buf, size_t max) {
 
 /* ---- control from other threads, end, queries ------------------------------- */
 
-void pd_fwd_request_abort(pd_fwd *f) {
+void rt_fwd_request_abort(rt_fwd *f) {
     atomic_store(&f->abort_requested, true);
     curl_multi_wakeup(f->multi);
 }
 
-void pd_fwd_request_shutdown(pd_fwd *f) {
+void rt_fwd_request_shutdown(rt_fwd *f) {
     atomic_store(&f->shutdown_requested, true);
     curl_multi_wakeup(f->multi);
 }
 
-void pd_fwd_close(pd_fwd *f) {
+void rt_fwd_close(rt_fwd *f) {
     if (!f->started) return;
     if (!f->ended || f->tail_off < f->tail_len || f->ready > 0) {
         /* The exchange ended before the answer was fully handed out: the
          * client went away (or the connection failed) mid-answer. */
         abandon_all(f, false);
-        f->outcome = PD_ROUTER_STATUS_CLIENT_GONE;
+        f->outcome = RT_STATUS_CLIENT_GONE;
         f->ended = true;
         f->ready = f->tail_len = f->tail_off = 0;
         return;
@@ -829,15 +829,15 @@ void pd_fwd_close(pd_fwd *f) {
     close_half(&f->h[DECODE]);
 }
 
-unsigned pd_fwd_outcome(const pd_fwd *f) { return f->outcome; }
+unsigned rt_fwd_outcome(const rt_fwd *f) { return f->outcome; }
 
-bool pd_fwd_half_failed(const pd_fwd *f, pd_router_role role) {
-    return f->h[role == PD_ROUTER_PREFILL ? PREFILL : DECODE].failed;
+bool rt_fwd_half_failed(const rt_fwd *f, rt_role role) {
+    return f->h[role == RT_PREFILL ? PREFILL : DECODE].failed;
 }
 
-unsigned pd_fwd_aborts_sent(const pd_fwd *f) { return f->aborts_sent; }
+unsigned rt_fwd_aborts_sent(const rt_fwd *f) { return f->aborts_sent; }
 
-void pd_fwd_destroy(pd_fwd *f) {
+void rt_fwd_destroy(rt_fwd *f) {
     if (!f) return;
     for (int r = 0; r < 2; r++) {
         half *h = &f->h[r];

@@ -7,11 +7,11 @@
  * The forward is driven by the client connection's own thread, in two
  * phases that mirror how an HTTP response goes out:
  *
- *   head     pd_fwd_head_wait runs both transfers until the client's status
+ *   head     rt_fwd_head_wait runs both transfers until the client's status
  *            is decided: the decode node's complete answer (FULL), the
  *            start of its event stream (STREAM), a router-made error or
  *            abort answer (FULL or STREAM), or the client hung up (GONE).
- *   stream   pd_fwd_stream_read is the body of a STREAM response: it keeps
+ *   stream   rt_fwd_stream_read is the body of a STREAM response: it keeps
  *            driving the transfers and hands out complete SSE events only,
  *            so whatever goes wrong later the router can still end the
  *            stream cleanly — a final event with a finish_reason or an
@@ -40,12 +40,12 @@
 #include "pdserve/base.h"
 #include "workers.h"
 
-typedef struct pd_fwd pd_fwd;
+typedef struct rt_fwd rt_fwd;
 
-typedef enum pd_fwd_api { PD_FWD_GENERATE, PD_FWD_COMPLETIONS } pd_fwd_api;
+typedef enum rt_fwd_api { RT_FWD_GENERATE, RT_FWD_COMPLETIONS } rt_fwd_api;
 
-typedef struct pd_fwd_params {
-    pd_fwd_api api;
+typedef struct rt_fwd_params {
+    rt_fwd_api api;
     const char *rid;
     const char *model;              /* completions: echoed in router-made answers */
     bool stream;
@@ -59,44 +59,44 @@ typedef struct pd_fwd_params {
     uint32_t abort_timeout_ms;
     uint32_t abort_grace_ms;
     size_t max_response_bytes;
-} pd_fwd_params;
+} rt_fwd_params;
 
-typedef enum pd_fwd_head_kind {
-    PD_FWD_FULL,     /* send status + body */
-    PD_FWD_STREAM,   /* send status 200 + event stream read with pd_fwd_stream_read */
-    PD_FWD_GONE,     /* the client hung up: send nothing, close */
-} pd_fwd_head_kind;
+typedef enum rt_fwd_head_kind {
+    RT_FWD_FULL,   /* send status + body */
+    RT_FWD_STREAM, /* send status 200 + event stream read with rt_fwd_stream_read */
+    RT_FWD_GONE,   /* the client hung up: send nothing, close */
+} rt_fwd_head_kind;
 
-typedef struct pd_fwd_head {
-    pd_fwd_head_kind kind;
+typedef struct rt_fwd_head {
+    rt_fwd_head_kind kind;
     unsigned status;
     const char *content_type;
     const char *body;               /* FULL; owned by the forward */
     size_t body_len;
-} pd_fwd_head;
+} rt_fwd_head;
 
-pd_err pd_fwd_create(pd_fwd **out, const pd_fwd_params *p, char *msg, size_t msg_cap);
+pd_err rt_fwd_create(rt_fwd **out, const rt_fwd_params *p, char *msg, size_t msg_cap);
 /* Starts both halves and runs until the response's head is decided. */
-void pd_fwd_head_wait(pd_fwd *f, pd_fwd_head *head);
+void rt_fwd_head_wait(rt_fwd *f, rt_fwd_head *head);
 /* The next bytes of a STREAM body: > 0 bytes written to buf, 0 at the end
  * of the stream, -1 when the client hung up. Blocks until one of those. */
-long pd_fwd_stream_read(pd_fwd *f, char *buf, size_t max);
+long rt_fwd_stream_read(rt_fwd *f, char *buf, size_t max);
 /* From any thread: a router-level /abort_request named this request. */
-void pd_fwd_request_abort(pd_fwd *f);
+void rt_fwd_request_abort(rt_fwd *f);
 /* From any thread: the router is stopping; end now with 503. */
-void pd_fwd_request_shutdown(pd_fwd *f);
+void rt_fwd_request_shutdown(rt_fwd *f);
 /* The client's exchange is over (answered, failed or gone): abort and close
  * whatever still runs. Idempotent. */
-void pd_fwd_close(pd_fwd *f);
+void rt_fwd_close(rt_fwd *f);
 
-/* For the stats, after pd_fwd_close: the status the client got (499 for a
- * router-made abort answer, PD_ROUTER_STATUS_CLIENT_GONE = 0 for a hang-up),
+/* For the stats, after rt_fwd_close: the status the client got (499 for a
+ * router-made abort answer, RT_STATUS_CLIENT_GONE = 0 for a hang-up),
  * whether a role's half failed (no answer, garbage, 5xx, timed out), how
  * many /abort_request POSTs were sent. */
-unsigned pd_fwd_outcome(const pd_fwd *f);
-bool pd_fwd_half_failed(const pd_fwd *f, pd_router_role role);
-unsigned pd_fwd_aborts_sent(const pd_fwd *f);
+unsigned rt_fwd_outcome(const rt_fwd *f);
+bool rt_fwd_half_failed(const rt_fwd *f, rt_role role);
+unsigned rt_fwd_aborts_sent(const rt_fwd *f);
 
-void pd_fwd_destroy(pd_fwd *f);
+void rt_fwd_destroy(rt_fwd *f);
 
 #endif

@@ -14,7 +14,7 @@ static size_t discard_body(char *ptr, size_t size, size_t nmemb, void *userdata)
     return size * nmemb;
 }
 
-static bool stopping(pd_router_health *h) {
+static bool stopping(rt_health *h) {
     pthread_mutex_lock(&h->mu);
     bool s = h->stop;
     pthread_mutex_unlock(&h->mu);
@@ -23,14 +23,14 @@ static bool stopping(pd_router_health *h) {
 
 /* Probes every worker once, concurrently. Returns false when stopped midway
  * (no verdicts are recorded then: a probe cut short says nothing). */
-static bool probe_round(pd_router_health *h) {
-    pd_router_workers *t = h->workers;
+static bool probe_round(rt_health *h) {
+    rt_workers *t = h->workers;
     CURL *easy[2 * PD_ROUTER_WORKERS_MAX] = {0};
     char url[PD_ROUTER_URL_MAX + 16];
     for (size_t i = 0; i < t->count; i++) {
         easy[i] = curl_easy_init();
         if (!easy[i]) continue;
-        pd_router_client_setup(easy[i], h->connect_timeout_ms);
+        rt_client_setup(easy[i], h->connect_timeout_ms);
         snprintf(url, sizeof url, "%s/health", t->w[i].url.base); /* base is immutable */
         curl_easy_setopt(easy[i], CURLOPT_URL, url);
         curl_easy_setopt(easy[i], CURLOPT_TIMEOUT_MS, (long)h->timeout_ms);
@@ -40,13 +40,13 @@ static bool probe_round(pd_router_health *h) {
             easy[i] = NULL;
         }
     }
-    uint64_t give_up_ms = pd_router_now_ms() + h->timeout_ms + h->connect_timeout_ms + 1000;
+    uint64_t give_up_ms = rt_now_ms() + h->timeout_ms + h->connect_timeout_ms + 1000;
     int running = 1;
     bool cut = false;
     while (running > 0) {
         if (curl_multi_perform(h->multi, &running) != CURLM_OK) break;
         if (running == 0) break;
-        if (stopping(h) || pd_router_now_ms() >= give_up_ms) {
+        if (stopping(h) || rt_now_ms() >= give_up_ms) {
             cut = stopping(h);
             break;
         }
@@ -70,21 +70,20 @@ static bool probe_round(pd_router_health *h) {
             curl_multi_remove_handle(h->multi, easy[i]);
             curl_easy_cleanup(easy[i]);
         }
-        if (!cut) pd_router_workers_probe(t, i, done_ok[i]);
+        if (!cut) rt_workers_probe(t, i, done_ok[i]);
     }
     return !cut;
 }
 
 static void *health_main(void *arg) {
-    pd_router_health *h = arg;
+    rt_health *h = arg;
     for (;;) {
-        uint64_t round_start_ms = pd_router_now_ms();
+        uint64_t round_start_ms = rt_now_ms();
         if (!probe_round(h)) break;
         uint64_t next_ms = round_start_ms + h->interval_ms;
         struct timespec until = {(time_t)(next_ms / 1000), (long)(next_ms % 1000) * 1000000L};
         pthread_mutex_lock(&h->mu);
-        while (!h->stop && pd_router_now_ms() < next_ms)
-            pthread_cond_timedwait(&h->cv, &h->mu, &until);
+        while (!h->stop && rt_now_ms() < next_ms) pthread_cond_timedwait(&h->cv, &h->mu, &until);
         bool stop = h->stop;
         pthread_mutex_unlock(&h->mu);
         if (stop) break;
@@ -92,9 +91,8 @@ static void *health_main(void *arg) {
     return NULL;
 }
 
-pd_err pd_router_health_start(pd_router_health *h, pd_router_workers *workers,
-                              uint32_t interval_ms, uint32_t timeout_ms,
-                              uint32_t connect_timeout_ms, char *msg, size_t msg_cap) {
+pd_err rt_health_start(rt_health *h, rt_workers *workers, uint32_t interval_ms, uint32_t timeout_ms,
+                       uint32_t connect_timeout_ms, char *msg, size_t msg_cap) {
     memset(h, 0, sizeof *h);
     PD_ASSERT(workers != NULL && interval_ms > 0 && timeout_ms > 0);
     h->workers = workers;
@@ -124,7 +122,7 @@ pd_err pd_router_health_start(pd_router_health *h, pd_router_workers *workers,
     return PD_OK;
 }
 
-void pd_router_health_stop(pd_router_health *h) {
+void rt_health_stop(rt_health *h) {
     if (!h->started) return;
     pthread_mutex_lock(&h->mu);
     h->stop = true;

@@ -19,8 +19,8 @@
 
 #include "workers.h"
 
-typedef struct pd_router_health {
-    pd_router_workers *workers;
+typedef struct rt_health {
+    rt_workers *workers;
     uint32_t interval_ms;
     uint32_t timeout_ms;
     uint32_t connect_timeout_ms;
@@ -30,12 +30,11 @@ typedef struct pd_router_health {
     pthread_mutex_t mu;
     pthread_cond_t cv;        /* CLOCK_MONOTONIC */
     bool stop;
-} pd_router_health;
+} rt_health;
 
-pd_err pd_router_health_start(pd_router_health *h, pd_router_workers *workers,
-                              uint32_t interval_ms, uint32_t timeout_ms,
-                              uint32_t connect_timeout_ms, char *msg, size_t msg_cap);
+pd_err rt_health_start(rt_health *h, rt_workers *workers, uint32_t interval_ms, uint32_t timeout_ms,
+                       uint32_t connect_timeout_ms, char *msg, size_t msg_cap);
 /* Joins the thread. Idempotent; safe on a never-started checker. */
-void pd_router_health_stop(pd_router_health *h);
+void rt_health_stop(rt_health *h);
 
 #endif

@@ -23,12 +23,11 @@ pd_err pd_router_policy_parse(const char *s, pd_router_policy *out) {
     return PD_OK;
 }
 
-size_t pd_router_policy_pick(pd_router_policy policy, const pd_router_candidate *c, size_t n,
-                             size_t *cursor) {
+size_t rt_policy_pick(pd_router_policy policy, const rt_candidate *c, size_t n, size_t *cursor) {
     PD_ASSERT(cursor != NULL);
-    if (n == 0) return PD_ROUTER_PICK_NONE;
+    if (n == 0) return RT_PICK_NONE;
     size_t start = *cursor % n;
-    size_t best = PD_ROUTER_PICK_NONE;
+    size_t best = RT_PICK_NONE;
     for (size_t k = 0; k < n; k++) {
         size_t i = (start + k) % n;
         if (!c[i].healthy) continue;
@@ -38,9 +37,9 @@ size_t pd_router_policy_pick(pd_router_policy policy, const pd_router_candidate 
         }
         /* least_load: strictly fewer wins, so the first at or after the
          * cursor keeps a tie. */
-        if (best == PD_ROUTER_PICK_NONE || c[i].in_flight < c[best].in_flight) best = i;
+        if (best == RT_PICK_NONE || c[i].in_flight < c[best].in_flight) best = i;
     }
-    if (best != PD_ROUTER_PICK_NONE) {
+    if (best != RT_PICK_NONE) {
         PD_ASSERT(best < n && c[best].healthy);
         *cursor = (best + 1) % n;
     }

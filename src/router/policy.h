@@ -24,17 +24,16 @@
 
 #include "pdserve/router.h"
 
-typedef struct pd_router_candidate {
+typedef struct rt_candidate {
     bool healthy;
     uint32_t in_flight;
-} pd_router_candidate;
+} rt_candidate;
 
-#define PD_ROUTER_PICK_NONE ((size_t)-1)
+#define RT_PICK_NONE ((size_t)-1)
 
-/* Index of the chosen candidate, or PD_ROUTER_PICK_NONE when none is
+/* Index of the chosen candidate, or RT_PICK_NONE when none is
  * healthy. *cursor (< n, or anything: it is reduced modulo n) is where the
  * scan starts and is advanced past the pick. */
-size_t pd_router_policy_pick(pd_router_policy policy, const pd_router_candidate *c, size_t n,
-                             size_t *cursor);
+size_t rt_policy_pick(pd_router_policy policy, const rt_candidate *c, size_t n, size_t *cursor);
 
 #endif

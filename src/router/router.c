@@ -56,15 +56,15 @@ typedef struct slot {
     bool used;
     bool abort_pending;      /* flagged before the forward attached */
     char rid[PD_RID_MAX];
-    pd_fwd *fwd;
+    rt_fwd *fwd;
 } slot;
 
 struct pd_router {
     pd_router_config cfg;
     char host[256];
-    pd_router_workers workers;
-    pd_router_health health;
-    pd_router_stats stats;
+    rt_workers workers;
+    rt_health health;
+    rt_stats stats;
     struct MHD_Daemon *mhd;
     uint16_t port;
     bool started;
@@ -97,7 +97,7 @@ void pd_router_config_default(pd_router_config *cfg) {
 
 pd_err pd_router_create(pd_router **out, const pd_router_config *cfg, char *msg, size_t msg_cap) {
     *out = NULL;
-    pd_err err = pd_router_client_global_init(msg, msg_cap);
+    pd_err err = rt_client_global_init(msg, msg_cap);
     if (err) return err;
     if (!cfg->host || !*cfg->host || strlen(cfg->host) >= sizeof((pd_router *)0)->host)
         return pd_errorf(msg, msg_cap, PD_ERR_INVALID, "a listen host is required");
@@ -119,19 +119,19 @@ pd_err pd_router_create(pd_router **out, const pd_router_config *cfg, char *msg,
     r->cfg.host = r->host;
     /* The worker specs are parsed now; the table does not keep the strings. */
     for (size_t i = 0; i < PD_ROUTER_WORKERS_MAX; i++) r->cfg.prefill[i] = r->cfg.decode[i] = NULL;
-    err = pd_router_workers_init(&r->workers, cfg, msg, msg_cap);
+    err = rt_workers_init(&r->workers, cfg, msg, msg_cap);
     if (err) {
         free(r);
         return err;
     }
     r->slots = calloc(cfg->connections_max, sizeof *r->slots);
     if (!r->slots) {
-        pd_router_workers_destroy(&r->workers);
+        rt_workers_destroy(&r->workers);
         free(r);
         return pd_errorf(msg, msg_cap, PD_ERR_NOMEM, "out of memory");
     }
     pthread_mutex_init(&r->table_mu, NULL);
-    pd_router_stats_init(&r->stats);
+    rt_stats_init(&r->stats);
     *out = r;
     return PD_OK;
 }
@@ -193,13 +193,13 @@ static pd_err table_add(pd_router *r, const char *rid, long *slot_out) {
     return err;
 }
 
-static void table_attach(pd_router *r, long i, pd_fwd *f) {
+static void table_attach(pd_router *r, long i, rt_fwd *f) {
     pthread_mutex_lock(&r->table_mu);
     slot *s = &r->slots[i];
     PD_ASSERT(s->used && s->fwd == NULL);
     s->fwd = f;
-    if (s->abort_pending) pd_fwd_request_abort(f);
-    if (r->stopping) pd_fwd_request_shutdown(f);
+    if (s->abort_pending) rt_fwd_request_abort(f);
+    if (r->stopping) rt_fwd_request_shutdown(f);
     pthread_mutex_unlock(&r->table_mu);
 }
 
@@ -227,7 +227,7 @@ static size_t table_flag_abort(pd_router *r, const char *rid) {
         slot *s = &r->slots[i];
         if (!s->used || (rid && strcmp(s->rid, rid))) continue;
         n++;
-        if (s->fwd) pd_fwd_request_abort(s->fwd);
+        if (s->fwd) rt_fwd_request_abort(s->fwd);
         else s->abort_pending = true;
     }
     pthread_mutex_unlock(&r->table_mu);
@@ -271,7 +271,7 @@ typedef struct req {
     long slot;
     bool picked;             /* a worker pair counts this request in flight */
     size_t prefill, decode;
-    pd_fwd *fwd;
+    rt_fwd *fwd;
     uint64_t start_ms;
 } req;
 
@@ -317,7 +317,7 @@ static void body_append(req *q, const char *data, size_t n) {
 static void record_outcome(req *q, unsigned status) {
     if (!q->generation || q->recorded) return;
     q->recorded = true;
-    pd_router_stats_end(&q->r->stats, status, (double)(pd_router_now_ms() - q->start_ms) / 1e3);
+    rt_stats_end(&q->r->stats, status, (double)(rt_now_ms() - q->start_ms) / 1e3);
 }
 
 #if defined(__GNUC__)
@@ -460,25 +460,24 @@ static json_t *parse_object(req *q, struct MHD_Connection *c) {
 static void release_workers(req *q) {
     if (!q->picked) return;
     q->picked = false;
-    pd_router_workers_release(&q->r->workers, q->prefill,
-                              q->fwd && pd_fwd_half_failed(q->fwd, PD_ROUTER_PREFILL));
-    pd_router_workers_release(&q->r->workers, q->decode,
-                              q->fwd && pd_fwd_half_failed(q->fwd, PD_ROUTER_DECODE));
+    rt_workers_release(&q->r->workers, q->prefill,
+                       q->fwd && rt_fwd_half_failed(q->fwd, RT_PREFILL));
+    rt_workers_release(&q->r->workers, q->decode, q->fwd && rt_fwd_half_failed(q->fwd, RT_DECODE));
 }
 
 static ssize_t stream_reader(void *cls, uint64_t pos, char *buf, size_t max) {
     (void)pos;
     req *q = cls;
-    long n = pd_fwd_stream_read(q->fwd, buf, max);
+    long n = rt_fwd_stream_read(q->fwd, buf, max);
     if (n > 0) return (ssize_t)n;
     release_workers(q);
-    record_outcome(q, pd_fwd_outcome(q->fwd));
+    record_outcome(q, rt_fwd_outcome(q->fwd));
     return n == 0 ? MHD_CONTENT_READER_END_OF_STREAM : MHD_CONTENT_READER_END_WITH_ERROR;
 }
 
 static enum MHD_Result handle_generation(req *q, struct MHD_Connection *c) {
     pd_router *r = q->r;
-    pd_router_stats_begin(&r->stats);
+    rt_stats_begin(&r->stats);
     q->generation = true;
     json_t *o = parse_object(q, c);
     if (!o) return MHD_YES;
@@ -511,7 +510,7 @@ static enum MHD_Result handle_generation(req *q, struct MHD_Connection *c) {
         if (err == PD_ERR_STATE) return answer_error(q, c, 503, NULL, "the router is shutting down");
         return answer_error(q, c, 429, NULL, "too many requests in flight");
     }
-    if (pd_router_workers_pick(&r->workers, &q->prefill, &q->decode) != PD_OK) {
+    if (rt_workers_pick(&r->workers, &q->prefill, &q->decode) != PD_OK) {
         json_decref(o);
         return answer_error(q, c, 503, NULL, "no healthy prefill/decode pair");
     }
@@ -521,8 +520,8 @@ static enum MHD_Result handle_generation(req *q, struct MHD_Connection *c) {
         json_decref(o);
         return answer_error(q, c, 500, NULL, "no randomness for a bootstrap room");
     }
-    const pd_router_worker *pw = &r->workers.w[q->prefill]; /* url fields are immutable */
-    const pd_router_worker *dw = &r->workers.w[q->decode];
+    const rt_worker *pw = &r->workers.w[q->prefill]; /* url fields are immutable */
+    const rt_worker *dw = &r->workers.w[q->decode];
     json_object_set_new(o, "bootstrap_host", json_string(pw->url.host));
     json_object_set_new(o, "bootstrap_port", json_integer(pw->url.bootstrap_port));
     json_object_set_new(o, "bootstrap_room", json_integer((json_int_t)room));
@@ -533,8 +532,8 @@ static enum MHD_Result handle_generation(req *q, struct MHD_Connection *c) {
 
     const union MHD_ConnectionInfo *ci =
         MHD_get_connection_info(c, MHD_CONNECTION_INFO_CONNECTION_FD);
-    pd_fwd_params p = {
-        .api = q->route == ROUTE_GENERATE ? PD_FWD_GENERATE : PD_FWD_COMPLETIONS,
+    rt_fwd_params p = {
+        .api = q->route == ROUTE_GENERATE ? RT_FWD_GENERATE : RT_FWD_COMPLETIONS,
         .rid = rid,
         .model = model_copy,
         .stream = stream,
@@ -550,19 +549,19 @@ static enum MHD_Result handle_generation(req *q, struct MHD_Connection *c) {
         .max_response_bytes = r->cfg.max_response_bytes,
     };
     char msg[256];
-    if (pd_fwd_create(&q->fwd, &p, msg, sizeof msg) != PD_OK)
+    if (rt_fwd_create(&q->fwd, &p, msg, sizeof msg) != PD_OK)
         return answer_error(q, c, 500, NULL, "%s", msg);
     table_attach(r, q->slot, q->fwd);
 
-    pd_fwd_head head;
-    pd_fwd_head_wait(q->fwd, &head);
+    rt_fwd_head head;
+    rt_fwd_head_wait(q->fwd, &head);
     q->answered = true;
-    if (head.kind != PD_FWD_STREAM) {
+    if (head.kind != RT_FWD_STREAM) {
         release_workers(q); /* both halves are over */
-        record_outcome(q, pd_fwd_outcome(q->fwd));
+        record_outcome(q, rt_fwd_outcome(q->fwd));
     }
-    if (head.kind == PD_FWD_GONE) return MHD_NO; /* nobody to answer: close */
-    if (head.kind == PD_FWD_FULL) {
+    if (head.kind == RT_FWD_GONE) return MHD_NO; /* nobody to answer: close */
+    if (head.kind == RT_FWD_FULL) {
         return pd_http_queue_text(c, head.status, head.content_type, head.body, head.body_len);
     }
     struct MHD_Response *resp = MHD_create_response_from_callback(
@@ -607,26 +606,26 @@ static enum MHD_Result handle_abort(req *q, struct MHD_Connection *c) {
     json_decref(fwd);
     if (!fwd_body) return answer_error(q, c, 500, NULL, "out of memory");
     size_t n = r->workers.count;
-    pd_router_post *posts = calloc(n, sizeof *posts);
+    rt_post *posts = calloc(n, sizeof *posts);
     if (!posts) {
         free(fwd_body);
         return answer_error(q, c, 500, NULL, "out of memory");
     }
     for (size_t i = 0; i < n; i++)
         snprintf(posts[i].url, sizeof posts[i].url, "%s/abort_request", r->workers.w[i].url.base);
-    pd_router_fanout_post(posts, n, fwd_body, r->cfg.abort_timeout_ms, r->cfg.connect_timeout_ms);
+    rt_fanout_post(posts, n, fwd_body, r->cfg.abort_timeout_ms, r->cfg.connect_timeout_ms);
     free(fwd_body);
-    pd_router_stats_aborts_sent(&r->stats, n);
+    rt_stats_aborts_sent(&r->stats, n);
 
     long long total = 0;
     json_t *per = json_array();
     for (size_t i = 0; i < n; i++) {
         long long a = posts[i].status == 200 && posts[i].aborted > 0 ? posts[i].aborted : 0;
         total += a;
-        json_array_append_new(per, json_pack("{s:s, s:s, s:i, s:I}", "url", r->workers.w[i].url.base,
-                                             "role", pd_router_role_name(r->workers.w[i].role),
-                                             "status", (int)posts[i].status, "aborted",
-                                             (json_int_t)a));
+        json_array_append_new(per,
+                              json_pack("{s:s, s:s, s:i, s:I}", "url", r->workers.w[i].url.base,
+                                        "role", rt_role_name(r->workers.w[i].role), "status",
+                                        (int)posts[i].status, "aborted", (json_int_t)a));
     }
     free(posts);
     if (!abort_all && total == 0 && requests == 0) {
@@ -639,21 +638,19 @@ static enum MHD_Result handle_abort(req *q, struct MHD_Connection *c) {
 }
 
 static json_t *workers_json(pd_router *r) {
-    pd_router_worker *snap = malloc(r->workers.count * sizeof *snap);
+    rt_worker *snap = malloc(r->workers.count * sizeof *snap);
     json_t *arr = json_array();
     if (!snap) return arr;
-    pd_router_workers_snapshot(&r->workers, snap);
+    rt_workers_snapshot(&r->workers, snap);
     for (size_t i = 0; i < r->workers.count; i++) {
-        const pd_router_worker *w = &snap[i];
-        json_t *o = json_pack("{s:s, s:s, s:b, s:i, s:I, s:I, s:I, s:I, s:I}", "url",
-                              w->url.base, "role", pd_router_role_name(w->role), "healthy",
-                              w->healthy, "consecutive_probe_failures",
-                              (int)w->probe_failures_consecutive, "in_flight",
-                              (json_int_t)w->in_flight, "requests", (json_int_t)w->requests_total,
-                              "failures", (json_int_t)w->failures_total, "probes",
-                              (json_int_t)w->probes_total, "probe_failures",
-                              (json_int_t)w->probe_failures_total);
-        if (o && w->role == PD_ROUTER_PREFILL) {
+        const rt_worker *w = &snap[i];
+        json_t *o = json_pack(
+            "{s:s, s:s, s:b, s:i, s:I, s:I, s:I, s:I, s:I}", "url", w->url.base, "role",
+            rt_role_name(w->role), "healthy", w->healthy, "consecutive_probe_failures",
+            (int)w->probe_failures_consecutive, "in_flight", (json_int_t)w->in_flight, "requests",
+            (json_int_t)w->requests_total, "failures", (json_int_t)w->failures_total, "probes",
+            (json_int_t)w->probes_total, "probe_failures", (json_int_t)w->probe_failures_total);
+        if (o && w->role == RT_PREFILL) {
             json_object_set_new(o, "bootstrap_host", json_string(w->url.host));
             json_object_set_new(o, "bootstrap_port", json_integer(w->url.bootstrap_port));
         }
@@ -676,10 +673,9 @@ static enum MHD_Result handle_server_info(req *q, struct MHD_Connection *c) {
         (json_int_t)k->abort_timeout_ms, "abort_grace_ms", (json_int_t)k->abort_grace_ms,
         "max_body_bytes", (json_int_t)k->max_body_bytes, "max_response_bytes",
         (json_int_t)k->max_response_bytes, "connections_max", (json_int_t)k->connections_max);
-    json_t *o = json_pack("{s:s, s:s, s:o, s:b, s:o, s:o}", "role", "router", "version",
-                          PD_VERSION, "config", cfg, "healthy_pair",
-                          pd_router_workers_have_pair(&r->workers), "workers", workers_json(r),
-                          "counters", pd_router_stats_json(&r->stats));
+    json_t *o = json_pack("{s:s, s:s, s:o, s:b, s:o, s:o}", "role", "router", "version", PD_VERSION,
+                          "config", cfg, "healthy_pair", rt_workers_have_pair(&r->workers),
+                          "workers", workers_json(r), "counters", rt_stats_json(&r->stats));
     return answer_json(q, c, 200, o);
 }
 
@@ -688,14 +684,14 @@ static enum MHD_Result handle_metrics(req *q, struct MHD_Connection *c) {
     size_t cap = 8192 + r->workers.count * 1024;
     char *buf = malloc(cap);
     if (!buf) return answer_error(q, c, 500, NULL, "out of memory");
-    pd_router_worker *snap = malloc(r->workers.count * sizeof *snap);
+    rt_worker *snap = malloc(r->workers.count * sizeof *snap);
     if (!snap) {
         free(buf);
         return answer_error(q, c, 500, NULL, "out of memory");
     }
     pd_strbuf sb;
     pd_strbuf_init(&sb, buf, cap);
-    pd_router_workers_snapshot(&r->workers, snap);
+    rt_workers_snapshot(&r->workers, snap);
     static const char *families[][2] = {
         {"pdserve_router_worker_healthy", "gauge"},
         {"pdserve_router_worker_requests_running", "gauge"},
@@ -706,19 +702,20 @@ static enum MHD_Result handle_metrics(req *q, struct MHD_Connection *c) {
     for (size_t f = 0; f < PD_ARRAY_LEN(families); f++) {
         pd_strbuf_printf(&sb, "# TYPE %s %s\n", families[f][0], families[f][1]);
         for (size_t i = 0; i < r->workers.count; i++) {
-            const pd_router_worker *w = &snap[i];
+            const rt_worker *w = &snap[i];
             unsigned long long v = f == 0   ? (unsigned long long)w->healthy
                                    : f == 1 ? (unsigned long long)w->in_flight
                                    : f == 2 ? (unsigned long long)w->requests_total
                                    : f == 3 ? (unsigned long long)w->failures_total
                                             : (unsigned long long)w->probe_failures_total;
             pd_strbuf_printf(&sb, "%s{worker=\"%s\",role=\"%s\"} %llu\n", families[f][0],
-                             w->url.base, pd_router_role_name(w->role), v);
+                             w->url.base, rt_role_name(w->role), v);
         }
     }
-    pd_strbuf_printf(&sb, "# TYPE pdserve_router_healthy_pair gauge\npdserve_router_healthy_pair %d\n",
-                     pd_router_workers_have_pair(&r->workers) ? 1 : 0);
-    pd_router_stats_prometheus(&r->stats, &sb);
+    pd_strbuf_printf(&sb,
+                     "# TYPE pdserve_router_healthy_pair gauge\npdserve_router_healthy_pair %d\n",
+                     rt_workers_have_pair(&r->workers) ? 1 : 0);
+    rt_stats_prometheus(&r->stats, &sb);
     q->status = 200;
     q->answered = true;
     enum MHD_Result ret =
@@ -732,7 +729,7 @@ static enum MHD_Result handle_metrics(req *q, struct MHD_Connection *c) {
 
 static enum MHD_Result answer_too_large(req *q, struct MHD_Connection *c) {
     if (q->route == ROUTE_GENERATE || q->route == ROUTE_COMPLETIONS) {
-        pd_router_stats_begin(&q->r->stats);
+        rt_stats_begin(&q->r->stats);
         q->generation = true;
     }
     return answer_error(q, c, 413, NULL, "the body is larger than %zu bytes",
@@ -752,7 +749,7 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *c, const cha
         q->r = r;
         q->slot = -1;
         q->route = find_route(url);
-        q->start_ms = pd_router_now_ms();
+        q->start_ms = rt_now_ms();
         *req_cls = q;
         /* A declared length over the limit is refused before reading it. */
         const char *cl =
@@ -785,7 +782,7 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *c, const cha
     case ROUTE_COMPLETIONS: return handle_generation(q, c);
     case ROUTE_ABORT: return handle_abort(q, c);
     case ROUTE_HEALTH:
-        if (!pd_router_workers_have_pair(&r->workers))
+        if (!rt_workers_have_pair(&r->workers))
             return answer_error(q, c, 503, NULL, "no healthy prefill/decode pair");
         return answer_json(q, c, 200, json_pack("{s:s}", "status", "ok"));
     case ROUTE_SERVER_INFO: return handle_server_info(q, c);
@@ -804,16 +801,16 @@ static void on_completed(void *cls, struct MHD_Connection *c, void **req_cls,
     *req_cls = NULL;
     unsigned status = q->status;
     if (q->fwd) {
-        pd_fwd_close(q->fwd);
-        status = pd_fwd_outcome(q->fwd);
-        pd_router_stats_aborts_sent(&r->stats, pd_fwd_aborts_sent(q->fwd));
+        rt_fwd_close(q->fwd);
+        status = rt_fwd_outcome(q->fwd);
+        rt_stats_aborts_sent(&r->stats, rt_fwd_aborts_sent(q->fwd));
     } else if (q->generation && !q->answered) {
-        status = PD_ROUTER_STATUS_CLIENT_GONE;
+        status = RT_STATUS_CLIENT_GONE;
     }
     release_workers(q);
     /* Off the table before the forward goes: an abort may hold a pointer. */
     if (q->slot >= 0) table_remove(r, q->slot);
-    pd_fwd_destroy(q->fwd);
+    rt_fwd_destroy(q->fwd);
     record_outcome(q, status);
     free(q->body);
     free(q);
@@ -846,9 +843,8 @@ pd_err pd_router_start(pd_router *r, char *msg, size_t msg_cap) {
                          r->host, (unsigned)r->cfg.port);
     const union MHD_DaemonInfo *di = MHD_get_daemon_info(r->mhd, MHD_DAEMON_INFO_BIND_PORT);
     r->port = di ? di->port : r->cfg.port;
-    pd_err err = pd_router_health_start(&r->health, &r->workers, r->cfg.health_interval_ms,
-                                        r->cfg.health_timeout_ms, r->cfg.connect_timeout_ms, msg,
-                                        msg_cap);
+    pd_err err = rt_health_start(&r->health, &r->workers, r->cfg.health_interval_ms,
+                                 r->cfg.health_timeout_ms, r->cfg.connect_timeout_ms, msg, msg_cap);
     if (err) {
         MHD_stop_daemon(r->mhd);
         r->mhd = NULL;
@@ -864,28 +860,28 @@ void pd_router_stop(pd_router *r) {
     pthread_mutex_lock(&r->table_mu);
     r->stopping = true;
     for (size_t i = 0; i < r->cfg.connections_max; i++)
-        if (r->slots[i].used && r->slots[i].fwd) pd_fwd_request_shutdown(r->slots[i].fwd);
+        if (r->slots[i].used && r->slots[i].fwd) rt_fwd_request_shutdown(r->slots[i].fwd);
     pthread_mutex_unlock(&r->table_mu);
     /* The flagged forwards abort their halves and answer 503; give them the
      * time to do so (bounded: aborts have their own timeout) before the
      * sockets are shut, so their clients get an answer, not a reset. */
-    uint64_t until_ms = pd_router_now_ms() + 2ull * r->cfg.abort_timeout_ms + 1000;
-    while (table_used(r) > 0 && pd_router_now_ms() < until_ms) {
+    uint64_t until_ms = rt_now_ms() + 2ull * r->cfg.abort_timeout_ms + 1000;
+    while (table_used(r) > 0 && rt_now_ms() < until_ms) {
         struct timespec ts = {0, 5 * 1000000L};
         nanosleep(&ts, NULL);
     }
     /* Joins every connection thread. */
     MHD_stop_daemon(r->mhd);
     r->mhd = NULL;
-    pd_router_health_stop(&r->health);
+    rt_health_stop(&r->health);
 }
 
 void pd_router_destroy(pd_router *r) {
     if (!r) return;
     pd_router_stop(r);
-    pd_router_stats_destroy(&r->stats);
+    rt_stats_destroy(&r->stats);
     pthread_mutex_destroy(&r->table_mu);
-    pd_router_workers_destroy(&r->workers);
+    rt_workers_destroy(&r->workers);
     free(r->slots);
     free(r);
 }

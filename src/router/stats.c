@@ -6,38 +6,38 @@
 #include <stdio.h>
 #include <string.h>
 
-static const unsigned status_codes[PD_ROUTER_STATUSES - 1] = {200, 400, 404, 405, 409, 413,
-                                                              429, 499, 500, 502, 503, 504};
-static const double latency_le_s[PD_ROUTER_LATENCY_BUCKETS - 1] = {
+static const unsigned status_codes[RT_STATUSES - 1] = {200, 400, 404, 405, 409, 413,
+                                                       429, 499, 500, 502, 503, 504};
+static const double latency_le_s[RT_LATENCY_BUCKETS - 1] = {
     0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60};
 
 static size_t status_slot(unsigned status) {
-    for (size_t i = 0; i < PD_ROUTER_STATUSES - 1; i++)
+    for (size_t i = 0; i < RT_STATUSES - 1; i++)
         if (status_codes[i] == status) return i;
-    return PD_ROUTER_STATUSES - 1;
+    return RT_STATUSES - 1;
 }
 
-void pd_router_stats_init(pd_router_stats *s) {
+void rt_stats_init(rt_stats *s) {
     memset(s, 0, sizeof *s);
     pthread_mutex_init(&s->mu, NULL);
 }
 
-void pd_router_stats_destroy(pd_router_stats *s) { pthread_mutex_destroy(&s->mu); }
+void rt_stats_destroy(rt_stats *s) { pthread_mutex_destroy(&s->mu); }
 
-void pd_router_stats_begin(pd_router_stats *s) {
+void rt_stats_begin(rt_stats *s) {
     pthread_mutex_lock(&s->mu);
     s->c.requests_total++;
     s->c.in_flight++;
     pthread_mutex_unlock(&s->mu);
 }
 
-void pd_router_stats_end(pd_router_stats *s, unsigned status, double latency_s) {
+void rt_stats_end(rt_stats *s, unsigned status, double latency_s) {
     size_t b = 0;
-    while (b < PD_ROUTER_LATENCY_BUCKETS - 1 && latency_s > latency_le_s[b]) b++;
+    while (b < RT_LATENCY_BUCKETS - 1 && latency_s > latency_le_s[b]) b++;
     pthread_mutex_lock(&s->mu);
     PD_ASSERT(s->c.in_flight > 0);
     s->c.in_flight--;
-    if (status == PD_ROUTER_STATUS_CLIENT_GONE) {
+    if (status == RT_STATUS_CLIENT_GONE) {
         s->c.client_disconnects_total++;
     } else {
         s->c.by_status[status_slot(status)]++;
@@ -48,25 +48,25 @@ void pd_router_stats_end(pd_router_stats *s, unsigned status, double latency_s) 
     pthread_mutex_unlock(&s->mu);
 }
 
-void pd_router_stats_aborts_sent(pd_router_stats *s, uint64_t n) {
+void rt_stats_aborts_sent(rt_stats *s, uint64_t n) {
     pthread_mutex_lock(&s->mu);
     s->c.worker_aborts_sent_total += n;
     pthread_mutex_unlock(&s->mu);
 }
 
-json_t *pd_router_stats_json(pd_router_stats *s) {
+json_t *rt_stats_json(rt_stats *s) {
     pthread_mutex_lock(&s->mu);
-    pd_router_counters c = s->c;
+    rt_counters c = s->c;
     pthread_mutex_unlock(&s->mu);
     json_t *by = json_object();
     uint64_t errors = 0;
-    for (size_t i = 0; i < PD_ROUTER_STATUSES; i++) {
+    for (size_t i = 0; i < RT_STATUSES; i++) {
         if (!c.by_status[i]) continue;
         char key[16];
-        if (i < PD_ROUTER_STATUSES - 1) snprintf(key, sizeof key, "%u", status_codes[i]);
+        if (i < RT_STATUSES - 1) snprintf(key, sizeof key, "%u", status_codes[i]);
         else snprintf(key, sizeof key, "other");
         json_object_set_new(by, key, json_integer((json_int_t)c.by_status[i]));
-        if (i == PD_ROUTER_STATUSES - 1 || status_codes[i] >= 400) errors += c.by_status[i];
+        if (i == RT_STATUSES - 1 || status_codes[i] >= 400) errors += c.by_status[i];
     }
     return json_pack("{s:I, s:I, s:o, s:I, s:I, s:I, s:f}", "requests",
                      (json_int_t)c.requests_total, "in_flight", (json_int_t)c.in_flight,
@@ -76,9 +76,9 @@ json_t *pd_router_stats_json(pd_router_stats *s) {
                      c.latency_count ? c.latency_sum_s / (double)c.latency_count : 0.0);
 }
 
-void pd_router_stats_prometheus(pd_router_stats *s, pd_strbuf *sb) {
+void rt_stats_prometheus(rt_stats *s, pd_strbuf *sb) {
     pthread_mutex_lock(&s->mu);
-    pd_router_counters c = s->c;
+    rt_counters c = s->c;
     pthread_mutex_unlock(&s->mu);
     pd_strbuf_printf(sb, "# TYPE pdserve_router_requests_total counter\n"
                          "pdserve_router_requests_total %llu\n",
@@ -87,8 +87,8 @@ void pd_router_stats_prometheus(pd_router_stats *s, pd_strbuf *sb) {
                          "pdserve_router_requests_running %llu\n",
                      (unsigned long long)c.in_flight);
     pd_strbuf_append(sb, "# TYPE pdserve_router_responses_total counter\n");
-    for (size_t i = 0; i < PD_ROUTER_STATUSES; i++) {
-        if (i < PD_ROUTER_STATUSES - 1)
+    for (size_t i = 0; i < RT_STATUSES; i++) {
+        if (i < RT_STATUSES - 1)
             pd_strbuf_printf(sb, "pdserve_router_responses_total{code=\"%u\"} %llu\n",
                              status_codes[i], (unsigned long long)c.by_status[i]);
         else
@@ -103,9 +103,9 @@ void pd_router_stats_prometheus(pd_router_stats *s, pd_strbuf *sb) {
                      (unsigned long long)c.worker_aborts_sent_total);
     pd_strbuf_append(sb, "# TYPE pdserve_router_request_latency_seconds histogram\n");
     uint64_t cum = 0;
-    for (size_t b = 0; b < PD_ROUTER_LATENCY_BUCKETS; b++) {
+    for (size_t b = 0; b < RT_LATENCY_BUCKETS; b++) {
         cum += c.latency_buckets[b];
-        if (b < PD_ROUTER_LATENCY_BUCKETS - 1)
+        if (b < RT_LATENCY_BUCKETS - 1)
             pd_strbuf_printf(sb, "pdserve_router_request_latency_seconds_bucket{le=\"%g\"} %llu\n",
                              latency_le_s[b], (unsigned long long)cum);
         else

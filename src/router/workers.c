@@ -11,9 +11,7 @@
 
 #include "policy.h"
 
-const char *pd_router_role_name(pd_router_role role) {
-    return role == PD_ROUTER_PREFILL ? "prefill" : "decode";
-}
+const char *rt_role_name(rt_role role) { return role == RT_PREFILL ? "prefill" : "decode"; }
 
 /* Digits only, 1..65535. */
 static bool parse_port(const char *s, size_t len, uint16_t *out) {
@@ -94,8 +92,7 @@ pd_err pd_router_url_parse(const char *spec, bool allow_bootstrap, pd_router_url
     return PD_OK;
 }
 
-pd_err pd_router_workers_init(pd_router_workers *t, const pd_router_config *cfg, char *msg,
-                              size_t msg_cap) {
+pd_err rt_workers_init(rt_workers *t, const pd_router_config *cfg, char *msg, size_t msg_cap) {
     memset(t, 0, sizeof *t);
     if (cfg->prefill_count == 0 || cfg->decode_count == 0)
         return pd_errorf(msg, msg_cap, PD_ERR_INVALID,
@@ -108,10 +105,10 @@ pd_err pd_router_workers_init(pd_router_workers *t, const pd_router_config *cfg,
     for (size_t i = 0; i < cfg->prefill_count + cfg->decode_count; i++) {
         bool prefill = i < cfg->prefill_count;
         const char *spec = prefill ? cfg->prefill[i] : cfg->decode[i - cfg->prefill_count];
-        pd_router_worker *w = &t->w[i];
+        rt_worker *w = &t->w[i];
         pd_err err = pd_router_url_parse(spec, prefill, &w->url, msg, msg_cap);
         if (err) return err;
-        w->role = prefill ? PD_ROUTER_PREFILL : PD_ROUTER_DECODE;
+        w->role = prefill ? RT_PREFILL : RT_DECODE;
         if (prefill && w->url.bootstrap_port == 0) w->url.bootstrap_port = cfg->bootstrap_port;
         w->healthy = true;
         for (size_t j = 0; j < i; j++)
@@ -128,36 +125,36 @@ pd_err pd_router_workers_init(pd_router_workers *t, const pd_router_config *cfg,
     return PD_OK;
 }
 
-void pd_router_workers_destroy(pd_router_workers *t) {
+void rt_workers_destroy(rt_workers *t) {
     if (t->count) pthread_mutex_destroy(&t->mu);
     t->count = 0;
 }
 
-/* Index (into t->w) of the pick for one role, or PD_ROUTER_PICK_NONE. Lock held. */
-static size_t pick_role(pd_router_workers *t, pd_router_role role) {
-    size_t lo = role == PD_ROUTER_PREFILL ? 0 : t->prefill_count;
-    size_t n = role == PD_ROUTER_PREFILL ? t->prefill_count : t->count - t->prefill_count;
-    pd_router_candidate c[PD_ROUTER_WORKERS_MAX];
+/* Index (into t->w) of the pick for one role, or RT_PICK_NONE. Lock held. */
+static size_t pick_role(rt_workers *t, rt_role role) {
+    size_t lo = role == RT_PREFILL ? 0 : t->prefill_count;
+    size_t n = role == RT_PREFILL ? t->prefill_count : t->count - t->prefill_count;
+    rt_candidate c[PD_ROUTER_WORKERS_MAX];
     PD_ASSERT(n <= PD_ROUTER_WORKERS_MAX);
     for (size_t i = 0; i < n; i++)
-        c[i] = (pd_router_candidate){t->w[lo + i].healthy, t->w[lo + i].in_flight};
-    size_t k = pd_router_policy_pick(t->policy, c, n, &t->cursor[role]);
-    return k == PD_ROUTER_PICK_NONE ? k : lo + k;
+        c[i] = (rt_candidate){t->w[lo + i].healthy, t->w[lo + i].in_flight};
+    size_t k = rt_policy_pick(t->policy, c, n, &t->cursor[role]);
+    return k == RT_PICK_NONE ? k : lo + k;
 }
 
-pd_err pd_router_workers_pick(pd_router_workers *t, size_t *prefill, size_t *decode) {
+pd_err rt_workers_pick(rt_workers *t, size_t *prefill, size_t *decode) {
     pthread_mutex_lock(&t->mu);
     size_t saved[2] = {t->cursor[0], t->cursor[1]};
-    size_t p = pick_role(t, PD_ROUTER_PREFILL);
-    size_t d = pick_role(t, PD_ROUTER_DECODE);
-    if (p == PD_ROUTER_PICK_NONE || d == PD_ROUTER_PICK_NONE) {
+    size_t p = pick_role(t, RT_PREFILL);
+    size_t d = pick_role(t, RT_DECODE);
+    if (p == RT_PICK_NONE || d == RT_PICK_NONE) {
         /* Nothing was sent: the turn order is unchanged. */
         t->cursor[0] = saved[0];
         t->cursor[1] = saved[1];
         pthread_mutex_unlock(&t->mu);
         return PD_ERR_NOTFOUND;
     }
-    PD_ASSERT(t->w[p].role == PD_ROUTER_PREFILL && t->w[d].role == PD_ROUTER_DECODE);
+    PD_ASSERT(t->w[p].role == RT_PREFILL && t->w[d].role == RT_DECODE);
     t->w[p].in_flight++;
     t->w[p].requests_total++;
     t->w[d].in_flight++;
@@ -168,7 +165,7 @@ pd_err pd_router_workers_pick(pd_router_workers *t, size_t *prefill, size_t *dec
     return PD_OK;
 }
 
-void pd_router_workers_release(pd_router_workers *t, size_t i, bool failed) {
+void rt_workers_release(rt_workers *t, size_t i, bool failed) {
     PD_ASSERT(i < t->count);
     pthread_mutex_lock(&t->mu);
     PD_ASSERTF(t->w[i].in_flight > 0, "worker %s released with nothing in flight",
@@ -178,10 +175,10 @@ void pd_router_workers_release(pd_router_workers *t, size_t i, bool failed) {
     pthread_mutex_unlock(&t->mu);
 }
 
-bool pd_router_workers_probe(pd_router_workers *t, size_t i, bool ok) {
+bool rt_workers_probe(rt_workers *t, size_t i, bool ok) {
     PD_ASSERT(i < t->count);
     pthread_mutex_lock(&t->mu);
-    pd_router_worker *w = &t->w[i];
+    rt_worker *w = &t->w[i];
     bool was = w->healthy;
     w->probes_total++;
     if (ok) {
@@ -197,7 +194,7 @@ bool pd_router_workers_probe(pd_router_workers *t, size_t i, bool ok) {
     return changed;
 }
 
-bool pd_router_workers_have_pair(pd_router_workers *t) {
+bool rt_workers_have_pair(rt_workers *t) {
     bool role_ok[2] = {false, false};
     pthread_mutex_lock(&t->mu);
     for (size_t i = 0; i < t->count; i++)
@@ -206,7 +203,7 @@ bool pd_router_workers_have_pair(pd_router_workers *t) {
     return role_ok[0] && role_ok[1];
 }
 
-void pd_router_workers_snapshot(pd_router_workers *t, pd_router_worker *out) {
+void rt_workers_snapshot(rt_workers *t, rt_worker *out) {
     pthread_mutex_lock(&t->mu);
     memcpy(out, t->w, t->count * sizeof *out);
     pthread_mutex_unlock(&t->mu);

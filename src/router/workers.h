@@ -26,10 +26,10 @@
 
 #include "pdserve/router.h"
 
-typedef enum pd_router_role { PD_ROUTER_PREFILL = 0, PD_ROUTER_DECODE = 1 } pd_router_role;
+typedef enum rt_role { RT_PREFILL = 0, RT_DECODE = 1 } rt_role;
 
-typedef struct pd_router_worker {
-    pd_router_role role;
+typedef struct rt_worker {
+    rt_role role;
     pd_router_url url;            /* prefill: bootstrap_port resolved (never 0) */
     /* Mutable, guarded by the table's lock. */
     bool healthy;
@@ -39,35 +39,34 @@ typedef struct pd_router_worker {
     uint32_t in_flight;           /* requests this router has on it now */
     uint64_t requests_total;      /* halves sent */
     uint64_t failures_total;      /* halves that failed: no answer, garbage, 5xx */
-} pd_router_worker;
+} rt_worker;
 
-typedef struct pd_router_workers {
+typedef struct rt_workers {
     pthread_mutex_t mu;
-    pd_router_worker w[2 * PD_ROUTER_WORKERS_MAX];
+    rt_worker w[2 * PD_ROUTER_WORKERS_MAX];
     size_t count;
     size_t prefill_count;         /* w[0, prefill_count) are prefill nodes */
     pd_router_policy policy;
     size_t cursor[2];             /* per role, see policy.h */
     uint32_t unhealthy_after;
-} pd_router_workers;
+} rt_workers;
 
-pd_err pd_router_workers_init(pd_router_workers *t, const pd_router_config *cfg, char *msg,
-                              size_t msg_cap);
-void pd_router_workers_destroy(pd_router_workers *t);
+pd_err rt_workers_init(rt_workers *t, const pd_router_config *cfg, char *msg, size_t msg_cap);
+void rt_workers_destroy(rt_workers *t);
 
 /* Picks a healthy prefill and a healthy decode node by the policy and counts
  * a request in flight on each. PD_ERR_NOTFOUND when either role has no
  * healthy worker. */
-pd_err pd_router_workers_pick(pd_router_workers *t, size_t *prefill, size_t *decode);
-/* Ends one half picked by pd_router_workers_pick; `failed` counts it. */
-void pd_router_workers_release(pd_router_workers *t, size_t i, bool failed);
+pd_err rt_workers_pick(rt_workers *t, size_t *prefill, size_t *decode);
+/* Ends one half picked by rt_workers_pick; `failed` counts it. */
+void rt_workers_release(rt_workers *t, size_t i, bool failed);
 /* Records one /health probe. Returns true when the worker changed state. */
-bool pd_router_workers_probe(pd_router_workers *t, size_t i, bool ok);
+bool rt_workers_probe(rt_workers *t, size_t i, bool ok);
 /* At least one healthy worker of each role. */
-bool pd_router_workers_have_pair(pd_router_workers *t);
+bool rt_workers_have_pair(rt_workers *t);
 /* Copies all entries (t->count of them) under the lock. */
-void pd_router_workers_snapshot(pd_router_workers *t, pd_router_worker *out);
+void rt_workers_snapshot(rt_workers *t, rt_worker *out);
 
-const char *pd_router_role_name(pd_router_role role);
+const char *rt_role_name(rt_role role);
 
 #endif

@@ -41,31 +41,31 @@ static void worker_urls_parse_with_optional_bootstrap_port(void **state) {
 
 static void round_robin_visits_each_healthy_worker_once_per_turn(void **state) {
     (void)state;
-    pd_router_candidate c[3] = {{true, 5}, {true, 0}, {true, 9}};
+    rt_candidate c[3] = {{true, 5}, {true, 0}, {true, 9}};
     size_t cursor = 0;
-    assert_int_equal(pd_router_policy_pick(PD_ROUTER_ROUND_ROBIN, c, 3, &cursor), 0);
-    assert_int_equal(pd_router_policy_pick(PD_ROUTER_ROUND_ROBIN, c, 3, &cursor), 1);
-    assert_int_equal(pd_router_policy_pick(PD_ROUTER_ROUND_ROBIN, c, 3, &cursor), 2);
-    assert_int_equal(pd_router_policy_pick(PD_ROUTER_ROUND_ROBIN, c, 3, &cursor), 0);
+    assert_int_equal(rt_policy_pick(PD_ROUTER_ROUND_ROBIN, c, 3, &cursor), 0);
+    assert_int_equal(rt_policy_pick(PD_ROUTER_ROUND_ROBIN, c, 3, &cursor), 1);
+    assert_int_equal(rt_policy_pick(PD_ROUTER_ROUND_ROBIN, c, 3, &cursor), 2);
+    assert_int_equal(rt_policy_pick(PD_ROUTER_ROUND_ROBIN, c, 3, &cursor), 0);
     c[1].healthy = false;
-    assert_int_equal(pd_router_policy_pick(PD_ROUTER_ROUND_ROBIN, c, 3, &cursor), 2);
-    assert_int_equal(pd_router_policy_pick(PD_ROUTER_ROUND_ROBIN, c, 3, &cursor), 0);
+    assert_int_equal(rt_policy_pick(PD_ROUTER_ROUND_ROBIN, c, 3, &cursor), 2);
+    assert_int_equal(rt_policy_pick(PD_ROUTER_ROUND_ROBIN, c, 3, &cursor), 0);
     c[0].healthy = c[2].healthy = false;
-    assert_int_equal(pd_router_policy_pick(PD_ROUTER_ROUND_ROBIN, c, 3, &cursor), PD_ROUTER_PICK_NONE);
-    assert_int_equal(pd_router_policy_pick(PD_ROUTER_ROUND_ROBIN, c, 0, &cursor), PD_ROUTER_PICK_NONE);
+    assert_int_equal(rt_policy_pick(PD_ROUTER_ROUND_ROBIN, c, 3, &cursor), RT_PICK_NONE);
+    assert_int_equal(rt_policy_pick(PD_ROUTER_ROUND_ROBIN, c, 0, &cursor), RT_PICK_NONE);
 }
 
 static void least_load_picks_fewest_in_flight_and_rotates_ties(void **state) {
     (void)state;
-    pd_router_candidate c[3] = {{true, 2}, {true, 1}, {true, 3}};
+    rt_candidate c[3] = {{true, 2}, {true, 1}, {true, 3}};
     size_t cursor = 0;
-    assert_int_equal(pd_router_policy_pick(PD_ROUTER_LEAST_LOAD, c, 3, &cursor), 1);
+    assert_int_equal(rt_policy_pick(PD_ROUTER_LEAST_LOAD, c, 3, &cursor), 1);
     c[1].in_flight = 2; /* now 0 and 1 tie at 2: the one at or after the cursor (2) wraps to 0 */
-    assert_int_equal(pd_router_policy_pick(PD_ROUTER_LEAST_LOAD, c, 3, &cursor), 0);
-    assert_int_equal(pd_router_policy_pick(PD_ROUTER_LEAST_LOAD, c, 3, &cursor), 1);
+    assert_int_equal(rt_policy_pick(PD_ROUTER_LEAST_LOAD, c, 3, &cursor), 0);
+    assert_int_equal(rt_policy_pick(PD_ROUTER_LEAST_LOAD, c, 3, &cursor), 1);
     c[2].in_flight = 0;
     c[2].healthy = false; /* the least loaded is unhealthy: never picked */
-    assert_int_not_equal(pd_router_policy_pick(PD_ROUTER_LEAST_LOAD, c, 3, &cursor), 2);
+    assert_int_not_equal(rt_policy_pick(PD_ROUTER_LEAST_LOAD, c, 3, &cursor), 2);
 }
 
 static void worker_leaves_after_two_failed_probes_and_returns_after_one(void **state) {
@@ -77,35 +77,35 @@ static void worker_leaves_after_two_failed_probes_and_returns_after_one(void **s
     cfg.decode[0] = "http://127.0.0.1:2";
     cfg.decode[1] = "http://127.0.0.1:3";
     cfg.decode_count = 2;
-    pd_router_workers t;
+    rt_workers t;
     char msg[256];
-    assert_ok(pd_router_workers_init(&t, &cfg, msg, sizeof msg));
+    assert_ok(rt_workers_init(&t, &cfg, msg, sizeof msg));
     assert_int_equal(t.w[0].url.bootstrap_port, 7000);
-    assert_true(pd_router_workers_have_pair(&t));
-    assert_false(pd_router_workers_probe(&t, 0, false)); /* one failure: still in */
+    assert_true(rt_workers_have_pair(&t));
+    assert_false(rt_workers_probe(&t, 0, false)); /* one failure: still in */
     assert_true(t.w[0].healthy);
-    assert_true(pd_router_workers_probe(&t, 0, false)); /* two: out */
+    assert_true(rt_workers_probe(&t, 0, false)); /* two: out */
     assert_false(t.w[0].healthy);
-    assert_false(pd_router_workers_have_pair(&t));
+    assert_false(rt_workers_have_pair(&t));
     size_t p, d;
-    assert_err(pd_router_workers_pick(&t, &p, &d), PD_ERR_NOTFOUND);
-    assert_true(pd_router_workers_probe(&t, 0, true)); /* one success: back */
-    assert_ok(pd_router_workers_pick(&t, &p, &d));
+    assert_err(rt_workers_pick(&t, &p, &d), PD_ERR_NOTFOUND);
+    assert_true(rt_workers_probe(&t, 0, true)); /* one success: back */
+    assert_ok(rt_workers_pick(&t, &p, &d));
     assert_int_equal(p, 0);
     assert_int_equal(t.w[p].in_flight, 1);
     assert_int_equal(t.w[d].in_flight, 1);
-    pd_router_workers_release(&t, p, false);
-    pd_router_workers_release(&t, d, true);
+    rt_workers_release(&t, p, false);
+    rt_workers_release(&t, d, true);
     assert_int_equal(t.w[d].failures_total, 1);
     assert_int_equal(t.w[d].in_flight, 0);
-    pd_router_workers_destroy(&t);
+    rt_workers_destroy(&t);
 
     /* Duplicates and empty roles are refused. */
     cfg.decode[1] = "http://127.0.0.1:2";
-    assert_err(pd_router_workers_init(&t, &cfg, msg, sizeof msg), PD_ERR_INVALID);
+    assert_err(rt_workers_init(&t, &cfg, msg, sizeof msg), PD_ERR_INVALID);
     assert_non_null(strstr(msg, "twice"));
     cfg.decode_count = 0;
-    assert_err(pd_router_workers_init(&t, &cfg, msg, sizeof msg), PD_ERR_INVALID);
+    assert_err(rt_workers_init(&t, &cfg, msg, sizeof msg), PD_ERR_INVALID);
 }
 
 static void create_refuses_bad_configurations(void **state) {
