@@ -89,8 +89,14 @@ static void b_page_range(pd_batch_item *it, int32_t *t) {
     it->pages = pages;
 }
 static void b_slot(pd_batch_item *it, int32_t *t) { (void)t; it->mamba_slot = SLOTS; }
-static void b_snapshot_is_running(pd_batch_item *it, int32_t *t) { (void)t; it->snapshot_slot = it->mamba_slot; }
-static void b_top_p(pd_batch_item *it, int32_t *t) { (void)t; it->sampling = (pd_sampling){1.0f, 0.0f, 0}; }
+static void b_snapshot_is_running(pd_batch_item *it, int32_t *t) {
+    (void)t;
+    it->snapshot_slot = it->mamba_slot;
+}
+static void b_top_p(pd_batch_item *it, int32_t *t) {
+    (void)t;
+    it->sampling = (pd_sampling){1.0f, 0.0f, 0};
+}
 static void b_too_long(pd_batch_item *it, int32_t *t) { (void)t; it->start_pos = PAGES * PS; }
 
 /* A batch breaking the contract is refused, by launch and by the direct
@@ -184,9 +190,10 @@ static void host_write_back_and_load_restore_pages_exactly(void **state) {
 
     int32_t tok = r.token;
     pd_batch_item d1 = {.req = 1, .tokens = &tok, .n_tokens = 1, .start_pos = LEN, .pages = moved,
-                        .n_pages = PAGES, .mamba_slot = 1, .snapshot_slot = PD_POOL_NONE, .sample = true,
-                        .sample_index = 1};
-    float *l1 = calloc(PD_TOKENIZER_VOCAB, sizeof(float)), *l2 = calloc(PD_TOKENIZER_VOCAB, sizeof(float));
+                        .n_pages = PAGES, .mamba_slot = 1, .snapshot_slot = PD_POOL_NONE,
+                        .sample = true, .sample_index = 1};
+    float *l1 = calloc(PD_TOKENIZER_VOCAB, sizeof(float));
+    float *l2 = calloc(PD_TOKENIZER_VOCAB, sizeof(float));
     pd_item_result r1, r2;
     fx_forward(&n->ex, &d1, 1, &r1, l1);
 

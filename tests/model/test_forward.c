@@ -19,7 +19,9 @@ static fx_run *new_run(void) {
 }
 
 /* Positions PROMPT_LEN + DECODE in pages of page_size. */
-static uint32_t pages_needed(uint32_t page_size) { return PD_DIV_CEIL(PROMPT_LEN + DECODE, page_size); }
+static uint32_t pages_needed(uint32_t page_size) {
+    return PD_DIV_CEIL(PROMPT_LEN + DECODE, page_size);
+}
 
 static void chunk_sizes_give_bit_identical_logits_and_tokens(void **state) {
     (void)state;
@@ -34,7 +36,8 @@ static void chunk_sizes_give_bit_identical_logits_and_tokens(void **state) {
     fx_run_request(&ex, prompt, PROMPT_LEN, PROMPT_LEN, pages, n_pages, 0, DECODE, NULL, whole);
     const uint32_t chunks[] = {1, 3, 8, 64};
     for (size_t c = 0; c < PD_ARRAY_LEN(chunks); c++) {
-        fx_run_request(&ex, prompt, PROMPT_LEN, chunks[c], pages, n_pages, 0, DECODE, NULL, chunked);
+        fx_run_request(&ex, prompt, PROMPT_LEN, chunks[c], pages, n_pages, 0, DECODE, NULL,
+                       chunked);
         fx_assert_same(whole, chunked);
     }
     free(chunked);
@@ -55,7 +58,8 @@ static void page_size_does_not_change_the_output(void **state) {
         uint32_t *pages = malloc(sizeof(uint32_t) * n_pages);
         fx_iota(pages, n_pages, 0);
         pd_executor ex = fx_exec(m, sizes[s], n_pages, 1, 1);
-        fx_run_request(&ex, prompt, PROMPT_LEN, 10, pages, n_pages, 0, DECODE, NULL, s == 0 ? first : other);
+        fx_run *into = s == 0 ? first : other;
+        fx_run_request(&ex, prompt, PROMPT_LEN, 10, pages, n_pages, 0, DECODE, NULL, into);
         if (s > 0) fx_assert_same(first, other);
         pd_model_executor_destroy(&ex);
         free(pages);
@@ -134,7 +138,8 @@ static void batched_decode_matches_each_request_alone(void **state) {
         fx_prompt(prompts[r], LEN, 100 + (uint64_t)r);
         fx_iota(pages[r], PAGES_PER, (uint32_t)r * PAGES_PER);
         alone[r] = new_run();
-        fx_run_request(&ex, prompts[r], LEN, LEN, pages[r], PAGES_PER, (uint32_t)r, STEPS, &sp[r], alone[r]);
+        fx_run_request(&ex, prompts[r], LEN, LEN, pages[r], PAGES_PER, (uint32_t)r, STEPS, &sp[r],
+                       alone[r]);
     }
     /* again: prefill all three in one batch, then decode them together */
     pd_batch_item items[REQS];
@@ -142,9 +147,10 @@ static void batched_decode_matches_each_request_alone(void **state) {
     int32_t last[REQS];
     float (*logits)[PD_TOKENIZER_VOCAB] = calloc(REQS, sizeof(*logits));
     for (int r = 0; r < REQS; r++)
-        items[r] = (pd_batch_item){.req = (uint64_t)r, .tokens = prompts[r], .n_tokens = LEN, .start_pos = 0,
-                                   .pages = pages[r], .n_pages = PAGES_PER, .mamba_slot = (uint32_t)r,
-                                   .snapshot_slot = PD_POOL_NONE, .sample = true, .sampling = sp[r]};
+        items[r] = (pd_batch_item){.req = (uint64_t)r, .tokens = prompts[r], .n_tokens = LEN,
+                                   .start_pos = 0, .pages = pages[r], .n_pages = PAGES_PER,
+                                   .mamba_slot = (uint32_t)r, .snapshot_slot = PD_POOL_NONE,
+                                   .sample = true, .sampling = sp[r]};
     for (uint32_t k = 0; k <= STEPS; k++) {
         fx_forward(&ex, items, REQS, res, logits[0]);
         for (int r = 0; r < REQS; r++) {
@@ -166,7 +172,11 @@ static void batched_decode_matches_each_request_alone(void **state) {
 
 /* ---- the hand-off ------------------------------------------------------------ */
 
-typedef enum handoff_fault { HANDOFF_COMPLETE, HANDOFF_NO_CONV_STATE, HANDOFF_MISSING_PAGE } handoff_fault;
+typedef enum handoff_fault {
+    HANDOFF_COMPLETE,
+    HANDOFF_NO_CONV_STATE,
+    HANDOFF_MISSING_PAGE
+} handoff_fault;
 
 /* Prefill on node A, copy the request's pages and Mamba slot into node B at
  * other page ids and another slot, decode on B from A's first token; `local`
@@ -198,13 +208,15 @@ static void handoff(handoff_fault fault, fx_run *local, fx_run *remote) {
     const uint32_t prompt_pages = PD_DIV_CEIL(PROMPT_LEN, ps);
     for (uint32_t i = 0; i < prompt_pages; i++) {
         if (fault == HANDOFF_MISSING_PAGE && i == prompt_pages / 2) continue;
-        memcpy((char *)mb.kv + pb[i] * mb.kv_page_bytes, (char *)ma.kv + pa[i] * ma.kv_page_bytes, ma.kv_page_bytes);
+        memcpy((char *)mb.kv + pb[i] * mb.kv_page_bytes, (char *)ma.kv + pa[i] * ma.kv_page_bytes,
+               ma.kv_page_bytes);
     }
     char *dst = (char *)mb.mamba + slot_b * mb.mamba_slot_bytes;
     memcpy(dst, (char *)ma.mamba + slot_a * ma.mamba_slot_bytes, ma.mamba_slot_bytes);
     if (fault == HANDOFF_NO_CONV_STATE) {
         size_t layer = s->mamba_conv_bytes_per_layer + s->mamba_ssm_bytes_per_layer;
-        for (uint32_t l = 0; l < s->n_mamba; l++) memset(dst + l * layer, 0, s->mamba_conv_bytes_per_layer);
+        for (uint32_t l = 0; l < s->n_mamba; l++)
+            memset(dst + l * layer, 0, s->mamba_conv_bytes_per_layer);
     }
 
     /* decode DECODE tokens from `first` on both nodes */
@@ -282,13 +294,14 @@ static void snapshot_slot_resumes_like_the_running_state(void **state) {
     const uint32_t run1 = 0, track = 1, run2 = 2;
 
     pd_item_result r1, r2;
-    float *l1 = calloc(PD_TOKENIZER_VOCAB, sizeof(float)), *l2 = calloc(PD_TOKENIZER_VOCAB, sizeof(float));
+    float *l1 = calloc(PD_TOKENIZER_VOCAB, sizeof(float));
+    float *l2 = calloc(PD_TOKENIZER_VOCAB, sizeof(float));
     pd_batch_item it = {.req = 1, .tokens = prompt, .n_tokens = cut, .start_pos = 0, .pages = p1,
                         .n_pages = n_pages, .mamba_slot = run1, .snapshot_slot = track};
     fx_forward(&ex, &it, 1, &r1, NULL);
-    it = (pd_batch_item){.req = 1, .tokens = prompt + cut, .n_tokens = PROMPT_LEN - cut, .start_pos = cut,
-                         .pages = p1, .n_pages = n_pages, .mamba_slot = run1, .snapshot_slot = PD_POOL_NONE,
-                         .sample = true};
+    it = (pd_batch_item){.req = 1, .tokens = prompt + cut, .n_tokens = PROMPT_LEN - cut,
+                         .start_pos = cut, .pages = p1, .n_pages = n_pages, .mamba_slot = run1,
+                         .snapshot_slot = PD_POOL_NONE, .sample = true};
     fx_forward(&ex, &it, 1, &r1, l1);
 
     assert_ok(ex.vt->copy_state(ex.self, run2, track));

@@ -19,7 +19,9 @@ typedef struct layer {
     pd_mamba2_weights w;
 } layer;
 
-static float unif(pd_rng *rng, double lo, double hi) { return (float)(lo + (hi - lo) * pd_rng_unit(rng)); }
+static float unif(pd_rng *rng, double lo, double hi) {
+    return (float)(lo + (hi - lo) * pd_rng_unit(rng));
+}
 
 static float *rand_vec(pd_rng *rng, size_t n, double lo, double hi) {
     float *v = malloc(sizeof(float) * (n ? n : 1));
@@ -27,11 +29,12 @@ static float *rand_vec(pd_rng *rng, size_t n, double lo, double hi) {
     return v;
 }
 
-static layer make_layer(uint32_t dim, uint32_t expand, uint32_t heads, uint32_t groups, uint32_t d_state,
-                        uint32_t d_conv, uint64_t seed) {
+static layer make_layer(uint32_t dim, uint32_t expand, uint32_t heads, uint32_t groups,
+                        uint32_t d_state, uint32_t d_conv, uint64_t seed) {
     layer L;
-    pd_model_config cfg = {.dim = dim, .mamba_expand = expand, .mamba_heads = heads, .mamba_groups = groups,
-                           .mamba_d_state = d_state, .mamba_d_conv = d_conv, .norm_eps = 1e-5f};
+    pd_model_config cfg = {.dim = dim, .mamba_expand = expand, .mamba_heads = heads,
+                           .mamba_groups = groups, .mamba_d_state = d_state,
+                           .mamba_d_conv = d_conv, .norm_eps = 1e-5f};
     pd_mamba2_dims_from_config(&cfg, &L.d);
     pd_rng rng;
     pd_rng_seed(&rng, seed);
@@ -48,8 +51,10 @@ static layer make_layer(uint32_t dim, uint32_t expand, uint32_t heads, uint32_t 
     }
     L.dskip = rand_vec(&rng, heads, 0.5, 1.5);
     L.norm = rand_vec(&rng, d->d_inner, 0.5, 1.5);
-    L.out_proj = rand_vec(&rng, (size_t)dim * d->d_inner, -1.0 / sqrt(d->d_inner), 1.0 / sqrt(d->d_inner));
-    L.w = (pd_mamba2_weights){L.in_proj, L.conv_w, L.conv_b, L.dt_bias, L.a_log, L.dskip, L.norm, L.out_proj};
+    L.out_proj = rand_vec(&rng, (size_t)dim * d->d_inner, -1.0 / sqrt(d->d_inner),
+                          1.0 / sqrt(d->d_inner));
+    L.w = (pd_mamba2_weights){L.in_proj, L.conv_w, L.conv_b, L.dt_bias,
+                              L.a_log, L.dskip, L.norm, L.out_proj};
     return L;
 }
 
@@ -73,14 +78,16 @@ static double softplus(double x) { return x > 20.0 ? x : log1p(exp(x)); }
 
 /* One token through the layer. hist[c][k]: the last d_conv - 1 raw conv
  * inputs of channel c, oldest first; S[h][p][n] the ssm state. */
-static void ref_token(const layer *L, const float *u, double *hist, double *S, double *out, ref_variant v) {
+static void ref_token(const layer *L, const float *u, double *hist, double *S, double *out,
+                      ref_variant v) {
     const pd_mamba2_dims *d = &L->d;
     const uint32_t K = d->d_conv, N = d->d_state, P = d->head_dim, G = d->groups;
     double *proj = calloc(d->in_proj, sizeof(double));
     double *xbc = calloc(d->conv_dim, sizeof(double));
     double *y = calloc(d->d_inner, sizeof(double));
     for (uint32_t o = 0; o < d->in_proj; o++)
-        for (uint32_t i = 0; i < d->dim; i++) proj[o] += (double)L->in_proj[(size_t)o * d->dim + i] * u[i];
+        for (uint32_t i = 0; i < d->dim; i++)
+            proj[o] += (double)L->in_proj[(size_t)o * d->dim + i] * u[i];
     const double *z = proj, *raw = proj + d->d_inner, *dt_raw = proj + d->d_inner + d->conv_dim;
 
     for (uint32_t c = 0; c < d->conv_dim; c++) {
@@ -117,7 +124,8 @@ static void ref_token(const layer *L, const float *u, double *hist, double *S, d
     }
     for (uint32_t o = 0; o < d->dim; o++) {
         out[o] = 0;
-        for (uint32_t i = 0; i < d->d_inner; i++) out[o] += (double)L->out_proj[(size_t)o * d->d_inner + i] * y[i];
+        for (uint32_t i = 0; i < d->d_inner; i++)
+            out[o] += (double)L->out_proj[(size_t)o * d->d_inner + i] * y[i];
     }
     free(y);
     free(xbc);
@@ -133,7 +141,8 @@ typedef struct run {
 
 /* Runs TOKENS tokens through pd_mamba2_forward in pieces of `rows`, starting
  * from init (a layer state), on `threads` threads. */
-static run run_layer(const layer *L, const float *in, const float *init, uint32_t rows, uint32_t threads) {
+static run run_layer(const layer *L, const float *in, const float *init, uint32_t rows,
+                     uint32_t threads) {
     const pd_mamba2_dims *d = &L->d;
     size_t sf = pd_mamba2_state_floats(d);
     run r = {malloc(sizeof(float) * TOKENS * d->dim), malloc(sizeof(float) * sf)};
@@ -148,7 +157,8 @@ static run run_layer(const layer *L, const float *in, const float *init, uint32_
     for (uint32_t t = 0; t < TOKENS; t++) states[t] = r.state;
     for (uint32_t t = 0; t < TOKENS; t += rows) {
         uint32_t n = PD_MIN(rows, TOKENS - t);
-        pd_mamba2_forward(&par, d, &L->w, in + (size_t)t * d->dim, r.out + (size_t)t * d->dim, n, states, &s);
+        pd_mamba2_forward(&par, d, &L->w, in + (size_t)t * d->dim, r.out + (size_t)t * d->dim, n,
+                          states, &s);
     }
     pd_threads_destroy(tp);
     free(mem);
@@ -173,10 +183,11 @@ static const shape shapes[] = {
 
 /* Largest |real - reference| over outputs and final state, relative to
  * max(1, |reference|). */
-static double compare_with_reference(const layer *L, const float *in, const float *init, ref_variant v,
-                                     const run *real) {
+static double compare_with_reference(const layer *L, const float *in, const float *init,
+                                     ref_variant v, const run *real) {
     const pd_mamba2_dims *d = &L->d;
-    const size_t conv_floats = (size_t)d->conv_dim * (d->d_conv - 1), sf = pd_mamba2_state_floats(d);
+    const size_t conv_floats = (size_t)d->conv_dim * (d->d_conv - 1);
+    const size_t sf = pd_mamba2_state_floats(d);
     double *hist = malloc(sizeof(double) * (conv_floats ? conv_floats : 1));
     double *S = malloc(sizeof(double) * (sf - conv_floats));
     double *out = malloc(sizeof(double) * d->dim);
@@ -258,7 +269,8 @@ static void rows_together_or_one_at_a_time_give_identical_bits(void **state) {
         for (size_t p = 0; p < PD_ARRAY_LEN(pieces); p++) {
             run part = run_layer(&L, in, init, pieces[p], 1);
             assert_memory_equal(whole.out, part.out, sizeof(float) * TOKENS * L.d.dim);
-            assert_memory_equal(whole.state, part.state, sizeof(float) * pd_mamba2_state_floats(&L.d));
+            assert_memory_equal(whole.state, part.state,
+                                sizeof(float) * pd_mamba2_state_floats(&L.d));
             free_run(&part);
         }
         run two = run_layer(&L, in, init, 4, 2);
@@ -287,7 +299,8 @@ static void conv_state_holds_the_last_raw_inputs_oldest_first(void **state) {
         for (uint32_t k = 0; k < K - 1; k++) {
             uint32_t t = TOKENS - (K - 1) + k;
             /* raw input of channel c at token t: row d_inner + c of in_proj */
-            float want = pd_dot(L.in_proj + (size_t)(d->d_inner + c) * d->dim, in + (size_t)t * d->dim, d->dim);
+            float want = pd_dot(L.in_proj + (size_t)(d->d_inner + c) * d->dim,
+                                in + (size_t)t * d->dim, d->dim);
             assert_memory_equal(&r.state[(size_t)c * (K - 1) + k], &want, sizeof(float));
         }
     }

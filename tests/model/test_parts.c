@@ -84,7 +84,9 @@ static void thread_pool_covers_every_unit_exactly_once(void **state) {
 
 /* ---- deterministic math ------------------------------------------------------------ */
 
-static double rel_err(double got, double want) { return fabs(got - want) / fmax(fabs(want), 1e-300); }
+static double rel_err(double got, double want) {
+    return fabs(got - want) / fmax(fabs(want), 1e-300);
+}
 
 /* pd_exp, pd_log and pd_sincos agree with libm to a few double ulps over
  * the ranges the model uses, and handle the edges. */
@@ -124,8 +126,8 @@ static void deterministic_math_matches_libm_closely(void **state) {
 
 /* ---- sampling --------------------------------------------------------------------- */
 
-static void sample(const float *logits, uint32_t vocab, float temperature, float top_p, uint64_t seed,
-                   uint32_t index, int32_t *token, float *logprob) {
+static void sample(const float *logits, uint32_t vocab, float temperature, float top_p,
+                   uint64_t seed, uint32_t index, int32_t *token, float *logprob) {
     float probs[64];
     uint64_t keys[64];
     PD_ASSERT(vocab <= 64);
@@ -319,8 +321,10 @@ static void presets_are_valid_and_sizes_follow_the_layout(void **state) {
         pd_model_shape s;
         pd_model_config_shape(&c, &s);
         assert_int_equal(s.n_attn + s.n_mamba, strlen(c.layers));
-        assert_int_equal(s.kv_bytes_per_token, (size_t)s.n_attn * 2 * c.attn_kv_heads * c.attn_head_dim * 4);
-        size_t conv = (size_t)(c.mamba_expand * c.dim + 2 * c.mamba_groups * c.mamba_d_state) * (c.mamba_d_conv - 1) * 4;
+        assert_int_equal(s.kv_bytes_per_token,
+                         (size_t)s.n_attn * 2 * c.attn_kv_heads * c.attn_head_dim * 4);
+        size_t conv_dim = (size_t)(c.mamba_expand * c.dim + 2 * c.mamba_groups * c.mamba_d_state);
+        size_t conv = conv_dim * (c.mamba_d_conv - 1) * 4;
         size_t ssm = (size_t)c.mamba_expand * c.dim * c.mamba_d_state * 4;
         assert_int_equal(s.mamba_slot_bytes, s.n_mamba * (conv + ssm));
         assert_int_equal(pd_model_kv_page_bytes(&c, 16), 16 * s.kv_bytes_per_token);
@@ -355,18 +359,28 @@ static void m_d_conv(pd_model_config *c) { c->mamba_d_conv = 1; }
 static void m_vocab(pd_model_config *c) { c->vocab = 1; }
 static void m_eps(pd_model_config *c) { c->norm_eps = 0.0f; }
 static void m_eos(pd_model_config *c) { c->eos_token = 300; }
-static void m_huge(pd_model_config *c) { c->dim = 65536; c->mlp_hidden = 1u << 18; snprintf(c->layers, sizeof(c->layers), "AAAAAAAAAAAAAAAAAAAAAAAA"); }
+static void m_huge(pd_model_config *c) {
+    c->dim = 65536;
+    c->mlp_hidden = 1u << 18;
+    snprintf(c->layers, sizeof(c->layers), "AAAAAAAAAAAAAAAAAAAAAAAA");
+}
 static void m_rope(pd_model_config *c) { c->rope_base = NAN; }
 
 static void config_check_names_the_inconsistency(void **state) {
     (void)state;
     const bad_config cases[] = {
-        {"layer 2 is 'X'", m_pattern},          {"1 to 64 layers", m_empty},
-        {"multiple of attn_kv_heads", m_kv_heads}, {"must be even", m_head_dim},
-        {"not a multiple of mamba_heads", m_mamba_heads}, {"not a multiple of mamba_groups", m_groups},
-        {"mamba_d_conv", m_d_conv},             {"vocab", m_vocab},
-        {"norm_eps", m_eps},                    {"bos/eos", m_eos},
-        {"parameters", m_huge},                 {"rope_base", m_rope},
+        {"layer 2 is 'X'", m_pattern},
+        {"1 to 64 layers", m_empty},
+        {"multiple of attn_kv_heads", m_kv_heads},
+        {"must be even", m_head_dim},
+        {"not a multiple of mamba_heads", m_mamba_heads},
+        {"not a multiple of mamba_groups", m_groups},
+        {"mamba_d_conv", m_d_conv},
+        {"vocab", m_vocab},
+        {"norm_eps", m_eps},
+        {"bos/eos", m_eos},
+        {"parameters", m_huge},
+        {"rope_base", m_rope},
     };
     char msg[200];
     for (size_t i = 0; i < PD_ARRAY_LEN(cases); i++) {
@@ -375,7 +389,8 @@ static void config_check_names_the_inconsistency(void **state) {
         cases[i].mutate(&c);
         msg[0] = '\0';
         assert_true(pd_model_config_check(&c, msg, sizeof(msg)) != PD_OK);
-        if (!strstr(msg, cases[i].what)) fail_msg("case %zu: message '%s' lacks '%s'", i, msg, cases[i].what);
+        if (!strstr(msg, cases[i].what))
+            fail_msg("case %zu: message '%s' lacks '%s'", i, msg, cases[i].what);
     }
 }
 

@@ -37,7 +37,9 @@ static int teardown(void **state) {
     return rmdir(tmp_root); /* fails (and so does the run) if a test left files */
 }
 
-static void dir_path(char *out, size_t cap, const char *name) { snprintf(out, cap, "%s/%s", tmp_root, name); }
+static void dir_path(char *out, size_t cap, const char *name) {
+    snprintf(out, cap, "%s/%s", tmp_root, name);
+}
 
 static void file_path(char *out, size_t cap, const char *dir, const char *file) {
     snprintf(out, cap, "%s/%s", dir, file);
@@ -166,23 +168,38 @@ static void malformed_headers_are_refused_with_their_message(void **state) {
         {"{\"a\":{\"dtype\":\"F32\"", 0, "not valid JSON"},
         {"[1,2]", 0, "does not start with a JSON object"},
         {"{\"a\":" E8 ",\"a\":" E8 "}", 8, "duplicate"},
-        {"{\"a\":{\"dtype\":\"F31\",\"shape\":[2],\"data_offsets\":[0,8]}}", 8, "tensor 'a': unknown dtype 'F31'"},
-        {"{\"a\":{\"dtype\":\"F32\",\"shape\":[-2],\"data_offsets\":[0,8]}}", 8, "tensor 'a': shape[0] is not a non-negative integer"},
-        {"{\"a\":{\"dtype\":\"F32\",\"shape\":\"2\",\"data_offsets\":[0,8]}}", 8, "tensor 'a': shape missing or not an array"},
-        {"{\"a\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[0]}}", 8, "tensor 'a': data_offsets missing or not a [begin, end] pair"},
-        {"{\"a\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[0.0,8]}}", 8, "tensor 'a': data_offsets are not non-negative integers"},
-        {"{\"a\":{\"dtype\":\"F32\",\"shape\":[0],\"data_offsets\":[8,4]}}", 8, "tensor 'a': data_offsets [8, 4] end before begin"},
-        {"{\"a\":{\"dtype\":\"F32\",\"shape\":[3],\"data_offsets\":[0,8]}}", 8, "tensor 'a': data_offsets span 8 bytes but F32 with 3 elements needs 12"},
-        {"{\"a\":{\"dtype\":\"F32\",\"shape\":[4],\"data_offsets\":[0,16]}}", 8, "tensor 'a': data_offsets end 16 is past the data buffer (8 bytes)"},
-        {"{\"a\":" E8 ",\"b\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[12,20]}}", 20, "tensor 'b': gap of 4 unused bytes"},
-        {"{\"a\":" E8 ",\"b\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[4,12]}}", 12, "tensor 'b': data_offsets [4, 12] overlap tensor 'a' [0, 8]"},
+        {"{\"a\":{\"dtype\":\"F31\",\"shape\":[2],\"data_offsets\":[0,8]}}", 8,
+         "tensor 'a': unknown dtype 'F31'"},
+        {"{\"a\":{\"dtype\":\"F32\",\"shape\":[-2],\"data_offsets\":[0,8]}}", 8,
+         "tensor 'a': shape[0] is not a non-negative integer"},
+        {"{\"a\":{\"dtype\":\"F32\",\"shape\":\"2\",\"data_offsets\":[0,8]}}", 8,
+         "tensor 'a': shape missing or not an array"},
+        {"{\"a\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[0]}}", 8,
+         "tensor 'a': data_offsets missing or not a [begin, end] pair"},
+        {"{\"a\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[0.0,8]}}", 8,
+         "tensor 'a': data_offsets are not non-negative integers"},
+        {"{\"a\":{\"dtype\":\"F32\",\"shape\":[0],\"data_offsets\":[8,4]}}", 8,
+         "tensor 'a': data_offsets [8, 4] end before begin"},
+        {"{\"a\":{\"dtype\":\"F32\",\"shape\":[3],\"data_offsets\":[0,8]}}", 8,
+         "tensor 'a': data_offsets span 8 bytes but F32 with 3 elements needs 12"},
+        {"{\"a\":{\"dtype\":\"F32\",\"shape\":[4],\"data_offsets\":[0,16]}}", 8,
+         "tensor 'a': data_offsets end 16 is past the data buffer (8 bytes)"},
+        {"{\"a\":" E8 ",\"b\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[12,20]}}", 20,
+         "tensor 'b': gap of 4 unused bytes"},
+        {"{\"a\":" E8 ",\"b\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[4,12]}}", 12,
+         "tensor 'b': data_offsets [4, 12] overlap tensor 'a' [0, 8]"},
         {"{\"a\":" E8 "}", 12, "4 bytes after the last tensor ('a')"},
-        {"{\"a\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[0,8],\"x\":1}}", 8, "tensor 'a': entry must have exactly dtype, shape and data_offsets"},
+        {"{\"a\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[0,8],\"x\":1}}", 8,
+         "tensor 'a': entry must have exactly dtype, shape and data_offsets"},
         {"{\"__metadata__\":{\"k\":1},\"a\":" E8 "}", 8, "__metadata__ entry 'k' is not a string"},
         {long_name, 8, "name longer than 255 bytes"},
-        {"{\"a\":{\"dtype\":\"F32\",\"shape\":[1,1,1,1,1,1,1,1,1],\"data_offsets\":[0,4]}}", 4, "tensor 'a': 9 dimensions"},
-        {"{\"a\":{\"dtype\":\"F32\",\"shape\":[4294967296,4294967296,4294967296],\"data_offsets\":[0,8]}}", 8, "tensor 'a': element count overflows"},
-        {"{\"a\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[0,99999999999999999999]}}", 8, "not valid JSON"},
+        {"{\"a\":{\"dtype\":\"F32\",\"shape\":[1,1,1,1,1,1,1,1,1],\"data_offsets\":[0,4]}}", 4,
+         "tensor 'a': 9 dimensions"},
+        {"{\"a\":{\"dtype\":\"F32\",\"shape\":[4294967296,4294967296,4294967296],"
+         "\"data_offsets\":[0,8]}}",
+         8, "tensor 'a': element count overflows"},
+        {"{\"a\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[0,99999999999999999999]}}", 8,
+         "not valid JSON"},
         {"{\"a\":5}", 0, "tensor 'a': entry is not an object"},
         {"{\"\":" E8 "}", 8, "empty name"},
         {"{\"a\xff\":" E8 "}", 8, "not valid JSON"},
@@ -195,7 +212,8 @@ static void malformed_headers_are_refused_with_their_message(void **state) {
         char msg[400] = "";
         pd_err err = pd_safetensors_parse(&st, b, len, msg, sizeof(msg));
         if (err == PD_OK) fail_msg("case %zu accepted", i);
-        if (!strstr(msg, cases[i].message)) fail_msg("case %zu: '%s' lacks '%s'", i, msg, cases[i].message);
+        if (!strstr(msg, cases[i].message))
+            fail_msg("case %zu: '%s' lacks '%s'", i, msg, cases[i].message);
         pd_safetensors_close(&st);
         free(b);
     }
@@ -267,7 +285,8 @@ static void to_i32(json_t *root) {
 
 static void reshape(json_t *root) {
     /* model.norm.weight is [64]; [8, 8] has the same bytes but not the shape */
-    json_object_set_new(json_object_get(root, "model.norm.weight"), "shape", json_pack("[i,i]", 8, 8));
+    json_object_set_new(json_object_get(root, "model.norm.weight"), "shape",
+                        json_pack("[i,i]", 8, 8));
 }
 
 static void edit_config(const char *dir, const char *key, json_t *value) {
@@ -297,7 +316,61 @@ static void write_tensors(const pd_model *m, const char *dir, const char *skip, 
     if (extra) in[n++] = (pd_st_input){.name = extra, .ndim = 1, .shape = {4}, .data = four};
     char path[256], msg[300];
     file_path(path, sizeof(path), dir, "model.safetensors");
-    if (pd_safetensors_write(path, in, n, PD_DTYPE_F32, msg, sizeof(msg)) != PD_OK) fail_msg("%s", msg);
+    if (pd_safetensors_write(path, in, n, PD_DTYPE_F32, msg, sizeof(msg)) != PD_OK)
+        fail_msg("%s", msg);
+}
+
+/* Saves m afresh into the "bad" directory (its path into dir), to be broken one way. */
+static void fresh(const pd_model *m, char *dir, size_t cap) {
+    save(m, "bad", PD_DTYPE_F32, dir, cap);
+}
+
+static void broken_configs_are_refused(const pd_model *m, char *dir, size_t cap) {
+    char path[256];
+    fresh(m, dir, cap);
+    file_path(path, sizeof(path), dir, "config.json");
+    write_all(path, "{\"vocab_size\": 258,", 19);
+    expect_load_error(dir, "config.json: not valid JSON");
+
+    fresh(m, dir, cap);
+    edit_config(dir, "hidden_size", NULL);
+    expect_load_error(dir, "missing 'hidden_size'");
+
+    fresh(m, dir, cap);
+    edit_config(dir, "num_key_value_heads", json_integer(3));
+    expect_load_error(dir, "not a multiple of attn_kv_heads");
+
+    fresh(m, dir, cap);
+    edit_config(dir, "model_type", json_string("llama"));
+    expect_load_error(dir, "model_type must be");
+
+    fresh(m, dir, cap);
+    edit_config(dir, "hidden_size", json_string("64"));
+    expect_load_error(dir, "'hidden_size' must be an integer");
+}
+
+static void broken_tensor_files_are_refused(const pd_model *m, char *dir, size_t cap) {
+    char path[256];
+    fresh(m, dir, cap);
+    file_path(path, sizeof(path), dir, "model.safetensors");
+    unlink(path);
+    expect_load_error(dir, "model.safetensors: No such file");
+
+    fresh(m, dir, cap);
+    write_tensors(m, dir, "model.norm.weight", NULL);
+    expect_load_error(dir, "tensor 'model.norm.weight' is missing");
+
+    fresh(m, dir, cap);
+    write_tensors(m, dir, NULL, "extra.weight");
+    expect_load_error(dir, "tensor 'extra.weight' is not part of this model");
+
+    fresh(m, dir, cap);
+    edit_header(dir, to_i32);
+    expect_load_error(dir, "tensor 'model.norm.weight': dtype I32 not accepted (F32, F16 or BF16)");
+
+    fresh(m, dir, cap);
+    edit_header(dir, reshape);
+    expect_load_error(dir, "tensor 'model.norm.weight': shape [8, 8] but the config needs [64]");
 }
 
 static void malformed_model_directories_are_refused_with_their_message(void **state) {
@@ -307,52 +380,12 @@ static void malformed_model_directories_are_refused_with_their_message(void **st
     dir_path(dir, sizeof(dir), "bad");
 
     expect_load_error(dir, "config.json: cannot open");
-
-#define FRESH() save(m, "bad", PD_DTYPE_F32, dir, sizeof(dir))
-    FRESH();
-    file_path(path, sizeof(path), dir, "config.json");
-    write_all(path, "{\"vocab_size\": 258,", 19);
-    expect_load_error(dir, "config.json: not valid JSON");
-
-    FRESH();
-    edit_config(dir, "hidden_size", NULL);
-    expect_load_error(dir, "missing 'hidden_size'");
-
-    FRESH();
-    edit_config(dir, "num_key_value_heads", json_integer(3));
-    expect_load_error(dir, "not a multiple of attn_kv_heads");
-
-    FRESH();
-    edit_config(dir, "model_type", json_string("llama"));
-    expect_load_error(dir, "model_type must be");
-
-    FRESH();
-    edit_config(dir, "hidden_size", json_string("64"));
-    expect_load_error(dir, "'hidden_size' must be an integer");
-
-    FRESH();
-    file_path(path, sizeof(path), dir, "model.safetensors");
-    unlink(path);
-    expect_load_error(dir, "model.safetensors: No such file");
-
-    FRESH();
-    write_tensors(m, dir, "model.norm.weight", NULL);
-    expect_load_error(dir, "tensor 'model.norm.weight' is missing");
-
-    FRESH();
-    write_tensors(m, dir, NULL, "extra.weight");
-    expect_load_error(dir, "tensor 'extra.weight' is not part of this model");
-
-    FRESH();
-    edit_header(dir, to_i32);
-    expect_load_error(dir, "tensor 'model.norm.weight': dtype I32 not accepted (F32, F16 or BF16)");
-
-    FRESH();
-    edit_header(dir, reshape);
-    expect_load_error(dir, "tensor 'model.norm.weight': shape [8, 8] but the config needs [64]");
+    broken_configs_are_refused(m, dir, sizeof(dir));
+    broken_tensor_files_are_refused(m, dir, sizeof(dir));
 
     /* a NaN inside the last tensor's data */
-    FRESH();
+    fresh(m, dir, sizeof(dir));
+    file_path(path, sizeof(path), dir, "model.safetensors");
     size_t len;
     uint8_t *b = read_all(path, &len);
     const uint8_t nan_le[4] = {0x00, 0x00, 0xc0, 0x7f};
@@ -366,11 +399,10 @@ static void malformed_model_directories_are_refused_with_their_message(void **st
     free(b);
 
     /* and the untouched directory loads */
-    FRESH();
+    fresh(m, dir, sizeof(dir));
     pd_model *ok = NULL;
     if (pd_model_load(&ok, dir, msg, sizeof(msg)) != PD_OK) fail_msg("%s", msg);
     pd_model_destroy(ok);
-#undef FRESH
     rm_model_dir(dir);
     pd_model_destroy(m);
 }
@@ -406,7 +438,9 @@ static void random_corruptions_never_crash_the_reader(void **state) {
         for (int e = 0; e < edits; e++) {
             switch (pd_rng_below(&rng, 5)) {
             case 0: b[8 + pd_rng_below(&rng, hlen)] = (uint8_t)pd_rng_below(&rng, 256); break;
-            case 1: b[8 + pd_rng_below(&rng, hlen)] = (uint8_t)noise[pd_rng_below(&rng, strlen(noise))]; break;
+            case 1:
+                b[8 + pd_rng_below(&rng, hlen)] = (uint8_t)noise[pd_rng_below(&rng, strlen(noise))];
+                break;
             case 2: b[pd_rng_below(&rng, 8)] ^= (uint8_t)(1u << pd_rng_below(&rng, 8)); break;
             case 3: n = (size_t)pd_rng_below(&rng, n + 1); break;
             default: b[pd_rng_below(&rng, n ? n : 1)] ^= 0xff; break;
@@ -423,7 +457,8 @@ static void random_corruptions_never_crash_the_reader(void **state) {
             for (uint32_t t = 0; t < st.n_tensors; t++) {
                 const pd_st_tensor *ts = &st.tensors[t];
                 assert_true(ts->begin <= ts->end && ts->end <= st.data_bytes);
-                if (ts->dtype == PD_DTYPE_F32 || ts->dtype == PD_DTYPE_F16 || ts->dtype == PD_DTYPE_BF16) {
+                if (ts->dtype == PD_DTYPE_F32 || ts->dtype == PD_DTYPE_F16 ||
+                    ts->dtype == PD_DTYPE_BF16) {
                     float *out = malloc(sizeof(float) * (ts->elems ? ts->elems : 1));
                     assert_ok(pd_safetensors_read_f32(&st, ts, out, ts->elems, msg, sizeof(msg)));
                     free(out);
