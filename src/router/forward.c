@@ -107,7 +107,9 @@ static void copy_str(char *dst, size_t cap, const char *src) {
     snprintf(dst, cap, "%s", src ? src : "");
 }
 
-static bool half_transport_failed(const half *h) { return h->done && !h->closed && h->rc != CURLE_OK; }
+static bool half_transport_failed(const half *h) {
+    return h->done && !h->closed && h->rc != CURLE_OK;
+}
 static bool half_http_failed(const half *h) {
     return h->done && !h->closed && h->rc == CURLE_OK && h->status >= 400;
 }

@@ -475,72 +475,70 @@ static ssize_t stream_reader(void *cls, uint64_t pos, char *buf, size_t max) {
     return n == 0 ? MHD_CONTENT_READER_END_OF_STREAM : MHD_CONTENT_READER_END_WITH_ERROR;
 }
 
-static enum MHD_Result handle_generation(req *q, struct MHD_Connection *c) {
-    pd_router *r = q->r;
-    rt_stats_begin(&r->stats);
-    q->generation = true;
-    json_t *o = parse_object(q, c);
-    if (!o) return MHD_YES;
-    char why[256];
-    if (!validate_generation(q->route, o, why, sizeof why)) {
-        json_decref(o);
-        return answer_error(q, c, 400, NULL, "%s", why);
-    }
-    char rid[PD_RID_MAX];
+/* The client's rid, or a fresh random one; false when there is no randomness. */
+static bool request_rid(json_t *o, char *rid, size_t cap) {
     json_t *jrid = json_object_get(o, "rid");
     uint64_t rid_bits = 0;
     if (jrid) {
-        snprintf(rid, sizeof rid, "%s", json_string_value(jrid));
+        snprintf(rid, cap, "%s", json_string_value(jrid));
     } else if (random_bytes(&rid_bits, sizeof rid_bits)) {
-        snprintf(rid, sizeof rid, "%016llx", (unsigned long long)rid_bits);
+        snprintf(rid, cap, "%016llx", (unsigned long long)rid_bits);
     } else {
-        json_decref(o);
-        return answer_error(q, c, 500, NULL, "no randomness for a request id");
+        return false;
     }
-    bool stream = json_is_true(json_object_get(o, "stream"));
-    const char *model = json_string_value(json_object_get(o, "model"));
-    char model_copy[128];
-    snprintf(model_copy, sizeof model_copy, "%s", model ? model : "pdserve");
+    return true;
+}
 
-    pd_err err = table_add(r, rid, &q->slot);
-    if (err) {
-        json_decref(o);
-        if (err == PD_ERR_EXISTS)
-            return answer_error(q, c, 409, NULL, "a live request already has rid %s", rid);
-        if (err == PD_ERR_STATE) return answer_error(q, c, 503, NULL, "the router is shutting down");
-        return answer_error(q, c, 429, NULL, "too many requests in flight");
-    }
-    if (rt_workers_pick(&r->workers, &q->prefill, &q->decode) != PD_OK) {
-        json_decref(o);
-        return answer_error(q, c, 503, NULL, "no healthy prefill/decode pair");
-    }
-    q->picked = true;
-    uint64_t room;
-    if (!new_room(&room)) {
-        json_decref(o);
-        return answer_error(q, c, 500, NULL, "no randomness for a bootstrap room");
-    }
-    const rt_worker *pw = &r->workers.w[q->prefill]; /* url fields are immutable */
-    const rt_worker *dw = &r->workers.w[q->decode];
+/* The body both halves get: the client's, with the prefill node's bootstrap
+ * address, the room and the rid added. Takes o; NULL when out of memory. */
+static char *bootstrap_body(json_t *o, const rt_worker *pw, uint64_t room, const char *rid) {
     json_object_set_new(o, "bootstrap_host", json_string(pw->url.host));
     json_object_set_new(o, "bootstrap_port", json_integer(pw->url.bootstrap_port));
     json_object_set_new(o, "bootstrap_room", json_integer((json_int_t)room));
     json_object_set_new(o, "rid", json_string(rid));
     char *body = json_dumps(o, JSON_COMPACT);
     json_decref(o);
-    if (!body) return answer_error(q, c, 500, NULL, "out of memory");
+    return body;
+}
 
+/* Queues the response whose head the forward decided; a STREAM body is read
+ * from the forward by stream_reader, on this connection's thread. */
+static enum MHD_Result queue_head(req *q, struct MHD_Connection *c, const rt_fwd_head *head) {
+    q->answered = true;
+    if (head->kind != RT_FWD_STREAM) {
+        release_workers(q); /* both halves are over */
+        record_outcome(q, rt_fwd_outcome(q->fwd));
+    }
+    if (head->kind == RT_FWD_GONE) return MHD_NO; /* nobody to answer: close */
+    if (head->kind == RT_FWD_FULL) {
+        return pd_http_queue_text(c, head->status, head->content_type, head->body, head->body_len);
+    }
+    struct MHD_Response *resp = MHD_create_response_from_callback(
+        MHD_SIZE_UNKNOWN, STREAM_BLOCK_BYTES, stream_reader, q, NULL);
+    if (!resp) return MHD_NO;
+    MHD_add_response_header(resp, MHD_HTTP_HEADER_CONTENT_TYPE, head->content_type);
+    MHD_add_response_header(resp, MHD_HTTP_HEADER_CACHE_CONTROL, "no-cache");
+    enum MHD_Result ret = MHD_queue_response(c, head->status, resp);
+    MHD_destroy_response(resp);
+    return ret;
+}
+
+/* Hands body (ownership included) to a new forward to the picked pair and
+ * answers with whatever head the forward decides. */
+static enum MHD_Result forward_generation(req *q, struct MHD_Connection *c, char *body,
+                                          const char *rid, const char *model, bool stream) {
+    pd_router *r = q->r;
     const union MHD_ConnectionInfo *ci =
         MHD_get_connection_info(c, MHD_CONNECTION_INFO_CONNECTION_FD);
     rt_fwd_params p = {
         .api = q->route == ROUTE_GENERATE ? RT_FWD_GENERATE : RT_FWD_COMPLETIONS,
         .rid = rid,
-        .model = model_copy,
+        .model = model,
         .stream = stream,
         .body = body,
         .body_len = strlen(body),
-        .prefill_base = pw->url.base,
-        .decode_base = dw->url.base,
+        .prefill_base = r->workers.w[q->prefill].url.base, /* url fields are immutable */
+        .decode_base = r->workers.w[q->decode].url.base,
         .client_fd = ci ? ci->connect_fd : -1,
         .timeout_ms = r->cfg.request_timeout_ms,
         .connect_timeout_ms = r->cfg.connect_timeout_ms,
@@ -555,23 +553,52 @@ static enum MHD_Result handle_generation(req *q, struct MHD_Connection *c) {
 
     rt_fwd_head head;
     rt_fwd_head_wait(q->fwd, &head);
-    q->answered = true;
-    if (head.kind != RT_FWD_STREAM) {
-        release_workers(q); /* both halves are over */
-        record_outcome(q, rt_fwd_outcome(q->fwd));
+    return queue_head(q, c, &head);
+}
+
+static enum MHD_Result handle_generation(req *q, struct MHD_Connection *c) {
+    pd_router *r = q->r;
+    rt_stats_begin(&r->stats);
+    q->generation = true;
+    json_t *o = parse_object(q, c);
+    if (!o) return MHD_YES;
+    char why[256];
+    if (!validate_generation(q->route, o, why, sizeof why)) {
+        json_decref(o);
+        return answer_error(q, c, 400, NULL, "%s", why);
     }
-    if (head.kind == RT_FWD_GONE) return MHD_NO; /* nobody to answer: close */
-    if (head.kind == RT_FWD_FULL) {
-        return pd_http_queue_text(c, head.status, head.content_type, head.body, head.body_len);
+    char rid[PD_RID_MAX];
+    if (!request_rid(o, rid, sizeof rid)) {
+        json_decref(o);
+        return answer_error(q, c, 500, NULL, "no randomness for a request id");
     }
-    struct MHD_Response *resp = MHD_create_response_from_callback(
-        MHD_SIZE_UNKNOWN, STREAM_BLOCK_BYTES, stream_reader, q, NULL);
-    if (!resp) return MHD_NO;
-    MHD_add_response_header(resp, MHD_HTTP_HEADER_CONTENT_TYPE, head.content_type);
-    MHD_add_response_header(resp, MHD_HTTP_HEADER_CACHE_CONTROL, "no-cache");
-    enum MHD_Result ret = MHD_queue_response(c, head.status, resp);
-    MHD_destroy_response(resp);
-    return ret;
+    bool stream = json_is_true(json_object_get(o, "stream"));
+    const char *model = json_string_value(json_object_get(o, "model"));
+    char model_copy[128];
+    snprintf(model_copy, sizeof model_copy, "%s", model ? model : "pdserve");
+
+    pd_err err = table_add(r, rid, &q->slot);
+    if (err) {
+        json_decref(o);
+        if (err == PD_ERR_EXISTS)
+            return answer_error(q, c, 409, NULL, "a live request already has rid %s", rid);
+        if (err == PD_ERR_STATE)
+            return answer_error(q, c, 503, NULL, "the router is shutting down");
+        return answer_error(q, c, 429, NULL, "too many requests in flight");
+    }
+    if (rt_workers_pick(&r->workers, &q->prefill, &q->decode) != PD_OK) {
+        json_decref(o);
+        return answer_error(q, c, 503, NULL, "no healthy prefill/decode pair");
+    }
+    q->picked = true;
+    uint64_t room;
+    if (!new_room(&room)) {
+        json_decref(o);
+        return answer_error(q, c, 500, NULL, "no randomness for a bootstrap room");
+    }
+    char *body = bootstrap_body(o, &r->workers.w[q->prefill], room, rid);
+    if (!body) return answer_error(q, c, 500, NULL, "out of memory");
+    return forward_generation(q, c, body, rid, model_copy, stream);
 }
 
 static enum MHD_Result handle_abort(req *q, struct MHD_Connection *c) {
@@ -591,7 +618,8 @@ static enum MHD_Result handle_abort(req *q, struct MHD_Connection *c) {
     bool abort_all = json_is_true(all);
     if (!abort_all && !rid) {
         json_decref(o);
-        return answer_error(q, c, 400, NULL, "expected {\"rid\": \"...\"} or {\"abort_all\": true}");
+        return answer_error(q, c, 400, NULL,
+                            "expected {\"rid\": \"...\"} or {\"abort_all\": true}");
     }
     char rid_copy[PD_RID_MAX] = "";
     if (!abort_all) snprintf(rid_copy, sizeof rid_copy, "%s", json_string_value(rid));
@@ -601,7 +629,8 @@ static enum MHD_Result handle_abort(req *q, struct MHD_Connection *c) {
      * workers have not registered the rid yet are ended by their forward. */
     size_t requests = table_flag_abort(r, abort_all ? NULL : rid_copy);
 
-    json_t *fwd = abort_all ? json_pack("{s:b}", "abort_all", 1) : json_pack("{s:s}", "rid", rid_copy);
+    json_t *fwd = abort_all ? json_pack("{s:b}", "abort_all", 1)
+                            : json_pack("{s:s}", "rid", rid_copy);
     char *fwd_body = fwd ? json_dumps(fwd, JSON_COMPACT) : NULL;
     json_decref(fwd);
     if (!fwd_body) return answer_error(q, c, 500, NULL, "out of memory");
@@ -829,7 +858,8 @@ pd_err pd_router_start(pd_router *r, char *msg, size_t msg_cap) {
     if (gai != 0 || !ai)
         return pd_errorf(msg, msg_cap, PD_ERR_INVALID, "cannot resolve listen host '%s': %s",
                          r->host, gai_strerror(gai));
-    unsigned flags = MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_THREAD_PER_CONNECTION | MHD_USE_POLL | MHD_USE_ERROR_LOG;
+    unsigned flags = MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_THREAD_PER_CONNECTION |
+        MHD_USE_POLL | MHD_USE_ERROR_LOG;
     if (ai->ai_family == AF_INET6) flags |= MHD_USE_IPv6;
     r->mhd = MHD_start_daemon(flags, r->cfg.port, NULL, NULL, on_request, r,
                               MHD_OPTION_SOCK_ADDR, ai->ai_addr,
