@@ -39,7 +39,8 @@ typedef enum pd_lb_outcome {
 
 typedef struct pd_loopback_config {
     uint64_t latency;         /* delay of every message and write (>= 1 keeps causality visible) */
-    uint64_t jitter;          /* plus 0..jitter more, drawn per operation (writes of a room stay in order) */
+    uint64_t jitter;          /* plus 0..jitter more, drawn per operation (writes of a
+                                 room stay in order) */
     uint64_t jitter_seed;
     uint64_t dead_grace;      /* how long until a killed side's peer declares it dead */
     uint32_t rooms_max;

@@ -45,7 +45,8 @@ typedef struct pd_net_config {
     uint64_t dead_after_ms;       /* a silent peer is declared dead after this (default 5000) */
     /* ---- added by the UCX implementation (zero = default) ---- */
     uint32_t peers_max;           /* bootstrap connections (default 64) */
-    uint32_t stages_max;          /* page runs queued for the progress thread (default 16 * rooms_max) */
+    uint32_t stages_max;          /* page runs queued for the progress thread
+                                     (default 16 * rooms_max) */
     uint64_t drain_grace_ms;      /* decode: after its prefill peer is lost, a room counts as
                                      drained only this much later; prefill: writes to a lost
                                      peer that UCX never completes (endpoints without

@@ -70,7 +70,7 @@ uint64_t pd_room_nonce(uint64_t room);
 typedef struct pd_xfer_dest {
     uint32_t prompt_tokens;
     uint32_t cached_tokens;    /* decode already holds KV of [0, cached_tokens); page multiple */
-    const uint32_t *pages;     /* destination pages of sequence pages [cached/ps, ceil(prompt/ps)) */
+    const uint32_t *pages;     /* destinations of sequence pages [cached/ps, ceil(prompt/ps)) */
     uint32_t n_pages;
     uint32_t mamba_slot;       /* PD_POOL_NONE without Mamba layers */
     uint32_t meta_row;

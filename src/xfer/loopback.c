@@ -52,7 +52,9 @@ typedef enum op_kind {
     OP_DEAD,      /* a side learns its peer died */
 } op_kind;
 
-static bool is_data(op_kind k) { return k == OP_PAGES || k == OP_STATE || k == OP_META || k == OP_DONE; }
+static bool is_data(op_kind k) {
+    return k == OP_PAGES || k == OP_STATE || k == OP_META || k == OP_DONE;
+}
 
 typedef struct op {
     uint64_t due, seq;
@@ -134,7 +136,8 @@ static uint32_t tomb_victim(const pd_loopback *lb) {
     uint32_t best = NONE;
     for (uint32_t r = 0; r < lb->cfg.rooms_max; r++) {
         const room *rm = &lb->rooms[r];
-        if (rm->used && rm->tomb && rm->pending_all == 0 && (best == NONE || rm->tomb_seq < lb->rooms[best].tomb_seq))
+        if (rm->used && rm->tomb && rm->pending_all == 0 &&
+            (best == NONE || rm->tomb_seq < lb->rooms[best].tomb_seq))
             best = r;
     }
     return best;
@@ -378,7 +381,9 @@ static bool outcome_holds(const room *rm, op_kind k) {
 /* When abort() reports an error the caller is told, and the transport keeps
  * trying in the background: the notice gets through late, but it gets through — a
  * room whose teardown never completes would quarantine memory forever. */
-static uint64_t retry_delay(const pd_loopback *lb) { return 4 * lb->cfg.latency + lb->cfg.dead_grace; }
+static uint64_t retry_delay(const pd_loopback *lb) {
+    return 4 * lb->cfg.latency + lb->cfg.dead_grace;
+}
 
 /* Both sides are the processes that opened the room, alive. */
 static bool same_incarnation(const pd_loopback *lb, const room *rm) {
@@ -389,52 +394,71 @@ static bool same_incarnation(const pd_loopback *lb, const room *rm) {
     return true;
 }
 
+/* The receiver's destination reached the sender: the handshake is over. */
+static void run_dest(pd_loopback *lb, const op *p) {
+    room *rm = &lb->rooms[p->room_idx];
+    if (rm->boot == PD_LB_FAIL) {
+        fail_room(lb, p->room_idx);
+        return;
+    }
+    rm->dest_known = true;
+    if (rm->open[PD_LB_PREFILL] && rm->st[PD_LB_PREFILL] == PD_XFER_BOOTSTRAPPING)
+        set_status(rm, PD_LB_PREFILL, PD_XFER_WAITING_FOR_INPUT);
+    if (rm->st[PD_LB_DECODE] == PD_XFER_BOOTSTRAPPING)
+        set_status(rm, PD_LB_DECODE, PD_XFER_WAITING_FOR_INPUT);
+}
+
+/* Copies a page / state / metadata write from the sender's memory, read now,
+ * into the receiver's destination. */
+static void copy_write(pd_loopback *lb, const op *p) {
+    const room *rm = &lb->rooms[p->room_idx];
+    const side_mem *S = &lb->sides[PD_LB_PREFILL];
+    side_mem *R = &lb->sides[PD_LB_DECODE];
+    if (p->kind == OP_PAGES) {
+        size_t bytes = S->mem.kv_page_bytes;
+        uint32_t base = rm->cached / lb->cfg.page_size;
+        for (uint32_t i = 0; i < p->n; i++) {
+            uint32_t dst = rm->dest_pages[p->first_page - base + i];
+            memcpy((char *)R->mem.kv + (size_t)dst * bytes,
+                   (const char *)S->mem.kv + (size_t)p->src[i] * bytes, bytes);
+        }
+    } else if (p->kind == OP_STATE) {
+        memcpy((char *)R->mem.mamba + (size_t)rm->mamba_slot * R->mem.mamba_slot_bytes,
+               (const char *)S->mem.mamba + (size_t)p->src_slot * S->mem.mamba_slot_bytes,
+               S->mem.mamba_slot_bytes);
+    } else {
+        R->meta[rm->meta_row] = S->meta[p->src_slot];
+    }
+}
+
+static void run_write(pd_loopback *lb, const op *p) {
+    room *rm = &lb->rooms[p->room_idx];
+    if (rm->xfer == PD_LB_FAIL) {
+        fail_room(lb, p->room_idx);
+        return;
+    }
+    if (!same_incarnation(lb, rm)) {
+        /* One side died (and maybe came back as a new process whose
+         * memory these writes must never touch): the write fails, as
+         * with a dead peer's endpoint. */
+        fail_room(lb, p->room_idx);
+        return;
+    }
+    if (rm->st[PD_LB_DECODE] == PD_XFER_WAITING_FOR_INPUT)
+        set_status(rm, PD_LB_DECODE, PD_XFER_TRANSFERRING);
+    copy_write(lb, p);
+}
+
 static void run_op(pd_loopback *lb, op *p) {
     room *rm = &lb->rooms[p->room_idx];
-    side_mem *S = &lb->sides[PD_LB_PREFILL], *R = &lb->sides[PD_LB_DECODE];
     switch (p->kind) {
     case OP_DEST:
-        if (rm->boot == PD_LB_FAIL) {
-            fail_room(lb, p->room_idx);
-            break;
-        }
-        rm->dest_known = true;
-        if (rm->open[PD_LB_PREFILL] && rm->st[PD_LB_PREFILL] == PD_XFER_BOOTSTRAPPING)
-            set_status(rm, PD_LB_PREFILL, PD_XFER_WAITING_FOR_INPUT);
-        if (rm->st[PD_LB_DECODE] == PD_XFER_BOOTSTRAPPING)
-            set_status(rm, PD_LB_DECODE, PD_XFER_WAITING_FOR_INPUT);
+        run_dest(lb, p);
         break;
     case OP_PAGES:
     case OP_STATE:
     case OP_META:
-        if (rm->xfer == PD_LB_FAIL) {
-            fail_room(lb, p->room_idx);
-            break;
-        }
-        if (!same_incarnation(lb, rm)) {
-            /* One side died (and maybe came back as a new process whose
-             * memory these writes must never touch): the write fails, as
-             * with a dead peer's endpoint. */
-            fail_room(lb, p->room_idx);
-            break;
-        }
-        if (rm->st[PD_LB_DECODE] == PD_XFER_WAITING_FOR_INPUT)
-            set_status(rm, PD_LB_DECODE, PD_XFER_TRANSFERRING);
-        if (p->kind == OP_PAGES) {
-            size_t bytes = S->mem.kv_page_bytes;
-            uint32_t base = rm->cached / lb->cfg.page_size;
-            for (uint32_t i = 0; i < p->n; i++) {
-                uint32_t dst = rm->dest_pages[p->first_page - base + i];
-                memcpy((char *)R->mem.kv + (size_t)dst * bytes,
-                       (const char *)S->mem.kv + (size_t)p->src[i] * bytes, bytes);
-            }
-        } else if (p->kind == OP_STATE) {
-            memcpy((char *)R->mem.mamba + (size_t)rm->mamba_slot * R->mem.mamba_slot_bytes,
-                   (const char *)S->mem.mamba + (size_t)p->src_slot * S->mem.mamba_slot_bytes,
-                   S->mem.mamba_slot_bytes);
-        } else {
-            R->meta[rm->meta_row] = S->meta[p->src_slot];
-        }
+        run_write(lb, p);
         break;
     case OP_DONE:
         if (rm->xfer == PD_LB_FAIL || !same_incarnation(lb, rm)) {
@@ -442,7 +466,8 @@ static void run_op(pd_loopback *lb, op *p) {
             break;
         }
         set_status(rm, PD_LB_PREFILL, PD_XFER_SUCCESS);
-        if (R->alive && rm->open[PD_LB_DECODE]) set_status(rm, PD_LB_DECODE, PD_XFER_SUCCESS);
+        if (lb->sides[PD_LB_DECODE].alive && rm->open[PD_LB_DECODE])
+            set_status(rm, PD_LB_DECODE, PD_XFER_SUCCESS);
         rm->s_done = true;
         break;
     case OP_S_ABORT:
@@ -541,7 +566,8 @@ static uint32_t ep_sender_peer_cached(void *self, uint64_t room_id) {
 }
 
 /* Common checks for posting writes. */
-static pd_err sendable(pd_loopback *lb, uint64_t room_id, uint32_t first, uint32_t n, uint32_t *out_r) {
+static pd_err sendable(pd_loopback *lb, uint64_t room_id, uint32_t first, uint32_t n,
+                       uint32_t *out_r) {
     if (!lb->sides[PD_LB_PREFILL].alive) return PD_ERR_IO;
     uint32_t r = room_find(lb, room_id);
     if (r == NONE) return PD_ERR_NOTFOUND;
@@ -555,7 +581,8 @@ static pd_err sendable(pd_loopback *lb, uint64_t room_id, uint32_t first, uint32
     return PD_OK;
 }
 
-static pd_err post_pages(pd_loopback *lb, uint32_t r, uint32_t first, const uint32_t *src, uint32_t n) {
+static pd_err post_pages(pd_loopback *lb, uint32_t r, uint32_t first, const uint32_t *src,
+                         uint32_t n) {
     if (n == 0) return PD_OK;
     uint32_t *copy = malloc(n * sizeof(uint32_t));
     if (!copy) return PD_ERR_NOMEM;
@@ -571,7 +598,8 @@ static pd_err post_pages(pd_loopback *lb, uint32_t r, uint32_t first, const uint
     return PD_OK;
 }
 
-static pd_err ep_send_pages(void *self, uint64_t room_id, uint32_t first, const uint32_t *src, uint32_t n) {
+static pd_err ep_send_pages(void *self, uint64_t room_id, uint32_t first, const uint32_t *src,
+                            uint32_t n) {
     endpoint *ep = self;
     uint32_t r;
     pd_err err = sendable(ep->lb, room_id, first, n, &r);
@@ -607,7 +635,8 @@ static pd_err ep_send_final(void *self, uint64_t room_id, uint32_t first, const 
     return PD_OK;
 }
 
-static pd_err ep_receiver_open(void *self, uint64_t room_id, const char *peer, const pd_xfer_dest *dest) {
+static pd_err ep_receiver_open(void *self, uint64_t room_id, const char *peer,
+                               const pd_xfer_dest *dest) {
     (void)peer;
     endpoint *ep = self;
     pd_loopback *lb = ep->lb;
@@ -658,7 +687,8 @@ static pd_err ep_abort(void *self, uint64_t room_id) {
         if (rm->pending_data == 0) {
             /* Nothing posted is still running: the abort takes effect now. */
             rm->s_done = true;
-            if (!op_post(lb, r, OP_R_NOTICE, error ? retry_delay(lb) : lb->cfg.latency)) return PD_ERR_NOMEM;
+            uint64_t delay = error ? retry_delay(lb) : lb->cfg.latency;
+            if (!op_post(lb, r, OP_R_NOTICE, delay)) return PD_ERR_NOMEM;
             return error ? PD_ERR_IO : PD_OK;
         }
         /* Writes already posted may still run until the abort takes effect. */
@@ -668,7 +698,8 @@ static pd_err ep_abort(void *self, uint64_t room_id) {
         p->notice_late = error;
     } else {
         if (rm->r_stopped) return error ? PD_ERR_IO : PD_OK;
-        if (!op_post(lb, r, OP_R_ABORT, error ? retry_delay(lb) : lb->cfg.latency)) return PD_ERR_NOMEM;
+        uint64_t delay = error ? retry_delay(lb) : lb->cfg.latency;
+        if (!op_post(lb, r, OP_R_ABORT, delay)) return PD_ERR_NOMEM;
     }
     return error ? PD_ERR_IO : PD_OK;
 }

@@ -56,20 +56,23 @@ static uint32_t mt_sender_peer_cached(void *self, uint64_t room) {
     LOCKED(ep, r = ep->inner.vt->sender_peer_cached(ep->inner.self, room));
     return r;
 }
-static pd_err mt_send_pages(void *self, uint64_t room, uint32_t first, const uint32_t *src, uint32_t n) {
+static pd_err mt_send_pages(void *self, uint64_t room, uint32_t first, const uint32_t *src,
+                            uint32_t n) {
     mt_endpoint *ep = self;
     pd_err r;
     LOCKED(ep, r = ep->inner.vt->send_pages(ep->inner.self, room, first, src, n));
     return r;
 }
-static pd_err mt_send_final(void *self, uint64_t room, uint32_t first, const uint32_t *src, uint32_t n,
-                            uint32_t mamba_slot, uint32_t meta_row) {
+static pd_err mt_send_final(void *self, uint64_t room, uint32_t first, const uint32_t *src,
+                            uint32_t n, uint32_t mamba_slot, uint32_t meta_row) {
     mt_endpoint *ep = self;
     pd_err r;
-    LOCKED(ep, r = ep->inner.vt->send_final(ep->inner.self, room, first, src, n, mamba_slot, meta_row));
+    LOCKED(ep, r = ep->inner.vt->send_final(ep->inner.self, room, first, src, n, mamba_slot,
+                                            meta_row));
     return r;
 }
-static pd_err mt_receiver_open(void *self, uint64_t room, const char *peer, const pd_xfer_dest *dest) {
+static pd_err mt_receiver_open(void *self, uint64_t room, const char *peer,
+                               const pd_xfer_dest *dest) {
     mt_endpoint *ep = self;
     pd_err r;
     LOCKED(ep, r = ep->inner.vt->receiver_open(ep->inner.self, room, peer, dest));
@@ -135,7 +138,8 @@ pd_err pd_loopback_mt_create(pd_loopback_mt **out, uint32_t page_size, uint32_t 
     if (!out || page_size == 0 || rooms_max == 0) return PD_ERR_INVALID;
     pd_loopback_mt *m = calloc(1, sizeof(*m));
     if (!m) return PD_ERR_NOMEM;
-    pd_loopback_config c = {.latency = 0, .dead_grace = 0, .rooms_max = rooms_max, .page_size = page_size};
+    pd_loopback_config c = {
+        .latency = 0, .dead_grace = 0, .rooms_max = rooms_max, .page_size = page_size};
     pd_err err = pd_loopback_create(&m->lb, &c);
     if (err) {
         free(m);
