@@ -11,16 +11,24 @@
 
 #include "pdserve/router.h"
 
-static pthread_once_t global_once = PTHREAD_ONCE_INIT;
-static CURLcode global_rc = CURLE_OK;
+/* libcurl's global state belongs to the process, not to a router: it must be
+ * initialised once before any handle exists, and (unless libcurl was built
+ * thread-safe) never while another thread might be initialising it. Routers
+ * come and go, several per process in tests, each on any thread, so one
+ * process-wide once stands for that state here. It is written once, under
+ * pthread_once, and only read after. */
+static struct {
+    pthread_once_t once;
+    CURLcode rc;
+} curl_global = {PTHREAD_ONCE_INIT, CURLE_OK};
 
-static void global_init_once(void) { global_rc = curl_global_init(CURL_GLOBAL_DEFAULT); }
+static void curl_global_init_once(void) { curl_global.rc = curl_global_init(CURL_GLOBAL_DEFAULT); }
 
 pd_err rt_client_global_init(char *msg, size_t msg_cap) {
-    pthread_once(&global_once, global_init_once);
-    if (global_rc != CURLE_OK)
+    pthread_once(&curl_global.once, curl_global_init_once);
+    if (curl_global.rc != CURLE_OK)
         return pd_errorf(msg, msg_cap, PD_ERR_INTERNAL, "curl_global_init: %s",
-                         curl_easy_strerror(global_rc));
+                         curl_easy_strerror(curl_global.rc));
     return PD_OK;
 }
 
