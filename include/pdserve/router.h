@@ -22,11 +22,12 @@
  * thread checks GET /health of every worker. Nothing here prints or exits;
  * errors come back as pd_err with a message in a caller-owned buffer.
  *
- * The pieces, one file each: http.c (error bodies and responses), policy.c
- * (which worker), workers.c (the worker table: health state and load),
- * health.c (the checker thread), fanout.c (one POST to several workers at
- * once, used for aborts), forward.c (one request's two halves), stats.c
- * (counters and the latency histogram), router.c (the server and routes).
+ * The pieces, one file each under src/router: policy.c (which worker),
+ * workers.c (the worker table: health state and load), health.c (the
+ * checker thread), client.c (libcurl settings and one POST to several
+ * workers at once, used for aborts), forward.c (one request's two halves),
+ * stats.c (counters and the latency histogram), router.c (the server and
+ * routes). Error bodies and responses come from the http layer (http.h).
  */
 #ifndef PDSERVE_ROUTER_H
 #define PDSERVE_ROUTER_H
