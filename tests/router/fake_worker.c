@@ -171,7 +171,8 @@ static json_t *answer(const fw_req *q, const char *rid, int from, int to, const 
     }
     json_t *fr = json_null();
     if (finish && !strcmp(finish, "abort"))
-        fr = json_pack("{s:s, s:s, s:i}", "type", "abort", "message", "aborted", "status_code", 499);
+        fr = json_pack("{s:s, s:s, s:i}", "type", "abort", "message", "aborted", "status_code",
+                       499);
     else if (finish)
         fr = json_pack("{s:s}", "type", finish);
     out = json_pack("{s:s, s:o, s:{s:s, s:o, s:i, s:i}}", "text", text, "output_ids", ids,
@@ -251,7 +252,8 @@ static ssize_t stream_reader(void *cls, uint64_t pos, char *buf, size_t max) {
         q->pending_len = q->pending_off = 0;
         bool err;
         q->pending = next_event(q, &err);
-        if (!q->pending) return err ? MHD_CONTENT_READER_END_WITH_ERROR : MHD_CONTENT_READER_END_OF_STREAM;
+        if (!q->pending)
+            return err ? MHD_CONTENT_READER_END_WITH_ERROR : MHD_CONTENT_READER_END_OF_STREAM;
         q->pending_len = strlen(q->pending);
     }
     size_t n = PD_MIN(max, q->pending_len - q->pending_off);
@@ -312,12 +314,13 @@ static enum MHD_Result handle_generate(fw_req *q, struct MHD_Connection *c) {
     }
     if (b->garbage && !stream) return reply(c, 200, "application/json", "this is not json");
     q->lv = live_add(fw, rid);
-    const union MHD_ConnectionInfo *ci = MHD_get_connection_info(c, MHD_CONNECTION_INFO_CONNECTION_FD);
+    const union MHD_ConnectionInfo *ci =
+        MHD_get_connection_info(c, MHD_CONNECTION_INFO_CONNECTION_FD);
     q->fd = ci ? ci->connect_fd : -1;
     q->tokens = b->tokens > 0 ? b->tokens : 4;
     if (stream) {
-        struct MHD_Response *r =
-            MHD_create_response_from_callback(MHD_SIZE_UNKNOWN, STREAM_BLOCK, stream_reader, q, NULL);
+        struct MHD_Response *r = MHD_create_response_from_callback(MHD_SIZE_UNKNOWN, STREAM_BLOCK,
+                                                                   stream_reader, q, NULL);
         MHD_add_response_header(r, "Content-Type", "text/event-stream");
         enum MHD_Result ret = MHD_queue_response(c, 200, r);
         MHD_destroy_response(r);
@@ -329,7 +332,8 @@ static enum MHD_Result handle_generate(fw_req *q, struct MHD_Connection *c) {
     }
     if (fw->prefill) {
         fw_wait_req(q, b->delay_ms);
-        return reply_json(c, 200, answer(q, rid, 0, 0, is_aborted(fw, q->lv) ? "abort" : "transferred"));
+        const char *finish = is_aborted(fw, q->lv) ? "abort" : "transferred";
+        return reply_json(c, 200, answer(q, rid, 0, 0, finish));
     }
     int made = 0;
     while (made < q->tokens && !fw_wait_req(q, b->delay_ms)) made++;
@@ -378,7 +382,8 @@ static enum MHD_Result handle_health(fw_req *q, struct MHD_Connection *c) {
         }
     }
     if (b.health_status && b.health_status != 200)
-        return reply_json(c, (unsigned)b.health_status, error_body((unsigned)b.health_status, "down"));
+        return reply_json(c, (unsigned)b.health_status,
+                          error_body((unsigned)b.health_status, "down"));
     return reply_json(c, 200, json_pack("{s:s}", "status", "ok"));
 }
 
@@ -558,11 +563,21 @@ static bool wait_for(fake_worker *fw, fw_pred pred, const void *arg, int timeout
     return ok;
 }
 
-static bool pred_generates(fake_worker *fw, const void *arg) { return fw->generates >= *(const size_t *)arg; }
-static bool pred_got_generate(fake_worker *fw, const void *arg) { return has(fw->generate_rids, fw->generates, arg); }
-static bool pred_got_abort(fake_worker *fw, const void *arg) { return has(fw->abort_rids, fw->aborts, arg); }
-static bool pred_healths(fake_worker *fw, const void *arg) { return fw->healths >= *(const size_t *)arg; }
-static bool pred_live(fake_worker *fw, const void *arg) { return fw->live_count == *(const size_t *)arg; }
+static bool pred_generates(fake_worker *fw, const void *arg) {
+    return fw->generates >= *(const size_t *)arg;
+}
+static bool pred_got_generate(fake_worker *fw, const void *arg) {
+    return has(fw->generate_rids, fw->generates, arg);
+}
+static bool pred_got_abort(fake_worker *fw, const void *arg) {
+    return has(fw->abort_rids, fw->aborts, arg);
+}
+static bool pred_healths(fake_worker *fw, const void *arg) {
+    return fw->healths >= *(const size_t *)arg;
+}
+static bool pred_live(fake_worker *fw, const void *arg) {
+    return fw->live_count == *(const size_t *)arg;
+}
 
 bool fw_wait_generate_count(fake_worker *fw, size_t n, int timeout_ms) {
     return wait_for(fw, pred_generates, &n, timeout_ms);

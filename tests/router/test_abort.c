@@ -39,7 +39,8 @@ static void bg_start(bg *b, pd_router *r, const char *path, const char *body) {
 
 static json_int_t disconnects(pd_router *r) {
     json_t *info = tk_server_info(r);
-    json_int_t n = json_integer_value(json_object_get(json_object_get(info, "counters"), "client_disconnects"));
+    json_t *counters = json_object_get(info, "counters");
+    json_int_t n = json_integer_value(json_object_get(counters, "client_disconnects"));
     json_decref(info);
     return n;
 }
@@ -84,15 +85,8 @@ static void client_hangup_mid_stream_aborts_both_halves(void **state) {
     fw_stop(d);
 }
 
-static void abort_request_reaches_every_worker_and_counts(void **state) {
-    (void)state;
-    fake_worker *p[2] = {fw_start("prefill"), fw_start("prefill")};
-    fake_worker *d[2] = {fw_start("decode"), fw_start("decode")};
-    pd_router *r = tk_router(p, 2, d, 2, NULL);
-    for (int i = 0; i < 2; i++) {
-        fw_set(p[i], &(fw_behaviour){.hang = true});
-        fw_set(d[i], &(fw_behaviour){.hang = true});
-    }
+/* An abort by rid reaches every worker; both halves of the request end. */
+static void abort_by_rid(pd_router *r, fake_worker **p, fake_worker **d) {
     bg a;
     bg_start(&a, r, "/generate", "{\"text\": \"x\", \"rid\": \"ab-1\"}");
     assert_true(fw_wait_generate_count(p[0], 1, WAIT_MS));
@@ -118,17 +112,23 @@ static void abort_request_reaches_every_worker_and_counts(void **state) {
     assert_string_equal(json_string_value(json_object_get(fr, "type")), "abort");
     json_decref(o);
     tc_free(&a.resp);
+}
 
-    /* Nobody has it: 404 with the error body, every worker was asked. */
+/* Nobody has it: 404 with the error body, every worker was asked. */
+static void abort_of_an_unknown_rid(pd_router *r, fake_worker **d) {
+    tc_response resp;
     post(r, "/abort_request", "{\"rid\": \"nobody\"}", &resp);
     assert_int_equal(resp.status, 404);
-    o = tc_json(&resp);
+    json_t *o = tc_json(&resp);
     assert_non_null(tc_error_message(o, 404));
     json_decref(o);
     tc_free(&resp);
     for (int i = 0; i < 2; i++) assert_true(fw_got_abort(d[i], "nobody"));
+}
 
-    /* abort_all: two live requests (four halves), then none. */
+/* abort_all: two live requests (four halves), then none. */
+static void abort_all(pd_router *r, fake_worker **p, fake_worker **d) {
+    tc_response resp;
     bg b[2];
     bg_start(&b[0], r, "/generate", "{\"text\": \"x\", \"rid\": \"all-1\"}");
     bg_start(&b[1], r, "/v1/completions", "{\"prompt\": \"x\", \"rid\": \"all-2\"}");
@@ -136,7 +136,7 @@ static void abort_request_reaches_every_worker_and_counts(void **state) {
     assert_true(fw_wait_live_count(d[0], 1, WAIT_MS) && fw_wait_live_count(d[1], 1, WAIT_MS));
     post(r, "/abort_request", "{\"abort_all\": true}", &resp);
     assert_int_equal(resp.status, 200);
-    o = tc_json(&resp);
+    json_t *o = tc_json(&resp);
     if (json_integer_value(json_object_get(o, "aborted")) != 4) fail_msg("%s", resp.body);
     assert_int_equal(json_integer_value(json_object_get(o, "requests")), 2);
     json_decref(o);
@@ -152,6 +152,20 @@ static void abort_request_reaches_every_worker_and_counts(void **state) {
     assert_int_equal(json_integer_value(json_object_get(o, "aborted")), 0);
     json_decref(o);
     tc_free(&resp);
+}
+
+static void abort_request_reaches_every_worker_and_counts(void **state) {
+    (void)state;
+    fake_worker *p[2] = {fw_start("prefill"), fw_start("prefill")};
+    fake_worker *d[2] = {fw_start("decode"), fw_start("decode")};
+    pd_router *r = tk_router(p, 2, d, 2, NULL);
+    for (int i = 0; i < 2; i++) {
+        fw_set(p[i], &(fw_behaviour){.hang = true});
+        fw_set(d[i], &(fw_behaviour){.hang = true});
+    }
+    abort_by_rid(r, p, d);
+    abort_of_an_unknown_rid(r, d);
+    abort_all(r, p, d);
     pd_router_destroy(r);
     for (int i = 0; i < 2; i++) {
         fw_stop(p[i]);
@@ -203,7 +217,8 @@ static void abort_the_worker_missed_is_ended_by_the_router(void **state) {
     }
     /* Completions get the completions shape. */
     bg c;
-    bg_start(&c, r, "/v1/completions", "{\"prompt\": \"x\", \"rid\": \"deaf-3\", \"model\": \"mm\"}");
+    bg_start(&c, r, "/v1/completions",
+             "{\"prompt\": \"x\", \"rid\": \"deaf-3\", \"model\": \"mm\"}");
     assert_true(fw_wait_got_generate(d, "deaf-3", WAIT_MS));
     tc_response resp;
     post(r, "/abort_request", "{\"rid\": \"deaf-3\"}", &resp);
@@ -216,7 +231,8 @@ static void abort_the_worker_missed_is_ended_by_the_router(void **state) {
     json_decref(o);
     tc_free(&c.resp);
     json_t *info = tk_server_info(r);
-    assert_int_equal(json_integer_value(json_object_get(json_object_get(json_object_get(info, "counters"), "responses"), "499")), 3);
+    json_t *responses = json_object_get(json_object_get(info, "counters"), "responses");
+    assert_int_equal(json_integer_value(json_object_get(responses, "499")), 3);
     json_decref(info);
     pd_router_destroy(r);
     fw_stop(p);
@@ -233,7 +249,8 @@ static void stopping_the_router_ends_requests_in_flight(void **state) {
                                     "{\"text\": \"x\", \"rid\": \"stop-1\", \"stream\": true}",
                                     "{\"prompt\": \"x\", \"rid\": \"stop-2\"}"};
     bg b[3];
-    for (int i = 0; i < 3; i++) bg_start(&b[i], r, i == 2 ? "/v1/completions" : "/generate", bodies[i]);
+    for (int i = 0; i < 3; i++)
+        bg_start(&b[i], r, i == 2 ? "/v1/completions" : "/generate", bodies[i]);
     assert_true(fw_wait_live_count(d, 3, WAIT_MS));
     pd_router_destroy(r); /* returns: nothing waits for the hung workers */
     /* (every client was answered before the sockets closed) */

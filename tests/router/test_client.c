@@ -116,7 +116,8 @@ json_t *tc_sse_check(const char *body, size_t len, size_t *token_events, char *w
                 break;
             }
         if (!end) {
-            snprintf(why, cap, "bytes after the last complete event: '%.*s'", (int)(len - i), body + i);
+            snprintf(why, cap, "bytes after the last complete event: '%.*s'", (int)(len - i),
+                     body + i);
             goto fail;
         }
         const char *ev = body + i;
@@ -141,7 +142,10 @@ json_t *tc_sse_check(const char *body, size_t len, size_t *token_events, char *w
             goto fail;
         }
         json_t *fr = json_object_get(json_object_get(o, "meta_info"), "finish_reason");
-        if (!fr) fr = json_object_get(json_array_get(json_object_get(o, "choices"), 0), "finish_reason");
+        if (!fr) {
+            json_t *choice = json_array_get(json_object_get(o, "choices"), 0);
+            fr = json_object_get(choice, "finish_reason");
+        }
         bool is_final = (fr && !json_is_null(fr)) || json_object_get(o, "error");
         if (final) {
             json_decref(o);
@@ -265,7 +269,8 @@ bool tk_wait_idle(pd_router *r, int timeout_ms) {
     uint64_t until = tk_now_ms() + (uint64_t)timeout_ms;
     do {
         json_t *info = tk_server_info(r);
-        json_int_t n = json_integer_value(json_object_get(json_object_get(info, "counters"), "in_flight"));
+        json_t *counters = json_object_get(info, "counters");
+        json_int_t n = json_integer_value(json_object_get(counters, "in_flight"));
         bool ok = info && n == 0;
         json_decref(info);
         if (ok) return true;

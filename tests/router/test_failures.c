@@ -29,7 +29,8 @@ static void expect_error_event(tc_response *resp, long code) {
     char why[256] = "";
     json_t *final = tc_sse_check(resp->body, resp->len, &tokens, why, sizeof why);
     if (!final) fail_msg("%s in: %s", why, resp->body);
-    if (!tc_error_message(final, code)) fail_msg("final event is not a %ld error: %s", code, resp->body);
+    if (!tc_error_message(final, code))
+        fail_msg("final event is not a %ld error: %s", code, resp->body);
     json_decref(final);
 }
 
@@ -214,7 +215,8 @@ static void hang_past_the_timeout_is_504_with_both_halves_aborted(void **state) 
     tc_free(&resp);
     json_t *info = tk_server_info(r);
     json_t *counters = json_object_get(info, "counters");
-    assert_int_equal(json_integer_value(json_object_get(json_object_get(counters, "responses"), "504")), 1);
+    json_t *responses = json_object_get(counters, "responses");
+    assert_int_equal(json_integer_value(json_object_get(responses, "504")), 1);
     json_decref(info);
     pd_router_destroy(r);
     raw_stop(mute);

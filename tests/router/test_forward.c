@@ -16,6 +16,36 @@ static void post(pd_router *r, const char *path, const char *body, tc_response *
     tc_request("POST", tk_url(r, path, url, sizeof url), body, TIMEOUT_MS, resp);
 }
 
+/* A client rid is kept; the per-node bootstrap port overrides the default. */
+static void client_rid_and_node_port_are_kept(fake_worker *p, fake_worker *d) {
+    pd_router_config cfg;
+    char spec[96];
+    snprintf(spec, sizeof spec, "%s@7777", fw_url(p));
+    tk_config(&cfg);
+    cfg.prefill[0] = spec;
+    cfg.prefill_count = 1;
+    cfg.decode[0] = fw_url(d);
+    cfg.decode_count = 1;
+    char msg[256];
+    pd_router *r;
+    PD_MUST(pd_router_create(&r, &cfg, msg, sizeof msg));
+    PD_MUST(pd_router_start(r, msg, sizeof msg));
+    tc_response resp;
+    post(r, "/generate", "{\"input_ids\": [1, 2, 3], \"rid\": \"client-rid-1\"}", &resp);
+    assert_int_equal(resp.status, 200);
+    json_t *pb = fw_generate_body(p, 3);
+    assert_string_equal(json_string_value(json_object_get(pb, "rid")), "client-rid-1");
+    assert_int_equal(json_integer_value(json_object_get(pb, "bootstrap_port")), 7777);
+    assert_true(fw_got_generate(d, "client-rid-1"));
+    json_t *got = tc_json(&resp);
+    assert_string_equal(json_string_value(json_object_get(json_object_get(got, "meta_info"), "id")),
+                        "client-rid-1");
+    json_decref(got);
+    json_decref(pb);
+    tc_free(&resp);
+    pd_router_destroy(r);
+}
+
 static void both_halves_get_the_body_with_bootstrap_fields(void **state) {
     (void)state;
     fake_worker *p = fw_start("prefill"), *d = fw_start("decode");
@@ -37,8 +67,8 @@ static void both_halves_get_the_body_with_bootstrap_fields(void **state) {
         /* The decode node's answer: 4 tokens, finish length. */
         assert_string_equal(json_string_value(json_object_get(got, "text")), "t0 t1 t2 t3 ");
         json_t *meta = json_object_get(got, "meta_info");
-        assert_string_equal(json_string_value(json_object_get(json_object_get(meta, "finish_reason"), "type")),
-                            "length");
+        json_t *finish = json_object_get(meta, "finish_reason");
+        assert_string_equal(json_string_value(json_object_get(finish, "type")), "length");
         json_t *pb = fw_generate_body(p, (size_t)k), *db = fw_generate_body(d, (size_t)k);
         assert_non_null(pb);
         assert_non_null(db);
@@ -68,33 +98,9 @@ static void both_halves_get_the_body_with_bootstrap_fields(void **state) {
     }
     assert_true(rooms[0] != rooms[1] && rooms[1] != rooms[2] && rooms[0] != rooms[2]);
     assert_true(strcmp(rids[0], rids[1]) && strcmp(rids[1], rids[2]));
+    pd_router_destroy(r);
 
-    /* A client rid is kept; the per-node bootstrap port overrides the default. */
-    pd_router_destroy(r);
-    char spec[96];
-    snprintf(spec, sizeof spec, "%s@7777", fw_url(p));
-    tk_config(&cfg);
-    cfg.prefill[0] = spec;
-    cfg.prefill_count = 1;
-    cfg.decode[0] = fw_url(d);
-    cfg.decode_count = 1;
-    char msg[256];
-    PD_MUST(pd_router_create(&r, &cfg, msg, sizeof msg));
-    PD_MUST(pd_router_start(r, msg, sizeof msg));
-    tc_response resp;
-    post(r, "/generate", "{\"input_ids\": [1, 2, 3], \"rid\": \"client-rid-1\"}", &resp);
-    assert_int_equal(resp.status, 200);
-    json_t *pb = fw_generate_body(p, 3);
-    assert_string_equal(json_string_value(json_object_get(pb, "rid")), "client-rid-1");
-    assert_int_equal(json_integer_value(json_object_get(pb, "bootstrap_port")), 7777);
-    assert_true(fw_got_generate(d, "client-rid-1"));
-    json_t *got = tc_json(&resp);
-    assert_string_equal(json_string_value(json_object_get(json_object_get(got, "meta_info"), "id")),
-                        "client-rid-1");
-    json_decref(got);
-    json_decref(pb);
-    tc_free(&resp);
-    pd_router_destroy(r);
+    client_rid_and_node_port_are_kept(p, d);
     fw_stop(p);
     fw_stop(d);
 }
@@ -154,10 +160,14 @@ static void streaming_passes_every_event_in_order_then_done(void **state) {
             assert_non_null(hit);
             at = hit;
         }
-        json_t *fr = api == 0 ? json_object_get(json_object_get(json_object_get(final, "meta_info"),
-                                                                 "finish_reason"), "type")
-                              : json_object_get(json_array_get(json_object_get(final, "choices"), 0),
-                                                "finish_reason");
+        json_t *fr;
+        if (api == 0) {
+            json_t *meta = json_object_get(final, "meta_info");
+            fr = json_object_get(json_object_get(meta, "finish_reason"), "type");
+        } else {
+            json_t *choice = json_array_get(json_object_get(final, "choices"), 0);
+            fr = json_object_get(choice, "finish_reason");
+        }
         assert_string_equal(json_string_value(fr), "length");
         json_decref(final);
         tc_free(&resp);
@@ -311,7 +321,8 @@ static void least_load_picks_the_worker_with_fewer_in_flight(void **state) {
     /* Release the slow one. */
     tc_response ab;
     char url[128];
-    tc_request("POST", tk_url(r, "/abort_request", url, sizeof url), "{\"rid\": \"slow-1\"}", TIMEOUT_MS, &ab);
+    tc_request("POST", tk_url(r, "/abort_request", url, sizeof url), "{\"rid\": \"slow-1\"}",
+               TIMEOUT_MS, &ab);
     assert_int_equal(ab.status, 200);
     tc_free(&ab);
     pthread_join(slow.t, NULL);

@@ -22,7 +22,8 @@ static long get_status(pd_router *r, const char *path, json_t **body) {
 static long generate(pd_router *r, json_t **body) {
     char url[128];
     tc_response resp;
-    tc_request("POST", tk_url(r, "/generate", url, sizeof url), "{\"text\": \"x\"}", WAIT_MS, &resp);
+    tc_request("POST", tk_url(r, "/generate", url, sizeof url), "{\"text\": \"x\"}", WAIT_MS,
+               &resp);
     if (body) *body = tc_json(&resp);
     long s = resp.status;
     tc_free(&resp);
@@ -33,7 +34,9 @@ static json_t *worker_info(pd_router *r, const char *url) {
     json_t *info = tk_server_info(r);
     json_t *ws = json_object_get(info, "workers"), *w, *hit = NULL;
     size_t i;
-    json_array_foreach(ws, i, w) if (!strcmp(json_string_value(json_object_get(w, "url")), url)) hit = json_incref(w);
+    json_array_foreach(ws, i, w) {
+        if (!strcmp(json_string_value(json_object_get(w, "url")), url)) hit = json_incref(w);
+    }
     json_decref(info);
     return hit;
 }
@@ -66,7 +69,8 @@ static void failing_worker_leaves_after_two_probes_and_returns_after_one(void **
     tc_request("GET", tk_url(r, "/metrics", url, sizeof url), NULL, WAIT_MS, &m);
     assert_int_equal(m.status, 200);
     char line[256];
-    snprintf(line, sizeof line, "pdserve_router_worker_healthy{worker=\"%s\",role=\"decode\"} 1", fw_url(d[1]));
+    snprintf(line, sizeof line, "pdserve_router_worker_healthy{worker=\"%s\",role=\"decode\"} 1",
+             fw_url(d[1]));
     assert_non_null(strstr(m.body, line));
     assert_non_null(strstr(m.body, "pdserve_router_request_latency_seconds_bucket{le=\"+Inf\"} 8"));
     tc_free(&m);
@@ -113,7 +117,8 @@ static void no_healthy_pair_means_503_and_router_health_says_so(void **state) {
     /* Streaming requests get the same refusal, as JSON. */
     char url[128];
     tc_response resp;
-    tc_request("POST", tk_url(r, "/generate", url, sizeof url), "{\"text\": \"x\", \"stream\": true}", WAIT_MS, &resp);
+    tc_request("POST", tk_url(r, "/generate", url, sizeof url),
+               "{\"text\": \"x\", \"stream\": true}", WAIT_MS, &resp);
     assert_int_equal(resp.status, 503);
     tc_free(&resp);
     fw_set(d, &(fw_behaviour){0});

@@ -30,15 +30,18 @@ static const bad_case cases[] = {
     {"POST", "/generate", "{\"text\": \"x\", \"stream\": \"yes\"}", 400, "stream", NULL},
     {"POST", "/generate", "{\"text\": 7}", 400, "text", NULL},
     {"POST", "/generate", "{\"input_ids\": \"1 2\"}", 400, "input_ids", NULL},
-    {"POST", "/generate", "{\"text\": \"x\", \"sampling_params\": [1]}", 400, "sampling_params", NULL},
-    {"POST", "/generate", "{\"text\": \"x\", \"sampling_params\": {\"max_new_tokens\": \"8\"}}", 400,
+    {"POST", "/generate", "{\"text\": \"x\", \"sampling_params\": [1]}", 400,
+     "sampling_params", NULL},
+    {"POST", "/generate",
+     "{\"text\": \"x\", \"sampling_params\": {\"max_new_tokens\": \"8\"}}", 400,
      "sampling_params.max_new_tokens", NULL},
     {"POST", "/generate", "{\"text\": \"x\", \"sampling_params\": {\"temperature\": true}}", 400,
      "sampling_params.temperature", NULL},
     {"POST", "/generate", "{\"text\": \"x\", \"rid\": 12}", 400, "rid", NULL},
     {"POST", "/generate", "{\"text\": \"x\", \"rid\": \"\"}", 400, "rid", NULL},
     {"POST", "/v1/completions", "{\"prompt\": 5}", 400, "prompt", NULL},
-    {"POST", "/v1/completions", "{\"prompt\": \"x\", \"max_tokens\": 1.5}", 400, "max_tokens", NULL},
+    {"POST", "/v1/completions", "{\"prompt\": \"x\", \"max_tokens\": 1.5}", 400, "max_tokens",
+     NULL},
     {"POST", "/v1/completions", "{\"prompt\": \"x\", \"stream\": 1}", 400, "stream", NULL},
     {"POST", "/abort_request", "{}", 400, "rid", NULL},
     {"POST", "/abort_request", "{\"rid\": 5}", 400, "rid", NULL},
@@ -80,13 +83,15 @@ static void bad_requests_get_their_status_and_error_body(void **state) {
     tc_request("GET", tk_url(r, "/health", url, sizeof url), NULL, WAIT_MS, &resp);
     assert_int_equal(resp.status, 200);
     tc_free(&resp);
-    tc_request("POST", tk_url(r, "/generate", url, sizeof url), "{\"text\": \"ok\"}", WAIT_MS, &resp);
+    tc_request("POST", tk_url(r, "/generate", url, sizeof url), "{\"text\": \"ok\"}", WAIT_MS,
+               &resp);
     assert_int_equal(resp.status, 200);
     tc_free(&resp);
     json_t *info = tk_server_info(r);
     json_t *counters = json_object_get(info, "counters");
-    assert_int_equal(json_integer_value(json_object_get(json_object_get(counters, "responses"), "400")), 15);
-    assert_int_equal(json_integer_value(json_object_get(json_object_get(counters, "responses"), "200")), 1);
+    json_t *responses = json_object_get(counters, "responses");
+    assert_int_equal(json_integer_value(json_object_get(responses, "400")), 15);
+    assert_int_equal(json_integer_value(json_object_get(responses, "200")), 1);
     assert_int_equal(json_integer_value(json_object_get(counters, "in_flight")), 0);
     json_decref(info);
     pd_router_destroy(r);
@@ -181,7 +186,8 @@ static void duplicate_live_rid_is_a_conflict(void **state) {
     assert_true(fw_wait_got_generate(d, "twin", WAIT_MS));
     char url[128];
     tc_response resp;
-    tc_request("POST", tk_url(r, "/generate", url, sizeof url), "{\"text\": \"y\", \"rid\": \"twin\"}", WAIT_MS, &resp);
+    tc_request("POST", tk_url(r, "/generate", url, sizeof url),
+               "{\"text\": \"y\", \"rid\": \"twin\"}", WAIT_MS, &resp);
     assert_int_equal(resp.status, 409);
     json_t *o = tc_json(&resp);
     assert_non_null(tc_error_message(o, 409));
@@ -193,7 +199,8 @@ static void duplicate_live_rid_is_a_conflict(void **state) {
     assert_true(tk_wait_idle(r, WAIT_MS));
     /* Once the first one is gone the rid is free again. */
     fw_set(d, &(fw_behaviour){0});
-    tc_request("POST", tk_url(r, "/generate", url, sizeof url), "{\"text\": \"y\", \"rid\": \"twin\"}", WAIT_MS, &resp);
+    tc_request("POST", tk_url(r, "/generate", url, sizeof url),
+               "{\"text\": \"y\", \"rid\": \"twin\"}", WAIT_MS, &resp);
     assert_int_equal(resp.status, 200);
     tc_free(&resp);
     pd_router_destroy(r);
