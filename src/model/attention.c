@@ -28,19 +28,19 @@
 #include "detmath.h"
 #include "model_internal.h"
 
-float *pd_kv_at(float *kv, const pd_attn_dims *d, uint32_t page, uint32_t slot, int which) {
+float *mdl_kv_at(float *kv, const pd_attn_dims *d, uint32_t page, uint32_t slot, int which) {
     PD_ASSERT(page < d->kv_pages && slot < d->page_size);
     size_t block = ((size_t)d->layer * 2 + (size_t)which) * d->page_size + slot;
     return kv + (size_t)page * d->page_floats + block * d->kv_dim;
 }
 
-void pd_rope_angles(uint32_t pos, uint32_t head_dim, float base, float *cos_out, float *sin_out) {
+void mdl_rope_angles(uint32_t pos, uint32_t head_dim, float base, float *cos_out, float *sin_out) {
     uint32_t half = head_dim / 2;
-    double log_base = pd_log((double)base);
+    double log_base = mdl_log((double)base);
     for (uint32_t i = 0; i < half; i++) {
-        double inv_freq = pd_exp(-2.0 * (double)i / (double)head_dim * log_base);
+        double inv_freq = mdl_exp(-2.0 * (double)i / (double)head_dim * log_base);
         double s, c;
-        pd_sincos((double)pos * inv_freq, &s, &c);
+        mdl_sincos((double)pos * inv_freq, &s, &c);
         cos_out[i] = (float)c;
         sin_out[i] = (float)s;
     }
@@ -81,24 +81,24 @@ static void attend(void *ctx, uint32_t begin, uint32_t end, uint32_t worker) {
         /* scores, page by page, positions in increasing order */
         float max = -INFINITY;
         for (uint32_t p0 = 0; p0 < n; p0 += d->page_size) {
-            const float *k = pd_kv_at(j->kv, d, pages[p0 / d->page_size], 0, 0) + (size_t)kvh * D;
+            const float *k = mdl_kv_at(j->kv, d, pages[p0 / d->page_size], 0, 0) + (size_t)kvh * D;
             const uint32_t m = PD_MIN(d->page_size, n - p0);
             for (uint32_t s = 0; s < m; s++) {
-                float sc = pd_dot(q, k + (size_t)s * d->kv_dim, D) / scale;
+                float sc = mdl_dot(q, k + (size_t)s * d->kv_dim, D) / scale;
                 scores[p0 + s] = sc;
                 if (sc > max) max = sc;
             }
         }
         float sum = 0.0f;
         for (uint32_t p = 0; p < n; p++) {
-            scores[p] = pd_expf(scores[p] - max);
+            scores[p] = mdl_expf(scores[p] - max);
             sum += scores[p];
         }
         /* the softmax-weighted sum of values, same order */
         float *a = j->s->att + (size_t)t * d->q_dim + (size_t)h * D;
         memset(a, 0, sizeof(float) * D);
         for (uint32_t p0 = 0; p0 < n; p0 += d->page_size) {
-            const float *v = pd_kv_at(j->kv, d, pages[p0 / d->page_size], 0, 1) + (size_t)kvh * D;
+            const float *v = mdl_kv_at(j->kv, d, pages[p0 / d->page_size], 0, 1) + (size_t)kvh * D;
             const uint32_t m = PD_MIN(d->page_size, n - p0);
             for (uint32_t s = 0; s < m; s++) {
                 const float weight = scores[p0 + s] / sum;
@@ -109,7 +109,7 @@ static void attend(void *ctx, uint32_t begin, uint32_t end, uint32_t worker) {
     }
 }
 
-uint64_t pd_attention_forward(const pd_par *par, const pd_attn_dims *d, const pd_attn_weights *w,
+uint64_t mdl_attention_forward(const pd_par *par, const pd_attn_dims *d, const pd_attn_weights *w,
                               const float *in, float *out, uint32_t rows, const pd_attn_rows *r,
                               float *kv, const pd_attn_scratch *s) {
     PD_ASSERT(d->heads % d->kv_heads == 0 && d->head_dim % 2 == 0 && d->layer < d->n_attn);
@@ -129,15 +129,15 @@ uint64_t pd_attention_forward(const pd_par *par, const pd_attn_dims *d, const pd
         uint32_t pos = r->pos[t];
         uint32_t page = r->pages[t][pos / d->page_size], slot = pos % d->page_size;
         PD_ASSERT(page < d->kv_pages); /* page tables are checked at launch */
-        memcpy(pd_kv_at(kv, d, page, slot, 0), s->k + (size_t)t * d->kv_dim, sizeof(float) * d->kv_dim);
-        memcpy(pd_kv_at(kv, d, page, slot, 1), s->v + (size_t)t * d->kv_dim, sizeof(float) * d->kv_dim);
+        memcpy(mdl_kv_at(kv, d, page, slot, 0), s->k + (size_t)t * d->kv_dim, sizeof(float) * d->kv_dim);
+        memcpy(mdl_kv_at(kv, d, page, slot, 1), s->v + (size_t)t * d->kv_dim, sizeof(float) * d->kv_dim);
         context += pos + 1;
     }
 
     /* 4. every (row, head) attends over its request's positions [0, pos] */
     attn_job job = {d, r, s, kv};
     uint64_t flops = 4ull * context * d->q_dim;
-    pd_par_run(par, rows * d->heads, flops, attend, &job);
+    mdl_par_run(par, rows * d->heads, flops, attend, &job);
 
     /* 5. output projection */
     pd_matmul(par, out, s->att, w->wo, rows, d->q_dim, d->dim);

@@ -247,7 +247,7 @@ static pd_err read_field(pd_model_config *cfg, const field *f, const json_t *v, 
     return PD_ERR_INTERNAL;
 }
 
-pd_err pd_model_config_read(pd_model_config *cfg, const char *path, char *msg, size_t cap) {
+pd_err mdl_config_read(pd_model_config *cfg, const char *path, char *msg, size_t cap) {
     memset(cfg, 0, sizeof(*cfg));
     cfg->bos_token = -1;
     cfg->eos_token = -1;
@@ -306,7 +306,7 @@ static double short_real(float f) {
     return strtod(text, NULL);
 }
 
-pd_err pd_model_config_write(const pd_model_config *cfg, const char *path, char *msg, size_t cap) {
+pd_err mdl_config_write(const pd_model_config *cfg, const char *path, char *msg, size_t cap) {
     json_t *root = json_object();
     json_object_set_new(root, "model_type", json_string(MODEL_TYPE));
     for (size_t i = 0; i < PD_ARRAY_LEN(fields); i++) {

@@ -22,7 +22,7 @@ static const double LN2_HI = 6.93147180369123816490e-01; /* 0x3fe62e42fee00000 *
 static const double LN2_LO = 1.90821492927058770002e-10;
 static const double INV_LN2 = 1.44269504088896338700e+00;
 
-double pd_exp(double x) {
+double mdl_exp(double x) {
     if (x != x) return x;
     if (x > 709.782712893384) return INFINITY;
     if (x < -745.2) return 0.0;
@@ -38,7 +38,7 @@ double pd_exp(double x) {
     return ldexp(p, (int)k);
 }
 
-double pd_log(double x) {
+double mdl_log(double x) {
     if (x != x || x < 0.0) return NAN;
     if (x == 0.0) return -INFINITY;
     if (isinf(x)) return x;
@@ -61,7 +61,7 @@ static const double PIO2_2 = 6.07710050630396597660e-11;  /* next 33 bits */
 static const double PIO2_3 = 2.02226624879595063154e-21;  /* the rest */
 static const double INV_PIO2 = 6.36619772367581382433e-01;
 
-void pd_sincos(double x, double *sin_out, double *cos_out) {
+void mdl_sincos(double x, double *sin_out, double *cos_out) {
     double k = floor(x * INV_PIO2 + 0.5);
     double r = ((x - k * PIO2_1) - k * PIO2_2) - k * PIO2_3;
     double r2 = r * r;

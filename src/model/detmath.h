@@ -21,16 +21,16 @@
 #include <string.h>
 
 /* e^x; 0 below -745, +inf above 709.78, NaN stays NaN. */
-double pd_exp(double x);
+double mdl_exp(double x);
 /* ln x for x > 0; -inf at 0, NaN below 0 or for NaN, +inf at +inf. */
-double pd_log(double x);
+double mdl_log(double x);
 /* sin x and cos x, for |x| < 2^20 * pi / 2 (RoPE angles stay far below). */
-void pd_sincos(double x, double *sin_out, double *cos_out);
+void mdl_sincos(double x, double *sin_out, double *cos_out);
 /* e^x for float x, the hot-path version (SiLU, softmax, Mamba decay): the
- * same reduction as pd_exp, the Taylor series to r^8 (relative truncation
+ * same reduction as mdl_exp, the Taylor series to r^8 (relative truncation
  * below 2e-10, far under a float ulp), and 2^k built from its bits. Inline
  * because it runs for every activation. */
-static inline float pd_expf(float xf) {
+static inline float mdl_expf(float xf) {
     const double x = xf;
     if (!(x < 88.8)) return x != x ? xf : (float)INFINITY;
     if (x < -104.0) return 0.0f;

@@ -46,12 +46,12 @@ static pd_err exec_launch(void *self, const pd_batch *batch) {
     model_exec *e = self;
     if (e->count == PD_MODEL_INFLIGHT_MAX) return PD_ERR_NOMEM;
     if (e->launched_any && batch->id <= e->last_id) return PD_ERR_INVALID;
-    pd_err err = pd_runner_check(e->runner, batch->items, batch->n_items, NULL, 0);
+    pd_err err = mdl_runner_check(e->runner, batch->items, batch->n_items, NULL, 0);
     if (err != PD_OK) return err;
     pending_batch *p = &e->ring[(e->head + e->count) % PD_MODEL_INFLIGHT_MAX];
     p->id = batch->id;
     p->n_items = batch->n_items;
-    pd_runner_run(e->runner, batch->items, batch->n_items, p->results, NULL);
+    mdl_runner_run(e->runner, batch->items, batch->n_items, p->results, NULL);
     e->count++;
     e->launched_any = true;
     e->last_id = batch->id;
@@ -75,7 +75,7 @@ static pd_err exec_copy_state(void *self, uint32_t dst_slot, uint32_t src_slot) 
     pd_runner *r = e->runner;
     if (dst_slot >= r->mamba_slots || src_slot >= r->mamba_slots) return PD_ERR_INVALID;
     if (dst_slot != src_slot)
-        memcpy(pd_runner_slot(r, dst_slot), pd_runner_slot(r, src_slot), r->mamba_slot_bytes);
+        memcpy(mdl_runner_slot(r, dst_slot), mdl_runner_slot(r, src_slot), r->mamba_slot_bytes);
     return PD_OK;
 }
 
@@ -154,7 +154,7 @@ pd_err pd_model_executor_create(pd_executor *out, const pd_model *model, uint32_
     out->self = NULL;
     model_exec *e = calloc(1, sizeof(*e));
     if (!e) return pd_errorf(msg, msg_cap, PD_ERR_NOMEM, "out of memory");
-    pd_err err = pd_runner_create(&e->runner, model, page_size, kv_pages, mamba_slots, host_pages,
+    pd_err err = mdl_runner_create(&e->runner, model, page_size, kv_pages, mamba_slots, host_pages,
                                   threads, msg, msg_cap);
     if (err != PD_OK) {
         free(e);
@@ -168,7 +168,7 @@ pd_err pd_model_executor_create(pd_executor *out, const pd_model *model, uint32_
 void pd_model_executor_destroy(pd_executor *ex) {
     if (!ex || !ex->self) return;
     model_exec *e = self_of(ex);
-    pd_runner_destroy(e->runner);
+    mdl_runner_destroy(e->runner);
     free(e);
     ex->vt = NULL;
     ex->self = NULL;
@@ -179,9 +179,9 @@ bool pd_model_executor_is(const pd_executor *ex) { return ex && ex->vt == &model
 pd_err pd_model_forward(pd_executor *ex, const pd_batch_item *items, uint32_t n_items,
                         pd_item_result *results, float *logits, char *msg, size_t msg_cap) {
     model_exec *e = self_of(ex);
-    pd_err err = pd_runner_check(e->runner, items, n_items, msg, msg_cap);
+    pd_err err = mdl_runner_check(e->runner, items, n_items, msg, msg_cap);
     if (err != PD_OK) return err;
-    pd_runner_run(e->runner, items, n_items, results, logits);
+    mdl_runner_run(e->runner, items, n_items, results, logits);
     return PD_OK;
 }
 

@@ -1,7 +1,7 @@
 /*
  * forward.c — the forward pass, read top to bottom:
  *
- *   pd_runner_run     cuts the batch's tokens into passes of at most
+ *   mdl_runner_run     cuts the batch's tokens into passes of at most
  *                     PD_RUNNER_ROWS rows (each row: token, position, item)
  *   run_pass          embeds the rows, runs every block, then for each item
  *                     whose last token is in the pass: final norm, lm_head,
@@ -10,7 +10,7 @@
  *                     mixer = Mamba2 (mamba2.c) or attention (attention.c)
  *                     MLP = W_down (SiLU(W_gate h) * W_up h)   (SwiGLU)
  *
- * The node's memory is allocated once in pd_runner_create and so is every
+ * The node's memory is allocated once in mdl_runner_create and so is every
  * scratch buffer; nothing on the per-token path allocates.
  */
 #include <math.h>
@@ -20,7 +20,7 @@
 
 #include "runner.h"
 
-float *pd_runner_slot(const pd_runner *r, uint32_t slot) {
+float *mdl_runner_slot(const pd_runner *r, uint32_t slot) {
     PD_ASSERT(slot < r->mamba_slots);
     return r->mamba + (size_t)slot * (r->mamba_slot_bytes / sizeof(float));
 }
@@ -34,20 +34,20 @@ static void add_into(float *x, const float *y, size_t n) {
 static void norm_rows(const pd_runner *r, float *out, const float *in, const float *w) {
     const pd_model_config *c = &r->model->cfg;
     for (uint32_t t = 0; t < r->rows; t++)
-        pd_rmsnorm(out + (size_t)t * c->dim, in + (size_t)t * c->dim, w, c->dim, c->norm_eps);
+        mdl_rmsnorm(out + (size_t)t * c->dim, in + (size_t)t * c->dim, w, c->dim, c->norm_eps);
 }
 
 static void mixer(pd_runner *r, const pd_block_weights *b) {
     if (b->kind == 'M') {
         for (uint32_t t = 0; t < r->rows; t++)
             r->row_state[t] = r->row_slot[t] + (size_t)b->kind_index * r->mamba_layer_floats;
-        pd_mamba2_forward(&r->par, &r->mamba_dims, &b->mamba, r->xb, r->xo, r->rows, r->row_state,
+        mdl_mamba2_forward(&r->par, &r->mamba_dims, &b->mamba, r->xb, r->xo, r->rows, r->row_state,
                           &r->mamba_scratch);
         r->flops += 5ull * r->rows * r->mamba_dims.d_inner * r->mamba_dims.d_state;
     } else {
         r->attn_dims.layer = b->kind_index;
         pd_attn_rows rows = {r->row_pos, r->row_pages, r->rope_cos, r->rope_sin};
-        r->flops += pd_attention_forward(&r->par, &r->attn_dims, &b->attn, r->xb, r->xo, r->rows,
+        r->flops += mdl_attention_forward(&r->par, &r->attn_dims, &b->attn, r->xb, r->xo, r->rows,
                                          &rows, r->kv, &r->attn_scratch);
     }
 }
@@ -56,7 +56,7 @@ static void mlp(pd_runner *r, const pd_block_weights *b) {
     const pd_model_config *c = &r->model->cfg;
     pd_matmul(&r->par, r->gate, r->xb, b->gate, r->rows, c->dim, c->mlp_hidden);
     pd_matmul(&r->par, r->up, r->xb, b->up, r->rows, c->dim, c->mlp_hidden);
-    for (size_t i = 0; i < (size_t)r->rows * c->mlp_hidden; i++) r->gate[i] = pd_silu(r->gate[i]) * r->up[i];
+    for (size_t i = 0; i < (size_t)r->rows * c->mlp_hidden; i++) r->gate[i] = mdl_silu(r->gate[i]) * r->up[i];
     pd_matmul(&r->par, r->xo, r->gate, b->down, r->rows, c->mlp_hidden, c->dim);
 }
 
@@ -85,7 +85,7 @@ static void run_pass(pd_runner *r, const pd_batch_item *items, pd_item_result *r
         memcpy(r->x + (size_t)t * c->dim, m->embed + (size_t)r->row_token[t] * c->dim,
                sizeof(float) * c->dim);
         if (m->shape.n_attn)
-            pd_rope_angles(r->row_pos[t], c->attn_head_dim, c->rope_base, r->rope_cos + (size_t)t * half,
+            mdl_rope_angles(r->row_pos[t], c->attn_head_dim, c->rope_base, r->rope_cos + (size_t)t * half,
                            r->rope_sin + (size_t)t * half);
     }
 
@@ -98,7 +98,7 @@ static void run_pass(pd_runner *r, const pd_batch_item *items, pd_item_result *r
     for (uint32_t t = 0; t < r->rows; t++) {
         const pd_batch_item *it = &items[r->row_item[t]];
         if (!r->row_last[t] || !it->sample) continue;
-        pd_rmsnorm(r->xb + (size_t)n_sample * c->dim, r->x + (size_t)t * c->dim, m->final_norm, c->dim,
+        mdl_rmsnorm(r->xb + (size_t)n_sample * c->dim, r->x + (size_t)t * c->dim, m->final_norm, c->dim,
                    c->norm_eps);
         sample_row[n_sample++] = t;
     }
@@ -109,19 +109,19 @@ static void run_pass(pd_runner *r, const pd_batch_item *items, pd_item_result *r
     for (uint32_t s = 0; s < n_sample; s++) {
         const uint32_t i = r->row_item[sample_row[s]];
         const float *lg = r->logits + (size_t)s * c->vocab;
-        pd_sample(lg, c->vocab, &items[i].sampling, items[i].sample_index, r->probs, r->keys,
+        mdl_sample(lg, c->vocab, &items[i].sampling, items[i].sample_index, r->probs, r->keys,
                   &results[i].token, &results[i].logprob);
         if (logits_out) memcpy(logits_out + (size_t)i * c->vocab, lg, sizeof(float) * c->vocab);
     }
     for (uint32_t t = 0; t < r->rows; t++) {
         const pd_batch_item *it = &items[r->row_item[t]];
         if (r->row_last[t] && m->shape.n_mamba && it->snapshot_slot != PD_POOL_NONE)
-            memcpy(pd_runner_slot(r, it->snapshot_slot), r->row_slot[t], r->mamba_slot_bytes);
+            memcpy(mdl_runner_slot(r, it->snapshot_slot), r->row_slot[t], r->mamba_slot_bytes);
     }
     r->rows = 0;
 }
 
-void pd_runner_run(pd_runner *r, const pd_batch_item *items, uint32_t n_items,
+void mdl_runner_run(pd_runner *r, const pd_batch_item *items, uint32_t n_items,
                    pd_item_result *results, float *logits) {
     const bool has_mamba = r->model->shape.n_mamba > 0;
     PD_ASSERT(r->rows == 0 && n_items <= PD_MODEL_BATCH_ITEMS_MAX);
@@ -131,7 +131,7 @@ void pd_runner_run(pd_runner *r, const pd_batch_item *items, uint32_t n_items,
         results[i].req = it->req;
         results[i].token = -1;
         results[i].logprob = 0.0f;
-        float *slot = has_mamba ? pd_runner_slot(r, it->mamba_slot) : NULL;
+        float *slot = has_mamba ? mdl_runner_slot(r, it->mamba_slot) : NULL;
         /* A request's first chunk starts from the zero state. */
         if (has_mamba && it->start_pos == 0) memset(slot, 0, r->mamba_slot_bytes);
         for (uint32_t k = 0; k < it->n_tokens; k++) {
@@ -206,7 +206,7 @@ static pd_err check_item(pd_runner *r, const pd_batch_item *it, uint32_t i, char
     return PD_OK;
 }
 
-pd_err pd_runner_check(pd_runner *r, const pd_batch_item *items, uint32_t n_items, char *msg,
+pd_err mdl_runner_check(pd_runner *r, const pd_batch_item *items, uint32_t n_items, char *msg,
                        size_t cap) {
     if (n_items > PD_MODEL_BATCH_ITEMS_MAX)
         return pd_errorf(msg, cap, PD_ERR_INVALID, "%u items in a batch (at most %u)", n_items,
@@ -231,7 +231,7 @@ static float *take(float **cursor, size_t n) {
     return p;
 }
 
-pd_err pd_runner_create(pd_runner **out, const pd_model *model, uint32_t page_size,
+pd_err mdl_runner_create(pd_runner **out, const pd_model *model, uint32_t page_size,
                         uint32_t kv_pages, uint32_t mamba_slots, uint32_t host_pages,
                         uint32_t threads, char *msg, size_t cap) {
     *out = NULL;
@@ -258,8 +258,8 @@ pd_err pd_runner_create(pd_runner **out, const pd_model *model, uint32_t page_si
     r->host_pages = s->n_attn ? host_pages : 0;
     r->kv_page_bytes = s->kv_bytes_per_token * page_size;
     r->mamba_slot_bytes = s->mamba_slot_bytes;
-    pd_mamba2_dims_from_config(c, &r->mamba_dims);
-    r->mamba_layer_floats = s->n_mamba ? pd_mamba2_state_floats(&r->mamba_dims) : 0;
+    mdl_mamba2_dims_from_config(c, &r->mamba_dims);
+    r->mamba_layer_floats = s->n_mamba ? mdl_mamba2_state_floats(&r->mamba_dims) : 0;
     r->attn_dims = (pd_attn_dims){
         .dim = c->dim, .heads = c->attn_heads, .kv_heads = c->attn_kv_heads, .head_dim = c->attn_head_dim,
         .q_dim = s->q_dim, .kv_dim = s->kv_dim, .page_size = page_size, .kv_pages = r->kv_pages, .n_attn = s->n_attn,
@@ -287,7 +287,7 @@ pd_err pd_runner_create(pd_runner **out, const pd_model *model, uint32_t page_si
     if (s->n_attn)
         floats += R * (c->attn_head_dim / 2) * 2 + R * (2 * (size_t)s->q_dim + 2 * (size_t)s->kv_dim) +
                   threads * r->attn_scratch.context_max;
-    if (s->n_mamba) floats += pd_mamba2_scratch_floats(&r->mamba_dims, PD_RUNNER_ROWS);
+    if (s->n_mamba) floats += mdl_mamba2_scratch_floats(&r->mamba_dims, PD_RUNNER_ROWS);
     r->scratch_mem = malloc(floats * sizeof(float));
     r->keys = malloc(sizeof(uint64_t) * c->vocab);
     r->slot_seen = calloc(r->mamba_slots ? r->mamba_slots : 1, 1);
@@ -313,12 +313,12 @@ pd_err pd_runner_create(pd_runner **out, const pd_model *model, uint32_t page_si
         r->attn_scratch.scores = take(&cur, threads * r->attn_scratch.context_max);
     }
     if (s->n_mamba) {
-        pd_mamba2_scratch_bind(&r->mamba_scratch, &r->mamba_dims, PD_RUNNER_ROWS, cur);
-        cur += pd_mamba2_scratch_floats(&r->mamba_dims, PD_RUNNER_ROWS);
+        mdl_mamba2_scratch_bind(&r->mamba_scratch, &r->mamba_dims, PD_RUNNER_ROWS, cur);
+        cur += mdl_mamba2_scratch_floats(&r->mamba_dims, PD_RUNNER_ROWS);
     }
     PD_ASSERT((size_t)(cur - r->scratch_mem) == floats);
 
-    if (pd_threads_create(&r->threads, threads) != PD_OK) {
+    if (mdl_threads_create(&r->threads, threads) != PD_OK) {
         err = pd_errorf(msg, cap, PD_ERR_NOMEM, "cannot start %u threads", threads);
         goto fail;
     }
@@ -326,13 +326,13 @@ pd_err pd_runner_create(pd_runner **out, const pd_model *model, uint32_t page_si
     *out = r;
     return PD_OK;
 fail:
-    pd_runner_destroy(r);
+    mdl_runner_destroy(r);
     return err;
 }
 
-void pd_runner_destroy(pd_runner *r) {
+void mdl_runner_destroy(pd_runner *r) {
     if (!r) return;
-    pd_threads_destroy(r->threads);
+    mdl_threads_destroy(r->threads);
     free(r->slot_seen);
     free(r->keys);
     free(r->scratch_mem);

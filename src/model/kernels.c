@@ -5,9 +5,9 @@
  * pd_matmul works on tiles: two weight rows against four input rows at a
  * time (eight running sums, each a 4-lane vector; every weight and input
  * vector loaded is used two or four times), four weight rows against one
- * input row for the rows left over (the decode case), and pd_dot for the
+ * input row for the rows left over (the decode case), and mdl_dot for the
  * rest. Each output is produced by the same lane assignment and reduction
- * as pd_dot, so it does not depend on which tile it fell in; the test suite
+ * as mdl_dot, so it does not depend on which tile it fell in; the test suite
  * checks that equality bit for bit.
  */
 #include "kernels.h"
@@ -27,14 +27,14 @@ static inline v4 load4(const float *p) {
 /* The one reduction of the four lanes. */
 static inline float fold(v4 a) { return (a[0] + a[2]) + (a[1] + a[3]); }
 
-void pd_par_run(const pd_par *par, uint32_t units, uint64_t flops, pd_task_fn fn, void *ctx) {
-    if (par->tp && pd_threads_count(par->tp) > 1 && flops >= par->min_flops)
-        pd_threads_run(par->tp, units, fn, ctx);
+void mdl_par_run(const pd_par *par, uint32_t units, uint64_t flops, pd_task_fn fn, void *ctx) {
+    if (par->tp && mdl_threads_count(par->tp) > 1 && flops >= par->min_flops)
+        mdl_threads_run(par->tp, units, fn, ctx);
     else if (units > 0)
         fn(ctx, 0, units, 0);
 }
 
-float pd_dot(const float *a, const float *b, uint32_t n) {
+float mdl_dot(const float *a, const float *b, uint32_t n) {
     v4 acc = {0, 0, 0, 0};
     uint32_t i = 0;
     for (; i + 4 <= n; i += 4) acc += load4(a + i) * load4(b + i);
@@ -42,7 +42,7 @@ float pd_dot(const float *a, const float *b, uint32_t n) {
     return fold(acc);
 }
 
-/* w0, w1 against x0..x3: out0[r] = pd_dot(w0, xr), out1[r] = pd_dot(w1, xr). */
+/* w0, w1 against x0..x3: out0[r] = mdl_dot(w0, xr), out1[r] = mdl_dot(w1, xr). */
 static void tile_2x4(const float *w0, const float *w1, const float *x0, const float *x1,
                      const float *x2, const float *x3, uint32_t n, float *out0, float *out1) {
     v4 a0 = {0, 0, 0, 0}, a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
@@ -74,7 +74,7 @@ static void tile_2x4(const float *w0, const float *w1, const float *x0, const fl
     out1[0] = fold(b0), out1[1] = fold(b1), out1[2] = fold(b2), out1[3] = fold(b3);
 }
 
-/* w0..w3 against x: out[k] = pd_dot(wk, x). */
+/* w0..w3 against x: out[k] = mdl_dot(wk, x). */
 static void tile_4x1(const float *w0, const float *w1, const float *w2, const float *w3,
                      const float *x, uint32_t n, float *out) {
     v4 a0 = {0, 0, 0, 0}, a1 = a0, a2 = a0, a3 = a0;
@@ -121,7 +121,7 @@ static void matmul_range(void *ctx, uint32_t begin, uint32_t end, uint32_t worke
             }
         }
         for (; o < end; o++)
-            for (uint32_t q = 0; q < 4; q++) out[q * on + o] = pd_dot(j->w + o * in, x + q * in, j->n_in);
+            for (uint32_t q = 0; q < 4; q++) out[q * on + o] = mdl_dot(j->w + o * in, x + q * in, j->n_in);
     }
     /* the remaining rows, outputs in fours */
     for (uint32_t t = full; t < j->rows; t++) {
@@ -131,26 +131,26 @@ static void matmul_range(void *ctx, uint32_t begin, uint32_t end, uint32_t worke
         for (; o + 4 <= end; o += 4)
             tile_4x1(j->w + o * in, j->w + (o + 1) * in, j->w + (o + 2) * in, j->w + (o + 3) * in, x, j->n_in,
                      out + o);
-        for (; o < end; o++) out[o] = pd_dot(j->w + o * in, x, j->n_in);
+        for (; o < end; o++) out[o] = mdl_dot(j->w + o * in, x, j->n_in);
     }
 }
 
 void pd_matmul(const pd_par *par, float *out, const float *x, const float *w, uint32_t rows,
                uint32_t n_in, uint32_t n_out) {
     matmul_job job = {out, x, w, rows, n_in, n_out};
-    pd_par_run(par, n_out, 2ull * rows * n_in * n_out, matmul_range, &job);
+    mdl_par_run(par, n_out, 2ull * rows * n_in * n_out, matmul_range, &job);
 }
 
-void pd_rmsnorm(float *out, const float *x, const float *w, uint32_t n, float eps) {
+void mdl_rmsnorm(float *out, const float *x, const float *w, uint32_t n, float eps) {
     PD_ASSERT(n > 0);
-    float ms = pd_dot(x, x, n) / (float)n;
+    float ms = mdl_dot(x, x, n) / (float)n;
     float inv = 1.0f / sqrtf(ms + eps);
     for (uint32_t i = 0; i < n; i++) out[i] = x[i] * inv * w[i];
 }
 
-float pd_softplus(float x) {
+float mdl_softplus(float x) {
     if (x > 20.0f) return x;
-    double e = pd_exp((double)x);
+    double e = mdl_exp((double)x);
     /* log(1 + e); for tiny e the series keeps the digits 1 + e would lose */
-    return (float)(e < 1e-5 ? e - 0.5 * e * e : pd_log(1.0 + e));
+    return (float)(e < 1e-5 ? e - 0.5 * e * e : mdl_log(1.0 + e));
 }

@@ -37,24 +37,24 @@ typedef struct pd_par {
 
 /* Runs fn over [0, units): on the pool when flops >= par->min_flops and the
  * pool has more than one thread, else directly on the caller. */
-void pd_par_run(const pd_par *par, uint32_t units, uint64_t flops, pd_task_fn fn, void *ctx);
+void mdl_par_run(const pd_par *par, uint32_t units, uint64_t flops, pd_task_fn fn, void *ctx);
 
 /* sum_i a[i] * b[i] in the fixed lane order. */
-float pd_dot(const float *a, const float *b, uint32_t n);
+float mdl_dot(const float *a, const float *b, uint32_t n);
 
-/* out[t][o] = pd_dot(w[o], x[t]) for rows t < rows and outputs o < n_out:
+/* out[t][o] = mdl_dot(w[o], x[t]) for rows t < rows and outputs o < n_out:
  * x is [rows][n_in], w is [n_out][n_in] (the PyTorch Linear layout), out is
  * [rows][n_out]. Split across threads by output o. */
 void pd_matmul(const pd_par *par, float *out, const float *x, const float *w, uint32_t rows,
                uint32_t n_in, uint32_t n_out);
 
-/* out = x / sqrt(mean(x^2) + eps) * w, mean(x^2) = pd_dot(x, x) / n. */
-void pd_rmsnorm(float *out, const float *x, const float *w, uint32_t n, float eps);
+/* out = x / sqrt(mean(x^2) + eps) * w, mean(x^2) = mdl_dot(x, x) / n. */
+void mdl_rmsnorm(float *out, const float *x, const float *w, uint32_t n, float eps);
 
 /* x * sigmoid(x), with the deterministic exp of detmath.h; inline because
  * it runs for every MLP and Mamba activation. */
-static inline float pd_silu(float x) { return x / (1.0f + pd_expf(-x)); }
+static inline float mdl_silu(float x) { return x / (1.0f + mdl_expf(-x)); }
 /* log(1 + exp(x)), and x itself above 20 as PyTorch does (detmath.h). */
-float pd_softplus(float x);
+float mdl_softplus(float x);
 
 #endif

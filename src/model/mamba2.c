@@ -30,7 +30,7 @@
 #include "detmath.h"
 #include "model_internal.h"
 
-void pd_mamba2_dims_from_config(const pd_model_config *cfg, pd_mamba2_dims *d) {
+void mdl_mamba2_dims_from_config(const pd_model_config *cfg, pd_mamba2_dims *d) {
     memset(d, 0, sizeof(*d));
     d->dim = cfg->dim;
     d->d_inner = cfg->mamba_expand * cfg->dim;
@@ -44,15 +44,15 @@ void pd_mamba2_dims_from_config(const pd_model_config *cfg, pd_mamba2_dims *d) {
     d->eps = cfg->norm_eps;
 }
 
-size_t pd_mamba2_state_floats(const pd_mamba2_dims *d) {
+size_t mdl_mamba2_state_floats(const pd_mamba2_dims *d) {
     return (size_t)d->conv_dim * (d->d_conv - 1) + (size_t)d->d_inner * d->d_state;
 }
 
-size_t pd_mamba2_scratch_floats(const pd_mamba2_dims *d, uint32_t rows_max) {
+size_t mdl_mamba2_scratch_floats(const pd_mamba2_dims *d, uint32_t rows_max) {
     return (size_t)rows_max * (d->in_proj + d->conv_dim + d->heads + d->d_inner);
 }
 
-void pd_mamba2_scratch_bind(pd_mamba2_scratch *s, const pd_mamba2_dims *d, uint32_t rows_max,
+void mdl_mamba2_scratch_bind(pd_mamba2_scratch *s, const pd_mamba2_dims *d, uint32_t rows_max,
                             float *mem) {
     s->zxbcdt = mem;
     s->xbc = s->zxbcdt + (size_t)rows_max * d->in_proj;
@@ -87,7 +87,7 @@ static void conv_channels(void *ctx, uint32_t begin, uint32_t end, uint32_t work
             acc += j->w->conv_b[c];
             memmove(st, st + 1, sizeof(float) * (k_state - 1));
             st[k_state - 1] = in;
-            j->s->xbc[(size_t)t * d->conv_dim + c] = pd_silu(acc);
+            j->s->xbc[(size_t)t * d->conv_dim + c] = mdl_silu(acc);
         }
     }
 }
@@ -101,7 +101,7 @@ static void scan_heads(void *ctx, uint32_t begin, uint32_t end, uint32_t worker)
     const uint32_t heads_per_group = d->heads / d->groups;
     const uint32_t P = d->head_dim, N = d->d_state;
     for (uint32_t h = begin; h < end; h++) {
-        const float a = -pd_expf(j->w->a_log[h]);
+        const float a = -mdl_expf(j->w->a_log[h]);
         const float skip = j->w->d[h];
         const uint32_t g = h / heads_per_group;
         for (uint32_t t = 0; t < j->rows; t++) {
@@ -110,19 +110,19 @@ static void scan_heads(void *ctx, uint32_t begin, uint32_t end, uint32_t worker)
             const float *B = xbc + d->d_inner + (size_t)g * N;
             const float *C = xbc + d->d_inner + (size_t)d->groups * N + (size_t)g * N;
             const float dt = j->s->dt[(size_t)t * d->heads + h];
-            const float decay = pd_expf(dt * a);
+            const float decay = mdl_expf(dt * a);
             float *S = j->state[t] + conv_floats + (size_t)h * P * N;
             float *y = j->s->y + (size_t)t * d->d_inner + (size_t)h * P;
             for (uint32_t p = 0; p < P; p++) {
                 float *Sp = S + (size_t)p * N;
                 for (uint32_t n = 0; n < N; n++) Sp[n] = Sp[n] * decay + (dt * B[n]) * x[p];
-                y[p] = pd_dot(Sp, C, N) + skip * x[p];
+                y[p] = mdl_dot(Sp, C, N) + skip * x[p];
             }
         }
     }
 }
 
-void pd_mamba2_forward(const pd_par *par, const pd_mamba2_dims *d, const pd_mamba2_weights *w,
+void mdl_mamba2_forward(const pd_par *par, const pd_mamba2_dims *d, const pd_mamba2_weights *w,
                        const float *in, float *out, uint32_t rows, float *const *state,
                        const pd_mamba2_scratch *s) {
     PD_ASSERT(d->d_conv >= 2 && d->heads % d->groups == 0 && d->d_inner % d->groups == 0);
@@ -132,25 +132,25 @@ void pd_mamba2_forward(const pd_par *par, const pd_mamba2_dims *d, const pd_mamb
     pd_matmul(par, s->zxbcdt, in, w->in_proj, rows, d->dim, d->in_proj);
 
     /* 2. causal conv + SiLU, advancing each row's conv state */
-    pd_par_run(par, d->conv_dim, 2ull * rows * d->conv_dim * d->d_conv, conv_channels, &job);
+    mdl_par_run(par, d->conv_dim, 2ull * rows * d->conv_dim * d->d_conv, conv_channels, &job);
 
     /* 3. step sizes */
     for (uint32_t t = 0; t < rows; t++)
         for (uint32_t h = 0; h < d->heads; h++)
             s->dt[(size_t)t * d->heads + h] =
-                pd_softplus(s->zxbcdt[(size_t)t * d->in_proj + d->d_inner + d->conv_dim + h] + w->dt_bias[h]);
+                mdl_softplus(s->zxbcdt[(size_t)t * d->in_proj + d->d_inner + d->conv_dim + h] + w->dt_bias[h]);
 
     /* 4. the selective scan, advancing each row's ssm state */
-    pd_par_run(par, d->heads, 5ull * rows * d->d_inner * d->d_state, scan_heads, &job);
+    mdl_par_run(par, d->heads, 5ull * rows * d->d_inner * d->d_state, scan_heads, &job);
 
     /* 5. gate with SiLU(z), then RMSNorm per group */
     const uint32_t group = d->d_inner / d->groups;
     for (uint32_t t = 0; t < rows; t++) {
         float *y = s->y + (size_t)t * d->d_inner;
         const float *z = s->zxbcdt + (size_t)t * d->in_proj;
-        for (uint32_t i = 0; i < d->d_inner; i++) y[i] = y[i] * pd_silu(z[i]);
+        for (uint32_t i = 0; i < d->d_inner; i++) y[i] = y[i] * mdl_silu(z[i]);
         for (uint32_t g = 0; g < d->groups; g++)
-            pd_rmsnorm(y + (size_t)g * group, y + (size_t)g * group, w->norm + (size_t)g * group,
+            mdl_rmsnorm(y + (size_t)g * group, y + (size_t)g * group, w->norm + (size_t)g * group,
                        group, d->eps);
     }
 

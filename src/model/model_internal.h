@@ -75,8 +75,8 @@ struct pd_model {
 };
 
 /* config.json: read and check, or write (config.c). */
-pd_err pd_model_config_read(pd_model_config *cfg, const char *path, char *msg, size_t msg_cap);
-pd_err pd_model_config_write(const pd_model_config *cfg, const char *path, char *msg,
+pd_err mdl_config_read(pd_model_config *cfg, const char *path, char *msg, size_t msg_cap);
+pd_err mdl_config_write(const pd_model_config *cfg, const char *path, char *msg,
                              size_t msg_cap);
 
 /* ---- Mamba2 mixer ---------------------------------------------------------- */
@@ -88,12 +88,12 @@ typedef struct pd_mamba2_dims {
     float eps;
 } pd_mamba2_dims;
 
-void pd_mamba2_dims_from_config(const pd_model_config *cfg, pd_mamba2_dims *out);
+void mdl_mamba2_dims_from_config(const pd_model_config *cfg, pd_mamba2_dims *out);
 /* Floats of one layer's state: conv [conv_dim][d_conv-1] then ssm
  * [heads][head_dim][d_state]. */
-size_t pd_mamba2_state_floats(const pd_mamba2_dims *d);
+size_t mdl_mamba2_state_floats(const pd_mamba2_dims *d);
 
-/* Scratch for rows_max rows (see pd_mamba2_scratch_floats). */
+/* Scratch for rows_max rows (see mdl_mamba2_scratch_floats). */
 typedef struct pd_mamba2_scratch {
     float *zxbcdt;              /* [rows][in_proj] */
     float *xbc;                 /* [rows][conv_dim] after conv + SiLU */
@@ -101,14 +101,14 @@ typedef struct pd_mamba2_scratch {
     float *y;                   /* [rows][d_inner] */
 } pd_mamba2_scratch;
 
-size_t pd_mamba2_scratch_floats(const pd_mamba2_dims *d, uint32_t rows_max);
-void pd_mamba2_scratch_bind(pd_mamba2_scratch *s, const pd_mamba2_dims *d, uint32_t rows_max,
+size_t mdl_mamba2_scratch_floats(const pd_mamba2_dims *d, uint32_t rows_max);
+void mdl_mamba2_scratch_bind(pd_mamba2_scratch *s, const pd_mamba2_dims *d, uint32_t rows_max,
                             float *mem);
 
 /* The Mamba2 mixer over rows in order: in [rows][dim] -> out [rows][dim].
  * Row t reads and advances the layer state at state[t] (rows of one request
  * share a pointer and come in position order). */
-void pd_mamba2_forward(const pd_par *par, const pd_mamba2_dims *d, const pd_mamba2_weights *w,
+void mdl_mamba2_forward(const pd_par *par, const pd_mamba2_dims *d, const pd_mamba2_weights *w,
                        const float *in, float *out, uint32_t rows, float *const *state,
                        const pd_mamba2_scratch *s);
 
@@ -141,18 +141,18 @@ typedef struct pd_attn_scratch {
 } pd_attn_scratch;
 
 /* Address of K (which = 0) or V (which = 1) of one token slot of one page. */
-float *pd_kv_at(float *kv, const pd_attn_dims *d, uint32_t page, uint32_t slot, int which);
+float *mdl_kv_at(float *kv, const pd_attn_dims *d, uint32_t page, uint32_t slot, int which);
 
 /* Writes each row's K and V into its page slot, then attends every row over
  * positions [0, pos] of its request. in [rows][dim] -> out [rows][dim].
  * Returns the FLOPs of the score and value sums. */
-uint64_t pd_attention_forward(const pd_par *par, const pd_attn_dims *d, const pd_attn_weights *w,
+uint64_t mdl_attention_forward(const pd_par *par, const pd_attn_dims *d, const pd_attn_weights *w,
                               const float *in, float *out, uint32_t rows, const pd_attn_rows *r,
                               float *kv, const pd_attn_scratch *s);
 
 /* cos/sin of position pos for the head_dim / 2 rotation frequencies
  * base^(-2i / head_dim), computed in double and rounded once. */
-void pd_rope_angles(uint32_t pos, uint32_t head_dim, float base, float *cos_out, float *sin_out);
+void mdl_rope_angles(uint32_t pos, uint32_t head_dim, float base, float *cos_out, float *sin_out);
 
 /* ---- sampling ---------------------------------------------------------------- */
 
@@ -161,7 +161,7 @@ void pd_rope_angles(uint32_t pos, uint32_t head_dim, float base, float *cos_out,
  * smallest set of most likely tokens whose mass reaches top_p, drawn with a
  * generator seeded by (seed, sample_index). *logprob is the model's
  * log-softmax of the token. probs and keys are vocab-sized scratch. */
-void pd_sample(const float *logits, uint32_t vocab, const pd_sampling *sp, uint32_t sample_index,
+void mdl_sample(const float *logits, uint32_t vocab, const pd_sampling *sp, uint32_t sample_index,
                float *probs, uint64_t *keys, int32_t *token, float *logprob);
 
 #endif

@@ -58,21 +58,21 @@ typedef struct pd_runner {
     uint8_t *slot_seen;         /* [mamba_slots], for the batch check */
 } pd_runner;
 
-pd_err pd_runner_create(pd_runner **out, const pd_model *model, uint32_t page_size,
+pd_err mdl_runner_create(pd_runner **out, const pd_model *model, uint32_t page_size,
                         uint32_t kv_pages, uint32_t mamba_slots, uint32_t host_pages,
                         uint32_t threads, char *msg, size_t msg_cap);
-void pd_runner_destroy(pd_runner *r);
+void mdl_runner_destroy(pd_runner *r);
 
 /* PD_OK when every item keeps the contract (model.h, executor.h); otherwise
  * PD_ERR_INVALID and a message naming the item and the problem. */
-pd_err pd_runner_check(pd_runner *r, const pd_batch_item *items, uint32_t n_items, char *msg,
+pd_err mdl_runner_check(pd_runner *r, const pd_batch_item *items, uint32_t n_items, char *msg,
                        size_t msg_cap);
 
 /* Computes checked items: results[i] per item; logits (optional) as in
  * pd_model_forward. */
-void pd_runner_run(pd_runner *r, const pd_batch_item *items, uint32_t n_items,
+void mdl_runner_run(pd_runner *r, const pd_batch_item *items, uint32_t n_items,
                    pd_item_result *results, float *logits);
 
-float *pd_runner_slot(const pd_runner *r, uint32_t slot);
+float *mdl_runner_slot(const pd_runner *r, uint32_t slot);
 
 #endif

@@ -61,22 +61,22 @@ static uint64_t key_of(float p, uint32_t index) {
     return ((uint64_t)(UINT32_MAX - bits) << 32) | index;
 }
 
-void pd_sample(const float *logits, uint32_t vocab, const pd_sampling *sp, uint32_t sample_index,
+void mdl_sample(const float *logits, uint32_t vocab, const pd_sampling *sp, uint32_t sample_index,
                float *probs, uint64_t *keys, int32_t *token, float *logprob) {
     PD_ASSERT(vocab > 0);
     const uint32_t best = argmax_first(logits, vocab);
     const double max = logits[best];
     double z = 0.0;
-    for (uint32_t i = 0; i < vocab; i++) z += pd_exp((double)logits[i] - max);
-    const double log_z = max + pd_log(z);
+    for (uint32_t i = 0; i < vocab; i++) z += mdl_exp((double)logits[i] - max);
+    const double log_z = max + mdl_log(z);
 
     uint32_t chosen = best;
     if (sp->temperature > 0.0f) {
         const double inv_t = 1.0 / (double)sp->temperature;
         double zt = 0.0;
-        for (uint32_t i = 0; i < vocab; i++) zt += pd_exp(((double)logits[i] - max) * inv_t);
+        for (uint32_t i = 0; i < vocab; i++) zt += mdl_exp(((double)logits[i] - max) * inv_t);
         for (uint32_t i = 0; i < vocab; i++)
-            probs[i] = (float)(pd_exp(((double)logits[i] - max) * inv_t) / zt);
+            probs[i] = (float)(mdl_exp(((double)logits[i] - max) * inv_t) / zt);
 
         pd_rng rng;
         pd_rng_seed(&rng, pd_hash_u64(sp->seed) ^ pd_hash_u64(0x5eed0000ull + sample_index));

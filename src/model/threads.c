@@ -1,5 +1,5 @@
 /*
- * threads.c — the worker pool behind pd_threads_run. See threads.h.
+ * threads.c — the worker pool behind mdl_threads_run. See threads.h.
  *
  * One mutex guards the job description and two counters: `generation`
  * (bumped per job; a worker runs a job when it sees a generation it has not
@@ -62,7 +62,7 @@ static void *worker_main(void *p) {
     return NULL;
 }
 
-pd_err pd_threads_create(pd_threads **out, uint32_t n_threads) {
+pd_err mdl_threads_create(pd_threads **out, uint32_t n_threads) {
     *out = NULL;
     if (n_threads < 1 || n_threads > 64) return PD_ERR_INVALID;
     pd_threads *tp = calloc(1, sizeof(*tp));
@@ -74,21 +74,21 @@ pd_err pd_threads_create(pd_threads **out, uint32_t n_threads) {
     if (n_threads > 1) {
         tp->tids = calloc(n_threads - 1, sizeof(pthread_t));
         if (!tp->tids) {
-            pd_threads_destroy(tp);
+            mdl_threads_destroy(tp);
             return PD_ERR_NOMEM;
         }
     }
     for (uint32_t i = 1; i < n_threads; i++) {
         worker_arg *arg = malloc(sizeof(*arg));
         if (!arg) {
-            pd_threads_destroy(tp);
+            mdl_threads_destroy(tp);
             return PD_ERR_NOMEM;
         }
         arg->tp = tp;
         arg->index = i;
         if (pthread_create(&tp->tids[i - 1], NULL, worker_main, arg) != 0) {
             free(arg);
-            pd_threads_destroy(tp);
+            mdl_threads_destroy(tp);
             return PD_ERR_NOMEM;
         }
         tp->started++;
@@ -97,7 +97,7 @@ pd_err pd_threads_create(pd_threads **out, uint32_t n_threads) {
     return PD_OK;
 }
 
-void pd_threads_destroy(pd_threads *tp) {
+void mdl_threads_destroy(pd_threads *tp) {
     if (!tp) return;
     pthread_mutex_lock(&tp->mu);
     tp->stop = true;
@@ -111,9 +111,9 @@ void pd_threads_destroy(pd_threads *tp) {
     free(tp);
 }
 
-uint32_t pd_threads_count(const pd_threads *tp) { return tp->n; }
+uint32_t mdl_threads_count(const pd_threads *tp) { return tp->n; }
 
-void pd_threads_run(pd_threads *tp, uint32_t n_units, pd_task_fn fn, void *ctx) {
+void mdl_threads_run(pd_threads *tp, uint32_t n_units, pd_task_fn fn, void *ctx) {
     if (n_units == 0) return;
     if (tp->n == 1 || n_units == 1) {
         fn(ctx, 0, n_units, 0);

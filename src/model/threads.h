@@ -3,7 +3,7 @@
  *
  * The model parallelises only over independent outputs (rows of a matrix
  * product, attention heads, Mamba heads), so a single primitive suffices:
- * pd_threads_run(tp, n, fn, ctx) cuts [0, n) into one contiguous piece per
+ * mdl_threads_run(tp, n, fn, ctx) cuts [0, n) into one contiguous piece per
  * thread, runs piece 0 on the caller and the others on the workers, and
  * returns when all are done. Each output is computed by exactly the same
  * instructions whichever thread owns it, which is why 1 and N threads give
@@ -11,7 +11,7 @@
  *
  * Workers sleep on a condition variable between calls; one call costs a
  * broadcast and a join (microseconds), so callers skip the pool for small
- * pieces of work. Threads are created once, at pd_threads_create.
+ * pieces of work. Threads are created once, at mdl_threads_create.
  */
 #ifndef PDSERVE_MODEL_THREADS_H
 #define PDSERVE_MODEL_THREADS_H
@@ -25,12 +25,12 @@ typedef struct pd_threads pd_threads;
 typedef void (*pd_task_fn)(void *ctx, uint32_t begin, uint32_t end, uint32_t worker);
 
 /* n_threads in [1, 64], the caller included. */
-pd_err pd_threads_create(pd_threads **out, uint32_t n_threads);
-void pd_threads_destroy(pd_threads *tp);
-uint32_t pd_threads_count(const pd_threads *tp);
+pd_err mdl_threads_create(pd_threads **out, uint32_t n_threads);
+void mdl_threads_destroy(pd_threads *tp);
+uint32_t mdl_threads_count(const pd_threads *tp);
 
 /* Runs fn over [0, n_units) split across the threads; returns when done.
  * Not reentrant: one run at a time per pool. */
-void pd_threads_run(pd_threads *tp, uint32_t n_units, pd_task_fn fn, void *ctx);
+void mdl_threads_run(pd_threads *tp, uint32_t n_units, pd_task_fn fn, void *ctx);
 
 #endif

@@ -176,8 +176,8 @@ static double normal(pd_rng *rng) {
     double u1 = 1.0 - pd_rng_unit(rng); /* (0, 1] */
     double u2 = pd_rng_unit(rng);
     double s, c;
-    pd_sincos(6.283185307179586 * u2, &s, &c);
-    return sqrt(-2.0 * pd_log(u1)) * c;
+    mdl_sincos(6.283185307179586 * u2, &s, &c);
+    return sqrt(-2.0 * mdl_log(u1)) * c;
 }
 
 static void fill(float *v, const pd_tensor_entry *t, uint64_t seed) {
@@ -190,12 +190,12 @@ static void fill(float *v, const pd_tensor_entry *t, uint64_t seed) {
         case PD_INIT_NORMAL: x = normal(&rng); break;
         case PD_INIT_UNIFORM: x = (2.0 * pd_rng_unit(&rng) - 1.0) * t->scale; break;
         case PD_INIT_DT_BIAS: {
-            double lo = pd_log(1e-3), hi = pd_log(1e-1);
-            double dt = pd_exp(lo + pd_rng_unit(&rng) * (hi - lo));
-            x = dt + pd_log(1.0 - pd_exp(-dt)); /* softplus(x) == dt */
+            double lo = mdl_log(1e-3), hi = mdl_log(1e-1);
+            double dt = mdl_exp(lo + pd_rng_unit(&rng) * (hi - lo));
+            x = dt + mdl_log(1.0 - mdl_exp(-dt)); /* softplus(x) == dt */
             break;
         }
-        case PD_INIT_A_LOG: x = pd_log(1.0 + 15.0 * pd_rng_unit(&rng)); break;
+        case PD_INIT_A_LOG: x = mdl_log(1.0 + 15.0 * pd_rng_unit(&rng)); break;
         }
         v[i] = (float)x;
     }
@@ -265,7 +265,7 @@ pd_err pd_model_load(pd_model **out, const char *dir, char *msg, size_t cap) {
     pd_model_config cfg;
     pd_err err = join(path, sizeof(path), dir, "config.json", msg, cap);
     if (err != PD_OK) return err;
-    err = pd_model_config_read(&cfg, path, msg, cap);
+    err = mdl_config_read(&cfg, path, msg, cap);
     if (err != PD_OK) return err;
     pd_model *m;
     err = model_alloc(&m, &cfg, msg, cap);
@@ -305,7 +305,7 @@ pd_err pd_model_save(const pd_model *m, const char *dir, pd_dtype dtype, char *m
         return pd_errorf(msg, cap, PD_ERR_IO, "%s: not a directory", dir);
     char path[4096];
     pd_err err = join(path, sizeof(path), dir, "config.json", msg, cap);
-    if (err == PD_OK) err = pd_model_config_write(&m->cfg, path, msg, cap);
+    if (err == PD_OK) err = mdl_config_write(&m->cfg, path, msg, cap);
     if (err != PD_OK) return err;
     pd_st_input *in = calloc(m->n_tensors, sizeof(*in));
     if (!in) return pd_errorf(msg, cap, PD_ERR_NOMEM, "out of memory");

@@ -35,7 +35,7 @@ static layer make_layer(uint32_t dim, uint32_t expand, uint32_t heads, uint32_t 
     pd_model_config cfg = {.dim = dim, .mamba_expand = expand, .mamba_heads = heads,
                            .mamba_groups = groups, .mamba_d_state = d_state,
                            .mamba_d_conv = d_conv, .norm_eps = 1e-5f};
-    pd_mamba2_dims_from_config(&cfg, &L.d);
+    mdl_mamba2_dims_from_config(&cfg, &L.d);
     pd_rng rng;
     pd_rng_seed(&rng, seed);
     const pd_mamba2_dims *d = &L.d;
@@ -139,28 +139,28 @@ typedef struct run {
     float *state;               /* the layer state after the last token */
 } run;
 
-/* Runs TOKENS tokens through pd_mamba2_forward in pieces of `rows`, starting
+/* Runs TOKENS tokens through mdl_mamba2_forward in pieces of `rows`, starting
  * from init (a layer state), on `threads` threads. */
 static run run_layer(const layer *L, const float *in, const float *init, uint32_t rows,
                      uint32_t threads) {
     const pd_mamba2_dims *d = &L->d;
-    size_t sf = pd_mamba2_state_floats(d);
+    size_t sf = mdl_mamba2_state_floats(d);
     run r = {malloc(sizeof(float) * TOKENS * d->dim), malloc(sizeof(float) * sf)};
     memcpy(r.state, init, sizeof(float) * sf);
-    float *mem = malloc(sizeof(float) * pd_mamba2_scratch_floats(d, rows));
+    float *mem = malloc(sizeof(float) * mdl_mamba2_scratch_floats(d, rows));
     pd_mamba2_scratch s;
-    pd_mamba2_scratch_bind(&s, d, rows, mem);
+    mdl_mamba2_scratch_bind(&s, d, rows, mem);
     pd_threads *tp;
-    assert_ok(pd_threads_create(&tp, threads));
+    assert_ok(mdl_threads_create(&tp, threads));
     pd_par par = {tp, 0};
     float *states[TOKENS];
     for (uint32_t t = 0; t < TOKENS; t++) states[t] = r.state;
     for (uint32_t t = 0; t < TOKENS; t += rows) {
         uint32_t n = PD_MIN(rows, TOKENS - t);
-        pd_mamba2_forward(&par, d, &L->w, in + (size_t)t * d->dim, r.out + (size_t)t * d->dim, n,
+        mdl_mamba2_forward(&par, d, &L->w, in + (size_t)t * d->dim, r.out + (size_t)t * d->dim, n,
                           states, &s);
     }
-    pd_threads_destroy(tp);
+    mdl_threads_destroy(tp);
     free(mem);
     return r;
 }
@@ -187,7 +187,7 @@ static double compare_with_reference(const layer *L, const float *in, const floa
                                      ref_variant v, const run *real) {
     const pd_mamba2_dims *d = &L->d;
     const size_t conv_floats = (size_t)d->conv_dim * (d->d_conv - 1);
-    const size_t sf = pd_mamba2_state_floats(d);
+    const size_t sf = mdl_mamba2_state_floats(d);
     double *hist = malloc(sizeof(double) * (conv_floats ? conv_floats : 1));
     double *S = malloc(sizeof(double) * (sf - conv_floats));
     double *out = malloc(sizeof(double) * d->dim);
@@ -217,7 +217,7 @@ static void random_case(const shape *sh, uint64_t seed, layer *L, float **in, fl
     pd_rng rng;
     pd_rng_seed(&rng, seed ^ 0xabcdef);
     *in = rand_vec(&rng, (size_t)TOKENS * sh->dim, -2.0, 2.0);
-    *init = rand_vec(&rng, pd_mamba2_state_floats(&L->d), -1.0, 1.0);
+    *init = rand_vec(&rng, mdl_mamba2_state_floats(&L->d), -1.0, 1.0);
 }
 
 /* float vs double over 24 tokens stays below 1e-6 here; a wrong formula is
@@ -270,12 +270,12 @@ static void rows_together_or_one_at_a_time_give_identical_bits(void **state) {
             run part = run_layer(&L, in, init, pieces[p], 1);
             assert_memory_equal(whole.out, part.out, sizeof(float) * TOKENS * L.d.dim);
             assert_memory_equal(whole.state, part.state,
-                                sizeof(float) * pd_mamba2_state_floats(&L.d));
+                                sizeof(float) * mdl_mamba2_state_floats(&L.d));
             free_run(&part);
         }
         run two = run_layer(&L, in, init, 4, 2);
         assert_memory_equal(whole.out, two.out, sizeof(float) * TOKENS * L.d.dim);
-        assert_memory_equal(whole.state, two.state, sizeof(float) * pd_mamba2_state_floats(&L.d));
+        assert_memory_equal(whole.state, two.state, sizeof(float) * mdl_mamba2_state_floats(&L.d));
         free_run(&two);
         free_run(&whole);
         free(init);
@@ -299,7 +299,7 @@ static void conv_state_holds_the_last_raw_inputs_oldest_first(void **state) {
         for (uint32_t k = 0; k < K - 1; k++) {
             uint32_t t = TOKENS - (K - 1) + k;
             /* raw input of channel c at token t: row d_inner + c of in_proj */
-            float want = pd_dot(L.in_proj + (size_t)(d->d_inner + c) * d->dim,
+            float want = mdl_dot(L.in_proj + (size_t)(d->d_inner + c) * d->dim,
                                 in + (size_t)t * d->dim, d->dim);
             assert_memory_equal(&r.state[(size_t)c * (K - 1) + k], &want, sizeof(float));
         }

@@ -12,14 +12,14 @@
 
 /* ---- kernels ------------------------------------------------------------------- */
 
-/* The four-row product path, the remainder path and pd_dot agree bit for
+/* The four-row product path, the remainder path and mdl_dot agree bit for
  * bit for every length (including lengths that are not lane multiples). */
 static void matmul_rows_equal_single_dot_products_bitwise(void **state) {
     (void)state;
     pd_rng rng;
     pd_rng_seed(&rng, test_seed(1));
     pd_threads *tp;
-    assert_ok(pd_threads_create(&tp, 2));
+    assert_ok(mdl_threads_create(&tp, 2));
     pd_par one = {NULL, 0}, two = {tp, 0};
     for (uint32_t n_in = 1; n_in <= 70; n_in += 3) {
         const uint32_t rows = 9, n_out = 7;
@@ -32,13 +32,13 @@ static void matmul_rows_equal_single_dot_products_bitwise(void **state) {
         assert_memory_equal(out1, out2, sizeof(out1));
         for (uint32_t t = 0; t < rows; t++)
             for (uint32_t o = 0; o < n_out; o++) {
-                float want = pd_dot(w + o * n_in, x + t * n_in, n_in);
+                float want = mdl_dot(w + o * n_in, x + t * n_in, n_in);
                 assert_memory_equal(&out1[t * n_out + o], &want, sizeof(float));
             }
         free(w);
         free(x);
     }
-    pd_threads_destroy(tp);
+    mdl_threads_destroy(tp);
 }
 
 static void dot_product_is_accurate(void **state) {
@@ -50,8 +50,8 @@ static void dot_product_is_accurate(void **state) {
         b[i] = 0.5f * (float)(i % 5);
         want += (double)a[i] * b[i];
     }
-    assert_float_equal(pd_dot(a, b, 100), want, 1e-4);
-    assert_float_equal(pd_dot(a, b, 0), 0.0, 0.0);
+    assert_float_equal(mdl_dot(a, b, 100), want, 1e-4);
+    assert_float_equal(mdl_dot(a, b, 0), 0.0, 0.0);
 }
 
 typedef struct cover {
@@ -68,18 +68,18 @@ static void mark(void *ctx, uint32_t begin, uint32_t end, uint32_t worker) {
 static void thread_pool_covers_every_unit_exactly_once(void **state) {
     (void)state;
     pd_threads *tp;
-    assert_ok(pd_threads_create(&tp, 3));
+    assert_ok(mdl_threads_create(&tp, 3));
     const uint32_t sizes[] = {1, 2, 3, 7, 1000};
     for (size_t s = 0; s < PD_ARRAY_LEN(sizes); s++) {
         for (int rep = 0; rep < 20; rep++) {
             cover c = {0};
-            pd_threads_run(tp, sizes[s], mark, &c);
+            mdl_threads_run(tp, sizes[s], mark, &c);
             for (uint32_t i = 0; i < sizes[s]; i++) assert_int_equal(c.hits[i], 1);
             if (sizes[s] >= 3) assert_int_equal(c.workers_seen, 7u);
         }
     }
-    pd_threads_destroy(tp);
-    assert_err(pd_threads_create(&tp, 0), PD_ERR_INVALID);
+    mdl_threads_destroy(tp);
+    assert_err(mdl_threads_create(&tp, 0), PD_ERR_INVALID);
 }
 
 /* ---- deterministic math ------------------------------------------------------------ */
@@ -88,7 +88,7 @@ static double rel_err(double got, double want) {
     return fabs(got - want) / fmax(fabs(want), 1e-300);
 }
 
-/* pd_exp, pd_log and pd_sincos agree with libm to a few double ulps over
+/* mdl_exp, mdl_log and mdl_sincos agree with libm to a few double ulps over
  * the ranges the model uses, and handle the edges. */
 static void deterministic_math_matches_libm_closely(void **state) {
     (void)state;
@@ -97,31 +97,31 @@ static void deterministic_math_matches_libm_closely(void **state) {
     double worst_exp = 0, worst_log = 0, worst_trig = 0;
     for (int i = 0; i < 200000; i++) {
         double x = (pd_rng_unit(&rng) * 2 - 1) * 700.0;
-        worst_exp = fmax(worst_exp, rel_err(pd_exp(x), exp(x)));
+        worst_exp = fmax(worst_exp, rel_err(mdl_exp(x), exp(x)));
         double y = ldexp(0.5 + pd_rng_unit(&rng), (int)pd_rng_range(&rng, -1000, 1000));
-        worst_log = fmax(worst_log, fabs(pd_log(y) - log(y)) / fmax(1.0, fabs(log(y))));
+        worst_log = fmax(worst_log, fabs(mdl_log(y) - log(y)) / fmax(1.0, fabs(log(y))));
         double a = pd_rng_unit(&rng) * 200000.0 * (i % 2 ? 1 : -1), s, c;
-        pd_sincos(a, &s, &c);
+        mdl_sincos(a, &s, &c);
         worst_trig = fmax(worst_trig, fmax(fabs(s - sin(a)), fabs(c - cos(a))));
     }
     assert_true(worst_exp < 1e-15);
     assert_true(worst_log < 1e-15);
     assert_true(worst_trig < 1e-13); /* absolute, angles up to 2e5 rad */
-    assert_true(pd_exp(0.0) == 1.0 && pd_log(1.0) == 0.0);
-    assert_true(pd_exp(-1000.0) == 0.0 && isinf(pd_exp(1000.0)) && isnan(pd_exp(NAN)));
-    assert_true(isinf(pd_log(0.0)) && pd_log(0.0) < 0 && isnan(pd_log(-1.0)));
+    assert_true(mdl_exp(0.0) == 1.0 && mdl_log(1.0) == 0.0);
+    assert_true(mdl_exp(-1000.0) == 0.0 && isinf(mdl_exp(1000.0)) && isnan(mdl_exp(NAN)));
+    assert_true(isinf(mdl_log(0.0)) && mdl_log(0.0) < 0 && isnan(mdl_log(-1.0)));
     double s, c;
-    pd_sincos(0.0, &s, &c);
+    mdl_sincos(0.0, &s, &c);
     assert_true(s == 0.0 && c == 1.0);
     /* float exp: within one float ulp of libm's */
     for (float x = -80.0f; x < 80.0f; x += 0.37f) {
-        float got = pd_expf(x), want = expf(x);
+        float got = mdl_expf(x), want = expf(x);
         assert_true(fabsf(got - want) <= fabsf(want) * 1.2e-7f);
     }
     /* softplus: x above 20, and tiny values keep their digits */
-    assert_true(pd_softplus(25.0f) == 25.0f);
-    assert_float_equal(pd_softplus(-30.0f), exp(-30.0), 1e-20);
-    assert_float_equal(pd_softplus(0.0f), log(2.0), 1e-7);
+    assert_true(mdl_softplus(25.0f) == 25.0f);
+    assert_float_equal(mdl_softplus(-30.0f), exp(-30.0), 1e-20);
+    assert_float_equal(mdl_softplus(0.0f), log(2.0), 1e-7);
 }
 
 /* ---- sampling --------------------------------------------------------------------- */
@@ -132,7 +132,7 @@ static void sample(const float *logits, uint32_t vocab, float temperature, float
     uint64_t keys[64];
     PD_ASSERT(vocab <= 64);
     pd_sampling sp = {temperature, top_p, seed};
-    pd_sample(logits, vocab, &sp, index, probs, keys, token, logprob);
+    mdl_sample(logits, vocab, &sp, index, probs, keys, token, logprob);
 }
 
 static void greedy_takes_the_first_of_equal_maxima(void **state) {
