@@ -6,7 +6,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-bool pd_cli_u64(const char *s, uint64_t lo, uint64_t hi, uint64_t *out) {
+bool cli_u64(const char *s, uint64_t lo, uint64_t hi, uint64_t *out) {
     if (!s || !*s || *s == '-' || *s == '+') return false;
     char *end;
     errno = 0;
@@ -16,7 +16,7 @@ bool pd_cli_u64(const char *s, uint64_t lo, uint64_t hi, uint64_t *out) {
     return true;
 }
 
-bool pd_cli_float(const char *s, float lo, float hi, float *out) {
+bool cli_float(const char *s, float lo, float hi, float *out) {
     if (!s || !*s) return false;
     char *end;
     errno = 0;
@@ -26,7 +26,7 @@ bool pd_cli_float(const char *s, float lo, float hi, float *out) {
     return true;
 }
 
-const char *pd_cli_option(int argc, char **argv, int *i, char *name, size_t cap) {
+const char *cli_option(int argc, char **argv, int *i, char *name, size_t cap) {
     const char *a = argv[*i];
     const char *eq = strchr(a, '=');
     if (!strncmp(a, "--", 2) && eq && (size_t)(eq - a) < cap) {

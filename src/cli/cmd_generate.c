@@ -103,7 +103,7 @@ static int parse_args(int argc, char **argv, gen_opts *o, bool *help) {
         if (!strcmp(a, "--ignore-eos")) { o->ignore_eos = true; continue; }
         /* every other option takes a value: --opt VALUE or --opt=VALUE */
         char name[64];
-        const char *val = pd_cli_option(argc, argv, &i, name, sizeof(name));
+        const char *val = cli_option(argc, argv, &i, name, sizeof(name));
         bool known = true, ok = true;
         if (!val) return usage_error("%s needs a value%s", name, "");
         if (!strcmp(name, "--prompt")) o->prompt = val;
@@ -116,16 +116,16 @@ static int parse_args(int argc, char **argv, gen_opts *o, bool *help) {
             o->builtin_option = true;
         }
         else if (!strcmp(name, "--seed")) {
-            ok = pd_cli_u64(val, 0, UINT64_MAX, &o->seed);
+            ok = cli_u64(val, 0, UINT64_MAX, &o->seed);
             o->builtin_option = true;
         }
-        else if (!strcmp(name, "--max-new-tokens")) ok = pd_cli_u64(val, 1, MAX_NEW_TOKENS_MAX, &o->max_new);
-        else if (!strcmp(name, "--page-size")) ok = pd_cli_u64(val, 1, PD_MODEL_PAGE_SIZE_MAX, &o->page_size);
-        else if (!strcmp(name, "--chunked-prefill-size")) ok = pd_cli_u64(val, 1, UINT32_MAX, &o->chunk);
-        else if (!strcmp(name, "--threads")) ok = pd_cli_u64(val, 1, PD_MODEL_THREADS_MAX, &o->threads);
-        else if (!strcmp(name, "--sampling-seed")) ok = pd_cli_u64(val, 0, UINT64_MAX, &o->sampling_seed);
-        else if (!strcmp(name, "--temperature")) ok = pd_cli_float(val, 0.0f, 1000.0f, &o->temperature);
-        else if (!strcmp(name, "--top-p")) ok = pd_cli_float(val, 1e-6f, 1.0f, &o->top_p);
+        else if (!strcmp(name, "--max-new-tokens")) ok = cli_u64(val, 1, MAX_NEW_TOKENS_MAX, &o->max_new);
+        else if (!strcmp(name, "--page-size")) ok = cli_u64(val, 1, PD_MODEL_PAGE_SIZE_MAX, &o->page_size);
+        else if (!strcmp(name, "--chunked-prefill-size")) ok = cli_u64(val, 1, UINT32_MAX, &o->chunk);
+        else if (!strcmp(name, "--threads")) ok = cli_u64(val, 1, PD_MODEL_THREADS_MAX, &o->threads);
+        else if (!strcmp(name, "--sampling-seed")) ok = cli_u64(val, 0, UINT64_MAX, &o->sampling_seed);
+        else if (!strcmp(name, "--temperature")) ok = cli_float(val, 0.0f, 1000.0f, &o->temperature);
+        else if (!strcmp(name, "--top-p")) ok = cli_float(val, 1e-6f, 1.0f, &o->top_p);
         else known = false;
         if (!known) return usage_error("unknown option '%s'%s", name, "");
         if (!ok) return usage_error("%s: bad value '%s'", name, val);
@@ -239,7 +239,7 @@ static void print_json(const gen_result *res, uint32_t n_prompt, const char *tex
     json_decref(root);
 }
 
-int pd_cmd_generate(int argc, char **argv) {
+int cli_cmd_generate(int argc, char **argv) {
     gen_opts o;
     bool help;
     int rc = parse_args(argc, argv, &o, &help);

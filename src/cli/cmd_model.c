@@ -64,7 +64,7 @@ static int parse_args(const char *sub, int argc, char **argv, model_opts *o, boo
             return 0;
         }
         char name[64];
-        const char *val = pd_cli_option(argc, argv, &i, name, sizeof(name));
+        const char *val = cli_option(argc, argv, &i, name, sizeof(name));
         bool ok = true;
         bool init_only = false;
         if (!strcmp(name, "--out")) {
@@ -82,13 +82,13 @@ static int parse_args(const char *sub, int argc, char **argv, model_opts *o, boo
             o->dtype = val;
             init_only = true;
         } else if (!strcmp(name, "--dim")) {
-            ok = pd_cli_u64(val, 1, 65536, &o->dim);
+            ok = cli_u64(val, 1, 65536, &o->dim);
             o->have_dim = o->builtin_option = true;
         } else if (!strcmp(name, "--seed")) {
-            ok = pd_cli_u64(val, 0, UINT64_MAX, &o->seed);
+            ok = cli_u64(val, 0, UINT64_MAX, &o->seed);
             init_only = true;
         } else if (!strcmp(name, "--page-size")) {
-            ok = pd_cli_u64(val, 1, PD_MODEL_PAGE_SIZE_MAX, &o->page_size);
+            ok = cli_u64(val, 1, PD_MODEL_PAGE_SIZE_MAX, &o->page_size);
         } else {
             return usage_error(sub, "unknown option ", name);
         }
@@ -178,7 +178,7 @@ static int cmd_info(const model_opts *o) {
     return 0;
 }
 
-int pd_cmd_model(int argc, char **argv) {
+int cli_cmd_model(int argc, char **argv) {
     if (argc < 2 || !strcmp(argv[1], "--help") || !strcmp(argv[1], "-h")) {
         usage(argc < 2 ? stderr : stdout);
         return argc < 2 ? 2 : 0;

@@ -48,7 +48,7 @@ static const struct {
     {"--served-model-name", "NAME", "\"model\" in /v1/completions answers (default pdserve-tiny)"},
 };
 
-void pd_node_usage(FILE *to, const char *cmd, const char *what) {
+void cli_node_usage(FILE *to, const char *cmd, const char *what) {
     fprintf(to, "usage: pdserve %s [options]\n\n%s\n\noptions:\n", cmd, what);
     for (size_t i = 0; i < sizeof(options) / sizeof(options[0]); i++) {
         char left[64];
@@ -58,9 +58,9 @@ void pd_node_usage(FILE *to, const char *cmd, const char *what) {
     fprintf(to, "  %-38s %s\n", "--help", "this text");
 }
 
-static bool parse_num(const char *v, uint64_t max, uint64_t *out) { return pd_cli_u64(v, 0, max, out); }
+static bool parse_num(const char *v, uint64_t max, uint64_t *out) { return cli_u64(v, 0, max, out); }
 
-int pd_node_parse(int argc, char **argv, pd_node_config *c, int *consumed_until) {
+int cli_node_parse(int argc, char **argv, pd_node_config *c, int *consumed_until) {
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
         if (!strcmp(a, "--help") || !strcmp(a, "-h")) return 1;
@@ -125,7 +125,7 @@ static void on_signal(int sig) {
     stop_flag = 1;
 }
 
-void pd_wait_for_signal(void) {
+void cli_wait_for_signal(void) {
     struct sigaction sa;
     memset(&sa, 0, sizeof(sa));
     sa.sa_handler = on_signal;
@@ -143,9 +143,9 @@ static int run_node(int argc, char **argv, pd_node_role role, uint16_t default_p
     pd_node_config_default(&c, role);
     c.port = default_port;
     c.transfer_backend = "ucx";
-    int rc = pd_node_parse(argc, argv, &c, NULL);
+    int rc = cli_node_parse(argc, argv, &c, NULL);
     if (rc == 1) {
-        pd_node_usage(stdout, argv[0], what);
+        cli_node_usage(stdout, argv[0], what);
         return 0;
     }
     if (rc) return rc;
@@ -160,27 +160,27 @@ static int run_node(int argc, char **argv, pd_node_role role, uint16_t default_p
     if (role == PD_NODE_PREFILL) printf(" (bootstrap port %u)", pd_node_bootstrap_port(n));
     printf("\n");
     fflush(stdout);
-    pd_wait_for_signal();
+    cli_wait_for_signal();
     printf("pdserve %s: shutting down\n", argv[0]);
     pd_node_destroy(n);
     return 0;
 }
 
-int pd_cmd_serve(int argc, char **argv) {
+int cli_cmd_serve(int argc, char **argv) {
     return run_node(argc, argv, PD_NODE_SERVE, 30000,
                     "A colocated server: prefill and decode in one engine, no transfer. Serves the HTTP\n"
                     "API of docs/http-api.md: POST /generate, POST /v1/completions, POST /abort_request,\n"
                     "GET /health, GET /server_info, GET /metrics.");
 }
 
-int pd_cmd_prefill(int argc, char **argv) {
+int cli_cmd_prefill(int argc, char **argv) {
     return run_node(argc, argv, PD_NODE_PREFILL, 30001,
                     "A prefill node: computes prompts and hands their KV cache and Mamba state to the\n"
                     "decode node named by each request's bootstrap fields (set by `pdserve router`).\n"
                     "Decode nodes connect to its bootstrap port.");
 }
 
-int pd_cmd_decode(int argc, char **argv) {
+int cli_cmd_decode(int argc, char **argv) {
     return run_node(argc, argv, PD_NODE_DECODE, 30002,
                     "A decode node: preallocates memory for each request, receives its KV cache and\n"
                     "Mamba state from the prefill node at bootstrap_host:bootstrap_port, and generates.");

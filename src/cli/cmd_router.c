@@ -83,7 +83,7 @@ static int parse_args(int argc, char **argv, pd_router_config *cfg, bool *help) 
         }
         /* every other option takes a value: --opt VALUE or --opt=VALUE */
         char name[64];
-        const char *val = pd_cli_option(argc, argv, &i, name, sizeof name);
+        const char *val = cli_option(argc, argv, &i, name, sizeof name);
         if (strncmp(name, "--", 2)) return usage_error("unexpected argument ", name);
         if (!val) return usage_error(name, " needs a value");
         uint64_t v = 0;
@@ -99,30 +99,30 @@ static int parse_args(int argc, char **argv, pd_router_config *cfg, bool *help) 
         } else if (!strcmp(name, "--host")) {
             cfg->host = val;
         } else if (!strcmp(name, "--port")) {
-            ok = pd_cli_u64(val, 0, 65535, &v);
+            ok = cli_u64(val, 0, 65535, &v);
             cfg->port = (uint16_t)v;
         } else if (!strcmp(name, "--bootstrap-port")) {
-            ok = pd_cli_u64(val, 1, 65535, &v);
+            ok = cli_u64(val, 1, 65535, &v);
             cfg->bootstrap_port = (uint16_t)v;
         } else if (!strcmp(name, "--policy")) {
             ok = pd_router_policy_parse(val, &cfg->policy) == PD_OK;
         } else if (!strcmp(name, "--health-interval-ms")) {
-            ok = pd_cli_u64(val, 1, 3600000, &v);
+            ok = cli_u64(val, 1, 3600000, &v);
             cfg->health_interval_ms = (uint32_t)v;
         } else if (!strcmp(name, "--health-timeout-ms")) {
-            ok = pd_cli_u64(val, 1, 3600000, &v);
+            ok = cli_u64(val, 1, 3600000, &v);
             cfg->health_timeout_ms = (uint32_t)v;
         } else if (!strcmp(name, "--request-timeout-s")) {
-            ok = pd_cli_u64(val, 1, 86400, &v);
+            ok = cli_u64(val, 1, 86400, &v);
             cfg->request_timeout_ms = (uint32_t)(v * 1000);
         } else if (!strcmp(name, "--abort-grace-ms")) {
-            ok = pd_cli_u64(val, 0, 3600000, &v);
+            ok = cli_u64(val, 0, 3600000, &v);
             cfg->abort_grace_ms = (uint32_t)v;
         } else if (!strcmp(name, "--max-body-bytes")) {
-            ok = pd_cli_u64(val, 1, (uint64_t)1 << 32, &v);
+            ok = cli_u64(val, 1, (uint64_t)1 << 32, &v);
             cfg->max_body_bytes = (size_t)v;
         } else if (!strcmp(name, "--max-connections")) {
-            ok = pd_cli_u64(val, 1, 65536, &v);
+            ok = cli_u64(val, 1, 65536, &v);
             cfg->connections_max = (uint32_t)v;
         } else {
             return usage_error("unknown option ", name);
@@ -138,7 +138,7 @@ static int parse_args(int argc, char **argv, pd_router_config *cfg, bool *help) 
     return 0;
 }
 
-int pd_cmd_router(int argc, char **argv) {
+int cli_cmd_router(int argc, char **argv) {
     pd_router_config cfg;
     bool help;
     int rc = parse_args(argc, argv, &cfg, &help);

@@ -22,7 +22,7 @@ static const char *what =
     "  --decode-port N         the decode node's HTTP port (default 0: any free port)\n"
     "  --no-router             start only the two nodes (clients must add the bootstrap fields)";
 
-int pd_cmd_run(int argc, char **argv) {
+int cli_cmd_run(int argc, char **argv) {
     pd_node_config base;
     pd_node_config_default(&base, PD_NODE_PREFILL);
     base.port = 30000;
@@ -54,10 +54,10 @@ int pd_cmd_run(int argc, char **argv) {
             rest[nrest++] = argv[i];
         }
     }
-    int rc = pd_node_parse(nrest, rest, &base, NULL);
+    int rc = cli_node_parse(nrest, rest, &base, NULL);
     free(rest);
     if (rc == 1) {
-        pd_node_usage(stdout, "run", what);
+        cli_node_usage(stdout, "run", what);
         return 0;
     }
     if (rc) return rc;
@@ -90,7 +90,7 @@ int pd_cmd_run(int argc, char **argv) {
     }
     pd_run_router *rt = NULL;
     if (!status && router) {
-        if (pd_run_router_start(&rt, base.host, base.port, pd_node_http_port(nodes[0]),
+        if (cli_run_router_start(&rt, base.host, base.port, pd_node_http_port(nodes[0]),
                                 pd_node_http_port(nodes[1]), pd_node_bootstrap_port(nodes[0]), msg,
                                 sizeof(msg)) != PD_OK) {
             fprintf(stderr, "pdserve run: router: %s\n", msg);
@@ -101,19 +101,19 @@ int pd_cmd_run(int argc, char **argv) {
         printf("pdserve run: prefill node http://%s:%u, decode node http://%s:%u (loopback transport)\n",
                base.host, pd_node_http_port(nodes[0]), base.host, pd_node_http_port(nodes[1]));
         if (router) {
-            printf("pdserve run: send requests to http://%s:%u\n\n", base.host, pd_run_router_port(rt));
+            printf("pdserve run: send requests to http://%s:%u\n\n", base.host, cli_run_router_port(rt));
             printf("  curl -s http://%s:%u/generate -d '{\"text\": \"Hello\", \"sampling_params\": "
                    "{\"max_new_tokens\": 16}}'\n",
-                   base.host, pd_run_router_port(rt));
+                   base.host, cli_run_router_port(rt));
             printf("  curl -s http://%s:%u/abort_request -d '{\"rid\": \"my-request\"}'\n\n", base.host,
-                   pd_run_router_port(rt));
+                   cli_run_router_port(rt));
         }
         printf("Ctrl-C stops it.\n");
         fflush(stdout);
-        pd_wait_for_signal();
+        cli_wait_for_signal();
         printf("pdserve run: shutting down\n");
     }
-    pd_run_router_stop(rt);
+    cli_run_router_stop(rt);
     for (int k = 1; k >= 0; k--) pd_node_destroy(nodes[k]);
     pd_loopback_mt_destroy(lb);
     return status;

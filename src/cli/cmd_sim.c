@@ -141,20 +141,20 @@ static bool parse_seed_range(const char *v, uint64_t *first, uint64_t *last) {
     if (n == 0 || n >= sizeof(left)) return false;
     memcpy(left, v, n);
     left[n] = '\0';
-    return pd_cli_u64(left, 0, UINT64_MAX, first) && pd_cli_u64(dots + 2, 0, UINT64_MAX, last) &&
+    return cli_u64(left, 0, UINT64_MAX, first) && cli_u64(dots + 2, 0, UINT64_MAX, last) &&
            *first <= *last;
 }
 
 /* An option that takes a value; false: not a value it takes. */
 static bool parse_value(sim_args *a, const char *name, const char *v) {
     if (!strcmp(name, "--seed")) {
-        bool ok = pd_cli_u64(v, 0, UINT64_MAX, &a->seed_first);
+        bool ok = cli_u64(v, 0, UINT64_MAX, &a->seed_first);
         a->seed_last = a->seed_first;
         return ok;
     }
     if (!strcmp(name, "--seeds")) return parse_seed_range(v, &a->seed_first, &a->seed_last);
-    if (!strcmp(name, "--requests")) return pd_cli_u64(v, 1, REQUESTS_MAX, &a->requests);
-    if (!strcmp(name, "--limit")) return pd_cli_u64(v, 0, UINT64_MAX, &a->limit);
+    if (!strcmp(name, "--requests")) return cli_u64(v, 1, REQUESTS_MAX, &a->requests);
+    if (!strcmp(name, "--limit")) return cli_u64(v, 0, UINT64_MAX, &a->limit);
     if (!strcmp(name, "--model") && v && strcmp(v, "tiny") && strcmp(v, "synth")) return false;
     const char **slot = !strcmp(name, "--faults")   ? &a->faults
                         : !strcmp(name, "--trace")  ? &a->trace_path
@@ -175,7 +175,7 @@ static bool is_valued(const char *name) {
 /* argv[*i], an option taking a value ("--opt VALUE" or "--opt=VALUE"). */
 static int parse_valued(sim_args *a, int argc, char **argv, int *i) {
     char name[64];
-    const char *v = pd_cli_option(argc, argv, i, name, sizeof(name));
+    const char *v = cli_option(argc, argv, i, name, sizeof(name));
     if (!is_valued(name)) {
         fprintf(stderr, "pdserve sim: unknown option '%s'\n", name);
         usage(stderr);
@@ -511,7 +511,7 @@ static int run_explore(const sim_args *a, pd_strbuf *report) {
     return err ? 1 : 0;
 }
 
-int pd_cmd_sim(int argc, char **argv) {
+int cli_cmd_sim(int argc, char **argv) {
     sim_args a;
     int rc = parse_args(argc, argv, &a);
     if (rc || a.help) {

@@ -5,13 +5,13 @@
 #ifndef PDSERVE_CLI_COMMANDS_H
 #define PDSERVE_CLI_COMMANDS_H
 
-int pd_cmd_sim(int argc, char **argv);
-int pd_cmd_model(int argc, char **argv);
-int pd_cmd_generate(int argc, char **argv);
-int pd_cmd_serve(int argc, char **argv);
-int pd_cmd_prefill(int argc, char **argv);
-int pd_cmd_decode(int argc, char **argv);
-int pd_cmd_run(int argc, char **argv);
-int pd_cmd_router(int argc, char **argv);
+int cli_cmd_sim(int argc, char **argv);
+int cli_cmd_model(int argc, char **argv);
+int cli_cmd_generate(int argc, char **argv);
+int cli_cmd_serve(int argc, char **argv);
+int cli_cmd_prefill(int argc, char **argv);
+int cli_cmd_decode(int argc, char **argv);
+int cli_cmd_run(int argc, char **argv);
+int cli_cmd_router(int argc, char **argv);
 
 #endif

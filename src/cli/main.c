@@ -13,14 +13,14 @@ typedef struct command {
 } command;
 
 static const command commands[] = {
-    {"run", pd_cmd_run, "the embedded default: router + prefill + decode in one process"},
-    {"serve", pd_cmd_serve, "a colocated server: prefill and decode in one engine"},
-    {"prefill", pd_cmd_prefill, "a prefill node of a disaggregated deployment"},
-    {"decode", pd_cmd_decode, "a decode node of a disaggregated deployment"},
-    {"sim", pd_cmd_sim, "deterministic simulator: random runs, swarms, exploration, scenario replay"},
-    {"model", pd_cmd_model, "model tools: `model init` writes a model directory"},
-    {"generate", pd_cmd_generate, "offline generation with the tiny hybrid model"},
-    {"router", pd_cmd_router, "HTTP router: pairs each request with a prefill and a decode node"},
+    {"run", cli_cmd_run, "the embedded default: router + prefill + decode in one process"},
+    {"serve", cli_cmd_serve, "a colocated server: prefill and decode in one engine"},
+    {"prefill", cli_cmd_prefill, "a prefill node of a disaggregated deployment"},
+    {"decode", cli_cmd_decode, "a decode node of a disaggregated deployment"},
+    {"sim", cli_cmd_sim, "deterministic simulator: random runs, swarms, exploration, scenario replay"},
+    {"model", cli_cmd_model, "model tools: `model init` writes a model directory"},
+    {"generate", cli_cmd_generate, "offline generation with the tiny hybrid model"},
+    {"router", cli_cmd_router, "HTTP router: pairs each request with a prefill and a decode node"},
 };
 
 static void usage(FILE *to) {

@@ -9,9 +9,9 @@
 /* Parses node options from argv[1..]. Returns 0 (ok), 1 (--help asked) or 2
  * (bad usage, message printed). With consumed_until, stops at the first
  * unknown option and reports its index instead of failing. */
-int pd_node_parse(int argc, char **argv, pd_node_config *c, int *consumed_until);
-void pd_node_usage(FILE *to, const char *cmd, const char *what);
+int cli_node_parse(int argc, char **argv, pd_node_config *c, int *consumed_until);
+void cli_node_usage(FILE *to, const char *cmd, const char *what);
 /* Returns when SIGINT or SIGTERM arrives. */
-void pd_wait_for_signal(void);
+void cli_wait_for_signal(void);
 
 #endif

@@ -11,7 +11,7 @@ struct pd_run_router {
     char prefill[96], decode[96];
 };
 
-pd_err pd_run_router_start(pd_run_router **out, const char *host, uint16_t port, uint16_t prefill_port,
+pd_err cli_run_router_start(pd_run_router **out, const char *host, uint16_t port, uint16_t prefill_port,
                            uint16_t decode_port, uint16_t bootstrap_port, char *msg, size_t cap) {
     *out = NULL;
     pd_run_router *rr = calloc(1, sizeof(*rr));
@@ -40,9 +40,9 @@ pd_err pd_run_router_start(pd_run_router **out, const char *host, uint16_t port,
     return PD_OK;
 }
 
-uint16_t pd_run_router_port(const pd_run_router *r) { return r ? pd_router_port(r->r) : 0; }
+uint16_t cli_run_router_port(const pd_run_router *r) { return r ? pd_router_port(r->r) : 0; }
 
-void pd_run_router_stop(pd_run_router *r) {
+void cli_run_router_stop(pd_run_router *r) {
     if (!r) return;
     pd_router_stop(r->r);
     pd_router_destroy(r->r);
