@@ -67,8 +67,9 @@ typedef struct pair {
 
 static inline pair_opts pair_defaults(void) {
     return (pair_opts){
-        .page_size = 4, .kv_pages = 256, .kv_page_bytes = 512, .mamba_slots = 4, .mamba_slot_bytes = 3000,
-        .meta_rows = 16, .rooms_max = 64, .heartbeat_ms = 100, .dead_after_ms = 2000, .drain_grace_ms = 300,
+        .page_size = 4, .kv_pages = 256, .kv_page_bytes = 512,
+        .mamba_slots = 4, .mamba_slot_bytes = 3000, .meta_rows = 16, .rooms_max = 64,
+        .heartbeat_ms = 100, .dead_after_ms = 2000, .drain_grace_ms = 300,
     };
 }
 
@@ -93,13 +94,15 @@ static inline void mem_alloc(node_mem *m, const pair_opts *o, bool fill) {
     assert_non_null(m->meta);
     uint8_t *kv = m->mem.kv, *mb = m->mem.mamba;
     for (uint32_t p = 0; p < o->kv_pages; p++)
-        for (size_t i = 0; i < o->kv_page_bytes; i++) kv[p * o->kv_page_bytes + i] = fill ? pattern(0, p, i) : SENTINEL;
+        for (size_t i = 0; i < o->kv_page_bytes; i++)
+            kv[p * o->kv_page_bytes + i] = fill ? pattern(0, p, i) : SENTINEL;
     for (uint32_t s = 0; s < o->mamba_slots; s++)
         for (size_t i = 0; i < o->mamba_slot_bytes; i++)
             mb[s * o->mamba_slot_bytes + i] = fill ? pattern(1, s, i) : SENTINEL;
     for (uint32_t r = 0; r < o->meta_rows; r++)
-        if (fill) m->meta[r] = (pd_meta_row){.nonce = 1000u + r, .first_token = (int32_t)(7 * r + 1),
-                                             .first_logprob = -0.5f * (float)r, .prompt_tokens = 100 + r};
+        if (fill)
+            m->meta[r] = (pd_meta_row){.nonce = 1000u + r, .first_token = (int32_t)(7 * r + 1),
+                                       .first_logprob = -0.5f * (float)r, .prompt_tokens = 100 + r};
         else memset(&m->meta[r], SENTINEL, sizeof(pd_meta_row));
 }
 
@@ -111,7 +114,8 @@ static inline void mem_free(node_mem *m) {
 
 /* PD_NET_TEST_LOG=1 prints the transports' connection-level log. */
 static inline void test_log(void *ctx, const char *line) {
-    fprintf(stderr, "[%s %llu] %s\n", (const char *)ctx, (unsigned long long)t_now_ms() % 100000, line);
+    fprintf(stderr, "[%s %llu] %s\n", (const char *)ctx, (unsigned long long)t_now_ms() % 100000,
+            line);
 }
 
 static inline pd_net_config node_config(const pair_opts *o, pd_net_role role) {
@@ -189,7 +193,8 @@ static inline bool unit_equal(const pair *w, int reg, uint32_t src, uint32_t dst
                        (uint8_t *)w->dm.mem.kv + dst * w->o.kv_page_bytes, w->o.kv_page_bytes);
     if (reg == 1)
         return !memcmp((uint8_t *)w->pm.mem.mamba + src * w->o.mamba_slot_bytes,
-                       (uint8_t *)w->dm.mem.mamba + dst * w->o.mamba_slot_bytes, w->o.mamba_slot_bytes);
+                       (uint8_t *)w->dm.mem.mamba + dst * w->o.mamba_slot_bytes,
+                       w->o.mamba_slot_bytes);
     return !memcmp(&w->pm.meta[src], &w->dm.meta[dst], sizeof(pd_meta_row));
 }
 

@@ -29,8 +29,8 @@ static void spec_init(spec *s, const pair *w, uint64_t room, uint32_t prompt, ui
 }
 
 static void receiver_open(pair *w, const spec *s) {
-    pd_xfer_dest d = {.prompt_tokens = s->prompt, .cached_tokens = s->cached, .pages = s->dst, .n_pages = s->n,
-                      .mamba_slot = s->dst_mamba, .meta_row = s->dst_meta};
+    pd_xfer_dest d = {.prompt_tokens = s->prompt, .cached_tokens = s->cached, .pages = s->dst,
+                      .n_pages = s->n, .mamba_slot = s->dst_mamba, .meta_row = s->dst_meta};
     assert_ok(w->dx.vt->receiver_open(w->dx.self, s->room, w->peer, &d));
 }
 
@@ -52,15 +52,15 @@ static void send_all(pair *w, const spec *s, uint32_t chunk) {
         assert_ok(w->px.vt->send_pages(w->px.self, s->room, base + done, s->src + done, chunk));
         done += chunk;
     }
-    assert_ok(w->px.vt->send_final(w->px.self, s->room, base + done, s->src + done, s->n - done, s->src_mamba,
-                                   s->src_meta));
+    assert_ok(w->px.vt->send_final(w->px.self, s->room, base + done, s->src + done, s->n - done,
+                                   s->src_mamba, s->src_meta));
 }
 
 static void check_landed(const pair *w, const spec *s) {
     for (uint32_t i = 0; i < s->n; i++)
         if (!unit_equal(w, 0, s->src[i], s->dst[i]))
-            fail_msg("room %llu: page %u (src %u -> dst %u) differs", (unsigned long long)s->room, i, s->src[i],
-                     s->dst[i]);
+            fail_msg("room %llu: page %u (src %u -> dst %u) differs", (unsigned long long)s->room,
+                     i, s->src[i], s->dst[i]);
     if (s->dst_mamba != PD_POOL_NONE) assert_true(unit_equal(w, 1, s->src_mamba, s->dst_mamba));
     assert_true(unit_equal(w, 2, s->src_meta, s->dst_meta));
 }
@@ -183,7 +183,8 @@ static void cached_prefix_only_later_pages_sent(void **state) {
     send_all(w, &s, 2);
     WAIT_FOR(st_of(w->dx, s.room) == PD_XFER_SUCCESS);
     check_landed(w, &s);
-    assert_int_equal(stats_of(w->pre).bytes_sent, 6 * o.kv_page_bytes + o.mamba_slot_bytes + sizeof(pd_meta_row));
+    assert_int_equal(stats_of(w->pre).bytes_sent,
+                     6 * o.kv_page_bytes + o.mamba_slot_bytes + sizeof(pd_meta_row));
     finish_both(w, &s);
 
     /* Fully cached on the decode side: only the state and the row travel. */
@@ -347,7 +348,8 @@ static void unreachable_prefill_fails_and_drains_at_once(void **state) {
     snprintf(dead_peer, sizeof(dead_peer), "127.0.0.1:%u", pd_net_bootstrap_port(tmp));
     pd_net_destroy(tmp); /* the port is free (and refuses connections) now */
     uint32_t dst[2] = {1, 2};
-    pd_xfer_dest d = {.prompt_tokens = 5, .pages = dst, .n_pages = 2, .mamba_slot = 0, .meta_row = 0};
+    pd_xfer_dest d = {.prompt_tokens = 5, .pages = dst, .n_pages = 2, .mamba_slot = 0,
+                      .meta_row = 0};
     assert_ok(w->dx.vt->receiver_open(w->dx.self, 9, dead_peer, &d));
     WAIT_FOR(st_of(w->dx, 9) == PD_XFER_FAILED);
     assert_true(drained_of(w->dx, 9));
@@ -408,7 +410,8 @@ static void decode_death_fails_and_drains_prefill_rooms(void **state) {
         open_both(w, &s[k]);
     }
     for (int k = 0; k < 4; k++) wait_bootstrapped(w, &s[k]);
-    for (int k = 0; k < 3; k++) assert_ok(w->px.vt->send_pages(w->px.self, s[k].room, 0, s[k].src, 20));
+    for (int k = 0; k < 3; k++)
+        assert_ok(w->px.vt->send_pages(w->px.self, s[k].room, 0, s[k].src, 20));
     pd_net_destroy(w->dec);
     w->dec = NULL;
     for (int k = 0; k < 4; k++) {
@@ -602,7 +605,8 @@ static void bad_calls_are_refused(void **state) {
     o.rooms_max = 4;
     pair *w = pair_new(&o);
     uint32_t dst[3] = {1, 2, 3};
-    pd_xfer_dest d = {.prompt_tokens = 10, .pages = dst, .n_pages = 3, .mamba_slot = 0, .meta_row = 0};
+    pd_xfer_dest d = {.prompt_tokens = 10, .pages = dst, .n_pages = 3, .mamba_slot = 0,
+                      .meta_row = 0};
     /* Inconsistent destinations. */
     pd_xfer_dest bad = d;
     bad.n_pages = 2;
@@ -629,9 +633,10 @@ static void bad_calls_are_refused(void **state) {
     WAIT_FOR(st_of(w->px, 1) == PD_XFER_WAITING_FOR_INPUT);
     uint32_t big[3] = {0, 1, 5000};
     assert_err(w->px.vt->send_pages(w->px.self, 1, 0, big, 3), PD_ERR_INVALID);
-    assert_err(w->px.vt->send_final(w->px.self, 1, 0, src, 2, 0, 0), PD_ERR_INVALID);          /* short */
-    assert_err(w->px.vt->send_final(w->px.self, 1, 0, src, 3, PD_POOL_NONE, 0), PD_ERR_INVALID); /* no state */
-    assert_err(w->px.vt->send_final(w->px.self, 1, 0, src, 3, 0, 999), PD_ERR_INVALID);        /* bad row */
+    /* Final sends refused: too few pages, no Mamba state, a metadata row out of range. */
+    assert_err(w->px.vt->send_final(w->px.self, 1, 0, src, 2, 0, 0), PD_ERR_INVALID);
+    assert_err(w->px.vt->send_final(w->px.self, 1, 0, src, 3, PD_POOL_NONE, 0), PD_ERR_INVALID);
+    assert_err(w->px.vt->send_final(w->px.self, 1, 0, src, 3, 0, 999), PD_ERR_INVALID);
     assert_ok(w->px.vt->send_final(w->px.self, 1, 0, src, 3, 0, 0));
     assert_err(w->px.vt->send_final(w->px.self, 1, 0, src, 3, 0, 0), PD_ERR_STATE);
     WAIT_FOR(st_of(w->dx, 1) == PD_XFER_SUCCESS);

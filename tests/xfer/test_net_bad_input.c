@@ -18,12 +18,13 @@
 
 #define TOKEN "s3cret"
 
-/* ---- a raw peer ---------------------------------------------------------------- */
+/* ---- a raw peer ------------------------------------------------------------------- */
 
 static int raw_connect(uint16_t port) {
     int fd = socket(AF_INET, SOCK_STREAM, 0);
     assert_true(fd >= 0);
-    struct sockaddr_in sa = {.sin_family = AF_INET, .sin_port = htons(port), .sin_addr.s_addr = htonl(0x7F000001)};
+    struct sockaddr_in sa = {.sin_family = AF_INET, .sin_port = htons(port),
+                             .sin_addr.s_addr = htonl(0x7F000001)};
     assert_int_equal(connect(fd, (struct sockaddr *)&sa, sizeof(sa)), 0);
     struct timeval tv = {.tv_sec = 20};
     setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
@@ -108,7 +109,7 @@ static void expect_room_msg(int fd, bp_type type, uint64_t room) {
     assert_int_equal(r, room);
 }
 
-/* ---- a UCX identity for the raw decode peer's HELLO ---------------------------------- */
+/* ---- a UCX identity for the raw decode peer's HELLO ------------------------------- */
 
 static struct rogue {
     ucp_context_h ctx;
@@ -127,13 +128,16 @@ static void rogue_init(const pair_opts *o) {
     ucp_params_t prm = {.field_mask = UCP_PARAM_FIELD_FEATURES, .features = UCP_FEATURE_RMA};
     assert_int_equal(ucp_init(&prm, uc, &rogue.ctx), UCS_OK);
     ucp_config_release(uc);
-    ucp_worker_params_t wp = {.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE, .thread_mode = UCS_THREAD_MODE_SINGLE};
+    ucp_worker_params_t wp = {.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE,
+                              .thread_mode = UCS_THREAD_MODE_SINGLE};
     assert_int_equal(ucp_worker_create(rogue.ctx, &wp, &rogue.worker), UCS_OK);
     assert_int_equal(ucp_worker_get_address(rogue.worker, &rogue.addr, &rogue.addr_len), UCS_OK);
-    size_t bytes = o->kv_pages * o->kv_page_bytes + o->mamba_slots * o->mamba_slot_bytes + o->meta_rows * 32;
+    size_t bytes =
+        o->kv_pages * o->kv_page_bytes + o->mamba_slots * o->mamba_slot_bytes + o->meta_rows * 32;
     rogue.mem = calloc(1, bytes);
-    ucp_mem_map_params_t mp = {.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH,
-                               .address = rogue.mem, .length = bytes};
+    ucp_mem_map_params_t mp = {
+        .field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH,
+        .address = rogue.mem, .length = bytes};
     assert_int_equal(ucp_mem_map(rogue.ctx, &mp, &rogue.memh), UCS_OK);
     assert_int_equal(ucp_rkey_pack(rogue.ctx, rogue.memh, &rogue.rkey, &rogue.rkey_len), UCS_OK);
 }
@@ -147,7 +151,8 @@ static void rogue_fini(void) {
     free(rogue.mem);
 }
 
-static size_t rogue_hello(uint8_t *buf, size_t cap, const pair_opts *o, const char *token, uint32_t page_size) {
+static size_t rogue_hello(uint8_t *buf, size_t cap, const pair_opts *o, const char *token,
+                          uint32_t page_size) {
     bp_hello h = {
         .node_id = 666, .page_size = page_size, .meta_row_bytes = sizeof(pd_meta_row),
         .token_len = token ? (uint16_t)strlen(token) : 0, .token = (const uint8_t *)token,
@@ -155,9 +160,11 @@ static size_t rogue_hello(uint8_t *buf, size_t cap, const pair_opts *o, const ch
     };
     uint64_t base = (uint64_t)(uintptr_t)rogue.mem;
     size_t kv = o->kv_pages * o->kv_page_bytes, mb = o->mamba_slots * o->mamba_slot_bytes;
-    h.region[0] = (bp_region){base, o->kv_page_bytes, o->kv_pages, (uint16_t)rogue.rkey_len, rogue.rkey};
-    h.region[1] = (bp_region){base + kv, o->mamba_slot_bytes, o->mamba_slots, (uint16_t)rogue.rkey_len, rogue.rkey};
-    h.region[2] = (bp_region){base + kv + mb, sizeof(pd_meta_row), o->meta_rows, (uint16_t)rogue.rkey_len, rogue.rkey};
+    uint16_t rkey_len = (uint16_t)rogue.rkey_len;
+    h.region[0] = (bp_region){base, o->kv_page_bytes, o->kv_pages, rkey_len, rogue.rkey};
+    h.region[1] = (bp_region){base + kv, o->mamba_slot_bytes, o->mamba_slots, rkey_len, rogue.rkey};
+    h.region[2] =
+        (bp_region){base + kv + mb, sizeof(pd_meta_row), o->meta_rows, rkey_len, rogue.rkey};
     size_t len = bp_hello_write(buf, cap, &h);
     assert_true(len > 0);
     return len;
@@ -174,19 +181,20 @@ static int rogue_connected(pair *w) {
     return fd;
 }
 
-static void send_dest(int fd, uint64_t room, uint32_t prompt, uint32_t cached, uint32_t mamba, uint32_t meta,
-                      const uint32_t *pages, uint32_t n) {
+static void send_dest(int fd, uint64_t room, uint32_t prompt, uint32_t cached, uint32_t mamba,
+                      uint32_t meta, const uint32_t *pages, uint32_t n) {
     static uint8_t buf[BP_HEADER_BYTES + BP_DEST_FIXED + 4 * 256];
     size_t len = bp_dest_write(buf, sizeof(buf), room, prompt, cached, mamba, meta, pages, n);
     assert_true(len > 0);
     raw_send(fd, buf, len);
 }
 
-/* ---- the well-behaved decode node, afterwards ------------------------------------------ */
+/* ---- the well-behaved decode node, afterwards ------------------------------------- */
 
 static void valid_decode_still_completes_a_room(pair *w, uint64_t room) {
     uint32_t src[3] = {7, 8, 9}, dst[3] = {40, 41, 43};
-    pd_xfer_dest d = {.prompt_tokens = 11, .pages = dst, .n_pages = 3, .mamba_slot = 1, .meta_row = 2};
+    pd_xfer_dest d = {.prompt_tokens = 11, .pages = dst, .n_pages = 3, .mamba_slot = 1,
+                      .meta_row = 2};
     assert_ok(w->dx.vt->receiver_open(w->dx.self, room, w->peer, &d));
     assert_ok(w->px.vt->sender_open(w->px.self, room));
     WAIT_FOR(st_of(w->px, room) == PD_XFER_WAITING_FOR_INPUT);
@@ -207,7 +215,7 @@ static pair *secure_pair(void) {
     return pair_new(&o);
 }
 
-/* ---- framing ------------------------------------------------------------------------------ */
+/* ---- framing ---------------------------------------------------------------------- */
 
 static void garbage_bytes_are_refused(void **state) {
     (void)state;
@@ -285,7 +293,7 @@ static void wrong_version_is_refused_with_a_clear_error(void **state) {
     pair_free(w);
 }
 
-/* ---- the handshake --------------------------------------------------------------------------- */
+/* ---- the handshake ---------------------------------------------------------------- */
 
 static void missing_or_wrong_token_is_refused(void **state) {
     (void)state;
@@ -306,7 +314,8 @@ static void missing_or_wrong_token_is_refused(void **state) {
     pd_net *bad = node_start(&o, PD_NET_DECODE, &m);
     pd_xfer bx = pd_net_endpoint(bad);
     uint32_t dst[1] = {3};
-    pd_xfer_dest d = {.prompt_tokens = 2, .pages = dst, .n_pages = 1, .mamba_slot = 0, .meta_row = 0};
+    pd_xfer_dest d = {.prompt_tokens = 2, .pages = dst, .n_pages = 1, .mamba_slot = 0,
+                      .meta_row = 0};
     assert_ok(bx.vt->receiver_open(bx.self, 77, w->peer, &d));
     WAIT_FOR(st_of(bx, 77) == PD_XFER_FAILED);
     assert_true(drained_of(bx, 77));
@@ -345,7 +354,7 @@ static void messages_out_of_turn_are_refused(void **state) {
     pair_free(w);
 }
 
-/* ---- destinations and rooms ------------------------------------------------------------------ */
+/* ---- destinations and rooms ------------------------------------------------------- */
 
 static void destinations_that_do_not_fit_are_refused(void **state) {
     (void)state;
@@ -380,7 +389,8 @@ static void destinations_that_do_not_fit_are_refused(void **state) {
     /* A room the engine opened whose destination came from someone else:
      * this connection may not touch it. */
     uint32_t src[3] = {7, 8, 9}, dst[3] = {40, 41, 43};
-    pd_xfer_dest d = {.prompt_tokens = 11, .pages = dst, .n_pages = 3, .mamba_slot = 1, .meta_row = 2};
+    pd_xfer_dest d = {.prompt_tokens = 11, .pages = dst, .n_pages = 3, .mamba_slot = 1,
+                      .meta_row = 2};
     assert_ok(w->dx.vt->receiver_open(w->dx.self, 30, w->peer, &d));
     assert_ok(w->px.vt->sender_open(w->px.self, 30));
     WAIT_FOR(st_of(w->px, 30) == PD_XFER_WAITING_FOR_INPUT);
@@ -430,7 +440,7 @@ static void silent_peer_is_dropped(void **state) {
     pair_free(w);
 }
 
-/* ---- a bad prefill node against a real decode node ---------------------------------------------- */
+/* ---- a bad prefill node against a real decode node -------------------------------- */
 
 typedef enum fake_mode {
     FAKE_GARBAGE,        /* answers HELLO with bytes that are not a message */
@@ -462,7 +472,8 @@ static void fake_prefill_case(fake_mode mode) {
     char peer[64];
     snprintf(peer, sizeof(peer), "127.0.0.1:%u", port);
     uint32_t dst[2] = {5, 6};
-    pd_xfer_dest d = {.prompt_tokens = 8, .pages = dst, .n_pages = 2, .mamba_slot = 0, .meta_row = 1};
+    pd_xfer_dest d = {.prompt_tokens = 8, .pages = dst, .n_pages = 2, .mamba_slot = 0,
+                      .meta_row = 1};
     assert_ok(dx.vt->receiver_open(dx.self, 55, peer, &d));
     int fd = accept(lfd, NULL, NULL);
     assert_true(fd >= 0);

@@ -60,8 +60,8 @@ static void on_action(void *ctx, const pd_action_event *ev) {
 static const pd_sink_vtable sink_vt = {on_token, on_term};
 
 static pd_synth_config synth_config(void) {
-    return (pd_synth_config){.page_size = PAGE, .kv_pages = 160, .mamba_slots = 8 * 3 + 4, .layers = 3,
-                             .vocab = VOCAB, .eos_token = VOCAB - 1, .batch_max = 8};
+    return (pd_synth_config){.page_size = PAGE, .kv_pages = 160, .mamba_slots = 8 * 3 + 4,
+                             .layers = 3, .vocab = VOCAB, .eos_token = VOCAB - 1, .batch_max = 8};
 }
 
 /* no_timeouts: no engine timeouts and no orphan expiry, so a half that
@@ -103,7 +103,8 @@ static void side_open(side *s, int idx, out *outs, bool no_timeouts) {
     if (no_timeouts) ec.bootstrap_timeout_us = ec.transfer_timeout_us = 0;
     ec.meta_mem = s->meta;
     pd_sink sink = {&sink_vt, s};
-    if (pd_engine_create(&s->e, &ec, ex, pd_net_endpoint(s->net), sink, msg, sizeof(msg))) fail_msg("%s", msg);
+    if (pd_engine_create(&s->e, &ec, ex, pd_net_endpoint(s->net), sink, msg, sizeof(msg)))
+        fail_msg("%s", msg);
     pd_engine_set_action_observer(s->e, on_action, NULL);
 }
 
@@ -121,6 +122,108 @@ static void side_close(side *s) {
     pd_synth_destroy(s->sx);
 }
 
+/* Fails with both engines' reports, after `what`. */
+static void fail_with_reports(side *pre, side *dec, const char *what) {
+    static char buf[16384];
+    pd_strbuf sb;
+    pd_strbuf_init(&sb, buf, sizeof(buf));
+    pd_engine_report(pre->e, PD_REPORT_TEXT, &sb);
+    pd_strbuf_append(&sb, "\n---- decode ----\n");
+    pd_engine_report(dec->e, PD_REPORT_TEXT, &sb);
+    fail_msg("%s:\n%s", what, buf);
+}
+
+/* The requests of engines_hand_off_over_the_network and when each is aborted. */
+typedef struct workload {
+    int32_t prompts[REQS][80];
+    uint32_t lens[REQS], max_new[REQS];
+    char rids[REQS][8];
+    int abort_at[REQS];   /* step at which the request is aborted; -1: never */
+    int abort_side[REQS]; /* 0 prefill, 1 decode, 2 both */
+} workload;
+
+static void workload_make(workload *wl) {
+    pd_rng rng;
+    pd_rng_seed(&rng, test_seed(11));
+    int32_t base[48];
+    for (int i = 0; i < 48; i++) base[i] = (int32_t)pd_rng_below(&rng, VOCAB - 1);
+    for (int k = 0; k < REQS; k++) {
+        wl->lens[k] = 3 + (uint32_t)pd_rng_below(&rng, 60);
+        uint32_t shared = 0;
+        if (pd_rng_chance(&rng, 1, 2))
+            shared = PD_MIN(wl->lens[k], 4 * (uint32_t)pd_rng_below(&rng, 12));
+        for (uint32_t i = 0; i < wl->lens[k]; i++)
+            wl->prompts[k][i] = i < shared ? base[i] : (int32_t)pd_rng_below(&rng, VOCAB - 1);
+        wl->max_new[k] = 1 + (uint32_t)pd_rng_below(&rng, 8);
+        snprintf(wl->rids[k], sizeof(wl->rids[k]), "r%d", k);
+        wl->abort_at[k] = pd_rng_chance(&rng, 1, 4) ? (int)pd_rng_below(&rng, 60) : -1;
+        /* Mostly both halves, as the router does; sometimes one alone. */
+        wl->abort_side[k] = pd_rng_chance(&rng, 1, 2) ? 2 : (int)pd_rng_below(&rng, 2);
+    }
+}
+
+/* Submits the requests a few per step, aborts them at their steps, and
+ * steps both engines until both are idle. */
+static void workload_run(side *pre, side *dec, const workload *wl, const char *peer) {
+    int submitted = 0;
+    uint64_t t0 = t_now_ms();
+    for (int step = 0;; step++) {
+        uint64_t now_us = (t_now_ms() - t0) * 1000u + (uint64_t)step; /* strictly increasing */
+        /* Requests arrive a few per step, at both nodes (as the router sends them). */
+        for (int j = 0; j < 3 && submitted < REQS; j++, submitted++) {
+            int k = submitted;
+            pd_request_spec spec = {.rid = wl->rids[k], .room = 0xBEEF0000u + (uint64_t)k,
+                                    .prompt = wl->prompts[k], .prompt_len = wl->lens[k],
+                                    .max_new_tokens = wl->max_new[k],
+                                    .sampling = {.top_p = 1.0f}, .peer = peer};
+            pd_reject why;
+            assert_ok(pd_engine_submit(pre->e, &spec, now_us, &why));
+            assert_ok(pd_engine_submit(dec->e, &spec, now_us, &why));
+        }
+        for (int k = 0; k < submitted; k++) {
+            if (wl->abort_at[k] != step) continue;
+            if (wl->abort_side[k] != 1) pd_engine_abort(pre->e, wl->rids[k]);
+            if (wl->abort_side[k] != 0) pd_engine_abort(dec->e, wl->rids[k]);
+        }
+        pd_engine_step(pre->e, now_us);
+        pd_engine_step(dec->e, now_us);
+        if (submitted == REQS && step > 60 && pd_engine_idle(pre->e) && pd_engine_idle(dec->e))
+            break;
+        if (t_now_ms() - t0 > DEADLINE_MS)
+            fail_with_reports(pre, dec, "engines did not become idle");
+        t_sleep_ms(1);
+    }
+}
+
+/* Exactly one terminal event per node for every request; every finished
+ * request has the tokens of the request run alone; at least half finish. */
+static void check_outcomes(const out *outs, const workload *wl) {
+    int finished = 0;
+    pd_synth_config sc = synth_config();
+    for (int k = 0; k < REQS; k++) {
+        const out *o = &outs[k];
+        /* Exactly one terminal event on each node. */
+        assert_int_equal(o->terms[0], 1);
+        assert_int_equal(o->terms[1], 1);
+        if (wl->abort_at[k] < 0) {
+            /* Untouched requests finish, with the tokens of the request run alone. */
+            if (o->kind[1] != PD_TERM_FINISHED)
+                fail_msg("request %d ended %d on decode", k, o->kind[1]);
+            assert_int_equal(o->kind[0], PD_TERM_FINISHED);
+        }
+        if (o->kind[1] == PD_TERM_FINISHED) {
+            int32_t ref[16];
+            pd_sampling smp = {.top_p = 1.0f};
+            uint32_t n = pd_synth_reference(&sc, true, wl->prompts[k], wl->lens[k], wl->max_new[k],
+                                            NULL, 0, false, &smp, ref);
+            assert_int_equal(o->n_tokens, n);
+            assert_memory_equal(o->tokens, ref, n * sizeof(int32_t));
+            finished++;
+        }
+    }
+    assert_true(finished >= REQS / 2);
+}
+
 static void engines_hand_off_over_the_network(void **state) {
     (void)state;
     static out outs[REQS];
@@ -131,81 +234,10 @@ static void engines_hand_off_over_the_network(void **state) {
     char peer[64];
     snprintf(peer, sizeof(peer), "127.0.0.1:%u", pd_net_bootstrap_port(pre.net));
 
-    pd_rng rng;
-    pd_rng_seed(&rng, test_seed(11));
-    static int32_t prompts[REQS][80];
-    static uint32_t lens[REQS], max_new[REQS];
-    char rids[REQS][8];
-    int abort_at[REQS];   /* step at which the request is aborted; -1: never */
-    int abort_side[REQS]; /* 0 prefill, 1 decode, 2 both */
-    int32_t base[48];
-    for (int i = 0; i < 48; i++) base[i] = (int32_t)pd_rng_below(&rng, VOCAB - 1);
-    for (int k = 0; k < REQS; k++) {
-        lens[k] = 3 + (uint32_t)pd_rng_below(&rng, 60);
-        uint32_t shared = pd_rng_chance(&rng, 1, 2) ? PD_MIN(lens[k], 4 * (uint32_t)pd_rng_below(&rng, 12)) : 0;
-        for (uint32_t i = 0; i < lens[k]; i++)
-            prompts[k][i] = i < shared ? base[i] : (int32_t)pd_rng_below(&rng, VOCAB - 1);
-        max_new[k] = 1 + (uint32_t)pd_rng_below(&rng, 8);
-        snprintf(rids[k], sizeof(rids[k]), "r%d", k);
-        abort_at[k] = pd_rng_chance(&rng, 1, 4) ? (int)pd_rng_below(&rng, 60) : -1;
-        /* Mostly both halves, as the router does; sometimes one alone. */
-        abort_side[k] = pd_rng_chance(&rng, 1, 2) ? 2 : (int)pd_rng_below(&rng, 2);
-    }
-    int submitted = 0;
-    uint64_t t0 = t_now_ms();
-    for (int step = 0;; step++) {
-        uint64_t now_us = (t_now_ms() - t0) * 1000u + (uint64_t)step; /* strictly increasing */
-        /* Requests arrive a few per step, at both nodes (as the router sends them). */
-        for (int j = 0; j < 3 && submitted < REQS; j++, submitted++) {
-            int k = submitted;
-            pd_request_spec spec = {.rid = rids[k], .room = 0xBEEF0000u + (uint64_t)k, .prompt = prompts[k],
-                                    .prompt_len = lens[k], .max_new_tokens = max_new[k],
-                                    .sampling = {.top_p = 1.0f}, .peer = peer};
-            pd_reject why;
-            assert_ok(pd_engine_submit(pre.e, &spec, now_us, &why));
-            assert_ok(pd_engine_submit(dec.e, &spec, now_us, &why));
-        }
-        for (int k = 0; k < submitted; k++) {
-            if (abort_at[k] != step) continue;
-            if (abort_side[k] != 1) pd_engine_abort(pre.e, rids[k]);
-            if (abort_side[k] != 0) pd_engine_abort(dec.e, rids[k]);
-        }
-        pd_engine_step(pre.e, now_us);
-        pd_engine_step(dec.e, now_us);
-        if (submitted == REQS && step > 60 && pd_engine_idle(pre.e) && pd_engine_idle(dec.e)) break;
-        if (t_now_ms() - t0 > DEADLINE_MS) {
-            static char buf[16384];
-            pd_strbuf sb;
-            pd_strbuf_init(&sb, buf, sizeof(buf));
-            pd_engine_report(pre.e, PD_REPORT_TEXT, &sb);
-            pd_strbuf_append(&sb, "\n---- decode ----\n");
-            pd_engine_report(dec.e, PD_REPORT_TEXT, &sb);
-            fail_msg("engines did not become idle:\n%s", buf);
-        }
-        t_sleep_ms(1);
-    }
-    int finished = 0;
-    pd_synth_config sc = synth_config();
-    for (int k = 0; k < REQS; k++) {
-        out *o = &outs[k];
-        /* Exactly one terminal event on each node. */
-        assert_int_equal(o->terms[0], 1);
-        assert_int_equal(o->terms[1], 1);
-        if (abort_at[k] < 0) {
-            /* Untouched requests finish, with the tokens of the request run alone. */
-            if (o->kind[1] != PD_TERM_FINISHED) fail_msg("request %d ended %d on decode", k, o->kind[1]);
-            assert_int_equal(o->kind[0], PD_TERM_FINISHED);
-        }
-        if (o->kind[1] == PD_TERM_FINISHED) {
-            int32_t ref[16];
-            pd_sampling smp = {.top_p = 1.0f};
-            uint32_t n = pd_synth_reference(&sc, true, prompts[k], lens[k], max_new[k], NULL, 0, false, &smp, ref);
-            assert_int_equal(o->n_tokens, n);
-            assert_memory_equal(o->tokens, ref, n * sizeof(int32_t));
-            finished++;
-        }
-    }
-    assert_true(finished >= REQS / 2);
+    static workload wl;
+    workload_make(&wl);
+    workload_run(&pre, &dec, &wl, peer);
+    check_outcomes(outs, &wl);
     side_check_clean(&pre);
     side_check_clean(&dec);
     WAIT_FOR(pd_net_rooms_live(pre.net) == 0 && pd_net_rooms_live(dec.net) == 0);
@@ -224,17 +256,50 @@ static void run_until_idle(side *pre, side *dec, uint64_t t0, uint64_t *step) {
         pd_engine_step(pre->e, now_us);
         pd_engine_step(dec->e, now_us);
         if (pd_engine_idle(pre->e) && pd_engine_idle(dec->e)) return;
-        if (t_now_ms() - t0 > DEADLINE_MS) {
-            static char buf[16384];
-            pd_strbuf sb;
-            pd_strbuf_init(&sb, buf, sizeof(buf));
-            pd_engine_report(pre->e, PD_REPORT_TEXT, &sb);
-            pd_strbuf_append(&sb, "\n---- decode ----\n");
-            pd_engine_report(dec->e, PD_REPORT_TEXT, &sb);
-            fail_msg("a half was left waiting for its peer:\n%s", buf);
-        }
+        if (t_now_ms() - t0 > DEADLINE_MS)
+            fail_with_reports(pre, dec, "a half was left waiting for its peer");
         t_sleep_ms(1);
     }
+}
+
+/* r3: the decode node refuses its half (the rid is live there with
+ * another room); the prefill half must not wait for it. */
+static void refused_decode_half_ends_its_prefill_half(side *pre, side *dec, pd_request_spec spec,
+                                                      uint64_t t0, uint64_t *step,
+                                                      const out *outs) {
+    pd_reject why;
+    pd_request_spec other = spec;
+    other.rid = "r3", other.room = 0x5EED00FFu;
+    /* r3's own pair, to keep decode's r3 live */
+    assert_ok(pd_engine_submit(pre->e, &other, *step, &why));
+    assert_ok(pd_engine_submit(dec->e, &other, *step, &why));
+    spec.rid = "r4", spec.room = 0x5EED0004u;
+    assert_ok(pd_engine_submit(pre->e, &spec, *step, &why));
+    spec.rid = "r3"; /* same rid as the live one, the room of r4's prefill half */
+    assert_err(pd_engine_submit(dec->e, &spec, *step, &why), PD_ERR_EXISTS);
+    assert_int_equal(why.status, 409);
+    run_until_idle(pre, dec, t0, step);
+    assert_int_equal(outs[3].kind[0], PD_TERM_FINISHED); /* the live pair is untouched */
+    assert_int_equal(outs[3].kind[1], PD_TERM_FINISHED);
+    assert_int_equal(outs[4].kind[0], PD_TERM_FAILED);
+    assert_int_equal(outs[4].terms[1], 0);
+}
+
+/* One terminal per half that was submitted (r4's decode half never was);
+ * the rooms that were cancelled; both engines clean. */
+static void check_every_half_ended_once(side *pre, side *dec, const out *outs) {
+    for (int k = 0; k < 5; k++) assert_int_equal(outs[k].terms[0], 1);
+    for (int k = 0; k < 4; k++) assert_int_equal(outs[k].terms[1], 1);
+    pd_engine_counters pc, dc;
+    pd_engine_counters_get(pre->e, &pc);
+    pd_engine_counters_get(dec->e, &dc);
+    assert_int_equal(pc.rooms_cancelled, 1); /* r1 */
+    /* r0 and r4's refusal; r2 if its destination had not left */
+    assert_true(dc.rooms_cancelled >= 2);
+    side_check_clean(pre);
+    side_check_clean(dec);
+    pd_net_stats ps = stats_of(pre->net), ds = stats_of(dec->net);
+    assert_int_equal(ps.bad_messages + ds.bad_messages, 0);
 }
 
 /* One half ends before it opened its room — aborted while queued, or
@@ -291,34 +356,8 @@ static void a_half_that_never_opened_ends_its_peer(void **state) {
     assert_int_equal(outs[2].kind[1], PD_TERM_ABORTED);
     assert_int_equal(outs[2].kind[0], PD_TERM_FAILED);
 
-    /* r3: the decode node refuses its half (the rid is live there with
-     * another room); the prefill half must not wait for it. */
-    pd_request_spec other = spec;
-    other.rid = "r3", other.room = 0x5EED00FFu;
-    assert_ok(pd_engine_submit(pre.e, &other, step, &why)); /* r3's own pair, to keep decode's r3 live */
-    assert_ok(pd_engine_submit(dec.e, &other, step, &why));
-    spec.rid = "r4", spec.room = 0x5EED0004u;
-    assert_ok(pd_engine_submit(pre.e, &spec, step, &why));
-    spec.rid = "r3"; /* same rid as the live one, the room of r4's prefill half */
-    assert_err(pd_engine_submit(dec.e, &spec, step, &why), PD_ERR_EXISTS);
-    assert_int_equal(why.status, 409);
-    run_until_idle(&pre, &dec, t0, &step);
-    assert_int_equal(outs[3].kind[0], PD_TERM_FINISHED); /* the live pair is untouched */
-    assert_int_equal(outs[3].kind[1], PD_TERM_FINISHED);
-    assert_int_equal(outs[4].kind[0], PD_TERM_FAILED);
-    assert_int_equal(outs[4].terms[1], 0);
-
-    for (int k = 0; k < 5; k++) assert_int_equal(outs[k].terms[0], 1);
-    for (int k = 0; k < 4; k++) assert_int_equal(outs[k].terms[1], 1);
-    pd_engine_counters pc, dc;
-    pd_engine_counters_get(pre.e, &pc);
-    pd_engine_counters_get(dec.e, &dc);
-    assert_int_equal(pc.rooms_cancelled, 1); /* r1 */
-    assert_true(dc.rooms_cancelled >= 2);    /* r0 and r4's refusal; r2 if its destination had not left */
-    side_check_clean(&pre);
-    side_check_clean(&dec);
-    pd_net_stats ps = stats_of(pre.net), ds = stats_of(dec.net);
-    assert_int_equal(ps.bad_messages + ds.bad_messages, 0);
+    refused_decode_half_ends_its_prefill_half(&pre, &dec, spec, t0, &step, outs);
+    check_every_half_ended_once(&pre, &dec, outs);
     /* Every tombstone did its job (each late half came) and went. */
     WAIT_FOR(pd_net_rooms_live(dec.net) == 0 && pd_net_rooms_live(pre.net) == 0);
     side_close(&dec);

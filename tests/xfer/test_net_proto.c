@@ -12,7 +12,8 @@ static uint8_t buf[BP_HEADER_BYTES + BP_HELLO_MAX];
 
 static void header_fields_are_little_endian_at_fixed_offsets(void **state) {
     (void)state;
-    size_t len = bp_room_write(buf, sizeof(buf), BP_DONE, 0x0102030405060708ull, 0x1122334455667788ull);
+    size_t len =
+        bp_room_write(buf, sizeof(buf), BP_DONE, 0x0102030405060708ull, 0x1122334455667788ull);
     assert_int_equal(len, 32);
     const uint8_t want[16] = {'P', 'D', 'B', 'S', 1, 0, BP_DONE, 0, 0, 0, 0, 0, 16, 0, 0, 0};
     assert_memory_equal(buf, want, 16);
@@ -69,9 +70,12 @@ static bp_hello sample_hello(uint8_t *keys) {
         .token_len = 6, .token = (const uint8_t *)"secret",
         .worker_addr_len = sizeof(addr), .worker_addr = addr,
     };
-    h.region[0] = (bp_region){.base = 0x10000, .unit_bytes = 4096, .units = 100, .rkey_len = 10, .rkey = keys};
-    h.region[1] = (bp_region){.base = 0x90000, .unit_bytes = 999, .units = 3, .rkey_len = 12, .rkey = keys + 10};
-    h.region[2] = (bp_region){.base = 0xA0000, .unit_bytes = 32, .units = 8, .rkey_len = 8, .rkey = keys + 22};
+    h.region[0] = (bp_region){.base = 0x10000, .unit_bytes = 4096, .units = 100,
+                              .rkey_len = 10, .rkey = keys};
+    h.region[1] = (bp_region){.base = 0x90000, .unit_bytes = 999, .units = 3,
+                              .rkey_len = 12, .rkey = keys + 10};
+    h.region[2] = (bp_region){.base = 0xA0000, .unit_bytes = 32, .units = 8,
+                              .rkey_len = 8, .rkey = keys + 22};
     return h;
 }
 
@@ -190,7 +194,8 @@ static void mutated_messages_never_read_out_of_bounds(void **state) {
         if (pd_rng_chance(&rng, 1, 3)) plen = (uint32_t)pd_rng_below(&rng, plen + 8);
         uint8_t *p = malloc(plen ? plen : 1);
         memcpy(p, msg[k] + 16, PD_MIN(plen, lens[k] - 16));
-        for (uint32_t i = PD_MIN(plen, (uint32_t)(lens[k] - 16)); i < plen; i++) p[i] = (uint8_t)pd_rng_next(&rng);
+        for (uint32_t i = PD_MIN(plen, (uint32_t)(lens[k] - 16)); i < plen; i++)
+            p[i] = (uint8_t)pd_rng_next(&rng);
         for (int flips = (int)pd_rng_below(&rng, 4); flips > 0 && plen > 0; flips--)
             p[pd_rng_below(&rng, plen)] ^= (uint8_t)(1u << pd_rng_below(&rng, 8));
         bp_hello gh;
