@@ -43,7 +43,7 @@ typedef struct pd_engine_config {
     uint32_t mamba_slots;          /* 0: attention-only model */
     uint32_t meta_rows;
     uint32_t host_pages;           /* 0: no host tier */
-    uint32_t requests_max;         /* live requests: queued, running, parked, transferring, draining */
+    uint32_t requests_max;         /* live: queued, running, parked, transferring, draining */
     uint32_t chunk_tokens;         /* prefill: tokens per forward (chunked_prefill_size) */
     uint32_t batch_max;            /* requests per forward */
     uint32_t prompt_tokens_max;    /* 0: as many as the KV pool holds */

@@ -167,7 +167,8 @@ static sop *op_new(pd_stream *s, so_kind kind) {
 
 static sop *find_op(pd_stream *s, so_kind kind, uint64_t id) {
     for (uint32_t i = 0; i < OPS_MAX; i++)
-        if (s->ops[i].state != ST_FREE && s->ops[i].kind == kind && s->ops[i].id == id) return &s->ops[i];
+        if (s->ops[i].state != ST_FREE && s->ops[i].kind == kind && s->ops[i].id == id)
+            return &s->ops[i];
     return NULL;
 }
 
@@ -206,7 +207,8 @@ static pd_err st_launch(void *self, const pd_batch *b) {
         si->item.pages = si->pages;
         int h = s->hold_fn ? s->hold_fn(s->hold_ctx, b->id, in) : 0;
         if (h == PD_STREAM_HOLD) o->held = true;
-        else if (h > 0 && s->now + 1 + (uint64_t)h > o->ready_at) o->ready_at = s->now + 1 + (uint64_t)h;
+        else if (h > 0 && s->now + 1 + (uint64_t)h > o->ready_at)
+            o->ready_at = s->now + 1 + (uint64_t)h;
     }
     pthread_cond_broadcast(&s->cv);
     pthread_mutex_unlock(&s->mu);
@@ -246,7 +248,8 @@ static void st_write_back(void *self, const uint32_t *dev, const uint32_t *host,
     s->inner.vt->write_back(s->inner.self, dev, host, n);
 }
 
-static pd_err st_load_begin(void *self, uint64_t id, const uint32_t *dev, const uint32_t *host, uint32_t n) {
+static pd_err st_load_begin(void *self, uint64_t id, const uint32_t *dev, const uint32_t *host,
+                            uint32_t n) {
     pd_stream *s = self;
     pthread_mutex_lock(&s->mu);
     sop *o = op_new(s, SO_LOAD);

@@ -129,15 +129,18 @@ static void sx_write_back(void *self, const uint32_t *dev, const uint32_t *host,
     pd_synth *s = self;
     size_t page_vals = (size_t)s->cfg.page_size * s->cfg.layers;
     for (uint32_t i = 0; i < n; i++)
-        memcpy(s->host + host[i] * page_vals, s->kv + dev[i] * page_vals, page_vals * sizeof(uint64_t));
+        memcpy(s->host + host[i] * page_vals, s->kv + dev[i] * page_vals,
+               page_vals * sizeof(uint64_t));
 }
 
-static pd_err sx_load_begin(void *self, uint64_t id, const uint32_t *dev, const uint32_t *host, uint32_t n) {
+static pd_err sx_load_begin(void *self, uint64_t id, const uint32_t *dev, const uint32_t *host,
+                            uint32_t n) {
     (void)id;
     pd_synth *s = self;
     size_t page_vals = (size_t)s->cfg.page_size * s->cfg.layers;
     for (uint32_t i = 0; i < n; i++)
-        memcpy(s->kv + dev[i] * page_vals, s->host + host[i] * page_vals, page_vals * sizeof(uint64_t));
+        memcpy(s->kv + dev[i] * page_vals, s->host + host[i] * page_vals,
+               page_vals * sizeof(uint64_t));
     return PD_OK;
 }
 
