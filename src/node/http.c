@@ -17,6 +17,7 @@
 #include <microhttpd.h>
 #include <netinet/in.h>
 #include <poll.h>
+#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -132,130 +133,217 @@ static bool rid_acceptable(json_t *v) {
 
 #define RID_RULE "'rid' must have 1 to %d bytes, without NUL"
 
-/* 0 on success; otherwise the HTTP status, with the message in err. */
+/* Puts the message for a refused request in err and returns its HTTP
+ * status: `return refuse(err, cap, 400, ...)`. */
+#if defined(__GNUC__)
+__attribute__((format(printf, 4, 5)))
+#endif
+static int refuse(char *err, size_t cap, int status, const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(err, cap, fmt, ap);
+    va_end(ap);
+    return status;
+}
+
+/* Each parse_* below returns 0 on success; otherwise the HTTP status, with
+ * the message in err. Fields are checked in the order the API lists them, so
+ * a body with several faults always gets the same answer. */
+
+/* The prompt field as the client wrote it: its value, its name and the type
+ * it must have (for the messages). */
+typedef struct prompt_field {
+    json_t *v;
+    const char *name;
+    const char *must_be;
+} prompt_field;
+
+/* Finds the prompt and where the sampling fields live: /v1/completions has
+ * "prompt" and the fields at the top level, /generate "text" or "input_ids"
+ * and a "sampling_params" object. */
+static int parse_shape(json_t *root, bool openai, prompt_field *f, json_t **src, char *err,
+                       size_t cap) {
+    *src = root;
+    if (openai) {
+        *f = (prompt_field){json_object_get(root, "prompt"), "prompt",
+                            "a string or an array of token ids"};
+        if (!f->v) return refuse(err, cap, 400, "'prompt' is required");
+        return 0;
+    }
+    json_t *text = json_object_get(root, "text"), *ids = json_object_get(root, "input_ids");
+    if (text && ids) return refuse(err, cap, 400, "give either 'text' or 'input_ids', not both");
+    if (text) *f = (prompt_field){text, "text", "a string"};
+    else *f = (prompt_field){ids, "input_ids", "an array of integers"};
+    if (!f->v) return refuse(err, cap, 400, "'text' or 'input_ids' is required");
+    *src = json_object_get(root, "sampling_params");
+    if (*src && !json_is_object(*src))
+        return refuse(err, cap, 400, "'sampling_params' must be an object");
+    return 0;
+}
+
+static int parse_prompt_text(pd_node *n, const prompt_field *f, parsed *p, char *err, size_t cap) {
+    const pd_node_config *cfg = node_config(n);
+    const char *t = json_string_value(f->v);
+    size_t len = json_string_length(f->v);
+    size_t need = pd_tokenizer_encode(t, len, node_bos(n) >= 0, NULL, 0);
+    if (len == 0) return refuse(err, cap, 400, "'%s' is empty", f->name);
+    if (need > cfg->max_prompt_tokens)
+        return refuse(err, cap, 413, "the prompt is %zu tokens, the limit is %u", need,
+                      cfg->max_prompt_tokens);
+    p->prompt = malloc(need * sizeof(int32_t));
+    p->prompt_len = (uint32_t)pd_tokenizer_encode(t, len, node_bos(n) >= 0, p->prompt, need);
+    return 0;
+}
+
+static int parse_prompt_ids(pd_node *n, const prompt_field *f, parsed *p, char *err, size_t cap) {
+    const pd_node_config *cfg = node_config(n);
+    size_t k = json_array_size(f->v);
+    if (k == 0) return refuse(err, cap, 400, "'%s' is empty", f->name);
+    if (k > cfg->max_prompt_tokens)
+        return refuse(err, cap, 413, "the prompt is %zu tokens, the limit is %u", k,
+                      cfg->max_prompt_tokens);
+    p->prompt = malloc(k * sizeof(int32_t));
+    for (size_t i = 0; i < k; i++) {
+        json_t *v = json_array_get(f->v, i);
+        if (!json_is_integer(v))
+            return refuse(err, cap, 400, "'%s'[%zu] is not an integer", f->name, i);
+        json_int_t x = json_integer_value(v);
+        if (x < 0 || x >= (json_int_t)node_vocab(n))
+            return refuse(err, cap, 400, "'%s'[%zu] = %lld is outside the vocabulary (size %u)",
+                          f->name, i, (long long)x, node_vocab(n));
+        p->prompt[i] = (int32_t)x;
+    }
+    p->prompt_len = (uint32_t)k;
+    return 0;
+}
+
+/* The prompt as token ids in p->prompt (malloc'd; the caller frees it, also
+ * when a later field is refused). */
+static int parse_prompt(pd_node *n, const prompt_field *f, parsed *p, char *err, size_t cap) {
+    if (json_is_string(f->v)) return parse_prompt_text(n, f, p, err, cap);
+    if (json_is_array(f->v)) return parse_prompt_ids(n, f, p, err, cap);
+    return refuse(err, cap, 400, "'%s' must be %s", f->name, f->must_be);
+}
+
+/* The field `name` of src, or NULL when src, the field or its value is absent
+ * (a JSON null means "the default"). */
+static json_t *given(json_t *src, const char *name) {
+    json_t *v = src ? json_object_get(src, name) : NULL;
+    return v && !json_is_null(v) ? v : NULL;
+}
+
+static int parse_stop_tokens(json_t *v, parsed *p, char *err, size_t cap) {
+    if (!json_is_array(v))
+        return refuse(err, cap, 400, "'stop_token_ids' must be an array of integers");
+    if (json_array_size(v) > PD_STOP_TOKENS_MAX)
+        return refuse(err, cap, 400, "'stop_token_ids': at most %d", PD_STOP_TOKENS_MAX);
+    for (size_t i = 0; i < json_array_size(v); i++) {
+        json_t *e = json_array_get(v, i);
+        if (!json_is_integer(e))
+            return refuse(err, cap, 400, "'stop_token_ids'[%zu] is not an integer", i);
+        p->stop[p->n_stop++] = (int32_t)json_integer_value(e);
+    }
+    return 0;
+}
+
+/* max_new_tokens (max_tokens), temperature, top_p, stop_token_ids, ignore_eos. */
+static int parse_sampling(const pd_node_config *cfg, json_t *src, bool openai, parsed *p, char *err,
+                          size_t cap) {
+    json_t *v;
+    const char *mname = openai ? "max_tokens" : "max_new_tokens";
+    if ((v = given(src, mname))) {
+        if (!json_is_integer(v)) return refuse(err, cap, 400, "'%s' must be an integer", mname);
+        json_int_t x = json_integer_value(v);
+        if (x < 1) return refuse(err, cap, 400, "'%s' must be at least 1", mname);
+        if (x > (json_int_t)cfg->max_new_tokens_limit)
+            return refuse(err, cap, 400, "'%s' = %lld is above the limit %u", mname, (long long)x,
+                          cfg->max_new_tokens_limit);
+        p->max_new = (uint32_t)x;
+    }
+    if ((v = given(src, "temperature"))) {
+        if (!json_is_number(v)) return refuse(err, cap, 400, "'temperature' must be a number");
+        p->temperature = json_number_value(v);
+        if (!(p->temperature >= 0.0) || p->temperature > 1e6)
+            return refuse(err, cap, 400, "'temperature' must be >= 0");
+    }
+    if ((v = given(src, "top_p"))) {
+        if (!json_is_number(v)) return refuse(err, cap, 400, "'top_p' must be a number");
+        p->top_p = json_number_value(v);
+        if (!(p->top_p > 0.0 && p->top_p <= 1.0))
+            return refuse(err, cap, 400, "'top_p' must be in (0, 1]");
+    }
+    int status;
+    if ((v = given(src, "stop_token_ids")) && (status = parse_stop_tokens(v, p, err, cap)))
+        return status;
+    if ((v = given(src, "ignore_eos"))) {
+        if (!json_is_boolean(v)) return refuse(err, cap, 400, "'ignore_eos' must be a boolean");
+        p->ignore_eos = json_is_true(v);
+    }
+    return 0;
+}
+
+/* The bootstrap fields, set by the router on prefill and decode nodes: the
+ * room (required there) and the prefill node's address (the decode node's
+ * peer, required on a decode node unless the transfer is in-process). */
+static int parse_bootstrap(const pd_node_config *cfg, json_t *root, parsed *p, char *err,
+                           size_t cap) {
+    json_t *room = json_object_get(root, "bootstrap_room");
+    json_t *host = json_object_get(root, "bootstrap_host");
+    json_t *port = json_object_get(root, "bootstrap_port");
+    if (room && !json_is_null(room)) {
+        if (!json_is_integer(room) || json_integer_value(room) <= 0)
+            return refuse(err, cap, 400, "'bootstrap_room' must be a positive integer");
+        p->room = (uint64_t)json_integer_value(room);
+    }
+    if (host && !json_is_null(host) && !json_is_string(host))
+        return refuse(err, cap, 400, "'bootstrap_host' must be a string");
+    if (port && !json_is_null(port) &&
+        (!json_is_integer(port) || json_integer_value(port) < 1 ||
+         json_integer_value(port) > 65535))
+        return refuse(err, cap, 400, "'bootstrap_port' must be an integer in [1, 65535]");
+    if (cfg->role == PD_NODE_SERVE) return 0;
+    if (!p->room)
+        return refuse(err, cap, 400,
+                      "'bootstrap_room' is required on a %s node "
+                      "(send requests through the router)",
+                      pd_node_role_name(cfg->role));
+    if (cfg->role == PD_NODE_DECODE && strcmp(cfg->transfer_backend, "loopback") != 0 &&
+        (!json_is_string(host) || !json_is_integer(port)))
+        return refuse(err, cap, 400,
+                      "'bootstrap_host' and 'bootstrap_port' are required on a decode node");
+    if (json_is_string(host) && json_is_integer(port))
+        snprintf(p->peer, sizeof(p->peer), "%s:%lld", json_string_value(host),
+                 (long long)json_integer_value(port));
+    return 0;
+}
+
+/* A request body into p: 0 on success; otherwise the HTTP status, with the
+ * message in err. p->prompt is the caller's to free either way. */
 static int parse_request(pd_node *n, json_t *root, bool openai, parsed *p, char *err, size_t cap) {
     const pd_node_config *cfg = node_config(n);
     memset(p, 0, sizeof(*p));
     p->max_new = openai ? 16 : 128;
     p->temperature = 0.0;
     p->top_p = 1.0;
-    if (!json_is_object(root)) return snprintf(err, cap, "the request body must be a JSON object"), 400;
-    json_t *src = root;
-    json_t *prompt = NULL;
-    bool is_text = false;
-    if (openai) {
-        prompt = json_object_get(root, "prompt");
-        if (!prompt) return snprintf(err, cap, "'prompt' is required"), 400;
-    } else {
-        json_t *text = json_object_get(root, "text"), *ids = json_object_get(root, "input_ids");
-        if (text && ids) return snprintf(err, cap, "give either 'text' or 'input_ids', not both"), 400;
-        prompt = text ? text : ids;
-        is_text = text != NULL;
-        if (!prompt) return snprintf(err, cap, "'text' or 'input_ids' is required"), 400;
-        src = json_object_get(root, "sampling_params");
-        if (src && !json_is_object(src)) return snprintf(err, cap, "'sampling_params' must be an object"), 400;
-    }
-    const char *pname = openai ? "prompt" : is_text ? "text" : "input_ids";
-    if (json_is_string(prompt)) {
-        const char *t = json_string_value(prompt);
-        size_t len = json_string_length(prompt);
-        size_t need = pd_tokenizer_encode(t, len, node_bos(n) >= 0, NULL, 0);
-        if (len == 0) return snprintf(err, cap, "'%s' is empty", pname), 400;
-        if (need > cfg->max_prompt_tokens)
-            return snprintf(err, cap, "the prompt is %zu tokens, the limit is %u", need, cfg->max_prompt_tokens), 413;
-        p->prompt = malloc(need * sizeof(int32_t));
-        p->prompt_len = (uint32_t)pd_tokenizer_encode(t, len, node_bos(n) >= 0, p->prompt, need);
-    } else if (json_is_array(prompt)) {
-        size_t k = json_array_size(prompt);
-        if (k == 0) return snprintf(err, cap, "'%s' is empty", pname), 400;
-        if (k > cfg->max_prompt_tokens)
-            return snprintf(err, cap, "the prompt is %zu tokens, the limit is %u", k, cfg->max_prompt_tokens), 413;
-        p->prompt = malloc(k * sizeof(int32_t));
-        for (size_t i = 0; i < k; i++) {
-            json_t *v = json_array_get(prompt, i);
-            if (!json_is_integer(v)) return snprintf(err, cap, "'%s'[%zu] is not an integer", pname, i), 400;
-            json_int_t x = json_integer_value(v);
-            if (x < 0 || x >= (json_int_t)node_vocab(n))
-                return snprintf(err, cap, "'%s'[%zu] = %lld is outside the vocabulary (size %u)", pname, i,
-                                (long long)x, node_vocab(n)), 400;
-            p->prompt[i] = (int32_t)x;
-        }
-        p->prompt_len = (uint32_t)k;
-    } else {
-        return snprintf(err, cap, "'%s' must be %s", pname,
-                        openai ? "a string or an array of token ids" : is_text ? "a string" : "an array of integers"), 400;
-    }
+    if (!json_is_object(root))
+        return refuse(err, cap, 400, "the request body must be a JSON object");
+    prompt_field prompt;
+    json_t *src;
+    int status;
+    if ((status = parse_shape(root, openai, &prompt, &src, err, cap))) return status;
+    if ((status = parse_prompt(n, &prompt, p, err, cap))) return status;
+    if ((status = parse_sampling(cfg, src, openai, p, err, cap))) return status;
     json_t *v;
-    const char *mname = openai ? "max_tokens" : "max_new_tokens";
-    if (src && (v = json_object_get(src, mname)) && !json_is_null(v)) {
-        if (!json_is_integer(v)) return snprintf(err, cap, "'%s' must be an integer", mname), 400;
-        json_int_t x = json_integer_value(v);
-        if (x < 1) return snprintf(err, cap, "'%s' must be at least 1", mname), 400;
-        if (x > (json_int_t)cfg->max_new_tokens_limit)
-            return snprintf(err, cap, "'%s' = %lld is above the limit %u", mname, (long long)x,
-                            cfg->max_new_tokens_limit), 400;
-        p->max_new = (uint32_t)x;
-    }
-    if (src && (v = json_object_get(src, "temperature")) && !json_is_null(v)) {
-        if (!json_is_number(v)) return snprintf(err, cap, "'temperature' must be a number"), 400;
-        p->temperature = json_number_value(v);
-        if (!(p->temperature >= 0.0) || p->temperature > 1e6)
-            return snprintf(err, cap, "'temperature' must be >= 0"), 400;
-    }
-    if (src && (v = json_object_get(src, "top_p")) && !json_is_null(v)) {
-        if (!json_is_number(v)) return snprintf(err, cap, "'top_p' must be a number"), 400;
-        p->top_p = json_number_value(v);
-        if (!(p->top_p > 0.0 && p->top_p <= 1.0)) return snprintf(err, cap, "'top_p' must be in (0, 1]"), 400;
-    }
-    if (src && (v = json_object_get(src, "stop_token_ids")) && !json_is_null(v)) {
-        if (!json_is_array(v)) return snprintf(err, cap, "'stop_token_ids' must be an array of integers"), 400;
-        if (json_array_size(v) > PD_STOP_TOKENS_MAX)
-            return snprintf(err, cap, "'stop_token_ids': at most %d", PD_STOP_TOKENS_MAX), 400;
-        for (size_t i = 0; i < json_array_size(v); i++) {
-            json_t *e = json_array_get(v, i);
-            if (!json_is_integer(e)) return snprintf(err, cap, "'stop_token_ids'[%zu] is not an integer", i), 400;
-            p->stop[p->n_stop++] = (int32_t)json_integer_value(e);
-        }
-    }
-    if (src && (v = json_object_get(src, "ignore_eos")) && !json_is_null(v)) {
-        if (!json_is_boolean(v)) return snprintf(err, cap, "'ignore_eos' must be a boolean"), 400;
-        p->ignore_eos = json_is_true(v);
-    }
-    if ((v = json_object_get(root, "stream")) && !json_is_null(v)) {
-        if (!json_is_boolean(v)) return snprintf(err, cap, "'stream' must be a boolean"), 400;
+    if ((v = given(root, "stream"))) {
+        if (!json_is_boolean(v)) return refuse(err, cap, 400, "'stream' must be a boolean");
         p->stream = json_is_true(v);
     }
-    if ((v = json_object_get(root, "rid")) && !json_is_null(v)) {
-        if (!json_is_string(v)) return snprintf(err, cap, "'rid' must be a string"), 400;
-        if (!rid_acceptable(v)) return snprintf(err, cap, RID_RULE, PD_RID_MAX - 1), 400;
+    if ((v = given(root, "rid"))) {
+        if (!json_is_string(v)) return refuse(err, cap, 400, "'rid' must be a string");
+        if (!rid_acceptable(v)) return refuse(err, cap, 400, RID_RULE, PD_RID_MAX - 1);
         snprintf(p->rid, sizeof(p->rid), "%s", json_string_value(v));
     }
-    /* Bootstrap fields (set by the router on prefill and decode nodes). */
-    json_t *room = json_object_get(root, "bootstrap_room");
-    json_t *host = json_object_get(root, "bootstrap_host");
-    json_t *port = json_object_get(root, "bootstrap_port");
-    if (room && !json_is_null(room)) {
-        if (!json_is_integer(room) || json_integer_value(room) <= 0)
-            return snprintf(err, cap, "'bootstrap_room' must be a positive integer"), 400;
-        p->room = (uint64_t)json_integer_value(room);
-    }
-    if (host && !json_is_null(host) && !json_is_string(host))
-        return snprintf(err, cap, "'bootstrap_host' must be a string"), 400;
-    if (port && !json_is_null(port) &&
-        (!json_is_integer(port) || json_integer_value(port) < 1 || json_integer_value(port) > 65535))
-        return snprintf(err, cap, "'bootstrap_port' must be an integer in [1, 65535]"), 400;
-    if (cfg->role != PD_NODE_SERVE) {
-        if (!p->room)
-            return snprintf(err, cap, "'bootstrap_room' is required on a %s node (send requests through the router)",
-                            pd_node_role_name(cfg->role)), 400;
-        if (cfg->role == PD_NODE_DECODE && strcmp(cfg->transfer_backend, "loopback") != 0 &&
-            (!json_is_string(host) || !json_is_integer(port)))
-            return snprintf(err, cap, "'bootstrap_host' and 'bootstrap_port' are required on a decode node"), 400;
-        if (json_is_string(host) && json_is_integer(port))
-            snprintf(p->peer, sizeof(p->peer), "%s:%lld", json_string_value(host),
-                     (long long)json_integer_value(port));
-    }
-    return 0;
+    return parse_bootstrap(cfg, root, p, err, cap);
 }
 
 /* ---- outputs ----------------------------------------------------------------------- */
@@ -271,7 +359,8 @@ static const char *finish_name(const call *c) {
 
 /* Bytes of tokens [from, to), sanitised; an incomplete trailing UTF-8
  * character is kept in st->carry for the next piece unless final. */
-static char *decode_text(conn_state *st, const int32_t *tokens, uint32_t from, uint32_t to, bool final) {
+static char *decode_text(conn_state *st, const int32_t *tokens, uint32_t from, uint32_t to,
+                         bool final) {
     size_t raw_len = pd_tokenizer_decode(tokens + from, to - from, NULL, 0);
     char *raw = malloc(st->carry_len + raw_len + 1);
     memcpy(raw, st->carry, st->carry_len);
@@ -319,7 +408,9 @@ static json_t *meta_info(const call *c, bool final) {
     json_object_set_new(m, "prompt_tokens", json_integer(c->prompt_len));
     json_object_set_new(m, "completion_tokens", json_integer(c->n_tokens));
     json_object_set_new(m, "cached_tokens", json_integer(c->cached_tokens));
-    if (final) json_object_set_new(m, "e2e_latency", json_real((double)(c->t_done_us - c->t_submit_us) / 1e6));
+    if (final)
+        json_object_set_new(m, "e2e_latency",
+                            json_real((double)(c->t_done_us - c->t_submit_us) / 1e6));
     return m;
 }
 
@@ -329,18 +420,21 @@ static json_t *ids_array(const int32_t *t, uint32_t from, uint32_t to) {
     return a;
 }
 
-static json_t *openai_body(conn_state *st, const call *c, const char *text, bool final, bool with_usage) {
+static json_t *openai_body(conn_state *st, const call *c, const char *text, bool final,
+                           bool with_usage) {
     const pd_node_config *cfg = node_config(st->n);
     char id[PD_RID_MAX + 8];
     snprintf(id, sizeof(id), "cmpl-%s", c->rid);
     json_t *choice = json_pack("{s:i,s:s,s:o,s:n}", "index", 0, "text", text, "finish_reason",
                                final ? json_string(finish_name(c)) : json_null(), "logprobs");
-    json_t *body = json_pack("{s:s,s:s,s:I,s:s,s:[o]}", "id", id, "object", "text_completion", "created",
-                             (json_int_t)st->created, "model", cfg->served_model_name, "choices", choice);
+    json_t *body = json_pack("{s:s,s:s,s:I,s:s,s:[o]}", "id", id, "object", "text_completion",
+                             "created", (json_int_t)st->created, "model", cfg->served_model_name,
+                             "choices", choice);
     if (with_usage)
-        json_object_set_new(body, "usage", json_pack("{s:i,s:i,s:i}", "prompt_tokens", c->prompt_len,
-                                                     "completion_tokens", c->n_tokens, "total_tokens",
-                                                     c->prompt_len + c->n_tokens));
+        json_object_set_new(body, "usage",
+                            json_pack("{s:i,s:i,s:i}", "prompt_tokens", c->prompt_len,
+                                      "completion_tokens", c->n_tokens, "total_tokens",
+                                      c->prompt_len + c->n_tokens));
     return body;
 }
 
@@ -423,89 +517,88 @@ static void sse_free(void *cls) { (void)cls; /* conn_state is freed by the compl
 static void cancel_refused(pd_node *n, json_t *root) {
     json_t *room = json_object_get(root, "bootstrap_room");
     if (!json_is_integer(room) || json_integer_value(room) <= 0) return;
-    json_t *host = json_object_get(root, "bootstrap_host"), *port = json_object_get(root, "bootstrap_port");
+    json_t *host = json_object_get(root, "bootstrap_host");
+    json_t *port = json_object_get(root, "bootstrap_port");
     char peer[PD_PEER_MAX] = "";
     if (json_is_string(host) && json_is_integer(port) && json_integer_value(port) >= 1 &&
         json_integer_value(port) <= 65535)
-        snprintf(peer, sizeof(peer), "%s:%lld", json_string_value(host), (long long)json_integer_value(port));
+        snprintf(peer, sizeof(peer), "%s:%lld", json_string_value(host),
+                 (long long)json_integer_value(port));
     node_cancel_room(n, (uint64_t)json_integer_value(room), peer);
 }
 
-static enum MHD_Result handle_generate(conn_state *st, struct MHD_Connection *conn, bool openai) {
-    pd_node *n = st->n;
-    if (st->too_big)
-        return send_error(conn, 413, "the body is larger than %zu bytes", node_config(n)->max_body_bytes);
-    json_error_t jerr;
-    json_t *root = json_loadb(st->body ? st->body : "", st->len, 0, &jerr);
-    if (!root) return send_error(conn, 400, "malformed JSON: %s (line %d, column %d)", jerr.text, jerr.line, jerr.column);
-    parsed p;
-    char err[256];
-    int status = parse_request(n, root, openai, &p, err, sizeof(err));
-    if (status) cancel_refused(n, root);
-    json_decref(root);
-    if (status) {
-        free(p.prompt);
-        return send_error(conn, status, "%s", err);
-    }
-    call *c = call_new();
-    if (!c) {
-        free(p.prompt);
-        return send_error(conn, 503, "out of memory");
-    }
-    if (p.rid[0]) snprintf(c->rid, sizeof(c->rid), "%s", p.rid);
+/* A call for the parsed request; it takes p->prompt. Its spec points at
+ * p->stop, so p must outlive the submit. */
+static void call_fill(pd_node *n, call *c, parsed *p, bool openai) {
+    if (p->rid[0]) snprintf(c->rid, sizeof(c->rid), "%s", p->rid);
     else snprintf(c->rid, sizeof(c->rid), "%s-%llu", pd_node_role_name(node_config(n)->role),
                   (unsigned long long)node_next_rid(n));
-    snprintf(c->peer, sizeof(c->peer), "%s", p.peer);
-    c->prompt = p.prompt;
-    c->prompt_len = p.prompt_len;
-    c->stream = p.stream;
+    snprintf(c->peer, sizeof(c->peer), "%s", p->peer);
+    c->prompt = p->prompt;
+    c->prompt_len = p->prompt_len;
+    c->stream = p->stream;
     c->openai = openai;
-    c->tokens = calloc(p.max_new + 1, sizeof(int32_t));
-    c->logprobs = calloc(p.max_new + 1, sizeof(float));
+    c->tokens = calloc(p->max_new + 1, sizeof(int32_t));
+    c->logprobs = calloc(p->max_new + 1, sizeof(float));
     c->spec = (pd_request_spec){
-        .rid = c->rid, .room = p.room, .prompt = c->prompt, .prompt_len = c->prompt_len,
-        .max_new_tokens = p.max_new,
-        .sampling = {.temperature = (float)p.temperature, .top_p = (float)p.top_p,
-                     .seed = pd_hash_u64(p.room ^ pd_hash_tokens(c->prompt, c->prompt_len, 7))},
-        .stop_tokens = p.stop, .n_stop_tokens = p.n_stop, .ignore_eos = p.ignore_eos,
+        .rid = c->rid,
+        .room = p->room,
+        .prompt = c->prompt,
+        .prompt_len = c->prompt_len,
+        .max_new_tokens = p->max_new,
+        .sampling = {.temperature = (float)p->temperature,
+                     .top_p = (float)p->top_p,
+                     .seed = pd_hash_u64(p->room ^ pd_hash_tokens(c->prompt, c->prompt_len, 7))},
+        .stop_tokens = p->stop,
+        .n_stop_tokens = p->n_stop,
+        .ignore_eos = p->ignore_eos,
         .peer = c->peer,
     };
-    /* p.stop lives on this stack frame until the submit is answered. */
-    st->c = c;
-    st->created = (uint64_t)time(NULL);
+}
+
+/* Hands c to the scheduler and waits until the engine took or refused it:
+ * 0 when it took it; otherwise the HTTP status, with the message in err. */
+static int submit_call(pd_node *n, call *c, char *err, size_t cap) {
     pd_err qerr = node_command(n, CMD_SUBMIT, c, NULL, NULL);
-    if (qerr) return send_error(conn, qerr == PD_ERR_STATE ? 503 : 429, "%s",
-                                qerr == PD_ERR_STATE ? "the server is shutting down" : "the command queue is full");
+    if (qerr == PD_ERR_STATE) return refuse(err, cap, 503, "the server is shutting down");
+    if (qerr) return refuse(err, cap, 429, "the command queue is full");
     pthread_mutex_lock(&c->mu);
     while (!c->submitted) pthread_cond_wait(&c->cv, &c->mu);
     pthread_mutex_unlock(&c->mu);
     c->spec.stop_tokens = NULL; /* the engine copied them */
-    if (c->submit_err != PD_OK) {
-        int s = c->reject.status ? c->reject.status : 500;
-        return send_error(conn, s, "%s", c->reject.message);
-    }
-    const union MHD_ConnectionInfo *ci = MHD_get_connection_info(conn, MHD_CONNECTION_INFO_CONNECTION_FD);
-    st->fd = ci ? ci->connect_fd : -1;
-    if (c->stream) {
-        struct MHD_Response *r = MHD_create_response_from_callback(MHD_SIZE_UNKNOWN, 4096, sse_reader, st, sse_free);
-        if (!r) return MHD_NO;
-        MHD_add_response_header(r, "Content-Type", "text/event-stream");
-        MHD_add_response_header(r, "Cache-Control", "no-cache");
-        enum MHD_Result ret = MHD_queue_response(conn, 200, r);
-        MHD_destroy_response(r);
-        return ret;
-    }
+    if (c->submit_err == PD_OK) return 0;
+    return refuse(err, cap, c->reject.status ? c->reject.status : 500, "%s", c->reject.message);
+}
+
+/* The response is an event stream that sse_reader produces as tokens come. */
+static enum MHD_Result queue_stream(conn_state *st, struct MHD_Connection *conn) {
+    struct MHD_Response *r =
+        MHD_create_response_from_callback(MHD_SIZE_UNKNOWN, 4096, sse_reader, st, sse_free);
+    if (!r) return MHD_NO;
+    MHD_add_response_header(r, "Content-Type", "text/event-stream");
+    MHD_add_response_header(r, "Cache-Control", "no-cache");
+    enum MHD_Result ret = MHD_queue_response(conn, 200, r);
+    MHD_destroy_response(r);
+    return ret;
+}
+
+/* Waits for the call's terminal event; false when the client hung up
+ * meanwhile (the request is being aborted). */
+static bool wait_done(conn_state *st) {
+    call *c = st->c;
     for (;;) {
         pthread_mutex_lock(&c->mu);
         bool done = c->done;
         uint32_t have = c->n_tokens;
         pthread_mutex_unlock(&c->mu);
-        if (done) break;
-        if (!wait_outputs(st, have, 200)) {
-            /* The client hung up: the request is being aborted; nobody to answer. */
-            return MHD_NO;
-        }
+        if (done) return true;
+        if (!wait_outputs(st, have, 200)) return false;
     }
+}
+
+/* The whole answer of a finished call, in the shape of its API. */
+static enum MHD_Result answer_done(conn_state *st, struct MHD_Connection *conn, bool openai) {
+    call *c = st->c;
     char *text = decode_text(st, c->tokens, 0, c->n_tokens, true);
     int http = (c->kind == PD_TERM_FAILED && c->status >= 400) ? c->status : 200;
     json_t *body;
@@ -525,12 +618,52 @@ static enum MHD_Result handle_generate(conn_state *st, struct MHD_Connection *co
     return pd_http_queue_json_value(conn, (unsigned)http, body);
 }
 
+static enum MHD_Result handle_generate(conn_state *st, struct MHD_Connection *conn, bool openai) {
+    pd_node *n = st->n;
+    if (st->too_big)
+        return send_error(conn, 413, "the body is larger than %zu bytes",
+                          node_config(n)->max_body_bytes);
+    json_error_t jerr;
+    json_t *root = json_loadb(st->body ? st->body : "", st->len, 0, &jerr);
+    if (!root)
+        return send_error(conn, 400, "malformed JSON: %s (line %d, column %d)", jerr.text,
+                          jerr.line, jerr.column);
+    parsed p;
+    char err[256];
+    int status = parse_request(n, root, openai, &p, err, sizeof(err));
+    if (status) cancel_refused(n, root);
+    json_decref(root);
+    if (status) {
+        free(p.prompt);
+        return send_error(conn, status, "%s", err);
+    }
+    call *c = call_new();
+    if (!c) {
+        free(p.prompt);
+        return send_error(conn, 503, "out of memory");
+    }
+    call_fill(n, c, &p, openai);
+    /* p.stop lives on this stack frame until the submit is answered. */
+    st->c = c;
+    st->created = (uint64_t)time(NULL);
+    if ((status = submit_call(n, c, err, sizeof(err)))) return send_error(conn, status, "%s", err);
+    const union MHD_ConnectionInfo *ci =
+        MHD_get_connection_info(conn, MHD_CONNECTION_INFO_CONNECTION_FD);
+    st->fd = ci ? ci->connect_fd : -1;
+    if (c->stream) return queue_stream(st, conn);
+    /* A client that hung up has its request aborted; nobody to answer. */
+    if (!wait_done(st)) return MHD_NO;
+    return answer_done(st, conn, openai);
+}
+
 static enum MHD_Result handle_abort(conn_state *st, struct MHD_Connection *conn) {
     pd_node *n = st->n;
     if (st->too_big) return send_error(conn, 413, "the body is too large");
     json_error_t jerr;
     json_t *root = json_loadb(st->body ? st->body : "", st->len, 0, &jerr);
-    if (!root) return send_error(conn, 400, "malformed JSON: %s (line %d, column %d)", jerr.text, jerr.line, jerr.column);
+    if (!root)
+        return send_error(conn, 400, "malformed JSON: %s (line %d, column %d)", jerr.text,
+                          jerr.line, jerr.column);
     if (!json_is_object(root)) {
         json_decref(root);
         return send_error(conn, 400, "the request body must be a JSON object");
@@ -549,7 +682,8 @@ static enum MHD_Result handle_abort(conn_state *st, struct MHD_Connection *conn)
         snprintf(r, sizeof(r), "%s", json_string_value(rid));
         json_decref(root);
         err = node_command_wait(n, CMD_ABORT, r, &reply);
-        if (!err && reply.value == 0) return send_error(conn, 404, "no live request has rid '%s'", r);
+        if (!err && reply.value == 0)
+            return send_error(conn, 404, "no live request has rid '%s'", r);
     } else {
         json_decref(root);
         return send_error(conn, 400, "give 'rid' (a string) or 'abort_all': true");
@@ -559,7 +693,8 @@ static enum MHD_Result handle_abort(conn_state *st, struct MHD_Connection *conn)
     return pd_http_queue_json_value(conn, 200, body);
 }
 
-static enum MHD_Result handle_text_command(conn_state *st, struct MHD_Connection *conn, cmd_kind kind) {
+static enum MHD_Result handle_text_command(conn_state *st, struct MHD_Connection *conn,
+                                           cmd_kind kind) {
     cmd_reply reply;
     if (node_command_wait(st->n, kind, NULL, &reply) != PD_OK || !reply.text)
         return send_error(conn, 503, "the server is shutting down");
@@ -575,11 +710,13 @@ typedef struct route {
 
 static const route routes[] = {
     {"/generate", "POST"}, {"/v1/completions", "POST"}, {"/abort_request", "POST"},
-    {"/health", "GET"},    {"/server_info", "GET"},     {"/get_server_info", "GET"}, {"/metrics", "GET"},
+    {"/health", "GET"},    {"/server_info", "GET"},     {"/get_server_info", "GET"},
+    {"/metrics", "GET"},
 };
 
-static enum MHD_Result handler(void *cls, struct MHD_Connection *conn, const char *url, const char *method,
-                               const char *version, const char *upload, size_t *upload_size, void **con_cls) {
+static enum MHD_Result handler(void *cls, struct MHD_Connection *conn, const char *url,
+                               const char *method, const char *version, const char *upload,
+                               size_t *upload_size, void **con_cls) {
     (void)version;
     pd_node *n = cls;
     conn_state *st = *con_cls;
@@ -625,13 +762,15 @@ static enum MHD_Result handler(void *cls, struct MHD_Connection *conn, const cha
                                         json_pack("{s:s,s:s}", "status", "ok", "role",
                                                   pd_node_role_name(node_config(n)->role)));
     if (!strcmp(url, "/metrics")) {
-        if (!node_config(n)->enable_metrics) return send_error(conn, 404, "metrics are off (start with --enable-metrics)");
+        if (!node_config(n)->enable_metrics)
+            return send_error(conn, 404, "metrics are off (start with --enable-metrics)");
         return handle_text_command(st, conn, CMD_METRICS);
     }
     return handle_text_command(st, conn, CMD_INFO);
 }
 
-static void completed(void *cls, struct MHD_Connection *conn, void **con_cls, enum MHD_RequestTerminationCode toe) {
+static void completed(void *cls, struct MHD_Connection *conn, void **con_cls,
+                      enum MHD_RequestTerminationCode toe) {
     (void)conn;
     pd_node *n = cls;
     conn_state *st = *con_cls;
@@ -661,16 +800,17 @@ pd_err http_start(pd_node *n, http_server **out, uint16_t *bound_port, char *msg
     h->n = n;
     /* poll(), not select(): one process (pdserve run) holds more than
      * FD_SETSIZE sockets under load, and select() refuses those. */
-    h->d = MHD_start_daemon(MHD_USE_THREAD_PER_CONNECTION | MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_POLL |
-                                MHD_USE_ERROR_LOG,
-                            cfg->port, NULL,
-                            NULL, handler, n, MHD_OPTION_SOCK_ADDR, (struct sockaddr *)&addr,
-                            MHD_OPTION_NOTIFY_COMPLETED, completed, n, MHD_OPTION_CONNECTION_LIMIT,
-                            (unsigned)4096, MHD_OPTION_CONNECTION_TIMEOUT, (unsigned)60,
+    h->d = MHD_start_daemon(MHD_USE_THREAD_PER_CONNECTION | MHD_USE_INTERNAL_POLLING_THREAD |
+                                MHD_USE_POLL | MHD_USE_ERROR_LOG,
+                            cfg->port, NULL, NULL, handler, n, MHD_OPTION_SOCK_ADDR,
+                            (struct sockaddr *)&addr, MHD_OPTION_NOTIFY_COMPLETED, completed, n,
+                            MHD_OPTION_CONNECTION_LIMIT, (unsigned)4096,
+                            MHD_OPTION_CONNECTION_TIMEOUT, (unsigned)60,
                             MHD_OPTION_THREAD_STACK_SIZE, (size_t)(512 * 1024), MHD_OPTION_END);
     if (!h->d) {
         free(h);
-        return pd_errorf(msg, cap, PD_ERR_IO, "could not listen on %s:%u (in use?)", host, cfg->port);
+        return pd_errorf(msg, cap, PD_ERR_IO, "could not listen on %s:%u (in use?)", host,
+                         cfg->port);
     }
     const union MHD_DaemonInfo *di = MHD_get_daemon_info(h->d, MHD_DAEMON_INFO_BIND_PORT);
     *bound_port = di ? di->port : cfg->port;
