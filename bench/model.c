@@ -60,7 +60,8 @@ static void forward(pd_executor *ex, const pd_batch_item *items, uint32_t n, pd_
 static void prefill_once(pd_executor *ex, const int32_t *prompt, uint32_t n, const uint32_t *pages,
                          uint32_t n_pages, double *seconds, double *flops) {
     pd_batch_item it = {.req = 1, .tokens = prompt, .n_tokens = n, .start_pos = 0, .pages = pages,
-                        .n_pages = n_pages, .mamba_slot = 0, .snapshot_slot = PD_POOL_NONE, .sample = true};
+                        .n_pages = n_pages, .mamba_slot = 0, .snapshot_slot = PD_POOL_NONE,
+                        .sample = true};
     pd_item_result r;
     uint64_t f0 = pd_model_executor_flops(ex), t0 = bench_now_ns();
     forward(ex, &it, 1, &r);
@@ -70,13 +71,15 @@ static void prefill_once(pd_executor *ex, const int32_t *prompt, uint32_t n, con
 
 /* Seconds and FLOPs of `steps` decode steps of `batch` requests. */
 static void decode_once(pd_executor *ex, uint32_t batch, uint32_t steps, uint32_t pages_per,
-                        const uint32_t *pages, const int32_t *prompts, double *seconds, double *flops) {
+                        const uint32_t *pages, const int32_t *prompts, double *seconds,
+                        double *flops) {
     pd_batch_item *items = calloc(batch, sizeof(*items));
     pd_item_result *res = calloc(batch, sizeof(*res));
     int32_t *last = calloc(batch, sizeof(int32_t));
     for (uint32_t b = 0; b < batch; b++)
-        items[b] = (pd_batch_item){.req = b, .tokens = prompts + (size_t)b * DECODE_PROMPT, .n_tokens = DECODE_PROMPT,
-                                   .start_pos = 0, .pages = pages + (size_t)b * pages_per, .n_pages = pages_per,
+        items[b] = (pd_batch_item){.req = b, .tokens = prompts + (size_t)b * DECODE_PROMPT,
+                                   .n_tokens = DECODE_PROMPT, .start_pos = 0,
+                                   .pages = pages + (size_t)b * pages_per, .n_pages = pages_per,
                                    .mamba_slot = b, .snapshot_slot = PD_POOL_NONE, .sample = true};
     forward(ex, items, batch, res); /* the prompts, not timed */
     uint64_t f0 = pd_model_executor_flops(ex), t0 = bench_now_ns();
@@ -103,7 +106,8 @@ static figures measure(const pd_model *m, uint32_t threads, const opts *o) {
     const uint32_t n_pages = PD_MAX(prefill_pages, pages_per * o->decode_batch);
     pd_executor ex;
     char msg[300];
-    if (pd_model_executor_create(&ex, m, PAGE_SIZE, n_pages, o->decode_batch, 0, threads, msg, sizeof(msg)) != PD_OK) {
+    if (pd_model_executor_create(&ex, m, PAGE_SIZE, n_pages, o->decode_batch, 0, threads, msg,
+                                 sizeof(msg)) != PD_OK) {
         fprintf(stderr, "model: %s\n", msg);
         exit(1);
     }
@@ -112,9 +116,11 @@ static figures measure(const pd_model *m, uint32_t threads, const opts *o) {
     int32_t *prompt = malloc(sizeof(int32_t) * o->prompt_len);
     int32_t *prompts = malloc(sizeof(int32_t) * DECODE_PROMPT * o->decode_batch);
     fill_prompt(prompt, o->prompt_len, 1);
-    for (uint32_t b = 0; b < o->decode_batch; b++) fill_prompt(prompts + (size_t)b * DECODE_PROMPT, DECODE_PROMPT, 2 + b);
+    for (uint32_t b = 0; b < o->decode_batch; b++)
+        fill_prompt(prompts + (size_t)b * DECODE_PROMPT, DECODE_PROMPT, 2 + b);
 
-    double *tps = malloc(sizeof(double) * (size_t)o->runs), *gf = malloc(sizeof(double) * (size_t)o->runs);
+    double *tps = malloc(sizeof(double) * (size_t)o->runs);
+    double *gf = malloc(sizeof(double) * (size_t)o->runs);
     figures f;
     double s, fl;
     prefill_once(&ex, prompt, o->prompt_len, pages, n_pages, &s, &fl); /* warm-up */
@@ -142,11 +148,13 @@ static figures measure(const pd_model *m, uint32_t threads, const opts *o) {
 }
 
 /* The textbook product: one running sum per output, one row at a time. */
-static void naive_matmul(float *out, const float *x, const float *w, uint32_t rows, uint32_t n_in, uint32_t n_out) {
+static void naive_matmul(float *out, const float *x, const float *w, uint32_t rows, uint32_t n_in,
+                         uint32_t n_out) {
     for (uint32_t t = 0; t < rows; t++)
         for (uint32_t o = 0; o < n_out; o++) {
             float acc = 0.0f;
-            for (uint32_t i = 0; i < n_in; i++) acc += w[(size_t)o * n_in + i] * x[(size_t)t * n_in + i];
+            for (uint32_t i = 0; i < n_in; i++)
+                acc += w[(size_t)o * n_in + i] * x[(size_t)t * n_in + i];
             out[(size_t)t * n_out + o] = acc;
         }
 }
@@ -170,7 +178,8 @@ static void baseline(const pd_model *m, const char *name, int runs) {
     }
     double naive = bench_median(v, (size_t)runs), ours = bench_median(v + runs, (size_t)runs);
     printf("baseline %-5s  %ux%u matrix x 64 tokens, 1 thread: textbook loop %.2f GFLOP/s, "
-           "fixed-order kernel %.2f GFLOP/s (x%.1f)\n", name, n_out, n_in, naive, ours, ours / naive);
+           "fixed-order kernel %.2f GFLOP/s (x%.1f)\n",
+           name, n_out, n_in, naive, ours, ours / naive);
     free(v);
     free(out);
     free(x);
@@ -184,30 +193,34 @@ static bool parse_u32(const char *s, uint32_t *out) {
     return true;
 }
 
-int main(int argc, char **argv) {
-    opts o = {.runs = 5, .max_threads = 2, .prompt_len = 512, .decode_steps = 64, .decode_batch = 16};
-    snprintf(o.configs, sizeof(o.configs), "tiny,small");
+/* Fills o from the command line; returns -1 to go on, or the exit status. */
+static int parse_args(int argc, char **argv, opts *o) {
+    *o = (opts){.runs = 5, .max_threads = 2, .prompt_len = 512, .decode_steps = 64,
+                .decode_batch = 16};
+    snprintf(o->configs, sizeof(o->configs), "tiny,small");
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
         uint32_t n = 0;
         bool ok = true;
         if (!strcmp(a, "--quick")) {
-            o.runs = 3;
-            o.prompt_len = 128;
-            o.decode_steps = 16;
-            o.decode_batch = 8;
+            o->runs = 3;
+            o->prompt_len = 128;
+            o->decode_steps = 16;
+            o->decode_batch = 8;
             continue;
         }
         if (!v) ok = false;
         else if (!strcmp(a, "--runs")) {
             ok = parse_u32(v, &n);
-            o.runs = (int)n;
+            o->runs = (int)n;
         }
-        else if (!strcmp(a, "--max-threads")) ok = parse_u32(v, &o.max_threads) && o.max_threads <= PD_MODEL_THREADS_MAX;
-        else if (!strcmp(a, "--prompt-len")) ok = parse_u32(v, &o.prompt_len);
-        else if (!strcmp(a, "--decode-steps")) ok = parse_u32(v, &o.decode_steps);
-        else if (!strcmp(a, "--decode-batch")) ok = parse_u32(v, &o.decode_batch) && o.decode_batch <= PD_MODEL_BATCH_ITEMS_MAX;
-        else if (!strcmp(a, "--configs")) snprintf(o.configs, sizeof(o.configs), "%s", v);
+        else if (!strcmp(a, "--max-threads"))
+            ok = parse_u32(v, &o->max_threads) && o->max_threads <= PD_MODEL_THREADS_MAX;
+        else if (!strcmp(a, "--prompt-len")) ok = parse_u32(v, &o->prompt_len);
+        else if (!strcmp(a, "--decode-steps")) ok = parse_u32(v, &o->decode_steps);
+        else if (!strcmp(a, "--decode-batch"))
+            ok = parse_u32(v, &o->decode_batch) && o->decode_batch <= PD_MODEL_BATCH_ITEMS_MAX;
+        else if (!strcmp(a, "--configs")) snprintf(o->configs, sizeof(o->configs), "%s", v);
         else ok = false;
         if (!ok) {
             fprintf(stderr,
@@ -220,40 +233,56 @@ int main(int argc, char **argv) {
         }
         i++;
     }
+    return -1;
+}
+
+/* One line per thread count for configuration `name`, then its baseline;
+ * fig gets the figures. Returns false if the configuration is unknown. */
+static bool run_config(const char *name, const opts *o, figures *fig) {
+    pd_model_config cfg;
+    char msg[200];
+    pd_model *m;
+    if (pd_model_config_preset(&cfg, name, msg, sizeof(msg)) != PD_OK ||
+        pd_model_create_random(&m, &cfg, 1, msg, sizeof(msg)) != PD_OK) {
+        fprintf(stderr, "model: %s\n", msg);
+        return false;
+    }
+    for (uint32_t t = 1; t <= o->max_threads; t++) {
+        fig[t - 1] = measure(m, t, o);
+        const figures *f = &fig[t - 1];
+        printf("%-6s %7u %15.0f %18.2f %16.0f %15.2f\n", name, t, f->prefill_tps,
+               f->prefill_gflops, f->decode_tps, f->decode_gflops);
+    }
+    baseline(m, name, o->runs);
+    pd_model_destroy(m);
+    return true;
+}
+
+int main(int argc, char **argv) {
+    opts o;
+    int status = parse_args(argc, argv, &o);
+    if (status >= 0) return status;
 
     const char *names[4];
     uint32_t n_configs = 0;
     char list[64];
     snprintf(list, sizeof(list), "%s", o.configs);
-    for (char *tok = strtok(list, ","); tok && n_configs < 4; tok = strtok(NULL, ",")) names[n_configs++] = tok;
+    for (char *tok = strtok(list, ","); tok && n_configs < 4; tok = strtok(NULL, ","))
+        names[n_configs++] = tok;
     figures fig[4][PD_MODEL_THREADS_MAX];
 
-    printf("%-6s %7s %15s %18s %16s %15s   (median of %d; prompt %u tokens; decode %u requests x %u steps)\n",
-           "config", "threads", "prefill tok/s", "prefill GFLOP/s", "decode tok/s", "decode GFLOP/s", o.runs,
-           o.prompt_len, o.decode_batch, o.decode_steps);
-    for (uint32_t c = 0; c < n_configs; c++) {
-        pd_model_config cfg;
-        char msg[200];
-        pd_model *m;
-        if (pd_model_config_preset(&cfg, names[c], msg, sizeof(msg)) != PD_OK ||
-            pd_model_create_random(&m, &cfg, 1, msg, sizeof(msg)) != PD_OK) {
-            fprintf(stderr, "model: %s\n", msg);
-            return 2;
-        }
-        for (uint32_t t = 1; t <= o.max_threads; t++) {
-            fig[c][t - 1] = measure(m, t, &o);
-            const figures *f = &fig[c][t - 1];
-            printf("%-6s %7u %15.0f %18.2f %16.0f %15.2f\n", names[c], t, f->prefill_tps, f->prefill_gflops,
-                   f->decode_tps, f->decode_gflops);
-        }
-        baseline(m, names[c], o.runs);
-        pd_model_destroy(m);
-    }
+    printf("%-6s %7s %15s %18s %16s %15s   "
+           "(median of %d; prompt %u tokens; decode %u requests x %u steps)\n",
+           "config", "threads", "prefill tok/s", "prefill GFLOP/s", "decode tok/s",
+           "decode GFLOP/s", o.runs, o.prompt_len, o.decode_batch, o.decode_steps);
+    for (uint32_t c = 0; c < n_configs; c++)
+        if (!run_config(names[c], &o, fig[c])) return 2;
     for (int phase = 0; phase < 2; phase++) {
         printf("achieved GFLOP/s, %s:", phase ? "decode " : "prefill");
         for (uint32_t c = 0; c < n_configs; c++)
             for (uint32_t t = 1; t <= o.max_threads; t++)
-                printf("  %s %ut %.2f", names[c], t, phase ? fig[c][t - 1].decode_gflops : fig[c][t - 1].prefill_gflops);
+                printf("  %s %ut %.2f", names[c], t,
+                       phase ? fig[c][t - 1].decode_gflops : fig[c][t - 1].prefill_gflops);
         printf("\n");
     }
     return 0;
