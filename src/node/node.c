@@ -47,8 +47,10 @@ typedef struct hist {
     uint64_t n;
 } hist;
 
-static const double ttft_bounds[HIST_BUCKETS - 1] = {0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10};
-static const double itl_bounds[HIST_BUCKETS - 1] = {0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1};
+static const double ttft_bounds[HIST_BUCKETS - 1] = {
+    0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10};
+static const double itl_bounds[HIST_BUCKETS - 1] = {
+    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1};
 
 struct pd_node {
     pd_node_config cfg;
@@ -387,17 +389,14 @@ static void *sched_main(void *arg) {
 
 /* ---- info and metrics (scheduler thread) --------------------------------------------- */
 
-static char *info_json(pd_node *n) {
+/* The engine's configuration, as /server_info reports it. */
+static json_t *info_config(pd_node *n) {
     const pd_engine_config *ec = pd_engine_config_of(n->eng);
-    pd_engine_counters c;
-    pd_engine_counters_get(n->eng, &c);
-    json_t *root = json_object();
-    json_object_set_new(root, "role", json_string(pd_node_role_name(n->cfg.role)));
-    json_object_set_new(root, "version", json_string("0.1.0"));
     json_t *cfg = json_object();
     json_object_set_new(cfg, "page_size", json_integer(ec->page_size));
     json_object_set_new(cfg, "kv_pages", json_integer(ec->kv_pages));
-    json_object_set_new(cfg, "max_total_tokens", json_integer((json_int_t)ec->kv_pages * ec->page_size));
+    json_object_set_new(cfg, "max_total_tokens",
+                        json_integer((json_int_t)ec->kv_pages * ec->page_size));
     json_object_set_new(cfg, "max_running_requests", json_integer(ec->rows));
     json_object_set_new(cfg, "mamba_slots", json_integer(ec->mamba_slots));
     json_object_set_new(cfg, "meta_rows", json_integer(ec->meta_rows));
@@ -410,19 +409,33 @@ static char *info_json(pd_node *n) {
     json_object_set_new(cfg, "optimistic_attempts", json_integer(ec->optimistic_attempts));
     json_object_set_new(cfg, "strict", json_boolean(ec->strict));
     json_object_set_new(cfg, "model_layers", json_string(pd_model_config_get(n->model)->layers));
-    json_object_set_new(cfg, "transfer_backend",
-                        json_string(n->cfg.role == PD_NODE_SERVE ? "none" : n->cfg.transfer_backend));
-    json_object_set_new(root, "config", cfg);
+    const char *backend = n->cfg.role == PD_NODE_SERVE ? "none" : n->cfg.transfer_backend;
+    json_object_set_new(cfg, "transfer_backend", json_string(backend));
+    return cfg;
+}
+
+/* The engine's counters and the node's count of failed ownership checks. */
+static json_t *info_counters(pd_node *n) {
+    pd_engine_counters c;
+    pd_engine_counters_get(n->eng, &c);
     json_t *ctr = json_object();
 #define CTR(name) json_object_set_new(ctr, #name, json_integer((json_int_t)c.name))
     CTR(submitted); CTR(rejected); CTR(finished); CTR(aborted); CTR(failed); CTR(batches);
-    CTR(prefill_tokens); CTR(decode_tokens); CTR(cached_tokens); CTR(xfer_abort_errors); CTR(rooms_cancelled);
-    CTR(retire_deferred); CTR(requeued); CTR(late_results_ignored); CTR(queued_bootstrap);
-    CTR(queued_waiting); CTR(loading); CTR(running); CTR(parked); CTR(transferring);
-    CTR(draining); CTR(prealloc); CTR(wait_transfer);
+    CTR(prefill_tokens); CTR(decode_tokens); CTR(cached_tokens); CTR(xfer_abort_errors);
+    CTR(rooms_cancelled); CTR(retire_deferred); CTR(requeued); CTR(late_results_ignored);
+    CTR(queued_bootstrap); CTR(queued_waiting); CTR(loading); CTR(running); CTR(parked);
+    CTR(transferring); CTR(draining); CTR(prealloc); CTR(wait_transfer);
 #undef CTR
     json_object_set_new(ctr, "ownership_violations", json_integer((json_int_t)n->violations));
-    json_object_set_new(root, "counters", ctr);
+    return ctr;
+}
+
+static char *info_json(pd_node *n) {
+    json_t *root = json_object();
+    json_object_set_new(root, "role", json_string(pd_node_role_name(n->cfg.role)));
+    json_object_set_new(root, "version", json_string("0.1.0"));
+    json_object_set_new(root, "config", info_config(n));
+    json_object_set_new(root, "counters", info_counters(n));
     char *rep = malloc(1 << 20);
     pd_strbuf sb;
     pd_strbuf_init(&sb, rep, 1 << 20);
@@ -433,7 +446,8 @@ static char *info_json(pd_node *n) {
     json_object_set_new(root, "idle", json_boolean(idle));
     if (idle) {
         pd_strbuf_reset(&sb);
-        json_object_set_new(root, "idle_clean", json_boolean(pd_engine_check(n->eng, &sb) == PD_OK));
+        bool clean = pd_engine_check(n->eng, &sb) == PD_OK;
+        json_object_set_new(root, "idle_clean", json_boolean(clean));
         if (sb.len) json_object_set_new(root, "idle_report", json_string(rep));
     }
     free(rep);
@@ -480,56 +494,95 @@ static void hist_text(tbuf *t, const char *name, const char *help, const hist *h
               (unsigned long long)cum, name, h->sum, name, (unsigned long long)h->n);
 }
 
+/* Requests by state and by outcome, and the rooms still draining. */
+static void metrics_requests(tbuf *t, const pd_engine_counters *c, const char *role) {
+    tb_printf(t, "# HELP pdserve_requests_running "
+                 "Requests computing (prefill chunks or decoding).\n"
+                 "# TYPE pdserve_requests_running gauge\n"
+                 "pdserve_requests_running{role=\"%s\"} %u\n",
+              role, c->running);
+    tb_printf(t, "# HELP pdserve_requests_queued Requests waiting, by queue.\n"
+                 "# TYPE pdserve_requests_queued gauge\n");
+    tb_printf(t, "pdserve_requests_queued{queue=\"bootstrap\"} %u\n", c->queued_bootstrap);
+    tb_printf(t, "pdserve_requests_queued{queue=\"waiting\"} %u\n", c->queued_waiting);
+    tb_printf(t, "pdserve_requests_queued{queue=\"prealloc\"} %u\n", c->prealloc);
+    tb_printf(t, "pdserve_requests_queued{queue=\"wait_transfer\"} %u\n", c->wait_transfer);
+    tb_printf(t, "pdserve_requests_queued{queue=\"loading\"} %u\n", c->loading);
+    tb_printf(t, "# HELP pdserve_requests_transferring Requests handing over (prefill).\n"
+                 "# TYPE pdserve_requests_transferring gauge\n"
+                 "pdserve_requests_transferring %u\n",
+              c->transferring + c->parked);
+    tb_printf(t, "# HELP pdserve_rooms_draining "
+                 "Retired requests whose room may still touch memory.\n"
+                 "# TYPE pdserve_rooms_draining gauge\n"
+                 "pdserve_rooms_draining %u\n",
+              c->draining);
+    tb_printf(t, "# HELP pdserve_requests_total Requests by outcome.\n"
+                 "# TYPE pdserve_requests_total counter\n");
+    tb_printf(t, "pdserve_requests_total{outcome=\"finished\"} %llu\n",
+              (unsigned long long)c->finished);
+    tb_printf(t, "pdserve_requests_total{outcome=\"aborted\"} %llu\n",
+              (unsigned long long)c->aborted);
+    tb_printf(t, "pdserve_requests_total{outcome=\"failed\"} %llu\n",
+              (unsigned long long)c->failed);
+    tb_printf(t, "pdserve_requests_total{outcome=\"rejected\"} %llu\n",
+              (unsigned long long)c->rejected);
+}
+
+/* Tokens computed, transport failures and rooms cancelled. */
+static void metrics_work(tbuf *t, const pd_engine_counters *c) {
+    tb_printf(t, "# HELP pdserve_tokens_total Tokens computed.\n"
+                 "# TYPE pdserve_tokens_total counter\n");
+    tb_printf(t, "pdserve_tokens_total{kind=\"prefill\"} %llu\n",
+              (unsigned long long)c->prefill_tokens);
+    tb_printf(t, "pdserve_tokens_total{kind=\"decode\"} %llu\n",
+              (unsigned long long)c->decode_tokens);
+    tb_printf(t, "pdserve_tokens_total{kind=\"cached\"} %llu\n",
+              (unsigned long long)c->cached_tokens);
+    tb_printf(t, "# HELP pdserve_transfer_failures_total "
+                 "Transport abort() calls that reported an error.\n"
+                 "# TYPE pdserve_transfer_failures_total counter\n"
+                 "pdserve_transfer_failures_total %llu\n",
+              (unsigned long long)c->xfer_abort_errors);
+    tb_printf(t, "# HELP pdserve_rooms_cancelled_total "
+                 "Requests that ended before opening their room; the peer was told.\n"
+                 "# TYPE pdserve_rooms_cancelled_total counter\n"
+                 "pdserve_rooms_cancelled_total %llu\n",
+              (unsigned long long)c->rooms_cancelled);
+}
+
+/* Units of every pool of the ledger, by ownership state. */
+static void metrics_pools(tbuf *t, pd_ledger *l) {
+    tb_printf(t, "# HELP pdserve_pool_units Units of each pool by ownership state.\n"
+                 "# TYPE pdserve_pool_units gauge\n");
+    for (int pid = 0; pid < pd_ledger_pool_count(l); pid++) {
+        const char *pname = pd_pool_name(pd_ledger_pool(l, pid));
+        for (int st = 0; st < PD_UNIT_STATE__COUNT; st++)
+            tb_printf(t, "pdserve_pool_units{pool=\"%s\",state=\"%s\"} %llu\n", pname,
+                      pd_unit_state_name((pd_unit_state)st),
+                      (unsigned long long)pd_ledger_count(l, pid, (pd_unit_state)st));
+    }
+}
+
 static char *metrics_text(pd_node *n) {
     tbuf t = {.p = malloc(8192), .cap = 8192};
     PD_ASSERT(t.p);
     t.p[0] = 0;
     pd_engine_counters c;
     pd_engine_counters_get(n->eng, &c);
-    const char *role = pd_node_role_name(n->cfg.role);
-    tb_printf(&t, "# HELP pdserve_requests_running Requests computing (prefill chunks or decoding).\n"
-                  "# TYPE pdserve_requests_running gauge\npdserve_requests_running{role=\"%s\"} %u\n",
-              role, c.running);
-    tb_printf(&t, "# HELP pdserve_requests_queued Requests waiting, by queue.\n# TYPE pdserve_requests_queued gauge\n");
-    tb_printf(&t, "pdserve_requests_queued{queue=\"bootstrap\"} %u\n", c.queued_bootstrap);
-    tb_printf(&t, "pdserve_requests_queued{queue=\"waiting\"} %u\n", c.queued_waiting);
-    tb_printf(&t, "pdserve_requests_queued{queue=\"prealloc\"} %u\n", c.prealloc);
-    tb_printf(&t, "pdserve_requests_queued{queue=\"wait_transfer\"} %u\n", c.wait_transfer);
-    tb_printf(&t, "pdserve_requests_queued{queue=\"loading\"} %u\n", c.loading);
-    tb_printf(&t, "# HELP pdserve_requests_transferring Requests handing over (prefill).\n"
-                  "# TYPE pdserve_requests_transferring gauge\npdserve_requests_transferring %u\n",
-              c.transferring + c.parked);
-    tb_printf(&t, "# HELP pdserve_rooms_draining Retired requests whose room may still touch memory.\n"
-                  "# TYPE pdserve_rooms_draining gauge\npdserve_rooms_draining %u\n", c.draining);
-    tb_printf(&t, "# HELP pdserve_requests_total Requests by outcome.\n# TYPE pdserve_requests_total counter\n");
-    tb_printf(&t, "pdserve_requests_total{outcome=\"finished\"} %llu\n", (unsigned long long)c.finished);
-    tb_printf(&t, "pdserve_requests_total{outcome=\"aborted\"} %llu\n", (unsigned long long)c.aborted);
-    tb_printf(&t, "pdserve_requests_total{outcome=\"failed\"} %llu\n", (unsigned long long)c.failed);
-    tb_printf(&t, "pdserve_requests_total{outcome=\"rejected\"} %llu\n", (unsigned long long)c.rejected);
-    tb_printf(&t, "# HELP pdserve_tokens_total Tokens computed.\n# TYPE pdserve_tokens_total counter\n");
-    tb_printf(&t, "pdserve_tokens_total{kind=\"prefill\"} %llu\n", (unsigned long long)c.prefill_tokens);
-    tb_printf(&t, "pdserve_tokens_total{kind=\"decode\"} %llu\n", (unsigned long long)c.decode_tokens);
-    tb_printf(&t, "pdserve_tokens_total{kind=\"cached\"} %llu\n", (unsigned long long)c.cached_tokens);
-    tb_printf(&t, "# HELP pdserve_transfer_failures_total Transport abort() calls that reported an error.\n"
-                  "# TYPE pdserve_transfer_failures_total counter\npdserve_transfer_failures_total %llu\n",
-              (unsigned long long)c.xfer_abort_errors);
-    tb_printf(&t, "# HELP pdserve_rooms_cancelled_total Requests that ended before opening their room; the peer was told.\n"
-                  "# TYPE pdserve_rooms_cancelled_total counter\npdserve_rooms_cancelled_total %llu\n",
-              (unsigned long long)c.rooms_cancelled);
-    tb_printf(&t, "# HELP pdserve_pool_units Units of each pool by ownership state.\n# TYPE pdserve_pool_units gauge\n");
-    pd_ledger *l = pd_engine_ledger(n->eng);
-    for (int pid = 0; pid < pd_ledger_pool_count(l); pid++) {
-        const char *pname = pd_pool_name(pd_ledger_pool(l, pid));
-        for (int st = 0; st < PD_UNIT_STATE__COUNT; st++)
-            tb_printf(&t, "pdserve_pool_units{pool=\"%s\",state=\"%s\"} %llu\n", pname,
-                      pd_unit_state_name((pd_unit_state)st),
-                      (unsigned long long)pd_ledger_count(l, pid, (pd_unit_state)st));
-    }
-    hist_text(&t, "pdserve_time_to_first_token_seconds", "From submit to the first token on this node.", &n->ttft);
-    hist_text(&t, "pdserve_inter_token_latency_seconds", "Between consecutive tokens of a request.", &n->itl);
-    hist_text(&t, "pdserve_e2e_latency_seconds", "From submit to the terminal event on this node.", &n->e2e);
-    tb_printf(&t, "# HELP pdserve_ownership_violations_total Failed ownership checks (strict mode).\n"
-                  "# TYPE pdserve_ownership_violations_total counter\npdserve_ownership_violations_total %llu\n",
+    metrics_requests(&t, &c, pd_node_role_name(n->cfg.role));
+    metrics_work(&t, &c);
+    metrics_pools(&t, pd_engine_ledger(n->eng));
+    hist_text(&t, "pdserve_time_to_first_token_seconds",
+              "From submit to the first token on this node.", &n->ttft);
+    hist_text(&t, "pdserve_inter_token_latency_seconds",
+              "Between consecutive tokens of a request.", &n->itl);
+    hist_text(&t, "pdserve_e2e_latency_seconds",
+              "From submit to the terminal event on this node.", &n->e2e);
+    tb_printf(&t, "# HELP pdserve_ownership_violations_total "
+                  "Failed ownership checks (strict mode).\n"
+                  "# TYPE pdserve_ownership_violations_total counter\n"
+                  "pdserve_ownership_violations_total %llu\n",
               (unsigned long long)n->violations);
     return t.p;
 }
@@ -542,12 +595,9 @@ static const char *own(pd_node *n, int slot, const char *s) {
     return n->strings[slot];
 }
 
-pd_err pd_node_create(pd_node **out, const pd_node_config *cfg_in, char *msg, size_t cap) {
-    if (!out || !cfg_in) return pd_errorf(msg, cap, PD_ERR_INVALID, "no configuration");
-    *out = NULL;
-    pd_node *n = calloc(1, sizeof(*n));
-    if (!n) return pd_errorf(msg, cap, PD_ERR_NOMEM, "out of memory");
-    n->cfg = *cfg_in;
+/* The node keeps its own copies of the configuration's strings: the caller's
+ * may go away once pd_node_create returns. */
+static void own_config_strings(pd_node *n) {
     pd_node_config *c = &n->cfg;
     c->host = own(n, 0, c->host);
     c->served_model_name = own(n, 1, c->served_model_name);
@@ -557,6 +607,151 @@ pd_err pd_node_create(pd_node **out, const pd_node_config *cfg_in, char *msg, si
     c->transfer_backend = own(n, 5, c->transfer_backend);
     c->bootstrap_host = own(n, 6, c->bootstrap_host);
     c->bootstrap_token = own(n, 7, c->bootstrap_token);
+}
+
+/* The model: loaded from --model, or a built-in configuration with dummy
+ * weights, its layer pattern optionally replaced by --layers. */
+static pd_err create_model(pd_node *n, char *msg, size_t cap) {
+    const pd_node_config *c = &n->cfg;
+    if (c->model_dir) return pd_model_load(&n->model, c->model_dir, msg, cap);
+    pd_model_config mc;
+    pd_err err = pd_model_config_preset(&mc, c->model_preset ? c->model_preset : "tiny", msg, cap);
+    if (!err && c->layers) {
+        if (strlen(c->layers) > PD_MODEL_LAYERS_MAX) {
+            err = pd_errorf(msg, cap, PD_ERR_INVALID, "--layers: at most %d layers",
+                            PD_MODEL_LAYERS_MAX);
+        } else {
+            snprintf(mc.layers, sizeof(mc.layers), "%s", c->layers);
+            err = pd_model_config_check(&mc, msg, cap);
+        }
+    }
+    if (!err) err = pd_model_create_random(&n->model, &mc, c->seed, msg, cap);
+    return err;
+}
+
+/* The flags that size the pools and queues. */
+static pd_err check_sizes(const pd_node_config *c, char *msg, size_t cap) {
+    if (c->page_size == 0 || c->page_size > 4096)
+        return pd_errorf(msg, cap, PD_ERR_INVALID, "--page-size must be in [1, 4096]");
+    if (c->max_total_tokens < c->page_size || c->max_running_requests == 0 ||
+        c->chunked_prefill_size == 0 || c->max_queued_requests == 0 ||
+        c->max_prompt_tokens == 0 || c->max_new_tokens_limit == 0)
+        return pd_errorf(msg, cap, PD_ERR_INVALID,
+                         "--max-total-tokens (>= page size), --max-running-requests, "
+                         "--chunked-prefill-size, --max-queued-requests, --max-prompt-tokens and "
+                         "--max-new-tokens must be positive");
+    return PD_OK;
+}
+
+static pd_role engine_role(pd_node_role r) {
+    return r == PD_NODE_PREFILL  ? PD_ROLE_PREFILL
+           : r == PD_NODE_DECODE ? PD_ROLE_DECODE
+                                 : PD_ROLE_COLOCATED;
+}
+
+/* The engine's configuration from the flags and the model's shape (all but
+ * meta_mem, which the node allocates from it). */
+static void engine_config_from(const pd_node_config *c, const pd_model_shape *shape,
+                               pd_engine_config *ec) {
+    pd_role role = engine_role(c->role);
+    pd_engine_config_default(ec, role);
+    ec->page_size = c->page_size;
+    ec->kv_pages = PD_DIV_CEIL(c->max_total_tokens, c->page_size);
+    ec->rows = c->max_running_requests;
+    ec->mamba_slots = shape->n_mamba ? ec->rows * 4 + 4 : 0;
+    ec->requests_max = c->max_queued_requests;
+    ec->meta_rows = role == PD_ROLE_PREFILL ? c->max_queued_requests : ec->rows * 2;
+    ec->host_pages = c->host_cache_tokens / c->page_size;
+    ec->chunk_tokens = c->chunked_prefill_size;
+    ec->batch_max = PD_MIN(PD_MAX(ec->rows, 8u), 256u);
+    ec->prompt_tokens_max = c->max_prompt_tokens;
+    ec->new_tokens_max = c->max_new_tokens_limit;
+    ec->overlap = !c->disable_overlap;
+    ec->optimistic_attempts = c->optimistic_attempts;
+    ec->prefix_cache = !c->disable_prefix_cache;
+    ec->strict = c->strict;
+    ec->bootstrap_timeout_us = c->bootstrap_timeout_ms * 1000;
+    ec->transfer_timeout_us = c->transfer_timeout_ms * 1000;
+}
+
+/* Everything the node sizes at start-up: the meta rows, the calls by engine
+ * record index, the command ring and (strict mode) the report buffer. */
+static pd_err alloc_tables(pd_node *n, const pd_engine_config *ec, char *msg, size_t cap) {
+    n->meta_rows = ec->meta_rows;
+    n->meta = calloc(ec->meta_rows, sizeof(pd_meta_row));
+    n->requests_max = ec->requests_max;
+    n->calls = calloc(ec->requests_max, sizeof(call *));
+    n->cmds = calloc(CMDS_MAX, sizeof(cmd));
+    if (n->cfg.strict) n->strict_report = calloc(1, STRICT_REPORT_BYTES);
+    if (!n->meta || !n->calls || !n->cmds || (n->cfg.strict && !n->strict_report))
+        return pd_errorf(msg, cap, PD_ERR_NOMEM, "out of memory");
+    return PD_OK;
+}
+
+/* The executor: the model behind an in-order stream with its own worker. */
+static pd_err create_executor(pd_node *n, const pd_engine_config *ec, char *msg, size_t cap) {
+    uint32_t threads = n->cfg.threads ? n->cfg.threads : 1;
+    pd_err err = pd_model_executor_create(&n->model_ex, n->model, ec->page_size, ec->kv_pages,
+                                          ec->mamba_slots, ec->host_pages, threads, msg, cap);
+    if (err) return err;
+    if ((err = pd_stream_create(&n->stream, n->model_ex, ec->batch_max)))
+        pd_errorf(msg, cap, err, "executor stream: out of memory");
+    return err;
+}
+
+static pd_lb_side loopback_side(pd_role role) {
+    return role == PD_ROLE_PREFILL ? PD_LB_PREFILL : PD_LB_DECODE;
+}
+
+/* The transport of a prefill or decode node: the in-process loopback fabric
+ * (pdserve run) or UCX; a colocated node has none (*xfer stays empty). */
+static pd_err create_transport(pd_node *n, pd_role role, pd_xfer *xfer, char *msg, size_t cap) {
+    const pd_node_config *c = &n->cfg;
+    if (role == PD_ROLE_COLOCATED) return PD_OK;
+    if (!strcmp(c->transfer_backend, "loopback")) {
+        if (!c->loopback)
+            return pd_errorf(msg, cap, PD_ERR_INVALID,
+                             "--transfer-backend loopback joins a prefill and a decode node "
+                             "inside one process (pdserve run); separate processes need "
+                             "--transfer-backend ucx");
+        *xfer = pd_loopback_mt_endpoint(c->loopback, loopback_side(role));
+        return PD_OK;
+    }
+    if (!strcmp(c->transfer_backend, "ucx")) {
+        pd_net_config nc = {
+            .role = role == PD_ROLE_PREFILL ? PD_NET_PREFILL : PD_NET_DECODE,
+            .listen_host = c->bootstrap_host, .bootstrap_port = c->bootstrap_port,
+            .token = c->bootstrap_token, .page_size = c->page_size,
+            .rooms_max = c->max_queued_requests * 2 + 64,
+        };
+        pd_err err = pd_net_create(&n->net, &nc, msg, cap);
+        if (err) return err;
+        *xfer = pd_net_endpoint(n->net);
+        return PD_OK;
+    }
+    return pd_errorf(msg, cap, PD_ERR_INVALID, "unknown --transfer-backend '%s' (loopback or ucx)",
+                     c->transfer_backend);
+}
+
+/* The executor's memory and the meta rows, registered with the transport so
+ * that transfers can reach them. */
+static pd_err register_memory(pd_node *n, pd_role role, char *msg, size_t cap) {
+    const pd_node_config *c = &n->cfg;
+    pd_exec_memory mem;
+    n->model_ex.vt->memory(n->model_ex.self, &mem);
+    if (role != PD_ROLE_COLOCATED && c->loopback && !strcmp(c->transfer_backend, "loopback"))
+        pd_loopback_mt_register(c->loopback, loopback_side(role), &mem, n->meta, n->meta_rows);
+    if (n->net) return pd_net_register(n->net, &mem, n->meta, n->meta_rows, msg, cap);
+    return PD_OK;
+}
+
+pd_err pd_node_create(pd_node **out, const pd_node_config *cfg_in, char *msg, size_t cap) {
+    if (!out || !cfg_in) return pd_errorf(msg, cap, PD_ERR_INVALID, "no configuration");
+    *out = NULL;
+    pd_node *n = calloc(1, sizeof(*n));
+    if (!n) return pd_errorf(msg, cap, PD_ERR_NOMEM, "out of memory");
+    n->cfg = *cfg_in;
+    own_config_strings(n);
     pthread_mutex_init(&n->mu, NULL);
     pthread_cond_init(&n->cv, NULL);
     atomic_init(&n->stopping, false);
@@ -564,113 +759,21 @@ pd_err pd_node_create(pd_node **out, const pd_node_config *cfg_in, char *msg, si
     n->ttft.bounds = ttft_bounds;
     n->itl.bounds = itl_bounds;
     n->e2e.bounds = ttft_bounds;
-    pd_err err;
-    /* The model. */
-    if (c->model_dir) {
-        err = pd_model_load(&n->model, c->model_dir, msg, cap);
-    } else {
-        pd_model_config mc;
-        err = pd_model_config_preset(&mc, c->model_preset ? c->model_preset : "tiny", msg, cap);
-        if (!err && c->layers) {
-            if (strlen(c->layers) > PD_MODEL_LAYERS_MAX) {
-                err = pd_errorf(msg, cap, PD_ERR_INVALID, "--layers: at most %d layers", PD_MODEL_LAYERS_MAX);
-            } else {
-                snprintf(mc.layers, sizeof(mc.layers), "%s", c->layers);
-                err = pd_model_config_check(&mc, msg, cap);
-            }
-        }
-        if (!err) err = pd_model_create_random(&n->model, &mc, c->seed, msg, cap);
-    }
+    pd_err err = create_model(n, msg, cap);
+    if (!err) err = check_sizes(&n->cfg, msg, cap);
     if (err) goto fail;
-    const pd_model_shape *shape = pd_model_shape_get(n->model);
-    /* Pools from the flags. */
-    if (c->page_size == 0 || c->page_size > 4096) {
-        err = pd_errorf(msg, cap, PD_ERR_INVALID, "--page-size must be in [1, 4096]");
-        goto fail;
-    }
-    if (c->max_total_tokens < c->page_size || c->max_running_requests == 0 || c->chunked_prefill_size == 0 ||
-        c->max_queued_requests == 0 || c->max_prompt_tokens == 0 || c->max_new_tokens_limit == 0) {
-        err = pd_errorf(msg, cap, PD_ERR_INVALID,
-                        "--max-total-tokens (>= page size), --max-running-requests, "
-                        "--chunked-prefill-size, --max-queued-requests, --max-prompt-tokens and "
-                        "--max-new-tokens must be positive");
-        goto fail;
-    }
-    pd_role role = c->role == PD_NODE_PREFILL ? PD_ROLE_PREFILL
-                 : c->role == PD_NODE_DECODE ? PD_ROLE_DECODE : PD_ROLE_COLOCATED;
+    pd_role role = engine_role(n->cfg.role);
     pd_engine_config ec;
-    pd_engine_config_default(&ec, role);
-    ec.page_size = c->page_size;
-    ec.kv_pages = PD_DIV_CEIL(c->max_total_tokens, c->page_size);
-    ec.rows = c->max_running_requests;
-    ec.mamba_slots = shape->n_mamba ? ec.rows * 4 + 4 : 0;
-    ec.requests_max = c->max_queued_requests;
-    ec.meta_rows = role == PD_ROLE_PREFILL ? c->max_queued_requests : ec.rows * 2;
-    ec.host_pages = c->host_cache_tokens / c->page_size;
-    ec.chunk_tokens = c->chunked_prefill_size;
-    ec.batch_max = PD_MIN(PD_MAX(ec.rows, 8u), 256u);
-    ec.prompt_tokens_max = c->max_prompt_tokens;
-    ec.new_tokens_max = c->max_new_tokens_limit;
-    ec.overlap = !c->disable_overlap;
-    ec.optimistic_attempts = c->optimistic_attempts;
-    ec.prefix_cache = !c->disable_prefix_cache;
-    ec.strict = c->strict;
-    ec.bootstrap_timeout_us = c->bootstrap_timeout_ms * 1000;
-    ec.transfer_timeout_us = c->transfer_timeout_ms * 1000;
-    n->meta_rows = ec.meta_rows;
-    n->meta = calloc(ec.meta_rows, sizeof(pd_meta_row));
-    n->requests_max = ec.requests_max;
-    n->calls = calloc(ec.requests_max, sizeof(call *));
-    n->cmds = calloc(CMDS_MAX, sizeof(cmd));
-    if (c->strict) n->strict_report = calloc(1, STRICT_REPORT_BYTES);
-    if (!n->meta || !n->calls || !n->cmds || (c->strict && !n->strict_report)) {
-        err = pd_errorf(msg, cap, PD_ERR_NOMEM, "out of memory");
-        goto fail;
-    }
+    engine_config_from(&n->cfg, pd_model_shape_get(n->model), &ec);
+    if ((err = alloc_tables(n, &ec, msg, cap))) goto fail;
     ec.meta_mem = n->meta;
-    /* The executor: the model behind an in-order stream with its own worker. */
-    err = pd_model_executor_create(&n->model_ex, n->model, ec.page_size, ec.kv_pages, ec.mamba_slots,
-                                   ec.host_pages, c->threads ? c->threads : 1, msg, cap);
-    if (err) goto fail;
-    if ((err = pd_stream_create(&n->stream, n->model_ex, ec.batch_max))) {
-        pd_errorf(msg, cap, err, "executor stream: out of memory");
-        goto fail;
-    }
-    /* The transport. */
+    if ((err = create_executor(n, &ec, msg, cap))) goto fail;
     pd_xfer xfer = {0};
-    if (role != PD_ROLE_COLOCATED) {
-        if (!strcmp(c->transfer_backend, "loopback")) {
-            if (!c->loopback) {
-                err = pd_errorf(msg, cap, PD_ERR_INVALID,
-                                "--transfer-backend loopback joins a prefill and a decode node inside one "
-                                "process (pdserve run); separate processes need --transfer-backend ucx");
-                goto fail;
-            }
-            xfer = pd_loopback_mt_endpoint(c->loopback, role == PD_ROLE_PREFILL ? PD_LB_PREFILL : PD_LB_DECODE);
-        } else if (!strcmp(c->transfer_backend, "ucx")) {
-            pd_net_config nc = {
-                .role = role == PD_ROLE_PREFILL ? PD_NET_PREFILL : PD_NET_DECODE,
-                .listen_host = c->bootstrap_host, .bootstrap_port = c->bootstrap_port,
-                .token = c->bootstrap_token, .page_size = c->page_size,
-                .rooms_max = c->max_queued_requests * 2 + 64,
-            };
-            if ((err = pd_net_create(&n->net, &nc, msg, cap))) goto fail;
-            xfer = pd_net_endpoint(n->net);
-        } else {
-            err = pd_errorf(msg, cap, PD_ERR_INVALID, "unknown --transfer-backend '%s' (loopback or ucx)",
-                            c->transfer_backend);
-            goto fail;
-        }
-    }
+    if ((err = create_transport(n, role, &xfer, msg, cap))) goto fail;
     pd_sink sink = {.vt = &node_sink_vt, .self = n};
     err = pd_engine_create(&n->eng, &ec, pd_stream_executor(n->stream), xfer, sink, msg, cap);
+    if (!err) err = register_memory(n, role, msg, cap);
     if (err) goto fail;
-    pd_exec_memory mem;
-    n->model_ex.vt->memory(n->model_ex.self, &mem);
-    if (role != PD_ROLE_COLOCATED && c->loopback && !strcmp(c->transfer_backend, "loopback"))
-        pd_loopback_mt_register(c->loopback, role == PD_ROLE_PREFILL ? PD_LB_PREFILL : PD_LB_DECODE, &mem,
-                                n->meta, n->meta_rows);
-    if (n->net && (err = pd_net_register(n->net, &mem, n->meta, n->meta_rows, msg, cap))) goto fail;
     *out = n;
     return PD_OK;
 fail:
@@ -711,7 +814,8 @@ void pd_node_destroy(pd_node *n) {
             q->c->submitted = true;
             q->c->submit_err = PD_ERR_STATE;
             q->c->reject.status = 503;
-            snprintf(q->c->reject.message, sizeof(q->c->reject.message), "the server is shutting down");
+            snprintf(q->c->reject.message, sizeof(q->c->reject.message),
+                     "the server is shutting down");
             pthread_cond_broadcast(&q->c->cv);
             pthread_mutex_unlock(&q->c->mu);
             call_unref(q->c);

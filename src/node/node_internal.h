@@ -51,7 +51,9 @@ call *call_new(void);
 void call_ref(call *c);
 void call_unref(call *c);
 
-typedef enum cmd_kind { CMD_SUBMIT, CMD_ABORT, CMD_ABORT_ALL, CMD_INFO, CMD_METRICS, CMD_CANCEL_ROOM } cmd_kind;
+typedef enum cmd_kind {
+    CMD_SUBMIT, CMD_ABORT, CMD_ABORT_ALL, CMD_INFO, CMD_METRICS, CMD_CANCEL_ROOM
+} cmd_kind;
 
 /* A command with a synchronous answer (the HTTP thread waits on it). */
 typedef struct cmd_reply {
@@ -92,7 +94,8 @@ bool node_stopping(const struct pd_node *n);
 
 /* http.c */
 typedef struct http_server http_server;
-pd_err http_start(struct pd_node *n, http_server **out, uint16_t *bound_port, char *msg, size_t cap);
+pd_err http_start(struct pd_node *n, http_server **out, uint16_t *bound_port, char *msg,
+                  size_t cap);
 void http_stop(http_server *h);
 
 #endif
