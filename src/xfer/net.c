@@ -171,7 +171,14 @@ typedef struct req_ctx {
     uint32_t room, gen;
 } req_ctx;
 
-typedef enum peer_state { PS_FREE = 0, PS_RESOLVE, PS_CONNECTING, PS_HELLO, PS_READY, PS_CLOSING } peer_state;
+typedef enum peer_state {
+    PS_FREE = 0,
+    PS_RESOLVE,
+    PS_CONNECTING,
+    PS_HELLO,
+    PS_READY,
+    PS_CLOSING
+} peer_state;
 
 typedef struct peer {
     pd_net *net;
@@ -325,7 +332,8 @@ static uint32_t room_victim(pd_net *n) {
     uint32_t best = NONE;
     for (uint32_t r = 0; r < n->cfg.rooms_max; r++) {
         room *rm = &n->rooms[r];
-        if (!rm->used || rm->puts_out || rm->flush_out || rm->q_head != NONE || rm->note != N_NONE) continue;
+        if (!rm->used || rm->puts_out || rm->flush_out || rm->q_head != NONE || rm->note != N_NONE)
+            continue;
         bool tomb = rm->closed || (!rm->open && rm->st == PD_XFER_FAILED);
         if (!tomb) continue;
         if (best == NONE || rm->t_ms < n->rooms[best].t_ms) best = r;
@@ -405,7 +413,8 @@ static void room_try_release(pd_net *n, room *rm) {
 static peer *peer_of(pd_net *n, const room *rm) {
     if (rm->peer == NONE) return NULL;
     peer *p = &n->peers[rm->peer];
-    if (p->gen != rm->peer_gen || p->state == PS_FREE || p->state == PS_CLOSING || p->closing_after_tx)
+    if (p->gen != rm->peer_gen || p->state == PS_FREE || p->state == PS_CLOSING ||
+        p->closing_after_tx)
         return NULL;
     return p;
 }
@@ -423,7 +432,8 @@ static void stages_drop(pd_net *n, room *rm) {
     rm->q_head = rm->q_tail = NONE;
 }
 
-static void stage_push(pd_net *n, room *rm, uint32_t reg, uint32_t src, uint32_t dst, uint32_t units) {
+static void stage_push(pd_net *n, room *rm, uint32_t reg, uint32_t src, uint32_t dst,
+                       uint32_t units) {
     PD_ASSERT(n->stage_free != NONE && n->stages_avail > 0);
     uint32_t s = n->stage_free;
     n->stage_free = n->stages[s].next;
@@ -435,7 +445,8 @@ static void stage_push(pd_net *n, room *rm, uint32_t reg, uint32_t src, uint32_t
 }
 
 /* Runs of consecutive source pages landing on consecutive destination pages. */
-static uint32_t count_runs(const room *rm, uint32_t base, uint32_t first, const uint32_t *src, uint32_t cnt) {
+static uint32_t count_runs(const room *rm, uint32_t base, uint32_t first, const uint32_t *src,
+                           uint32_t cnt) {
     uint32_t runs = 0;
     for (uint32_t i = 0; i < cnt; i++) {
         uint32_t dst = rm->dest[first - base + i];
@@ -444,11 +455,13 @@ static uint32_t count_runs(const room *rm, uint32_t base, uint32_t first, const 
     return runs;
 }
 
-static void stage_runs(pd_net *n, room *rm, uint32_t base, uint32_t first, const uint32_t *src, uint32_t cnt) {
+static void stage_runs(pd_net *n, room *rm, uint32_t base, uint32_t first, const uint32_t *src,
+                       uint32_t cnt) {
     uint32_t i = 0;
     while (i < cnt) {
         uint32_t j = i + 1;
-        while (j < cnt && src[j] == src[j - 1] + 1 && rm->dest[first - base + j] == rm->dest[first - base + j - 1] + 1)
+        while (j < cnt && src[j] == src[j - 1] + 1 &&
+               rm->dest[first - base + j] == rm->dest[first - base + j - 1] + 1)
             j++;
         stage_push(n, rm, REG_KV, src[i], rm->dest[first - base + i], j - i);
         i = j;
@@ -501,12 +514,13 @@ static bool send_room_msg(pd_net *n, uint32_t pi, bp_type type, uint64_t room_id
 static void send_error(pd_net *n, uint32_t pi, bp_code code, bool has_room, uint64_t room_id,
                        const char *text) {
     peer *p = &n->peers[pi];
-    uint8_t *b = tx_reserve(p, BP_HEADER_BYTES + 16 + BP_ERROR_TEXT_MAX);
+    size_t max = BP_HEADER_BYTES + 16 + BP_ERROR_TEXT_MAX;
+    uint8_t *b = tx_reserve(p, max);
     if (!b) {
         peer_fail(n, pi, "send queue full: the peer does not read");
         return;
     }
-    tx_commit(n, p, bp_error_write(b, BP_HEADER_BYTES + 16 + BP_ERROR_TEXT_MAX, code, has_room, room_id, text));
+    tx_commit(n, p, bp_error_write(b, max, code, has_room, room_id, text));
     n->stats.error_replies++;
 }
 
@@ -525,7 +539,8 @@ static void refuse_conn(pd_net *n, uint32_t pi, bp_code code, const char *text) 
 /* A room-level refusal: counted, answered, the connection stays. */
 static void refuse_room(pd_net *n, uint32_t pi, bp_code code, uint64_t room_id, const char *text) {
     n->stats.bad_messages++;
-    net_log(n, "pd_net: refusing room %llu from %s: %s", (unsigned long long)room_id, n->peers[pi].addr, text);
+    net_log(n, "pd_net: refusing room %llu from %s: %s", (unsigned long long)room_id,
+            n->peers[pi].addr, text);
     send_error(n, pi, code, true, room_id, text);
 }
 
@@ -586,7 +601,8 @@ static void peer_fail(pd_net *n, uint32_t pi, const char *why) {
         mark_dirty(n, rm);
     }
     if (p->ep) {
-        ucp_request_param_t prm = {.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS, .flags = UCP_EP_CLOSE_FLAG_FORCE};
+        ucp_request_param_t prm = {.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS,
+                                   .flags = UCP_EP_CLOSE_FLAG_FORCE};
         void *req = ucp_ep_close_nbx(p->ep, &prm);
         p->ep = NULL;
         if (UCS_PTR_IS_PTR(req)) {
@@ -772,7 +788,7 @@ static bool send_dest(pd_net *n, uint32_t pi, room *rm) {
         return false;
     }
     size_t len = bp_dest_write(b, max, rm->id, rm->prompt, rm->cached, rm->mamba_slot, rm->meta_row,
-                                  rm->dest, rm->n_dest);
+                               rm->dest, rm->n_dest);
     PD_ASSERT(len == max);
     tx_commit(n, p, len);
     rm->dest_sent = true;
@@ -823,6 +839,75 @@ static bool token_ok(const pd_net *n, const bp_hello *h) {
     return diff == 0;
 }
 
+/* The decode node's memory must be laid out as this node's: same page size,
+ * metadata rows, KV page bytes and (where both have Mamba layers) slot bytes.
+ * False, with the reason in why, if not. */
+static bool hello_layout_matches(const pd_net *n, const bp_hello *h, char *why, size_t cap) {
+    if (h->page_size != n->cfg.page_size) {
+        snprintf(why, cap, "page size %u, this node uses %u", h->page_size, n->cfg.page_size);
+        return false;
+    }
+    if (h->meta_row_bytes != sizeof(pd_meta_row) || h->region[REG_META].units == 0 ||
+        h->region[REG_META].unit_bytes != sizeof(pd_meta_row)) {
+        snprintf(why, cap, "metadata rows differ from this node's");
+        return false;
+    }
+    if (h->region[REG_KV].units == 0 || h->region[REG_KV].unit_bytes != n->unit[REG_KV]) {
+        snprintf(why, cap, "KV page bytes %llu, this node uses %zu",
+                 (unsigned long long)h->region[REG_KV].unit_bytes, n->unit[REG_KV]);
+        return false;
+    }
+    if (h->region[REG_MAMBA].units && n->units[REG_MAMBA] &&
+        h->region[REG_MAMBA].unit_bytes != n->unit[REG_MAMBA]) {
+        snprintf(why, cap, "Mamba slot bytes differ from this node's");
+        return false;
+    }
+    return true;
+}
+
+/* An endpoint to the decode node's worker, in peer-failure mode where the
+ * transports allow it, else in mode NONE. Once peer mode has failed, or if
+ * the transports are shared-memory only (ucx_init), NONE is asked at once. */
+static ucs_status_t peer_ep_create(pd_net *n, peer *p, const bp_hello *h) {
+    /* The worker address and keys are opaque to us; UCX parses them. */
+    ucp_ep_params_t ep = {
+        .field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
+                      UCP_EP_PARAM_FIELD_ERR_HANDLER,
+        .address = (const ucp_address_t *)h->worker_addr,
+        .err_mode = UCP_ERR_HANDLING_MODE_PEER,
+        .err_handler = {.cb = ep_error_cb, .arg = p},
+    };
+    ucs_status_t st = UCS_ERR_UNSUPPORTED;
+    if (!n->no_peer_mode) st = ucp_ep_create(n->worker, &ep, &p->ep);
+    if (st != UCS_OK) {
+        ep.err_mode = UCP_ERR_HANDLING_MODE_NONE;
+        st = ucp_ep_create(n->worker, &ep, &p->ep);
+        if (st == UCS_OK) {
+            n->no_peer_mode = true;
+            p->ep_no_peer_mode = true;
+            n->stats.peers_without_peer_errors++;
+        }
+    }
+    if (st != UCS_OK) p->ep = NULL;
+    return st;
+}
+
+/* Records the decode node's regions and unpacks their remote keys; false if
+ * a key does not unpack. */
+static bool peer_regions_set(peer *p, const bp_hello *h) {
+    for (int r = 0; r < REG_N; r++) {
+        p->rbase[r] = h->region[r].base;
+        p->runit[r] = h->region[r].unit_bytes;
+        p->runits[r] = h->region[r].units;
+        if (!h->region[r].units) continue;
+        if (ucp_ep_rkey_unpack(p->ep, h->region[r].rkey, &p->rkey[r]) != UCS_OK) {
+            p->rkey[r] = NULL;
+            return false;
+        }
+    }
+    return true;
+}
+
 static void on_hello(pd_net *n, uint32_t pi, const uint8_t *pl, uint32_t len) {
     peer *p = &n->peers[pi];
     bp_hello h;
@@ -839,62 +924,20 @@ static void on_hello(pd_net *n, uint32_t pi, const uint8_t *pl, uint32_t len) {
         return;
     }
     char why[160];
-    if (h.page_size != n->cfg.page_size) {
-        snprintf(why, sizeof(why), "page size %u, this node uses %u", h.page_size, n->cfg.page_size);
+    if (!hello_layout_matches(n, &h, why, sizeof(why))) {
         refuse_conn(n, pi, BP_E_MISMATCH, why);
         return;
     }
-    if (h.meta_row_bytes != sizeof(pd_meta_row) || h.region[REG_META].units == 0 ||
-        h.region[REG_META].unit_bytes != sizeof(pd_meta_row)) {
-        refuse_conn(n, pi, BP_E_MISMATCH, "metadata rows differ from this node's");
-        return;
-    }
-    if (h.region[REG_KV].units == 0 || h.region[REG_KV].unit_bytes != n->unit[REG_KV]) {
-        snprintf(why, sizeof(why), "KV page bytes %llu, this node uses %zu",
-                 (unsigned long long)h.region[REG_KV].unit_bytes, n->unit[REG_KV]);
-        refuse_conn(n, pi, BP_E_MISMATCH, why);
-        return;
-    }
-    if (h.region[REG_MAMBA].units && n->units[REG_MAMBA] && h.region[REG_MAMBA].unit_bytes != n->unit[REG_MAMBA]) {
-        refuse_conn(n, pi, BP_E_MISMATCH, "Mamba slot bytes differ from this node's");
-        return;
-    }
-    /* The worker address and keys are opaque to us; UCX parses them. */
-    ucp_ep_params_t ep = {
-        .field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
-                      UCP_EP_PARAM_FIELD_ERR_HANDLER,
-        .address = (const ucp_address_t *)h.worker_addr,
-        .err_mode = UCP_ERR_HANDLING_MODE_PEER,
-        .err_handler = {.cb = ep_error_cb, .arg = p},
-    };
-    ucs_status_t st = UCS_ERR_UNSUPPORTED;
-    if (!n->no_peer_mode) st = ucp_ep_create(n->worker, &ep, &p->ep);
+    ucs_status_t st = peer_ep_create(n, p, &h);
     if (st != UCS_OK) {
-        ep.err_mode = UCP_ERR_HANDLING_MODE_NONE;
-        st = ucp_ep_create(n->worker, &ep, &p->ep);
-        if (st == UCS_OK) {
-            n->no_peer_mode = true;
-            p->ep_no_peer_mode = true;
-            n->stats.peers_without_peer_errors++;
-        }
-    }
-    if (st != UCS_OK) {
-        p->ep = NULL;
-        snprintf(why, sizeof(why), "no UCX path to the decode node's worker: %s", ucs_status_string(st));
+        snprintf(why, sizeof(why), "no UCX path to the decode node's worker: %s",
+                 ucs_status_string(st));
         refuse_conn(n, pi, BP_E_UCX, why);
         return;
     }
-    for (int r = 0; r < REG_N; r++) {
-        p->rbase[r] = h.region[r].base;
-        p->runit[r] = h.region[r].unit_bytes;
-        p->runits[r] = h.region[r].units;
-        if (!h.region[r].units) continue;
-        st = ucp_ep_rkey_unpack(p->ep, h.region[r].rkey, &p->rkey[r]);
-        if (st != UCS_OK) {
-            p->rkey[r] = NULL;
-            refuse_conn(n, pi, BP_E_MALFORMED, "a remote key does not unpack");
-            return;
-        }
+    if (!peer_regions_set(p, &h)) {
+        refuse_conn(n, pi, BP_E_MALFORMED, "a remote key does not unpack");
+        return;
     }
     p->node_id = h.node_id;
     uint8_t *b = tx_reserve(p, BP_HEADER_BYTES + 16);
@@ -914,13 +957,17 @@ static void on_hello(pd_net *n, uint32_t pi, const uint8_t *pl, uint32_t len) {
 static const char *dest_problem(const pd_net *n, const peer *p, const bp_dest *d) {
     uint32_t ps = n->cfg.page_size;
     if (d->prompt_tokens == 0) return "empty prompt";
-    if (d->cached_tokens % ps || d->cached_tokens > d->prompt_tokens) return "cached prefix not a page multiple within the prompt";
-    if (d->n_pages != PD_DIV_CEIL(d->prompt_tokens, ps) - d->cached_tokens / ps) return "page count does not match the prompt";
+    if (d->cached_tokens % ps || d->cached_tokens > d->prompt_tokens)
+        return "cached prefix not a page multiple within the prompt";
+    if (d->n_pages != PD_DIV_CEIL(d->prompt_tokens, ps) - d->cached_tokens / ps)
+        return "page count does not match the prompt";
     for (uint32_t i = 0; i < d->n_pages; i++)
         if (bp_dest_page(d, i) >= p->runits[REG_KV]) return "destination page out of range";
     if (d->meta_row >= p->runits[REG_META]) return "metadata row out of range";
-    if (d->mamba_slot != BP_NONE && d->mamba_slot >= p->runits[REG_MAMBA]) return "Mamba slot out of range";
-    if ((d->mamba_slot != BP_NONE) != (n->units[REG_MAMBA] > 0)) return "Mamba slot given for a model without one, or missing";
+    if (d->mamba_slot != BP_NONE && d->mamba_slot >= p->runits[REG_MAMBA])
+        return "Mamba slot out of range";
+    if ((d->mamba_slot != BP_NONE) != (n->units[REG_MAMBA] > 0))
+        return "Mamba slot given for a model without one, or missing";
     return NULL;
 }
 
@@ -940,7 +987,8 @@ static void on_dest(pd_net *n, uint32_t pi, const uint8_t *pl, uint32_t len) {
     if (r != NONE) {
         room *rm = &n->rooms[r];
         if (rm->dest_known || rm->peer != NONE) {
-            refuse_room(n, pi, BP_E_ROOM_DUPLICATE, d.room, "a destination for this room already exists");
+            refuse_room(n, pi, BP_E_ROOM_DUPLICATE, d.room,
+                        "a destination for this room already exists");
             return;
         }
         if (rm->early_abort || rm->st == PD_XFER_FAILED) {
@@ -1009,7 +1057,8 @@ static void on_decode_abort(pd_net *n, uint32_t pi, uint64_t room_id) {
         return;
     }
     if (rm->peer != pi || rm->peer_gen != p->gen) {
-        refuse_room(n, pi, BP_E_ROOM_UNKNOWN, room_id, "this connection holds no destination for the room");
+        refuse_room(n, pi, BP_E_ROOM_UNKNOWN, room_id,
+                    "this connection holds no destination for the room");
         return;
     }
     rm->r_aborted = true;
@@ -1114,12 +1163,13 @@ static void on_error_msg(pd_net *n, uint32_t pi, const uint8_t *pl, uint32_t len
     text[e.text_len] = 0;
     if (!e.has_room) {
         char why[BP_ERROR_TEXT_MAX + 64];
-        snprintf(why, sizeof(why), "peer refused the connection: %s (%s)", text, bp_code_name(e.code));
+        snprintf(why, sizeof(why), "peer refused the connection: %s (%s)", text,
+                 bp_code_name(e.code));
         peer_fail(n, pi, why);
         return;
     }
-    net_log(n, "pd_net: %s refused room %llu: %s (%s)", n->peers[pi].addr, (unsigned long long)e.room, text,
-            bp_code_name(e.code));
+    net_log(n, "pd_net: %s refused room %llu: %s (%s)", n->peers[pi].addr,
+            (unsigned long long)e.room, text, bp_code_name(e.code));
     if (n->cfg.role == PD_NET_DECODE) {
         /* The prefill refused our destination: it will never write to it. */
         room *rm = own_room(n, pi, e.room);
@@ -1173,18 +1223,21 @@ static void peer_parse(pd_net *n, uint32_t pi) {
     peer *p = &n->peers[pi];
     uint32_t gen = p->gen;
     size_t off = 0;
-    while (p->state != PS_FREE && p->gen == gen && !p->closing_after_tx && p->rx_len - off >= BP_HEADER_BYTES) {
+    while (p->state != PS_FREE && p->gen == gen && !p->closing_after_tx &&
+           p->rx_len - off >= BP_HEADER_BYTES) {
         bp_header h;
         bp_code code;
         if (bp_header_check(p->rx + off, &h, &code) != PD_OK) {
             char why[96];
             if (code == BP_E_VERSION)
-                snprintf(why, sizeof(why), "protocol version %u not supported; this node speaks %u", h.version,
-                         BP_VERSION);
+                snprintf(why, sizeof(why), "protocol version %u not supported; this node speaks %u",
+                         h.version, BP_VERSION);
             else if (code == BP_E_TOO_BIG)
-                snprintf(why, sizeof(why), "%s of %u bytes is over the limit", bp_type_name(h.type), h.length);
+                snprintf(why, sizeof(why), "%s of %u bytes is over the limit", bp_type_name(h.type),
+                         h.length);
             else
-                snprintf(why, sizeof(why), "bad header (%s)", code == BP_E_MALFORMED ? "magic or flags" : "type");
+                snprintf(why, sizeof(why), "bad header (%s)",
+                         code == BP_E_MALFORMED ? "magic or flags" : "type");
             refuse_conn(n, pi, code, why);
             return;
         }
@@ -1284,7 +1337,8 @@ static void accept_all(pd_net *n) {
         p->fd = fd;
         p->state = PS_HELLO;
         char host[INET6_ADDRSTRLEN + 1] = "?", serv[16] = "?";
-        getnameinfo((struct sockaddr *)&sa, sl, host, sizeof(host), serv, sizeof(serv), NI_NUMERICHOST | NI_NUMERICSERV);
+        getnameinfo((struct sockaddr *)&sa, sl, host, sizeof(host), serv, sizeof(serv),
+                    NI_NUMERICHOST | NI_NUMERICSERV);
         snprintf(p->addr, sizeof(p->addr), "%s:%s", host, serv);
     }
 }
@@ -1354,7 +1408,8 @@ static void peer_connect(pd_net *n, uint32_t pi) {
         peer_fail(n, pi, "bad peer address (want host:port)");
         return;
     }
-    struct addrinfo hints = {.ai_family = AF_UNSPEC, .ai_socktype = SOCK_STREAM, .ai_flags = AI_NUMERICSERV};
+    struct addrinfo hints = {
+        .ai_family = AF_UNSPEC, .ai_socktype = SOCK_STREAM, .ai_flags = AI_NUMERICSERV};
     struct addrinfo *res = NULL;
     /* May block on DNS: the mutex is released meanwhile, so only the
      * progress thread waits, never the engine. The peer may be forgotten in
@@ -1436,12 +1491,15 @@ static void abandon_dead_writes(pd_net *n, uint64_t now) {
     uint32_t still = 0;
     for (uint32_t r = 0; r < n->cfg.rooms_max; r++) {
         room *rm = &n->rooms[r];
-        if (!rm->used || !rm->peer_lost || !rm->lost_unreliable || (!rm->puts_out && !rm->flush_out)) continue;
+        if (!rm->used || !rm->peer_lost || !rm->lost_unreliable ||
+            (!rm->puts_out && !rm->flush_out))
+            continue;
         if (since(now, rm->lost_ms) < n->cfg.drain_grace_ms) {
             still++;
             continue;
         }
-        net_log(n, "pd_net: room %llu: abandoning %u writes to a dead peer", (unsigned long long)rm->id, rm->puts_out);
+        net_log(n, "pd_net: room %llu: abandoning %u writes to a dead peer",
+                (unsigned long long)rm->id, rm->puts_out);
         n->stats.writes_abandoned += rm->puts_out + rm->flush_out;
         PD_ASSERT(n->ucx_out >= rm->puts_out + rm->flush_out);
         n->ucx_out -= rm->puts_out + rm->flush_out;
@@ -1457,13 +1515,15 @@ static void timers(pd_net *n, uint64_t now) {
         peer *p = &n->peers[pi];
         if (p->state == PS_FREE || p->state == PS_CLOSING || p->state == PS_RESOLVE) continue;
         if (p->closing_after_tx) {
-            if (since(now, p->t_state_ms) >= n->cfg.dead_after_ms) peer_fail(n, pi, "peer did not take our refusal");
+            if (since(now, p->t_state_ms) >= n->cfg.dead_after_ms)
+                peer_fail(n, pi, "peer did not take our refusal");
             continue;
         }
         if (p->state != PS_READY) {
             if (since(now, p->t_state_ms) >= n->cfg.dead_after_ms) {
                 if (p->rx_len > 0) n->stats.bad_messages++; /* a truncated message */
-                peer_fail(n, pi, p->state == PS_CONNECTING ? "connect timed out" : "handshake timed out");
+                bool connecting = p->state == PS_CONNECTING;
+                peer_fail(n, pi, connecting ? "connect timed out" : "handshake timed out");
             }
             continue;
         }
@@ -1507,8 +1567,8 @@ static void timers(pd_net *n, uint64_t now) {
         }
         for (uint32_t r = 0; r < n->cfg.rooms_max; r++) {
             room *rm = &n->rooms[r];
-            if (rm->used && rm->closed && since(now, rm->t_ms) >= n->cfg.orphan_ms && !rm->puts_out && !rm->flush_out &&
-                rm->q_head == NONE) {
+            if (rm->used && rm->closed && since(now, rm->t_ms) >= n->cfg.orphan_ms &&
+                !rm->puts_out && !rm->flush_out && rm->q_head == NONE) {
                 rm->note = N_NONE;
                 room_free(n, r);
             }
@@ -1564,7 +1624,8 @@ static int poll_timeout(pd_net *n, uint64_t now, bool *spinning) {
     for (uint32_t pi = 0; pi < n->cfg.peers_max; pi++) {
         peer *p = &n->peers[pi];
         if (p->state == PS_FREE) continue;
-        if (p->state == PS_CLOSING || p->state == PS_RESOLVE) return p->state == PS_RESOLVE ? 0 : POLL_BUSY_MS;
+        if (p->state == PS_CLOSING || p->state == PS_RESOLVE)
+            return p->state == PS_RESOLVE ? 0 : POLL_BUSY_MS;
         uint64_t d = p->t_state_ms + n->cfg.dead_after_ms;
         if (p->state == PS_READY && !p->closing_after_tx) {
             d = PD_MIN(p->last_rx_ms + n->cfg.dead_after_ms, p->last_tx_ms + n->cfg.heartbeat_ms);
@@ -1572,8 +1633,10 @@ static int poll_timeout(pd_net *n, uint64_t now, bool *spinning) {
         }
         t = PD_MIN(t, d > now ? d - now : 0);
     }
-    if (n->next_due_ms != UINT64_MAX) t = PD_MIN(t, n->next_due_ms > now ? n->next_due_ms - now : 0);
-    if (n->cfg.role == PD_NET_PREFILL) t = PD_MIN(t, n->next_scan_ms > now ? n->next_scan_ms - now : 0);
+    if (n->next_due_ms != UINT64_MAX)
+        t = PD_MIN(t, n->next_due_ms > now ? n->next_due_ms - now : 0);
+    if (n->cfg.role == PD_NET_PREFILL)
+        t = PD_MIN(t, n->next_scan_ms > now ? n->next_scan_ms - now : 0);
     if (n->ucx_out > 0) t = PD_MIN(t, POLL_BUSY_MS);
     /* Belt and braces for transports whose wake-up events are unreliable:
      * a decode node with connected prefill peers never naps for long while
@@ -1596,7 +1659,8 @@ static void *progress_main(void *arg) {
         /* Sends: notices queued above go out in this pass. */
         for (uint32_t pi = 0; pi < n->cfg.peers_max; pi++) {
             peer *p = &n->peers[pi];
-            if ((p->state == PS_HELLO || p->state == PS_READY) && p->tx_off < p->tx_len) peer_write(n, pi);
+            if ((p->state == PS_HELLO || p->state == PS_READY) && p->tx_off < p->tx_len)
+                peer_write(n, pi);
         }
         bool spinning;
         int timeout = poll_timeout(n, now, &spinning);
@@ -1628,7 +1692,8 @@ static void *progress_main(void *arg) {
             while (read(n->wake_rd, junk, sizeof(junk)) > 0) {}
         }
         if (n->listen_fd >= 0 && n->pfd[2].revents) n->listen_ready = true;
-        for (nfds_t i = first_peer; i < nf; i++) n->peers[n->pfd_peer[i - first_peer]].revents = n->pfd[i].revents;
+        for (nfds_t i = first_peer; i < nf; i++)
+            n->peers[n->pfd_peer[i - first_peer]].revents = n->pfd[i].revents;
     }
     pthread_mutex_unlock(&n->mu);
     return NULL;
@@ -1668,7 +1733,8 @@ static uint32_t v_sender_peer_cached(void *self, uint64_t id) {
 }
 
 /* Common checks for posting writes (mutex held). */
-static pd_err sendable(pd_net *n, uint64_t id, uint32_t first, const uint32_t *src, uint32_t cnt, room **out) {
+static pd_err sendable(pd_net *n, uint64_t id, uint32_t first, const uint32_t *src, uint32_t cnt,
+                       room **out) {
     if (n->cfg.role != PD_NET_PREFILL) return PD_ERR_STATE;
     uint32_t r = room_find(n, id);
     if (r == NONE) return PD_ERR_NOTFOUND;
@@ -1676,7 +1742,8 @@ static pd_err sendable(pd_net *n, uint64_t id, uint32_t first, const uint32_t *s
     if (!rm->open || rm->closed || rm->s_done || rm->final_staged) return PD_ERR_STATE;
     if (rm->st != PD_XFER_WAITING_FOR_INPUT && rm->st != PD_XFER_TRANSFERRING) return PD_ERR_STATE;
     uint32_t base = rm->cached / n->cfg.page_size;
-    if (cnt > 0 && (!src || first < base || first - base > rm->n_dest || cnt > rm->n_dest - (first - base)))
+    if (cnt > 0 &&
+        (!src || first < base || first - base > rm->n_dest || cnt > rm->n_dest - (first - base)))
         return PD_ERR_INVALID;
     for (uint32_t i = 0; i < cnt; i++)
         if (src[i] >= n->units[REG_KV]) return PD_ERR_INVALID;
@@ -1684,7 +1751,8 @@ static pd_err sendable(pd_net *n, uint64_t id, uint32_t first, const uint32_t *s
     return PD_OK;
 }
 
-static pd_err v_send_pages(void *self, uint64_t id, uint32_t first, const uint32_t *src, uint32_t cnt) {
+static pd_err v_send_pages(void *self, uint64_t id, uint32_t first, const uint32_t *src,
+                           uint32_t cnt) {
     pd_net *n = self;
     pthread_mutex_lock(&n->mu);
     room *rm = NULL;
@@ -1704,8 +1772,8 @@ static pd_err v_send_pages(void *self, uint64_t id, uint32_t first, const uint32
     return err;
 }
 
-static pd_err v_send_final(void *self, uint64_t id, uint32_t first, const uint32_t *src, uint32_t cnt,
-                           uint32_t mamba_slot, uint32_t meta_row) {
+static pd_err v_send_final(void *self, uint64_t id, uint32_t first, const uint32_t *src,
+                           uint32_t cnt, uint32_t mamba_slot, uint32_t meta_row) {
     pd_net *n = self;
     pthread_mutex_lock(&n->mu);
     room *rm = NULL;
@@ -1713,14 +1781,16 @@ static pd_err v_send_final(void *self, uint64_t id, uint32_t first, const uint32
     if (!err) {
         uint32_t ps = n->cfg.page_size, base = rm->cached / ps;
         if ((mamba_slot == PD_POOL_NONE) != (rm->mamba_slot == PD_POOL_NONE) ||
-            (mamba_slot != PD_POOL_NONE && mamba_slot >= n->units[REG_MAMBA]) || meta_row >= n->units[REG_META] ||
+            (mamba_slot != PD_POOL_NONE && mamba_slot >= n->units[REG_MAMBA]) ||
+            meta_row >= n->units[REG_META] ||
             (rm->prompt > rm->cached && first + cnt != PD_DIV_CEIL(rm->prompt, ps))) {
             err = PD_ERR_INVALID;
         } else if (count_runs(rm, base, first, src, cnt) + 3 > n->stages_avail) {
             err = PD_ERR_NOMEM;
         } else {
             stage_runs(n, rm, base, first, src, cnt);
-            if (mamba_slot != PD_POOL_NONE) stage_push(n, rm, REG_MAMBA, mamba_slot, rm->mamba_slot, 1);
+            if (mamba_slot != PD_POOL_NONE)
+                stage_push(n, rm, REG_MAMBA, mamba_slot, rm->mamba_slot, 1);
             stage_push(n, rm, REG_META, meta_row, rm->meta_row, 1);
             stage_push(n, rm, STAGE_FINAL, 0, 0, 0);
             rm->final_staged = true;
@@ -1737,7 +1807,8 @@ static pd_err v_send_final(void *self, uint64_t id, uint32_t first, const uint32
 static uint32_t peer_for_addr(pd_net *n, const char *addr) {
     for (uint32_t i = 0; i < n->cfg.peers_max; i++) {
         peer *p = &n->peers[i];
-        if (p->state != PS_FREE && p->state != PS_CLOSING && !p->closing_after_tx && !strcmp(p->addr, addr))
+        if (p->state != PS_FREE && p->state != PS_CLOSING && !p->closing_after_tx &&
+            !strcmp(p->addr, addr))
             return i;
     }
     uint32_t pi = peer_alloc(n);
@@ -1752,16 +1823,19 @@ static uint32_t peer_for_addr(pd_net *n, const char *addr) {
 static void peer_forget_if_unused(pd_net *n, uint32_t pi) {
     if (pi == NONE || n->peers[pi].state != PS_RESOLVE) return;
     for (uint32_t i = 0; i < n->cfg.rooms_max; i++)
-        if (n->rooms[i].used && n->rooms[i].peer == pi && n->rooms[i].peer_gen == n->peers[pi].gen) return;
+        if (n->rooms[i].used && n->rooms[i].peer == pi && n->rooms[i].peer_gen == n->peers[pi].gen)
+            return;
     peer_release(n, &n->peers[pi]);
 }
 
 static bool addr_ok(const char *addr) {
     char host[PEER_ADDR_MAX], port[16];
-    return addr && strlen(addr) < PEER_ADDR_MAX && split_addr(addr, host, sizeof(host), port, sizeof(port));
+    return addr && strlen(addr) < PEER_ADDR_MAX &&
+        split_addr(addr, host, sizeof(host), port, sizeof(port));
 }
 
-static pd_err v_receiver_open(void *self, uint64_t id, const char *peer_addr, const pd_xfer_dest *dest) {
+static pd_err v_receiver_open(void *self, uint64_t id, const char *peer_addr,
+                              const pd_xfer_dest *dest) {
     pd_net *n = self;
     if (n->cfg.role != PD_NET_DECODE || !n->registered) return PD_ERR_STATE;
     uint32_t ps = n->cfg.page_size;
@@ -1997,32 +2071,75 @@ static bool tls_shm_only(const char *tls) {
     return true;
 }
 
-static pd_err ucx_init(pd_net *n, char *msg, size_t cap) {
+/* UCX's configuration as this node uses it: UCX_* environment variables,
+ * which UCX reads itself, with this node's ucx_tls / ucx_net_devices over them. */
+static pd_err ucx_config_make(const pd_net *n, ucp_config_t **out, char *msg, size_t cap) {
     ucp_config_t *uc;
     ucs_status_t st = ucp_config_read(NULL, NULL, &uc);
-    if (st != UCS_OK) return pd_errorf(msg, cap, PD_ERR_IO, "UCX config: %s", ucs_status_string(st));
-    if (n->cfg.ucx_tls && (st = ucp_config_modify(uc, "TLS", n->cfg.ucx_tls)) != UCS_OK) {
+    if (st != UCS_OK)
+        return pd_errorf(msg, cap, PD_ERR_IO, "UCX config: %s", ucs_status_string(st));
+    const char *tls = n->cfg.ucx_tls, *devices = n->cfg.ucx_net_devices;
+    if (tls && (st = ucp_config_modify(uc, "TLS", tls)) != UCS_OK) {
         ucp_config_release(uc);
-        return pd_errorf(msg, cap, PD_ERR_INVALID, "UCX TLS '%s': %s", n->cfg.ucx_tls, ucs_status_string(st));
+        return pd_errorf(msg, cap, PD_ERR_INVALID, "UCX TLS '%s': %s", tls, ucs_status_string(st));
     }
-    if (n->cfg.ucx_net_devices && (st = ucp_config_modify(uc, "NET_DEVICES", n->cfg.ucx_net_devices)) != UCS_OK) {
+    if (devices && (st = ucp_config_modify(uc, "NET_DEVICES", devices)) != UCS_OK) {
         ucp_config_release(uc);
-        return pd_errorf(msg, cap, PD_ERR_INVALID, "UCX NET_DEVICES '%s': %s", n->cfg.ucx_net_devices,
+        return pd_errorf(msg, cap, PD_ERR_INVALID, "UCX NET_DEVICES '%s': %s", devices,
                          ucs_status_string(st));
     }
+    *out = uc;
+    return PD_OK;
+}
+
+/* The transport list of a UCX configuration, as UCX_TLS syntax ("all" when
+ * nothing restricts it): ucx_tls if this node set one, else UCX_TLS as UCX
+ * read it. UCX has no getter for a single setting, so the configuration is
+ * printed into memory and its UCX_TLS line copied to out ("" if that fails). */
+static void ucx_config_tls(const ucp_config_t *uc, char *out, size_t cap) {
+    static const char key[] = "UCX_TLS=";
+    out[0] = '\0';
+    char *text = NULL;
+    size_t len = 0;
+    FILE *mem = open_memstream(&text, &len);
+    if (!mem) return;
+    ucp_config_print(uc, mem, NULL, UCS_CONFIG_PRINT_CONFIG);
+    if (fclose(mem) == 0 && text) {
+        const char *at = text;
+        while (at && strncmp(at, key, sizeof(key) - 1) != 0) {
+            at = strchr(at, '\n');
+            if (at) at++;
+        }
+        if (at) {
+            at += sizeof(key) - 1;
+            snprintf(out, cap, "%.*s", (int)strcspn(at, "\n"), at);
+        }
+    }
+    free(text);
+}
+
+static pd_err ucx_init(pd_net *n, char *msg, size_t cap) {
+    ucp_config_t *uc;
+    pd_err err = ucx_config_make(n, &uc, msg, cap);
+    if (err) return err;
+    char tls[256];
+    ucx_config_tls(uc, tls, sizeof(tls));
+    n->no_peer_mode = tls_shm_only(tls);
     ucp_params_t prm = {
-        .field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_NAME | UCP_PARAM_FIELD_REQUEST_SIZE,
+        .field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_NAME |
+            UCP_PARAM_FIELD_REQUEST_SIZE,
         .features = UCP_FEATURE_RMA | UCP_FEATURE_WAKEUP,
         .request_size = sizeof(req_ctx),
         .name = n->cfg.role == PD_NET_PREFILL ? "pdserve-prefill" : "pdserve-decode",
     };
-    st = ucp_init(&prm, uc, &n->ctx);
+    ucs_status_t st = ucp_init(&prm, uc, &n->ctx);
     ucp_config_release(uc);
     if (st != UCS_OK) {
         n->ctx = NULL;
         return pd_errorf(msg, cap, PD_ERR_IO, "UCX init: %s", ucs_status_string(st));
     }
-    ucp_worker_params_t wp = {.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE, .thread_mode = UCS_THREAD_MODE_SINGLE};
+    ucp_worker_params_t wp = {.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE,
+                              .thread_mode = UCS_THREAD_MODE_SINGLE};
     if ((st = ucp_worker_create(n->ctx, &wp, &n->worker)) != UCS_OK) {
         n->worker = NULL;
         return pd_errorf(msg, cap, PD_ERR_IO, "UCX worker: %s", ucs_status_string(st));
@@ -2034,10 +2151,9 @@ static pd_err ucx_init(pd_net *n, char *msg, size_t cap) {
         return pd_errorf(msg, cap, PD_ERR_IO, "UCX worker address: %s", ucs_status_string(st));
     }
     if (n->waddr_len > BP_WORKER_ADDR_MAX)
-        return pd_errorf(msg, cap, PD_ERR_TOOBIG, "UCX worker address of %zu bytes is over the protocol's limit",
+        return pd_errorf(msg, cap, PD_ERR_TOOBIG,
+                         "UCX worker address of %zu bytes is over the protocol's limit",
                          n->waddr_len);
-    const char *tls = n->cfg.ucx_tls ? n->cfg.ucx_tls : getenv("UCX_TLS");
-    n->no_peer_mode = tls_shm_only(tls);
     return PD_OK;
 }
 
@@ -2054,12 +2170,13 @@ static pd_err listen_init(pd_net *n, char *msg, size_t cap) {
     int fd = socket(res->ai_family, res->ai_socktype, res->ai_protocol);
     int one = 1;
     if (fd >= 0) setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
-    if (fd < 0 || bind(fd, res->ai_addr, res->ai_addrlen) != 0 || listen(fd, 128) != 0 || !set_nonblocking(fd)) {
+    if (fd < 0 || bind(fd, res->ai_addr, res->ai_addrlen) != 0 || listen(fd, 128) != 0 ||
+        !set_nonblocking(fd)) {
         int e = errno;
         if (fd >= 0) close(fd);
         freeaddrinfo(res);
-        return pd_errorf(msg, cap, PD_ERR_IO, "bootstrap port %s:%u: %s", n->listen_host, n->cfg.bootstrap_port,
-                         strerror(e));
+        return pd_errorf(msg, cap, PD_ERR_IO, "bootstrap port %s:%u: %s", n->listen_host,
+                         n->cfg.bootstrap_port, strerror(e));
     }
     freeaddrinfo(res);
     struct sockaddr_storage sa;
@@ -2071,18 +2188,22 @@ static pd_err listen_init(pd_net *n, char *msg, size_t cap) {
     return PD_OK;
 }
 
-pd_err pd_net_create(pd_net **out, const pd_net_config *cfg, char *msg, size_t msg_cap) {
-    if (!out || !cfg) return pd_errorf(msg, msg_cap, PD_ERR_INVALID, "no config");
-    *out = NULL;
+/* What can be refused before anything is allocated. */
+static pd_err config_check(const pd_net_config *cfg, char *msg, size_t cap) {
     if (cfg->role != PD_NET_PREFILL && cfg->role != PD_NET_DECODE)
-        return pd_errorf(msg, msg_cap, PD_ERR_INVALID, "role must be prefill or decode");
-    if (cfg->page_size == 0) return pd_errorf(msg, msg_cap, PD_ERR_INVALID, "page_size must be positive");
+        return pd_errorf(msg, cap, PD_ERR_INVALID, "role must be prefill or decode");
+    if (cfg->page_size == 0)
+        return pd_errorf(msg, cap, PD_ERR_INVALID, "page_size must be positive");
     if (cfg->token && strlen(cfg->token) > BP_TOKEN_MAX)
-        return pd_errorf(msg, msg_cap, PD_ERR_INVALID, "token longer than %u bytes", BP_TOKEN_MAX);
-    pd_net *n = calloc(1, sizeof(*n));
-    if (!n) return pd_errorf(msg, msg_cap, PD_ERR_NOMEM, "out of memory");
+        return pd_errorf(msg, cap, PD_ERR_INVALID, "token longer than %u bytes", BP_TOKEN_MAX);
+    return PD_OK;
+}
+
+/* n->cfg: the caller's config with the documented defaults filled in, and the
+ * strings the transport keeps (listen host, token) copied into n. The UCX
+ * strings are cleared: ucx_init reads them while the caller's cfg is alive. */
+static void config_adopt(pd_net *n, const pd_net_config *cfg) {
     n->cfg = *cfg;
-    n->listen_fd = n->wake_rd = n->wake_wr = n->ucx_fd = -1;
     pd_net_config *c = &n->cfg;
     if (!c->rooms_max) c->rooms_max = 4096;
     if (!c->heartbeat_ms) c->heartbeat_ms = 1000;
@@ -2092,17 +2213,76 @@ pd_err pd_net_create(pd_net **out, const pd_net_config *cfg, char *msg, size_t m
     if (!c->drain_grace_ms) c->drain_grace_ms = c->dead_after_ms;
     if (!c->orphan_ms) c->orphan_ms = 60000;
     if (!c->spin_us) c->spin_us = 1000;
-    snprintf(n->listen_host, sizeof(n->listen_host), "%s", cfg->listen_host ? cfg->listen_host : "0.0.0.0");
+    snprintf(n->listen_host, sizeof(n->listen_host), "%s",
+             cfg->listen_host ? cfg->listen_host : "0.0.0.0");
     c->listen_host = n->listen_host;
     if (cfg->token) {
         n->token_len = strlen(cfg->token);
         memcpy(n->token, cfg->token, n->token_len);
     }
     c->token = n->token;
-    c->ucx_tls = c->ucx_net_devices = NULL; /* used only below, while cfg is alive */
-    pd_err err = PD_OK;
+    c->ucx_tls = c->ucx_net_devices = NULL;
+}
+
+/* Rooms, their hash index and free list, peers, page-run stages and the poll
+ * set, all sized once from the config. */
+static pd_err tables_alloc(pd_net *n, char *msg, size_t cap) {
+    const pd_net_config *c = &n->cfg;
+    uint32_t ht_cap = 16;
+    while (ht_cap < 2 * c->rooms_max) ht_cap *= 2;
+    n->ht_mask = ht_cap - 1;
+    n->rooms = calloc(c->rooms_max, sizeof(room));
+    n->room_ht = malloc(ht_cap * sizeof(uint32_t));
+    n->room_free = malloc(c->rooms_max * sizeof(uint32_t));
+    n->peers = calloc(c->peers_max, sizeof(peer));
+    n->stages = malloc(c->stages_max * sizeof(stage));
+    n->dirty = malloc(c->rooms_max * sizeof(uint32_t));
+    n->pfd = malloc((c->peers_max + 3) * sizeof(struct pollfd));
+    n->pfd_peer = malloc((c->peers_max + 3) * sizeof(uint32_t));
+    if (!n->rooms || !n->room_ht || !n->room_free || !n->peers || !n->stages || !n->dirty ||
+        !n->pfd || !n->pfd_peer)
+        return pd_errorf(msg, cap, PD_ERR_NOMEM, "out of memory for %u rooms", c->rooms_max);
+    memset(n->room_ht, 0xFF, ht_cap * sizeof(uint32_t));
+    for (uint32_t r = 0; r < c->rooms_max; r++) {
+        n->room_free[r] = c->rooms_max - 1 - r;
+        n->rooms[r].q_head = n->rooms[r].q_tail = NONE;
+    }
+    n->room_free_n = c->rooms_max;
+    for (uint32_t s = 0; s < c->stages_max; s++)
+        n->stages[s].next = s + 1 < c->stages_max ? s + 1 : NONE;
+    n->stage_free = 0;
+    n->stages_avail = c->stages_max;
+    for (uint32_t i = 0; i < c->peers_max; i++) {
+        n->peers[i].net = n;
+        n->peers[i].fd = -1;
+    }
+    return PD_OK;
+}
+
+/* The self-pipe other threads write to wake the progress thread. */
+static pd_err wake_pipe_init(pd_net *n, char *msg, size_t cap) {
+    int pfd[2];
+    if (pipe(pfd) != 0) return pd_errorf(msg, cap, PD_ERR_IO, "pipe: %s", strerror(errno));
+    n->wake_rd = pfd[0];
+    n->wake_wr = pfd[1];
+    if (!set_nonblocking(n->wake_rd) || !set_nonblocking(n->wake_wr))
+        return pd_errorf(msg, cap, PD_ERR_IO, "pipe: %s", strerror(errno));
+    return PD_OK;
+}
+
+pd_err pd_net_create(pd_net **out, const pd_net_config *cfg, char *msg, size_t msg_cap) {
+    if (!out || !cfg) return pd_errorf(msg, msg_cap, PD_ERR_INVALID, "no config");
+    *out = NULL;
+    pd_err err = config_check(cfg, msg, msg_cap);
+    if (err) return err;
+    pd_net *n = calloc(1, sizeof(*n));
+    if (!n) return pd_errorf(msg, msg_cap, PD_ERR_NOMEM, "out of memory");
+    n->listen_fd = n->wake_rd = n->wake_wr = n->ucx_fd = -1;
+    config_adopt(n, cfg);
+    pd_net_config *c = &n->cfg;
     if (c->dead_after_ms <= c->heartbeat_ms) {
-        err = pd_errorf(msg, msg_cap, PD_ERR_INVALID, "dead_after_ms (%llu) must exceed heartbeat_ms (%llu)",
+        err = pd_errorf(msg, msg_cap, PD_ERR_INVALID,
+                        "dead_after_ms (%llu) must exceed heartbeat_ms (%llu)",
                         (unsigned long long)c->dead_after_ms, (unsigned long long)c->heartbeat_ms);
         goto fail;
     }
@@ -2110,48 +2290,11 @@ pd_err pd_net_create(pd_net **out, const pd_net_config *cfg, char *msg, size_t m
         free(n);
         return pd_errorf(msg, msg_cap, PD_ERR_NOMEM, "mutex");
     }
-    uint32_t cap = 16;
-    while (cap < 2 * c->rooms_max) cap *= 2;
-    n->ht_mask = cap - 1;
-    n->rooms = calloc(c->rooms_max, sizeof(room));
-    n->room_ht = malloc(cap * sizeof(uint32_t));
-    n->room_free = malloc(c->rooms_max * sizeof(uint32_t));
-    n->peers = calloc(c->peers_max, sizeof(peer));
-    n->stages = malloc(c->stages_max * sizeof(stage));
-    n->dirty = malloc(c->rooms_max * sizeof(uint32_t));
-    n->pfd = malloc((c->peers_max + 3) * sizeof(struct pollfd));
-    n->pfd_peer = malloc((c->peers_max + 3) * sizeof(uint32_t));
-    if (!n->rooms || !n->room_ht || !n->room_free || !n->peers || !n->stages || !n->dirty || !n->pfd || !n->pfd_peer) {
-        err = pd_errorf(msg, msg_cap, PD_ERR_NOMEM, "out of memory for %u rooms", c->rooms_max);
-        goto fail;
-    }
-    memset(n->room_ht, 0xFF, cap * sizeof(uint32_t));
-    for (uint32_t r = 0; r < c->rooms_max; r++) {
-        n->room_free[r] = c->rooms_max - 1 - r;
-        n->rooms[r].q_head = n->rooms[r].q_tail = NONE;
-    }
-    n->room_free_n = c->rooms_max;
-    for (uint32_t s = 0; s < c->stages_max; s++) n->stages[s].next = s + 1 < c->stages_max ? s + 1 : NONE;
-    n->stage_free = 0;
-    n->stages_avail = c->stages_max;
-    for (uint32_t i = 0; i < c->peers_max; i++) {
-        n->peers[i].net = n;
-        n->peers[i].fd = -1;
-    }
+    if ((err = tables_alloc(n, msg, msg_cap))) goto fail;
     n->next_due_ms = UINT64_MAX;
     uint64_t seed = now_ms() ^ ((uint64_t)getpid() << 32) ^ (uint64_t)(uintptr_t)n;
     n->node_id = pd_splitmix64(&seed);
-    int pfd[2];
-    if (pipe(pfd) != 0) {
-        err = pd_errorf(msg, msg_cap, PD_ERR_IO, "pipe: %s", strerror(errno));
-        goto fail;
-    }
-    n->wake_rd = pfd[0];
-    n->wake_wr = pfd[1];
-    if (!set_nonblocking(n->wake_rd) || !set_nonblocking(n->wake_wr)) {
-        err = pd_errorf(msg, msg_cap, PD_ERR_IO, "pipe: %s", strerror(errno));
-        goto fail;
-    }
+    if ((err = wake_pipe_init(n, msg, msg_cap))) goto fail;
     c->ucx_tls = cfg->ucx_tls;
     c->ucx_net_devices = cfg->ucx_net_devices;
     err = ucx_init(n, msg, msg_cap);
@@ -2165,13 +2308,15 @@ fail:
     return err;
 }
 
-pd_err pd_net_register(pd_net *n, const pd_exec_memory *mem, pd_meta_row *meta, uint32_t meta_rows, char *msg,
-                       size_t msg_cap) {
+pd_err pd_net_register(pd_net *n, const pd_exec_memory *mem, pd_meta_row *meta, uint32_t meta_rows,
+                       char *msg, size_t msg_cap) {
     if (!n || !mem) return pd_errorf(msg, msg_cap, PD_ERR_INVALID, "no memory description");
-    if (n->registered || n->running) return pd_errorf(msg, msg_cap, PD_ERR_STATE, "memory is registered once, before start");
+    if (n->registered || n->running)
+        return pd_errorf(msg, msg_cap, PD_ERR_STATE, "memory is registered once, before start");
     if (!mem->kv || mem->kv_pages == 0 || mem->kv_page_bytes == 0)
         return pd_errorf(msg, msg_cap, PD_ERR_INVALID, "no KV pages to register");
-    if (!meta || meta_rows == 0) return pd_errorf(msg, msg_cap, PD_ERR_INVALID, "no metadata rows to register");
+    if (!meta || meta_rows == 0)
+        return pd_errorf(msg, msg_cap, PD_ERR_INVALID, "no metadata rows to register");
     if ((mem->mamba_slots > 0) != (mem->mamba != NULL && mem->mamba_slot_bytes > 0))
         return pd_errorf(msg, msg_cap, PD_ERR_INVALID, "Mamba region incomplete");
     n->base[REG_KV] = mem->kv;
@@ -2193,7 +2338,8 @@ pd_err pd_net_register(pd_net *n, const pd_exec_memory *mem, pd_meta_row *meta, 
         ucs_status_t st = ucp_mem_map(n->ctx, &mp, &n->memh[r]);
         if (st != UCS_OK) {
             n->memh[r] = NULL;
-            return pd_errorf(msg, msg_cap, PD_ERR_IO, "UCX memory registration: %s", ucs_status_string(st));
+            return pd_errorf(msg, msg_cap, PD_ERR_IO, "UCX memory registration: %s",
+                             ucs_status_string(st));
         }
         st = ucp_rkey_pack(n->ctx, n->memh[r], &n->rkey_buf[r], &n->rkey_len[r]);
         if (st != UCS_OK) {
@@ -2201,14 +2347,16 @@ pd_err pd_net_register(pd_net *n, const pd_exec_memory *mem, pd_meta_row *meta, 
             return pd_errorf(msg, msg_cap, PD_ERR_IO, "UCX remote key: %s", ucs_status_string(st));
         }
         if (n->rkey_len[r] == 0 || n->rkey_len[r] > BP_RKEY_MAX)
-            return pd_errorf(msg, msg_cap, PD_ERR_TOOBIG, "UCX remote key of %zu bytes", n->rkey_len[r]);
+            return pd_errorf(msg, msg_cap, PD_ERR_TOOBIG, "UCX remote key of %zu bytes",
+                             n->rkey_len[r]);
     }
     n->registered = true;
     return PD_OK;
 }
 
 pd_err pd_net_start(pd_net *n, char *msg, size_t msg_cap) {
-    if (!n || !n->registered) return pd_errorf(msg, msg_cap, PD_ERR_STATE, "register memory before start");
+    if (!n || !n->registered)
+        return pd_errorf(msg, msg_cap, PD_ERR_STATE, "register memory before start");
     if (n->running) return pd_errorf(msg, msg_cap, PD_ERR_STATE, "already started");
     if (pthread_create(&n->thread, NULL, progress_main, n) != 0)
         return pd_errorf(msg, msg_cap, PD_ERR_IO, "progress thread: %s", strerror(errno));
@@ -2273,7 +2421,8 @@ void pd_net_destroy(pd_net *n) {
     /* Single-threaded from here. Fail every connection: the forced endpoint
      * closes complete every outstanding put before memory goes away. */
     if (n->peers && n->rooms) {
-        for (uint32_t pi = 0; pi < n->cfg.peers_max; pi++) peer_fail(n, pi, "transport shutting down");
+        for (uint32_t pi = 0; pi < n->cfg.peers_max; pi++)
+            peer_fail(n, pi, "transport shutting down");
         /* Forced closes complete at once in peer-failure mode; requests a
          * mode-NONE endpoint left behind are released by the worker below. */
         uint64_t t0 = now_ms();
@@ -2293,7 +2442,8 @@ void pd_net_destroy(pd_net *n) {
             if ((!closing && n->ucx_out == 0) || since(now_ms(), t0) > 1000) break;
             nanosleep(&(struct timespec){.tv_nsec = 200000}, NULL);
         }
-        for (uint32_t r = 0; r < n->cfg.rooms_max; r++) n->rooms[r].gen++; /* late completions: ignored */
+        /* Late completions find a stale generation and are ignored. */
+        for (uint32_t r = 0; r < n->cfg.rooms_max; r++) n->rooms[r].gen++;
         ucx_settle(n, 1000);
         for (uint32_t r = 0; r < n->cfg.rooms_max; r++) free(n->rooms[r].dest);
     }
