@@ -29,6 +29,11 @@ typedef enum pd_node_role { PD_NODE_PREFILL, PD_NODE_DECODE, PD_NODE_SERVE } pd_
 
 const char *pd_node_role_name(pd_node_role r);
 
+/* Strict mode: receives the report of a failed ownership check, on the
+ * scheduler thread; the report is valid during the call only. The node
+ * prints nothing itself: where a report goes is its caller's choice. */
+typedef void (*pd_node_violation_fn)(void *ctx, pd_node_role role, const char *report);
+
 typedef struct pd_node_config {
     pd_node_role role;
     /* HTTP */
@@ -54,6 +59,9 @@ typedef struct pd_node_config {
     uint32_t host_cache_tokens;       /* host tier in tokens (default 0: off) */
     uint32_t optimistic_attempts;
     bool disable_overlap, disable_prefix_cache, strict;
+    pd_node_violation_fn on_violation; /* strict: the first reports (the count goes on in
+                                          /server_info and /metrics); NULL: none */
+    void *on_violation_ctx;
     uint64_t bootstrap_timeout_ms;    /* default 30000 */
     uint64_t transfer_timeout_ms;     /* default 60000 */
     /* transport (prefill / decode) */

@@ -30,6 +30,8 @@
 /* One strict-mode report: the violations and the attribution of every pool;
  * longer reports are cut (pd_strbuf), the count of violations is not. */
 #define STRICT_REPORT_BYTES (64u * 1024u)
+/* Failed strict-mode checks whose report goes to pd_node_config.on_violation. */
+#define STRICT_REPORTS_MAX 3
 
 typedef struct cmd {
     cmd_kind kind;
@@ -333,9 +335,11 @@ const char *node_strict_check(pd_node *n) {
     PD_ASSERT(n->cfg.strict && n->strict_report);
     pd_strbuf sb;
     pd_strbuf_init(&sb, n->strict_report, STRICT_REPORT_BYTES);
+    /* Every failure is counted; only the first few are handed on in full, so a
+     * broken invariant does not flood whoever reads them, one per step. */
     if (pd_engine_check(n->eng, &sb) != PD_OK) {
-        if (n->violations++ < 3) fprintf(stderr, "pdserve %s: ownership check failed:\n%s\n",
-                                         pd_node_role_name(n->cfg.role), n->strict_report);
+        if (n->violations++ < STRICT_REPORTS_MAX && n->cfg.on_violation)
+            n->cfg.on_violation(n->cfg.on_violation_ctx, n->cfg.role, n->strict_report);
     }
     PD_ASSERT(sb.len < STRICT_REPORT_BYTES && n->strict_report[sb.len] == '\0');
     return n->strict_report;

@@ -77,8 +77,10 @@ void node_cancel_room(struct pd_node *n, uint64_t room, const char *peer);
 pd_err node_command_wait(struct pd_node *n, cmd_kind kind, const char *rid, cmd_reply *reply);
 
 /* The strict-mode ownership check (pd_engine_check) of this node's engine:
- * returns the report, empty when the check passed. Scheduler thread only, or
- * before pd_node_start. The report stays valid until the node's next check. */
+ * returns the report, empty when the check passed. A failure is counted, and
+ * the first few reports go to the config's on_violation. Scheduler thread
+ * only, or before pd_node_start. The report stays valid until the node's
+ * next check. */
 const char *node_strict_check(struct pd_node *n);
 /* The node's engine, for white-box tests; the scheduler thread is its only
  * user once the node has started. */

@@ -102,10 +102,55 @@ static void concurrent_strict_checks_do_not_mix_reports(void **state) {
     node_free_leak(&b);
 }
 
+typedef struct violations_seen {
+    int calls;
+    pd_node_role role;
+    bool report_ok;          /* every report handed on was the node's own */
+    const strict_node *s;
+} violations_seen;
+
+static void record_violation(void *ctx, pd_node_role role, const char *report) {
+    violations_seen *v = ctx;
+    v->calls++;
+    v->role = role;
+    if (!report_is_own(v->s, report)) v->report_ok = false;
+}
+
+/* The node prints nothing: a failed check's report goes to the caller's
+ * on_violation, for the first three failures only; the checks go on failing
+ * (and being counted) after that. */
+static void failed_checks_reach_on_violation_three_times(void **state) {
+    (void)state;
+    strict_node a = {0}, b = {0};
+    violations_seen seen = {.report_ok = true, .s = &a};
+    pd_node_config cfg;
+    pd_node_config_default(&cfg, PD_NODE_DECODE);
+    cfg.strict = true;
+    cfg.max_total_tokens = 512;
+    cfg.max_running_requests = 4;
+    cfg.max_queued_requests = 8;
+    cfg.transfer_backend = "ucx";
+    cfg.on_violation = record_violation;
+    cfg.on_violation_ctx = &seen;
+    char msg[256] = "";
+    if (pd_node_create(&a.n, &cfg, msg, sizeof msg)) fail_msg("pd_node_create: %s", msg);
+    a.owner = 0xC0C0C0C0C0ull;
+    b.owner = 0xD0D0D0D0D0ull;
+    assert_ok(pd_ledger_alloc(pd_engine_ledger(node_engine(a.n)), 0, 1, a.owner, &a.page));
+    name_owners(&a, &b);
+    for (int i = 0; i < 5; i++) assert_true(report_is_own(&a, node_strict_check(a.n)));
+    assert_int_equal(seen.calls, 3);
+    assert_int_equal(seen.role, PD_NODE_DECODE);
+    assert_true(seen.report_ok);
+    node_free_leak(&a);
+    assert_int_equal(seen.calls, 3); /* a passing check hands nothing on */
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(each_node_keeps_its_own_strict_report),
         cmocka_unit_test(concurrent_strict_checks_do_not_mix_reports),
+        cmocka_unit_test(failed_checks_reach_on_violation_three_times),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
