@@ -110,8 +110,8 @@ static void attend(void *ctx, uint32_t begin, uint32_t end, uint32_t worker) {
 }
 
 uint64_t mdl_attention_forward(const pd_par *par, const pd_attn_dims *d, const pd_attn_weights *w,
-                              const float *in, float *out, uint32_t rows, const pd_attn_rows *r,
-                              float *kv, const pd_attn_scratch *s) {
+                               const float *in, float *out, uint32_t rows, const pd_attn_rows *r,
+                               float *kv, const pd_attn_scratch *s) {
     PD_ASSERT(d->heads % d->kv_heads == 0 && d->head_dim % 2 == 0 && d->layer < d->n_attn);
     const uint32_t D = d->head_dim, half = D / 2;
 
@@ -124,13 +124,15 @@ uint64_t mdl_attention_forward(const pd_par *par, const pd_attn_dims *d, const p
     uint64_t context = 0;
     for (uint32_t t = 0; t < rows; t++) {
         const float *c = r->rope_cos + (size_t)t * half, *sn = r->rope_sin + (size_t)t * half;
-        for (uint32_t h = 0; h < d->heads; h++) rope(s->q + (size_t)t * d->q_dim + (size_t)h * D, c, sn, D);
-        for (uint32_t h = 0; h < d->kv_heads; h++) rope(s->k + (size_t)t * d->kv_dim + (size_t)h * D, c, sn, D);
+        float *q = s->q + (size_t)t * d->q_dim, *k = s->k + (size_t)t * d->kv_dim;
+        const float *v = s->v + (size_t)t * d->kv_dim;
+        for (uint32_t h = 0; h < d->heads; h++) rope(q + (size_t)h * D, c, sn, D);
+        for (uint32_t h = 0; h < d->kv_heads; h++) rope(k + (size_t)h * D, c, sn, D);
         uint32_t pos = r->pos[t];
         uint32_t page = r->pages[t][pos / d->page_size], slot = pos % d->page_size;
         PD_ASSERT(page < d->kv_pages); /* page tables are checked at launch */
-        memcpy(mdl_kv_at(kv, d, page, slot, 0), s->k + (size_t)t * d->kv_dim, sizeof(float) * d->kv_dim);
-        memcpy(mdl_kv_at(kv, d, page, slot, 1), s->v + (size_t)t * d->kv_dim, sizeof(float) * d->kv_dim);
+        memcpy(mdl_kv_at(kv, d, page, slot, 0), k, sizeof(float) * d->kv_dim);
+        memcpy(mdl_kv_at(kv, d, page, slot, 1), v, sizeof(float) * d->kv_dim);
         context += pos + 1;
     }
 

@@ -97,14 +97,15 @@ static void exec_write_back(void *self, const uint32_t *dev, const uint32_t *hos
     }
 }
 
-static pd_err exec_load_begin(void *self, uint64_t load_id, const uint32_t *dev, const uint32_t *host,
-                              uint32_t n) {
+static pd_err exec_load_begin(void *self, uint64_t load_id, const uint32_t *dev,
+                              const uint32_t *host, uint32_t n) {
     (void)load_id;
     model_exec *e = self;
     pd_runner *r = e->runner;
     for (uint32_t i = 0; i < n; i++)
         if (dev[i] >= r->kv_pages || host[i] >= r->host_pages) return PD_ERR_INVALID;
-    for (uint32_t i = 0; i < n; i++) memcpy(kv_page(r, dev[i]), host_page(r, host[i]), r->kv_page_bytes);
+    for (uint32_t i = 0; i < n; i++)
+        memcpy(kv_page(r, dev[i]), host_page(r, host[i]), r->kv_page_bytes);
     return PD_OK;
 }
 
@@ -155,7 +156,7 @@ pd_err pd_model_executor_create(pd_executor *out, const pd_model *model, uint32_
     model_exec *e = calloc(1, sizeof(*e));
     if (!e) return pd_errorf(msg, msg_cap, PD_ERR_NOMEM, "out of memory");
     pd_err err = mdl_runner_create(&e->runner, model, page_size, kv_pages, mamba_slots, host_pages,
-                                  threads, msg, msg_cap);
+                                   threads, msg, msg_cap);
     if (err != PD_OK) {
         free(e);
         return err;

@@ -114,14 +114,16 @@ static void matmul_range(void *ctx, uint32_t begin, uint32_t end, uint32_t worke
         uint32_t o = begin;
         for (; o + 2 <= end; o += 2) {
             float r0[4], r1[4];
-            tile_2x4(j->w + o * in, j->w + (o + 1) * in, x, x + in, x + 2 * in, x + 3 * in, j->n_in, r0, r1);
+            tile_2x4(j->w + o * in, j->w + (o + 1) * in, x, x + in, x + 2 * in, x + 3 * in, j->n_in,
+                     r0, r1);
             for (uint32_t q = 0; q < 4; q++) {
                 out[q * on + o] = r0[q];
                 out[q * on + o + 1] = r1[q];
             }
         }
         for (; o < end; o++)
-            for (uint32_t q = 0; q < 4; q++) out[q * on + o] = mdl_dot(j->w + o * in, x + q * in, j->n_in);
+            for (uint32_t q = 0; q < 4; q++)
+                out[q * on + o] = mdl_dot(j->w + o * in, x + q * in, j->n_in);
     }
     /* the remaining rows, outputs in fours */
     for (uint32_t t = full; t < j->rows; t++) {
@@ -129,8 +131,8 @@ static void matmul_range(void *ctx, uint32_t begin, uint32_t end, uint32_t worke
         float *out = j->out + t * on;
         uint32_t o = begin;
         for (; o + 4 <= end; o += 4)
-            tile_4x1(j->w + o * in, j->w + (o + 1) * in, j->w + (o + 2) * in, j->w + (o + 3) * in, x, j->n_in,
-                     out + o);
+            tile_4x1(j->w + o * in, j->w + (o + 1) * in, j->w + (o + 2) * in, j->w + (o + 3) * in,
+                     x, j->n_in, out + o);
         for (; o < end; o++) out[o] = mdl_dot(j->w + o * in, x, j->n_in);
     }
 }

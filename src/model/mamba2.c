@@ -53,7 +53,7 @@ size_t mdl_mamba2_scratch_floats(const pd_mamba2_dims *d, uint32_t rows_max) {
 }
 
 void mdl_mamba2_scratch_bind(pd_mamba2_scratch *s, const pd_mamba2_dims *d, uint32_t rows_max,
-                            float *mem) {
+                             float *mem) {
     s->zxbcdt = mem;
     s->xbc = s->zxbcdt + (size_t)rows_max * d->in_proj;
     s->dt = s->xbc + (size_t)rows_max * d->conv_dim;
@@ -123,8 +123,8 @@ static void scan_heads(void *ctx, uint32_t begin, uint32_t end, uint32_t worker)
 }
 
 void mdl_mamba2_forward(const pd_par *par, const pd_mamba2_dims *d, const pd_mamba2_weights *w,
-                       const float *in, float *out, uint32_t rows, float *const *state,
-                       const pd_mamba2_scratch *s) {
+                        const float *in, float *out, uint32_t rows, float *const *state,
+                        const pd_mamba2_scratch *s) {
     PD_ASSERT(d->d_conv >= 2 && d->heads % d->groups == 0 && d->d_inner % d->groups == 0);
     mamba_job job = {d, w, s, state, rows};
 
@@ -135,10 +135,11 @@ void mdl_mamba2_forward(const pd_par *par, const pd_mamba2_dims *d, const pd_mam
     mdl_par_run(par, d->conv_dim, 2ull * rows * d->conv_dim * d->d_conv, conv_channels, &job);
 
     /* 3. step sizes */
-    for (uint32_t t = 0; t < rows; t++)
+    for (uint32_t t = 0; t < rows; t++) {
+        const float *dt_raw = s->zxbcdt + (size_t)t * d->in_proj + d->d_inner + d->conv_dim;
         for (uint32_t h = 0; h < d->heads; h++)
-            s->dt[(size_t)t * d->heads + h] =
-                mdl_softplus(s->zxbcdt[(size_t)t * d->in_proj + d->d_inner + d->conv_dim + h] + w->dt_bias[h]);
+            s->dt[(size_t)t * d->heads + h] = mdl_softplus(dt_raw[h] + w->dt_bias[h]);
+    }
 
     /* 4. the selective scan, advancing each row's ssm state */
     mdl_par_run(par, d->heads, 5ull * rows * d->d_inner * d->d_state, scan_heads, &job);
@@ -151,7 +152,7 @@ void mdl_mamba2_forward(const pd_par *par, const pd_mamba2_dims *d, const pd_mam
         for (uint32_t i = 0; i < d->d_inner; i++) y[i] = y[i] * mdl_silu(z[i]);
         for (uint32_t g = 0; g < d->groups; g++)
             mdl_rmsnorm(y + (size_t)g * group, y + (size_t)g * group, w->norm + (size_t)g * group,
-                       group, d->eps);
+                        group, d->eps);
     }
 
     /* 6. output projection */

@@ -76,8 +76,7 @@ struct pd_model {
 
 /* config.json: read and check, or write (config.c). */
 pd_err mdl_config_read(pd_model_config *cfg, const char *path, char *msg, size_t msg_cap);
-pd_err mdl_config_write(const pd_model_config *cfg, const char *path, char *msg,
-                             size_t msg_cap);
+pd_err mdl_config_write(const pd_model_config *cfg, const char *path, char *msg, size_t msg_cap);
 
 /* ---- Mamba2 mixer ---------------------------------------------------------- */
 
@@ -103,14 +102,14 @@ typedef struct pd_mamba2_scratch {
 
 size_t mdl_mamba2_scratch_floats(const pd_mamba2_dims *d, uint32_t rows_max);
 void mdl_mamba2_scratch_bind(pd_mamba2_scratch *s, const pd_mamba2_dims *d, uint32_t rows_max,
-                            float *mem);
+                             float *mem);
 
 /* The Mamba2 mixer over rows in order: in [rows][dim] -> out [rows][dim].
  * Row t reads and advances the layer state at state[t] (rows of one request
  * share a pointer and come in position order). */
 void mdl_mamba2_forward(const pd_par *par, const pd_mamba2_dims *d, const pd_mamba2_weights *w,
-                       const float *in, float *out, uint32_t rows, float *const *state,
-                       const pd_mamba2_scratch *s);
+                        const float *in, float *out, uint32_t rows, float *const *state,
+                        const pd_mamba2_scratch *s);
 
 /* ---- attention over the paged KV pool ------------------------------------- */
 
@@ -147,8 +146,8 @@ float *mdl_kv_at(float *kv, const pd_attn_dims *d, uint32_t page, uint32_t slot,
  * positions [0, pos] of its request. in [rows][dim] -> out [rows][dim].
  * Returns the FLOPs of the score and value sums. */
 uint64_t mdl_attention_forward(const pd_par *par, const pd_attn_dims *d, const pd_attn_weights *w,
-                              const float *in, float *out, uint32_t rows, const pd_attn_rows *r,
-                              float *kv, const pd_attn_scratch *s);
+                               const float *in, float *out, uint32_t rows, const pd_attn_rows *r,
+                               float *kv, const pd_attn_scratch *s);
 
 /* cos/sin of position pos for the head_dim / 2 rotation frequencies
  * base^(-2i / head_dim), computed in double and rounded once. */
@@ -162,6 +161,6 @@ void mdl_rope_angles(uint32_t pos, uint32_t head_dim, float base, float *cos_out
  * generator seeded by (seed, sample_index). *logprob is the model's
  * log-softmax of the token. probs and keys are vocab-sized scratch. */
 void mdl_sample(const float *logits, uint32_t vocab, const pd_sampling *sp, uint32_t sample_index,
-               float *probs, uint64_t *keys, int32_t *token, float *logprob);
+                float *probs, uint64_t *keys, int32_t *token, float *logprob);
 
 #endif

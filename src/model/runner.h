@@ -59,19 +59,19 @@ typedef struct pd_runner {
 } pd_runner;
 
 pd_err mdl_runner_create(pd_runner **out, const pd_model *model, uint32_t page_size,
-                        uint32_t kv_pages, uint32_t mamba_slots, uint32_t host_pages,
-                        uint32_t threads, char *msg, size_t msg_cap);
+                         uint32_t kv_pages, uint32_t mamba_slots, uint32_t host_pages,
+                         uint32_t threads, char *msg, size_t msg_cap);
 void mdl_runner_destroy(pd_runner *r);
 
 /* PD_OK when every item keeps the contract (model.h, executor.h); otherwise
  * PD_ERR_INVALID and a message naming the item and the problem. */
 pd_err mdl_runner_check(pd_runner *r, const pd_batch_item *items, uint32_t n_items, char *msg,
-                       size_t msg_cap);
+                        size_t msg_cap);
 
 /* Computes checked items: results[i] per item; logits (optional) as in
  * pd_model_forward. */
 void mdl_runner_run(pd_runner *r, const pd_batch_item *items, uint32_t n_items,
-                   pd_item_result *results, float *logits);
+                    pd_item_result *results, float *logits);
 
 float *mdl_runner_slot(const pd_runner *r, uint32_t slot);
 

@@ -62,7 +62,7 @@ static uint64_t key_of(float p, uint32_t index) {
 }
 
 void mdl_sample(const float *logits, uint32_t vocab, const pd_sampling *sp, uint32_t sample_index,
-               float *probs, uint64_t *keys, int32_t *token, float *logprob) {
+                float *probs, uint64_t *keys, int32_t *token, float *logprob) {
     PD_ASSERT(vocab > 0);
     const uint32_t best = argmax_first(logits, vocab);
     const double max = logits[best];
