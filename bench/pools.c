@@ -74,7 +74,8 @@ int main(int argc, char **argv) {
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--iters") && i + 1 < argc) iters = strtoull(argv[++i], NULL, 0);
         else if (!strcmp(argv[i], "--runs") && i + 1 < argc) runs = atoi(argv[++i]);
-        else if (!strcmp(argv[i], "--kv-pages") && i + 1 < argc) kv_pages = (uint32_t)strtoul(argv[++i], NULL, 0);
+        else if (!strcmp(argv[i], "--kv-pages") && i + 1 < argc)
+            kv_pages = (uint32_t)strtoul(argv[++i], NULL, 0);
         else {
             fprintf(stderr,
                     "usage: pools [--iters N] [--runs R] [--kv-pages N]\n"

@@ -94,95 +94,162 @@ typedef struct result {
     uint64_t evicted, skipped;
 } result;
 
-static pd_err alloc_pages(pd_cache *c, pd_ledger *l, int kv_id, pd_pool *kv,
-                          uint32_t n, pd_owner owner, uint32_t *out) {
-    if (pd_pool_free_count(kv) < n) PD_MUST(pd_cache_evict(c, n - pd_pool_free_count(kv), NULL));
-    if (pd_pool_free_count(kv) < n) return PD_ERR_NOMEM;
-    return pd_ledger_alloc(l, kv_id, n, owner, out);
+/* One replay's node: the ledger, its pools, the cache, and page buffers
+ * long enough for the trace's longest request. */
+typedef struct node {
+    pd_ledger *l;
+    pd_pool *kv, *mamba, *host;
+    int kv_id, mamba_id, host_id;
+    pd_cache *c;
+    uint32_t max_pages;
+    uint32_t *pages, *dups;
+} node;
+
+static void node_open(node *n, const opts *o, uint32_t max_len) {
+    *n = (node){.mamba_id = -1, .host_id = -1};
+    PD_MUST(pd_ledger_create(&n->l, o->strict));
+    PD_MUST(pd_pool_create(&n->kv, "kv", PD_POOL_KV, o->pages, o->page_size));
+    PD_MUST(pd_ledger_add_pool(n->l, n->kv, &n->kv_id));
+    if (o->hybrid) {
+        PD_MUST(pd_pool_create(&n->mamba, "mamba", PD_POOL_MAMBA, o->mamba_slots, 0));
+        PD_MUST(pd_ledger_add_pool(n->l, n->mamba, &n->mamba_id));
+    }
+    if (o->host_pages) {
+        PD_MUST(pd_pool_create(&n->host, "host", PD_POOL_HOST, o->host_pages, o->page_size));
+        PD_MUST(pd_ledger_add_pool(n->l, n->host, &n->host_id));
+    }
+    pd_cache_config cfg = {.ledger = n->l, .kv_pool = n->kv_id, .mamba_pool = n->mamba_id,
+                           .host_pool = n->host_id, .write_back = n->host != NULL};
+    PD_MUST(pd_cache_create(&n->c, &cfg));
+    n->max_pages = max_len / o->page_size + 2;
+    n->pages = malloc(n->max_pages * sizeof(uint32_t));
+    n->dups = malloc(n->max_pages * sizeof(uint32_t));
+}
+
+/* The replay must leave the node clean once the cache is emptied. */
+static void node_check_clean(node *n) {
+    pd_cache_clear(n->c);
+    pd_cache_sums sums = {0};
+    pd_cache_sums_get(n->c, &sums);
+    char buf[2048];
+    pd_strbuf sb;
+    pd_strbuf_init(&sb, buf, sizeof(buf));
+    pd_check_opts co = {.cache = &sums, .expect_idle = true, .deep = true};
+    if (pd_ledger_check(n->l, &co, &sb) != PD_OK) {
+        fprintf(stderr, "radix: ledger check failed after the replay:\n%s\n", buf);
+        exit(1);
+    }
+}
+
+static void node_close(node *n) {
+    free(n->pages);
+    free(n->dups);
+    pd_cache_destroy(n->c);
+    pd_ledger_destroy(n->l);
+    pd_pool_destroy(n->kv);
+    pd_pool_destroy(n->mamba);
+    pd_pool_destroy(n->host);
+}
+
+static pd_err alloc_pages(node *n, uint32_t count, pd_owner owner, uint32_t *out) {
+    pd_pool *kv = n->kv;
+    if (pd_pool_free_count(kv) < count)
+        PD_MUST(pd_cache_evict(n->c, count - pd_pool_free_count(kv), NULL));
+    if (pd_pool_free_count(kv) < count) return PD_ERR_NOMEM;
+    return pd_ledger_alloc(n->l, n->kv_id, count, owner, out);
+}
+
+/* The baseline: allocate every page of the request and free it. False if
+ * the pool is too small. */
+static bool replay_plain(node *n, uint32_t need_pages, pd_owner owner) {
+    if (alloc_pages(n, need_pages, owner, n->pages) != PD_OK) return false;
+    PD_MUST(pd_ledger_free(n->l, n->kv_id, n->pages, need_pages, PD_UNIT_REQ, owner));
+    return true;
+}
+
+/* Match and lock the cached prefix, loading its host-only part back; adds
+ * the cached tokens to *hit_tokens (the loaded ones to *host_tokens too) and
+ * returns them. */
+static uint32_t match_and_lock(node *n, const opts *o, const int32_t *q, uint32_t len,
+                               pd_owner owner, pd_cnode *lock_node, uint64_t *hit_tokens,
+                               uint64_t *host_tokens) {
+    /* Match all but the last token: a request always computes at least one. */
+    pd_cache_match_result m;
+    PD_MUST(pd_cache_match(n->c, q, len - 1, n->pages, n->max_pages, &m));
+    uint32_t cached_tokens = o->hybrid ? m.mamba_tokens : m.dev_tokens;
+    *lock_node = o->hybrid ? m.mamba_node : m.dev_node;
+    bool load = !o->hybrid && m.host_tokens > 0;
+    if (load) *lock_node = m.host_node;
+    PD_MUST(pd_cache_lock(n->c, *lock_node));
+    if (load) {
+        /* Bring the host-only part back (the copy itself is not timed
+         * here: it is a memcpy or DMA of the same size as the pages). */
+        uint32_t n_loaded;
+        pd_cache_ticket tk;
+        uint32_t first = m.dev_tokens / o->page_size;
+        if (pd_cache_load_begin(n->c, m.host_node, owner, n->pages + first, n->dups,
+                                n->max_pages, &n_loaded, &tk) == PD_OK) {
+            PD_MUST(pd_cache_load_done(n->c, tk));
+            cached_tokens += m.host_tokens;
+            *host_tokens += m.host_tokens;
+        }
+    }
+    *hit_tokens += cached_tokens;
+    return cached_tokens;
+}
+
+/* A request as a scheduler handles it: match, lock, allocate the uncached
+ * rest, insert, free duplicates and the partial tail, unlock. False if the
+ * pool is too small. */
+static bool replay_cached(node *n, const opts *o, const int32_t *q, uint32_t len, pd_owner owner,
+                          uint64_t *hit_tokens, uint64_t *host_tokens) {
+    uint32_t need_pages = PD_DIV_CEIL(len, o->page_size);
+    uint32_t full = len / o->page_size;
+    pd_cnode lock_node;
+    uint32_t cached_tokens =
+        match_and_lock(n, o, q, len, owner, &lock_node, hit_tokens, host_tokens);
+    uint32_t cached = cached_tokens / o->page_size;
+    if (alloc_pages(n, need_pages - cached, owner, n->pages + cached) != PD_OK) {
+        PD_MUST(pd_cache_unlock(n->c, lock_node));
+        return false;
+    }
+    uint32_t slot = PD_POOL_NONE;
+    if (o->hybrid) {
+        if (pd_pool_free_count(n->mamba) == 0) PD_MUST(pd_cache_evict_snapshots(n->c, 1, NULL));
+        if (pd_pool_free_count(n->mamba) > 0)
+            PD_MUST(pd_ledger_alloc(n->l, n->mamba_id, 1, owner, &slot));
+    }
+    /* (the forward pass would run here) */
+    pd_cache_insert_result ins;
+    PD_MUST(pd_cache_insert(n->c, q, full * o->page_size, n->pages, owner, slot, n->dups, &ins));
+    if (ins.dup_pages)
+        PD_MUST(pd_ledger_free(n->l, n->kv_id, n->dups, ins.dup_pages, PD_UNIT_REQ, owner));
+    uint32_t covered = ins.covered_tokens / o->page_size;
+    if (need_pages > covered)
+        PD_MUST(pd_ledger_free(n->l, n->kv_id, n->pages + covered, need_pages - covered,
+                               PD_UNIT_REQ, owner));
+    if (slot != PD_POOL_NONE && !ins.mamba_taken)
+        PD_MUST(pd_ledger_free(n->l, n->mamba_id, &slot, 1, PD_UNIT_REQ, owner));
+    PD_MUST(pd_cache_unlock(n->c, lock_node));
+    return true;
 }
 
 static result run(const trace *t, const opts *o, bool use_cache, double *lat) {
-    pd_ledger *l;
-    pd_pool *kv, *mamba = NULL, *host = NULL;
-    int kv_id, mamba_id = -1, host_id = -1;
-    PD_MUST(pd_ledger_create(&l, o->strict));
-    PD_MUST(pd_pool_create(&kv, "kv", PD_POOL_KV, o->pages, o->page_size));
-    PD_MUST(pd_ledger_add_pool(l, kv, &kv_id));
-    if (o->hybrid) {
-        PD_MUST(pd_pool_create(&mamba, "mamba", PD_POOL_MAMBA, o->mamba_slots, 0));
-        PD_MUST(pd_ledger_add_pool(l, mamba, &mamba_id));
-    }
-    if (o->host_pages) {
-        PD_MUST(pd_pool_create(&host, "host", PD_POOL_HOST, o->host_pages, o->page_size));
-        PD_MUST(pd_ledger_add_pool(l, host, &host_id));
-    }
-    pd_cache_config cfg = {.ledger = l, .kv_pool = kv_id, .mamba_pool = mamba_id,
-                           .host_pool = host_id, .write_back = host != NULL};
-    pd_cache *c;
-    PD_MUST(pd_cache_create(&c, &cfg));
-    uint32_t max_pages = t->max_len / o->page_size + 2;
-    uint32_t *pages = malloc(max_pages * sizeof(uint32_t));
-    uint32_t *dups = malloc(max_pages * sizeof(uint32_t));
-
+    node n;
+    node_open(&n, o, t->max_len);
     result r = {0};
     uint64_t hit_tokens = 0, host_tokens = 0;
     uint64_t t_start = bench_now_ns();
     for (uint32_t i = 0; i < t->n; i++) {
-        const int32_t *q = t->req[i];
-        uint32_t len = t->len[i];
         pd_owner owner = i + 1;
         uint64_t t0 = bench_now_ns();
-        uint32_t need_pages = PD_DIV_CEIL(len, o->page_size);
-        uint32_t full = len / o->page_size;
-        if (!use_cache) {
-            if (alloc_pages(c, l, kv_id, kv, need_pages, owner, pages) != PD_OK) { r.skipped++; continue; }
-            PD_MUST(pd_ledger_free(l, kv_id, pages, need_pages, PD_UNIT_REQ, owner));
-            lat[i] = (double)(bench_now_ns() - t0) / 1e3;
-            continue;
-        }
-        /* Match all but the last token: a request always computes at least one. */
-        pd_cache_match_result m;
-        PD_MUST(pd_cache_match(c, q, len - 1, pages, max_pages, &m));
-        uint32_t cached_tokens = o->hybrid ? m.mamba_tokens : m.dev_tokens;
-        pd_cnode lock_node = o->hybrid ? m.mamba_node : m.dev_node;
-        bool load = !o->hybrid && m.host_tokens > 0;
-        if (load) lock_node = m.host_node;
-        PD_MUST(pd_cache_lock(c, lock_node));
-        if (load) {
-            /* Bring the host-only part back (the copy itself is not timed
-             * here: it is a memcpy or DMA of the same size as the pages). */
-            uint32_t n_loaded;
-            pd_cache_ticket tk;
-            uint32_t first = m.dev_tokens / o->page_size;
-            if (pd_cache_load_begin(c, m.host_node, owner, pages + first, dups, max_pages,
-                                    &n_loaded, &tk) == PD_OK) {
-                PD_MUST(pd_cache_load_done(c, tk));
-                cached_tokens += m.host_tokens;
-                host_tokens += m.host_tokens;
-            }
-        }
-        uint32_t cached = cached_tokens / o->page_size;
-        hit_tokens += cached_tokens;
-        if (alloc_pages(c, l, kv_id, kv, need_pages - cached, owner, pages + cached) != PD_OK) {
-            PD_MUST(pd_cache_unlock(c, lock_node));
+        bool done = use_cache ? replay_cached(&n, o, t->req[i], t->len[i], owner, &hit_tokens,
+                                              &host_tokens)
+                              : replay_plain(&n, PD_DIV_CEIL(t->len[i], o->page_size), owner);
+        if (!done) {
             r.skipped++;
             continue;
         }
-        uint32_t slot = PD_POOL_NONE;
-        if (o->hybrid) {
-            if (pd_pool_free_count(mamba) == 0) PD_MUST(pd_cache_evict_snapshots(c, 1, NULL));
-            if (pd_pool_free_count(mamba) > 0) PD_MUST(pd_ledger_alloc(l, mamba_id, 1, owner, &slot));
-        }
-        /* (the forward pass would run here) */
-        pd_cache_insert_result ins;
-        PD_MUST(pd_cache_insert(c, q, full * o->page_size, pages, owner, slot, dups, &ins));
-        if (ins.dup_pages) PD_MUST(pd_ledger_free(l, kv_id, dups, ins.dup_pages, PD_UNIT_REQ, owner));
-        uint32_t covered = ins.covered_tokens / o->page_size;
-        if (need_pages > covered)
-            PD_MUST(pd_ledger_free(l, kv_id, pages + covered, need_pages - covered, PD_UNIT_REQ, owner));
-        if (slot != PD_POOL_NONE && !ins.mamba_taken)
-            PD_MUST(pd_ledger_free(l, mamba_id, &slot, 1, PD_UNIT_REQ, owner));
-        PD_MUST(pd_cache_unlock(c, lock_node));
         lat[i] = (double)(bench_now_ns() - t0) / 1e3;
     }
     double secs = (double)(bench_now_ns() - t_start) / 1e9;
@@ -197,28 +264,10 @@ static result run(const trace *t, const opts *o, bool use_cache, double *lat) {
     r.hit_rate = t->tokens ? (double)hit_tokens / (double)t->tokens : 0;
     r.host_rate = t->tokens ? (double)host_tokens / (double)t->tokens : 0;
     pd_cache_stats st;
-    pd_cache_stats_get(c, &st);
+    pd_cache_stats_get(n.c, &st);
     r.evicted = st.evicted_dev_pages;
-
-    /* The replay must leave the node clean once the cache is emptied. */
-    pd_cache_clear(c);
-    pd_cache_sums sums = {0};
-    pd_cache_sums_get(c, &sums);
-    char buf[2048];
-    pd_strbuf sb;
-    pd_strbuf_init(&sb, buf, sizeof(buf));
-    pd_check_opts co = {.cache = &sums, .expect_idle = true, .deep = true};
-    if (pd_ledger_check(l, &co, &sb) != PD_OK) {
-        fprintf(stderr, "radix: ledger check failed after the replay:\n%s\n", buf);
-        exit(1);
-    }
-    free(pages);
-    free(dups);
-    pd_cache_destroy(c);
-    pd_ledger_destroy(l);
-    pd_pool_destroy(kv);
-    pd_pool_destroy(mamba);
-    pd_pool_destroy(host);
+    node_check_clean(&n);
+    node_close(&n);
     return r;
 }
 
@@ -237,29 +286,84 @@ static void usage(FILE *to) {
             "  --strict         strict ledger (per-unit owner map) instead of counts\n");
 }
 
-int main(int argc, char **argv) {
-    opts o = {.page_size = 16, .pages = 65536, .mamba_slots = 256, .runs = 5};
-    const char *path = NULL;
+/* Fills o and *path from the command line; returns -1 to go on, or the
+ * exit status. */
+static int parse_args(int argc, char **argv, opts *o, const char **path) {
+    *o = (opts){.page_size = 16, .pages = 65536, .mamba_slots = 256, .runs = 5};
+    *path = NULL;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
         if (!strcmp(a, "--help")) { usage(stdout); return 0; }
-        if (!strcmp(a, "--hybrid")) { o.hybrid = true; continue; }
-        if (!strcmp(a, "--strict")) { o.strict = true; continue; }
+        if (!strcmp(a, "--hybrid")) { o->hybrid = true; continue; }
+        if (!strcmp(a, "--strict")) { o->strict = true; continue; }
         if (i + 1 >= argc) { usage(stderr); return 2; }
         const char *v = argv[++i];
-        if (!strcmp(a, "--trace")) path = v;
-        else if (!strcmp(a, "--page-size")) o.page_size = (uint32_t)strtoul(v, NULL, 0);
-        else if (!strcmp(a, "--pages")) o.pages = (uint32_t)strtoul(v, NULL, 0);
-        else if (!strcmp(a, "--mamba-slots")) o.mamba_slots = (uint32_t)strtoul(v, NULL, 0);
-        else if (!strcmp(a, "--host-pages")) o.host_pages = (uint32_t)strtoul(v, NULL, 0);
-        else if (!strcmp(a, "--runs")) o.runs = atoi(v);
+        if (!strcmp(a, "--trace")) *path = v;
+        else if (!strcmp(a, "--page-size")) o->page_size = (uint32_t)strtoul(v, NULL, 0);
+        else if (!strcmp(a, "--pages")) o->pages = (uint32_t)strtoul(v, NULL, 0);
+        else if (!strcmp(a, "--mamba-slots")) o->mamba_slots = (uint32_t)strtoul(v, NULL, 0);
+        else if (!strcmp(a, "--host-pages")) o->host_pages = (uint32_t)strtoul(v, NULL, 0);
+        else if (!strcmp(a, "--runs")) o->runs = atoi(v);
         else { fprintf(stderr, "radix: unknown option %s\n", a); usage(stderr); return 2; }
     }
-    if (!path) { fprintf(stderr, "radix: --trace FILE is required\n"); usage(stderr); return 2; }
-    if (o.page_size == 0 || o.pages == 0 || (o.hybrid && o.mamba_slots == 0) || o.runs < 1) {
+    if (!*path) { fprintf(stderr, "radix: --trace FILE is required\n"); usage(stderr); return 2; }
+    if (o->page_size == 0 || o->pages == 0 || (o->hybrid && o->mamba_slots == 0) || o->runs < 1) {
         fprintf(stderr, "radix: page size, pages, mamba slots and runs must be positive\n");
         return 2;
     }
+    return -1;
+}
+
+/* The baseline pass, then the cached pass, each the median of o->runs
+ * replays, and their figures. */
+static void measure(const trace *t, const opts *o) {
+    double *lat = malloc(t->n * sizeof(double));
+    double *v[5];
+    for (int k = 0; k < 5; k++) v[k] = malloc(sizeof(double) * (size_t)o->runs);
+    double base_req = 0, base_mean = 0;
+    for (int pass = 0; pass < 2; pass++) {
+        bool use_cache = pass == 1;
+        result last = {0};
+        for (int r = 0; r < o->runs; r++) {
+            for (uint32_t i = 0; i < t->n; i++) lat[i] = -1;
+            last = run(t, o, use_cache, lat);
+            v[0][r] = last.req_s;
+            v[1][r] = last.tok_s;
+            v[2][r] = last.mean_us;
+            v[3][r] = last.p99_us;
+        }
+        size_t runs = (size_t)o->runs;
+        double req = bench_median(v[0], runs), tok = bench_median(v[1], runs);
+        double mean = bench_median(v[2], runs), p99 = bench_median(v[3], runs);
+        if (!use_cache) {
+            base_req = req;
+            base_mean = mean;
+            printf("baseline (allocate and free every page, no cache): "
+                   "%.0f requests/s, mean %.2f us\n",
+                   req, mean);
+            continue;
+        }
+        printf("prefix cache: hit rate %.1f%% of prompt tokens (%.1f%% loaded back from host), "
+               "%llu pages evicted, %llu requests skipped (pool too small)\n",
+               100.0 * last.hit_rate, 100.0 * last.host_rate, (unsigned long long)last.evicted,
+               (unsigned long long)last.skipped);
+        printf("cache bookkeeping over plain allocation: "
+               "%+.2f us per request (baseline %.0f requests/s)\n",
+               mean - base_mean, base_req);
+        printf("requests/s: %.0f\n", req);
+        printf("tokens/s: %.0f\n", tok);
+        printf("mean us per request: %.2f\n", mean);
+        printf("p99 us per request: %.2f\n", p99);
+    }
+    for (int k = 0; k < 5; k++) free(v[k]);
+    free(lat);
+}
+
+int main(int argc, char **argv) {
+    opts o;
+    const char *path;
+    int status = parse_args(argc, argv, &o, &path);
+    if (status >= 0) return status;
     trace t;
     if (load_trace(path, &t) != 0) return 1;
     if (PD_DIV_CEIL(t.max_len, o.page_size) > o.pages) {
@@ -270,43 +374,7 @@ int main(int argc, char **argv) {
     printf("trace %s: %u requests, %llu tokens (longest %u); page size %u, %u pages%s%s\n",
            path, t.n, (unsigned long long)t.tokens, t.max_len, o.page_size, o.pages,
            o.hybrid ? ", hybrid" : "", o.strict ? ", strict ledger" : "");
-    double *lat = malloc(t.n * sizeof(double));
-    double *v[5];
-    for (int k = 0; k < 5; k++) v[k] = malloc(sizeof(double) * (size_t)o.runs);
-    double base_req = 0, base_mean = 0;
-    for (int pass = 0; pass < 2; pass++) {
-        bool use_cache = pass == 1;
-        result last = {0};
-        for (int r = 0; r < o.runs; r++) {
-            for (uint32_t i = 0; i < t.n; i++) lat[i] = -1;
-            last = run(&t, &o, use_cache, lat);
-            v[0][r] = last.req_s;
-            v[1][r] = last.tok_s;
-            v[2][r] = last.mean_us;
-            v[3][r] = last.p99_us;
-        }
-        double req = bench_median(v[0], (size_t)o.runs), tok = bench_median(v[1], (size_t)o.runs);
-        double mean = bench_median(v[2], (size_t)o.runs), p99 = bench_median(v[3], (size_t)o.runs);
-        if (!use_cache) {
-            base_req = req;
-            base_mean = mean;
-            printf("baseline (allocate and free every page, no cache): %.0f requests/s, mean %.2f us\n",
-                   req, mean);
-            continue;
-        }
-        printf("prefix cache: hit rate %.1f%% of prompt tokens (%.1f%% loaded back from host), "
-               "%llu pages evicted, %llu requests skipped (pool too small)\n",
-               100.0 * last.hit_rate, 100.0 * last.host_rate, (unsigned long long)last.evicted,
-               (unsigned long long)last.skipped);
-        printf("cache bookkeeping over plain allocation: %+.2f us per request (baseline %.0f requests/s)\n",
-               mean - base_mean, base_req);
-        printf("requests/s: %.0f\n", req);
-        printf("tokens/s: %.0f\n", tok);
-        printf("mean us per request: %.2f\n", mean);
-        printf("p99 us per request: %.2f\n", p99);
-    }
-    for (int k = 0; k < 5; k++) free(v[k]);
-    free(lat);
+    measure(&t, &o);
     for (uint32_t i = 0; i < t.n; i++) free(t.req[i]);
     free(t.req);
     free(t.len);

@@ -54,7 +54,9 @@ static pd_err z_copy(void *self, uint32_t d, uint32_t s) {
     (void)self, (void)d, (void)s;
     return PD_OK;
 }
-static void z_wb(void *self, const uint32_t *d, const uint32_t *h, uint32_t n) { (void)self, (void)d, (void)h, (void)n; }
+static void z_wb(void *self, const uint32_t *d, const uint32_t *h, uint32_t n) {
+    (void)self, (void)d, (void)h, (void)n;
+}
 static pd_err z_lb(void *self, uint64_t id, const uint32_t *d, const uint32_t *h, uint32_t n) {
     (void)self, (void)id, (void)d, (void)h, (void)n;
     return PD_OK;
@@ -72,7 +74,8 @@ static void z_info(void *self, pd_model_info *i) {
                          .has_mamba = z->mamba_slots > 0};
 }
 
-static const pd_executor_vtable zvt = {z_launch, z_poll, z_copy, z_wb, z_lb, z_lp, z_lc, z_mem, z_info};
+static const pd_executor_vtable zvt = {z_launch, z_poll, z_copy, z_wb, z_lb,
+                                       z_lp, z_lc, z_mem, z_info};
 
 /* ---- a sink that counts -------------------------------------------------------- */
 
@@ -95,75 +98,123 @@ typedef struct figures {
     double p_med, p_p99, d_med, d_p99, req_s;
 } figures;
 
-static figures run(uint32_t live, uint32_t steps, bool strict, uint64_t seed) {
-    const uint32_t ps = 16, prompt_max = 512, new_max = 32;
-    uint32_t pages = live * ((prompt_max + new_max) / ps + 2) + 64;
+#define PAGE_TOKENS 16u
+#define PROMPT_MAX 512u
+#define NEW_MAX 32u
+
+/* A prefill and a decode engine (side 0 and 1) over one loopback. */
+typedef struct engines {
     zexec zx[2];
     pd_meta_row *meta[2];
-    counter cnt[2] = {{0}, {0}};
+    counter cnt[2];
     pd_loopback *lb;
-    pd_loopback_config lc = {.latency = 1, .dead_grace = 10, .rooms_max = live * 4 + 64, .page_size = ps};
-    PD_MUST(pd_loopback_create(&lb, &lc));
     pd_engine *eng[2];
+} engines;
+
+static void side_open(engines *en, int side, uint32_t live, uint32_t pages, bool strict) {
+    zexec *z = &en->zx[side];
+    *z = (zexec){.kv_pages = pages, .mamba_slots = live * 4 + 8, .page_size = PAGE_TOKENS};
+    z->kv = calloc(pages, 8);
+    z->mamba = calloc(z->mamba_slots, 8);
+    en->meta[side] = calloc(live * 2 + 8, sizeof(pd_meta_row));
+    pd_engine_config c;
+    pd_engine_config_default(&c, side == 0 ? PD_ROLE_PREFILL : PD_ROLE_DECODE);
+    c.page_size = PAGE_TOKENS;
+    c.kv_pages = pages;
+    c.rows = live + 8;
+    c.mamba_slots = z->mamba_slots;
+    c.meta_rows = live * 2 + 8;
+    c.requests_max = live * 2 + 16;
+    c.chunk_tokens = 2048;
+    c.batch_max = 256;
+    c.prompt_tokens_max = PROMPT_MAX;
+    c.new_tokens_max = NEW_MAX;
+    c.strict = strict;
+    c.meta_mem = en->meta[side];
+    char msg[256];
+    pd_executor ex = {.vt = &zvt, .self = z};
+    pd_sink sk = {.vt = &cvt, .self = &en->cnt[side]};
+    pd_lb_side lb_side = side == 0 ? PD_LB_PREFILL : PD_LB_DECODE;
+    pd_err err = pd_engine_create(&en->eng[side], &c, ex, pd_loopback_endpoint(en->lb, lb_side),
+                                  sk, msg, sizeof(msg));
+    PD_ASSERTF(err == PD_OK, "%s", msg);
+    pd_exec_memory m;
+    z_mem(z, &m);
+    pd_loopback_register(en->lb, lb_side, &m, en->meta[side], c.meta_rows);
+}
+
+static void engines_open(engines *en, uint32_t live, bool strict) {
+    uint32_t pages = live * ((PROMPT_MAX + NEW_MAX) / PAGE_TOKENS + 2) + 64;
+    en->cnt[0] = en->cnt[1] = (counter){0};
+    pd_loopback_config lc = {.latency = 1, .dead_grace = 10, .rooms_max = live * 4 + 64,
+                             .page_size = PAGE_TOKENS};
+    PD_MUST(pd_loopback_create(&en->lb, &lc));
+    for (int side = 0; side < 2; side++) side_open(en, side, live, pages, strict);
+}
+
+static void engines_close(engines *en) {
     for (int side = 0; side < 2; side++) {
-        zx[side] = (zexec){.kv_pages = pages, .mamba_slots = live * 4 + 8, .page_size = ps};
-        zx[side].kv = calloc(pages, 8);
-        zx[side].mamba = calloc(zx[side].mamba_slots, 8);
-        meta[side] = calloc(live * 2 + 8, sizeof(pd_meta_row));
-        pd_engine_config c;
-        pd_engine_config_default(&c, side == 0 ? PD_ROLE_PREFILL : PD_ROLE_DECODE);
-        c.page_size = ps;
-        c.kv_pages = pages;
-        c.rows = live + 8;
-        c.mamba_slots = zx[side].mamba_slots;
-        c.meta_rows = live * 2 + 8;
-        c.requests_max = live * 2 + 16;
-        c.chunk_tokens = 2048;
-        c.batch_max = 256;
-        c.prompt_tokens_max = prompt_max;
-        c.new_tokens_max = new_max;
-        c.strict = strict;
-        c.meta_mem = meta[side];
-        char msg[256];
-        pd_executor ex = {.vt = &zvt, .self = &zx[side]};
-        pd_sink sk = {.vt = &cvt, .self = &cnt[side]};
-        pd_err err = pd_engine_create(&eng[side], &c, ex, pd_loopback_endpoint(lb, side == 0 ? PD_LB_PREFILL : PD_LB_DECODE), sk, msg, sizeof(msg));
-        PD_ASSERTF(err == PD_OK, "%s", msg);
-        pd_exec_memory m;
-        z_mem(&zx[side], &m);
-        pd_loopback_register(lb, side == 0 ? PD_LB_PREFILL : PD_LB_DECODE, &m, meta[side], c.meta_rows);
+        pd_engine_destroy(en->eng[side]);
+        free(en->zx[side].kv);
+        free(en->zx[side].mamba);
+        free(en->meta[side]);
     }
+    pd_loopback_destroy(en->lb);
+}
+
+/* The request stream: random prompts that start with one of a handful of
+ * shared system prompts, so the caches do real work. */
+typedef struct requests {
     pd_rng rng;
-    pd_rng_seed(&rng, seed);
-    int32_t *prompt = malloc(prompt_max * sizeof(int32_t));
-    /* A handful of shared system prompts so the caches do real work. */
     int32_t sys_prompts[4][256];
+    int32_t prompt[PROMPT_MAX];
+    uint64_t submitted, room;
+} requests;
+
+static void requests_init(requests *rq, uint64_t seed) {
+    pd_rng_seed(&rq->rng, seed);
     for (int k = 0; k < 4; k++)
-        for (int i = 0; i < 256; i++) sys_prompts[k][i] = (int32_t)pd_rng_below(&rng, 32000);
-    uint64_t submitted = 0, room = 1;
+        for (int i = 0; i < 256; i++)
+            rq->sys_prompts[k][i] = (int32_t)pd_rng_below(&rq->rng, 32000);
+    rq->submitted = 0;
+    rq->room = 1;
+}
+
+/* Submits new requests to both engines until `live` are in flight. */
+static void top_up(engines *en, requests *rq, uint32_t live, uint64_t now) {
+    while (rq->submitted - en->cnt[1].ended < live) {
+        uint32_t len = (uint32_t)pd_rng_range(&rq->rng, 64, PROMPT_MAX);
+        uint32_t shared = (uint32_t)PD_MIN(len - 1, 256u);
+        memcpy(rq->prompt, rq->sys_prompts[pd_rng_below(&rq->rng, 4)], shared * sizeof(int32_t));
+        for (uint32_t i = shared; i < len; i++)
+            rq->prompt[i] = (int32_t)pd_rng_below(&rq->rng, 32000);
+        char rid[32];
+        snprintf(rid, sizeof(rid), "q%llu", (unsigned long long)rq->submitted);
+        pd_request_spec s = {.rid = rid, .room = rq->room++, .prompt = rq->prompt,
+                             .prompt_len = len,
+                             .max_new_tokens = (uint32_t)pd_rng_range(&rq->rng, 4, NEW_MAX),
+                             .sampling = {.top_p = 1.0f}};
+        PD_MUST(pd_engine_submit(en->eng[0], &s, now, NULL));
+        PD_MUST(pd_engine_submit(en->eng[1], &s, now, NULL));
+        rq->submitted++;
+    }
+}
+
+static figures run(uint32_t live, uint32_t steps, bool strict, uint64_t seed) {
+    engines en;
+    engines_open(&en, live, strict);
+    static requests rq;
+    requests_init(&rq, seed);
     double *tp = malloc(steps * sizeof(double)), *td = malloc(steps * sizeof(double));
     uint64_t t_start = bench_now_ns();
     for (uint32_t step = 0; step < steps; step++) {
         uint64_t now = step + 1;
-        while (submitted - cnt[1].ended < live) {
-            uint32_t len = (uint32_t)pd_rng_range(&rng, 64, prompt_max);
-            uint32_t shared = (uint32_t)PD_MIN(len - 1, 256u);
-            memcpy(prompt, sys_prompts[pd_rng_below(&rng, 4)], shared * sizeof(int32_t));
-            for (uint32_t i = shared; i < len; i++) prompt[i] = (int32_t)pd_rng_below(&rng, 32000);
-            char rid[32];
-            snprintf(rid, sizeof(rid), "q%llu", (unsigned long long)submitted);
-            pd_request_spec s = {.rid = rid, .room = room++, .prompt = prompt, .prompt_len = len,
-                                 .max_new_tokens = (uint32_t)pd_rng_range(&rng, 4, new_max),
-                                 .sampling = {.top_p = 1.0f}};
-            PD_MUST(pd_engine_submit(eng[0], &s, now, NULL));
-            PD_MUST(pd_engine_submit(eng[1], &s, now, NULL));
-            submitted++;
-        }
-        pd_loopback_advance(lb, now);
+        top_up(&en, &rq, live, now);
+        pd_loopback_advance(en.lb, now);
         uint64_t t0 = bench_now_ns();
-        pd_engine_step(eng[0], now);
+        pd_engine_step(en.eng[0], now);
         uint64_t t1 = bench_now_ns();
-        pd_engine_step(eng[1], now);
+        pd_engine_step(en.eng[1], now);
         uint64_t t2 = bench_now_ns();
         tp[step] = (double)(t1 - t0) / 1e3;
         td[step] = (double)(t2 - t1) / 1e3;
@@ -172,16 +223,9 @@ static figures run(uint32_t live, uint32_t steps, bool strict, uint64_t seed) {
     figures f = {
         .p_med = bench_median(tp, steps), .d_med = bench_median(td, steps),
         .p_p99 = bench_percentile(tp, steps, 99), .d_p99 = bench_percentile(td, steps, 99),
-        .req_s = (double)cnt[1].ended / secs,
+        .req_s = (double)en.cnt[1].ended / secs,
     };
-    for (int side = 0; side < 2; side++) {
-        pd_engine_destroy(eng[side]);
-        free(zx[side].kv);
-        free(zx[side].mamba);
-        free(meta[side]);
-    }
-    pd_loopback_destroy(lb);
-    free(prompt);
+    engines_close(&en);
     free(tp);
     free(td);
     return f;
@@ -213,8 +257,8 @@ int main(int argc, char **argv) {
         fprintf(stderr, "sched: runs >= 1, steps >= 10, at least one live count\n");
         return 2;
     }
-    printf("zero-cost executor, loopback transport, page 16, prompts 64..512 (shared system prompts), "
-           "%u steps per run, %s ledger, median of %d runs\n",
+    printf("zero-cost executor, loopback transport, page 16, prompts 64..512 "
+           "(shared system prompts), %u steps per run, %s ledger, median of %d runs\n",
            steps, strict ? "strict" : "counting", runs);
     double *v[5];
     for (int k = 0; k < 5; k++) v[k] = malloc(sizeof(double) * (size_t)runs);
@@ -227,7 +271,8 @@ int main(int argc, char **argv) {
             v[3][r] = f.d_p99;
             v[4][r] = f.req_s;
         }
-        printf("live %4u: prefill step median %.2f us p99 %.2f us | decode step median %.2f us p99 %.2f us | %.0f requests/s\n",
+        printf("live %4u: prefill step median %.2f us p99 %.2f us | "
+               "decode step median %.2f us p99 %.2f us | %.0f requests/s\n",
                lives[li], bench_median(v[0], (size_t)runs), bench_median(v[1], (size_t)runs),
                bench_median(v[2], (size_t)runs), bench_median(v[3], (size_t)runs),
                bench_median(v[4], (size_t)runs));
