@@ -289,6 +289,118 @@ uint64_t pd_ledger_owner_units(const pd_ledger *l, int pool_id,
 
 /* ---- check -------------------------------------------------------------- */
 
+/* L2 and the three sources: the ledger's counters against the pool's own
+ * free count and the prefix cache's own sums. */
+static pd_err check_sources(const lpool *lp, int pid, const pd_check_opts *opts,
+                            pd_strbuf *report) {
+    pd_err result = PD_OK;
+    const char *name = pd_pool_name(lp->pool);
+    uint64_t sum = 0;
+    for (int s = 0; s < PD_UNIT_STATE__COUNT; s++) sum += lp->count[s];
+    if (sum != lp->total)
+        result = pd_violation(report,
+                           "pool %s: conservation: free %llu + evictable %llu + "
+                           "protected %llu + req %llu + quarantine %llu = %llu != "
+                           "total %u",
+                           name,
+                           (unsigned long long)lp->count[PD_UNIT_FREE],
+                           (unsigned long long)lp->count[PD_UNIT_CACHE_EVICTABLE],
+                           (unsigned long long)lp->count[PD_UNIT_CACHE_PROTECTED],
+                           (unsigned long long)lp->count[PD_UNIT_REQ],
+                           (unsigned long long)lp->count[PD_UNIT_QUARANTINE],
+                           (unsigned long long)sum, lp->total);
+
+    /* Source 2: the pool's own free count. */
+    uint32_t pool_free = pd_pool_free_count(lp->pool);
+    if (pool_free != lp->count[PD_UNIT_FREE])
+        result = pd_violation(report,
+                           "pool %s: ledger counts %llu free, the pool %u",
+                           name, (unsigned long long)lp->count[PD_UNIT_FREE],
+                           pool_free);
+
+    /* Source 3: the prefix cache's own sums. */
+    uint64_t c_evict = opts->cache ? opts->cache->evictable[pid] : 0;
+    uint64_t c_prot = opts->cache ? opts->cache->protected_[pid] : 0;
+    if (c_evict != lp->count[PD_UNIT_CACHE_EVICTABLE])
+        result = pd_violation(report,
+                           "pool %s: ledger counts %llu cache-evictable, the "
+                           "prefix cache %llu",
+                           name,
+                           (unsigned long long)lp->count[PD_UNIT_CACHE_EVICTABLE],
+                           (unsigned long long)c_evict);
+    if (c_prot != lp->count[PD_UNIT_CACHE_PROTECTED])
+        result = pd_violation(report,
+                           "pool %s: ledger counts %llu cache-protected, the "
+                           "prefix cache %llu",
+                           name,
+                           (unsigned long long)lp->count[PD_UNIT_CACHE_PROTECTED],
+                           (unsigned long long)c_prot);
+    return result;
+}
+
+/* The deep check, unit by unit: L1 (a recount of the state bytes), L3 (state
+ * FREE against the pool's bitmap), L4 (no owner on a free unit), and the
+ * pool's own I1-I4. */
+static pd_err check_units(const pd_ledger *l, const lpool *lp, pd_strbuf *report) {
+    pd_err result = PD_OK;
+    const char *name = pd_pool_name(lp->pool);
+    uint64_t recount[PD_UNIT_STATE__COUNT] = {0};
+    for (uint32_t i = 0; i < lp->total; i++) {
+        uint8_t st = lp->state[i];
+        if (st >= PD_UNIT_STATE__COUNT) {
+            result = pd_violation(report, "pool %s unit %u: bad state %u",
+                               name, i, st);
+            continue;
+        }
+        recount[st]++;
+        bool bitmap_free = pd_pool_is_free(lp->pool, i);
+        if (bitmap_free != (st == PD_UNIT_FREE))
+            result = pd_violation(report,
+                               "pool %s unit %u: ledger says %s, the pool "
+                               "bitmap says %s",
+                               name, i, state_names[st],
+                               bitmap_free ? "free" : "allocated");
+        if (l->strict && st == PD_UNIT_FREE &&
+            lp->owner[i] != PD_OWNER_NONE)
+            result = pd_violation(report, "pool %s unit %u: free but owned by %llu",
+                               name, i, (unsigned long long)lp->owner[i]);
+    }
+    for (int s = 0; s < PD_UNIT_STATE__COUNT; s++)
+        if (recount[s] != lp->count[s])
+            result = pd_violation(report,
+                               "pool %s: %s counter %llu, per-unit states %llu",
+                               name, state_names[s],
+                               (unsigned long long)lp->count[s],
+                               (unsigned long long)recount[s]);
+    char msg[160];
+    if (pd_pool_verify(lp->pool, msg, sizeof(msg)) != PD_OK)
+        result = pd_violation(report, "%s", msg);
+    return result;
+}
+
+/* Idle: nothing held by requests or in quarantine, every row free. */
+static pd_err check_idle(const lpool *lp, pd_strbuf *report) {
+    pd_err result = PD_OK;
+    const char *name = pd_pool_name(lp->pool);
+    pd_pool_kind kind = pd_pool_kind_of(lp->pool);
+    if (lp->count[PD_UNIT_REQ] != 0)
+        result = pd_violation(report, "pool %s: idle but %llu units held by "
+                                   "requests",
+                           name, (unsigned long long)lp->count[PD_UNIT_REQ]);
+    if (lp->count[PD_UNIT_QUARANTINE] != 0)
+        result = pd_violation(report,
+                           "pool %s: idle but %llu units in quarantine", name,
+                           (unsigned long long)lp->count[PD_UNIT_QUARANTINE]);
+    if ((kind == PD_POOL_ROW || kind == PD_POOL_META) &&
+        lp->count[PD_UNIT_FREE] != lp->total)
+        result = pd_violation(report, "pool %s: idle but %llu of %u rows in use",
+                           name,
+                           (unsigned long long)(lp->total -
+                                                lp->count[PD_UNIT_FREE]),
+                           lp->total);
+    return result;
+}
+
 pd_err pd_ledger_check(const pd_ledger *l, const pd_check_opts *opts,
                        pd_strbuf *report) {
     static const pd_check_opts defaults = {0};
@@ -297,100 +409,10 @@ pd_err pd_ledger_check(const pd_ledger *l, const pd_check_opts *opts,
 
     for (int pid = 0; pid < l->n_pools; pid++) {
         const lpool *lp = &l->pools[pid];
-        const char *name = pd_pool_name(lp->pool);
-        pd_pool_kind kind = pd_pool_kind_of(lp->pool);
-        uint64_t sum = 0;
-        for (int s = 0; s < PD_UNIT_STATE__COUNT; s++) sum += lp->count[s];
-        if (sum != lp->total)
-            result = pd_violation(report,
-                               "pool %s: conservation: free %llu + evictable %llu + "
-                               "protected %llu + req %llu + quarantine %llu = %llu != "
-                               "total %u",
-                               name,
-                               (unsigned long long)lp->count[PD_UNIT_FREE],
-                               (unsigned long long)lp->count[PD_UNIT_CACHE_EVICTABLE],
-                               (unsigned long long)lp->count[PD_UNIT_CACHE_PROTECTED],
-                               (unsigned long long)lp->count[PD_UNIT_REQ],
-                               (unsigned long long)lp->count[PD_UNIT_QUARANTINE],
-                               (unsigned long long)sum, lp->total);
-
-        /* Source 2: the pool's own free count. */
-        uint32_t pool_free = pd_pool_free_count(lp->pool);
-        if (pool_free != lp->count[PD_UNIT_FREE])
-            result = pd_violation(report,
-                               "pool %s: ledger counts %llu free, the pool %u",
-                               name, (unsigned long long)lp->count[PD_UNIT_FREE],
-                               pool_free);
-
-        /* Source 3: the prefix cache's own sums. */
-        uint64_t c_evict = opts->cache ? opts->cache->evictable[pid] : 0;
-        uint64_t c_prot = opts->cache ? opts->cache->protected_[pid] : 0;
-        if (c_evict != lp->count[PD_UNIT_CACHE_EVICTABLE])
-            result = pd_violation(report,
-                               "pool %s: ledger counts %llu cache-evictable, the "
-                               "prefix cache %llu",
-                               name,
-                               (unsigned long long)lp->count[PD_UNIT_CACHE_EVICTABLE],
-                               (unsigned long long)c_evict);
-        if (c_prot != lp->count[PD_UNIT_CACHE_PROTECTED])
-            result = pd_violation(report,
-                               "pool %s: ledger counts %llu cache-protected, the "
-                               "prefix cache %llu",
-                               name,
-                               (unsigned long long)lp->count[PD_UNIT_CACHE_PROTECTED],
-                               (unsigned long long)c_prot);
-
-        if (opts->deep) {
-            uint64_t recount[PD_UNIT_STATE__COUNT] = {0};
-            for (uint32_t i = 0; i < lp->total; i++) {
-                uint8_t st = lp->state[i];
-                if (st >= PD_UNIT_STATE__COUNT) {
-                    result = pd_violation(report, "pool %s unit %u: bad state %u",
-                                       name, i, st);
-                    continue;
-                }
-                recount[st]++;
-                bool bitmap_free = pd_pool_is_free(lp->pool, i);
-                if (bitmap_free != (st == PD_UNIT_FREE))
-                    result = pd_violation(report,
-                                       "pool %s unit %u: ledger says %s, the pool "
-                                       "bitmap says %s",
-                                       name, i, state_names[st],
-                                       bitmap_free ? "free" : "allocated");
-                if (l->strict && st == PD_UNIT_FREE &&
-                    lp->owner[i] != PD_OWNER_NONE)
-                    result = pd_violation(report, "pool %s unit %u: free but owned by %llu",
-                                       name, i, (unsigned long long)lp->owner[i]);
-            }
-            for (int s = 0; s < PD_UNIT_STATE__COUNT; s++)
-                if (recount[s] != lp->count[s])
-                    result = pd_violation(report,
-                                       "pool %s: %s counter %llu, per-unit states %llu",
-                                       name, state_names[s],
-                                       (unsigned long long)lp->count[s],
-                                       (unsigned long long)recount[s]);
-            char msg[160];
-            if (pd_pool_verify(lp->pool, msg, sizeof(msg)) != PD_OK)
-                result = pd_violation(report, "%s", msg);
-        }
-
-        if (opts->expect_idle) {
-            if (lp->count[PD_UNIT_REQ] != 0)
-                result = pd_violation(report, "pool %s: idle but %llu units held by "
-                                           "requests",
-                                   name, (unsigned long long)lp->count[PD_UNIT_REQ]);
-            if (lp->count[PD_UNIT_QUARANTINE] != 0)
-                result = pd_violation(report,
-                                   "pool %s: idle but %llu units in quarantine", name,
-                                   (unsigned long long)lp->count[PD_UNIT_QUARANTINE]);
-            if ((kind == PD_POOL_ROW || kind == PD_POOL_META) &&
-                lp->count[PD_UNIT_FREE] != lp->total)
-                result = pd_violation(report, "pool %s: idle but %llu of %u rows in use",
-                                   name,
-                                   (unsigned long long)(lp->total -
-                                                        lp->count[PD_UNIT_FREE]),
-                                   lp->total);
-        }
+        pd_err err = check_sources(lp, pid, opts, report);
+        if (err) result = err;
+        if (opts->deep && (err = check_units(l, lp, report))) result = err;
+        if (opts->expect_idle && (err = check_idle(lp, report))) result = err;
     }
 
     if (result != PD_OK && report) {
@@ -467,11 +489,8 @@ static void append_owner(pd_strbuf *out, pd_report_format fmt, pd_unit_state st,
     }
 }
 
-void pd_ledger_report(const pd_ledger *l, pd_report_format fmt,
-                      pd_owner_describe_fn describe, void *describe_ctx,
-                      pd_strbuf *out) {
-    bool json = fmt == PD_REPORT_JSON;
-    if (json) pd_strbuf_printf(out, "{\"strict\":%s,\"pools\":[", l->strict ? "true" : "false");
+/* Each pool's counters, one line (text) or one object (JSON) a pool. */
+static void report_counts(const pd_ledger *l, bool json, pd_strbuf *out) {
     for (int pid = 0; pid < l->n_pools; pid++) {
         const lpool *lp = &l->pools[pid];
         if (json) {
@@ -493,17 +512,11 @@ void pd_ledger_report(const pd_ledger *l, pd_report_format fmt,
             pd_strbuf_append(out, "\n");
         }
     }
-    if (json) pd_strbuf_append(out, "],\"holders\":[");
-    if (!l->strict) {
-        if (json)
-            pd_strbuf_append(out, "]}");
-        else
-            pd_strbuf_append(out, "  (strict mode off: owners are not tracked)\n");
-        return;
-    }
-    /* Sort each pool's holders by (state, owner, idx), then merge the pools
-     * so that each owner is reported once with everything it holds. */
-    size_t n[PD_LEDGER_POOLS_MAX] = {0}, cur[PD_LEDGER_POOLS_MAX] = {0};
+}
+
+/* Each pool's held units (REQ, QUARANTINE) into its scratch, sorted by
+ * (state, owner, idx); n[pid] says how many. */
+static void collect_holders(const pd_ledger *l, size_t *n) {
     for (int pid = 0; pid < l->n_pools; pid++) {
         const lpool *lp = &l->pools[pid];
         for (uint32_t i = 0; i < lp->total; i++) {
@@ -517,6 +530,55 @@ void pd_ledger_report(const pd_ledger *l, pd_report_format fmt,
         }
         qsort(lp->scratch, n[pid], sizeof(holder_entry), holder_cmp);
     }
+}
+
+/* What (st, owner) holds in every pool: the run of its entries at the head of
+ * each pool's sorted scratch, consumed (cur[] advances past it). */
+static void append_holdings(const pd_ledger *l, pd_unit_state st, pd_owner owner,
+                            const size_t *n, size_t *cur, bool json, pd_strbuf *out) {
+    bool first_pool = true;
+    for (int pid = 0; pid < l->n_pools; pid++) {
+        const lpool *lp = &l->pools[pid];
+        size_t i = cur[pid], j = i;
+        while (j < n[pid] && lp->scratch[j].state == st &&
+               lp->scratch[j].owner == owner)
+            j++;
+        if (j == i) continue;
+        if (json) {
+            pd_strbuf_append(out, first_pool ? "" : ",");
+            pd_strbuf_json_string(out, pd_pool_name(lp->pool));
+            pd_strbuf_printf(out, ":{\"units\":%zu,\"ranges\":[", j - i);
+            append_ranges(out, &lp->scratch[i], j - i, true);
+            pd_strbuf_append(out, "]}");
+        } else {
+            pd_strbuf_printf(out, "%s %s %zu [", first_pool ? "" : ";",
+                             pd_pool_name(lp->pool), j - i);
+            append_ranges(out, &lp->scratch[i], j - i, false);
+            pd_strbuf_append(out, "]");
+        }
+        first_pool = false;
+        cur[pid] = j;
+    }
+}
+
+void pd_ledger_report(const pd_ledger *l, pd_report_format fmt,
+                      pd_owner_describe_fn describe, void *describe_ctx,
+                      pd_strbuf *out) {
+    bool json = fmt == PD_REPORT_JSON;
+    if (json) pd_strbuf_printf(out, "{\"strict\":%s,\"pools\":[", l->strict ? "true" : "false");
+    report_counts(l, json, out);
+    if (json) pd_strbuf_append(out, "],\"holders\":[");
+    if (!l->strict) {
+        if (json)
+            pd_strbuf_append(out, "]}");
+        else
+            pd_strbuf_append(out, "  (strict mode off: owners are not tracked)\n");
+        return;
+    }
+    /* Sort each pool's holders by (state, owner, idx), then merge the pools
+     * so that each owner is reported once with everything it holds. */
+    size_t n[PD_LEDGER_POOLS_MAX] = {0}, cur[PD_LEDGER_POOLS_MAX] = {0};
+    collect_holders(l, n);
     bool first_holder = true;
     for (;;) {
         const holder_entry *min = NULL;
@@ -533,29 +595,7 @@ void pd_ledger_report(const pd_ledger *l, pd_report_format fmt,
         pd_strbuf_append(out, json ? (first_holder ? "{" : ",{") : "  ");
         append_owner(out, fmt, st, owner, describe, describe_ctx);
         pd_strbuf_append(out, json ? ",\"pools\":{" : " holds");
-        bool first_pool = true;
-        for (int pid = 0; pid < l->n_pools; pid++) {
-            const lpool *lp = &l->pools[pid];
-            size_t i = cur[pid], j = i;
-            while (j < n[pid] && lp->scratch[j].state == st &&
-                   lp->scratch[j].owner == owner)
-                j++;
-            if (j == i) continue;
-            if (json) {
-                pd_strbuf_append(out, first_pool ? "" : ",");
-                pd_strbuf_json_string(out, pd_pool_name(lp->pool));
-                pd_strbuf_printf(out, ":{\"units\":%zu,\"ranges\":[", j - i);
-                append_ranges(out, &lp->scratch[i], j - i, true);
-                pd_strbuf_append(out, "]}");
-            } else {
-                pd_strbuf_printf(out, "%s %s %zu [", first_pool ? "" : ";",
-                                 pd_pool_name(lp->pool), j - i);
-                append_ranges(out, &lp->scratch[i], j - i, false);
-                pd_strbuf_append(out, "]");
-            }
-            first_pool = false;
-            cur[pid] = j;
-        }
+        append_holdings(l, st, owner, n, cur, json, out);
         pd_strbuf_append(out, json ? "}}" : "\n");
         first_holder = false;
     }
