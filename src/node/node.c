@@ -49,10 +49,10 @@ typedef struct hist {
     uint64_t n;
 } hist;
 
-static const double ttft_bounds[HIST_BUCKETS - 1] = {
-    0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10};
-static const double itl_bounds[HIST_BUCKETS - 1] = {
-    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1};
+static const double ttft_bounds[HIST_BUCKETS - 1] = {0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
+                                                     0.5,   1,    2.5,   5,    10};
+static const double itl_bounds[HIST_BUCKETS - 1] = {0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025,
+                                                    0.05,   0.1,   0.25,   0.5,   1};
 
 struct pd_node {
     pd_node_config cfg;
@@ -638,8 +638,8 @@ static pd_err check_sizes(const pd_node_config *c, char *msg, size_t cap) {
     if (c->page_size == 0 || c->page_size > 4096)
         return pd_errorf(msg, cap, PD_ERR_INVALID, "--page-size must be in [1, 4096]");
     if (c->max_total_tokens < c->page_size || c->max_running_requests == 0 ||
-        c->chunked_prefill_size == 0 || c->max_queued_requests == 0 ||
-        c->max_prompt_tokens == 0 || c->max_new_tokens_limit == 0)
+        c->chunked_prefill_size == 0 || c->max_queued_requests == 0 || c->max_prompt_tokens == 0 ||
+        c->max_new_tokens_limit == 0)
         return pd_errorf(msg, cap, PD_ERR_INVALID,
                          "--max-total-tokens (>= page size), --max-running-requests, "
                          "--chunked-prefill-size, --max-queued-requests, --max-prompt-tokens and "
@@ -648,9 +648,12 @@ static pd_err check_sizes(const pd_node_config *c, char *msg, size_t cap) {
 }
 
 static pd_role engine_role(pd_node_role r) {
-    return r == PD_NODE_PREFILL  ? PD_ROLE_PREFILL
-           : r == PD_NODE_DECODE ? PD_ROLE_DECODE
-                                 : PD_ROLE_COLOCATED;
+    switch (r) {
+    case PD_NODE_PREFILL: return PD_ROLE_PREFILL;
+    case PD_NODE_DECODE: return PD_ROLE_DECODE;
+    case PD_NODE_SERVE: break;
+    }
+    return PD_ROLE_COLOCATED;
 }
 
 /* The engine's configuration from the flags and the model's shape (all but
@@ -724,8 +727,10 @@ static pd_err create_transport(pd_node *n, pd_role role, pd_xfer *xfer, char *ms
     if (!strcmp(c->transfer_backend, "ucx")) {
         pd_net_config nc = {
             .role = role == PD_ROLE_PREFILL ? PD_NET_PREFILL : PD_NET_DECODE,
-            .listen_host = c->bootstrap_host, .bootstrap_port = c->bootstrap_port,
-            .token = c->bootstrap_token, .page_size = c->page_size,
+            .listen_host = c->bootstrap_host,
+            .bootstrap_port = c->bootstrap_port,
+            .token = c->bootstrap_token,
+            .page_size = c->page_size,
             .rooms_max = c->max_queued_requests * 2 + 64,
         };
         pd_err err = pd_net_create(&n->net, &nc, msg, cap);

@@ -52,7 +52,12 @@ void call_ref(call *c);
 void call_unref(call *c);
 
 typedef enum cmd_kind {
-    CMD_SUBMIT, CMD_ABORT, CMD_ABORT_ALL, CMD_INFO, CMD_METRICS, CMD_CANCEL_ROOM
+    CMD_SUBMIT,
+    CMD_ABORT,
+    CMD_ABORT_ALL,
+    CMD_INFO,
+    CMD_METRICS,
+    CMD_CANCEL_ROOM
 } cmd_kind;
 
 /* A command with a synchronous answer (the HTTP thread waits on it). */

@@ -105,7 +105,7 @@ static void concurrent_strict_checks_do_not_mix_reports(void **state) {
 typedef struct violations_seen {
     int calls;
     pd_node_role role;
-    bool report_ok;          /* every report handed on was the node's own */
+    bool report_ok; /* every report handed on was the node's own */
     const strict_node *s;
 } violations_seen;
 
