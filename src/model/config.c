@@ -56,7 +56,8 @@ pd_err pd_model_config_preset(pd_model_config *out, const char *name, char *msg,
         out->mamba_groups = 2;
         out->mlp_hidden = 768;
     } else {
-        return pd_errorf(msg, cap, PD_ERR_INVALID, "unknown model config '%s' (tiny or small)", name);
+        return pd_errorf(msg, cap, PD_ERR_INVALID,
+                         "unknown model config '%s' (tiny or small)", name);
     }
     return PD_OK;
 }
@@ -92,15 +93,17 @@ pd_err pd_model_config_check(const pd_model_config *cfg, char *msg, size_t cap) 
                          (double)cfg->norm_eps);
     if (cfg->bos_token < -1 || cfg->bos_token >= (int64_t)cfg->vocab ||
         cfg->eos_token < -1 || cfg->eos_token >= (int64_t)cfg->vocab)
-        return pd_errorf(msg, cap, PD_ERR_INVALID, "bos/eos tokens (%d, %d) must be -1 or below vocab %u",
-                         cfg->bos_token, cfg->eos_token, cfg->vocab);
+        return pd_errorf(msg, cap, PD_ERR_INVALID,
+                         "bos/eos tokens (%d, %d) must be -1 or below vocab %u", cfg->bos_token,
+                         cfg->eos_token, cfg->vocab);
     if (count_kind(cfg->layers, 'A') > 0) {
         RANGE(attn_heads, 1u, HEADS_MAX);
         RANGE(attn_kv_heads, 1u, cfg->attn_heads);
         RANGE(attn_head_dim, 2u, HEAD_DIM_MAX);
         if (cfg->attn_heads % cfg->attn_kv_heads)
-            return pd_errorf(msg, cap, PD_ERR_INVALID, "attn_heads %u is not a multiple of attn_kv_heads %u",
-                             cfg->attn_heads, cfg->attn_kv_heads);
+            return pd_errorf(msg, cap, PD_ERR_INVALID,
+                             "attn_heads %u is not a multiple of attn_kv_heads %u", cfg->attn_heads,
+                             cfg->attn_kv_heads);
         if (cfg->attn_head_dim % 2)
             return pd_errorf(msg, cap, PD_ERR_INVALID, "attn_head_dim %u must be even (RoPE)",
                              cfg->attn_head_dim);
@@ -116,11 +119,13 @@ pd_err pd_model_config_check(const pd_model_config *cfg, char *msg, size_t cap) 
         RANGE(mamba_groups, 1u, cfg->mamba_heads);
         uint64_t d_inner = (uint64_t)cfg->mamba_expand * cfg->dim;
         if (d_inner % cfg->mamba_heads)
-            return pd_errorf(msg, cap, PD_ERR_INVALID,
-                             "mamba d_inner %llu (expand x dim) is not a multiple of mamba_heads %u",
-                             (unsigned long long)d_inner, cfg->mamba_heads);
+            return pd_errorf(
+                msg, cap, PD_ERR_INVALID,
+                "mamba d_inner %llu (expand x dim) is not a multiple of mamba_heads %u",
+                (unsigned long long)d_inner, cfg->mamba_heads);
         if (cfg->mamba_heads % cfg->mamba_groups)
-            return pd_errorf(msg, cap, PD_ERR_INVALID, "mamba_heads %u is not a multiple of mamba_groups %u",
+            return pd_errorf(msg, cap, PD_ERR_INVALID,
+                             "mamba_heads %u is not a multiple of mamba_groups %u",
                              cfg->mamba_heads, cfg->mamba_groups);
     }
     pd_model_shape s;
@@ -153,12 +158,13 @@ void pd_model_config_shape(const pd_model_config *cfg, pd_model_shape *s) {
         s->mamba_in_proj = (uint32_t)(2 * (uint64_t)s->mamba_d_inner + 2 * gn + cfg->mamba_heads);
         s->mamba_conv_bytes_per_layer =
             (size_t)s->mamba_conv_dim * (cfg->mamba_d_conv - 1) * sizeof(float);
-        s->mamba_ssm_bytes_per_layer = (size_t)s->mamba_d_inner * cfg->mamba_d_state * sizeof(float);
+        s->mamba_ssm_bytes_per_layer =
+            (size_t)s->mamba_d_inner * cfg->mamba_d_state * sizeof(float);
         s->mamba_slot_bytes =
             s->n_mamba * (s->mamba_conv_bytes_per_layer + s->mamba_ssm_bytes_per_layer);
         mamba_w = (uint64_t)s->mamba_in_proj * dim + dim * s->mamba_d_inner;
-        mamba_small = (uint64_t)s->mamba_conv_dim * (cfg->mamba_d_conv + 1) + 3ull * cfg->mamba_heads +
-                      s->mamba_d_inner;
+        mamba_small = (uint64_t)s->mamba_conv_dim * (cfg->mamba_d_conv + 1) +
+                      3ull * cfg->mamba_heads + s->mamba_d_inner;
     }
     uint64_t lm = vocab * dim;
     s->params = vocab * dim + (cfg->tie_embeddings ? 0 : lm) + dim /* final norm */ +
@@ -215,7 +221,8 @@ static pd_err read_field(pd_model_config *cfg, const field *f, const json_t *v, 
     switch (f->kind) {
     case F_U32:
         if (!json_is_integer(v) || json_integer_value(v) < 0 || json_integer_value(v) > UINT32_MAX)
-            return pd_errorf(msg, cap, PD_ERR_PARSE, "'%s' must be an integer in [0, 2^32)", f->key);
+            return pd_errorf(msg, cap, PD_ERR_PARSE,
+                             "'%s' must be an integer in [0, 2^32)", f->key);
         *(uint32_t *)base = (uint32_t)json_integer_value(v);
         return PD_OK;
     case F_I32:
@@ -224,7 +231,8 @@ static pd_err read_field(pd_model_config *cfg, const field *f, const json_t *v, 
             return PD_OK;
         }
         if (!json_is_integer(v) || json_integer_value(v) < -1 || json_integer_value(v) > INT32_MAX)
-            return pd_errorf(msg, cap, PD_ERR_PARSE, "'%s' must be an integer >= -1 or null", f->key);
+            return pd_errorf(msg, cap, PD_ERR_PARSE,
+                             "'%s' must be an integer >= -1 or null", f->key);
         *(int32_t *)base = (int32_t)json_integer_value(v);
         return PD_OK;
     case F_F32:
@@ -257,12 +265,13 @@ pd_err mdl_config_read(pd_model_config *cfg, const char *path, char *msg, size_t
     size_t len = fread(buf, 1, sizeof(buf), f);
     bool more = fgetc(f) != EOF;
     fclose(f);
-    if (more) return pd_errorf(msg, cap, PD_ERR_TOOBIG, "%s: larger than %zu bytes", path, sizeof(buf));
+    if (more)
+        return pd_errorf(msg, cap, PD_ERR_TOOBIG, "%s: larger than %zu bytes", path, sizeof(buf));
     json_error_t jerr;
     json_t *root = json_loadb(buf, len, JSON_REJECT_DUPLICATES, &jerr);
     if (!root)
-        return pd_errorf(msg, cap, PD_ERR_PARSE, "%s: not valid JSON: %s (line %d, column %d)", path,
-                         jerr.text, jerr.line, jerr.column);
+        return pd_errorf(msg, cap, PD_ERR_PARSE, "%s: not valid JSON: %s (line %d, column %d)",
+                         path, jerr.text, jerr.line, jerr.column);
     pd_err err = PD_OK;
     char why[200];
     if (!json_is_object(root)) {
@@ -321,7 +330,8 @@ pd_err mdl_config_write(const pd_model_config *cfg, const char *path, char *msg,
         }
         json_object_set_new(root, fields[i].key, v);
     }
-    int rc = json_dump_file(root, path, JSON_INDENT(2) | JSON_PRESERVE_ORDER | JSON_REAL_PRECISION(9));
+    int rc =
+        json_dump_file(root, path, JSON_INDENT(2) | JSON_PRESERVE_ORDER | JSON_REAL_PRECISION(9));
     json_decref(root);
     if (rc != 0) return pd_errorf(msg, cap, PD_ERR_IO, "%s: cannot write", path);
     return PD_OK;

@@ -144,18 +144,21 @@ static pd_err parse_entry(pd_st_tensor *t, const char *name, const json_t *v,
         return pd_errorf(msg, cap, PD_ERR_PARSE, "tensor '%s': entry is not an object", name);
     if (json_object_size(v) != 3)
         return pd_errorf(msg, cap, PD_ERR_PARSE,
-                         "tensor '%s': entry must have exactly dtype, shape and data_offsets", name);
+                         "tensor '%s': entry must have exactly dtype, shape and data_offsets",
+                         name);
 
     const json_t *dt = json_object_get(v, "dtype");
     if (!json_is_string(dt))
-        return pd_errorf(msg, cap, PD_ERR_PARSE, "tensor '%s': dtype missing or not a string", name);
+        return pd_errorf(msg, cap, PD_ERR_PARSE,
+                         "tensor '%s': dtype missing or not a string", name);
     if (!pd_dtype_parse(json_string_value(dt), &t->dtype))
         return pd_errorf(msg, cap, PD_ERR_PARSE, "tensor '%s': unknown dtype '%.32s'", name,
                          json_string_value(dt));
 
     const json_t *shape = json_object_get(v, "shape");
     if (!json_is_array(shape))
-        return pd_errorf(msg, cap, PD_ERR_PARSE, "tensor '%s': shape missing or not an array", name);
+        return pd_errorf(msg, cap, PD_ERR_PARSE,
+                         "tensor '%s': shape missing or not an array", name);
     size_t ndim = json_array_size(shape);
     if (ndim > PD_ST_NDIM_MAX)
         return pd_errorf(msg, cap, PD_ERR_PARSE, "tensor '%s': %zu dimensions (at most %d)", name,
@@ -183,17 +186,19 @@ static pd_err parse_entry(pd_st_tensor *t, const char *name, const json_t *v,
         return pd_errorf(msg, cap, PD_ERR_PARSE,
                          "tensor '%s': data_offsets are not non-negative integers", name);
     if (t->end < t->begin)
-        return pd_errorf(msg, cap, PD_ERR_PARSE, "tensor '%s': data_offsets [%llu, %llu] end before begin",
-                         name, (unsigned long long)t->begin, (unsigned long long)t->end);
-    if (t->end - t->begin != bytes)
         return pd_errorf(msg, cap, PD_ERR_PARSE,
-                         "tensor '%s': data_offsets span %llu bytes but %s with %llu elements needs %llu",
-                         name, (unsigned long long)(t->end - t->begin), pd_dtype_name(t->dtype),
-                         (unsigned long long)t->elems, (unsigned long long)bytes);
+                         "tensor '%s': data_offsets [%llu, %llu] end before begin", name,
+                         (unsigned long long)t->begin, (unsigned long long)t->end);
+    if (t->end - t->begin != bytes)
+        return pd_errorf(
+            msg, cap, PD_ERR_PARSE,
+            "tensor '%s': data_offsets span %llu bytes but %s with %llu elements needs %llu", name,
+            (unsigned long long)(t->end - t->begin), pd_dtype_name(t->dtype),
+            (unsigned long long)t->elems, (unsigned long long)bytes);
     if (t->end > data_bytes)
         return pd_errorf(msg, cap, PD_ERR_PARSE,
-                         "tensor '%s': data_offsets end %llu is past the data buffer (%llu bytes)", name,
-                         (unsigned long long)t->end, (unsigned long long)data_bytes);
+                         "tensor '%s': data_offsets end %llu is past the data buffer (%llu bytes)",
+                         name, (unsigned long long)t->end, (unsigned long long)data_bytes);
     return PD_OK;
 }
 
@@ -225,16 +230,17 @@ static pd_err check_layout(const pd_safetensors *st, char *msg, size_t cap) {
     for (uint32_t i = 0; i < st->n_tensors && err == PD_OK; i++) {
         const pd_st_tensor *t = order[i];
         if (t->begin > covered)
-            err = pd_errorf(msg, cap, PD_ERR_PARSE,
-                            "tensor '%s': gap of %llu unused bytes before its data_offsets [%llu, %llu]",
-                            t->name, (unsigned long long)(t->begin - covered),
-                            (unsigned long long)t->begin, (unsigned long long)t->end);
+            err = pd_errorf(
+                msg, cap, PD_ERR_PARSE,
+                "tensor '%s': gap of %llu unused bytes before its data_offsets [%llu, %llu]",
+                t->name, (unsigned long long)(t->begin - covered), (unsigned long long)t->begin,
+                (unsigned long long)t->end);
         else if (t->begin < covered)
-            err = pd_errorf(msg, cap, PD_ERR_PARSE,
-                            "tensor '%s': data_offsets [%llu, %llu] overlap tensor '%s' [%llu, %llu]",
-                            t->name, (unsigned long long)t->begin, (unsigned long long)t->end,
-                            prev->name, (unsigned long long)prev->begin,
-                            (unsigned long long)prev->end);
+            err = pd_errorf(
+                msg, cap, PD_ERR_PARSE,
+                "tensor '%s': data_offsets [%llu, %llu] overlap tensor '%s' [%llu, %llu]", t->name,
+                (unsigned long long)t->begin, (unsigned long long)t->end, prev->name,
+                (unsigned long long)prev->begin, (unsigned long long)prev->end);
         covered = t->end;
         prev = t;
     }
@@ -253,7 +259,8 @@ static pd_err check_metadata(const json_t *v, char *msg, size_t cap) {
     json_t *val;
     json_object_foreach((json_t *)v, k, val) {
         if (!json_is_string(val))
-            return pd_errorf(msg, cap, PD_ERR_PARSE, "__metadata__ entry '%.64s' is not a string", k);
+            return pd_errorf(msg, cap, PD_ERR_PARSE,
+                             "__metadata__ entry '%.64s' is not a string", k);
     }
     return PD_OK;
 }
@@ -268,7 +275,8 @@ pd_err pd_safetensors_parse(pd_safetensors *st, const uint8_t *bytes, size_t siz
                          "file is %zu bytes, shorter than the 8-byte header length", size);
     uint64_t hlen = load_le64(bytes);
     if (hlen > PD_ST_HEADER_BYTES_MAX)
-        return pd_errorf(msg, cap, PD_ERR_PARSE, "header length %llu exceeds the limit of %llu bytes",
+        return pd_errorf(msg, cap, PD_ERR_PARSE,
+                         "header length %llu exceeds the limit of %llu bytes",
                          (unsigned long long)hlen, (unsigned long long)PD_ST_HEADER_BYTES_MAX);
     if (hlen > size - 8)
         return pd_errorf(msg, cap, PD_ERR_PARSE,
@@ -280,8 +288,9 @@ pd_err pd_safetensors_parse(pd_safetensors *st, const uint8_t *bytes, size_t siz
     json_error_t jerr;
     json_t *root = json_loadb((const char *)bytes + 8, (size_t)hlen, JSON_REJECT_DUPLICATES, &jerr);
     if (!root)
-        return pd_errorf(msg, cap, PD_ERR_PARSE, "header is not valid JSON: %s (line %d, column %d)",
-                         jerr.text, jerr.line, jerr.column);
+        return pd_errorf(msg, cap, PD_ERR_PARSE,
+                         "header is not valid JSON: %s (line %d, column %d)", jerr.text, jerr.line,
+                         jerr.column);
     pd_err err = PD_OK;
     if (!json_is_object(root)) {
         err = pd_errorf(msg, cap, PD_ERR_PARSE, "header is not a JSON object");
@@ -374,8 +383,9 @@ pd_err pd_safetensors_read_f32(const pd_safetensors *st, const pd_st_tensor *t, 
                                uint64_t n, char *msg, size_t cap) {
     PD_ASSERT(t->end <= st->data_bytes && t->begin <= t->end);
     if (n != t->elems)
-        return pd_errorf(msg, cap, PD_ERR_INVALID, "tensor '%s': %llu elements, caller expects %llu",
-                         t->name, (unsigned long long)t->elems, (unsigned long long)n);
+        return pd_errorf(msg, cap, PD_ERR_INVALID,
+                         "tensor '%s': %llu elements, caller expects %llu", t->name,
+                         (unsigned long long)t->elems, (unsigned long long)n);
     const uint8_t *p = st->data + t->begin;
     switch (t->dtype) {
     case PD_DTYPE_F32:
@@ -442,7 +452,8 @@ pd_err pd_safetensors_write(const char *path, const pd_st_input *tensors, uint32
         for (uint32_t d = 0; d < t->ndim; d++)
             json_array_append_new(shape, json_integer((json_int_t)t->shape[d]));
         json_t *entry = json_pack("{s:s, s:o, s:[I,I]}", "dtype", pd_dtype_name(dtype), "shape",
-                                  shape, "data_offsets", (json_int_t)off, (json_int_t)(off + bytes));
+                                  shape, "data_offsets", (json_int_t)off,
+                                  (json_int_t)(off + bytes));
         if (!entry || json_object_set_new(root, t->name, entry) != 0)
             err = pd_errorf(msg, cap, PD_ERR_INVALID, "tensor '%s': cannot add to header", t->name);
         off += bytes;

@@ -67,31 +67,41 @@ static void build_table(pd_model *m) {
         int i = (int)l;
         add(m, PD_INIT_ONES, 0, 1, c->dim, 0, 0, "model.layers.%d.input_layernorm.weight", i);
         if (c->layers[l] == 'A') {
-            add(m, PD_INIT_UNIFORM, in_dim, 2, s->q_dim, c->dim, 0, "model.layers.%d.self_attn.q_proj.weight", i);
-            add(m, PD_INIT_UNIFORM, in_dim, 2, s->kv_dim, c->dim, 0, "model.layers.%d.self_attn.k_proj.weight", i);
-            add(m, PD_INIT_UNIFORM, in_dim, 2, s->kv_dim, c->dim, 0, "model.layers.%d.self_attn.v_proj.weight", i);
+            add(m, PD_INIT_UNIFORM, in_dim, 2, s->q_dim, c->dim, 0,
+                "model.layers.%d.self_attn.q_proj.weight", i);
+            add(m, PD_INIT_UNIFORM, in_dim, 2, s->kv_dim, c->dim, 0,
+                "model.layers.%d.self_attn.k_proj.weight", i);
+            add(m, PD_INIT_UNIFORM, in_dim, 2, s->kv_dim, c->dim, 0,
+                "model.layers.%d.self_attn.v_proj.weight", i);
             add(m, PD_INIT_UNIFORM, res / sqrt((double)s->q_dim), 2, c->dim, s->q_dim, 0,
                 "model.layers.%d.self_attn.o_proj.weight", i);
         } else {
             double conv = 1.0 / sqrt((double)c->mamba_d_conv);
-            add(m, PD_INIT_UNIFORM, in_dim, 2, s->mamba_in_proj, c->dim, 0, "model.layers.%d.mamba.in_proj.weight", i);
-            add(m, PD_INIT_UNIFORM, conv, 3, s->mamba_conv_dim, 1, c->mamba_d_conv, "model.layers.%d.mamba.conv1d.weight", i);
-            add(m, PD_INIT_UNIFORM, conv, 1, s->mamba_conv_dim, 0, 0, "model.layers.%d.mamba.conv1d.bias", i);
+            add(m, PD_INIT_UNIFORM, in_dim, 2, s->mamba_in_proj, c->dim, 0,
+                "model.layers.%d.mamba.in_proj.weight", i);
+            add(m, PD_INIT_UNIFORM, conv, 3, s->mamba_conv_dim, 1, c->mamba_d_conv,
+                "model.layers.%d.mamba.conv1d.weight", i);
+            add(m, PD_INIT_UNIFORM, conv, 1, s->mamba_conv_dim, 0, 0,
+                "model.layers.%d.mamba.conv1d.bias", i);
             add(m, PD_INIT_DT_BIAS, 0, 1, c->mamba_heads, 0, 0, "model.layers.%d.mamba.dt_bias", i);
             add(m, PD_INIT_A_LOG, 0, 1, c->mamba_heads, 0, 0, "model.layers.%d.mamba.A_log", i);
             add(m, PD_INIT_ONES, 0, 1, c->mamba_heads, 0, 0, "model.layers.%d.mamba.D", i);
-            add(m, PD_INIT_ONES, 0, 1, s->mamba_d_inner, 0, 0, "model.layers.%d.mamba.norm.weight", i);
-            add(m, PD_INIT_UNIFORM, res / sqrt((double)s->mamba_d_inner), 2, c->dim, s->mamba_d_inner, 0,
-                "model.layers.%d.mamba.out_proj.weight", i);
+            add(m, PD_INIT_ONES, 0, 1, s->mamba_d_inner, 0, 0,
+                "model.layers.%d.mamba.norm.weight", i);
+            add(m, PD_INIT_UNIFORM, res / sqrt((double)s->mamba_d_inner), 2, c->dim,
+                s->mamba_d_inner, 0, "model.layers.%d.mamba.out_proj.weight", i);
         }
         add(m, PD_INIT_ONES, 0, 1, c->dim, 0, 0, "model.layers.%d.pre_ff_layernorm.weight", i);
-        add(m, PD_INIT_UNIFORM, in_dim, 2, c->mlp_hidden, c->dim, 0, "model.layers.%d.mlp.gate_proj.weight", i);
-        add(m, PD_INIT_UNIFORM, in_dim, 2, c->mlp_hidden, c->dim, 0, "model.layers.%d.mlp.up_proj.weight", i);
+        add(m, PD_INIT_UNIFORM, in_dim, 2, c->mlp_hidden, c->dim, 0,
+            "model.layers.%d.mlp.gate_proj.weight", i);
+        add(m, PD_INIT_UNIFORM, in_dim, 2, c->mlp_hidden, c->dim, 0,
+            "model.layers.%d.mlp.up_proj.weight", i);
         add(m, PD_INIT_UNIFORM, res / sqrt((double)c->mlp_hidden), 2, c->dim, c->mlp_hidden, 0,
             "model.layers.%d.mlp.down_proj.weight", i);
     }
     add(m, PD_INIT_ONES, 0, 1, c->dim, 0, 0, "model.norm.weight", 0);
-    if (!c->tie_embeddings) add(m, PD_INIT_UNIFORM, in_dim, 2, c->vocab, c->dim, 0, "lm_head.weight", 0);
+    if (!c->tie_embeddings)
+        add(m, PD_INIT_UNIFORM, in_dim, 2, c->vocab, c->dim, 0, "lm_head.weight", 0);
     PD_ASSERT(m->n_floats == s->params);
 }
 
@@ -206,13 +216,15 @@ pd_err pd_model_create_random(pd_model **out, const pd_model_config *cfg, uint64
     pd_err err = model_alloc(out, cfg, msg, cap);
     if (err != PD_OK) return err;
     pd_model *m = *out;
-    for (uint32_t i = 0; i < m->n_tensors; i++) fill(m->data + m->tensors[i].offset, &m->tensors[i], seed);
+    for (uint32_t i = 0; i < m->n_tensors; i++)
+        fill(m->data + m->tensors[i].offset, &m->tensors[i], seed);
     return PD_OK;
 }
 
 /* ---- the model directory ---------------------------------------------------- */
 
-static pd_err join(char *out, size_t cap, const char *dir, const char *file, char *msg, size_t mcap) {
+static pd_err join(char *out, size_t cap, const char *dir, const char *file, char *msg,
+                   size_t mcap) {
     int n = snprintf(out, cap, "%s/%s", dir, file);
     if (n < 0 || (size_t)n >= cap)
         return pd_errorf(msg, mcap, PD_ERR_INVALID, "model directory path too long");
@@ -236,16 +248,17 @@ static pd_err match_file(const pd_model *m, const pd_safetensors *st, char *msg,
         const pd_st_tensor *t = pd_safetensors_find(st, e->name);
         if (!t) return pd_errorf(msg, cap, PD_ERR_PARSE, "tensor '%s' is missing", e->name);
         if (t->dtype != PD_DTYPE_F32 && t->dtype != PD_DTYPE_F16 && t->dtype != PD_DTYPE_BF16)
-            return pd_errorf(msg, cap, PD_ERR_PARSE, "tensor '%s': dtype %s not accepted (F32, F16 or BF16)",
-                             e->name, pd_dtype_name(t->dtype));
+            return pd_errorf(msg, cap, PD_ERR_PARSE,
+                             "tensor '%s': dtype %s not accepted (F32, F16 or BF16)", e->name,
+                             pd_dtype_name(t->dtype));
         bool same = t->ndim == e->ndim;
         for (uint32_t d = 0; same && d < e->ndim; d++) same = t->shape[d] == e->shape[d];
         if (!same) {
             char got[96], want[96];
             shape_text(got, sizeof(got), t->ndim, t->shape);
             shape_text(want, sizeof(want), e->ndim, e->shape);
-            return pd_errorf(msg, cap, PD_ERR_PARSE, "tensor '%s': shape %s but the config needs %s",
-                             e->name, got, want);
+            return pd_errorf(msg, cap, PD_ERR_PARSE,
+                             "tensor '%s': shape %s but the config needs %s", e->name, got, want);
         }
     }
     for (uint32_t i = 0; i < st->n_tensors; i++)
@@ -283,8 +296,9 @@ pd_err pd_model_load(pd_model **out, const char *dir, char *msg, size_t cap) {
                                           sizeof(why));
             for (uint64_t k = 0; err == PD_OK && k < e->elems; k++)
                 if (!isfinite(v[k]))
-                    err = pd_errorf(why, sizeof(why), PD_ERR_PARSE, "tensor '%s': element %llu is not finite",
-                                    e->name, (unsigned long long)k);
+                    err = pd_errorf(why, sizeof(why), PD_ERR_PARSE,
+                                    "tensor '%s': element %llu is not finite", e->name,
+                                    (unsigned long long)k);
         }
         if (err != PD_OK) pd_errorf(msg, cap, err, "%s: %s", path, why);
     }
