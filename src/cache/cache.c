@@ -122,8 +122,10 @@ static pd_unit_state lock_state(uint32_t lock) {
 }
 
 static void sums_add(pd_cache *c, int r, pd_unit_state st, int64_t n) {
-    if (st == PD_UNIT_CACHE_EVICTABLE) c->sum_evict[r] = (uint64_t)((int64_t)c->sum_evict[r] + n);
-    else if (st == PD_UNIT_CACHE_PROTECTED) c->sum_prot[r] = (uint64_t)((int64_t)c->sum_prot[r] + n);
+    if (st == PD_UNIT_CACHE_EVICTABLE)
+        c->sum_evict[r] = (uint64_t)((int64_t)c->sum_evict[r] + n);
+    else if (st == PD_UNIT_CACHE_PROTECTED)
+        c->sum_prot[r] = (uint64_t)((int64_t)c->sum_prot[r] + n);
 }
 
 /* Ledger move of n units of resource r, keeping the cache's sums. */
@@ -412,45 +414,36 @@ static uint32_t match_pages(pd_cache *c, uint32_t id, const int32_t *tokens,
 
 /* ---- create / destroy ---------------------------------------------------- */
 
-pd_err pd_cache_create(pd_cache **out, const pd_cache_config *cfg) {
-    if (!out || !cfg || !cfg->ledger) return PD_ERR_INVALID;
-    *out = NULL;
+/* The pools cfg names exist and are of the right kinds; the page size and
+ * entries_max (kv pages + host pages) they imply. */
+static pd_err config_check(const pd_cache_config *cfg, uint32_t *page_size,
+                           uint64_t *entries) {
     pd_ledger *l = cfg->ledger;
     int npools = pd_ledger_pool_count(l);
     if (cfg->kv_pool < 0 || cfg->kv_pool >= npools) return PD_ERR_INVALID;
     if (cfg->mamba_pool >= npools || cfg->host_pool >= npools) return PD_ERR_INVALID;
     pd_pool *kv = pd_ledger_pool(l, cfg->kv_pool);
     if (pd_pool_kind_of(kv) != PD_POOL_KV) return PD_ERR_INVALID;
-    uint32_t page_size = pd_pool_unit_tokens(kv);
-    uint64_t entries = pd_pool_total(kv);
+    *page_size = pd_pool_unit_tokens(kv);
+    *entries = pd_pool_total(kv);
     if (cfg->host_pool >= 0) {
         pd_pool *hp = pd_ledger_pool(l, cfg->host_pool);
-        if (pd_pool_kind_of(hp) != PD_POOL_HOST || pd_pool_unit_tokens(hp) != page_size)
+        if (pd_pool_kind_of(hp) != PD_POOL_HOST || pd_pool_unit_tokens(hp) != *page_size)
             return PD_ERR_INVALID;
-        entries += pd_pool_total(hp);
+        *entries += pd_pool_total(hp);
     }
     if (cfg->mamba_pool >= 0 &&
         pd_pool_kind_of(pd_ledger_pool(l, cfg->mamba_pool)) != PD_POOL_MAMBA)
         return PD_ERR_INVALID;
-    if (entries + 1 >= UINT32_MAX / 4) return PD_ERR_INVALID;
+    if (*entries + 1 >= UINT32_MAX / 4) return PD_ERR_INVALID;
+    return PD_OK;
+}
 
-    pd_cache *c = calloc(1, sizeof(*c));
-    if (!c) return PD_ERR_NOMEM;
-    c->cfg = *cfg;
-    c->ledger = l;
-    c->pool_id[R_KV] = cfg->kv_pool;
-    c->pool_id[R_HOST] = cfg->host_pool;
-    c->pool_id[R_MAMBA] = cfg->mamba_pool;
-    c->page_size = page_size;
-    c->entries_max = (uint32_t)entries;
-    c->nodes_max = (uint32_t)entries + 1;
-    uint32_t ht_cap = 16;
-    while (ht_cap < 2 * c->nodes_max) ht_cap *= 2;
-    c->ht_mask = ht_cap - 1;
-    c->loads_max = cfg->loads_max ? cfg->loads_max : 64;
-
+/* Every array, sized once from entries_max and nodes_max; false if any
+ * allocation failed (pd_cache_destroy frees the rest). */
+static bool arrays_alloc(pd_cache *c, uint32_t ht_cap) {
     c->nodes = calloc(c->nodes_max, sizeof(cnode));
-    c->ent_tokens = calloc((size_t)c->entries_max * page_size, sizeof(int32_t));
+    c->ent_tokens = calloc((size_t)c->entries_max * c->page_size, sizeof(int32_t));
     c->ent_dev = calloc(c->entries_max, sizeof(uint32_t));
     c->ent_host = calloc(c->entries_max, sizeof(uint32_t));
     c->ent_next = calloc(c->entries_max, sizeof(uint32_t));
@@ -460,11 +453,13 @@ pd_err pd_cache_create(pd_cache **out, const pd_cache_config *cfg) {
     c->scratch_b = calloc(c->entries_max, sizeof(uint32_t));
     c->stack = calloc(c->nodes_max, sizeof(uint32_t));
     c->pos_of = calloc(c->nodes_max, sizeof(uint32_t));
-    if (!c->pos_of ||!c->nodes || !c->ent_tokens || !c->ent_dev || !c->ent_host || !c->ent_next ||
-        !c->ht || !c->tickets || !c->scratch_a || !c->scratch_b || !c->stack) {
-        pd_cache_destroy(c);
-        return PD_ERR_NOMEM;
-    }
+    return c->pos_of && c->nodes && c->ent_tokens && c->ent_dev && c->ent_host &&
+           c->ent_next && c->ht && c->tickets && c->scratch_a && c->scratch_b && c->stack;
+}
+
+/* An empty cache: the hash table empty, every entry and node on its free
+ * chain, the lists empty, and the root alone. */
+static void empty_init(pd_cache *c, uint32_t ht_cap) {
     memset(c->ht, 0xFF, (size_t)ht_cap * sizeof(uint32_t));
     for (uint32_t e = 0; e < c->entries_max; e++)
         c->ent_next[e] = e + 1 < c->entries_max ? e + 1 : NONE;
@@ -482,6 +477,35 @@ pd_err pd_cache_create(pd_cache **out, const pd_cache_config *cfg) {
     for (int li = 0; li < L__COUNT; li++) root->lprev[li] = root->lnext[li] = NONE;
     root->live = true;
     root->on_dev = true; /* the empty prefix is always usable */
+}
+
+pd_err pd_cache_create(pd_cache **out, const pd_cache_config *cfg) {
+    if (!out || !cfg || !cfg->ledger) return PD_ERR_INVALID;
+    *out = NULL;
+    uint32_t page_size;
+    uint64_t entries;
+    pd_err err = config_check(cfg, &page_size, &entries);
+    if (err) return err;
+
+    pd_cache *c = calloc(1, sizeof(*c));
+    if (!c) return PD_ERR_NOMEM;
+    c->cfg = *cfg;
+    c->ledger = cfg->ledger;
+    c->pool_id[R_KV] = cfg->kv_pool;
+    c->pool_id[R_HOST] = cfg->host_pool;
+    c->pool_id[R_MAMBA] = cfg->mamba_pool;
+    c->page_size = page_size;
+    c->entries_max = (uint32_t)entries;
+    c->nodes_max = (uint32_t)entries + 1;
+    uint32_t ht_cap = 16;
+    while (ht_cap < 2 * c->nodes_max) ht_cap *= 2;
+    c->ht_mask = ht_cap - 1;
+    c->loads_max = cfg->loads_max ? cfg->loads_max : 64;
+    if (!arrays_alloc(c, ht_cap)) {
+        pd_cache_destroy(c);
+        return PD_ERR_NOMEM;
+    }
+    empty_init(c, ht_cap);
     *out = c;
     return PD_OK;
 }
@@ -634,6 +658,60 @@ pd_err pd_cache_mamba_unlock(pd_cache *c, pd_cnode node) {
 
 /* ---- insert ---------------------------------------------------------------- */
 
+/* The rest of the prompt, pages [pos, n_pages), is new: one child of parent
+ * holding the caller's pages, which move from the request to the cache. */
+static uint32_t insert_new_node(pd_cache *c, uint32_t parent, const int32_t *tokens,
+                                const uint32_t *pages, uint32_t pos, uint32_t n_pages,
+                                pd_owner owner) {
+    uint32_t id = node_alloc(c);
+    cnode *n = N(c, id);
+    uint32_t prev = NONE;
+    for (uint32_t i = pos; i < n_pages; i++) {
+        uint32_t e = entry_alloc(c, tokens + (size_t)i * c->page_size);
+        c->ent_dev[e] = pages[i];
+        if (prev == NONE) n->first_ent = e;
+        else c->ent_next[prev] = e;
+        prev = e;
+    }
+    n->last_ent = prev;
+    n->n_pages = n_pages - pos;
+    n->end_pages = n_pages;
+    n->on_dev = true;
+    units_move(c, R_KV, pages + pos, n->n_pages, PD_UNIT_REQ, owner,
+               PD_UNIT_CACHE_EVICTABLE, PD_OWNER_CACHE);
+    child_link(c, parent, id);
+    ht_insert(c, id);
+    relist(c, id);
+    return id;
+}
+
+/* The caller's k pages for child, a cached node of exactly k pages. On
+ * device, the cache's copy wins: the caller's duplicates go to dup_out and
+ * its page table is rewritten. Host-only, the caller's freshly computed pages
+ * become the node's device copy (its parent is on device: C1 holds). */
+static void insert_matched(pd_cache *c, uint32_t parent, uint32_t child, uint32_t *pages,
+                           uint32_t k, pd_owner owner, uint32_t *dup_out, uint32_t *dup_pages) {
+    cnode *ch = N(c, child);
+    PD_ASSERT(ch->n_pages == k);
+    if (ch->on_dev) {
+        uint32_t i = 0;
+        for (uint32_t e = ch->first_ent; e != NONE; e = c->ent_next[e], i++) {
+            if (pages[i] != c->ent_dev[e]) {
+                dup_out[(*dup_pages)++] = pages[i];
+                pages[i] = c->ent_dev[e];
+            }
+        }
+        return;
+    }
+    PD_ASSERT(N(c, parent)->on_dev);
+    units_move(c, R_KV, pages, k, PD_UNIT_REQ, owner,
+               lock_state(ch->lock_ref), PD_OWNER_CACHE);
+    node_set_pages(c, child, false, pages);
+    ch->on_dev = true;
+    N(c, parent)->n_dev_children++;
+    relist(c, child);
+}
+
 pd_err pd_cache_insert(pd_cache *c, const int32_t *tokens, uint32_t n_tokens,
                        uint32_t *pages, pd_owner owner, uint32_t mamba_slot,
                        uint32_t *dup_out, pd_cache_insert_result *res) {
@@ -649,54 +727,15 @@ pd_err pd_cache_insert(pd_cache *c, const int32_t *tokens, uint32_t n_tokens,
         const int32_t *q = tokens + (size_t)pos * c->page_size;
         uint32_t child = ht_lookup(c, node, q);
         if (child == NONE) {
-            /* The rest is new: one node with the caller's pages. */
-            uint32_t id = node_alloc(c);
-            cnode *n = N(c, id);
-            uint32_t prev = NONE;
-            for (uint32_t i = pos; i < n_pages; i++) {
-                uint32_t e = entry_alloc(c, tokens + (size_t)i * c->page_size);
-                c->ent_dev[e] = pages[i];
-                if (prev == NONE) n->first_ent = e;
-                else c->ent_next[prev] = e;
-                prev = e;
-            }
-            n->last_ent = prev;
-            n->n_pages = n_pages - pos;
-            n->end_pages = n_pages;
-            n->on_dev = true;
-            units_move(c, R_KV, pages + pos, n->n_pages, PD_UNIT_REQ, owner,
-                       PD_UNIT_CACHE_EVICTABLE, PD_OWNER_CACHE);
-            child_link(c, node, id);
-            ht_insert(c, id);
-            relist(c, id);
-            node = id;
+            node = insert_new_node(c, node, tokens, pages, pos, n_pages, owner);
             pos = n_pages;
             break;
         }
         uint32_t k = match_pages(c, child, q, n_pages - pos);
         PD_ASSERT(k >= 1);
         if (k < N(c, child)->n_pages) child = split(c, child, k);
-        cnode *ch = N(c, child);
-        if (ch->loading != NONE) break; /* a host load owns these positions */
-        if (ch->on_dev) {
-            uint32_t i = pos;
-            for (uint32_t e = ch->first_ent; e != NONE; e = c->ent_next[e], i++) {
-                if (pages[i] != c->ent_dev[e]) {
-                    dup_out[r.dup_pages++] = pages[i];
-                    pages[i] = c->ent_dev[e];
-                }
-            }
-        } else {
-            /* Host-only: the caller's freshly computed pages become the
-             * node's device copy (its parent is on device: C1 holds). */
-            PD_ASSERT(N(c, node)->on_dev);
-            units_move(c, R_KV, pages + pos, k, PD_UNIT_REQ, owner,
-                       lock_state(ch->lock_ref), PD_OWNER_CACHE);
-            node_set_pages(c, child, false, pages + pos);
-            ch->on_dev = true;
-            N(c, node)->n_dev_children++;
-            relist(c, child);
-        }
+        if (N(c, child)->loading != NONE) break; /* a host load owns these positions */
+        insert_matched(c, node, child, pages + pos, k, owner, dup_out, &r.dup_pages);
         pos += k;
         node = child;
     }
@@ -1083,87 +1122,117 @@ static pd_err verify_units(pd_cache *c, int r, const uint32_t *u, uint32_t n,
     return PD_OK;
 }
 
-pd_err pd_cache_verify(pd_cache *c, char *msg, size_t msg_cap) {
-    uint64_t ev[R__COUNT] = {0}, pr[R__COUNT] = {0};
-    uint32_t seen_nodes = 0, seen_ents = 0, in_list_n[L__COUNT] = {0};
-    uint32_t sp = 0;
-    c->stack[sp++] = PD_CNODE_ROOT;
-    while (sp > 0) {
-        uint32_t id = c->stack[--sp];
-        cnode *n = N(c, id);
-        if (!n->live) VFAIL("node %u reachable but not live", id);
-        uint32_t kids = 0, dev_kids = 0;
-        uint64_t kid_locks = 0;
-        for (uint32_t ch = n->first_child; ch != NONE; ch = N(c, ch)->next_sib) {
-            cnode *k = N(c, ch);
-            if (k->parent != id) VFAIL("node %u: child %u has parent %u", id, ch, k->parent);
-            kids++;
-            dev_kids += k->on_dev;
-            kid_locks += k->lock_ref;
-            if (sp >= c->nodes_max) VFAIL("cycle below node %u", id);
-            c->stack[sp++] = ch;
-        }
-        if (kids != n->n_children) VFAIL("node %u: %u children counted, %u recorded", id, kids, n->n_children);
-        if (dev_kids != n->n_dev_children)
-            VFAIL("node %u: %u device children counted, %u recorded", id, dev_kids, n->n_dev_children);
-        if (n->lock_ref < kid_locks) VFAIL("node %u: lock_ref %u < children's %llu (C4)", id, n->lock_ref, (unsigned long long)kid_locks);
-        if (id == PD_CNODE_ROOT) continue;
-        seen_nodes++;
-        cnode *p = N(c, n->parent);
-        if (n->on_dev && !p->on_dev) VFAIL("node %u on device under a host-only parent (C1)", id);
-        if (!n->on_dev && !n->on_host) VFAIL("node %u holds nothing (C2)", id);
-        if (n->mamba_slot != NONE && !n->on_dev) VFAIL("node %u: snapshot on a host-only node (C3)", id);
-        if (n->mamba_lock > 0 && n->lock_ref == 0) VFAIL("node %u: snapshot locked, node not (C4)", id);
-        if (n->loading != NONE && (n->on_dev || !n->on_host || n->lock_ref == 0))
-            VFAIL("node %u: loading but on_dev=%d on_host=%d lock_ref=%u", id, n->on_dev, n->on_host, n->lock_ref);
-        if (n->end_pages != p->end_pages + n->n_pages && n->parent != PD_CNODE_ROOT)
-            VFAIL("node %u: ends at page %u, parent at %u, has %u", id, n->end_pages, p->end_pages, n->n_pages);
-        if (n->parent == PD_CNODE_ROOT && n->end_pages != n->n_pages)
-            VFAIL("node %u: top-level node ends at page %u with %u pages", id, n->end_pages, n->n_pages);
-        uint32_t cnt = 0, last = NONE;
-        for (uint32_t e = n->first_ent; e != NONE; e = c->ent_next[e]) {
-            if (++cnt > c->entries_max) VFAIL("node %u: entry chain loops", id);
-            last = e;
-        }
-        if (cnt != n->n_pages || cnt == 0) VFAIL("node %u: %u entries for %u pages", id, cnt, n->n_pages);
-        (void)last;
-        seen_ents += cnt;
-        if (ht_lookup(c, n->parent, ent_tok(c, n->first_ent)) != id)
-            VFAIL("node %u: child table lookup does not find it", id);
-        bool want[L__COUNT] = {n->on_dev && n->lock_ref == 0, n->on_host && n->lock_ref == 0,
-                               n->mamba_slot != NONE && n->mamba_lock == 0};
-        for (int l = 0; l < L__COUNT; l++) {
-            if (want[l] != n->in_list[l]) VFAIL("node %u: list %d membership %d, expected %d", id, l, n->in_list[l], want[l]);
-            in_list_n[l] += n->in_list[l];
-        }
-        pd_err err;
-        uint32_t k;
-        if (n->on_dev || n->loading != NONE) {
-            k = node_pages(c, id, false, c->scratch_a);
-            pd_unit_state want_st = n->loading != NONE ? PD_UNIT_REQ : lock_state(n->lock_ref);
-            pd_owner own = n->loading != NONE ? c->tickets[n->loading].owner : PD_OWNER_CACHE;
-            if ((err = verify_units(c, R_KV, c->scratch_a, k, want_st, own, id, msg, msg_cap))) return err;
-            if (n->on_dev) (n->lock_ref ? pr : ev)[R_KV] += k;
-        }
-        if (n->on_host) {
-            k = node_pages(c, id, true, c->scratch_a);
-            if ((err = verify_units(c, R_HOST, c->scratch_a, k, lock_state(n->lock_ref), 0, id, msg, msg_cap))) return err;
-            (n->lock_ref ? pr : ev)[R_HOST] += k;
-        }
-        if (n->mamba_slot != NONE) {
-            if ((err = verify_units(c, R_MAMBA, &n->mamba_slot, 1, lock_state(n->mamba_lock), 0, id, msg, msg_cap))) return err;
-            (n->mamba_lock ? pr : ev)[R_MAMBA] += 1;
-        }
+/* What pd_cache_verify recounts while it walks the tree, to hold against
+ * the recorded counters and sums afterwards. */
+typedef struct verify_tally {
+    uint64_t ev[R__COUNT], pr[R__COUNT]; /* units evictable / protected */
+    uint32_t nodes, ents;                /* reachable below the root */
+    uint32_t in_list[L__COUNT];          /* nodes flagged in each list */
+} verify_tally;
+
+/* Node id's children: their parent links, the recorded child counts, C4
+ * (a node is locked at least as often as its children together); each child
+ * is pushed on the walk's stack. */
+static pd_err verify_children(pd_cache *c, uint32_t id, uint32_t *sp, char *msg,
+                              size_t msg_cap) {
+    cnode *n = N(c, id);
+    uint32_t kids = 0, dev_kids = 0;
+    uint64_t kid_locks = 0;
+    for (uint32_t ch = n->first_child; ch != NONE; ch = N(c, ch)->next_sib) {
+        cnode *k = N(c, ch);
+        if (k->parent != id) VFAIL("node %u: child %u has parent %u", id, ch, k->parent);
+        kids++;
+        dev_kids += k->on_dev;
+        kid_locks += k->lock_ref;
+        if (*sp >= c->nodes_max) VFAIL("cycle below node %u", id);
+        c->stack[(*sp)++] = ch;
     }
-    if (seen_nodes != c->nodes_live) VFAIL("%u nodes reachable, %u live", seen_nodes, c->nodes_live);
-    if (seen_ents != c->ents_live) VFAIL("%u entries reachable, %u live", seen_ents, c->ents_live);
-    for (int r = 0; r < R__COUNT; r++)
-        if (ev[r] != c->sum_evict[r] || pr[r] != c->sum_prot[r])
-            VFAIL("resource %d: recount evictable %llu protected %llu, sums %llu %llu", r,
-                  (unsigned long long)ev[r], (unsigned long long)pr[r],
-                  (unsigned long long)c->sum_evict[r], (unsigned long long)c->sum_prot[r]);
-    /* Lists: integrity, stamps non-decreasing, device list keeps every node
-     * behind its descendants (a node's parent in the list comes later). */
+    if (kids != n->n_children)
+        VFAIL("node %u: %u children counted, %u recorded", id, kids, n->n_children);
+    if (dev_kids != n->n_dev_children)
+        VFAIL("node %u: %u device children counted, %u recorded", id, dev_kids,
+              n->n_dev_children);
+    if (n->lock_ref < kid_locks)
+        VFAIL("node %u: lock_ref %u < children's %llu (C4)", id, n->lock_ref,
+              (unsigned long long)kid_locks);
+    return PD_OK;
+}
+
+/* One node below the root: C1-C4, its depth, its entry chain, its slot in
+ * the child table and its list flags. */
+static pd_err verify_shape(pd_cache *c, uint32_t id, verify_tally *t, char *msg,
+                           size_t msg_cap) {
+    cnode *n = N(c, id);
+    cnode *p = N(c, n->parent);
+    if (n->on_dev && !p->on_dev) VFAIL("node %u on device under a host-only parent (C1)", id);
+    if (!n->on_dev && !n->on_host) VFAIL("node %u holds nothing (C2)", id);
+    if (n->mamba_slot != NONE && !n->on_dev)
+        VFAIL("node %u: snapshot on a host-only node (C3)", id);
+    if (n->mamba_lock > 0 && n->lock_ref == 0)
+        VFAIL("node %u: snapshot locked, node not (C4)", id);
+    if (n->loading != NONE && (n->on_dev || !n->on_host || n->lock_ref == 0))
+        VFAIL("node %u: loading but on_dev=%d on_host=%d lock_ref=%u", id, n->on_dev,
+              n->on_host, n->lock_ref);
+    if (n->end_pages != p->end_pages + n->n_pages && n->parent != PD_CNODE_ROOT)
+        VFAIL("node %u: ends at page %u, parent at %u, has %u", id, n->end_pages,
+              p->end_pages, n->n_pages);
+    if (n->parent == PD_CNODE_ROOT && n->end_pages != n->n_pages)
+        VFAIL("node %u: top-level node ends at page %u with %u pages", id, n->end_pages,
+              n->n_pages);
+    uint32_t cnt = 0;
+    for (uint32_t e = n->first_ent; e != NONE; e = c->ent_next[e])
+        if (++cnt > c->entries_max) VFAIL("node %u: entry chain loops", id);
+    if (cnt != n->n_pages || cnt == 0)
+        VFAIL("node %u: %u entries for %u pages", id, cnt, n->n_pages);
+    t->ents += cnt;
+    if (ht_lookup(c, n->parent, ent_tok(c, n->first_ent)) != id)
+        VFAIL("node %u: child table lookup does not find it", id);
+    bool want[L__COUNT] = {n->on_dev && n->lock_ref == 0, n->on_host && n->lock_ref == 0,
+                           n->mamba_slot != NONE && n->mamba_lock == 0};
+    for (int l = 0; l < L__COUNT; l++) {
+        if (want[l] != n->in_list[l])
+            VFAIL("node %u: list %d membership %d, expected %d", id, l, n->in_list[l],
+                  want[l]);
+        t->in_list[l] += n->in_list[l];
+    }
+    return PD_OK;
+}
+
+/* The units node id holds, against the ledger: device pages (or the pages a
+ * load is filling, still the loader's), host pages, the snapshot slot. */
+static pd_err verify_node_units(pd_cache *c, uint32_t id, verify_tally *t, char *msg,
+                                size_t msg_cap) {
+    cnode *n = N(c, id);
+    pd_err err;
+    uint32_t k;
+    if (n->on_dev || n->loading != NONE) {
+        k = node_pages(c, id, false, c->scratch_a);
+        pd_unit_state want_st = n->loading != NONE ? PD_UNIT_REQ : lock_state(n->lock_ref);
+        pd_owner own = n->loading != NONE ? c->tickets[n->loading].owner : PD_OWNER_CACHE;
+        err = verify_units(c, R_KV, c->scratch_a, k, want_st, own, id, msg, msg_cap);
+        if (err) return err;
+        if (n->on_dev) (n->lock_ref ? t->pr : t->ev)[R_KV] += k;
+    }
+    if (n->on_host) {
+        k = node_pages(c, id, true, c->scratch_a);
+        err = verify_units(c, R_HOST, c->scratch_a, k, lock_state(n->lock_ref), 0, id, msg,
+                           msg_cap);
+        if (err) return err;
+        (n->lock_ref ? t->pr : t->ev)[R_HOST] += k;
+    }
+    if (n->mamba_slot != NONE) {
+        err = verify_units(c, R_MAMBA, &n->mamba_slot, 1, lock_state(n->mamba_lock), 0, id,
+                           msg, msg_cap);
+        if (err) return err;
+        (n->mamba_lock ? t->pr : t->ev)[R_MAMBA] += 1;
+    }
+    return PD_OK;
+}
+
+/* Lists: integrity, stamps non-decreasing, device list keeps every node
+ * behind its descendants (a node's parent in the list comes later). */
+static pd_err verify_lists(pd_cache *c, const uint32_t *in_list_n, char *msg,
+                           size_t msg_cap) {
     for (int l = 0; l < L__COUNT; l++) {
         uint32_t len = 0, prev = NONE;
         uint64_t last_stamp = 0;
@@ -1177,7 +1246,8 @@ pd_err pd_cache_verify(pd_cache *c, char *msg, size_t msg_cap) {
             prev = id;
         }
         if (prev != c->lists[l].tail || len != c->lists[l].len || len != in_list_n[l])
-            VFAIL("list %d: length %u, recorded %u, flagged %u", l, len, c->lists[l].len, in_list_n[l]);
+            VFAIL("list %d: length %u, recorded %u, flagged %u", l, len, c->lists[l].len,
+                  in_list_n[l]);
         if (l == L_DEV) {
             for (uint32_t i = 0; i < len; i++) c->pos_of[c->stack[i]] = i;
             for (uint32_t i = 0; i < len; i++) {
@@ -1188,6 +1258,33 @@ pd_err pd_cache_verify(pd_cache *c, char *msg, size_t msg_cap) {
             }
         }
     }
+    return PD_OK;
+}
+
+pd_err pd_cache_verify(pd_cache *c, char *msg, size_t msg_cap) {
+    verify_tally seen;
+    memset(&seen, 0, sizeof(seen));
+    pd_err err;
+    uint32_t sp = 0;
+    c->stack[sp++] = PD_CNODE_ROOT;
+    while (sp > 0) {
+        uint32_t id = c->stack[--sp];
+        if (!N(c, id)->live) VFAIL("node %u reachable but not live", id);
+        if ((err = verify_children(c, id, &sp, msg, msg_cap))) return err;
+        if (id == PD_CNODE_ROOT) continue;
+        seen.nodes++;
+        if ((err = verify_shape(c, id, &seen, msg, msg_cap))) return err;
+        if ((err = verify_node_units(c, id, &seen, msg, msg_cap))) return err;
+    }
+    if (seen.nodes != c->nodes_live)
+        VFAIL("%u nodes reachable, %u live", seen.nodes, c->nodes_live);
+    if (seen.ents != c->ents_live) VFAIL("%u entries reachable, %u live", seen.ents, c->ents_live);
+    for (int r = 0; r < R__COUNT; r++)
+        if (seen.ev[r] != c->sum_evict[r] || seen.pr[r] != c->sum_prot[r])
+            VFAIL("resource %d: recount evictable %llu protected %llu, sums %llu %llu", r,
+                  (unsigned long long)seen.ev[r], (unsigned long long)seen.pr[r],
+                  (unsigned long long)c->sum_evict[r], (unsigned long long)c->sum_prot[r]);
+    if ((err = verify_lists(c, seen.in_list, msg, msg_cap))) return err;
     uint32_t tickets = 0;
     for (uint32_t t = 0; t < c->loads_max; t++) {
         if (!c->tickets[t].used) continue;
