@@ -118,13 +118,18 @@ static int parse_args(int argc, char **argv, gen_opts *o, bool *help) {
         else if (!strcmp(name, "--seed")) {
             ok = cli_u64(val, 0, UINT64_MAX, &o->seed);
             o->builtin_option = true;
-        }
-        else if (!strcmp(name, "--max-new-tokens")) ok = cli_u64(val, 1, MAX_NEW_TOKENS_MAX, &o->max_new);
-        else if (!strcmp(name, "--page-size")) ok = cli_u64(val, 1, PD_MODEL_PAGE_SIZE_MAX, &o->page_size);
-        else if (!strcmp(name, "--chunked-prefill-size")) ok = cli_u64(val, 1, UINT32_MAX, &o->chunk);
-        else if (!strcmp(name, "--threads")) ok = cli_u64(val, 1, PD_MODEL_THREADS_MAX, &o->threads);
-        else if (!strcmp(name, "--sampling-seed")) ok = cli_u64(val, 0, UINT64_MAX, &o->sampling_seed);
-        else if (!strcmp(name, "--temperature")) ok = cli_float(val, 0.0f, 1000.0f, &o->temperature);
+        } else if (!strcmp(name, "--max-new-tokens"))
+            ok = cli_u64(val, 1, MAX_NEW_TOKENS_MAX, &o->max_new);
+        else if (!strcmp(name, "--page-size"))
+            ok = cli_u64(val, 1, PD_MODEL_PAGE_SIZE_MAX, &o->page_size);
+        else if (!strcmp(name, "--chunked-prefill-size"))
+            ok = cli_u64(val, 1, UINT32_MAX, &o->chunk);
+        else if (!strcmp(name, "--threads"))
+            ok = cli_u64(val, 1, PD_MODEL_THREADS_MAX, &o->threads);
+        else if (!strcmp(name, "--sampling-seed"))
+            ok = cli_u64(val, 0, UINT64_MAX, &o->sampling_seed);
+        else if (!strcmp(name, "--temperature"))
+            ok = cli_float(val, 0.0f, 1000.0f, &o->temperature);
         else if (!strcmp(name, "--top-p")) ok = cli_float(val, 1e-6f, 1.0f, &o->top_p);
         else known = false;
         if (!known) return usage_error("unknown option '%s'%s", name, "");
@@ -132,8 +137,10 @@ static int parse_args(int argc, char **argv, gen_opts *o, bool *help) {
     }
     if (!o->prompt) return usage_error("--prompt is required%s%s", "", "");
     if (o->model_dir && o->builtin_option)
-        return usage_error("--model cannot be combined with --config, --layers or --seed%s%s", "", "");
-    if (strlen(o->prompt) > PROMPT_BYTES_MAX) return usage_error("--prompt longer than 16 MiB%s%s", "", "");
+        return usage_error("--model cannot be combined with --config, --layers or --seed%s%s", "",
+                           "");
+    if (strlen(o->prompt) > PROMPT_BYTES_MAX)
+        return usage_error("--prompt longer than 16 MiB%s%s", "", "");
     return 0;
 }
 
@@ -144,7 +151,8 @@ static pd_err make_model(const gen_opts *o, pd_model **out, char *msg, size_t ca
     if (err != PD_OK) return err;
     if (o->layers) {
         if (strlen(o->layers) >= sizeof(cfg.layers))
-            return pd_errorf(msg, cap, PD_ERR_INVALID, "--layers: more than %d layers", PD_MODEL_LAYERS_MAX);
+            return pd_errorf(msg, cap, PD_ERR_INVALID, "--layers: more than %d layers",
+                             PD_MODEL_LAYERS_MAX);
         snprintf(cfg.layers, sizeof(cfg.layers), "%s", o->layers);
     }
     return pd_model_create_random(out, &cfg, o->seed, msg, cap);
@@ -171,7 +179,8 @@ static pd_err run(const gen_opts *o, const pd_model *m, const int32_t *prompt, u
     uint32_t *pages = malloc(sizeof(uint32_t) * n_pages);
     uint32_t slot = PD_POOL_NONE;
     pd_err err = pages ? PD_OK : PD_ERR_NOMEM;
-    if (err == PD_OK) err = pd_model_executor_create(&ex, m, ps, n_pages, 1, 0, (uint32_t)o->threads, msg, cap);
+    if (err == PD_OK)
+        err = pd_model_executor_create(&ex, m, ps, n_pages, 1, 0, (uint32_t)o->threads, msg, cap);
     if (err == PD_OK) err = pd_pool_create(&kv, "kv", PD_POOL_KV, n_pages, ps);
     if (err == PD_OK) err = pd_pool_create(&slots, "mamba", PD_POOL_MAMBA, 1, 0);
     if (err == PD_OK) err = pd_pool_alloc_n(kv, n_pages, pages);
@@ -183,7 +192,7 @@ static pd_err run(const gen_opts *o, const pd_model *m, const int32_t *prompt, u
                           .snapshot_slot = PD_POOL_NONE, .sampling = sampling};
     pd_item_result r;
     double t0 = now_ms();
-    for (uint32_t pos = 0; err == PD_OK && pos < n_prompt; pos += (uint32_t)PD_MIN(o->chunk, n_prompt - pos)) {
+    for (uint32_t pos = 0; err == PD_OK && pos < n_prompt; pos += item.n_tokens) {
         item.tokens = prompt + pos;
         item.start_pos = pos;
         item.n_tokens = (uint32_t)PD_MIN(o->chunk, n_prompt - pos);
@@ -230,9 +239,10 @@ static void print_json(const gen_result *res, uint32_t n_prompt, const char *tex
         "prefill_tokens_per_s", res->prefill_ms > 0 ? n_prompt / (res->prefill_ms / 1e3) : 0.0,
         "decode_tokens_per_s", res->decode_ms > 0 ? decoded / (res->decode_ms / 1e3) : 0.0);
     json_t *root = json_pack("{s:o, s:s, s:i, s:i, s:s, s:o, s:o}", "output_ids", ids, "text", text,
-                             "prompt_tokens", (json_int_t)n_prompt, "completion_tokens", (json_int_t)res->n,
-                             "finish_reason", res->stopped ? "stop" : "length", "output_logprobs", lps,
-                             "timing", timing);
+                             "prompt_tokens", (json_int_t)n_prompt,
+                             "completion_tokens", (json_int_t)res->n,
+                             "finish_reason", res->stopped ? "stop" : "length",
+                             "output_logprobs", lps, "timing", timing);
     char *s = json_dumps(root, JSON_COMPACT | JSON_PRESERVE_ORDER | JSON_REAL_PRECISION(7));
     if (s) printf("%s\n", s);
     free(s);
@@ -259,7 +269,8 @@ int cli_cmd_generate(int argc, char **argv) {
     bool bos = cfg->bos_token >= 0;
     size_t n_prompt = len + (bos ? 1 : 0);
     int32_t *prompt = malloc(sizeof(int32_t) * (n_prompt ? n_prompt : 1));
-    gen_result res = {.ids = malloc(sizeof(int32_t) * o.max_new), .logprobs = malloc(sizeof(float) * o.max_new)};
+    gen_result res = {.ids = malloc(sizeof(int32_t) * o.max_new),
+                      .logprobs = malloc(sizeof(float) * o.max_new)};
     char *raw = NULL, *text = NULL;
     rc = 1;
     if (!prompt || !res.ids || !res.logprobs) {
@@ -267,7 +278,9 @@ int cli_cmd_generate(int argc, char **argv) {
         goto out;
     }
     if (cfg->vocab < PD_TOKENIZER_VOCAB) {
-        fprintf(stderr, "pdserve generate: the model's vocabulary (%u) is smaller than the byte tokenizer's (%u)\n",
+        fprintf(stderr,
+                "pdserve generate: the model's vocabulary (%u) is smaller than the byte "
+                "tokenizer's (%u)\n",
                 cfg->vocab, PD_TOKENIZER_VOCAB);
         goto out;
     }

@@ -21,7 +21,8 @@ static void usage(FILE *to) {
     fprintf(to,
             "usage: pdserve model init --out DIR [--config tiny|small] [--layers PATTERN]\n"
             "                          [--dim N] [--seed N] [--dtype f32|f16|bf16]\n"
-            "       pdserve model info [--model DIR | --config tiny|small [--layers PATTERN] [--dim N]]\n"
+            "       pdserve model info [--model DIR | --config tiny|small [--layers PATTERN] "
+            "[--dim N]]\n"
             "                          [--page-size N]\n"
             "\n"
             "init writes DIR/config.json and DIR/model.safetensors (DIR is created if needed;\n"
@@ -94,12 +95,14 @@ static int parse_args(const char *sub, int argc, char **argv, model_opts *o, boo
         }
         if (!val) return usage_error(sub, "missing value for ", name);
         if (!ok) return usage_error(sub, "bad number for ", name);
-        if (init_only && strcmp(sub, "init")) return usage_error(sub, "option only for init: ", name);
+        if (init_only && strcmp(sub, "init"))
+            return usage_error(sub, "option only for init: ", name);
     }
     if (!strcmp(sub, "init") && !o->out) return usage_error(sub, "--out DIR is required", "");
     if (!strcmp(sub, "info") && o->model_dir && o->builtin_option)
         return usage_error(sub, "--model cannot be combined with --config, --layers or --dim", "");
-    if (!strcmp(sub, "init") && strcmp(o->dtype, "f32") && strcmp(o->dtype, "f16") && strcmp(o->dtype, "bf16"))
+    if (!strcmp(sub, "init") && strcmp(o->dtype, "f32") && strcmp(o->dtype, "f16") &&
+        strcmp(o->dtype, "bf16"))
         return usage_error(sub, "--dtype must be f32, f16 or bf16, not ", o->dtype);
     return 0;
 }
@@ -110,7 +113,8 @@ static pd_err builtin_config(const model_opts *o, pd_model_config *cfg, char *ms
     if (err != PD_OK) return err;
     if (o->layers) {
         if (strlen(o->layers) >= sizeof(cfg->layers))
-            return pd_errorf(msg, cap, PD_ERR_INVALID, "--layers: more than %d layers", PD_MODEL_LAYERS_MAX);
+            return pd_errorf(msg, cap, PD_ERR_INVALID, "--layers: more than %d layers",
+                             PD_MODEL_LAYERS_MAX);
         snprintf(cfg->layers, sizeof(cfg->layers), "%s", o->layers);
     }
     if (o->have_dim) {
@@ -127,7 +131,9 @@ static int cmd_init(const model_opts *o) {
         fprintf(stderr, "pdserve model init: %s\n", msg);
         return 2;
     }
-    pd_dtype dtype = !strcmp(o->dtype, "f16") ? PD_DTYPE_F16 : !strcmp(o->dtype, "bf16") ? PD_DTYPE_BF16 : PD_DTYPE_F32;
+    pd_dtype dtype = PD_DTYPE_F32;
+    if (!strcmp(o->dtype, "f16")) dtype = PD_DTYPE_F16;
+    else if (!strcmp(o->dtype, "bf16")) dtype = PD_DTYPE_BF16;
     pd_model *m = NULL;
     if (pd_model_create_random(&m, &cfg, o->seed, msg, sizeof(msg)) != PD_OK ||
         pd_model_save(m, o->out, dtype, msg, sizeof(msg)) != PD_OK) {
@@ -136,9 +142,9 @@ static int cmd_init(const model_opts *o) {
         return 1;
     }
     const pd_model_shape *s = pd_model_shape_get(m);
-    printf("wrote %s: layers %s, dim %u, %u tensors, %llu parameters (%s), seed %llu\n", o->out, cfg.layers,
-           cfg.dim, pd_model_tensor_count(m), (unsigned long long)s->params, pd_dtype_name(dtype),
-           (unsigned long long)o->seed);
+    printf("wrote %s: layers %s, dim %u, %u tensors, %llu parameters (%s), seed %llu\n", o->out,
+           cfg.layers, cfg.dim, pd_model_tensor_count(m), (unsigned long long)s->params,
+           pd_dtype_name(dtype), (unsigned long long)o->seed);
     pd_model_destroy(m);
     return 0;
 }
@@ -164,17 +170,20 @@ static int cmd_info(const model_opts *o) {
     printf("layers            %s (%u attention, %u Mamba2)\n", cfg.layers, s.n_attn, s.n_mamba);
     printf("dim               %u, vocab %u, mlp hidden %u\n", cfg.dim, cfg.vocab, cfg.mlp_hidden);
     if (s.n_attn)
-        printf("attention         %u heads, %u kv heads, head dim %u\n", cfg.attn_heads, cfg.attn_kv_heads,
-               cfg.attn_head_dim);
+        printf("attention         %u heads, %u kv heads, head dim %u\n", cfg.attn_heads,
+               cfg.attn_kv_heads, cfg.attn_head_dim);
     if (s.n_mamba)
-        printf("mamba2            d_inner %u, %u heads x %u, %u groups, d_state %u, d_conv %u\n", s.mamba_d_inner,
-               cfg.mamba_heads, s.mamba_head_dim, cfg.mamba_groups, cfg.mamba_d_state, cfg.mamba_d_conv);
-    printf("parameters        %llu (%.2f MB fp32)\n", (unsigned long long)s.params, (double)s.params * 4 / 1e6);
+        printf("mamba2            d_inner %u, %u heads x %u, %u groups, d_state %u, d_conv %u\n",
+               s.mamba_d_inner, cfg.mamba_heads, s.mamba_head_dim, cfg.mamba_groups,
+               cfg.mamba_d_state, cfg.mamba_d_conv);
+    printf("parameters        %llu (%.2f MB fp32)\n", (unsigned long long)s.params,
+           (double)s.params * 4 / 1e6);
     printf("matmul FLOPs      %llu per token\n", (unsigned long long)s.matmul_flops_per_token);
-    printf("KV per token      %zu bytes (K and V, %u attention layers, fp32)\n", s.kv_bytes_per_token, s.n_attn);
+    printf("KV per token      %zu bytes (K and V, %u attention layers, fp32)\n",
+           s.kv_bytes_per_token, s.n_attn);
     printf("KV page           %zu bytes (page size %u)\n", s.kv_bytes_per_token * ps, ps);
-    printf("Mamba slot        %zu bytes (per layer: conv %zu + ssm %zu, fp32)\n", s.mamba_slot_bytes,
-           s.mamba_conv_bytes_per_layer, s.mamba_ssm_bytes_per_layer);
+    printf("Mamba slot        %zu bytes (per layer: conv %zu + ssm %zu, fp32)\n",
+           s.mamba_slot_bytes, s.mamba_conv_bytes_per_layer, s.mamba_ssm_bytes_per_layer);
     return 0;
 }
 
@@ -185,7 +194,9 @@ int cli_cmd_model(int argc, char **argv) {
     }
     const char *sub = argv[1];
     if (strcmp(sub, "init") && strcmp(sub, "info")) {
-        fprintf(stderr, "pdserve model: unknown subcommand '%s' (init or info; see pdserve model --help)\n", sub);
+        fprintf(stderr,
+                "pdserve model: unknown subcommand '%s' (init or info; see pdserve model --help)\n",
+                sub);
         return 2;
     }
     model_opts o;

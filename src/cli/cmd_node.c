@@ -20,7 +20,8 @@ static const struct {
 } options[] = {
     {"--host", "ADDR", "HTTP listen address (default 127.0.0.1)"},
     {"--port", "N", "HTTP port (default 30000 serve, 30001 prefill, 30002 decode; 0 = any free)"},
-    {"--model", "DIR", "model directory (config.json + model.safetensors, see `pdserve model init`)"},
+    {"--model", "DIR",
+     "model directory (config.json + model.safetensors, see `pdserve model init`)"},
     {"--model-config", "tiny|small", "built-in model when --model is not given (default tiny)"},
     {"--layers", "PATTERN", "layer pattern of the built-in model, M = Mamba2, A = attention"},
     {"--seed", "N", "seed of the built-in model's dummy weights (default 0)"},
@@ -32,14 +33,17 @@ static const struct {
     {"--chunked-prefill-size", "N", "prompt tokens per forward (default 512)"},
     {"--max-prompt-tokens", "N", "longest prompt accepted (default 8192)"},
     {"--max-new-tokens", "N", "largest max_new_tokens accepted (default 4096)"},
-    {"--host-cache-tokens", "N", "host-memory tier of the prefix cache, in tokens (default 0: off)"},
-    {"--optimistic-attempts", "N", "prefill: start computing before the bootstrap completes (default 0)"},
+    {"--host-cache-tokens", "N",
+     "host-memory tier of the prefix cache, in tokens (default 0: off)"},
+    {"--optimistic-attempts", "N",
+     "prefill: start computing before the bootstrap completes (default 0)"},
     {"--disable-overlap", "", "prefill: wait for each forward's result before launching the next"},
     {"--disable-prefix-cache", "", "never reuse KV across requests"},
     {"--strict", "", "keep the per-unit owner map and check ownership after every step"},
     {"--bootstrap-timeout-ms", "N", "fail a request whose bootstrap takes longer (default 30000)"},
     {"--transfer-timeout-ms", "N", "fail a request whose transfer takes longer (default 60000)"},
-    {"--transfer-backend", "loopback|ucx", "prefill/decode transport (default ucx; loopback only inside `run`)"},
+    {"--transfer-backend", "loopback|ucx",
+     "prefill/decode transport (default ucx; loopback only inside `run`)"},
     {"--disaggregation-bootstrap-port", "N", "prefill: bootstrap channel port (default 8998)"},
     {"--bootstrap-host", "ADDR", "prefill: bootstrap listen address (default 0.0.0.0)"},
     {"--bootstrap-token", "SECRET", "shared secret decode peers must present (default none)"},
@@ -58,7 +62,57 @@ void cli_node_usage(FILE *to, const char *cmd, const char *what) {
     fprintf(to, "  %-38s %s\n", "--help", "this text");
 }
 
-static bool parse_num(const char *v, uint64_t max, uint64_t *out) { return cli_u64(v, 0, max, out); }
+static bool parse_num(const char *v, uint64_t max, uint64_t *out) {
+    return cli_u64(v, 0, max, out);
+}
+
+/* Sets option a to its value v (NULL when argv ends there). Returns false
+ * when a is not a node option; otherwise *ok_out says whether v was valid. */
+static bool set_option(pd_node_config *c, const char *a, const char *v, bool *ok_out) {
+    uint64_t x = 0;
+    bool ok = v != NULL;
+    if (!strcmp(a, "--host")) c->host = v;
+    else if (!strcmp(a, "--port")) ok = ok && parse_num(v, 65535, &x), c->port = (uint16_t)x;
+    else if (!strcmp(a, "--model")) c->model_dir = v;
+    else if (!strcmp(a, "--model-config")) c->model_preset = v;
+    else if (!strcmp(a, "--layers")) c->layers = v;
+    else if (!strcmp(a, "--seed")) ok = ok && parse_num(v, UINT64_MAX, &x), c->seed = x;
+    else if (!strcmp(a, "--threads"))
+        ok = ok && parse_num(v, 64, &x) && x > 0, c->threads = (uint32_t)x;
+    else if (!strcmp(a, "--page-size"))
+        ok = ok && parse_num(v, 4096, &x) && x > 0, c->page_size = (uint32_t)x;
+    else if (!strcmp(a, "--max-total-tokens"))
+        ok = ok && parse_num(v, 1u << 30, &x) && x > 0, c->max_total_tokens = (uint32_t)x;
+    else if (!strcmp(a, "--max-running-requests"))
+        ok = ok && parse_num(v, 65536, &x) && x > 0, c->max_running_requests = (uint32_t)x;
+    else if (!strcmp(a, "--max-queued-requests"))
+        ok = ok && parse_num(v, 1u << 20, &x) && x > 0, c->max_queued_requests = (uint32_t)x;
+    else if (!strcmp(a, "--chunked-prefill-size"))
+        ok = ok && parse_num(v, 1u << 20, &x) && x > 0, c->chunked_prefill_size = (uint32_t)x;
+    else if (!strcmp(a, "--max-prompt-tokens"))
+        ok = ok && parse_num(v, 1u << 24, &x) && x > 0, c->max_prompt_tokens = (uint32_t)x;
+    else if (!strcmp(a, "--max-new-tokens"))
+        ok = ok && parse_num(v, 1u << 24, &x) && x > 0, c->max_new_tokens_limit = (uint32_t)x;
+    else if (!strcmp(a, "--host-cache-tokens"))
+        ok = ok && parse_num(v, 1u << 30, &x), c->host_cache_tokens = (uint32_t)x;
+    else if (!strcmp(a, "--optimistic-attempts"))
+        ok = ok && parse_num(v, 64, &x), c->optimistic_attempts = (uint32_t)x;
+    else if (!strcmp(a, "--bootstrap-timeout-ms"))
+        ok = ok && parse_num(v, 86400000, &x), c->bootstrap_timeout_ms = x;
+    else if (!strcmp(a, "--transfer-timeout-ms"))
+        ok = ok && parse_num(v, 86400000, &x), c->transfer_timeout_ms = x;
+    else if (!strcmp(a, "--transfer-backend")) c->transfer_backend = v;
+    else if (!strcmp(a, "--disaggregation-bootstrap-port"))
+        ok = ok && parse_num(v, 65535, &x), c->bootstrap_port = (uint16_t)x;
+    else if (!strcmp(a, "--bootstrap-host")) c->bootstrap_host = v;
+    else if (!strcmp(a, "--bootstrap-token")) c->bootstrap_token = v;
+    else if (!strcmp(a, "--max-body-bytes"))
+        ok = ok && parse_num(v, 1u << 30, &x) && x > 0, c->max_body_bytes = (size_t)x;
+    else if (!strcmp(a, "--served-model-name")) c->served_model_name = v;
+    else return false;
+    *ok_out = ok;
+    return true;
+}
 
 int cli_node_parse(int argc, char **argv, pd_node_config *c, int *consumed_until) {
     for (int i = 1; i < argc; i++) {
@@ -74,33 +128,8 @@ int cli_node_parse(int argc, char **argv, pd_node_config *c, int *consumed_until
             continue;
         }
         const char *v = i + 1 < argc ? argv[i + 1] : NULL;
-        uint64_t x = 0;
-        bool ok = v != NULL;
-        if (!strcmp(a, "--host")) c->host = v;
-        else if (!strcmp(a, "--port")) ok = ok && parse_num(v, 65535, &x), c->port = (uint16_t)x;
-        else if (!strcmp(a, "--model")) c->model_dir = v;
-        else if (!strcmp(a, "--model-config")) c->model_preset = v;
-        else if (!strcmp(a, "--layers")) c->layers = v;
-        else if (!strcmp(a, "--seed")) ok = ok && parse_num(v, UINT64_MAX, &x), c->seed = x;
-        else if (!strcmp(a, "--threads")) ok = ok && parse_num(v, 64, &x) && x > 0, c->threads = (uint32_t)x;
-        else if (!strcmp(a, "--page-size")) ok = ok && parse_num(v, 4096, &x) && x > 0, c->page_size = (uint32_t)x;
-        else if (!strcmp(a, "--max-total-tokens")) ok = ok && parse_num(v, 1u << 30, &x) && x > 0, c->max_total_tokens = (uint32_t)x;
-        else if (!strcmp(a, "--max-running-requests")) ok = ok && parse_num(v, 65536, &x) && x > 0, c->max_running_requests = (uint32_t)x;
-        else if (!strcmp(a, "--max-queued-requests")) ok = ok && parse_num(v, 1u << 20, &x) && x > 0, c->max_queued_requests = (uint32_t)x;
-        else if (!strcmp(a, "--chunked-prefill-size")) ok = ok && parse_num(v, 1u << 20, &x) && x > 0, c->chunked_prefill_size = (uint32_t)x;
-        else if (!strcmp(a, "--max-prompt-tokens")) ok = ok && parse_num(v, 1u << 24, &x) && x > 0, c->max_prompt_tokens = (uint32_t)x;
-        else if (!strcmp(a, "--max-new-tokens")) ok = ok && parse_num(v, 1u << 24, &x) && x > 0, c->max_new_tokens_limit = (uint32_t)x;
-        else if (!strcmp(a, "--host-cache-tokens")) ok = ok && parse_num(v, 1u << 30, &x), c->host_cache_tokens = (uint32_t)x;
-        else if (!strcmp(a, "--optimistic-attempts")) ok = ok && parse_num(v, 64, &x), c->optimistic_attempts = (uint32_t)x;
-        else if (!strcmp(a, "--bootstrap-timeout-ms")) ok = ok && parse_num(v, 86400000, &x), c->bootstrap_timeout_ms = x;
-        else if (!strcmp(a, "--transfer-timeout-ms")) ok = ok && parse_num(v, 86400000, &x), c->transfer_timeout_ms = x;
-        else if (!strcmp(a, "--transfer-backend")) c->transfer_backend = v;
-        else if (!strcmp(a, "--disaggregation-bootstrap-port")) ok = ok && parse_num(v, 65535, &x), c->bootstrap_port = (uint16_t)x;
-        else if (!strcmp(a, "--bootstrap-host")) c->bootstrap_host = v;
-        else if (!strcmp(a, "--bootstrap-token")) c->bootstrap_token = v;
-        else if (!strcmp(a, "--max-body-bytes")) ok = ok && parse_num(v, 1u << 30, &x) && x > 0, c->max_body_bytes = (size_t)x;
-        else if (!strcmp(a, "--served-model-name")) c->served_model_name = v;
-        else {
+        bool ok;
+        if (!set_option(c, a, v, &ok)) {
             if (consumed_until) {
                 *consumed_until = i;
                 return 0;
@@ -109,7 +138,8 @@ int cli_node_parse(int argc, char **argv, pd_node_config *c, int *consumed_until
             return 2;
         }
         if (!ok) {
-            fprintf(stderr, "pdserve: option %s needs a valid value%s%s\n", a, v ? ", got " : "", v ? v : "");
+            fprintf(stderr, "pdserve: option %s needs a valid value%s%s\n", a, v ? ", got " : "",
+                    v ? v : "");
             return 2;
         }
         i++;
@@ -138,7 +168,8 @@ void cli_wait_for_signal(void) {
     }
 }
 
-static int run_node(int argc, char **argv, pd_node_role role, uint16_t default_port, const char *what) {
+static int run_node(int argc, char **argv, pd_node_role role, uint16_t default_port,
+                    const char *what) {
     pd_node_config c;
     pd_node_config_default(&c, role);
     c.port = default_port;
@@ -152,7 +183,8 @@ static int run_node(int argc, char **argv, pd_node_role role, uint16_t default_p
     signal(SIGPIPE, SIG_IGN);
     char msg[512];
     pd_node *n;
-    if (pd_node_create(&n, &c, msg, sizeof(msg)) != PD_OK || pd_node_start(n, msg, sizeof(msg)) != PD_OK) {
+    if (pd_node_create(&n, &c, msg, sizeof(msg)) != PD_OK ||
+        pd_node_start(n, msg, sizeof(msg)) != PD_OK) {
         fprintf(stderr, "pdserve %s: %s\n", argv[0], msg);
         return 1;
     }
@@ -167,21 +199,24 @@ static int run_node(int argc, char **argv, pd_node_role role, uint16_t default_p
 }
 
 int cli_cmd_serve(int argc, char **argv) {
-    return run_node(argc, argv, PD_NODE_SERVE, 30000,
-                    "A colocated server: prefill and decode in one engine, no transfer. Serves the HTTP\n"
-                    "API of docs/http-api.md: POST /generate, POST /v1/completions, POST /abort_request,\n"
-                    "GET /health, GET /server_info, GET /metrics.");
+    const char *what =
+        "A colocated server: prefill and decode in one engine, no transfer. Serves the HTTP\n"
+        "API of docs/http-api.md: POST /generate, POST /v1/completions, POST /abort_request,\n"
+        "GET /health, GET /server_info, GET /metrics.";
+    return run_node(argc, argv, PD_NODE_SERVE, 30000, what);
 }
 
 int cli_cmd_prefill(int argc, char **argv) {
-    return run_node(argc, argv, PD_NODE_PREFILL, 30001,
-                    "A prefill node: computes prompts and hands their KV cache and Mamba state to the\n"
-                    "decode node named by each request's bootstrap fields (set by `pdserve router`).\n"
-                    "Decode nodes connect to its bootstrap port.");
+    const char *what =
+        "A prefill node: computes prompts and hands their KV cache and Mamba state to the\n"
+        "decode node named by each request's bootstrap fields (set by `pdserve router`).\n"
+        "Decode nodes connect to its bootstrap port.";
+    return run_node(argc, argv, PD_NODE_PREFILL, 30001, what);
 }
 
 int cli_cmd_decode(int argc, char **argv) {
-    return run_node(argc, argv, PD_NODE_DECODE, 30002,
-                    "A decode node: preallocates memory for each request, receives its KV cache and\n"
-                    "Mamba state from the prefill node at bootstrap_host:bootstrap_port, and generates.");
+    const char *what =
+        "A decode node: preallocates memory for each request, receives its KV cache and\n"
+        "Mamba state from the prefill node at bootstrap_host:bootstrap_port, and generates.";
+    return run_node(argc, argv, PD_NODE_DECODE, 30002, what);
 }

@@ -23,7 +23,8 @@
 
 static void usage(FILE *to) {
     fprintf(to,
-            "usage: pdserve router --prefill URL [--prefill URL ...] --decode URL [--decode URL ...]\n"
+            "usage: pdserve router --prefill URL [--prefill URL ...] "
+            "--decode URL [--decode URL ...]\n"
             "                      [options]\n"
             "\n"
             "An HTTP server with the client API of a serve node (docs/http-api.md). Each\n"
@@ -54,7 +55,8 @@ static void usage(FILE *to) {
             "                              brings it back\n"
             "  --health-timeout-ms N       one probe's time limit (default 1000)\n"
             "  --request-timeout-s N       a request's time limit, both halves, streaming\n"
-            "                              included; then 504 and both halves aborted (default 600)\n"
+            "                              included; then 504 and both halves aborted "
+            "(default 600)\n"
             "  --abort-grace-ms N          after POST /abort_request, how long the decode node\n"
             "                              gets to end the answer itself (default 1000)\n"
             "  --help                      this text\n"
@@ -128,8 +130,8 @@ static int parse_args(int argc, char **argv, pd_router_config *cfg, bool *help) 
             return usage_error("unknown option ", name);
         }
         if (!ok) {
-            fprintf(stderr, "pdserve router: %s: bad value '%s' (see pdserve router --help)\n", name,
-                    val);
+            fprintf(stderr, "pdserve router: %s: bad value '%s' (see pdserve router --help)\n",
+                    name, val);
             return 2;
         }
     }

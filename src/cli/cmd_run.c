@@ -22,13 +22,19 @@ static const char *what =
     "  --decode-port N         the decode node's HTTP port (default 0: any free port)\n"
     "  --no-router             start only the two nodes (clients must add the bootstrap fields)";
 
-int cli_cmd_run(int argc, char **argv) {
-    pd_node_config base;
-    pd_node_config_default(&base, PD_NODE_PREFILL);
-    base.port = 30000;
-    uint16_t pport = 0, dport = 0;
-    bool router = true;
-    /* Our own flags first, the node flags for the rest. */
+typedef struct run_opts {
+    pd_node_config base; /* both nodes' options; .port is the router's */
+    uint16_t prefill_port, decode_port;
+    bool router;
+} run_opts;
+
+/* Our own flags first, the node flags for the rest. Returns -1 to go on,
+ * else the exit code (0 after --help, the usage printed). */
+static int parse_args(int argc, char **argv, run_opts *o) {
+    pd_node_config_default(&o->base, PD_NODE_PREFILL);
+    o->base.port = 30000;
+    o->prefill_port = o->decode_port = 0;
+    o->router = true;
     char **rest = calloc((size_t)argc + 1, sizeof(char *));
     if (!rest) {
         fprintf(stderr, "pdserve run: out of memory\n");
@@ -37,77 +43,100 @@ int cli_cmd_run(int argc, char **argv) {
     int nrest = 0;
     rest[nrest++] = argv[0];
     for (int i = 1; i < argc; i++) {
-        if (!strcmp(argv[i], "--no-router")) {
-            router = false;
-        } else if ((!strcmp(argv[i], "--prefill-port") || !strcmp(argv[i], "--decode-port")) && i + 1 < argc) {
+        const char *a = argv[i];
+        if (!strcmp(a, "--no-router")) {
+            o->router = false;
+        } else if ((!strcmp(a, "--prefill-port") || !strcmp(a, "--decode-port")) && i + 1 < argc) {
             char *end;
             unsigned long p = strtoul(argv[i + 1], &end, 10);
             if (*end || p > 65535) {
-                fprintf(stderr, "pdserve run: %s needs a port number, got %s\n", argv[i], argv[i + 1]);
+                fprintf(stderr, "pdserve run: %s needs a port number, got %s\n", a, argv[i + 1]);
                 free(rest);
                 return 2;
             }
-            if (!strcmp(argv[i], "--prefill-port")) pport = (uint16_t)p;
-            else dport = (uint16_t)p;
+            if (!strcmp(a, "--prefill-port")) o->prefill_port = (uint16_t)p;
+            else o->decode_port = (uint16_t)p;
             i++;
         } else {
             rest[nrest++] = argv[i];
         }
     }
-    int rc = cli_node_parse(nrest, rest, &base, NULL);
+    int rc = cli_node_parse(nrest, rest, &o->base, NULL);
     free(rest);
     if (rc == 1) {
         cli_node_usage(stdout, "run", what);
         return 0;
     }
     if (rc) return rc;
-    if (strcmp(base.transfer_backend, "loopback") != 0) {
-        fprintf(stderr, "pdserve run: the nodes share one process; only --transfer-backend loopback applies\n");
+    if (strcmp(o->base.transfer_backend, "loopback") != 0) {
+        fprintf(stderr,
+                "pdserve run: the nodes share one process; "
+                "only --transfer-backend loopback applies\n");
         return 2;
     }
-    signal(SIGPIPE, SIG_IGN);
-    pd_loopback_mt *lb;
-    if (pd_loopback_mt_create(&lb, base.page_size, base.max_queued_requests * 4 + 64) != PD_OK ||
-        pd_loopback_mt_start(lb) != PD_OK) {
-        fprintf(stderr, "pdserve run: could not start the loopback transport\n");
-        return 1;
-    }
-    char msg[512];
-    pd_node *nodes[2] = {NULL, NULL};
+    return -1;
+}
+
+/* The prefill node, then the decode node, both on lb. 0, or 1 with the
+ * failure printed. */
+static int start_nodes(const run_opts *o, pd_loopback_mt *lb, pd_node *nodes[2]) {
     const pd_node_role roles[2] = {PD_NODE_PREFILL, PD_NODE_DECODE};
-    int status = 0;
-    for (int k = 0; k < 2 && !status; k++) {
-        pd_node_config c = base;
+    char msg[512];
+    for (int k = 0; k < 2; k++) {
+        pd_node_config c = o->base;
         c.role = roles[k];
-        c.port = k == 0 ? pport : dport;
+        c.port = k == 0 ? o->prefill_port : o->decode_port;
         c.loopback = lb;
         c.transfer_backend = "loopback";
         if (pd_node_create(&nodes[k], &c, msg, sizeof(msg)) != PD_OK ||
             pd_node_start(nodes[k], msg, sizeof(msg)) != PD_OK) {
             fprintf(stderr, "pdserve run: %s node: %s\n", pd_node_role_name(roles[k]), msg);
-            status = 1;
+            return 1;
         }
     }
+    return 0;
+}
+
+static void print_endpoints(const run_opts *o, pd_node *const nodes[2], const pd_run_router *rt) {
+    const char *host = o->base.host;
+    printf("pdserve run: prefill node http://%s:%u, decode node http://%s:%u "
+           "(loopback transport)\n",
+           host, pd_node_http_port(nodes[0]), host, pd_node_http_port(nodes[1]));
+    if (!o->router) return;
+    const unsigned port = cli_run_router_port(rt);
+    printf("pdserve run: send requests to http://%s:%u\n\n", host, port);
+    printf("  curl -s http://%s:%u/generate -d '{\"text\": \"Hello\", \"sampling_params\": "
+           "{\"max_new_tokens\": 16}}'\n",
+           host, port);
+    printf("  curl -s http://%s:%u/abort_request -d '{\"rid\": \"my-request\"}'\n\n", host, port);
+}
+
+int cli_cmd_run(int argc, char **argv) {
+    run_opts o;
+    int rc = parse_args(argc, argv, &o);
+    if (rc >= 0) return rc;
+    signal(SIGPIPE, SIG_IGN);
+    pd_loopback_mt *lb;
+    const uint32_t rooms_max = o.base.max_queued_requests * 4 + 64;
+    if (pd_loopback_mt_create(&lb, o.base.page_size, rooms_max) != PD_OK ||
+        pd_loopback_mt_start(lb) != PD_OK) {
+        fprintf(stderr, "pdserve run: could not start the loopback transport\n");
+        return 1;
+    }
+    pd_node *nodes[2] = {NULL, NULL};
+    int status = start_nodes(&o, lb, nodes);
     pd_run_router *rt = NULL;
-    if (!status && router) {
-        if (cli_run_router_start(&rt, base.host, base.port, pd_node_http_port(nodes[0]),
-                                pd_node_http_port(nodes[1]), pd_node_bootstrap_port(nodes[0]), msg,
-                                sizeof(msg)) != PD_OK) {
+    if (!status && o.router) {
+        char msg[512];
+        if (cli_run_router_start(&rt, o.base.host, o.base.port, pd_node_http_port(nodes[0]),
+                                 pd_node_http_port(nodes[1]), pd_node_bootstrap_port(nodes[0]), msg,
+                                 sizeof(msg)) != PD_OK) {
             fprintf(stderr, "pdserve run: router: %s\n", msg);
             status = 1;
         }
     }
     if (!status) {
-        printf("pdserve run: prefill node http://%s:%u, decode node http://%s:%u (loopback transport)\n",
-               base.host, pd_node_http_port(nodes[0]), base.host, pd_node_http_port(nodes[1]));
-        if (router) {
-            printf("pdserve run: send requests to http://%s:%u\n\n", base.host, cli_run_router_port(rt));
-            printf("  curl -s http://%s:%u/generate -d '{\"text\": \"Hello\", \"sampling_params\": "
-                   "{\"max_new_tokens\": 16}}'\n",
-                   base.host, cli_run_router_port(rt));
-            printf("  curl -s http://%s:%u/abort_request -d '{\"rid\": \"my-request\"}'\n\n", base.host,
-                   cli_run_router_port(rt));
-        }
+        print_endpoints(&o, nodes, rt);
         printf("Ctrl-C stops it.\n");
         fflush(stdout);
         cli_wait_for_signal();

@@ -17,14 +17,17 @@ static const command commands[] = {
     {"serve", cli_cmd_serve, "a colocated server: prefill and decode in one engine"},
     {"prefill", cli_cmd_prefill, "a prefill node of a disaggregated deployment"},
     {"decode", cli_cmd_decode, "a decode node of a disaggregated deployment"},
-    {"sim", cli_cmd_sim, "deterministic simulator: random runs, swarms, exploration, scenario replay"},
+    {"sim", cli_cmd_sim,
+     "deterministic simulator: random runs, swarms, exploration, scenario replay"},
     {"model", cli_cmd_model, "model tools: `model init` writes a model directory"},
     {"generate", cli_cmd_generate, "offline generation with the tiny hybrid model"},
     {"router", cli_cmd_router, "HTTP router: pairs each request with a prefill and a decode node"},
 };
 
 static void usage(FILE *to) {
-    fprintf(to, "usage: pdserve <command> [options]   (pdserve <command> --help for its options)\n\n");
+    fprintf(to,
+            "usage: pdserve <command> [options]   "
+            "(pdserve <command> --help for its options)\n\n");
     for (size_t i = 0; i < sizeof(commands) / sizeof(commands[0]); i++)
         fprintf(to, "  %-10s %s\n", commands[i].name, commands[i].summary);
 }

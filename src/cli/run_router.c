@@ -11,15 +11,17 @@ struct pd_run_router {
     char prefill[96], decode[96];
 };
 
-pd_err cli_run_router_start(pd_run_router **out, const char *host, uint16_t port, uint16_t prefill_port,
-                           uint16_t decode_port, uint16_t bootstrap_port, char *msg, size_t cap) {
+pd_err cli_run_router_start(pd_run_router **out, const char *host, uint16_t port,
+                            uint16_t prefill_port, uint16_t decode_port, uint16_t bootstrap_port,
+                            char *msg, size_t cap) {
     *out = NULL;
     pd_run_router *rr = calloc(1, sizeof(*rr));
     if (!rr) return pd_errorf(msg, cap, PD_ERR_NOMEM, "out of memory");
     /* The nodes listen where the router does (a wildcard address is reached
      * through the loopback interface). */
     const char *node_host = (!host || !host[0] || !strcmp(host, "0.0.0.0")) ? "127.0.0.1" : host;
-    snprintf(rr->prefill, sizeof(rr->prefill), "http://%s:%u@%u", node_host, prefill_port, bootstrap_port);
+    snprintf(rr->prefill, sizeof(rr->prefill), "http://%s:%u@%u", node_host, prefill_port,
+             bootstrap_port);
     snprintf(rr->decode, sizeof(rr->decode), "http://%s:%u", node_host, decode_port);
     pd_router_config c;
     pd_router_config_default(&c);
