@@ -158,7 +158,7 @@ static run run_layer(const layer *L, const float *in, const float *init, uint32_
     for (uint32_t t = 0; t < TOKENS; t += rows) {
         uint32_t n = PD_MIN(rows, TOKENS - t);
         mdl_mamba2_forward(&par, d, &L->w, in + (size_t)t * d->dim, r.out + (size_t)t * d->dim, n,
-                          states, &s);
+                           states, &s);
     }
     mdl_threads_destroy(tp);
     free(mem);
@@ -300,7 +300,7 @@ static void conv_state_holds_the_last_raw_inputs_oldest_first(void **state) {
             uint32_t t = TOKENS - (K - 1) + k;
             /* raw input of channel c at token t: row d_inner + c of in_proj */
             float want = mdl_dot(L.in_proj + (size_t)(d->d_inner + c) * d->dim,
-                                in + (size_t)t * d->dim, d->dim);
+                                 in + (size_t)t * d->dim, d->dim);
             assert_memory_equal(&r.state[(size_t)c * (K - 1) + k], &want, sizeof(float));
         }
     }
