@@ -132,7 +132,8 @@ uint32_t eng_idx(pd_engine *e, const req *r) { return (uint32_t)(r - e->reqs); }
 
 static uint64_t rid_hash(const char *rid) {
     uint64_t h = 0xCBF29CE484222325ull;
-    for (const unsigned char *p = (const unsigned char *)rid; *p; p++) h = (h ^ *p) * 0x100000001B3ull;
+    for (const unsigned char *p = (const unsigned char *)rid; *p; p++)
+        h = (h ^ *p) * 0x100000001B3ull;
     return pd_hash_u64(h);
 }
 
@@ -480,7 +481,8 @@ static void release_retired(pd_engine *e, req *r, bool quarantine) {
  * waiting for it; the transport tells the peer (xfer.h, cancel). */
 static void cancel_room(pd_engine *e, uint64_t room, const char *peer) {
     if (!e->xfer.vt || !e->xfer.vt->cancel || room == 0) return;
-    e->xfer.vt->cancel(e->xfer.self, room, e->cfg.role == PD_ROLE_DECODE && peer && peer[0] ? peer : NULL);
+    const char *to = e->cfg.role == PD_ROLE_DECODE && peer && peer[0] ? peer : NULL;
+    e->xfer.vt->cancel(e->xfer.self, room, to);
     e->ctr.rooms_cancelled++;
 }
 
@@ -582,7 +584,8 @@ static void drain_poll(pd_engine *e) {
         if (r->q_mamba) {
             uint32_t slots[3];
             uint32_t n = mamba_slots_of(r, slots);
-            LEDGER_MUST(e, pd_ledger_free(e->ledger, e->mamba_id, slots, n, PD_UNIT_QUARANTINE, r->room));
+            LEDGER_MUST(e, pd_ledger_free(e->ledger, e->mamba_id, slots, n,
+                                          PD_UNIT_QUARANTINE, r->room));
             r->mamba_run = r->mamba_track[0] = r->mamba_track[1] = NONE;
             r->q_mamba = false;
         }
@@ -678,6 +681,114 @@ static void cache_write_back(void *ctx, pd_copy_dir dir, const uint32_t *dev,
     e->exec.vt->write_back(e->exec.self, dev, host, n);
 }
 
+/* The configuration on its own: a known role, positive sizes, what the role
+ * requires. */
+static pd_err config_check(const pd_engine_config *cfg, char *msg, size_t msg_cap) {
+    if (cfg->role != PD_ROLE_PREFILL && cfg->role != PD_ROLE_DECODE &&
+        cfg->role != PD_ROLE_COLOCATED)
+        return pd_errorf(msg, msg_cap, PD_ERR_INVALID, "unknown role %d", (int)cfg->role);
+    if (cfg->page_size == 0 || cfg->kv_pages == 0 || cfg->rows == 0 || cfg->meta_rows == 0 ||
+        cfg->requests_max == 0 || cfg->chunk_tokens == 0 || cfg->batch_max == 0 ||
+        cfg->new_tokens_max == 0)
+        return pd_errorf(msg, msg_cap, PD_ERR_INVALID,
+                         "page size, pools, requests_max, chunk, batch and new_tokens_max "
+                         "must be positive");
+    if (!cfg->meta_mem && cfg->role != PD_ROLE_COLOCATED)
+        return pd_errorf(msg, msg_cap, PD_ERR_INVALID, "meta_mem is required");
+    if (cfg->host_pages && !cfg->prefix_cache)
+        return pd_errorf(msg, msg_cap, PD_ERR_INVALID, "a host tier needs the prefix cache");
+    if (cfg->requests_max > (1u << 24))
+        return pd_errorf(msg, msg_cap, PD_ERR_INVALID, "requests_max above 16M");
+    return PD_OK;
+}
+
+/* The executor serves this configuration: same page size, memory for every
+ * pool, Mamba layers exactly when there are Mamba slots. Fills *info. */
+static pd_err exec_check(const pd_engine_config *cfg, pd_executor exec, pd_model_info *info,
+                         char *msg, size_t msg_cap) {
+    exec.vt->info(exec.self, info);
+    pd_exec_memory mem;
+    exec.vt->memory(exec.self, &mem);
+    if (info->page_size != cfg->page_size)
+        return pd_errorf(msg, msg_cap, PD_ERR_INVALID, "executor page size %u, engine %u",
+                         info->page_size, cfg->page_size);
+    if (mem.kv_pages < cfg->kv_pages || mem.mamba_slots < cfg->mamba_slots ||
+        mem.host_pages < cfg->host_pages)
+        return pd_errorf(msg, msg_cap, PD_ERR_INVALID,
+                         "executor memory (%u pages, %u slots, %u host pages) "
+                         "smaller than the pools",
+                         mem.kv_pages, mem.mamba_slots, mem.host_pages);
+    if (info->has_mamba != (cfg->mamba_slots > 0))
+        return pd_errorf(msg, msg_cap, PD_ERR_INVALID,
+                         "the model %s Mamba layers but mamba_slots is %u",
+                         info->has_mamba ? "has" : "has no", cfg->mamba_slots);
+    return PD_OK;
+}
+
+/* The ledger, its pools (kv, row, then mamba, meta and host when
+ * configured, in that order: their ids are the ledger's) and the prefix
+ * cache over them. */
+static pd_err pools_create(pd_engine *e) {
+    const pd_engine_config *cfg = &e->cfg;
+    pd_err err = pd_ledger_create(&e->ledger, cfg->strict);
+    if (!err) err = pd_pool_create(&e->kv, "kv", PD_POOL_KV, cfg->kv_pages, cfg->page_size);
+    if (!err) err = pd_ledger_add_pool(e->ledger, e->kv, &e->kv_id);
+    if (!err) err = pd_pool_create(&e->row, "row", PD_POOL_ROW, cfg->rows, 0);
+    if (!err) err = pd_ledger_add_pool(e->ledger, e->row, &e->row_id);
+    if (!err && cfg->mamba_slots)
+        err = pd_pool_create(&e->mamba, "mamba", PD_POOL_MAMBA, cfg->mamba_slots, 0);
+    if (!err && cfg->mamba_slots) err = pd_ledger_add_pool(e->ledger, e->mamba, &e->mamba_id);
+    if (!err) err = pd_pool_create(&e->meta, "meta", PD_POOL_META, cfg->meta_rows, 0);
+    if (!err) err = pd_ledger_add_pool(e->ledger, e->meta, &e->meta_id);
+    if (!err && cfg->host_pages)
+        err = pd_pool_create(&e->host, "host", PD_POOL_HOST, cfg->host_pages, cfg->page_size);
+    if (!err && cfg->host_pages) err = pd_ledger_add_pool(e->ledger, e->host, &e->host_id);
+    if (!err && cfg->prefix_cache) {
+        pd_cache_config cc = {
+            .ledger = e->ledger, .kv_pool = e->kv_id, .mamba_pool = e->mamba_id,
+            .host_pool = e->host_id, .write_back = cfg->host_pages > 0,
+            .copy = cache_write_back, .copy_ctx = e,
+        };
+        err = pd_cache_create(&e->cache, &cc);
+    }
+    return err;
+}
+
+/* Every per-request array, sized once from requests_max, pages_per_req and
+ * batch_max. */
+static pd_err arrays_alloc(pd_engine *e, uint32_t ht_cap) {
+    const pd_engine_config *cfg = &e->cfg;
+    e->reqs = calloc(cfg->requests_max, sizeof(req));
+    e->rid_ht = malloc(ht_cap * sizeof(uint32_t));
+    e->room_ht = malloc(ht_cap * sizeof(uint32_t));
+    e->page_store = calloc((size_t)cfg->requests_max * e->pages_per_req, sizeof(uint32_t));
+    e->scratch = calloc(e->pages_per_req, sizeof(uint32_t));
+    e->dups = calloc(e->pages_per_req, sizeof(uint32_t));
+    e->launch_items = calloc(cfg->batch_max, sizeof(pd_batch_item));
+    e->results = calloc(cfg->batch_max, sizeof(pd_item_result));
+    for (int i = 0; i < INFLIGHT_MAX; i++)
+        e->inflight[i].items = calloc(cfg->batch_max, sizeof(bitem));
+    if (!e->reqs || !e->rid_ht || !e->room_ht || !e->page_store || !e->scratch || !e->dups ||
+        !e->launch_items || !e->results || !e->inflight[0].items || !e->inflight[1].items)
+        return PD_ERR_NOMEM;
+    return PD_OK;
+}
+
+/* No request yet: both indexes empty, every record on the free list, every
+ * queue empty, the metadata rows zeroed. */
+static void records_init(pd_engine *e, uint32_t ht_cap) {
+    const pd_engine_config *cfg = &e->cfg;
+    memset(e->rid_ht, 0xFF, ht_cap * sizeof(uint32_t));
+    memset(e->room_ht, 0xFF, ht_cap * sizeof(uint32_t));
+    for (uint32_t i = 0; i < cfg->requests_max; i++) {
+        e->reqs[i].qnext = i + 1 < cfg->requests_max ? i + 1 : NONE;
+        e->reqs[i].queue = Q_NONE;
+    }
+    e->free_head = 0;
+    for (int q = 0; q < Q__COUNT; q++) e->q[q].head = e->q[q].tail = NONE;
+    if (cfg->meta_mem) memset(cfg->meta_mem, 0, (size_t)cfg->meta_rows * sizeof(pd_meta_row));
+}
+
 pd_err pd_engine_create(pd_engine **out, const pd_engine_config *cfg_in,
                         pd_executor exec, pd_xfer xfer, pd_sink sink,
                         char *msg, size_t msg_cap) {
@@ -687,38 +798,13 @@ pd_err pd_engine_create(pd_engine **out, const pd_engine_config *cfg_in,
     if (!exec.vt || !sink.vt || (!xfer.vt && cfg.role != PD_ROLE_COLOCATED))
         return pd_errorf(msg, msg_cap, PD_ERR_INVALID,
                          "executor, sink and (except colocated) transport are required");
-    if (cfg.role != PD_ROLE_PREFILL && cfg.role != PD_ROLE_DECODE && cfg.role != PD_ROLE_COLOCATED)
-        return pd_errorf(msg, msg_cap, PD_ERR_INVALID, "unknown role %d", (int)cfg.role);
-    if (cfg.page_size == 0 || cfg.kv_pages == 0 || cfg.rows == 0 || cfg.meta_rows == 0 ||
-        cfg.requests_max == 0 || cfg.chunk_tokens == 0 || cfg.batch_max == 0 ||
-        cfg.new_tokens_max == 0)
-        return pd_errorf(msg, msg_cap, PD_ERR_INVALID,
-                         "page size, pools, requests_max, chunk, batch and new_tokens_max must be positive");
-    if (!cfg.meta_mem && cfg.role != PD_ROLE_COLOCATED)
-        return pd_errorf(msg, msg_cap, PD_ERR_INVALID, "meta_mem is required");
-    if (cfg.host_pages && !cfg.prefix_cache)
-        return pd_errorf(msg, msg_cap, PD_ERR_INVALID, "a host tier needs the prefix cache");
-    if (cfg.requests_max > (1u << 24))
-        return pd_errorf(msg, msg_cap, PD_ERR_INVALID, "requests_max above 16M");
+    pd_err err = config_check(&cfg, msg, msg_cap);
+    if (err) return err;
     uint64_t pool_tokens = (uint64_t)cfg.kv_pages * cfg.page_size;
     if (cfg.prompt_tokens_max == 0 || cfg.prompt_tokens_max > pool_tokens)
         cfg.prompt_tokens_max = (uint32_t)PD_MIN(pool_tokens, 1u << 20);
-
     pd_model_info info;
-    exec.vt->info(exec.self, &info);
-    pd_exec_memory mem;
-    exec.vt->memory(exec.self, &mem);
-    if (info.page_size != cfg.page_size)
-        return pd_errorf(msg, msg_cap, PD_ERR_INVALID, "executor page size %u, engine %u",
-                         info.page_size, cfg.page_size);
-    if (mem.kv_pages < cfg.kv_pages || mem.mamba_slots < cfg.mamba_slots ||
-        mem.host_pages < cfg.host_pages)
-        return pd_errorf(msg, msg_cap, PD_ERR_INVALID,
-                         "executor memory (%u pages, %u slots, %u host pages) smaller than the pools",
-                         mem.kv_pages, mem.mamba_slots, mem.host_pages);
-    if (info.has_mamba != (cfg.mamba_slots > 0))
-        return pd_errorf(msg, msg_cap, PD_ERR_INVALID, "the model %s Mamba layers but mamba_slots is %u",
-                         info.has_mamba ? "has" : "has no", cfg.mamba_slots);
+    if ((err = exec_check(&cfg, exec, &info, msg, msg_cap))) return err;
 
     pd_engine *e = calloc(1, sizeof(*e));
     if (!e) return pd_errorf(msg, msg_cap, PD_ERR_NOMEM, "out of memory");
@@ -728,59 +814,21 @@ pd_err pd_engine_create(pd_engine **out, const pd_engine_config *cfg_in,
     e->sink = sink;
     e->info = info;
     e->mamba_id = e->host_id = -1;
-    pd_err err = pd_ledger_create(&e->ledger, cfg.strict);
-    if (!err) err = pd_pool_create(&e->kv, "kv", PD_POOL_KV, cfg.kv_pages, cfg.page_size);
-    if (!err) err = pd_ledger_add_pool(e->ledger, e->kv, &e->kv_id);
-    if (!err) err = pd_pool_create(&e->row, "row", PD_POOL_ROW, cfg.rows, 0);
-    if (!err) err = pd_ledger_add_pool(e->ledger, e->row, &e->row_id);
-    if (!err && cfg.mamba_slots) err = pd_pool_create(&e->mamba, "mamba", PD_POOL_MAMBA, cfg.mamba_slots, 0);
-    if (!err && cfg.mamba_slots) err = pd_ledger_add_pool(e->ledger, e->mamba, &e->mamba_id);
-    if (!err) err = pd_pool_create(&e->meta, "meta", PD_POOL_META, cfg.meta_rows, 0);
-    if (!err) err = pd_ledger_add_pool(e->ledger, e->meta, &e->meta_id);
-    if (!err && cfg.host_pages) err = pd_pool_create(&e->host, "host", PD_POOL_HOST, cfg.host_pages, cfg.page_size);
-    if (!err && cfg.host_pages) err = pd_ledger_add_pool(e->ledger, e->host, &e->host_id);
-    if (!err && cfg.prefix_cache) {
-        pd_cache_config cc = {
-            .ledger = e->ledger, .kv_pool = e->kv_id, .mamba_pool = e->mamba_id,
-            .host_pool = e->host_id, .write_back = cfg.host_pages > 0,
-            .copy = cache_write_back, .copy_ctx = e,
-        };
-        err = pd_cache_create(&e->cache, &cc);
-    }
+    err = pools_create(e);
     e->tracks = (cfg.mamba_slots && cfg.prefix_cache && cfg.role != PD_ROLE_DECODE)
                     ? (cfg.overlap ? 2 : 1) : 0;
-    uint32_t max_tokens = cfg.prompt_tokens_max + (cfg.role != PD_ROLE_PREFILL ? cfg.new_tokens_max : 0);
+    uint32_t max_tokens =
+        cfg.prompt_tokens_max + (cfg.role != PD_ROLE_PREFILL ? cfg.new_tokens_max : 0);
     e->pages_per_req = PD_DIV_CEIL(max_tokens, cfg.page_size) + 1;
     uint32_t ht_cap = 16;
     while (ht_cap < 2 * cfg.requests_max) ht_cap *= 2;
     e->ht_mask = ht_cap - 1;
-    if (!err) {
-        e->reqs = calloc(cfg.requests_max, sizeof(req));
-        e->rid_ht = malloc(ht_cap * sizeof(uint32_t));
-        e->room_ht = malloc(ht_cap * sizeof(uint32_t));
-        e->page_store = calloc((size_t)cfg.requests_max * e->pages_per_req, sizeof(uint32_t));
-        e->scratch = calloc(e->pages_per_req, sizeof(uint32_t));
-        e->dups = calloc(e->pages_per_req, sizeof(uint32_t));
-        e->launch_items = calloc(cfg.batch_max, sizeof(pd_batch_item));
-        e->results = calloc(cfg.batch_max, sizeof(pd_item_result));
-        for (int i = 0; i < INFLIGHT_MAX; i++) e->inflight[i].items = calloc(cfg.batch_max, sizeof(bitem));
-        if (!e->reqs || !e->rid_ht || !e->room_ht || !e->page_store || !e->scratch || !e->dups ||
-            !e->launch_items || !e->results || !e->inflight[0].items || !e->inflight[1].items)
-            err = PD_ERR_NOMEM;
-    }
+    if (!err) err = arrays_alloc(e, ht_cap);
     if (err) {
         pd_engine_destroy(e);
         return pd_errorf(msg, msg_cap, err, "engine creation failed (%s)", pd_err_name(err));
     }
-    memset(e->rid_ht, 0xFF, ht_cap * sizeof(uint32_t));
-    memset(e->room_ht, 0xFF, ht_cap * sizeof(uint32_t));
-    for (uint32_t i = 0; i < cfg.requests_max; i++) {
-        e->reqs[i].qnext = i + 1 < cfg.requests_max ? i + 1 : NONE;
-        e->reqs[i].queue = Q_NONE;
-    }
-    e->free_head = 0;
-    for (int q = 0; q < Q__COUNT; q++) e->q[q].head = e->q[q].tail = NONE;
-    if (cfg.meta_mem) memset(cfg.meta_mem, 0, (size_t)cfg.meta_rows * sizeof(pd_meta_row));
+    records_init(e, ht_cap);
     *out = e;
     return PD_OK;
 }
@@ -825,7 +873,8 @@ static pd_err reject(pd_engine *e, pd_reject *why, pd_err err, int status, const
 static pd_err submit(pd_engine *e, const pd_request_spec *s, uint64_t now_us, pd_reject *why);
 
 void pd_engine_cancel_room(pd_engine *e, uint64_t room, const char *peer) {
-    if (e->cfg.role == PD_ROLE_COLOCATED || room == 0 || ht_find(e, K_ROOM, NULL, room) != NONE) return;
+    if (e->cfg.role == PD_ROLE_COLOCATED || room == 0 || ht_find(e, K_ROOM, NULL, room) != NONE)
+        return;
     cancel_room(e, room, peer);
 }
 
@@ -838,9 +887,9 @@ pd_err pd_engine_submit(pd_engine *e, const pd_request_spec *s, uint64_t now_us,
     return err;
 }
 
-static pd_err submit(pd_engine *e, const pd_request_spec *s, uint64_t now_us, pd_reject *why) {
-    e->now = now_us;
-    if (!s) return reject(e, why, PD_ERR_INVALID, 400, "no request");
+/* The request on its own (400 if not): a printable rid, a room, a prompt and
+ * stop tokens inside the vocabulary, sampling parameters in range. */
+static pd_err spec_check(pd_engine *e, const pd_request_spec *s, pd_reject *why) {
     if (!s->rid || !s->rid[0]) return reject(e, why, PD_ERR_INVALID, 400, "rid is empty");
     size_t rid_len = strnlen(s->rid, PD_RID_MAX);
     if (rid_len >= PD_RID_MAX)
@@ -849,8 +898,10 @@ static pd_err submit(pd_engine *e, const pd_request_spec *s, uint64_t now_us, pd
         if ((unsigned char)s->rid[i] < 0x20 || s->rid[i] == 0x7f)
             return reject(e, why, PD_ERR_INVALID, 400, "rid contains a control character");
     if (s->room == 0 && e->cfg.role != PD_ROLE_COLOCATED)
-        return reject(e, why, PD_ERR_INVALID, 400, "unknown room 0 (a bootstrap room is required)");
-    if (s->prompt_len == 0 || !s->prompt) return reject(e, why, PD_ERR_INVALID, 400, "empty prompt");
+        return reject(e, why, PD_ERR_INVALID, 400,
+                      "unknown room 0 (a bootstrap room is required)");
+    if (s->prompt_len == 0 || !s->prompt)
+        return reject(e, why, PD_ERR_INVALID, 400, "empty prompt");
     if (s->max_new_tokens < 1)
         return reject(e, why, PD_ERR_INVALID, 400, "max_new_tokens must be at least 1");
     if (s->max_new_tokens > e->cfg.new_tokens_max)
@@ -865,11 +916,19 @@ static pd_err submit(pd_engine *e, const pd_request_spec *s, uint64_t now_us, pd
         return reject(e, why, PD_ERR_INVALID, 400, "at most %d stop tokens", PD_STOP_TOKENS_MAX);
     for (uint32_t i = 0; i < s->n_stop_tokens; i++)
         if (s->stop_tokens[i] < 0 || (uint32_t)s->stop_tokens[i] >= e->info.vocab)
-            return reject(e, why, PD_ERR_INVALID, 400, "stop token %d outside the vocabulary", s->stop_tokens[i]);
+            return reject(e, why, PD_ERR_INVALID, 400, "stop token %d outside the vocabulary",
+                          s->stop_tokens[i]);
     for (uint32_t i = 0; i < s->prompt_len; i++)
         if (s->prompt[i] < 0 || (uint32_t)s->prompt[i] >= e->info.vocab)
-            return reject(e, why, PD_ERR_INVALID, 400, "prompt token %d at position %u outside the vocabulary (size %u)",
+            return reject(e, why, PD_ERR_INVALID, 400,
+                          "prompt token %d at position %u outside the vocabulary (size %u)",
                           s->prompt[i], i, e->info.vocab);
+    return PD_OK;
+}
+
+/* The request against this node: it fits the KV pool (413), and its rid and
+ * room are not live here (409). */
+static pd_err admission_check(pd_engine *e, const pd_request_spec *s, pd_reject *why) {
     /* A generating node holds KV for positions [0, prompt + max_new - 1): the
      * last sampled token is never fed back (decode.c, prealloc). */
     bool generates = e->cfg.role != PD_ROLE_PREFILL;
@@ -886,15 +945,26 @@ static pd_err submit(pd_engine *e, const pd_request_spec *s, uint64_t now_us, pd
     if (ht_find(e, K_RID, s->rid, 0) != NONE)
         return reject(e, why, PD_ERR_EXISTS, 409, "rid '%s' is already live", s->rid);
     if (e->cfg.role != PD_ROLE_COLOCATED && ht_find(e, K_ROOM, NULL, s->room) != NONE)
-        return reject(e, why, PD_ERR_EXISTS, 409, "room %llu is already live", (unsigned long long)s->room);
+        return reject(e, why, PD_ERR_EXISTS, 409, "room %llu is already live",
+                      (unsigned long long)s->room);
+    return PD_OK;
+}
+
+static pd_err submit(pd_engine *e, const pd_request_spec *s, uint64_t now_us, pd_reject *why) {
+    e->now = now_us;
+    if (!s) return reject(e, why, PD_ERR_INVALID, 400, "no request");
+    pd_err err = spec_check(e, s, why);
+    if (!err) err = admission_check(e, s, why);
+    if (err) return err;
     int32_t *prompt = malloc((size_t)s->prompt_len * sizeof(int32_t));
     if (!prompt) return reject(e, why, PD_ERR_NOMEM, 429, "out of memory for the prompt");
     req *r = record_alloc(e);
     if (!r) {
         free(prompt);
-        return reject(e, why, PD_ERR_NOMEM, 429, "too many live requests (%u)", e->cfg.requests_max);
+        return reject(e, why, PD_ERR_NOMEM, 429, "too many live requests (%u)",
+                      e->cfg.requests_max);
     }
-    memcpy(r->rid, s->rid, rid_len + 1);
+    memcpy(r->rid, s->rid, strlen(s->rid) + 1); /* spec_check: shorter than PD_RID_MAX */
     r->room = s->room;
     memcpy(prompt, s->prompt, (size_t)s->prompt_len * sizeof(int32_t));
     r->prompt = prompt;
@@ -912,7 +982,8 @@ static pd_err submit(pd_engine *e, const pd_request_spec *s, uint64_t now_us, pd
     r->rid_indexed = true;
     if (e->cfg.role != PD_ROLE_COLOCATED) ht_put(e, K_ROOM, idx);
     static const uint8_t first_queue[] = {
-        [PD_ROLE_PREFILL] = Q_BOOTSTRAP, [PD_ROLE_DECODE] = Q_PREALLOC, [PD_ROLE_COLOCATED] = Q_WAITING,
+        [PD_ROLE_PREFILL] = Q_BOOTSTRAP, [PD_ROLE_DECODE] = Q_PREALLOC,
+        [PD_ROLE_COLOCATED] = Q_WAITING,
     };
     q_push(e, r, first_queue[e->cfg.role]);
     r->t_state = now_us;
@@ -965,9 +1036,68 @@ static bool describe(void *ctx, pd_owner owner, pd_owner_desc *d) {
     }
     snprintf(d->rid, sizeof(d->rid), "%s", r->rid);
     d->room = r->room;
-    snprintf(d->state, sizeof(d->state), "%s", r->queue < Q__COUNT ? queue_names[r->queue] : "none");
-    snprintf(d->terminal, sizeof(d->terminal), "%s", r->term ? pd_terminal_kind_name(r->term) : "");
+    snprintf(d->state, sizeof(d->state), "%s",
+             r->queue < Q__COUNT ? queue_names[r->queue] : "none");
+    snprintf(d->terminal, sizeof(d->terminal), "%s",
+             r->term ? pd_terminal_kind_name(r->term) : "");
     return true;
+}
+
+/* Tallies the units of one pool by holder: req_units[i] held by record i
+ * (REQ, owner of the record's current generation), q_units[i] quarantined
+ * for the room record i drains. A unit with neither is a violation. */
+static pd_err tally_units(pd_engine *e, int pool_id, uint32_t *req_units, uint32_t *q_units,
+                          pd_strbuf *report) {
+    pd_err result = PD_OK;
+    pd_pool *p = pd_ledger_pool(e->ledger, pool_id);
+    uint32_t total = pd_pool_total(p);
+    for (uint32_t u = 0; u < total; u++) {
+        pd_unit_state st = pd_ledger_state_of(e->ledger, pool_id, u);
+        pd_owner o = pd_ledger_owner_of(e->ledger, pool_id, u);
+        if (st == PD_UNIT_REQ) {
+            uint64_t lo = o & 0xFFFFFFFFull;
+            req *r = (lo && lo <= e->cfg.requests_max) ? &e->reqs[lo - 1] : NULL;
+            if (!r || !r->live || r->gen != (uint32_t)(o >> 32)) {
+                result = pd_violation(report,
+                                      "pool %s unit %u held by a request that no longer exists "
+                                      "(owner %llu)",
+                                      pd_pool_name(p), u, (unsigned long long)o);
+                continue;
+            }
+            req_units[lo - 1]++;
+        } else if (st == PD_UNIT_QUARANTINE) {
+            uint32_t idx = ht_find(e, K_ROOM, NULL, o);
+            if (idx == NONE || e->reqs[idx].queue != Q_DRAINING) {
+                result = pd_violation(report,
+                                      "pool %s unit %u quarantined for room %llu that nothing "
+                                      "drains",
+                                      pd_pool_name(p), u, (unsigned long long)o);
+                continue;
+            }
+            q_units[idx]++;
+        }
+    }
+    return result;
+}
+
+/* What r's flags say it holds of one pool: *want as REQ, *want_q in
+ * quarantine. */
+static void flags_say(pd_engine *e, req *r, int pool_id, uint32_t *want, uint32_t *want_q) {
+    uint32_t slots[3];
+    *want = *want_q = 0;
+    if (pool_id == e->kv_id) {
+        *want = r->holds_kv ? r->n_pages - r->own_from : 0;
+        *want_q = r->q_pages ? r->n_pages - r->own_from : 0;
+    } else if (pool_id == e->row_id) {
+        *want = r->holds_row;
+    } else if (pool_id == e->mamba_id) {
+        uint32_t n = mamba_slots_of(r, slots);
+        *want = r->holds_mamba ? n : 0;
+        *want_q = r->q_mamba ? n : 0;
+    } else {
+        *want = r->holds_meta;
+        *want_q = r->q_meta;
+    }
 }
 
 /* Every live record holds exactly the units its flags say (strict mode). */
@@ -977,59 +1107,28 @@ static pd_err check_requests(pd_engine *e, pd_strbuf *report) {
     for (int k = 0; k < 4; k++) {
         if (pools[k] < 0) continue;
         pd_pool *p = pd_ledger_pool(e->ledger, pools[k]);
-        uint32_t total = pd_pool_total(p);
         /* Tally per record into scratch-like counters kept on the stack of
          * this call: requests_max is small enough to walk per pool. */
         uint32_t *req_units = calloc(e->cfg.requests_max, sizeof(uint32_t));
         uint32_t *q_units = calloc(e->cfg.requests_max, sizeof(uint32_t));
         PD_ASSERT(req_units && q_units);
-        for (uint32_t u = 0; u < total; u++) {
-            pd_unit_state st = pd_ledger_state_of(e->ledger, pools[k], u);
-            pd_owner o = pd_ledger_owner_of(e->ledger, pools[k], u);
-            if (st == PD_UNIT_REQ) {
-                uint64_t lo = o & 0xFFFFFFFFull;
-                req *r = (lo && lo <= e->cfg.requests_max) ? &e->reqs[lo - 1] : NULL;
-                if (!r || !r->live || r->gen != (uint32_t)(o >> 32)) {
-                    result = pd_violation(report, "pool %s unit %u held by a request that no longer exists (owner %llu)",
-                                              pd_pool_name(p), u, (unsigned long long)o);
-                    continue;
-                }
-                req_units[lo - 1]++;
-            } else if (st == PD_UNIT_QUARANTINE) {
-                uint32_t idx = ht_find(e, K_ROOM, NULL, o);
-                if (idx == NONE || e->reqs[idx].queue != Q_DRAINING) {
-                    result = pd_violation(report, "pool %s unit %u quarantined for room %llu that nothing drains",
-                                              pd_pool_name(p), u, (unsigned long long)o);
-                    continue;
-                }
-                q_units[idx]++;
-            }
-        }
+        pd_err err = tally_units(e, pools[k], req_units, q_units, report);
+        if (err) result = err;
         for (uint32_t i = 0; i < e->cfg.requests_max; i++) {
             req *r = &e->reqs[i];
             if (!r->live) continue;
-            uint32_t want = 0, want_q = 0;
-            uint32_t slots[3];
-            if (pools[k] == e->kv_id) {
-                want = r->holds_kv ? r->n_pages - r->own_from : 0;
-                want_q = r->q_pages ? r->n_pages - r->own_from : 0;
-            } else if (pools[k] == e->row_id) {
-                want = r->holds_row;
-            } else if (pools[k] == e->mamba_id) {
-                uint32_t n = mamba_slots_of(r, slots);
-                want = r->holds_mamba ? n : 0;
-                want_q = r->q_mamba ? n : 0;
-            } else {
-                want = r->holds_meta;
-                want_q = r->q_meta;
-            }
+            uint32_t want, want_q;
+            flags_say(e, r, pools[k], &want, &want_q);
             if (req_units[i] != want)
                 result = pd_violation(report, "request %s (%s) holds %u %s units, its flags say %u",
-                                          r->rid, queue_names[r->queue < Q__COUNT ? r->queue : 0],
-                                          req_units[i], pd_pool_name(p), want);
+                                      r->rid, queue_names[r->queue < Q__COUNT ? r->queue : 0],
+                                      req_units[i], pd_pool_name(p), want);
             if (q_units[i] != want_q)
-                result = pd_violation(report, "room %llu of %s has %u %s units quarantined, its flags say %u",
-                                          (unsigned long long)r->room, r->rid, q_units[i], pd_pool_name(p), want_q);
+                result = pd_violation(report,
+                                      "room %llu of %s has %u %s units quarantined, "
+                                      "its flags say %u",
+                                      (unsigned long long)r->room, r->rid, q_units[i],
+                                      pd_pool_name(p), want_q);
         }
         free(req_units);
         free(q_units);

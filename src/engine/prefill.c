@@ -86,7 +86,8 @@ static bool room_check(pd_engine *e, req *r) {
             r->bootstrapped = true;
             r->peer_cached = cached;
             if (r->queue == Q_PREFILL && !send_ready(e, r)) return false;
-        } else if (e->cfg.bootstrap_timeout_us && e->now - r->t_submit > e->cfg.bootstrap_timeout_us) {
+        } else if (e->cfg.bootstrap_timeout_us &&
+                   e->now - r->t_submit > e->cfg.bootstrap_timeout_us) {
             char msg[96];
             snprintf(msg, sizeof(msg), "bootstrap timed out after %llu us",
                      (unsigned long long)(e->now - r->t_submit));
@@ -168,6 +169,58 @@ static void poll_loads(pd_engine *e) {
     }
 }
 
+/* The cached prefix r can use, its node locked for r (none without a
+ * cache): *use tokens on device (with Mamba layers, up to the deepest
+ * snapshot, *snap_slot), or, from the host tier, *load tokens to bring back. */
+static pd_cnode match_prefix(pd_engine *e, req *r, uint32_t *use, uint32_t *load,
+                             uint32_t *snap_slot) {
+    pd_cnode node = PD_CNODE_NONE;
+    *use = *load = 0;
+    *snap_slot = NONE;
+    if (!e->cache) return node;
+    pd_cache_match_result m;
+    /* Leave at least the last token to compute: it yields the first output. */
+    PD_MUST(pd_cache_match(e->cache, r->prompt, r->prompt_len - 1, r->pages,
+                           e->pages_per_req, &m));
+    if (e->mamba) {
+        *use = m.mamba_tokens;
+        node = m.mamba_node;
+        *snap_slot = m.mamba_slot;
+    } else {
+        *use = m.dev_tokens;
+        node = m.dev_node;
+        if (e->host && m.host_tokens > 0) {
+            *load = m.host_tokens;
+            node = m.host_node;
+        }
+    }
+    eng_cache_lock(e, r, node);
+    return node;
+}
+
+/* Starts loading the host-only part of the prefix (load tokens, below node)
+ * into pages of r's reservation. False if the cache has no room for the
+ * load: that part is then recomputed. */
+static bool start_load(pd_engine *e, req *r, pd_cnode node, uint32_t load) {
+    uint32_t n = 0;
+    pd_cache_ticket t;
+    pd_err err = pd_cache_load_begin(e->cache, node, r->owner, r->pages + r->n_pages,
+                                     e->scratch, e->pages_per_req - r->n_pages, &n, &t);
+    if (err != PD_OK) return false;
+    PD_ASSERT(n * e->cfg.page_size == load && r->reserved >= n);
+    r->load_from = r->n_pages;
+    r->load_pages = n;
+    r->n_pages += n;
+    r->reserved -= n;
+    e->reserved -= n;
+    r->ticket = t;
+    r->holds_host = r->holds_kv = true;
+    r->load_id = ++e->next_load_id;
+    PD_MUST(e->exec.vt->load_begin(e->exec.self, r->load_id, r->pages + r->load_from,
+                                   e->scratch, n));
+    return true;
+}
+
 /* Admission: row, Mamba running slot, the matched prefix (locked), and a
  * reservation of pages for the rest. 0: not now; 1: ready; 2: loading. */
 static int admit(pd_engine *e, req *r) {
@@ -178,30 +231,12 @@ static int admit(pd_engine *e, req *r) {
         PD_MUST(pd_cache_evict_snapshots(e->cache, 1, NULL));
         if (pd_pool_free_count(e->mamba) == 0) return 0;
     }
-    uint32_t use = 0, load = 0, snap_slot = NONE;
-    pd_cnode node = PD_CNODE_NONE;
-    if (e->cache) {
-        pd_cache_match_result m;
-        /* Leave at least the last token to compute: it yields the first output. */
-        PD_MUST(pd_cache_match(e->cache, r->prompt, r->prompt_len - 1, r->pages,
-                               e->pages_per_req, &m));
-        if (e->mamba) {
-            use = m.mamba_tokens;
-            node = m.mamba_node;
-            snap_slot = m.mamba_slot;
-        } else {
-            use = m.dev_tokens;
-            node = m.dev_node;
-            if (e->host && m.host_tokens > 0) {
-                load = m.host_tokens;
-                node = m.host_node;
-            }
-        }
-        eng_cache_lock(e, r, node);
-    }
+    uint32_t use, load, snap_slot;
+    pd_cnode node = match_prefix(e, r, &use, &load, &snap_slot);
     /* Colocated: the pages of every token the request may generate too (the
      * last sampled token is never fed back). */
-    uint32_t positions = e->cfg.role == PD_ROLE_COLOCATED ? r->prompt_len + r->max_new - 1 : r->prompt_len;
+    uint32_t positions =
+        e->cfg.role == PD_ROLE_COLOCATED ? r->prompt_len + r->max_new - 1 : r->prompt_len;
     uint32_t need = PD_DIV_CEIL(positions, ps) - use / ps;
     if (!eng_reserve_pages(e, r, need)) return 0;
     PD_MUST(eng_alloc_slot(e, e->row_id, r->owner, &r->row));
@@ -221,27 +256,9 @@ static int admit(pd_engine *e, req *r) {
     r->n_pages = r->own_from = use / ps;
     r->cached_tokens = r->launched = r->done = use;
     e->ctr.cached_tokens += use;
-    if (load > 0) {
-        uint32_t n = 0;
-        pd_cache_ticket t;
-        pd_err err = pd_cache_load_begin(e->cache, node, r->owner, r->pages + r->n_pages,
-                                         e->scratch, e->pages_per_req - r->n_pages, &n, &t);
-        if (err == PD_OK) {
-            PD_ASSERT(n * ps == load && r->reserved >= n);
-            r->load_from = r->n_pages;
-            r->load_pages = n;
-            r->n_pages += n;
-            r->reserved -= n;
-            e->reserved -= n;
-            r->ticket = t;
-            r->holds_host = r->holds_kv = true;
-            r->load_id = ++e->next_load_id;
-            PD_MUST(e->exec.vt->load_begin(e->exec.self, r->load_id, r->pages + r->load_from,
-                                           e->scratch, n));
-            q_move(e, r, Q_LOADING);
-            return 2;
-        }
-        /* No room to load: the host-only part is simply recomputed. */
+    if (load > 0 && start_load(e, r, node, load)) {
+        q_move(e, r, Q_LOADING);
+        return 2;
     }
     q_move(e, r, Q_PREFILL);
     return 1;
