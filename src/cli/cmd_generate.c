@@ -239,9 +239,8 @@ static void print_json(const gen_result *res, uint32_t n_prompt, const char *tex
         "prefill_tokens_per_s", res->prefill_ms > 0 ? n_prompt / (res->prefill_ms / 1e3) : 0.0,
         "decode_tokens_per_s", res->decode_ms > 0 ? decoded / (res->decode_ms / 1e3) : 0.0);
     json_t *root = json_pack("{s:o, s:s, s:i, s:i, s:s, s:o, s:o}", "output_ids", ids, "text", text,
-                             "prompt_tokens", (json_int_t)n_prompt,
-                             "completion_tokens", (json_int_t)res->n,
-                             "finish_reason", res->stopped ? "stop" : "length",
+                             "prompt_tokens", (json_int_t)n_prompt, "completion_tokens",
+                             (json_int_t)res->n, "finish_reason", res->stopped ? "stop" : "length",
                              "output_logprobs", lps, "timing", timing);
     char *s = json_dumps(root, JSON_COMPACT | JSON_PRESERVE_ORDER | JSON_REAL_PRECISION(7));
     if (s) printf("%s\n", s);

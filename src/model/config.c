@@ -56,8 +56,8 @@ pd_err pd_model_config_preset(pd_model_config *out, const char *name, char *msg,
         out->mamba_groups = 2;
         out->mlp_hidden = 768;
     } else {
-        return pd_errorf(msg, cap, PD_ERR_INVALID,
-                         "unknown model config '%s' (tiny or small)", name);
+        return pd_errorf(msg, cap, PD_ERR_INVALID, "unknown model config '%s' (tiny or small)",
+                         name);
     }
     return PD_OK;
 }
@@ -164,7 +164,7 @@ void pd_model_config_shape(const pd_model_config *cfg, pd_model_shape *s) {
             s->n_mamba * (s->mamba_conv_bytes_per_layer + s->mamba_ssm_bytes_per_layer);
         mamba_w = (uint64_t)s->mamba_in_proj * dim + dim * s->mamba_d_inner;
         mamba_small = (uint64_t)s->mamba_conv_dim * (cfg->mamba_d_conv + 1) +
-                      3ull * cfg->mamba_heads + s->mamba_d_inner;
+            3ull * cfg->mamba_heads + s->mamba_d_inner;
     }
     uint64_t lm = vocab * dim;
     s->params = vocab * dim + (cfg->tie_embeddings ? 0 : lm) + dim /* final norm */ +
@@ -221,8 +221,8 @@ static pd_err read_field(pd_model_config *cfg, const field *f, const json_t *v, 
     switch (f->kind) {
     case F_U32:
         if (!json_is_integer(v) || json_integer_value(v) < 0 || json_integer_value(v) > UINT32_MAX)
-            return pd_errorf(msg, cap, PD_ERR_PARSE,
-                             "'%s' must be an integer in [0, 2^32)", f->key);
+            return pd_errorf(msg, cap, PD_ERR_PARSE, "'%s' must be an integer in [0, 2^32)",
+                             f->key);
         *(uint32_t *)base = (uint32_t)json_integer_value(v);
         return PD_OK;
     case F_I32:
@@ -231,8 +231,8 @@ static pd_err read_field(pd_model_config *cfg, const field *f, const json_t *v, 
             return PD_OK;
         }
         if (!json_is_integer(v) || json_integer_value(v) < -1 || json_integer_value(v) > INT32_MAX)
-            return pd_errorf(msg, cap, PD_ERR_PARSE,
-                             "'%s' must be an integer >= -1 or null", f->key);
+            return pd_errorf(msg, cap, PD_ERR_PARSE, "'%s' must be an integer >= -1 or null",
+                             f->key);
         *(int32_t *)base = (int32_t)json_integer_value(v);
         return PD_OK;
     case F_F32:

@@ -306,8 +306,8 @@ static pd_err alloc_scratch(pd_runner *r, uint32_t threads, char *msg, size_t ca
     size_t floats = R * c->dim * 3 + R * c->mlp_hidden * 2 + R * c->vocab + c->vocab;
     if (s->n_attn)
         floats += R * (c->attn_head_dim / 2) * 2 +
-                  R * (2 * (size_t)s->q_dim + 2 * (size_t)s->kv_dim) +
-                  threads * r->attn_scratch.context_max;
+            R * (2 * (size_t)s->q_dim + 2 * (size_t)s->kv_dim) +
+            threads * r->attn_scratch.context_max;
     if (s->n_mamba) floats += mdl_mamba2_scratch_floats(&r->mamba_dims, PD_RUNNER_ROWS);
     r->scratch_mem = malloc(floats * sizeof(float));
     r->keys = malloc(sizeof(uint64_t) * c->vocab);

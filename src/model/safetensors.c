@@ -149,16 +149,16 @@ static pd_err parse_entry(pd_st_tensor *t, const char *name, const json_t *v,
 
     const json_t *dt = json_object_get(v, "dtype");
     if (!json_is_string(dt))
-        return pd_errorf(msg, cap, PD_ERR_PARSE,
-                         "tensor '%s': dtype missing or not a string", name);
+        return pd_errorf(msg, cap, PD_ERR_PARSE, "tensor '%s': dtype missing or not a string",
+                         name);
     if (!pd_dtype_parse(json_string_value(dt), &t->dtype))
         return pd_errorf(msg, cap, PD_ERR_PARSE, "tensor '%s': unknown dtype '%.32s'", name,
                          json_string_value(dt));
 
     const json_t *shape = json_object_get(v, "shape");
     if (!json_is_array(shape))
-        return pd_errorf(msg, cap, PD_ERR_PARSE,
-                         "tensor '%s': shape missing or not an array", name);
+        return pd_errorf(msg, cap, PD_ERR_PARSE, "tensor '%s': shape missing or not an array",
+                         name);
     size_t ndim = json_array_size(shape);
     if (ndim > PD_ST_NDIM_MAX)
         return pd_errorf(msg, cap, PD_ERR_PARSE, "tensor '%s': %zu dimensions (at most %d)", name,
@@ -259,8 +259,8 @@ static pd_err check_metadata(const json_t *v, char *msg, size_t cap) {
     json_t *val;
     json_object_foreach((json_t *)v, k, val) {
         if (!json_is_string(val))
-            return pd_errorf(msg, cap, PD_ERR_PARSE,
-                             "__metadata__ entry '%.64s' is not a string", k);
+            return pd_errorf(msg, cap, PD_ERR_PARSE, "__metadata__ entry '%.64s' is not a string",
+                             k);
     }
     return PD_OK;
 }

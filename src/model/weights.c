@@ -86,8 +86,8 @@ static void build_table(pd_model *m) {
             add(m, PD_INIT_DT_BIAS, 0, 1, c->mamba_heads, 0, 0, "model.layers.%d.mamba.dt_bias", i);
             add(m, PD_INIT_A_LOG, 0, 1, c->mamba_heads, 0, 0, "model.layers.%d.mamba.A_log", i);
             add(m, PD_INIT_ONES, 0, 1, c->mamba_heads, 0, 0, "model.layers.%d.mamba.D", i);
-            add(m, PD_INIT_ONES, 0, 1, s->mamba_d_inner, 0, 0,
-                "model.layers.%d.mamba.norm.weight", i);
+            add(m, PD_INIT_ONES, 0, 1, s->mamba_d_inner, 0, 0, "model.layers.%d.mamba.norm.weight",
+                i);
             add(m, PD_INIT_UNIFORM, res / sqrt((double)s->mamba_d_inner), 2, c->dim,
                 s->mamba_d_inner, 0, "model.layers.%d.mamba.out_proj.weight", i);
         }
