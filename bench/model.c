@@ -173,7 +173,7 @@ static void baseline(const pd_model *m, const char *name, int runs) {
         for (int k = 0; k < 20; k++) naive_matmul(out, x, w, rows, n_in, n_out);
         v[r] = 20 * flops / ((double)(bench_now_ns() - t0));
         t0 = bench_now_ns();
-        for (int k = 0; k < 20; k++) pd_matmul(&par, out, x, w, rows, n_in, n_out);
+        for (int k = 0; k < 20; k++) mdl_matmul(&par, out, x, w, rows, n_in, n_out);
         v[runs + r] = 20 * flops / ((double)(bench_now_ns() - t0));
     }
     double naive = bench_median(v, (size_t)runs), ours = bench_median(v + runs, (size_t)runs);

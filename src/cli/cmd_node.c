@@ -62,6 +62,12 @@ void cli_node_usage(FILE *to, const char *cmd, const char *what) {
     fprintf(to, "  %-38s %s\n", "--help", "this text");
 }
 
+/* A failed strict-mode ownership check: the node hands its report here. */
+static void print_violation(void *ctx, pd_node_role role, const char *report) {
+    (void)ctx;
+    fprintf(stderr, "pdserve %s: ownership check failed:\n%s\n", pd_node_role_name(role), report);
+}
+
 static bool parse_num(const char *v, uint64_t max, uint64_t *out) {
     return cli_u64(v, 0, max, out);
 }
@@ -123,7 +129,7 @@ int cli_node_parse(int argc, char **argv, pd_node_config *c, int *consumed_until
         if (flag_only) {
             if (!strcmp(a, "--disable-overlap")) c->disable_overlap = true;
             else if (!strcmp(a, "--disable-prefix-cache")) c->disable_prefix_cache = true;
-            else if (!strcmp(a, "--strict")) c->strict = true;
+            else if (!strcmp(a, "--strict")) c->strict = true, c->on_violation = print_violation;
             else c->enable_metrics = true;
             continue;
         }

@@ -54,11 +54,11 @@ static void mixer(pd_runner *r, const pd_block_weights *b) {
 
 static void mlp(pd_runner *r, const pd_block_weights *b) {
     const pd_model_config *c = &r->model->cfg;
-    pd_matmul(&r->par, r->gate, r->xb, b->gate, r->rows, c->dim, c->mlp_hidden);
-    pd_matmul(&r->par, r->up, r->xb, b->up, r->rows, c->dim, c->mlp_hidden);
+    mdl_matmul(&r->par, r->gate, r->xb, b->gate, r->rows, c->dim, c->mlp_hidden);
+    mdl_matmul(&r->par, r->up, r->xb, b->up, r->rows, c->dim, c->mlp_hidden);
     for (size_t i = 0; i < (size_t)r->rows * c->mlp_hidden; i++)
         r->gate[i] = mdl_silu(r->gate[i]) * r->up[i];
-    pd_matmul(&r->par, r->xo, r->gate, b->down, r->rows, c->mlp_hidden, c->dim);
+    mdl_matmul(&r->par, r->xo, r->gate, b->down, r->rows, c->mlp_hidden, c->dim);
 }
 
 static void block(pd_runner *r, const pd_block_weights *b) {
@@ -105,7 +105,7 @@ static void run_pass(pd_runner *r, const pd_batch_item *items, pd_item_result *r
         sample_row[n_sample++] = t;
     }
     if (n_sample) {
-        pd_matmul(&r->par, r->logits, r->xb, m->lm_head, n_sample, c->dim, c->vocab);
+        mdl_matmul(&r->par, r->logits, r->xb, m->lm_head, n_sample, c->dim, c->vocab);
         r->flops += 2ull * n_sample * c->vocab * c->dim;
     }
     for (uint32_t s = 0; s < n_sample; s++) {

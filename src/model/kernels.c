@@ -2,7 +2,7 @@
  * kernels.c — the fixed-order numeric kernels. See kernels.h for why the
  * order is fixed.
  *
- * pd_matmul works on tiles: two weight rows against four input rows at a
+ * mdl_matmul works on tiles: two weight rows against four input rows at a
  * time (eight running sums, each a 4-lane vector; every weight and input
  * vector loaded is used two or four times), four weight rows against one
  * input row for the rows left over (the decode case), and mdl_dot for the
@@ -137,8 +137,8 @@ static void matmul_range(void *ctx, uint32_t begin, uint32_t end, uint32_t worke
     }
 }
 
-void pd_matmul(const pd_par *par, float *out, const float *x, const float *w, uint32_t rows,
-               uint32_t n_in, uint32_t n_out) {
+void mdl_matmul(const pd_par *par, float *out, const float *x, const float *w, uint32_t rows,
+                uint32_t n_in, uint32_t n_out) {
     matmul_job job = {out, x, w, rows, n_in, n_out};
     mdl_par_run(par, n_out, 2ull * rows * n_in * n_out, matmul_range, &job);
 }

@@ -45,8 +45,8 @@ float mdl_dot(const float *a, const float *b, uint32_t n);
 /* out[t][o] = mdl_dot(w[o], x[t]) for rows t < rows and outputs o < n_out:
  * x is [rows][n_in], w is [n_out][n_in] (the PyTorch Linear layout), out is
  * [rows][n_out]. Split across threads by output o. */
-void pd_matmul(const pd_par *par, float *out, const float *x, const float *w, uint32_t rows,
-               uint32_t n_in, uint32_t n_out);
+void mdl_matmul(const pd_par *par, float *out, const float *x, const float *w, uint32_t rows,
+                uint32_t n_in, uint32_t n_out);
 
 /* out = x / sqrt(mean(x^2) + eps) * w, mean(x^2) = mdl_dot(x, x) / n. */
 void mdl_rmsnorm(float *out, const float *x, const float *w, uint32_t n, float eps);

@@ -27,8 +27,8 @@ static void matmul_rows_equal_single_dot_products_bitwise(void **state) {
         float out1[9 * 7], out2[9 * 7];
         for (uint32_t i = 0; i < rows * n_in; i++) x[i] = (float)(pd_rng_unit(&rng) * 2 - 1);
         for (uint32_t i = 0; i < n_out * n_in; i++) w[i] = (float)(pd_rng_unit(&rng) * 2 - 1);
-        pd_matmul(&one, out1, x, w, rows, n_in, n_out);
-        pd_matmul(&two, out2, x, w, rows, n_in, n_out);
+        mdl_matmul(&one, out1, x, w, rows, n_in, n_out);
+        mdl_matmul(&two, out2, x, w, rows, n_in, n_out);
         assert_memory_equal(out1, out2, sizeof(out1));
         for (uint32_t t = 0; t < rows; t++)
             for (uint32_t o = 0; o < n_out; o++) {
