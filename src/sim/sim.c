@@ -33,6 +33,7 @@
 #define TAIL_LINES 60
 #define DRAIN_TICKS_MAX 20000
 #define CHUNKS_TRACKED 32
+#define CHECK_TEXT_MAX 16384
 
 /* ---- configuration --------------------------------------------------------- */
 
@@ -66,7 +67,8 @@ static void cfg_format(const sim_cfg *c, char *out, size_t cap) {
              "config page_size=%u chunk=%u kv_pages=%u decode_kv_pages=%u rows=%u meta_rows=%u "
              "mamba=%s mamba_slots=%u overlap=%s optimistic=%u prefix_cache=%s host_pages=%u "
              "batch=%u requests_max=%u new_max=%u bootstrap_timeout=%u transfer_timeout=%u "
-             "latency=%u grace=%u exec_jitter=%u xfer_jitter=%u jitter_seed=%llu vocab=%u layers=%u",
+             "latency=%u grace=%u exec_jitter=%u xfer_jitter=%u jitter_seed=%llu vocab=%u "
+             "layers=%u",
              c->page_size, c->chunk, c->kv_pages, c->decode_kv_pages, c->rows, c->meta_rows,
              c->mamba ? "on" : "off", cfg_mamba_slots(c), c->overlap ? "on" : "off", c->optimistic,
              c->prefix_cache ? "on" : "off", c->host_pages, c->batch, c->requests_max, c->new_max,
@@ -161,6 +163,7 @@ typedef struct sim {
     void (*on_violation)(void *ctx, const char *msg); /* pd_sim_options */
     void *violation_ctx;
     uint32_t last_ended;         /* the request whose terminal event came last (+1; 0: none) */
+    char check_text[CHECK_TEXT_MAX]; /* pd_engine_check's report (check_nodes, idle-clean) */
 } sim;
 
 static const char *side_name(int side) { return side == SIDE_P ? "prefill" : "decode"; }
@@ -200,7 +203,8 @@ static bool live_on(const sreq *r, int side) {
 
 /* ---- callbacks --------------------------------------------------------------- */
 
-static void on_token(void *self, const char *rid, uint64_t room, int32_t token, float lp, uint32_t index) {
+static void on_token(void *self, const char *rid, uint64_t room, int32_t token, float lp,
+                     uint32_t index) {
     (void)room;
     (void)lp;
     node *n = self;
@@ -215,7 +219,8 @@ static void on_token(void *self, const char *rid, uint64_t room, int32_t token, 
         return;
     }
     if (r->terms[SIDE_D] > 0) violation(s, "%s: token after the terminal event", rid);
-    if (index != r->n_tokens) violation(s, "%s: token index %u, expected %u", rid, index, r->n_tokens);
+    if (index != r->n_tokens)
+        violation(s, "%s: token index %u, expected %u", rid, index, r->n_tokens);
     if (r->n_tokens >= r->max_new) {
         violation(s, "%s: more than max_new_tokens=%u tokens", rid, r->max_new);
         return;
@@ -235,7 +240,8 @@ static void on_terminal(void *self, const pd_terminal_event *ev) {
     r->terms[side]++;
     if (r->terms[side] > 1)
         violation(s, "%s: %u terminal events on %s (%s after %s)", r->rid, r->terms[side],
-                  side_name(side), pd_terminal_kind_name(ev->kind), pd_terminal_kind_name(r->kind[side]));
+                  side_name(side), pd_terminal_kind_name(ev->kind),
+                  pd_terminal_kind_name(r->kind[side]));
     r->kind[side] = ev->kind;
     r->finish[side] = ev->finish;
     r->status[side] = ev->status_code;
@@ -294,7 +300,8 @@ static pd_err node_build(sim *s, int side, char *msg, size_t cap) {
     pd_executor inner;
     uint32_t host = side == SIDE_P ? c->host_pages : 0;
     if (c->tiny) {
-        err = pd_model_executor_create(&n->model_ex, s->model, c->page_size, kv, mamba, host, 1, msg, cap);
+        err = pd_model_executor_create(&n->model_ex, s->model, c->page_size, kv, mamba, host, 1,
+                                       msg, cap);
         if (err) return err;
         inner = n->model_ex;
     } else {
@@ -307,7 +314,8 @@ static pd_err node_build(sim *s, int side, char *msg, size_t cap) {
         if (err) return pd_errorf(msg, cap, err, "synthetic executor: bad configuration");
         inner = pd_synth_executor(n->synth);
     }
-    if ((err = pd_stream_create(&n->st, inner, c->batch))) return pd_errorf(msg, cap, err, "stream");
+    if ((err = pd_stream_create(&n->st, inner, c->batch)))
+        return pd_errorf(msg, cap, err, "stream");
     pd_stream_set_hold_fn(n->st, side == SIDE_P ? on_launch_prefill : on_launch_decode, s);
     n->meta = calloc(c->meta_rows, sizeof(pd_meta_row));
     if (!n->meta) return pd_errorf(msg, cap, PD_ERR_NOMEM, "out of memory for metadata rows");
@@ -331,15 +339,15 @@ static pd_err node_build(sim *s, int side, char *msg, size_t cap) {
     ec.transfer_timeout_us = c->transfer_timeout;
     ec.meta_mem = n->meta;
     pd_sink sink = {.vt = &sink_vt, .self = n};
-    err = pd_engine_create(&n->eng, &ec, pd_stream_executor(n->st),
-                           pd_loopback_endpoint(s->lb, side == SIDE_P ? PD_LB_PREFILL : PD_LB_DECODE),
-                           sink, msg, cap);
+    pd_xfer xfer = pd_loopback_endpoint(s->lb, side == SIDE_P ? PD_LB_PREFILL : PD_LB_DECODE);
+    err = pd_engine_create(&n->eng, &ec, pd_stream_executor(n->st), xfer, sink, msg, cap);
     if (err) return err;
     pd_engine_set_action_observer(n->eng, on_action, n);
     pd_exec_memory mem;
     pd_executor ex = pd_stream_executor(n->st);
     ex.vt->memory(ex.self, &mem);
-    pd_loopback_register(s->lb, side == SIDE_P ? PD_LB_PREFILL : PD_LB_DECODE, &mem, n->meta, c->meta_rows);
+    pd_loopback_register(s->lb, side == SIDE_P ? PD_LB_PREFILL : PD_LB_DECODE, &mem, n->meta,
+                         c->meta_rows);
     n->alive = true;
     return PD_OK;
 }
@@ -399,15 +407,14 @@ static void sim_free(sim *s) {
 
 /* Both engines' checks: ledger, clean idle, flags, prefix cache. */
 static void check_nodes(sim *s, const char *after) {
-    static char buf[16384];
     for (int side = 0; side < 2; side++) {
         node *n = &s->nodes[side];
         if (!n->alive) continue;
         pd_strbuf sb;
-        pd_strbuf_init(&sb, buf, sizeof(buf));
+        pd_strbuf_init(&sb, s->check_text, sizeof(s->check_text));
         if (pd_engine_check(n->eng, &sb) != PD_OK)
             violation(s, "%s check failed after \"%s\" (tick %llu):\n%s", side_name(side), after,
-                      (unsigned long long)s->now, buf);
+                      (unsigned long long)s->now, s->check_text);
     }
 }
 
@@ -427,7 +434,11 @@ static void tick(sim *s) {
 /* ---- trace --------------------------------------------------------------------- */
 
 static void trace_emit(sim *s, const char *line) {
-    if (s->trace) fprintf(s->trace, "%s\n", line);
+    /* Written only to the caller's FILE (pd_sim_options.trace), never printed. */
+    if (s->trace) {
+        fputs(line, s->trace);
+        fputc('\n', s->trace);
+    }
     free(s->tail[s->tail_pos]);
     s->tail[s->tail_pos] = strdup(line);
     PD_ASSERT(s->tail[s->tail_pos]); /* the simulator's own bookkeeping: small, bounded */
@@ -460,7 +471,8 @@ static void report_tail(sim *s) {
     tb_add(&s->report, "# the run as a scenario (configuration and the last lines):\n");
     tb_add(&s->report, cfg);
     tb_add(&s->report, "\n");
-    if (s->tail_n == TAIL_LINES) tb_add(&s->report, "# ... earlier lines omitted (use --trace FILE for all)\n");
+    if (s->tail_n == TAIL_LINES)
+        tb_add(&s->report, "# ... earlier lines omitted (use --trace FILE for all)\n");
     for (uint32_t i = 0; i < s->tail_n; i++) {
         uint32_t k = (s->tail_pos + TAIL_LINES - s->tail_n + i) % TAIL_LINES;
         if (!strncmp(s->tail[k], "config ", 7)) continue;
@@ -557,7 +569,8 @@ static pd_err cmd_config(sim *s, const line_args *a, char *msg, size_t cap) {
     if (c->page_size == 0 || c->chunk == 0 || c->kv_pages == 0 || c->decode_kv_pages == 0 ||
         c->rows == 0 || c->meta_rows == 0 || c->batch == 0 || c->vocab < 4 || c->layers == 0 ||
         c->requests_max == 0 || c->latency == 0)
-        return pd_errorf(msg, cap, PD_ERR_INVALID, "config: sizes, latency and vocab must be positive");
+        return pd_errorf(msg, cap, PD_ERR_INVALID,
+                         "config: sizes, latency and vocab must be positive");
     if (c->host_pages && !c->prefix_cache)
         return pd_errorf(msg, cap, PD_ERR_INVALID, "config: host_pages needs prefix_cache=on");
     return PD_OK;
@@ -574,11 +587,119 @@ static int parse_at(const line_args *a) {
 static void prompt_for(sim *s, const char *rid, int32_t *out, uint32_t len) {
     uint64_t seed = 0xC0FFEE;
     for (const char *p = rid; *p; p++) seed = seed * 131 + (unsigned char)*p;
-    for (uint32_t i = 0; i < len; i++) out[i] = (int32_t)(pd_hash_u64(seed + i) % (s->cfg.vocab - 1));
+    for (uint32_t i = 0; i < len; i++)
+        out[i] = (int32_t)(pd_hash_u64(seed + i) % (s->cfg.vocab - 1));
+}
+
+static void sreq_free(sreq *r) {
+    free(r->prompt);
+    free(r->tokens);
+}
+
+/* prefix=RID:K: the prompt starts with the first K tokens of RID's (at most
+ * as many as either prompt has). */
+static pd_err copy_prefix(sim *s, const char *pre, int32_t *prompt, uint32_t len, char *msg,
+                          size_t cap) {
+    char src[40];
+    const char *colon = strchr(pre, ':');
+    uint32_t k;
+    if (!colon || (size_t)(colon - pre) >= sizeof(src) || !parse_u32(colon + 1, &k))
+        return pd_errorf(msg, cap, PD_ERR_PARSE, "submit: prefix=RID:K");
+    memcpy(src, pre, (size_t)(colon - pre));
+    src[colon - pre] = 0;
+    sreq *from = find_req(s, src);
+    if (!from) return pd_errorf(msg, cap, PD_ERR_NOTFOUND, "submit: prefix source %s unknown", src);
+    k = PD_MIN(PD_MIN(k, from->len), len);
+    memcpy(prompt, from->prompt, k * sizeof(int32_t));
+    return PD_OK;
+}
+
+/* The client's request a submit line describes, not sent yet: its room (the
+ * live original's when dup is set), its prompt and sampling. On an error
+ * nothing is left allocated. */
+static pd_err sreq_make(sim *s, const line_args *a, uint32_t len, uint32_t max_new, const sreq *dup,
+                        sreq *out, char *msg, size_t cap) {
+    const char *rid = a->w[1];
+    sreq tmp;
+    memset(&tmp, 0, sizeof(tmp));
+    snprintf(tmp.rid, sizeof(tmp.rid), "%s", rid);
+    uint64_t rh = 0xCBF29CE484222325ull;
+    for (const char *q = rid; *q; q++) rh = (rh ^ (unsigned char)*q) * 0x100000001B3ull;
+    tmp.room = pd_hash_u64(rh ^ ((uint64_t)s->n_reqs << 40)) | 1;
+    if (dup) tmp.room = dup->room; /* the same request submitted twice */
+    tmp.len = len;
+    tmp.max_new = max_new;
+    tmp.prompt = malloc((len + 1) * sizeof(int32_t));
+    tmp.tokens = malloc((max_new + 1) * sizeof(int32_t));
+    if (!tmp.prompt || !tmp.tokens) {
+        sreq_free(&tmp);
+        return pd_errorf(msg, cap, PD_ERR_NOMEM, "submit: out of memory for %u tokens", len);
+    }
+    prompt_for(s, rid, tmp.prompt, len);
+    const char *pre = arg(a, "prefix");
+    pd_err err = pre ? copy_prefix(s, pre, tmp.prompt, len, msg, cap) : PD_OK;
+    if (err) {
+        sreq_free(&tmp);
+        return err;
+    }
+    const char *temp = arg(a, "temp");
+    tmp.sampling.top_p = 1.0f;
+    if (temp) tmp.sampling.temperature = (float)atof(temp);
+    tmp.sampling.seed = pd_hash_u64(tmp.room);
+    tmp.ignore_eos = arg(a, "ignore_eos") != NULL;
+    *out = tmp;
+    return PD_OK;
+}
+
+/* Sends r to the live nodes `at` names (bit 0 prefill, bit 1 decode),
+ * recording where it went and was accepted. A duplicate of a live rid (dup:
+ * the original) goes only where the original is live, and must be refused
+ * there with 409. True if a node accepted it. */
+static bool submit_to_nodes(sim *s, sreq *r, int at, const sreq *dup) {
+    pd_request_spec spec = {
+        .rid = r->rid, .room = r->room, .prompt = r->prompt, .prompt_len = r->len,
+        .max_new_tokens = r->max_new, .sampling = r->sampling, .ignore_eos = r->ignore_eos,
+        .peer = "loopback",
+    };
+    bool accepted_any = false;
+    for (int side = 0; side < 2; side++) {
+        if (!(at & (1 << side))) continue;
+        /* A duplicate goes where the original is still live, and must be refused there. */
+        if (dup && !live_on(dup, side)) continue;
+        node *n = &s->nodes[side];
+        if (!n->alive) continue; /* the node is down: the client's request never gets there */
+        r->sent[side] = true;
+        pd_reject why;
+        pd_err err = pd_engine_submit(n->eng, &spec, s->now, &why);
+        r->acc[side] = err == PD_OK;
+        accepted_any |= r->acc[side];
+        if (dup && (r->acc[side] || why.status != 409))
+            violation(s, "%s: duplicate of a live rid answered %s on %s, expected 409", r->rid,
+                      r->acc[side] ? "accepted" : "a different status", side_name(side));
+        if (!dup && !r->acc[side] && why.status == 409)
+            violation(s, "%s: refused on %s as a duplicate (%s), but no request with that rid "
+                         "is live there", r->rid, side_name(side), why.message);
+        if (side == SIDE_P && r->acc[side]) r->owner_p = pd_engine_request_id(n->eng, r->rid);
+    }
+    return accepted_any;
+}
+
+static pd_err reqs_append(sim *s, const sreq *r, char *msg, size_t cap) {
+    if (s->n_reqs == s->cap_reqs) {
+        uint32_t grown_cap = s->cap_reqs ? s->cap_reqs * 2 : 64;
+        sreq *grown = realloc(s->reqs, grown_cap * sizeof(sreq));
+        if (!grown) return pd_errorf(msg, cap, PD_ERR_NOMEM, "submit: out of memory for requests");
+        s->reqs = grown;
+        s->cap_reqs = grown_cap;
+    }
+    s->reqs[s->n_reqs++] = *r;
+    return PD_OK;
 }
 
 static pd_err cmd_submit(sim *s, const line_args *a, char *msg, size_t cap) {
-    if (a->n < 3) return pd_errorf(msg, cap, PD_ERR_PARSE, "usage: submit RID len=N [max_new=N] [prefix=RID:K] [temp=F] [at=...]");
+    if (a->n < 3)
+        return pd_errorf(msg, cap, PD_ERR_PARSE,
+                         "usage: submit RID len=N [max_new=N] [prefix=RID:K] [temp=F] [at=...]");
     const char *rid = a->w[1];
     if (strlen(rid) >= 40) return pd_errorf(msg, cap, PD_ERR_PARSE, "rid too long");
     uint32_t len, max_new = 4;
@@ -587,100 +708,24 @@ static pd_err cmd_submit(sim *s, const line_args *a, char *msg, size_t cap) {
     if (arg(a, "max_new") && !parse_u32(arg(a, "max_new"), &max_new))
         return pd_errorf(msg, cap, PD_ERR_PARSE, "submit: bad max_new");
     int at = parse_at(a);
-    if (at < 0) return pd_errorf(msg, cap, PD_ERR_PARSE, "submit: at= must be prefill, decode or both");
+    if (at < 0)
+        return pd_errorf(msg, cap, PD_ERR_PARSE, "submit: at= must be prefill, decode or both");
 
     sreq *prev = find_req(s, rid);
-    bool dup_live = prev && (live_on(prev, SIDE_P) || live_on(prev, SIDE_D));
-    sreq tmp;
-    memset(&tmp, 0, sizeof(tmp));
-    snprintf(tmp.rid, sizeof(tmp.rid), "%s", rid);
-    uint64_t rh = 0xCBF29CE484222325ull;
-    for (const char *q = rid; *q; q++) rh = (rh ^ (unsigned char)*q) * 0x100000001B3ull;
-    tmp.room = pd_hash_u64(rh ^ ((uint64_t)s->n_reqs << 40)) | 1;
-    if (dup_live) tmp.room = prev->room; /* the same request submitted twice */
-    tmp.len = len;
-    tmp.max_new = max_new;
-    tmp.prompt = malloc((len + 1) * sizeof(int32_t));
-    tmp.tokens = malloc((max_new + 1) * sizeof(int32_t));
-    if (!tmp.prompt || !tmp.tokens) {
-        free(tmp.prompt);
-        free(tmp.tokens);
-        return pd_errorf(msg, cap, PD_ERR_NOMEM, "submit: out of memory for %u tokens", len);
-    }
-    prompt_for(s, rid, tmp.prompt, len);
-    const char *pre = arg(a, "prefix");
-    if (pre) {
-        char src[40];
-        const char *colon = strchr(pre, ':');
-        uint32_t k;
-        if (!colon || (size_t)(colon - pre) >= sizeof(src) || !parse_u32(colon + 1, &k)) {
-            free(tmp.prompt);
-            free(tmp.tokens);
-            return pd_errorf(msg, cap, PD_ERR_PARSE, "submit: prefix=RID:K");
-        }
-        memcpy(src, pre, (size_t)(colon - pre));
-        src[colon - pre] = 0;
-        sreq *from = find_req(s, src);
-        if (!from) {
-            free(tmp.prompt);
-            free(tmp.tokens);
-            return pd_errorf(msg, cap, PD_ERR_NOTFOUND, "submit: prefix source %s unknown", src);
-        }
-        k = PD_MIN(PD_MIN(k, from->len), len);
-        memcpy(tmp.prompt, from->prompt, k * sizeof(int32_t));
-    }
-    const char *temp = arg(a, "temp");
-    tmp.sampling.top_p = 1.0f;
-    if (temp) tmp.sampling.temperature = (float)atof(temp);
-    tmp.sampling.seed = pd_hash_u64(tmp.room);
-    tmp.ignore_eos = arg(a, "ignore_eos") != NULL;
-
-    pd_request_spec spec = {
-        .rid = tmp.rid, .room = tmp.room, .prompt = tmp.prompt, .prompt_len = len,
-        .max_new_tokens = max_new, .sampling = tmp.sampling, .ignore_eos = tmp.ignore_eos,
-        .peer = "loopback",
-    };
-    bool accepted_any = false;
+    const sreq *dup = prev && (live_on(prev, SIDE_P) || live_on(prev, SIDE_D)) ? prev : NULL;
+    sreq r;
+    pd_err err = sreq_make(s, a, len, max_new, dup, &r, msg, cap);
+    if (err) return err;
     oracle_expect_client(s->oracle, s->n_reqs);
-    for (int side = 0; side < 2; side++) {
-        if (!(at & (1 << side))) continue;
-        /* A duplicate goes where the original is still live, and must be refused there. */
-        if (dup_live && !live_on(prev, side)) continue;
-        node *n = &s->nodes[side];
-        if (!n->alive) continue; /* the node is down: the client's request never gets there */
-        tmp.sent[side] = true;
-        pd_reject why;
-        pd_err err = pd_engine_submit(n->eng, &spec, s->now, &why);
-        tmp.acc[side] = err == PD_OK;
-        accepted_any |= tmp.acc[side];
-        if (dup_live && (tmp.acc[side] || why.status != 409))
-            violation(s, "%s: duplicate of a live rid answered %s on %s, expected 409", rid,
-                      tmp.acc[side] ? "accepted" : "a different status", side_name(side));
-        if (!dup_live && !tmp.acc[side] && why.status == 409)
-            violation(s, "%s: refused on %s as a duplicate (%s), but no request with that rid "
-                         "is live there", rid, side_name(side), why.message);
-        if (side == SIDE_P && tmp.acc[side]) tmp.owner_p = pd_engine_request_id(n->eng, rid);
-    }
-    if (dup_live) {
+    bool accepted_any = submit_to_nodes(s, &r, at, dup);
+    if (dup) {
         s->rejected++;
-        free(tmp.prompt);
-        free(tmp.tokens);
+        sreq_free(&r);
         return PD_OK;
     }
     if (!accepted_any) s->rejected++;
-    if (s->n_reqs == s->cap_reqs) {
-        uint32_t grown_cap = s->cap_reqs ? s->cap_reqs * 2 : 64;
-        sreq *grown = realloc(s->reqs, grown_cap * sizeof(sreq));
-        if (!grown) {
-            free(tmp.prompt);
-            free(tmp.tokens);
-            return pd_errorf(msg, cap, PD_ERR_NOMEM, "submit: out of memory for requests");
-        }
-        s->reqs = grown;
-        s->cap_reqs = grown_cap;
-    }
-    s->reqs[s->n_reqs++] = tmp;
-    return PD_OK;
+    if ((err = reqs_append(s, &r, msg, cap))) sreq_free(&r);
+    return err;
 }
 
 static sreq *need_req(sim *s, const line_args *a, char *msg, size_t cap) {
@@ -696,7 +741,9 @@ static sreq *need_req(sim *s, const line_args *a, char *msg, size_t cap) {
 static pd_err cmd_outcome(sim *s, const line_args *a, bool boot, char *msg, size_t cap) {
     sreq *r = need_req(s, a, msg, cap);
     if (!r) return PD_ERR_NOTFOUND;
-    if (a->n < 3) return pd_errorf(msg, cap, PD_ERR_PARSE, "%s RID ok|fail|%s", a->w[0], boot ? "hold" : "hang");
+    if (a->n < 3)
+        return pd_errorf(msg, cap, PD_ERR_PARSE, "%s RID ok|fail|%s", a->w[0],
+                         boot ? "hold" : "hang");
     const char *o = a->w[2];
     pd_lb_outcome oc;
     if (!strcmp(o, "ok")) oc = PD_LB_OK;
@@ -717,17 +764,21 @@ static pd_err cmd_hold(sim *s, const line_args *a, bool hold, char *msg, size_t 
     if (!r) return PD_ERR_NOTFOUND;
     uint32_t k;
     if (!parse_u32(arg(a, "chunk"), &k) || k == 0 || k > CHUNKS_TRACKED)
-        return pd_errorf(msg, cap, PD_ERR_PARSE, "%s: chunk=K with 1 <= K <= %d", a->w[0], CHUNKS_TRACKED);
+        return pd_errorf(msg, cap, PD_ERR_PARSE, "%s: chunk=K with 1 <= K <= %d", a->w[0],
+                         CHUNKS_TRACKED);
     if (hold) r->hold_mask |= 1u << (k - 1);
     else r->hold_mask &= ~(1u << (k - 1));
-    if (k <= r->chunks && s->nodes[SIDE_P].alive) pd_stream_hold(s->nodes[SIDE_P].st, r->chunk_batch[k], hold);
+    if (k <= r->chunks && s->nodes[SIDE_P].alive)
+        pd_stream_hold(s->nodes[SIDE_P].st, r->chunk_batch[k], hold);
     return PD_OK;
 }
 
 static pd_err cmd_abort(sim *s, const line_args *a, char *msg, size_t cap) {
-    if (a->n < 2) return pd_errorf(msg, cap, PD_ERR_PARSE, "abort RID|all [at=prefill|decode|both]");
+    if (a->n < 2)
+        return pd_errorf(msg, cap, PD_ERR_PARSE, "abort RID|all [at=prefill|decode|both]");
     int at = parse_at(a);
-    if (at < 0) return pd_errorf(msg, cap, PD_ERR_PARSE, "abort: at= must be prefill, decode or both");
+    if (at < 0)
+        return pd_errorf(msg, cap, PD_ERR_PARSE, "abort: at= must be prefill, decode or both");
     bool all = !strcmp(a->w[1], "all");
     sreq *r = all ? NULL : need_req(s, a, msg, cap);
     if (!all && !r) return PD_ERR_NOTFOUND;
@@ -743,9 +794,11 @@ static pd_err cmd_abort(sim *s, const line_args *a, char *msg, size_t cap) {
         pd_err err = pd_engine_abort(s->nodes[side].eng, r->rid);
         if (err == PD_OK) oracle_abort_accepted(s->oracle, side, client, r->rid, before);
         if (err == PD_OK && !expected_live)
-            violation(s, "%s: abort on %s accepted but the request had ended there", r->rid, side_name(side));
+            violation(s, "%s: abort on %s accepted but the request had ended there", r->rid,
+                      side_name(side));
         if (err == PD_ERR_NOTFOUND && expected_live)
-            violation(s, "%s: abort on %s says not found but no terminal event was seen", r->rid, side_name(side));
+            violation(s, "%s: abort on %s says not found but no terminal event was seen", r->rid,
+                      side_name(side));
     }
     return PD_OK;
 }
@@ -753,9 +806,12 @@ static pd_err cmd_abort(sim *s, const line_args *a, char *msg, size_t cap) {
 static pd_err cmd_fault(sim *s, const line_args *a, char *msg, size_t cap) {
     bool on;
     if (a->n < 3 || !parse_onoff(a->w[2], &on))
-        return pd_errorf(msg, cap, PD_ERR_PARSE, "fault sender-abort-error|receiver-abort-error on|off");
-    if (!strcmp(a->w[1], "sender-abort-error")) pd_loopback_set_abort_error(s->lb, PD_LB_PREFILL, on);
-    else if (!strcmp(a->w[1], "receiver-abort-error")) pd_loopback_set_abort_error(s->lb, PD_LB_DECODE, on);
+        return pd_errorf(msg, cap, PD_ERR_PARSE,
+                         "fault sender-abort-error|receiver-abort-error on|off");
+    if (!strcmp(a->w[1], "sender-abort-error"))
+        pd_loopback_set_abort_error(s->lb, PD_LB_PREFILL, on);
+    else if (!strcmp(a->w[1], "receiver-abort-error"))
+        pd_loopback_set_abort_error(s->lb, PD_LB_DECODE, on);
     else return pd_errorf(msg, cap, PD_ERR_PARSE, "fault: unknown fault '%s'", a->w[1]);
     return PD_OK;
 }
@@ -766,7 +822,8 @@ static pd_err cmd_kill(sim *s, const line_args *a, bool kill, char *msg, size_t 
     int side = !strcmp(a->w[1], "decode") ? SIDE_D : SIDE_P;
     node *n = &s->nodes[side];
     if (kill) {
-        if (!n->alive) return pd_errorf(msg, cap, PD_ERR_STATE, "kill: %s is already dead", a->w[1]);
+        if (!n->alive)
+            return pd_errorf(msg, cap, PD_ERR_STATE, "kill: %s is already dead", a->w[1]);
         pd_loopback_kill(s->lb, side == SIDE_P ? PD_LB_PREFILL : PD_LB_DECODE);
         for (uint32_t i = 0; i < s->n_reqs; i++)
             if (live_on(&s->reqs[i], side)) s->reqs[i].lost[side] = true;
@@ -796,19 +853,21 @@ static pd_err cmd_drain(sim *s, char *msg, size_t cap) {
         if (s->violations) return PD_ERR_INTERNAL;
     }
     if (s->nodes[SIDE_P].alive && pd_stream_blocked(s->nodes[SIDE_P].st))
-        return pd_errorf(msg, cap, PD_ERR_STATE, "drain: a held forward result blocks the executor (release it first)");
+        return pd_errorf(msg, cap, PD_ERR_STATE,
+                         "drain: a held forward result blocks the executor (release it first)");
     char state[512] = "";
     size_t k = 0;
     for (int side = 0; side < 2; side++) {
         if (!s->nodes[side].alive) continue;
         pd_engine_counters c;
         pd_engine_counters_get(s->nodes[side].eng, &c);
-        k += (size_t)snprintf(state + k, sizeof(state) - k,
-                              " %s: bootstrap %u waiting %u loading %u running %u parked %u transfer %u "
-                              "prealloc %u wait_transfer %u draining %u in-flight %u queued-work %u;",
-                              side_name(side), c.queued_bootstrap, c.queued_waiting, c.loading, c.running,
-                              c.parked, c.transferring, c.prealloc, c.wait_transfer, c.draining,
-                              c.forwards_in_flight, pd_stream_queued(s->nodes[side].st));
+        k += (size_t)snprintf(
+            state + k, sizeof(state) - k,
+            " %s: bootstrap %u waiting %u loading %u running %u parked %u transfer %u "
+            "prealloc %u wait_transfer %u draining %u in-flight %u queued-work %u;",
+            side_name(side), c.queued_bootstrap, c.queued_waiting, c.loading, c.running, c.parked,
+            c.transferring, c.prealloc, c.wait_transfer, c.draining, c.forwards_in_flight,
+            pd_stream_queued(s->nodes[side].st));
         if (k >= sizeof(state)) break;
     }
     return pd_errorf(msg, cap, PD_ERR_STATE, "drain: still busy after %d ticks:%s transport ops %u",
@@ -828,9 +887,11 @@ static bool prefill_ended_first(const sreq *r) {
 static const char *outcome_name(const sreq *r, int side_or_client) {
     if (side_or_client < 0) {
         if (prefill_ended_first(r)) return pd_terminal_kind_name(r->kind[SIDE_P]);
-        if (r->acc[SIDE_D] && !r->lost[SIDE_D]) return r->terms[SIDE_D] ? pd_terminal_kind_name(r->kind[SIDE_D]) : "none";
+        if (r->acc[SIDE_D] && !r->lost[SIDE_D])
+            return r->terms[SIDE_D] ? pd_terminal_kind_name(r->kind[SIDE_D]) : "none";
         if (r->lost[SIDE_D]) return "failed"; /* the node died under it */
-        if (r->acc[SIDE_P]) return r->terms[SIDE_P] ? pd_terminal_kind_name(r->kind[SIDE_P]) : "none";
+        if (r->acc[SIDE_P])
+            return r->terms[SIDE_P] ? pd_terminal_kind_name(r->kind[SIDE_P]) : "none";
         return "rejected";
     }
     if (!r->acc[side_or_client]) return "rejected";
@@ -846,7 +907,8 @@ static uint32_t tiny_reference(sim *s, const sreq *r, int32_t *out) {
     uint32_t pages = PD_DIV_CEIL(r->len + r->max_new, ps) + 1;
     pd_executor ex;
     char msg[256];
-    pd_err err = pd_model_executor_create(&ex, s->model, ps, pages, c->mamba ? 1 : 0, 0, 1, msg, sizeof(msg));
+    pd_err err = pd_model_executor_create(&ex, s->model, ps, pages, c->mamba ? 1 : 0, 0, 1, msg,
+                                          sizeof(msg));
     PD_ASSERTF(err == PD_OK, "%s", msg);
     uint32_t *pt = malloc(pages * sizeof(uint32_t));
     PD_ASSERT(pt);
@@ -891,59 +953,162 @@ static bool tokens_match_reference(sim *s, const sreq *r, bool *prefix_only) {
     return ok;
 }
 
+/* expect idle-clean: nothing in flight anywhere, and both engines' checks
+ * pass (the ledger's clean idle included). */
+static pd_err expect_idle_clean(sim *s, char *msg, size_t cap) {
+    if (!all_idle(s))
+        return pd_errorf(msg, cap, PD_ERR_STATE, "expect idle-clean: a node is not idle");
+    for (int side = 0; side < 2; side++) {
+        if (!s->nodes[side].alive) continue;
+        pd_strbuf sb;
+        pd_strbuf_init(&sb, s->check_text, sizeof(s->check_text));
+        if (pd_engine_check(s->nodes[side].eng, &sb) != PD_OK)
+            return pd_errorf(msg, cap, PD_ERR_STATE, "expect idle-clean: %s is not clean:\n%s",
+                             side_name(side), s->check_text);
+    }
+    return PD_OK;
+}
+
+/* The engine counter a scenario names; false if it names none. */
+static bool counter_value(const pd_engine_counters *c, const char *name, uint64_t *v) {
+    if (!strcmp(name, "requeued")) *v = c->requeued;
+    else if (!strcmp(name, "xfer_abort_errors")) *v = c->xfer_abort_errors;
+    else if (!strcmp(name, "rooms_cancelled")) *v = c->rooms_cancelled;
+    else if (!strcmp(name, "retire_deferred")) *v = c->retire_deferred;
+    else if (!strcmp(name, "late_results_ignored")) *v = c->late_results_ignored;
+    else if (!strcmp(name, "rejected")) *v = c->rejected;
+    else if (!strcmp(name, "finished")) *v = c->finished;
+    else if (!strcmp(name, "aborted")) *v = c->aborted;
+    else if (!strcmp(name, "failed")) *v = c->failed;
+    else if (!strcmp(name, "draining")) *v = c->draining;
+    else if (!strcmp(name, "loading")) *v = c->loading;
+    else if (!strcmp(name, "cached_tokens")) *v = c->cached_tokens;
+    else if (!strcmp(name, "transferring")) *v = c->transferring;
+    else if (!strcmp(name, "parked")) *v = c->parked;
+    else return false;
+    return true;
+}
+
+/* expect counter prefill|decode NAME=N | NAME>N ... */
+static pd_err expect_counter(sim *s, const line_args *a, char *msg, size_t cap) {
+    if (a->n < 4) return pd_errorf(msg, cap, PD_ERR_PARSE, "expect counter prefill|decode NAME=N");
+    int side = !strcmp(a->w[2], "prefill") ? SIDE_P : !strcmp(a->w[2], "decode") ? SIDE_D : -1;
+    if (side < 0 || !s->nodes[side].alive)
+        return pd_errorf(msg, cap, PD_ERR_PARSE,
+                         "expect counter: node must be a live prefill or decode");
+    pd_engine_counters c;
+    pd_engine_counters_get(s->nodes[side].eng, &c);
+    for (int i = 3; i < a->n; i++) {
+        char name[40];
+        const char *op = strpbrk(a->w[i], "=>");
+        uint32_t want;
+        if (!op || (size_t)(op - a->w[i]) >= sizeof(name) || !parse_u32(op + 1, &want))
+            return pd_errorf(msg, cap, PD_ERR_PARSE, "expect counter: NAME=N or NAME>N");
+        memcpy(name, a->w[i], (size_t)(op - a->w[i]));
+        name[op - a->w[i]] = 0;
+        uint64_t v;
+        if (!counter_value(&c, name, &v))
+            return pd_errorf(msg, cap, PD_ERR_PARSE, "expect counter: unknown counter '%s'", name);
+        bool ok = *op == '=' ? v == want : v > want;
+        if (!ok)
+            return pd_errorf(msg, cap, PD_ERR_STATE, "expect counter %s %s: it is %llu", a->w[2],
+                             a->w[i], (unsigned long long)v);
+    }
+    return PD_OK;
+}
+
+/* expect RID live|gone: still a record on the node (retire pending or
+ * draining), or not; on node `which`, or on both (-1). */
+static pd_err expect_record(sim *s, const sreq *r, int which, const char *w, char *msg,
+                            size_t cap) {
+    for (int side = 0; side < 2; side++) {
+        if (which >= 0 && side != which) continue;
+        if (!s->nodes[side].alive) continue;
+        bool live = pd_engine_request_id(s->nodes[side].eng, r->rid) != 0;
+        if (live != !strcmp(w, "live"))
+            return pd_errorf(msg, cap, PD_ERR_STATE, "expect %s %s: it is %s on %s", r->rid, w,
+                             live ? "live" : "gone", side_name(side));
+    }
+    return PD_OK;
+}
+
+/* expect RID streamed=1: exactly one terminal event on every node that
+ * accepted the request and did not die under it. */
+static pd_err expect_streamed_once(const sreq *r, int which, char *msg, size_t cap) {
+    for (int side = 0; side < 2; side++) {
+        if (which >= 0 && side != which) continue;
+        if (r->acc[side] && !r->lost[side] && r->terms[side] != 1)
+            return pd_errorf(msg, cap, PD_ERR_STATE,
+                             "expect %s streamed=1: %u terminal events on %s", r->rid,
+                             r->terms[side], side_name(side));
+    }
+    return PD_OK;
+}
+
+/* expect RID tokens=N | tokens=reference (v: what follows "tokens="). */
+static pd_err expect_tokens(sim *s, const sreq *r, const char *v, char *msg, size_t cap) {
+    if (!strcmp(v, "reference")) {
+        bool prefix;
+        if (!tokens_match_reference(s, r, &prefix))
+            return pd_errorf(msg, cap, PD_ERR_STATE,
+                             "expect %s tokens=reference: %u tokens differ from the request "
+                             "run alone",
+                             r->rid, r->n_tokens);
+        return PD_OK;
+    }
+    uint32_t want;
+    if (!parse_u32(v, &want))
+        return pd_errorf(msg, cap, PD_ERR_PARSE, "expect: tokens=N|reference");
+    if (r->n_tokens != want)
+        return pd_errorf(msg, cap, PD_ERR_STATE, "expect %s tokens=%u: got %u", r->rid, want,
+                         r->n_tokens);
+    return PD_OK;
+}
+
+/* One condition w of expect RID ..., judged on node `which` (-1: the
+ * client's view, or both nodes). */
+static pd_err expect_condition(sim *s, sreq *r, int which, const char *w, char *msg, size_t cap) {
+    if (!strcmp(w, "live") || !strcmp(w, "gone")) return expect_record(s, r, which, w, msg, cap);
+    if (!strcmp(w, "uncached")) {
+        if (oracle_cached_after_term(s->oracle, (uint32_t)(r - s->reqs)))
+            return pd_errorf(msg, cap, PD_ERR_STATE,
+                             "expect %s uncached: it was inserted after its terminal reason",
+                             r->rid);
+        return PD_OK;
+    }
+    if (!strncmp(w, "terminal=", 9)) {
+        const char *got = outcome_name(r, which);
+        if (strcmp(got, w + 9))
+            return pd_errorf(msg, cap, PD_ERR_STATE, "expect %s terminal=%s: got %s%s%s", r->rid,
+                             w + 9, got, which >= 0 ? " on " : "",
+                             which >= 0 ? side_name(which) : "");
+        return PD_OK;
+    }
+    if (!strcmp(w, "streamed=1")) return expect_streamed_once(r, which, msg, cap);
+    int side = which >= 0 ? which : SIDE_D; /* finish= and status=: decode's by default */
+    if (!strncmp(w, "finish=", 7)) {
+        const char *got = pd_finish_reason_name(r->finish[side]);
+        if (strcmp(got, w + 7))
+            return pd_errorf(msg, cap, PD_ERR_STATE, "expect %s finish=%s: got %s", r->rid, w + 7,
+                             got);
+        return PD_OK;
+    }
+    if (!strncmp(w, "status=", 7)) {
+        uint32_t want;
+        if (!parse_u32(w + 7, &want)) return pd_errorf(msg, cap, PD_ERR_PARSE, "expect: status=N");
+        if ((uint32_t)r->status[side] != want)
+            return pd_errorf(msg, cap, PD_ERR_STATE, "expect %s status=%u: got %d", r->rid, want,
+                             r->status[side]);
+        return PD_OK;
+    }
+    if (!strncmp(w, "tokens=", 7)) return expect_tokens(s, r, w + 7, msg, cap);
+    return pd_errorf(msg, cap, PD_ERR_PARSE, "expect: unknown condition '%s'", w);
+}
+
 static pd_err cmd_expect(sim *s, const line_args *a, char *msg, size_t cap) {
     if (a->n < 2) return pd_errorf(msg, cap, PD_ERR_PARSE, "expect RID ... | expect idle-clean");
-    if (!strcmp(a->w[1], "idle-clean")) {
-        if (!all_idle(s)) return pd_errorf(msg, cap, PD_ERR_STATE, "expect idle-clean: a node is not idle");
-        static char buf[16384];
-        for (int side = 0; side < 2; side++) {
-            if (!s->nodes[side].alive) continue;
-            pd_strbuf sb;
-            pd_strbuf_init(&sb, buf, sizeof(buf));
-            if (pd_engine_check(s->nodes[side].eng, &sb) != PD_OK)
-                return pd_errorf(msg, cap, PD_ERR_STATE, "expect idle-clean: %s is not clean:\n%s", side_name(side), buf);
-        }
-        return PD_OK;
-    }
-    if (!strcmp(a->w[1], "counter")) {
-        /* expect counter prefill|decode NAME=N | NAME>N */
-        if (a->n < 4) return pd_errorf(msg, cap, PD_ERR_PARSE, "expect counter prefill|decode NAME=N");
-        int side = !strcmp(a->w[2], "prefill") ? SIDE_P : !strcmp(a->w[2], "decode") ? SIDE_D : -1;
-        if (side < 0 || !s->nodes[side].alive)
-            return pd_errorf(msg, cap, PD_ERR_PARSE, "expect counter: node must be a live prefill or decode");
-        pd_engine_counters c;
-        pd_engine_counters_get(s->nodes[side].eng, &c);
-        for (int i = 3; i < a->n; i++) {
-            char name[40];
-            const char *op = strpbrk(a->w[i], "=>");
-            uint32_t want;
-            if (!op || (size_t)(op - a->w[i]) >= sizeof(name) || !parse_u32(op + 1, &want))
-                return pd_errorf(msg, cap, PD_ERR_PARSE, "expect counter: NAME=N or NAME>N");
-            memcpy(name, a->w[i], (size_t)(op - a->w[i]));
-            name[op - a->w[i]] = 0;
-            uint64_t v;
-            if (!strcmp(name, "requeued")) v = c.requeued;
-            else if (!strcmp(name, "xfer_abort_errors")) v = c.xfer_abort_errors;
-            else if (!strcmp(name, "rooms_cancelled")) v = c.rooms_cancelled;
-            else if (!strcmp(name, "retire_deferred")) v = c.retire_deferred;
-            else if (!strcmp(name, "late_results_ignored")) v = c.late_results_ignored;
-            else if (!strcmp(name, "rejected")) v = c.rejected;
-            else if (!strcmp(name, "finished")) v = c.finished;
-            else if (!strcmp(name, "aborted")) v = c.aborted;
-            else if (!strcmp(name, "failed")) v = c.failed;
-            else if (!strcmp(name, "draining")) v = c.draining;
-            else if (!strcmp(name, "loading")) v = c.loading;
-            else if (!strcmp(name, "cached_tokens")) v = c.cached_tokens;
-            else if (!strcmp(name, "transferring")) v = c.transferring;
-            else if (!strcmp(name, "parked")) v = c.parked;
-            else return pd_errorf(msg, cap, PD_ERR_PARSE, "expect counter: unknown counter '%s'", name);
-            bool ok = *op == '=' ? v == want : v > want;
-            if (!ok)
-                return pd_errorf(msg, cap, PD_ERR_STATE, "expect counter %s %s: it is %llu", a->w[2], a->w[i],
-                                 (unsigned long long)v);
-        }
-        return PD_OK;
-    }
+    if (!strcmp(a->w[1], "idle-clean")) return expect_idle_clean(s, msg, cap);
+    if (!strcmp(a->w[1], "counter")) return expect_counter(s, a, msg, cap);
     sreq *r = need_req(s, a, msg, cap);
     if (!r) return PD_ERR_NOTFOUND;
     const char *node_s = arg(a, "node");
@@ -954,57 +1119,9 @@ static pd_err cmd_expect(sim *s, const line_args *a, char *msg, size_t cap) {
         else return pd_errorf(msg, cap, PD_ERR_PARSE, "expect: node= must be prefill or decode");
     }
     for (int i = 2; i < a->n; i++) {
-        const char *w = a->w[i];
-        if (!strncmp(w, "node=", 5)) continue;
-        if (!strcmp(w, "live") || !strcmp(w, "gone")) {
-            /* Still a record on the node (retire pending or draining), or not. */
-            for (int side = 0; side < 2; side++) {
-                if (which >= 0 && side != which) continue;
-                if (!s->nodes[side].alive) continue;
-                bool live = pd_engine_request_id(s->nodes[side].eng, r->rid) != 0;
-                if (live != !strcmp(w, "live"))
-                    return pd_errorf(msg, cap, PD_ERR_STATE, "expect %s %s: it is %s on %s", r->rid, w,
-                                     live ? "live" : "gone", side_name(side));
-            }
-        } else if (!strcmp(w, "uncached")) {
-            if (oracle_cached_after_term(s->oracle, (uint32_t)(r - s->reqs)))
-                return pd_errorf(msg, cap, PD_ERR_STATE, "expect %s uncached: it was inserted after its terminal reason", r->rid);
-        } else if (!strncmp(w, "terminal=", 9)) {
-            const char *got = outcome_name(r, which);
-            if (strcmp(got, w + 9))
-                return pd_errorf(msg, cap, PD_ERR_STATE, "expect %s terminal=%s: got %s%s%s", r->rid, w + 9, got,
-                                 which >= 0 ? " on " : "", which >= 0 ? side_name(which) : "");
-        } else if (!strcmp(w, "streamed=1")) {
-            for (int side = 0; side < 2; side++) {
-                if (which >= 0 && side != which) continue;
-                if (r->acc[side] && !r->lost[side] && r->terms[side] != 1)
-                    return pd_errorf(msg, cap, PD_ERR_STATE, "expect %s streamed=1: %u terminal events on %s",
-                                     r->rid, r->terms[side], side_name(side));
-            }
-        } else if (!strncmp(w, "finish=", 7)) {
-            int side = which >= 0 ? which : SIDE_D;
-            const char *got = pd_finish_reason_name(r->finish[side]);
-            if (strcmp(got, w + 7))
-                return pd_errorf(msg, cap, PD_ERR_STATE, "expect %s finish=%s: got %s", r->rid, w + 7, got);
-        } else if (!strncmp(w, "status=", 7)) {
-            int side = which >= 0 ? which : SIDE_D;
-            uint32_t want;
-            if (!parse_u32(w + 7, &want)) return pd_errorf(msg, cap, PD_ERR_PARSE, "expect: status=N");
-            if ((uint32_t)r->status[side] != want)
-                return pd_errorf(msg, cap, PD_ERR_STATE, "expect %s status=%u: got %d", r->rid, want, r->status[side]);
-        } else if (!strcmp(w, "tokens=reference")) {
-            bool prefix;
-            if (!tokens_match_reference(s, r, &prefix))
-                return pd_errorf(msg, cap, PD_ERR_STATE, "expect %s tokens=reference: %u tokens differ from the request run alone",
-                                 r->rid, r->n_tokens);
-        } else if (!strncmp(w, "tokens=", 7)) {
-            uint32_t want;
-            if (!parse_u32(w + 7, &want)) return pd_errorf(msg, cap, PD_ERR_PARSE, "expect: tokens=N|reference");
-            if (r->n_tokens != want)
-                return pd_errorf(msg, cap, PD_ERR_STATE, "expect %s tokens=%u: got %u", r->rid, want, r->n_tokens);
-        } else {
-            return pd_errorf(msg, cap, PD_ERR_PARSE, "expect: unknown condition '%s'", w);
-        }
+        if (!strncmp(a->w[i], "node=", 5)) continue;
+        pd_err err = expect_condition(s, r, which, a->w[i], msg, cap);
+        if (err) return err;
     }
     return PD_OK;
 }
@@ -1029,10 +1146,12 @@ static bool split_line(char *line, line_args *a) {
 /* Executes one line; records it in the trace; checks both nodes after it. */
 static pd_err exec_line(sim *s, const char *text, char *msg, size_t cap) {
     char line[512];
-    if (strlen(text) >= sizeof(line)) return pd_errorf(msg, cap, PD_ERR_PARSE, "line longer than %zu bytes", sizeof(line) - 1);
+    if (strlen(text) >= sizeof(line))
+        return pd_errorf(msg, cap, PD_ERR_PARSE, "line longer than %zu bytes", sizeof(line) - 1);
     snprintf(line, sizeof(line), "%s", text);
     line_args a;
-    if (!split_line(line, &a)) return pd_errorf(msg, cap, PD_ERR_PARSE, "more than %d words on a line", ARGS_MAX);
+    if (!split_line(line, &a))
+        return pd_errorf(msg, cap, PD_ERR_PARSE, "more than %d words on a line", ARGS_MAX);
     if (a.n == 0) return PD_OK;
     msg[0] = 0;
     const char *c = a.w[0];
@@ -1098,8 +1217,8 @@ static void verify_end(sim *s) {
         if (r->acc[SIDE_D] && !r->lost[SIDE_D]) {
             bool prefix;
             if (!tokens_match_reference(s, r, &prefix))
-                violation(s, "%s: %s tokens differ from the same request run alone (%u tokens, %s)", r->rid,
-                          prefix ? "streamed" : "the finished request's", r->n_tokens,
+                violation(s, "%s: %s tokens differ from the same request run alone (%u tokens, %s)",
+                          r->rid, prefix ? "streamed" : "the finished request's", r->n_tokens,
                           pd_terminal_kind_name(r->kind[SIDE_D]));
         }
     }
@@ -1156,7 +1275,8 @@ static void vary_config(sim_cfg *c, pd_rng *rng) {
     static const uint32_t pss[] = {1, 2, 4, 8};
     c->page_size = pss[pd_rng_below(rng, 4)];
     c->chunk = (uint32_t)pd_rng_range(rng, 1, 4) * c->page_size;
-    if (pd_rng_chance(rng, 1, 4)) c->chunk = (uint32_t)pd_rng_range(rng, 1, 12); /* not page-aligned */
+    if (pd_rng_chance(rng, 1, 4))
+        c->chunk = (uint32_t)pd_rng_range(rng, 1, 12); /* not page-aligned */
     c->rows = (uint32_t)pd_rng_range(rng, 1, 6);
     /* Mostly enough metadata rows for the rows; sometimes starved. */
     c->meta_rows = pd_rng_chance(rng, 1, 8) ? (uint32_t)pd_rng_range(rng, 1, 2)
@@ -1164,7 +1284,8 @@ static void vary_config(sim_cfg *c, pd_rng *rng) {
     c->batch = (uint32_t)pd_rng_range(rng, 1, 6);
     c->mamba = pd_rng_chance(rng, 1, 2);
     c->mamba_slots = 0;
-    if (c->mamba && pd_rng_chance(rng, 1, 3)) c->mamba_slots = c->rows * 3 + (uint32_t)pd_rng_below(rng, 3);
+    if (c->mamba && pd_rng_chance(rng, 1, 3))
+        c->mamba_slots = c->rows * 3 + (uint32_t)pd_rng_below(rng, 3);
     c->overlap = pd_rng_chance(rng, 2, 3);
     c->optimistic = pd_rng_chance(rng, 1, 3) ? (uint32_t)pd_rng_range(rng, 1, 2) : 0;
     c->prefix_cache = pd_rng_chance(rng, 3, 4);
@@ -1178,7 +1299,8 @@ static void vary_config(sim_cfg *c, pd_rng *rng) {
     c->exec_jitter = (uint32_t)pd_rng_below(rng, 4);
     c->xfer_jitter = (uint32_t)pd_rng_below(rng, 8);
     c->jitter_seed = (uint32_t)pd_rng_next(rng);
-    c->bootstrap_timeout = c->transfer_timeout = 100 + 30 * (c->latency + c->xfer_jitter + c->exec_jitter);
+    c->bootstrap_timeout = c->transfer_timeout =
+        100 + 30 * (c->latency + c->xfer_jitter + c->exec_jitter);
 }
 
 typedef struct gen {
@@ -1219,7 +1341,8 @@ static pd_err gen_submit(gen *g, char *msg, size_t cap) {
     if ((g->faults & PD_FAULT_DUP) && pd_rng_chance(rng, 1, 20)) {
         sreq *live = random_live(g);
         if (live) {
-            snprintf(g->line, sizeof(g->line), "submit %s len=%u max_new=%u", live->rid, len, max_new);
+            snprintf(g->line, sizeof(g->line), "submit %s len=%u max_new=%u", live->rid, len,
+                     max_new);
             return gen_exec(g, msg, cap);
         }
     }
@@ -1232,7 +1355,8 @@ static pd_err gen_submit(gen *g, char *msg, size_t cap) {
         n += snprintf(g->line + n, sizeof(g->line) - (size_t)n, " prefix=r%u:%u", from,
                       (uint32_t)pd_rng_range(rng, 1, len));
     }
-    if (pd_rng_chance(rng, 1, 4)) n += snprintf(g->line + n, sizeof(g->line) - (size_t)n, " temp=0.8");
+    if (pd_rng_chance(rng, 1, 4))
+        n += snprintf(g->line + n, sizeof(g->line) - (size_t)n, " temp=0.8");
     uint32_t where = (uint32_t)pd_rng_below(rng, 40);
     if (where == 0) snprintf(g->line + n, sizeof(g->line) - (size_t)n, " at=prefill");
     else if (where == 1) snprintf(g->line + n, sizeof(g->line) - (size_t)n, " at=decode");
@@ -1257,7 +1381,8 @@ static pd_err gen_submit(gen *g, char *msg, size_t cap) {
         }
     }
     if ((g->faults & PD_FAULT_HOLD) && pd_rng_chance(rng, 1, 5)) {
-        snprintf(g->line, sizeof(g->line), "hold %s chunk=%u", rid, (uint32_t)pd_rng_range(rng, 1, 3));
+        snprintf(g->line, sizeof(g->line), "hold %s chunk=%u", rid,
+                 (uint32_t)pd_rng_range(rng, 1, 3));
         if ((err = gen_exec(g, msg, cap))) return err;
     }
     return PD_OK;
@@ -1326,7 +1451,8 @@ static pd_err gen_faults(gen *g, char *msg, size_t cap) {
         sreq *r = random_live(g);
         /* Prefer a request with a forward held back: the worst moment. */
         for (uint32_t i = 0; i < s->n_reqs && pd_rng_chance(rng, 1, 2); i++)
-            if (s->reqs[i].hold_mask && (live_on(&s->reqs[i], SIDE_P) || live_on(&s->reqs[i], SIDE_D))) {
+            if (s->reqs[i].hold_mask &&
+                (live_on(&s->reqs[i], SIDE_P) || live_on(&s->reqs[i], SIDE_D))) {
                 r = &s->reqs[i];
                 break;
             }
@@ -1346,12 +1472,14 @@ static pd_err gen_faults(gen *g, char *msg, size_t cap) {
     for (uint32_t i = 0; i < s->n_reqs; i++) {
         sreq *r = &s->reqs[i];
         if (r->boot_held && pd_rng_chance(rng, 1, 8)) {
-            snprintf(g->line, sizeof(g->line), "bootstrap %s %s", r->rid, pd_rng_chance(rng, 3, 4) ? "ok" : "fail");
+            snprintf(g->line, sizeof(g->line), "bootstrap %s %s", r->rid,
+                     pd_rng_chance(rng, 3, 4) ? "ok" : "fail");
             r->boot_held = false;
             if ((err = gen_exec(g, msg, cap))) return err;
         }
         if (r->xfer_held && pd_rng_chance(rng, 1, 10)) {
-            snprintf(g->line, sizeof(g->line), "xfer %s %s", r->rid, pd_rng_chance(rng, 3, 4) ? "ok" : "fail");
+            snprintf(g->line, sizeof(g->line), "xfer %s %s", r->rid,
+                     pd_rng_chance(rng, 3, 4) ? "ok" : "fail");
             r->xfer_held = false;
             if ((err = gen_exec(g, msg, cap))) return err;
         }
@@ -1363,7 +1491,8 @@ static pd_err gen_faults(gen *g, char *msg, size_t cap) {
     }
     if ((g->faults & PD_FAULT_ABORT_ERROR) && pd_rng_chance(rng, 1, 30)) {
         snprintf(g->line, sizeof(g->line), "fault %s-abort-error %s",
-                 pd_rng_chance(rng, 1, 2) ? "sender" : "receiver", pd_rng_chance(rng, 1, 2) ? "on" : "off");
+                 pd_rng_chance(rng, 1, 2) ? "sender" : "receiver",
+                 pd_rng_chance(rng, 1, 2) ? "on" : "off");
         if ((err = gen_exec(g, msg, cap))) return err;
     }
     if (g->faults & PD_FAULT_KILL) return gen_kills(g, msg, cap);
@@ -1409,7 +1538,8 @@ static pd_err gen_wind_down(gen *g, char *msg, size_t cap) {
     return gen_exec(g, msg, cap);
 }
 
-static pd_err finish_run(sim *s, pd_err err, const char *msg, pd_sim_result *res, pd_strbuf *report) {
+static pd_err finish_run(sim *s, pd_err err, const char *msg, pd_sim_result *res,
+                         pd_strbuf *report) {
     if (!err && !s->violations) verify_end(s);
     if (err && !s->violations) {
         violation(s, "%s", msg[0] ? msg : pd_err_name(err));
@@ -1486,7 +1616,8 @@ pd_err pd_sim_random(const pd_sim_options *o, pd_sim_result *res, pd_strbuf *rep
     if (res) res->seed = o->seed;
     if (err && report) {
         char line[128];
-        snprintf(line, sizeof(line), "seed %llu: %u violation(s)\n", (unsigned long long)o->seed, s.violations);
+        snprintf(line, sizeof(line), "seed %llu: %u violation(s)\n", (unsigned long long)o->seed,
+                 s.violations);
         pd_strbuf_append(report, line);
     }
     sim_free(&s);
@@ -1652,7 +1783,8 @@ static pd_err explore_one(uint32_t config, const uint32_t *prefix, uint32_t n_pr
     };
     s.hold_all_prefill = true;
     pd_err err = PD_OK;
-    for (size_t i = 0; i < PD_ARRAY_LEN(setup) && !err; i++) err = exec_line(&s, setup[i], msg, sizeof(msg));
+    for (size_t i = 0; i < PD_ARRAY_LEN(setup) && !err; i++)
+        err = exec_line(&s, setup[i], msg, sizeof(msg));
     xstate x;
     memset(&x, 0, sizeof(x));
     uint32_t d = 0;
