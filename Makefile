@@ -4,6 +4,7 @@
 #   make test    install missing Debian packages, build with ASan+UBSan, run ctest
 #   make bench   optimised build, then every benchmark with its figures
 #   make soak    the simulator's long swarm (SOAK_SEEDS=100000 seeds, all faults)
+#   make tidy    the house style's mechanical rules (tools/tidy, docs/tidy.md); CI runs it
 #   make mutants every planted bug in tests/mutants/*.patch must be caught by the swarm
 #                or the explore (tools/mutants.sh; MUTANTS="a.patch b.patch" for a subset)
 #
@@ -13,12 +14,12 @@ REL_DIR  := build/release
 
 SOAK_SEEDS ?= 100000
 
-.PHONY: all deps test build-test release run bench soak mutants clean help
+.PHONY: all deps test build-test release run bench soak mutants tidy clean help
 
 all: release
 
 help:
-	@sed -n '2,10p' Makefile
+	@sed -n '2,11p' Makefile
 
 deps:
 	@scripts/deps.sh
@@ -57,6 +58,9 @@ soak: release
 
 # Mutation testing (not part of make test): each patch applied to a scratch
 # copy under build/mutants, rebuilt, and run through the swarm and the explore.
+tidy:
+	@tools/tidy
+
 mutants: deps
 	@tools/mutants.sh $(MUTANTS)
 
