@@ -19,7 +19,7 @@ SOAK_SEEDS ?= 100000
 all: release
 
 help:
-	@sed -n '2,11p' Makefile
+	@sed -n '2,10p' Makefile
 
 deps:
 	@scripts/deps.sh
