@@ -327,8 +327,8 @@ static int parse_request(pd_node *n, json_t *root, bool openai, parsed *p, char 
     p->top_p = 1.0;
     if (!json_is_object(root))
         return refuse(err, cap, 400, "the request body must be a JSON object");
-    prompt_field prompt;
-    json_t *src;
+    prompt_field prompt = {0};
+    json_t *src = NULL;
     int status;
     if ((status = parse_shape(root, openai, &prompt, &src, err, cap))) return status;
     if ((status = parse_prompt(n, &prompt, p, err, cap))) return status;

@@ -2074,7 +2074,7 @@ static bool tls_shm_only(const char *tls) {
 /* UCX's configuration as this node uses it: UCX_* environment variables,
  * which UCX reads itself, with this node's ucx_tls / ucx_net_devices over them. */
 static pd_err ucx_config_make(const pd_net *n, ucp_config_t **out, char *msg, size_t cap) {
-    ucp_config_t *uc;
+    ucp_config_t *uc = NULL;
     ucs_status_t st = ucp_config_read(NULL, NULL, &uc);
     if (st != UCS_OK)
         return pd_errorf(msg, cap, PD_ERR_IO, "UCX config: %s", ucs_status_string(st));
@@ -2119,7 +2119,7 @@ static void ucx_config_tls(const ucp_config_t *uc, char *out, size_t cap) {
 }
 
 static pd_err ucx_init(pd_net *n, char *msg, size_t cap) {
-    ucp_config_t *uc;
+    ucp_config_t *uc = NULL;
     pd_err err = ucx_config_make(n, &uc, msg, cap);
     if (err) return err;
     char tls[256];
