@@ -262,18 +262,30 @@ static void record_free(pd_engine *e, req *r) {
                    pd_ledger_last_error((e)->ledger));                         \
     } while (0)
 
-uint64_t eng_kv_available(pd_engine *e) {
+/* Pages an allocation can get now: free, or evictable from the cache. */
+static uint64_t kv_backing(pd_engine *e) {
     uint64_t avail = pd_pool_free_count(e->kv);
     if (e->cache) {
         pd_cache_sums s = {0};
         pd_cache_sums_get(e->cache, &s);
         avail += s.evictable[e->kv_id];
     }
+    return avail;
+}
+
+uint64_t eng_kv_available(pd_engine *e) {
+    uint64_t avail = kv_backing(e);
     return avail > e->reserved ? avail - e->reserved : 0;
 }
 
+/* Every reservation, this one included, must stay backed by free or
+ * evictable pages. The prefix r just locked is no longer evictable: a
+ * request that needs no page of its own (its prompt all cached) can still
+ * take away pages an earlier reservation counted on, so the check is
+ * backing >= reserved + need, never "available >= need" with available
+ * clamped at zero. */
 bool eng_reserve_pages(pd_engine *e, req *r, uint32_t need) {
-    if (eng_kv_available(e) < need) {
+    if (kv_backing(e) < e->reserved + need) {
         if (r->holds_lock) { /* the prefix it matched: not worth holding while it waits */
             PD_MUST(pd_cache_unlock(e->cache, r->lock_node));
             r->holds_lock = r->holds_kv = false;
