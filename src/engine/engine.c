@@ -86,8 +86,7 @@ const char *pd_action_name(pd_action a) {
     return (unsigned)a < PD_ACT__COUNT ? names[a] : "unknown";
 }
 
-void eng_act(pd_engine *e, const req *r, pd_action a, bool final, uint32_t n) {
-    if (!e->obs) return;
+void eng_act_report(pd_engine *e, const req *r, pd_action a, bool final, uint32_t n) {
     pd_action_event ev = {.action = a, .req = r->owner, .rid = r->rid, .room = r->room,
                           .kind = r->term, .final = final, .n = n};
     e->obs(e->obs_ctx, &ev);
