@@ -65,6 +65,14 @@ _Noreturn void pd_panic(const char *file, int line, const char *expr,
                      pd_err_name(pd_must_err_));                              \
     } while (0)
 
+/* "No slot": the one sentinel for a uint32 index into any table or pool. */
+#define PD_NONE UINT32_MAX
+
+/* The version every component reports (CMakeLists.txt's project version). */
+#ifndef PD_VERSION
+#define PD_VERSION "0.1.0"
+#endif
+
 #define PD_ARRAY_LEN(a) (sizeof(a) / sizeof((a)[0]))
 #define PD_MIN(a, b) ((a) < (b) ? (a) : (b))
 #define PD_MAX(a, b) ((a) > (b) ? (a) : (b))
@@ -148,6 +156,8 @@ uint64_t pd_splitmix64(uint64_t *state);
 uint64_t pd_hash_tokens(const int32_t *tokens, size_t n, uint64_t seed);
 /* Finaliser for a single 64-bit value. */
 uint64_t pd_hash_u64(uint64_t x);
+/* 64-bit hash of a NUL-terminated string (FNV-1a, then pd_hash_u64). */
+uint64_t pd_hash_str(const char *s);
 
 #ifdef __cplusplus
 }
