@@ -5,6 +5,7 @@
 #   make bench   optimised build, then every benchmark with its figures
 #   make soak    the simulator's long swarm (SOAK_SEEDS=100000 seeds, all faults)
 #   make tidy    the house style's mechanical rules (tools/tidy, docs/tidy.md); CI runs it
+#   make format-check  clang-format on the lines changed since tools/format-base; CI too
 #   make mutants every planted bug in tests/mutants/*.patch must be caught by the swarm
 #                or the explore (tools/mutants.sh; MUTANTS="a.patch b.patch" for a subset)
 #
@@ -14,12 +15,12 @@ REL_DIR  := build/release
 
 SOAK_SEEDS ?= 100000
 
-.PHONY: all deps test build-test release run bench soak mutants tidy clean help
+.PHONY: all deps test build-test release run bench soak mutants tidy format-check clean help
 
 all: release
 
 help:
-	@sed -n '2,10p' Makefile
+	@sed -n '2,11p' Makefile
 
 deps:
 	@scripts/deps.sh
@@ -60,6 +61,10 @@ soak: release
 # copy under build/mutants, rebuilt, and run through the swarm and the explore.
 tidy:
 	@tools/tidy
+
+# Formatting of what changed since the format rule was adopted (tools/format-base).
+format-check:
+	@tools/tidy --changed $$(cat tools/format-base) --lines --rule format
 
 mutants: deps
 	@tools/mutants.sh $(MUTANTS)

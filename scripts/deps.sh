@@ -15,6 +15,7 @@ packages=(
   libucx-dev        # UCX transport between prefill and decode processes
   ucx-utils         # ucx_info, for diagnostics
   python3           # end-to-end tests (standard library only)
+  clang-format      # tools/tidy's format rule (docs/tidy.md; Debian 12's is version 14)
 )
 
 missing=()
