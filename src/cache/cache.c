@@ -9,15 +9,14 @@
  *            page, its host page, and the next entry of the same node. A
  *            node's pages are a chain of entries, so a split is a pointer
  *            cut and never copies tokens.
- *   children an open-addressing hash table keyed by (parent, first page's
- *            tokens) -> child, with backward-shift deletion, plus a sibling
- *            list per node for iteration.
+ *   children the base's pd_index keyed by (parent, first page's tokens) ->
+ *            child, plus a sibling list per node for iteration.
  *   lists    three intrusive LRU lists (device, host, snapshot) threaded
  *            through the nodes; see the header for their ordering rule.
  *
  * Sizes: entries_max = kv pages + host pages (every entry holds at least one
- * of them), nodes_max = entries_max + 1, the hash table twice nodes_max
- * rounded up to a power of two. Only the inspection functions (walk) allocate.
+ * of them), nodes_max = entries_max + 1, the child index for nodes_max
+ * entries. Only the inspection functions (walk) allocate.
  *
  * Ledger transitions inside the cache are asserted: a refusal means the
  * caller handed over a unit it did not own, or the cache's own bookkeeping is
@@ -25,6 +24,7 @@
  * message rather than continue.
  */
 #include "pdserve/cache.h"
+#include "pdserve/index.h"
 
 #include <stdio.h>
 #include <stdlib.h>
@@ -74,8 +74,7 @@ struct pd_cache {
     uint32_t *ent_dev, *ent_host, *ent_next;
     uint32_t entries_max, ent_free, ents_live;
 
-    uint32_t *ht;
-    uint32_t ht_mask;
+    pd_index children; /* child_key(parent, first page) -> node */
 
     lru_list lists[L__COUNT];
     ticket *tickets;
@@ -234,46 +233,26 @@ static void touch_path(pd_cache *c, uint32_t id) {
 
 /* ---- hash table of children ---------------------------------------------- */
 
-static uint32_t ht_lookup(pd_cache *c, uint32_t parent, const int32_t *first_page) {
+static uint32_t ht_lookup(const pd_cache *c, uint32_t parent, const int32_t *first_page) {
     uint64_t h = child_key(c, parent, first_page);
-    for (uint32_t i = (uint32_t)h & c->ht_mask;; i = (i + 1) & c->ht_mask) {
-        uint32_t id = c->ht[i];
-        if (id == NONE) return NONE;
-        cnode *n = N(c, id);
+    pd_index_probe p;
+    for (uint32_t id = pd_index_first(&c->children, h, &p); id != NONE;
+         id = pd_index_next(&c->children, &p)) {
+        const cnode *n = &c->nodes[id];
         if (n->key_hash == h && n->parent == parent && page_eq(c, n->first_ent, first_page))
             return id;
     }
-}
-
-static uint32_t ht_slot_of(pd_cache *c, uint32_t id) {
-    for (uint32_t i = (uint32_t)N(c, id)->key_hash & c->ht_mask;; i = (i + 1) & c->ht_mask) {
-        PD_ASSERTF(c->ht[i] != NONE, "node %u missing from the child table", id);
-        if (c->ht[i] == id) return i;
-    }
+    return NONE;
 }
 
 static void ht_insert(pd_cache *c, uint32_t id) {
     cnode *n = N(c, id);
     n->key_hash = child_key(c, n->parent, ent_tok(c, n->first_ent));
-    uint32_t i = (uint32_t)n->key_hash & c->ht_mask;
-    while (c->ht[i] != NONE) i = (i + 1) & c->ht_mask;
-    c->ht[i] = id;
+    pd_index_insert(&c->children, n->key_hash, id);
 }
 
 static void ht_remove(pd_cache *c, uint32_t id) {
-    uint32_t i = ht_slot_of(c, id);
-    c->ht[i] = NONE;
-    /* Backward-shift: pull later entries of the probe run into the hole if
-     * their home slot is not strictly between the hole and their position. */
-    for (uint32_t j = (i + 1) & c->ht_mask; c->ht[j] != NONE; j = (j + 1) & c->ht_mask) {
-        uint32_t home = (uint32_t)N(c, c->ht[j])->key_hash & c->ht_mask;
-        bool movable = (j > i) ? (home <= i || home > j) : (home <= i && home > j);
-        if (movable) {
-            c->ht[i] = c->ht[j];
-            c->ht[j] = NONE;
-            i = j;
-        }
-    }
+    pd_index_remove(&c->children, N(c, id)->key_hash, id);
 }
 
 /* ---- node and entry arenas ----------------------------------------------- */
@@ -375,11 +354,11 @@ static uint32_t split(pd_cache *c, uint32_t id, uint32_t k) {
     p->lock_ref = n->lock_ref;
     for (int l = 0; l < L__COUNT; l++) p->lstamp[l] = n->lstamp[l];
 
-    /* P inherits id's slot in the child table (same parent, same first page). */
-    uint32_t slot = ht_slot_of(c, id);
+    /* P takes id's key in the child table (same parent, same first page). */
+    ht_remove(c, id);
     p->key_hash = n->key_hash;
     p->parent = n->parent;
-    c->ht[slot] = pid;
+    pd_index_insert(&c->children, p->key_hash, pid);
 
     /* Sibling list: P replaces id. */
     cnode *par = N(c, n->parent);
@@ -441,26 +420,24 @@ static pd_err config_check(const pd_cache_config *cfg, uint32_t *page_size,
 
 /* Every array, sized once from entries_max and nodes_max; false if any
  * allocation failed (pd_cache_destroy frees the rest). */
-static bool arrays_alloc(pd_cache *c, uint32_t ht_cap) {
+static bool arrays_alloc(pd_cache *c) {
     c->nodes = calloc(c->nodes_max, sizeof(cnode));
     c->ent_tokens = calloc((size_t)c->entries_max * c->page_size, sizeof(int32_t));
     c->ent_dev = calloc(c->entries_max, sizeof(uint32_t));
     c->ent_host = calloc(c->entries_max, sizeof(uint32_t));
     c->ent_next = calloc(c->entries_max, sizeof(uint32_t));
-    c->ht = malloc((size_t)ht_cap * sizeof(uint32_t));
     c->tickets = calloc(c->loads_max, sizeof(ticket));
     c->scratch_a = calloc(c->entries_max, sizeof(uint32_t));
     c->scratch_b = calloc(c->entries_max, sizeof(uint32_t));
     c->stack = calloc(c->nodes_max, sizeof(uint32_t));
     c->pos_of = calloc(c->nodes_max, sizeof(uint32_t));
-    return c->pos_of && c->nodes && c->ent_tokens && c->ent_dev && c->ent_host &&
-           c->ent_next && c->ht && c->tickets && c->scratch_a && c->scratch_b && c->stack;
+    return c->pos_of && c->nodes && c->ent_tokens && c->ent_dev && c->ent_host && c->ent_next &&
+        c->tickets && c->scratch_a && c->scratch_b && c->stack;
 }
 
 /* An empty cache: the hash table empty, every entry and node on its free
  * chain, the lists empty, and the root alone. */
-static void empty_init(pd_cache *c, uint32_t ht_cap) {
-    memset(c->ht, 0xFF, (size_t)ht_cap * sizeof(uint32_t));
+static void empty_init(pd_cache *c) {
     for (uint32_t e = 0; e < c->entries_max; e++)
         c->ent_next[e] = e + 1 < c->entries_max ? e + 1 : NONE;
     c->ent_free = 0;
@@ -497,15 +474,12 @@ pd_err pd_cache_create(pd_cache **out, const pd_cache_config *cfg) {
     c->page_size = page_size;
     c->entries_max = (uint32_t)entries;
     c->nodes_max = (uint32_t)entries + 1;
-    uint32_t ht_cap = 16;
-    while (ht_cap < 2 * c->nodes_max) ht_cap *= 2;
-    c->ht_mask = ht_cap - 1;
     c->loads_max = cfg->loads_max ? cfg->loads_max : 64;
-    if (!arrays_alloc(c, ht_cap)) {
+    if (pd_index_init(&c->children, c->nodes_max) != PD_OK || !arrays_alloc(c)) {
         pd_cache_destroy(c);
         return PD_ERR_NOMEM;
     }
-    empty_init(c, ht_cap);
+    empty_init(c);
     *out = c;
     return PD_OK;
 }
@@ -517,7 +491,7 @@ void pd_cache_destroy(pd_cache *c) {
     free(c->ent_dev);
     free(c->ent_host);
     free(c->ent_next);
-    free(c->ht);
+    pd_index_free(&c->children);
     free(c->tickets);
     free(c->scratch_a);
     free(c->scratch_b);

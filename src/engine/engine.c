@@ -129,56 +129,26 @@ req *eng_req(pd_engine *e, uint32_t idx) {
 
 uint32_t eng_idx(pd_engine *e, const req *r) { return (uint32_t)(r - e->reqs); }
 
-static uint64_t rid_hash(const char *rid) {
-    uint64_t h = 0xCBF29CE484222325ull;
-    for (const unsigned char *p = (const unsigned char *)rid; *p; p++)
-        h = (h ^ *p) * 0x100000001B3ull;
-    return pd_hash_u64(h);
+/* The rid and room indexes (pd_index): a live rid maps to its record until
+ * the terminal event, a room (not colocated) until the record is freed. */
+static uint32_t rid_find(const pd_engine *e, const char *rid) {
+    pd_index_probe p;
+    for (uint32_t i = pd_index_first(&e->rid_ix, pd_hash_str(rid), &p); i != PD_NONE;
+         i = pd_index_next(&e->rid_ix, &p))
+        if (strcmp(e->reqs[i].rid, rid) == 0) return i;
+    return PD_NONE;
 }
 
-typedef enum { K_RID, K_ROOM } keykind;
-
-static uint32_t *table(pd_engine *e, keykind k) { return k == K_RID ? e->rid_ht : e->room_ht; }
-
-static uint64_t rec_hash(pd_engine *e, keykind k, uint32_t idx) {
-    return k == K_RID ? rid_hash(e->reqs[idx].rid) : pd_hash_u64(e->reqs[idx].room);
+static uint32_t room_find(const pd_engine *e, uint64_t room) {
+    pd_index_probe p;
+    for (uint32_t i = pd_index_first(&e->room_ix, pd_hash_u64(room), &p); i != PD_NONE;
+         i = pd_index_next(&e->room_ix, &p))
+        if (e->reqs[i].room == room) return i;
+    return PD_NONE;
 }
 
-static uint32_t ht_find(pd_engine *e, keykind k, const char *rid, uint64_t room) {
-    uint32_t *t = table(e, k);
-    uint64_t h = k == K_RID ? rid_hash(rid) : pd_hash_u64(room);
-    for (uint32_t i = (uint32_t)h & e->ht_mask;; i = (i + 1) & e->ht_mask) {
-        uint32_t idx = t[i];
-        if (idx == NONE) return NONE;
-        req *r = &e->reqs[idx];
-        if (k == K_RID ? strcmp(r->rid, rid) == 0 : r->room == room) return idx;
-    }
-}
-
-static void ht_put(pd_engine *e, keykind k, uint32_t idx) {
-    uint32_t *t = table(e, k);
-    uint32_t i = (uint32_t)rec_hash(e, k, idx) & e->ht_mask;
-    while (t[i] != NONE) i = (i + 1) & e->ht_mask;
-    t[i] = idx;
-}
-
-static void ht_del(pd_engine *e, keykind k, uint32_t idx) {
-    uint32_t *t = table(e, k);
-    uint32_t i = (uint32_t)rec_hash(e, k, idx) & e->ht_mask;
-    while (t[i] != idx) {
-        PD_ASSERT(t[i] != NONE);
-        i = (i + 1) & e->ht_mask;
-    }
-    t[i] = NONE;
-    for (uint32_t j = (i + 1) & e->ht_mask; t[j] != NONE; j = (j + 1) & e->ht_mask) {
-        uint32_t home = (uint32_t)rec_hash(e, k, t[j]) & e->ht_mask;
-        bool movable = (j > i) ? (home <= i || home > j) : (home <= i && home > j);
-        if (movable) {
-            t[i] = t[j];
-            t[j] = NONE;
-            i = j;
-        }
-    }
+static void rid_index_remove(pd_engine *e, req *r) {
+    pd_index_remove(&e->rid_ix, pd_hash_str(r->rid), eng_idx(e, r));
 }
 
 void q_push(pd_engine *e, req *r, uint8_t queue) {
@@ -242,8 +212,8 @@ static void record_free(pd_engine *e, req *r) {
     PD_ASSERT(!r->q_pages && !r->q_mamba && !r->q_meta && !r->q_lock);
     q_remove(e, r);
     uint32_t idx = eng_idx(e, r);
-    if (r->rid_indexed) ht_del(e, K_RID, idx);
-    if (e->cfg.role != PD_ROLE_COLOCATED) ht_del(e, K_ROOM, idx);
+    if (r->rid_indexed) rid_index_remove(e, r);
+    if (e->cfg.role != PD_ROLE_COLOCATED) pd_index_remove(&e->room_ix, pd_hash_u64(r->room), idx);
     free(r->prompt);
     r->prompt = NULL;
     r->live = false;
@@ -380,7 +350,7 @@ void eng_emit_terminal(pd_engine *e, req *r) {
     /* The client has its answer: the rid is free for a new request (engine.h),
      * while this record may still drain its room. */
     PD_ASSERT(r->rid_indexed);
-    ht_del(e, K_RID, eng_idx(e, r));
+    rid_index_remove(e, r);
     r->rid_indexed = false;
 }
 
@@ -767,11 +737,12 @@ static pd_err pools_create(pd_engine *e) {
 
 /* Every per-request array, sized once from requests_max, pages_per_req and
  * batch_max. */
-static pd_err arrays_alloc(pd_engine *e, uint32_t ht_cap) {
+static pd_err arrays_alloc(pd_engine *e) {
     const pd_engine_config *cfg = &e->cfg;
+    pd_err err = pd_index_init(&e->rid_ix, cfg->requests_max);
+    if (!err) err = pd_index_init(&e->room_ix, cfg->requests_max);
+    if (err) return err;
     e->reqs = calloc(cfg->requests_max, sizeof(req));
-    e->rid_ht = malloc(ht_cap * sizeof(uint32_t));
-    e->room_ht = malloc(ht_cap * sizeof(uint32_t));
     e->page_store = calloc((size_t)cfg->requests_max * e->pages_per_req, sizeof(uint32_t));
     e->scratch = calloc(e->pages_per_req, sizeof(uint32_t));
     e->dups = calloc(e->pages_per_req, sizeof(uint32_t));
@@ -779,18 +750,16 @@ static pd_err arrays_alloc(pd_engine *e, uint32_t ht_cap) {
     e->results = calloc(cfg->batch_max, sizeof(pd_item_result));
     for (int i = 0; i < INFLIGHT_MAX; i++)
         e->inflight[i].items = calloc(cfg->batch_max, sizeof(bitem));
-    if (!e->reqs || !e->rid_ht || !e->room_ht || !e->page_store || !e->scratch || !e->dups ||
-        !e->launch_items || !e->results || !e->inflight[0].items || !e->inflight[1].items)
+    if (!e->reqs || !e->page_store || !e->scratch || !e->dups || !e->launch_items || !e->results ||
+        !e->inflight[0].items || !e->inflight[1].items)
         return PD_ERR_NOMEM;
     return PD_OK;
 }
 
 /* No request yet: both indexes empty, every record on the free list, every
  * queue empty, the metadata rows zeroed. */
-static void records_init(pd_engine *e, uint32_t ht_cap) {
+static void records_init(pd_engine *e) {
     const pd_engine_config *cfg = &e->cfg;
-    memset(e->rid_ht, 0xFF, ht_cap * sizeof(uint32_t));
-    memset(e->room_ht, 0xFF, ht_cap * sizeof(uint32_t));
     for (uint32_t i = 0; i < cfg->requests_max; i++) {
         e->reqs[i].qnext = i + 1 < cfg->requests_max ? i + 1 : NONE;
         e->reqs[i].queue = Q_NONE;
@@ -831,15 +800,12 @@ pd_err pd_engine_create(pd_engine **out, const pd_engine_config *cfg_in,
     uint32_t max_tokens =
         cfg.prompt_tokens_max + (cfg.role != PD_ROLE_PREFILL ? cfg.new_tokens_max : 0);
     e->pages_per_req = PD_DIV_CEIL(max_tokens, cfg.page_size) + 1;
-    uint32_t ht_cap = 16;
-    while (ht_cap < 2 * cfg.requests_max) ht_cap *= 2;
-    e->ht_mask = ht_cap - 1;
-    if (!err) err = arrays_alloc(e, ht_cap);
+    if (!err) err = arrays_alloc(e);
     if (err) {
         pd_engine_destroy(e);
         return pd_errorf(msg, msg_cap, err, "engine creation failed (%s)", pd_err_name(err));
     }
-    records_init(e, ht_cap);
+    records_init(e);
     *out = e;
     return PD_OK;
 }
@@ -856,8 +822,8 @@ void pd_engine_destroy(pd_engine *e) {
     pd_pool_destroy(e->meta);
     pd_pool_destroy(e->host);
     free(e->reqs);
-    free(e->rid_ht);
-    free(e->room_ht);
+    pd_index_free(&e->rid_ix);
+    pd_index_free(&e->room_ix);
     free(e->page_store);
     free(e->scratch);
     free(e->dups);
@@ -884,8 +850,7 @@ static pd_err reject(pd_engine *e, pd_reject *why, pd_err err, int status, const
 static pd_err submit(pd_engine *e, const pd_request_spec *s, uint64_t now_us, pd_reject *why);
 
 void pd_engine_cancel_room(pd_engine *e, uint64_t room, const char *peer) {
-    if (e->cfg.role == PD_ROLE_COLOCATED || room == 0 || ht_find(e, K_ROOM, NULL, room) != NONE)
-        return;
+    if (e->cfg.role == PD_ROLE_COLOCATED || room == 0 || room_find(e, room) != NONE) return;
     cancel_room(e, room, peer);
 }
 
@@ -953,9 +918,9 @@ static pd_err admission_check(pd_engine *e, const pd_request_spec *s, pd_reject 
                       s->prompt_len, generates ? s->max_new_tokens : 0,
                       (unsigned long long)need_tokens, e->cfg.prompt_tokens_max,
                       (unsigned long long)pool_tokens);
-    if (ht_find(e, K_RID, s->rid, 0) != NONE)
+    if (rid_find(e, s->rid) != NONE)
         return reject(e, why, PD_ERR_EXISTS, 409, "rid '%s' is already live", s->rid);
-    if (e->cfg.role != PD_ROLE_COLOCATED && ht_find(e, K_ROOM, NULL, s->room) != NONE)
+    if (e->cfg.role != PD_ROLE_COLOCATED && room_find(e, s->room) != NONE)
         return reject(e, why, PD_ERR_EXISTS, 409, "room %llu is already live",
                       (unsigned long long)s->room);
     return PD_OK;
@@ -989,9 +954,9 @@ static pd_err submit(pd_engine *e, const pd_request_spec *s, uint64_t now_us, pd
     r->t_submit = now_us;
     r->bootstrapped = e->cfg.role == PD_ROLE_COLOCATED; /* nothing to hand over */
     uint32_t idx = eng_idx(e, r);
-    ht_put(e, K_RID, idx);
+    pd_index_insert(&e->rid_ix, pd_hash_str(r->rid), idx);
     r->rid_indexed = true;
-    if (e->cfg.role != PD_ROLE_COLOCATED) ht_put(e, K_ROOM, idx);
+    if (e->cfg.role != PD_ROLE_COLOCATED) pd_index_insert(&e->room_ix, pd_hash_u64(r->room), idx);
     static const uint8_t first_queue[] = {
         [PD_ROLE_PREFILL] = Q_BOOTSTRAP, [PD_ROLE_DECODE] = Q_PREALLOC,
         [PD_ROLE_COLOCATED] = Q_WAITING,
@@ -1005,7 +970,7 @@ static pd_err submit(pd_engine *e, const pd_request_spec *s, uint64_t now_us, pd
 
 pd_err pd_engine_abort(pd_engine *e, const char *rid) {
     if (!rid) return PD_ERR_NOTFOUND;
-    uint32_t idx = ht_find(e, K_RID, rid, 0);
+    uint32_t idx = rid_find(e, rid);
     if (idx == NONE) return PD_ERR_NOTFOUND;
     req *r = &e->reqs[idx];
     if (r->streamed) return PD_ERR_NOTFOUND; /* already ended; only draining */
@@ -1077,7 +1042,7 @@ static pd_err tally_units(pd_engine *e, int pool_id, uint32_t *req_units, uint32
             }
             req_units[lo - 1]++;
         } else if (st == PD_UNIT_QUARANTINE) {
-            uint32_t idx = ht_find(e, K_ROOM, NULL, o);
+            uint32_t idx = room_find(e, o);
             if (idx == NONE || e->reqs[idx].queue != Q_DRAINING) {
                 result = pd_violation(report,
                                       "pool %s unit %u quarantined for room %llu that nothing "
@@ -1206,6 +1171,6 @@ void pd_engine_set_action_observer(pd_engine *e, pd_action_observer fn, void *ct
 }
 
 uint64_t pd_engine_request_id(const pd_engine *e, const char *rid) {
-    uint32_t idx = ht_find((pd_engine *)e, K_RID, rid, 0);
+    uint32_t idx = rid_find(e, rid);
     return idx == NONE ? 0 : e->reqs[idx].owner;
 }

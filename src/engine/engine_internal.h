@@ -12,6 +12,7 @@
 
 #include "pdserve/cache.h"
 #include "pdserve/engine.h"
+#include "pdserve/index.h"
 
 #define NONE UINT32_MAX
 
@@ -138,7 +139,7 @@ struct pd_engine {
 
     req *reqs;
     uint32_t reqs_live, free_head;
-    uint32_t *rid_ht, *room_ht, ht_mask;
+    pd_index rid_ix, room_ix; /* live rid -> record; room -> record (not colocated) */
     qlist q[Q__COUNT];
     uint32_t pages_per_req;
     uint32_t *page_store;

@@ -19,7 +19,8 @@ static uint64_t key_hash(uint64_t key) { return pd_hash_u64(key % 37) ^ (key % 3
 
 static uint32_t lookup(const pd_index *ix, const rec *r, uint64_t key) {
     pd_index_probe p;
-    for (uint32_t v = pd_index_first(ix, key_hash(key), &p); v != PD_NONE; v = pd_index_next(ix, &p))
+    for (uint32_t v = pd_index_first(ix, key_hash(key), &p); v != PD_NONE;
+         v = pd_index_next(ix, &p))
         if (r[v].key == key) return v;
     return PD_NONE;
 }
