@@ -1,26 +1,29 @@
 /*
  * loopback.c — the in-process transport fabric (see include/pdserve/loopback.h).
  *
- * Model. Each room has a sender side (prefill) and a receiver side (decode).
- * Everything that crosses the fabric is an operation with a due time: the
- * receiver's destination (the bootstrap handshake), page / state / metadata
- * writes, the completion notice, abort notices and their acknowledgements,
- * and the news that a peer died. Operations run in (due, posting order) in
- * pd_loopback_advance. A programmed HOLD parks the room's operations until
- * the outcome changes; FAIL fails the room when its next operation of that
- * kind runs.
+ * The rooms are the room core's (src/xfer/room.h): each record holds both
+ * halves of a room, the sender's (prefill) and the receiver's (decode), and
+ * every status change, the drained rule, tombstones and cancel go through
+ * the core's functions, as they do in the UCX transport. What this file adds
+ * is the fabric between the two halves and the test double's controls.
  *
- * Drained. The sender side is drained when no write of the room is pending
- * (writes read the sender's memory when they run) and its own abort has taken
- * effect. The receiver side is drained when no write is pending and the
- * sender can post no more: it completed, aborted, acknowledged the
- * receiver's abort, or was declared dead.
+ * Operations. Everything that crosses the fabric is an operation with a due
+ * time: the receiver's destination (the bootstrap handshake), page / state /
+ * metadata writes, the completion notice, abort notices and their
+ * acknowledgements, and the news that a peer died. Operations run in (due,
+ * posting order) in pd_loopback_advance. A programmed HOLD parks the room's
+ * operations until the outcome changes; FAIL fails the room when its next
+ * operation of that kind runs. The operation pool is sized at creation: data
+ * operations fail with PD_ERR_NOMEM before they could take the slots kept
+ * for control ones, so a notice or acknowledgement is never lost to a full
+ * pool.
  *
- * Tombstones. A side that ends a room its peer has not opened yet (abort,
- * or cancel() of a room it never opened) leaves news for the peer: the room
- * stays, with the peer's status already FAILED, so the late side fails at
- * open instead of waiting out its timeout. A tombstone never blocks a live
- * room: when the table is full the oldest is evicted.
+ * What each half knows. The fabric sees both processes, so it tells each
+ * half at once what it can know: a write in flight counts on both halves
+ * (it reads the sender's memory and writes the receiver's when it runs), and
+ * the moment the sender will post no more the receiver half learns its peer
+ * stopped. A receiver whose sender process is dead is drained too once no
+ * write is in flight: a dead process writes nothing.
  *
  * Both halves gone. Once each side has closed the room it opened (a killed
  * side's rooms close with it) or ended it without opening it (cancel), the
@@ -30,6 +33,8 @@
  * memory belongs to the room any more — a write still queued then could only
  * hit memory reused by someone else. Until then data is dropped only by the
  * rules above (abort, failure, a side's death), never because one half left.
+ * A room whose halves are gone but that still has news for a side that has
+ * not opened it stays as a tombstone (room.h).
  */
 #include "pdserve/loopback.h"
 
@@ -37,7 +42,11 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define NONE UINT32_MAX
+#include "room.h"
+
+#define S PD_LB_PREFILL
+#define R PD_LB_DECODE
+#define CONTROL_OPS_PER_ROOM 8u /* DEST, S_ABORT, R_NOTICE, R_ABORT, ACK, DEAD x2, spare */
 
 typedef enum op_kind {
     OP_DEST,      /* receiver -> sender: the destination (bootstrap) */
@@ -71,22 +80,13 @@ typedef struct op {
 } op;
 
 typedef struct room {
-    bool used;
-    uint64_t id;
-    bool open[2], closed[2];
-    pd_xfer_status st[2];
-    bool s_done;          /* the sender will post nothing more */
-    bool s_aborting;      /* an OP_S_ABORT is pending */
-    bool r_stopped;       /* the sender acknowledged the receiver's abort */
-    bool dest_known;
-    uint32_t prompt, cached, n_dest, mamba_slot, meta_row;
-    uint32_t *dest_pages;
+    xr_slot slot;            /* the room core's table header: id, generation, tombstone */
+    xr_half h[2];            /* [PD_LB_PREFILL]: the sender, [PD_LB_DECODE]: the receiver */
+    xr_dest dest;            /* the receiver's destination, set when it opens */
+    bool dest_delivered;     /* the sender has it (OP_DEST ran) */
     pd_lb_outcome boot, xfer;
-    uint32_t pending_data, pending_all;
+    uint32_t pending_all;    /* operations queued for the room, of any kind */
     uint32_t inc[2];         /* each side's incarnation when it opened the room */
-    bool cancelled[2];       /* the side ended the room without opening it */
-    bool tomb;               /* kept only to tell a side that has not opened it */
-    uint64_t tomb_seq;       /* eviction order of tombstones */
     uint64_t last_data_due;  /* writes and the completion notice keep their order */
 } room;
 
@@ -101,13 +101,12 @@ typedef struct side_mem {
 
 struct pd_loopback {
     pd_loopback_config cfg;
-    room *rooms;
-    uint32_t *room_ht, ht_mask;
+    xr_table rooms;
     op *ops;
-    uint32_t ops_cap, op_free;
+    uint32_t ops_cap, op_free, ops_live;
     uint32_t *heap, heap_n;    /* runnable ops, by (due, seq) */
     uint32_t *held, held_n;    /* ops parked by a HOLD outcome, in posting order */
-    uint64_t seq, now, tomb_seq;
+    uint64_t seq, now;
     side_mem sides[2];
     pd_rng rng;              /* latency jitter */
 };
@@ -117,71 +116,58 @@ typedef struct endpoint {
     pd_lb_side side;
 } endpoint;
 
-static endpoint endpoints_of(pd_loopback *lb, pd_lb_side side);
+static xr_role role_of(pd_lb_side side) { return side == S ? XR_SENDER : XR_RECEIVER; }
+
+static room *room_at(const pd_loopback *lb, uint32_t r) { return (room *)xr_at(&lb->rooms, r); }
 
 /* ---- rooms ----------------------------------------------------------------- */
 
-static uint32_t room_find(pd_loopback *lb, uint64_t id) {
-    for (uint32_t i = (uint32_t)pd_hash_u64(id) & lb->ht_mask;; i = (i + 1) & lb->ht_mask) {
-        uint32_t r = lb->room_ht[i];
-        if (r == NONE) return NONE;
-        if (lb->rooms[r].id == id) return r;
+/* The sender will post nothing more: its half is done, and the receiver
+ * half, which the fabric tells at once, knows its peer stopped. */
+static void sender_stops(room *rm) {
+    xr_sender_done(&rm->h[S]);
+    xr_peer_stopped(&rm->h[R]);
+}
+
+/* Counts a data operation posted (+1) or gone (-1) on both halves. */
+static void data_count(room *rm, int d) {
+    for (int s = 0; s < 2; s++) {
+        PD_ASSERT(d > 0 || rm->h[s].writes_out > 0);
+        rm->h[s].writes_out = (uint32_t)((int)rm->h[s].writes_out + d);
     }
 }
 
-static void room_free(pd_loopback *lb, uint32_t r);
-
-/* The oldest tombstone, to make space for a live room; NONE if there is none. */
-static uint32_t tomb_victim(const pd_loopback *lb) {
-    uint32_t best = NONE;
-    for (uint32_t r = 0; r < lb->cfg.rooms_max; r++) {
-        const room *rm = &lb->rooms[r];
-        if (rm->used && rm->tomb && rm->pending_all == 0 &&
-            (best == NONE || rm->tomb_seq < lb->rooms[best].tomb_seq))
-            best = r;
-    }
-    return best;
+static bool evictable(void *ctx, uint32_t r) {
+    return room_at(ctx, r)->pending_all == 0;
 }
+
+static void room_free(pd_loopback *lb, uint32_t r) {
+    room *rm = room_at(lb, r);
+    PD_ASSERT(rm->slot.used && rm->pending_all == 0);
+    xr_dest_clear(&rm->dest);
+    xr_remove(&lb->rooms, r);
+}
+
+static void evict(void *ctx, uint32_t r) { room_free(ctx, r); }
 
 static uint32_t room_get(pd_loopback *lb, uint64_t id) {
-    uint32_t r = room_find(lb, id);
-    if (r != NONE) return r;
-    for (r = 0; r < lb->cfg.rooms_max && lb->rooms[r].used; r++) {}
-    if (r == lb->cfg.rooms_max) {
-        r = tomb_victim(lb);
-        if (r == NONE) return NONE;
-        room_free(lb, r);
-    }
-    room *rm = &lb->rooms[r];
-    memset(rm, 0, sizeof(*rm));
-    rm->used = true;
-    rm->id = id;
-    rm->mamba_slot = rm->meta_row = NONE;
-    uint32_t i = (uint32_t)pd_hash_u64(id) & lb->ht_mask;
-    while (lb->room_ht[i] != NONE) i = (i + 1) & lb->ht_mask;
-    lb->room_ht[i] = r;
+    uint32_t r = xr_find(&lb->rooms, id);
+    if (r != PD_NONE) return r;
+    r = xr_add(&lb->rooms, id);
+    if (r != PD_NONE) room_at(lb, r)->dest = (xr_dest){.mamba_slot = PD_NONE, .meta_row = PD_NONE};
     return r;
 }
 
-/* A side that has not opened the room (nor given it up) would find it FAILED. */
 static bool carries_news(const room *rm) {
-    for (int s = 0; s < 2; s++)
-        if (!rm->open[s] && !rm->cancelled[s] && rm->st[s] == PD_XFER_FAILED) return true;
-    return false;
-}
-
-/* The side is gone for good: it closed the room it opened (or died with it
- * open, which closes it), or it ended the room without ever opening it. */
-static bool half_gone(const room *rm, int side) {
-    return rm->open[side] ? rm->closed[side] : rm->cancelled[side];
+    return xr_news_for_engine(&rm->h[S]) || xr_news_for_engine(&rm->h[R]);
 }
 
 static void drop_ops(pd_loopback *lb, uint32_t r, bool data_only);
 
 static void room_release_if_done(pd_loopback *lb, uint32_t r) {
-    room *rm = &lb->rooms[r];
-    if (!rm->used) return;
-    if (half_gone(rm, PD_LB_PREFILL) && half_gone(rm, PD_LB_DECODE)) {
+    room *rm = room_at(lb, r);
+    if (!rm->slot.used) return;
+    if (xr_gone(&rm->h[S]) && xr_gone(&rm->h[R])) {
         /* Both halves are gone: no side is left to learn anything or to be
          * written (neither memory belongs to the room any more), so every
          * queued operation goes with the room — control ones and ones parked
@@ -194,40 +180,12 @@ static void room_release_if_done(pd_loopback *lb, uint32_t r) {
     }
     if (rm->pending_all) return;
     for (int s = 0; s < 2; s++)
-        if (rm->open[s] && !rm->closed[s]) return;
+        if (rm->h[s].open && !rm->h[s].closed) return;
     if (carries_news(rm)) {
-        if (!rm->tomb) {
-            rm->tomb = true;
-            rm->tomb_seq = ++lb->tomb_seq;
-        }
+        xr_set_tomb(&lb->rooms, r, true);
         return;
     }
     room_free(lb, r);
-}
-
-static void room_free(pd_loopback *lb, uint32_t r) {
-    room *rm = &lb->rooms[r];
-    PD_ASSERT(rm->used && rm->pending_all == 0);
-    uint32_t i = (uint32_t)pd_hash_u64(rm->id) & lb->ht_mask;
-    while (lb->room_ht[i] != r) i = (i + 1) & lb->ht_mask;
-    lb->room_ht[i] = NONE;
-    for (uint32_t j = (i + 1) & lb->ht_mask; lb->room_ht[j] != NONE; j = (j + 1) & lb->ht_mask) {
-        uint32_t home = (uint32_t)pd_hash_u64(lb->rooms[lb->room_ht[j]].id) & lb->ht_mask;
-        bool movable = (j > i) ? (home <= i || home > j) : (home <= i && home > j);
-        if (movable) {
-            lb->room_ht[i] = lb->room_ht[j];
-            lb->room_ht[j] = NONE;
-            i = j;
-        }
-    }
-    free(rm->dest_pages);
-    memset(rm, 0, sizeof(*rm));
-}
-
-static void set_status(room *rm, int side, pd_xfer_status st) {
-    pd_xfer_status cur = rm->st[side];
-    if (cur == PD_XFER_SUCCESS || cur == PD_XFER_FAILED) return; /* terminal */
-    rm->st[side] = st;
 }
 
 /* ---- operations -------------------------------------------------------------- */
@@ -236,15 +194,19 @@ static bool op_before(const op *a, const op *b) {
     return a->due < b->due || (a->due == b->due && a->seq < b->seq);
 }
 
+static void heap_swap(pd_loopback *lb, uint32_t i, uint32_t j) {
+    uint32_t t = lb->heap[i];
+    lb->heap[i] = lb->heap[j];
+    lb->heap[j] = t;
+}
+
 static void heap_push(pd_loopback *lb, uint32_t o) {
     uint32_t i = lb->heap_n++;
     lb->heap[i] = o;
     while (i > 0) {
         uint32_t p = (i - 1) / 2;
         if (!op_before(&lb->ops[lb->heap[i]], &lb->ops[lb->heap[p]])) break;
-        uint32_t t = lb->heap[i];
-        lb->heap[i] = lb->heap[p];
-        lb->heap[p] = t;
+        heap_swap(lb, i, p);
         i = p;
     }
 }
@@ -258,63 +220,55 @@ static uint32_t heap_pop(pd_loopback *lb) {
         if (l < lb->heap_n && op_before(&lb->ops[lb->heap[l]], &lb->ops[lb->heap[m]])) m = l;
         if (r < lb->heap_n && op_before(&lb->ops[lb->heap[r]], &lb->ops[lb->heap[m]])) m = r;
         if (m == i) break;
-        uint32_t t = lb->heap[i];
-        lb->heap[i] = lb->heap[m];
-        lb->heap[m] = t;
+        heap_swap(lb, i, m);
         i = m;
     }
     return top;
 }
 
-static bool ops_grow(pd_loopback *lb) {
-    uint32_t cap = lb->ops_cap ? lb->ops_cap * 2 : 256;
-    op *ops = realloc(lb->ops, cap * sizeof(op));
-    uint32_t *heap = realloc(lb->heap, cap * sizeof(uint32_t));
-    uint32_t *held = realloc(lb->held, cap * sizeof(uint32_t));
-    if (ops) lb->ops = ops;
-    if (heap) lb->heap = heap;
-    if (held) lb->held = held;
-    if (!ops || !heap || !held) return false;
-    for (uint32_t i = lb->ops_cap; i < cap; i++) {
-        lb->ops[i].live = false;
-        lb->ops[i].next_free = i + 1 < cap ? i + 1 : NONE;
-    }
-    lb->op_free = lb->ops_cap;
-    lb->ops_cap = cap;
-    return true;
+/* Data may use the pool only up to the slots kept for control operations. */
+static bool op_slot_free(const pd_loopback *lb, op_kind kind) {
+    uint32_t reserve = CONTROL_OPS_PER_ROOM * lb->cfg.rooms_max;
+    if (lb->op_free == PD_NONE) return false;
+    return !is_data(kind) || lb->ops_live + reserve < lb->ops_cap;
 }
 
 static op *op_post(pd_loopback *lb, uint32_t r, op_kind kind, uint64_t delay) {
-    if (lb->op_free == NONE && !ops_grow(lb)) return NULL;
+    if (!op_slot_free(lb, kind)) return NULL;
     uint32_t o = lb->op_free;
     op *p = &lb->ops[o];
     lb->op_free = p->next_free;
+    lb->ops_live++;
     memset(p, 0, sizeof(*p));
     p->live = true;
     if (lb->cfg.jitter) delay += pd_rng_below(&lb->rng, lb->cfg.jitter + 1);
     p->due = lb->now + delay;
+    room *rm = room_at(lb, r);
     if (is_data(kind)) {
-        room *rm = &lb->rooms[r];
         if (p->due < rm->last_data_due) p->due = rm->last_data_due;
         rm->last_data_due = p->due;
+        data_count(rm, +1);
     }
     p->seq = ++lb->seq;
     p->room_idx = r;
     p->kind = kind;
-    lb->rooms[r].pending_all++;
-    if (is_data(kind)) lb->rooms[r].pending_data++;
+    rm->pending_all++;
     heap_push(lb, o);
     return p;
 }
 
+/* A control operation: the pool keeps slots for them, so this cannot fail. */
+static op *op_post_control(pd_loopback *lb, uint32_t r, op_kind kind, uint64_t delay) {
+    op *p = op_post(lb, r, kind, delay);
+    PD_ASSERTF(p, "loopback: no operation slot left for a control operation");
+    return p;
+}
+
 static void op_uncount(pd_loopback *lb, op *p) {
-    room *rm = &lb->rooms[p->room_idx];
+    room *rm = room_at(lb, p->room_idx);
     PD_ASSERT(rm->pending_all > 0);
     rm->pending_all--;
-    if (is_data(p->kind)) {
-        PD_ASSERT(rm->pending_data > 0);
-        rm->pending_data--;
-    }
+    if (is_data(p->kind)) data_count(rm, -1);
 }
 
 /* Frees the op's slot; its room counts must already be released. */
@@ -325,6 +279,8 @@ static void op_free_slot(pd_loopback *lb, uint32_t o) {
     p->live = false;
     p->next_free = lb->op_free;
     lb->op_free = o;
+    PD_ASSERT(lb->ops_live > 0);
+    lb->ops_live--;
 }
 
 /* Drops the room's queued operations — only the data ones (they will never
@@ -333,7 +289,8 @@ static void op_free_slot(pd_loopback *lb, uint32_t o) {
  * them); held ones leave lb->held at once. Either way the room's counts drop
  * now, so pd_loopback_pending and the room agree. */
 static void drop_ops(pd_loopback *lb, uint32_t r, bool data_only) {
-    uint32_t pending_before = lb->rooms[r].pending_all;
+    room *rm = room_at(lb, r);
+    uint32_t pending_before = rm->pending_all;
     uint32_t dropped = 0;
     for (uint32_t i = 0; i < lb->heap_n; i++) {
         op *p = &lb->ops[lb->heap[i]];
@@ -357,18 +314,18 @@ static void drop_ops(pd_loopback *lb, uint32_t r, bool data_only) {
         }
     }
     lb->held_n = keep;
-    PD_ASSERT(lb->rooms[r].pending_all == pending_before - dropped);
+    PD_ASSERT(rm->pending_all == pending_before - dropped);
     /* The operation pd_loopback_advance is running (if of this room) is still counted. */
-    PD_ASSERT(data_only ? lb->rooms[r].pending_data <= 1 : lb->rooms[r].pending_all <= 1);
+    PD_ASSERT(data_only ? rm->h[S].writes_out <= 1 : rm->pending_all <= 1);
 }
 
 static void drop_data(pd_loopback *lb, uint32_t r) { drop_ops(lb, r, true); }
 
+/* A bootstrap or transfer failure, or a write to or from a dead side. */
 static void fail_room(pd_loopback *lb, uint32_t r) {
-    room *rm = &lb->rooms[r];
-    set_status(rm, PD_LB_PREFILL, PD_XFER_FAILED);
-    set_status(rm, PD_LB_DECODE, PD_XFER_FAILED);
-    rm->s_done = true;
+    room *rm = room_at(lb, r);
+    xr_peer_failed(&rm->h[S], XR_SENDER);
+    xr_peer_failed(&rm->h[R], XR_RECEIVER);
     drop_data(lb, r);
 }
 
@@ -388,7 +345,7 @@ static uint64_t retry_delay(const pd_loopback *lb) {
 /* Both sides are the processes that opened the room, alive. */
 static bool same_incarnation(const pd_loopback *lb, const room *rm) {
     for (int side = 0; side < 2; side++)
-        if (!lb->sides[side].alive || !rm->open[side] || rm->closed[side] ||
+        if (!lb->sides[side].alive || !rm->h[side].open || rm->h[side].closed ||
             rm->inc[side] != lb->sides[side].inc)
             return false;
     return true;
@@ -396,43 +353,40 @@ static bool same_incarnation(const pd_loopback *lb, const room *rm) {
 
 /* The receiver's destination reached the sender: the handshake is over. */
 static void run_dest(pd_loopback *lb, const op *p) {
-    room *rm = &lb->rooms[p->room_idx];
+    room *rm = room_at(lb, p->room_idx);
     if (rm->boot == PD_LB_FAIL) {
         fail_room(lb, p->room_idx);
         return;
     }
-    rm->dest_known = true;
-    if (rm->open[PD_LB_PREFILL] && rm->st[PD_LB_PREFILL] == PD_XFER_BOOTSTRAPPING)
-        set_status(rm, PD_LB_PREFILL, PD_XFER_WAITING_FOR_INPUT);
-    if (rm->st[PD_LB_DECODE] == PD_XFER_BOOTSTRAPPING)
-        set_status(rm, PD_LB_DECODE, PD_XFER_WAITING_FOR_INPUT);
+    rm->dest_delivered = true;
+    xr_dest_arrived(&rm->h[S]);
+    xr_dest_arrived(&rm->h[R]);
 }
 
 /* Copies a page / state / metadata write from the sender's memory, read now,
  * into the receiver's destination. */
 static void copy_write(pd_loopback *lb, const op *p) {
-    const room *rm = &lb->rooms[p->room_idx];
-    const side_mem *S = &lb->sides[PD_LB_PREFILL];
-    side_mem *R = &lb->sides[PD_LB_DECODE];
+    const room *rm = room_at(lb, p->room_idx);
+    const side_mem *sm = &lb->sides[S];
+    side_mem *rmem = &lb->sides[R];
     if (p->kind == OP_PAGES) {
-        size_t bytes = S->mem.kv_page_bytes;
-        uint32_t base = rm->cached / lb->cfg.page_size;
+        size_t bytes = sm->mem.kv_page_bytes;
         for (uint32_t i = 0; i < p->n; i++) {
-            uint32_t dst = rm->dest_pages[p->first_page - base + i];
-            memcpy((char *)R->mem.kv + (size_t)dst * bytes,
-                   (const char *)S->mem.kv + (size_t)p->src[i] * bytes, bytes);
+            uint32_t dst = xr_dest_page(&rm->dest, lb->cfg.page_size, p->first_page + i);
+            memcpy((char *)rmem->mem.kv + (size_t)dst * bytes,
+                   (const char *)sm->mem.kv + (size_t)p->src[i] * bytes, bytes);
         }
     } else if (p->kind == OP_STATE) {
-        memcpy((char *)R->mem.mamba + (size_t)rm->mamba_slot * R->mem.mamba_slot_bytes,
-               (const char *)S->mem.mamba + (size_t)p->src_slot * S->mem.mamba_slot_bytes,
-               S->mem.mamba_slot_bytes);
+        memcpy((char *)rmem->mem.mamba + (size_t)rm->dest.mamba_slot * rmem->mem.mamba_slot_bytes,
+               (const char *)sm->mem.mamba + (size_t)p->src_slot * sm->mem.mamba_slot_bytes,
+               sm->mem.mamba_slot_bytes);
     } else {
-        R->meta[rm->meta_row] = S->meta[p->src_slot];
+        rmem->meta[rm->dest.meta_row] = sm->meta[p->src_slot];
     }
 }
 
 static void run_write(pd_loopback *lb, const op *p) {
-    room *rm = &lb->rooms[p->room_idx];
+    room *rm = room_at(lb, p->room_idx);
     if (rm->xfer == PD_LB_FAIL) {
         fail_room(lb, p->room_idx);
         return;
@@ -444,55 +398,55 @@ static void run_write(pd_loopback *lb, const op *p) {
         fail_room(lb, p->room_idx);
         return;
     }
-    if (rm->st[PD_LB_DECODE] == PD_XFER_WAITING_FOR_INPUT)
-        set_status(rm, PD_LB_DECODE, PD_XFER_TRANSFERRING);
+    xr_data_started(&rm->h[R]);
     copy_write(lb, p);
 }
 
-static void run_op(pd_loopback *lb, op *p) {
-    room *rm = &lb->rooms[p->room_idx];
+static void run_done(pd_loopback *lb, const op *p) {
+    room *rm = room_at(lb, p->room_idx);
+    if (rm->xfer == PD_LB_FAIL || !same_incarnation(lb, rm)) {
+        fail_room(lb, p->room_idx);
+        return;
+    }
+    xr_set_status(&rm->h[S], PD_XFER_SUCCESS);
+    if (lb->sides[R].alive && rm->h[R].open) xr_set_status(&rm->h[R], PD_XFER_SUCCESS);
+    sender_stops(rm);
+}
+
+static void run_control(pd_loopback *lb, op *p) {
+    room *rm = room_at(lb, p->room_idx);
     switch (p->kind) {
-    case OP_DEST:
-        run_dest(lb, p);
-        break;
-    case OP_PAGES:
-    case OP_STATE:
-    case OP_META:
-        run_write(lb, p);
-        break;
-    case OP_DONE:
-        if (rm->xfer == PD_LB_FAIL || !same_incarnation(lb, rm)) {
-            fail_room(lb, p->room_idx);
-            break;
-        }
-        set_status(rm, PD_LB_PREFILL, PD_XFER_SUCCESS);
-        if (lb->sides[PD_LB_DECODE].alive && rm->open[PD_LB_DECODE])
-            set_status(rm, PD_LB_DECODE, PD_XFER_SUCCESS);
-        rm->s_done = true;
-        break;
     case OP_S_ABORT:
-        rm->s_aborting = false;
-        rm->s_done = true;
+        xr_abort_effective(&rm->h[S]);
+        sender_stops(rm);
         drop_data(lb, p->room_idx);
-        op_post(lb, p->room_idx, OP_R_NOTICE, p->notice_late ? retry_delay(lb) : lb->cfg.latency);
+        op_post_control(lb, p->room_idx, OP_R_NOTICE,
+                        p->notice_late ? retry_delay(lb) : lb->cfg.latency);
         break;
-    case OP_R_NOTICE:
-        set_status(rm, PD_LB_DECODE, PD_XFER_FAILED);
-        break;
+    case OP_R_NOTICE: xr_peer_failed(&rm->h[R], XR_RECEIVER); break;
     case OP_R_ABORT:
         drop_data(lb, p->room_idx);
-        set_status(rm, PD_LB_PREFILL, PD_XFER_FAILED);
-        rm->s_done = true;
-        op_post(lb, p->room_idx, OP_ACK, lb->cfg.latency);
+        xr_peer_failed(&rm->h[S], XR_SENDER);
+        sender_stops(rm);
+        op_post_control(lb, p->room_idx, OP_ACK, lb->cfg.latency);
         break;
-    case OP_ACK:
-        rm->r_stopped = true;
-        break;
+    case OP_ACK: xr_peer_stopped(&rm->h[R]); break;
     case OP_DEAD:
-        set_status(rm, p->side, PD_XFER_FAILED);
-        if (p->side == PD_LB_PREFILL) rm->s_done = true;
-        else rm->r_stopped = true;
+        xr_peer_failed(&rm->h[p->side], role_of(p->side));
+        if (p->side == S) sender_stops(rm);
         break;
+    default: PD_ASSERTF(false, "loopback: op kind %d is not a control operation", (int)p->kind);
+    }
+}
+
+static void run_op(pd_loopback *lb, op *p) {
+    switch (p->kind) {
+    case OP_DEST: run_dest(lb, p); break;
+    case OP_PAGES:
+    case OP_STATE:
+    case OP_META: run_write(lb, p); break;
+    case OP_DONE: run_done(lb, p); break;
+    default: run_control(lb, p); break;
     }
 }
 
@@ -505,15 +459,14 @@ void pd_loopback_advance(pd_loopback *lb, uint64_t now) {
             op_free_slot(lb, o);
             continue;
         }
-        room *rm = &lb->rooms[p->room_idx];
-        if (outcome_holds(rm, p->kind)) {
+        if (outcome_holds(room_at(lb, p->room_idx), p->kind)) {
             p->held = true;
             lb->held[lb->held_n++] = o;
             continue;
         }
         uint32_t r = p->room_idx;
-        run_op(lb, p); /* may post operations: the ops array can move */
-        op_uncount(lb, &lb->ops[o]);
+        run_op(lb, p);
+        op_uncount(lb, p);
         op_free_slot(lb, o);
         room_release_if_done(lb, r);
     }
@@ -530,7 +483,7 @@ static void unhold_room(pd_loopback *lb, uint32_t r) {
     for (uint32_t i = 0; i < lb->held_n; i++) {
         uint32_t o = lb->held[i];
         op *p = &lb->ops[o];
-        if (p->room_idx == r && !outcome_holds(&lb->rooms[r], p->kind)) {
+        if (p->room_idx == r && !outcome_holds(room_at(lb, r), p->kind)) {
             p->held = false;
             if (p->due < lb->now) p->due = lb->now;
             heap_push(lb, o);
@@ -546,37 +499,32 @@ static void unhold_room(pd_loopback *lb, uint32_t r) {
 static pd_err ep_sender_open(void *self, uint64_t room_id) {
     endpoint *ep = self;
     pd_loopback *lb = ep->lb;
-    if (!lb->sides[PD_LB_PREFILL].alive) return PD_ERR_IO;
+    if (!lb->sides[S].alive) return PD_ERR_IO;
     uint32_t r = room_get(lb, room_id);
-    if (r == NONE) return PD_ERR_NOMEM;
-    room *rm = &lb->rooms[r];
-    if (rm->open[PD_LB_PREFILL]) return PD_ERR_EXISTS;
-    rm->open[PD_LB_PREFILL] = true;
-    rm->tomb = false;
-    rm->inc[PD_LB_PREFILL] = lb->sides[PD_LB_PREFILL].inc;
-    if (rm->st[PD_LB_PREFILL] == PD_XFER_NONE)
-        rm->st[PD_LB_PREFILL] = rm->dest_known ? PD_XFER_WAITING_FOR_INPUT : PD_XFER_BOOTSTRAPPING;
+    if (r == PD_NONE) return PD_ERR_NOMEM;
+    room *rm = room_at(lb, r);
+    pd_err err = xr_open_sender(&rm->h[S], rm->dest_delivered);
+    if (err) return err;
+    xr_set_tomb(&lb->rooms, r, false);
+    rm->inc[S] = lb->sides[S].inc;
     return PD_OK;
 }
 
 static uint32_t ep_sender_peer_cached(void *self, uint64_t room_id) {
     endpoint *ep = self;
-    uint32_t r = room_find(ep->lb, room_id);
-    return r == NONE ? 0 : ep->lb->rooms[r].cached;
+    uint32_t r = xr_find(&ep->lb->rooms, room_id);
+    return r == PD_NONE ? 0 : room_at(ep->lb, r)->dest.cached;
 }
 
 /* Common checks for posting writes. */
 static pd_err sendable(pd_loopback *lb, uint64_t room_id, uint32_t first, uint32_t n,
                        uint32_t *out_r) {
-    if (!lb->sides[PD_LB_PREFILL].alive) return PD_ERR_IO;
-    uint32_t r = room_find(lb, room_id);
-    if (r == NONE) return PD_ERR_NOTFOUND;
-    room *rm = &lb->rooms[r];
-    if (!rm->open[PD_LB_PREFILL] || rm->s_done || rm->s_aborting) return PD_ERR_STATE;
-    pd_xfer_status st = rm->st[PD_LB_PREFILL];
-    if (st != PD_XFER_WAITING_FOR_INPUT && st != PD_XFER_TRANSFERRING) return PD_ERR_STATE;
-    uint32_t base = rm->cached / lb->cfg.page_size;
-    if (n > 0 && (first < base || first - base + n > rm->n_dest)) return PD_ERR_INVALID;
+    if (!lb->sides[S].alive) return PD_ERR_IO;
+    uint32_t r = xr_find(&lb->rooms, room_id);
+    if (r == PD_NONE) return PD_ERR_NOTFOUND;
+    room *rm = room_at(lb, r);
+    if (!xr_sendable(&rm->h[S])) return PD_ERR_STATE;
+    if (!xr_dest_covers(&rm->dest, lb->cfg.page_size, first, n)) return PD_ERR_INVALID;
     *out_r = r;
     return PD_OK;
 }
@@ -605,7 +553,7 @@ static pd_err ep_send_pages(void *self, uint64_t room_id, uint32_t first, const 
     pd_err err = sendable(ep->lb, room_id, first, n, &r);
     if (err) return err;
     err = post_pages(ep->lb, r, first, src, n);
-    if (!err) set_status(&ep->lb->rooms[r], PD_LB_PREFILL, PD_XFER_TRANSFERRING);
+    if (!err) xr_set_status(&room_at(ep->lb, r)->h[S], PD_XFER_TRANSFERRING);
     return err;
 }
 
@@ -616,10 +564,9 @@ static pd_err ep_send_final(void *self, uint64_t room_id, uint32_t first, const 
     uint32_t r;
     pd_err err = sendable(lb, room_id, first, n, &r);
     if (err) return err;
-    room *rm = &lb->rooms[r];
-    if ((mamba_slot == PD_POOL_NONE) != (rm->mamba_slot == PD_POOL_NONE)) return PD_ERR_INVALID;
-    if (meta_row >= lb->sides[PD_LB_PREFILL].meta_rows) return PD_ERR_INVALID;
-    if (first + n != PD_DIV_CEIL(rm->prompt, lb->cfg.page_size) && rm->prompt > rm->cached)
+    room *rm = room_at(lb, r);
+    if (!xr_final_fits(&rm->dest, lb->cfg.page_size, first, n, mamba_slot) ||
+        meta_row >= lb->sides[S].meta_rows)
         return PD_ERR_INVALID;
     if ((err = post_pages(lb, r, first, src, n))) return err;
     if (mamba_slot != PD_POOL_NONE) {
@@ -631,7 +578,7 @@ static pd_err ep_send_final(void *self, uint64_t room_id, uint32_t first, const 
     if (!p) return PD_ERR_NOMEM;
     p->src_slot = meta_row;
     if (!op_post(lb, r, OP_DONE, lb->cfg.latency)) return PD_ERR_NOMEM;
-    set_status(rm, PD_LB_PREFILL, PD_XFER_TRANSFERRING);
+    xr_set_status(&rm->h[S], PD_XFER_TRANSFERRING);
     return PD_OK;
 }
 
@@ -640,66 +587,45 @@ static pd_err ep_receiver_open(void *self, uint64_t room_id, const char *peer,
     (void)peer;
     endpoint *ep = self;
     pd_loopback *lb = ep->lb;
-    if (!lb->sides[PD_LB_DECODE].alive) return PD_ERR_IO;
-    if (!dest || dest->prompt_tokens == 0 || dest->cached_tokens % lb->cfg.page_size ||
-        dest->cached_tokens > dest->prompt_tokens ||
-        dest->n_pages != PD_DIV_CEIL(dest->prompt_tokens, lb->cfg.page_size) -
-                             dest->cached_tokens / lb->cfg.page_size)
-        return PD_ERR_INVALID;
+    if (!lb->sides[R].alive) return PD_ERR_IO;
+    if (!xr_dest_valid(dest, lb->cfg.page_size)) return PD_ERR_INVALID;
     uint32_t r = room_get(lb, room_id);
-    if (r == NONE) return PD_ERR_NOMEM;
-    room *rm = &lb->rooms[r];
-    if (rm->open[PD_LB_DECODE]) return PD_ERR_EXISTS;
-    uint32_t *pages = malloc((dest->n_pages + 1) * sizeof(uint32_t));
-    if (!pages) return PD_ERR_NOMEM;
-    memcpy(pages, dest->pages, dest->n_pages * sizeof(uint32_t));
-    free(rm->dest_pages);
-    rm->dest_pages = pages;
-    rm->n_dest = dest->n_pages;
-    rm->prompt = dest->prompt_tokens;
-    rm->cached = dest->cached_tokens;
-    rm->mamba_slot = dest->mamba_slot;
-    rm->meta_row = dest->meta_row;
-    rm->open[PD_LB_DECODE] = true;
-    rm->tomb = false;
-    rm->inc[PD_LB_DECODE] = lb->sides[PD_LB_DECODE].inc;
-    if (rm->st[PD_LB_DECODE] == PD_XFER_NONE) rm->st[PD_LB_DECODE] = PD_XFER_BOOTSTRAPPING;
+    if (r == PD_NONE) return PD_ERR_NOMEM;
+    room *rm = room_at(lb, r);
+    if (!xr_can_open(&rm->h[R])) return PD_ERR_EXISTS;
+    if (xr_dest_set(&rm->dest, dest) != PD_OK) return PD_ERR_NOMEM;
+    PD_MUST(xr_open_receiver(&rm->h[R]));
+    rm->h[R].dest_sent = true; /* OP_DEST is on its way */
+    xr_set_tomb(&lb->rooms, r, false);
+    rm->inc[R] = lb->sides[R].inc;
     if (!op_post(lb, r, OP_DEST, lb->cfg.latency)) return PD_ERR_NOMEM;
     return PD_OK;
 }
 
 static pd_xfer_status ep_status(void *self, uint64_t room_id) {
     endpoint *ep = self;
-    uint32_t r = room_find(ep->lb, room_id);
-    if (r == NONE || !ep->lb->rooms[r].open[ep->side]) return PD_XFER_NONE;
-    return ep->lb->rooms[r].st[ep->side];
+    uint32_t r = xr_find(&ep->lb->rooms, room_id);
+    return r == PD_NONE ? PD_XFER_NONE : xr_status(&room_at(ep->lb, r)->h[ep->side]);
 }
 
 static pd_err ep_abort(void *self, uint64_t room_id) {
     endpoint *ep = self;
     pd_loopback *lb = ep->lb;
-    uint32_t r = room_find(lb, room_id);
-    if (r == NONE) return PD_OK;
-    room *rm = &lb->rooms[r];
+    uint32_t r = xr_find(&lb->rooms, room_id);
+    if (r == PD_NONE) return PD_OK;
+    room *rm = room_at(lb, r);
     bool error = lb->sides[ep->side].abort_error;
-    if (ep->side == PD_LB_PREFILL) {
-        if (rm->s_done || rm->s_aborting) return error ? PD_ERR_IO : PD_OK;
-        if (rm->pending_data == 0) {
-            /* Nothing posted is still running: the abort takes effect now. */
-            rm->s_done = true;
-            uint64_t delay = error ? retry_delay(lb) : lb->cfg.latency;
-            if (!op_post(lb, r, OP_R_NOTICE, delay)) return PD_ERR_NOMEM;
-            return error ? PD_ERR_IO : PD_OK;
-        }
+    uint64_t delay = error ? retry_delay(lb) : lb->cfg.latency;
+    xr_act act = xr_abort(&rm->h[ep->side], role_of(ep->side));
+    if (ep->side == S && act == XR_ACT_NOTIFY) {
+        /* Nothing posted is still running: the abort takes effect now. */
+        sender_stops(rm);
+        op_post_control(lb, r, OP_R_NOTICE, delay);
+    } else if (act == XR_ACT_NOTIFY_LATER) {
         /* Writes already posted may still run until the abort takes effect. */
-        rm->s_aborting = true;
-        op *p = op_post(lb, r, OP_S_ABORT, lb->cfg.latency);
-        if (!p) return PD_ERR_NOMEM;
-        p->notice_late = error;
-    } else {
-        if (rm->r_stopped) return error ? PD_ERR_IO : PD_OK;
-        uint64_t delay = error ? retry_delay(lb) : lb->cfg.latency;
-        if (!op_post(lb, r, OP_R_ABORT, delay)) return PD_ERR_NOMEM;
+        op_post_control(lb, r, OP_S_ABORT, lb->cfg.latency)->notice_late = error;
+    } else if (act == XR_ACT_NOTIFY) {
+        op_post_control(lb, r, OP_R_ABORT, delay);
     }
     return error ? PD_ERR_IO : PD_OK;
 }
@@ -707,20 +633,19 @@ static pd_err ep_abort(void *self, uint64_t room_id) {
 static bool ep_drained(void *self, uint64_t room_id) {
     endpoint *ep = self;
     pd_loopback *lb = ep->lb;
-    uint32_t r = room_find(lb, room_id);
-    if (r == NONE) return true;
-    room *rm = &lb->rooms[r];
-    if (rm->pending_data > 0) return false;
-    if (ep->side == PD_LB_PREFILL) return !rm->s_aborting;
-    /* Receiver: nothing more can come once the sender is done or stopped. */
-    return rm->s_done || rm->r_stopped || !lb->sides[PD_LB_PREFILL].alive;
+    uint32_t r = xr_find(&lb->rooms, room_id);
+    if (r == PD_NONE) return true;
+    const xr_half *h = &room_at(lb, r)->h[ep->side];
+    if (xr_drained(h, role_of(ep->side), lb->now)) return true;
+    /* A dead sender process writes nothing. */
+    return ep->side == R && h->writes_out == 0 && !lb->sides[S].alive;
 }
 
 static void ep_close(void *self, uint64_t room_id) {
     endpoint *ep = self;
-    uint32_t r = room_find(ep->lb, room_id);
-    if (r == NONE) return;
-    ep->lb->rooms[r].closed[ep->side] = true;
+    uint32_t r = xr_find(&ep->lb->rooms, room_id);
+    if (r == PD_NONE) return;
+    xr_close(&room_at(ep->lb, r)->h[ep->side]);
     room_release_if_done(ep->lb, r);
 }
 
@@ -730,18 +655,15 @@ static void ep_cancel(void *self, uint64_t room_id, const char *peer) {
     pd_loopback *lb = ep->lb;
     if (!lb->sides[ep->side].alive) return;
     uint32_t r = room_get(lb, room_id);
-    if (r == NONE) return; /* no slot even for a tombstone: the peer's timeout decides */
-    room *rm = &lb->rooms[r];
-    if (rm->open[ep->side] || rm->cancelled[ep->side]) return;
-    rm->cancelled[ep->side] = true;
-    if (ep->side == PD_LB_PREFILL) {
-        /* Nothing was ever posted: the sender is done now. */
-        if (!rm->s_done) {
-            rm->s_done = true;
-            op_post(lb, r, OP_R_NOTICE, lb->cfg.latency);
+    if (r == PD_NONE) return; /* no slot even for a tombstone: the peer's timeout decides */
+    room *rm = room_at(lb, r);
+    if (xr_cancel(&rm->h[ep->side], role_of(ep->side)) == XR_ACT_NOTIFY) {
+        if (ep->side == S) {
+            sender_stops(rm);
+            op_post_control(lb, r, OP_R_NOTICE, lb->cfg.latency);
+        } else {
+            op_post_control(lb, r, OP_R_ABORT, lb->cfg.latency);
         }
-    } else if (!rm->r_stopped) {
-        op_post(lb, r, OP_R_ABORT, lb->cfg.latency);
     }
     room_release_if_done(lb, r);
 }
@@ -766,6 +688,21 @@ struct lb_with_eps {
     endpoint eps[2];
 };
 
+static pd_err ops_alloc(pd_loopback *lb) {
+    uint32_t control = CONTROL_OPS_PER_ROOM * lb->cfg.rooms_max;
+    uint32_t data = lb->cfg.ops_max ? lb->cfg.ops_max : PD_MAX(4096u, 64u * lb->cfg.rooms_max);
+    if (data > UINT32_MAX / 2 - control) return PD_ERR_INVALID;
+    lb->ops_cap = control + data;
+    lb->ops = calloc(lb->ops_cap, sizeof(op));
+    lb->heap = malloc(lb->ops_cap * sizeof(uint32_t));
+    lb->held = malloc(lb->ops_cap * sizeof(uint32_t));
+    if (!lb->ops || !lb->heap || !lb->held) return PD_ERR_NOMEM;
+    for (uint32_t i = 0; i < lb->ops_cap; i++)
+        lb->ops[i].next_free = i + 1 < lb->ops_cap ? i + 1 : PD_NONE;
+    lb->op_free = 0;
+    return PD_OK;
+}
+
 pd_err pd_loopback_create(pd_loopback **out, const pd_loopback_config *cfg) {
     if (!out || !cfg || cfg->rooms_max == 0 || cfg->page_size == 0) return PD_ERR_INVALID;
     struct lb_with_eps *w = calloc(1, sizeof(*w));
@@ -773,17 +710,12 @@ pd_err pd_loopback_create(pd_loopback **out, const pd_loopback_config *cfg) {
     pd_loopback *lb = &w->lb;
     lb->cfg = *cfg;
     pd_rng_seed(&lb->rng, cfg->jitter_seed);
-    uint32_t cap = 16;
-    while (cap < 2 * cfg->rooms_max) cap *= 2;
-    lb->ht_mask = cap - 1;
-    lb->rooms = calloc(cfg->rooms_max, sizeof(room));
-    lb->room_ht = malloc(cap * sizeof(uint32_t));
-    lb->op_free = NONE;
-    if (!lb->rooms || !lb->room_ht || !ops_grow(lb)) {
+    pd_err err = xr_table_init(&lb->rooms, cfg->rooms_max, sizeof(room), evictable, evict, lb);
+    if (!err) err = ops_alloc(lb);
+    if (err) {
         pd_loopback_destroy(lb);
-        return PD_ERR_NOMEM;
+        return err;
     }
-    memset(lb->room_ht, 0xFF, cap * sizeof(uint32_t));
     for (int s = 0; s < 2; s++) {
         w->eps[s].lb = lb;
         w->eps[s].side = (pd_lb_side)s;
@@ -795,23 +727,18 @@ pd_err pd_loopback_create(pd_loopback **out, const pd_loopback_config *cfg) {
 
 void pd_loopback_destroy(pd_loopback *lb) {
     if (!lb) return;
-    for (uint32_t i = 0; i < lb->ops_cap; i++)
+    for (uint32_t i = 0; lb->ops && i < lb->ops_cap; i++)
         if (lb->ops[i].live) free(lb->ops[i].src);
-    for (uint32_t r = 0; r < lb->cfg.rooms_max && lb->rooms; r++) free(lb->rooms[r].dest_pages);
-    free(lb->rooms);
-    free(lb->room_ht);
+    for (uint32_t r = 0; lb->rooms.recs && r < lb->rooms.max; r++)
+        if (room_at(lb, r)->slot.used) xr_dest_clear(&room_at(lb, r)->dest);
+    xr_table_free(&lb->rooms);
     free(lb->ops);
     free(lb->heap);
     free(lb->held);
     free((struct lb_with_eps *)lb);
 }
 
-static endpoint endpoints_of(pd_loopback *lb, pd_lb_side side) {
-    return ((struct lb_with_eps *)lb)->eps[side];
-}
-
 pd_xfer pd_loopback_endpoint(pd_loopback *lb, pd_lb_side side) {
-    (void)endpoints_of;
     return (pd_xfer){.vt = &loopback_vt, .self = &((struct lb_with_eps *)lb)->eps[side]};
 }
 
@@ -828,22 +755,26 @@ void pd_loopback_register(pd_loopback *lb, pd_lb_side side, const pd_exec_memory
  * hold after both halves are gone (and the room with them) must not leave a
  * blank room pinning a slot forever. */
 static void room_forget_if_blank(pd_loopback *lb, uint32_t r) {
-    const room *rm = &lb->rooms[r];
-    for (int s = 0; s < 2; s++)
-        if (rm->open[s] || rm->cancelled[s] || rm->st[s] != PD_XFER_NONE) return;
-    if (rm->pending_all || rm->tomb || rm->dest_known || rm->s_done || rm->s_aborting ||
-        rm->r_stopped || rm->boot != PD_LB_OK || rm->xfer != PD_LB_OK)
+    const room *rm = room_at(lb, r);
+    for (int s = 0; s < 2; s++) {
+        const xr_half *h = &rm->h[s];
+        if (h->open || h->cancelled || h->st != PD_XFER_NONE || h->done || h->stopping ||
+            h->peer_stopped)
+            return;
+    }
+    if (rm->pending_all || rm->slot.tomb_order || rm->dest_delivered || rm->boot != PD_LB_OK ||
+        rm->xfer != PD_LB_OK)
         return;
     room_free(lb, r);
 }
 
 static void set_outcome(pd_loopback *lb, uint64_t room_id, bool boot, pd_lb_outcome o) {
-    uint32_t r = room_find(lb, room_id);
-    if (r == NONE && o == PD_LB_OK) return; /* the default: nothing to remember */
-    if (r == NONE) r = room_get(lb, room_id);
-    if (r == NONE) return;
-    if (boot) lb->rooms[r].boot = o;
-    else lb->rooms[r].xfer = o;
+    uint32_t r = xr_find(&lb->rooms, room_id);
+    if (r == PD_NONE && o == PD_LB_OK) return; /* the default: nothing to remember */
+    if (r == PD_NONE) r = room_get(lb, room_id);
+    if (r == PD_NONE) return;
+    if (boot) room_at(lb, r)->boot = o;
+    else room_at(lb, r)->xfer = o;
     unhold_room(lb, r);
     room_forget_if_blank(lb, r);
 }
@@ -864,18 +795,16 @@ void pd_loopback_kill(pd_loopback *lb, pd_lb_side side) {
     lb->sides[side].alive = false;
     lb->sides[side].inc++;
     lb->sides[side].abort_error = false;
-    pd_lb_side peer = side == PD_LB_PREFILL ? PD_LB_DECODE : PD_LB_PREFILL;
-    for (uint32_t r = 0; r < lb->cfg.rooms_max; r++) {
-        room *rm = &lb->rooms[r];
-        if (!rm->used || !rm->open[side] || rm->closed[side]) continue;
+    pd_lb_side peer = side == S ? R : S;
+    for (uint32_t r = 0; r < lb->rooms.max; r++) {
+        room *rm = room_at(lb, r);
+        if (!rm->slot.used || !rm->h[side].open || rm->h[side].closed) continue;
         /* Its memory is gone: nothing may touch it, nothing more comes from it. */
         drop_data(lb, r);
-        rm->closed[side] = true;
-        if (side == PD_LB_PREFILL) rm->s_done = true;
-        if (rm->open[peer] && !rm->closed[peer]) {
-            op *p = op_post(lb, r, OP_DEAD, lb->cfg.dead_grace);
-            if (p) p->side = peer;
-        }
+        xr_close(&rm->h[side]);
+        if (side == S) sender_stops(rm);
+        if (rm->h[peer].open && !rm->h[peer].closed)
+            op_post_control(lb, r, OP_DEAD, lb->cfg.dead_grace)->side = peer;
         /* The peer's half may be gone already: then the room goes now. */
         room_release_if_done(lb, r);
     }
@@ -889,6 +818,6 @@ void pd_loopback_restart(pd_loopback *lb, pd_lb_side side) {
 }
 
 pd_xfer_status pd_loopback_status(pd_loopback *lb, pd_lb_side side, uint64_t room_id) {
-    uint32_t r = room_find(lb, room_id);
-    return r == NONE ? PD_XFER_NONE : lb->rooms[r].st[side];
+    uint32_t r = xr_find(&lb->rooms, room_id);
+    return r == PD_NONE ? PD_XFER_NONE : room_at(lb, r)->h[side].st;
 }

@@ -1,0 +1,254 @@
+/*
+ * room.c — the room core (src/xfer/room.h): the half's rules, the
+ * destination's checks and the room table. No I/O, no clock, no locks: the
+ * transport that drives it supplies time and serialises calls.
+ */
+#include "room.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+#include "pdserve/pool.h"
+
+/* ---- the half ------------------------------------------------------------ */
+
+bool xr_is_final(pd_xfer_status st) { return st == PD_XFER_SUCCESS || st == PD_XFER_FAILED; }
+
+void xr_set_status(xr_half *h, pd_xfer_status st) {
+    if (xr_is_final(h->st)) return;
+    PD_ASSERT(st >= h->st || st == PD_XFER_FAILED);
+    h->st = st;
+}
+
+pd_xfer_status xr_status(const xr_half *h) { return h->open ? h->st : PD_XFER_NONE; }
+
+bool xr_can_open(const xr_half *h) { return !h->open && !h->closed && !h->cancelled; }
+
+pd_err xr_open_sender(xr_half *h, bool dest_known) {
+    if (!xr_can_open(h)) return PD_ERR_EXISTS;
+    h->open = true;
+    if (h->st == PD_XFER_NONE)
+        h->st = dest_known ? PD_XFER_WAITING_FOR_INPUT : PD_XFER_BOOTSTRAPPING;
+    return PD_OK;
+}
+
+pd_err xr_open_receiver(xr_half *h) {
+    if (!xr_can_open(h)) return PD_ERR_EXISTS;
+    h->open = true;
+    if (h->st == PD_XFER_NONE) h->st = PD_XFER_BOOTSTRAPPING;
+    return PD_OK;
+}
+
+void xr_dest_arrived(xr_half *h) {
+    if (h->st == PD_XFER_BOOTSTRAPPING) h->st = PD_XFER_WAITING_FOR_INPUT;
+}
+
+void xr_data_started(xr_half *h) {
+    if (h->st == PD_XFER_BOOTSTRAPPING || h->st == PD_XFER_WAITING_FOR_INPUT)
+        h->st = PD_XFER_TRANSFERRING;
+}
+
+xr_act xr_abort(xr_half *h, xr_role role) {
+    if (role == XR_SENDER) {
+        if (h->done || h->stopping) return XR_ACT_NONE;
+        if (h->writes_out == 0) {
+            h->done = true;
+            return XR_ACT_NOTIFY;
+        }
+        h->stopping = true;
+        return XR_ACT_NOTIFY_LATER;
+    }
+    if (h->peer_stopped) return XR_ACT_NONE;
+    if (!h->dest_sent) {
+        h->peer_stopped = true; /* the sender never learnt where to write */
+        return XR_ACT_NONE;
+    }
+    if (h->abort_sent) return XR_ACT_NONE;
+    h->abort_sent = true;
+    return XR_ACT_NOTIFY;
+}
+
+void xr_abort_effective(xr_half *h) {
+    h->stopping = false;
+    h->done = true;
+}
+
+void xr_sender_done(xr_half *h) { h->done = true; }
+
+void xr_peer_stopped(xr_half *h) { h->peer_stopped = true; }
+
+void xr_peer_failed(xr_half *h, xr_role role) {
+    xr_set_status(h, PD_XFER_FAILED);
+    if (role == XR_SENDER) h->done = true;
+    else h->peer_stopped = true;
+}
+
+bool xr_drained(const xr_half *h, xr_role role, uint64_t now) {
+    if (h->writes_out > 0) return false;
+    if (role == XR_SENDER) return !h->stopping;
+    return h->peer_stopped && now >= h->settle_until;
+}
+
+void xr_close(xr_half *h) {
+    if (h->open) h->closed = true;
+}
+
+xr_act xr_cancel(xr_half *h, xr_role role) {
+    if (h->open || h->cancelled) return XR_ACT_NONE;
+    h->cancelled = true;
+    if (role == XR_SENDER) {
+        if (h->done) return XR_ACT_NONE;
+        h->done = true; /* it never posted anything */
+        return XR_ACT_NOTIFY;
+    }
+    return h->peer_stopped ? XR_ACT_NONE : XR_ACT_NOTIFY;
+}
+
+bool xr_gone(const xr_half *h) { return h->open ? h->closed : h->cancelled; }
+
+bool xr_news_for_engine(const xr_half *h) {
+    return !h->open && !h->cancelled && h->st == PD_XFER_FAILED;
+}
+
+bool xr_news_for_peer(const xr_half *h, const xr_dest *d) { return h->early_abort && !d->known; }
+
+bool xr_sendable(const xr_half *h) {
+    if (!h->open || h->closed || h->done || h->stopping) return false;
+    return h->st == PD_XFER_WAITING_FOR_INPUT || h->st == PD_XFER_TRANSFERRING;
+}
+
+/* ---- the destination ---------------------------------------------------- */
+
+bool xr_dest_valid(const pd_xfer_dest *dest, uint32_t ps) {
+    return dest && ps > 0 && dest->prompt_tokens > 0 && dest->cached_tokens % ps == 0 &&
+        dest->cached_tokens <= dest->prompt_tokens &&
+        dest->n_pages == PD_DIV_CEIL(dest->prompt_tokens, ps) - dest->cached_tokens / ps &&
+        (dest->n_pages == 0 || dest->pages);
+}
+
+pd_err xr_dest_set(xr_dest *d, const pd_xfer_dest *dest) {
+    uint32_t *pages = malloc(((size_t)dest->n_pages + 1) * sizeof(uint32_t));
+    if (!pages) return PD_ERR_NOMEM;
+    if (dest->n_pages) memcpy(pages, dest->pages, dest->n_pages * sizeof(uint32_t));
+    free(d->pages);
+    *d = (xr_dest){
+        .known = true,
+        .prompt = dest->prompt_tokens,
+        .cached = dest->cached_tokens,
+        .n_pages = dest->n_pages,
+        .mamba_slot = dest->mamba_slot,
+        .meta_row = dest->meta_row,
+        .pages = pages,
+    };
+    return PD_OK;
+}
+
+void xr_dest_clear(xr_dest *d) {
+    free(d->pages);
+    memset(d, 0, sizeof(*d));
+}
+
+bool xr_dest_covers(const xr_dest *d, uint32_t ps, uint32_t first, uint32_t n) {
+    if (n == 0) return true;
+    uint32_t base = d->cached / ps;
+    return first >= base && first - base <= d->n_pages && n <= d->n_pages - (first - base);
+}
+
+bool xr_final_fits(const xr_dest *d, uint32_t ps, uint32_t first, uint32_t n,
+                   uint32_t mamba_slot) {
+    if ((mamba_slot == PD_POOL_NONE) != (d->mamba_slot == PD_POOL_NONE)) return false;
+    return d->prompt <= d->cached || first + n == PD_DIV_CEIL(d->prompt, ps);
+}
+
+uint32_t xr_dest_page(const xr_dest *d, uint32_t ps, uint32_t page) {
+    uint32_t i = page - d->cached / ps;
+    PD_ASSERT(i < d->n_pages);
+    return d->pages[i];
+}
+
+/* ---- the room table ----------------------------------------------------- */
+
+pd_err xr_table_init(xr_table *t, uint32_t max, size_t stride,
+                     bool (*evictable)(void *ctx, uint32_t r), void (*evict)(void *ctx, uint32_t r),
+                     void *ctx) {
+    memset(t, 0, sizeof(*t));
+    if (max == 0 || stride < sizeof(xr_slot)) return PD_ERR_INVALID;
+    t->stride = stride;
+    t->max = max;
+    t->evictable = evictable;
+    t->evict = evict;
+    t->ctx = ctx;
+    t->recs = calloc(max, stride);
+    t->free_slots = malloc(max * sizeof(uint32_t));
+    if (!t->recs || !t->free_slots || pd_index_init(&t->ix, max) != PD_OK) {
+        xr_table_free(t);
+        return PD_ERR_NOMEM;
+    }
+    for (uint32_t i = 0; i < max; i++) t->free_slots[i] = max - 1 - i;
+    t->n_free = max;
+    return PD_OK;
+}
+
+void xr_table_free(xr_table *t) {
+    free(t->recs);
+    free(t->free_slots);
+    pd_index_free(&t->ix);
+    memset(t, 0, sizeof(*t));
+}
+
+uint32_t xr_find(const xr_table *t, uint64_t id) {
+    pd_index_probe p;
+    for (uint32_t r = pd_index_first(&t->ix, pd_hash_u64(id), &p); r != PD_NONE;
+         r = pd_index_next(&t->ix, &p))
+        if (xr_at(t, r)->id == id) return r;
+    return PD_NONE;
+}
+
+/* The oldest tombstone the transport can drop; PD_NONE if there is none. */
+static uint32_t tomb_victim(const xr_table *t) {
+    uint32_t best = PD_NONE;
+    uint64_t best_order = UINT64_MAX;
+    for (uint32_t r = 0; r < t->max; r++) {
+        const xr_slot *s = xr_at(t, r);
+        if (!s->used || s->tomb_order == 0 || s->tomb_order >= best_order) continue;
+        if (t->evictable && !t->evictable(t->ctx, r)) continue;
+        best = r;
+        best_order = s->tomb_order;
+    }
+    return best;
+}
+
+uint32_t xr_add(xr_table *t, uint64_t id) {
+    PD_ASSERT(xr_find(t, id) == PD_NONE);
+    if (t->n_free == 0) {
+        uint32_t v = tomb_victim(t);
+        if (v == PD_NONE) return PD_NONE;
+        t->evict(t->ctx, v);
+        PD_ASSERT(t->n_free > 0 && !xr_at(t, v)->used);
+    }
+    uint32_t r = t->free_slots[--t->n_free];
+    xr_slot *s = xr_at(t, r);
+    uint32_t gen = s->gen;
+    memset(s, 0, t->stride);
+    *s = (xr_slot){.id = id, .gen = gen, .used = true};
+    pd_index_insert(&t->ix, pd_hash_u64(id), r);
+    return r;
+}
+
+void xr_remove(xr_table *t, uint32_t r) {
+    xr_slot *s = xr_at(t, r);
+    PD_ASSERT(s->used);
+    pd_index_remove(&t->ix, pd_hash_u64(s->id), r);
+    s->used = false;
+    s->tomb_order = 0;
+    s->gen++;
+    t->free_slots[t->n_free++] = r;
+}
+
+void xr_set_tomb(xr_table *t, uint32_t r, bool tomb) {
+    xr_slot *s = xr_at(t, r);
+    if (!tomb) s->tomb_order = 0;
+    else if (s->tomb_order == 0) s->tomb_order = ++t->tomb_seq;
+}
+
+uint32_t xr_used(const xr_table *t) { return t->max - t->n_free; }
