@@ -5,7 +5,7 @@ find_package(Threads REQUIRED)
 pkg_check_modules(UCX REQUIRED IMPORTED_TARGET ucx)
 
 add_library(pd_net STATIC src/xfer/net.c src/xfer/bootstrap_proto.c)
-target_link_libraries(pd_net PUBLIC pd_base PkgConfig::UCX Threads::Threads)
+target_link_libraries(pd_net PUBLIC pd_xfer PkgConfig::UCX Threads::Threads)
 
 list(APPEND PD_CLI_LIBS pd_net)
 

@@ -58,7 +58,7 @@
  * UCP_EP_CLOSE_FLAG_FORCE, which in UCP_ERR_HANDLING_MODE_PEER completes
  * every outstanding request with an error, so its rooms drain. UCX 1.13's
  * shared-memory transports refuse peer mode, so a shm-only configuration
- * gets endpoints in mode NONE (counted in peers_without_peer_errors); there
+ * gets endpoints in mode PD_NONE (counted in peers_without_peer_errors); there
  * a forced close can leave requests to the dead peer pending forever, and
  * the room gives up on them after drain_grace_ms (writes_abandoned). Every
  * request carries its room's index and generation in UCX's per-request user
@@ -100,8 +100,8 @@
 #include <ucp/api/ucp.h>
 
 #include "bootstrap_proto.h"
+#include "room.h"
 
-#define NONE UINT32_MAX
 #define REG_KV BP_REG_KV
 #define REG_MAMBA BP_REG_MAMBA
 #define REG_META BP_REG_META
@@ -129,34 +129,27 @@ typedef struct stage {
 
 typedef enum notice { N_NONE = 0, N_DONE, N_ABORT, N_ACK } notice;
 
+/* One room on this node: the room core's half and destination (room.h),
+ * plus what the network adds. */
 typedef struct room {
-    uint32_t gen;            /* bumped when the slot is freed or its writes abandoned */
-    uint64_t id;
-    bool used, open, closed, in_dirty;
-    pd_xfer_status st;       /* PD_XFER_NONE until opened (prefill orphans keep FAILED) */
-    uint32_t peer, peer_gen; /* NONE: not yet bound to a connection */
+    xr_slot slot;            /* id, generation (also bumped when writes are abandoned) */
+    xr_half h;               /* the sender half on a prefill node, the receiver's on a decode */
+    xr_dest dest;            /* decode: its own (pages freed once sent); prefill: the DEST */
+    uint32_t peer, peer_gen; /* PD_NONE: not yet bound to a connection */
     uint64_t t_ms;           /* created / closed: orphan and tombstone expiry */
     uint64_t due_ms;         /* a notice held back by the abort-error fault */
-    /* the destination */
-    bool dest_known;
-    uint32_t prompt, cached, n_dest, mamba_slot, meta_row;
-    uint32_t *dest;
     /* prefill */
-    bool s_done;             /* posts nothing more */
     bool final_staged;
     bool started;            /* START sent */
     bool need_flush;         /* puts posted since the last flush */
     bool r_aborted;          /* the decode asked to stop */
-    bool early_abort;        /* aborted before its destination arrived */
     notice note;             /* sent once every posted write has completed */
     uint64_t note_value;
     uint32_t puts_out, flush_out;
     uint32_t q_head, q_tail;
     uint64_t bytes;
     /* decode */
-    bool dest_sent;          /* the destination may have reached the prefill */
-    bool stopped;            /* the prefill will write no more (or never learned where) */
-    bool abort_req, abort_sent;
+    bool abort_wired;        /* our ABORT is on the wire */
     bool peer_lost;
     bool lost_unreliable;    /* the lost peer's endpoint had no peer-failure mode */
     bool cancel_only;        /* never opened here: one ABORT to the prefill, then freed */
@@ -235,9 +228,9 @@ struct pd_net {
     void *rkey_buf[REG_N];
     size_t rkey_len[REG_N];
     /* tables, all sized at creation */
-    room *rooms;
-    uint32_t *room_ht, ht_mask;
-    uint32_t *room_free, room_free_n;
+    xr_table rooms;
+    bool *in_dirty;            /* per room slot: on the dirty ring (a stale entry may name a
+                                  freed slot) */
     peer *peers;
     stage *stages;
     uint32_t stage_free, stages_avail;
@@ -288,14 +281,22 @@ static bool set_nonblocking(int fd) {
  * read at the top of the progress loop). */
 static uint64_t since(uint64_t now, uint64_t t) { return now > t ? now - t : 0; }
 
-static bool is_terminal(pd_xfer_status st) { return st == PD_XFER_SUCCESS || st == PD_XFER_FAILED; }
+static uint32_t ridx(const pd_net *n, const room *rm) {
+    return (uint32_t)(((const char *)rm - n->rooms.recs) / sizeof(room));
+}
 
-/* Status moves forward only; SUCCESS and FAILED are final. Counts outcomes
- * of rooms the engine opened. */
+static room *room_at(const pd_net *n, uint32_t r) { return (room *)xr_at(&n->rooms, r); }
+
+/* Status moves forward only; SUCCESS and FAILED are final (room.h). Counts
+ * outcomes of rooms the engine opened; a room not opened here that fails is
+ * a tombstone: it only carries the news to a later sender_open. */
 static void set_st(pd_net *n, room *rm, pd_xfer_status st) {
-    if (is_terminal(rm->st)) return;
-    rm->st = st;
-    if (!rm->open) return;
+    if (xr_is_final(rm->h.st)) return;
+    xr_set_status(&rm->h, st);
+    if (!rm->h.open) {
+        if (st == PD_XFER_FAILED) xr_set_tomb(&n->rooms, ridx(n, rm), true);
+        return;
+    }
     if (st == PD_XFER_FAILED) n->stats.rooms_failed++;
     if (st == PD_XFER_SUCCESS) n->stats.rooms_succeeded++;
 }
@@ -307,111 +308,71 @@ static void due_at(pd_net *n, room *rm, uint64_t t) {
 
 /* ---- rooms --------------------------------------------------------------------- */
 
-static uint32_t ridx(const pd_net *n, const room *rm) { return (uint32_t)(rm - n->rooms); }
-
-static uint32_t room_find(const pd_net *n, uint64_t id) {
-    for (uint32_t i = (uint32_t)pd_hash_u64(id) & n->ht_mask;; i = (i + 1) & n->ht_mask) {
-        uint32_t r = n->room_ht[i];
-        if (r == NONE) return NONE;
-        if (n->rooms[r].id == id) return r;
-    }
-}
+static uint32_t room_find(const pd_net *n, uint64_t id) { return xr_find(&n->rooms, id); }
 
 static void mark_dirty(pd_net *n, room *rm) {
-    if (rm->in_dirty) return;
+    uint32_t r = ridx(n, rm);
+    if (n->in_dirty[r]) return;
     PD_ASSERT(n->dirty_n < n->cfg.rooms_max);
-    rm->in_dirty = true;
-    n->dirty[(n->dirty_head + n->dirty_n++) % n->cfg.rooms_max] = ridx(n, rm);
+    n->in_dirty[r] = true;
+    n->dirty[(n->dirty_head + n->dirty_n++) % n->cfg.rooms_max] = r;
 }
 
 static void stages_drop(pd_net *n, room *rm);
 
-/* The oldest tombstone or expired-looking orphan never opened by the engine:
- * evicted when the table is full rather than refusing a live request. */
-static uint32_t room_victim(pd_net *n) {
-    uint32_t best = NONE;
-    for (uint32_t r = 0; r < n->cfg.rooms_max; r++) {
-        room *rm = &n->rooms[r];
-        if (!rm->used || rm->puts_out || rm->flush_out || rm->q_head != NONE || rm->note != N_NONE)
-            continue;
-        bool tomb = rm->closed || (!rm->open && rm->st == PD_XFER_FAILED);
-        if (!tomb) continue;
-        if (best == NONE || rm->t_ms < n->rooms[best].t_ms) best = r;
-    }
-    return best;
+/* Writes, a flush or a notice of the room are still in the transport's hands. */
+static bool room_busy(const room *rm) {
+    return rm->puts_out || rm->flush_out || rm->q_head != PD_NONE || rm->note != N_NONE;
+}
+
+/* The table's eviction test: a tombstone (closed, or failed before the
+ * engine opened it) with nothing in flight can make way for a live room. */
+static bool evictable(void *ctx, uint32_t r) {
+    const room *rm = room_at(ctx, r);
+    return !room_busy(rm) && (rm->h.closed || rm->h.cancelled || xr_news_for_engine(&rm->h));
 }
 
 static void room_free(pd_net *n, uint32_t r);
 
+static void evict(void *ctx, uint32_t r) { room_free(ctx, r); }
+
 static uint32_t room_new(pd_net *n, uint64_t id) {
-    if (n->room_free_n == 0) {
-        uint32_t v = room_victim(n);
-        if (v == NONE) return NONE;
-        room_free(n, v);
-    }
-    uint32_t r = n->room_free[--n->room_free_n];
-    room *rm = &n->rooms[r];
-    bool dirty = rm->in_dirty; /* a stale ring entry may still name this slot */
-    uint32_t gen = rm->gen;
-    memset(rm, 0, sizeof(*rm));
-    rm->in_dirty = dirty;
-    rm->gen = gen;
-    rm->used = true;
-    rm->id = id;
-    rm->peer = rm->peer_gen = NONE;
-    rm->mamba_slot = rm->meta_row = NONE;
-    rm->q_head = rm->q_tail = NONE;
+    uint32_t r = xr_add(&n->rooms, id);
+    if (r == PD_NONE) return PD_NONE;
+    room *rm = room_at(n, r);
+    rm->peer = rm->peer_gen = PD_NONE;
+    rm->dest.mamba_slot = rm->dest.meta_row = PD_NONE;
+    rm->q_head = rm->q_tail = PD_NONE;
     rm->t_ms = now_ms();
-    uint32_t i = (uint32_t)pd_hash_u64(id) & n->ht_mask;
-    while (n->room_ht[i] != NONE) i = (i + 1) & n->ht_mask;
-    n->room_ht[i] = r;
     return r;
 }
 
-/* Removes r from the table; linear probing with backward-shift deletion, so
- * lookups never need tombstone slots. */
+/* Removes r from the table; the slot's generation moves on, so a completion
+ * that names the old one touches nothing. */
 static void room_free(pd_net *n, uint32_t r) {
-    room *rm = &n->rooms[r];
-    PD_ASSERT(rm->used && rm->puts_out == 0 && rm->flush_out == 0);
+    room *rm = room_at(n, r);
+    PD_ASSERT(rm->slot.used && rm->puts_out == 0 && rm->flush_out == 0);
     stages_drop(n, rm);
-    uint32_t hole = (uint32_t)pd_hash_u64(rm->id) & n->ht_mask;
-    while (n->room_ht[hole] != r) hole = (hole + 1) & n->ht_mask;
-    n->room_ht[hole] = NONE;
-    for (uint32_t j = (hole + 1) & n->ht_mask; n->room_ht[j] != NONE; j = (j + 1) & n->ht_mask) {
-        uint32_t home = (uint32_t)pd_hash_u64(n->rooms[n->room_ht[j]].id) & n->ht_mask;
-        /* The entry at j may move to the hole if its home does not lie in
-         * the cyclic interval (hole, j]. */
-        uint32_t d_entry = (j - home) & n->ht_mask, d_hole = (j - hole) & n->ht_mask;
-        if (d_entry >= d_hole) {
-            n->room_ht[hole] = n->room_ht[j];
-            n->room_ht[j] = NONE;
-            hole = j;
-        }
-    }
-    free(rm->dest);
-    bool dirty = rm->in_dirty;
-    uint32_t gen = rm->gen + 1;
-    memset(rm, 0, sizeof(*rm));
-    rm->in_dirty = dirty;
-    rm->gen = gen;
-    rm->q_head = rm->q_tail = NONE;
-    n->room_free[n->room_free_n++] = r;
+    xr_dest_clear(&rm->dest);
+    xr_remove(&n->rooms, r);
 }
 
-/* Frees the slot once nothing refers to it any more. */
+/* The engine is done with the room (closed or cancelled): a tombstone from
+ * now on, and freed once nothing refers to it any more. */
 static void room_try_release(pd_net *n, room *rm) {
-    if (!rm->used || !rm->closed) return;
+    if (!rm->slot.used || !xr_gone(&rm->h)) return;
+    xr_set_tomb(&n->rooms, ridx(n, rm), true);
     if (n->cfg.role == PD_NET_PREFILL) {
-        if (rm->puts_out || rm->flush_out || rm->q_head != NONE || rm->note != N_NONE) return;
+        if (room_busy(rm)) return;
         /* Aborted before its destination came: keep the id, so the late DEST
          * gets an ABORT instead of waiting out the decode's timeout. */
-        if (rm->early_abort && !rm->dest_known) return;
+        if (xr_news_for_peer(&rm->h, &rm->dest)) return;
     }
     room_free(n, ridx(n, rm));
 }
 
 static peer *peer_of(pd_net *n, const room *rm) {
-    if (rm->peer == NONE) return NULL;
+    if (rm->peer == PD_NONE) return NULL;
     peer *p = &n->peers[rm->peer];
     if (p->gen != rm->peer_gen || p->state == PS_FREE || p->state == PS_CLOSING ||
         p->closing_after_tx)
@@ -419,27 +380,35 @@ static peer *peer_of(pd_net *n, const room *rm) {
     return p;
 }
 
+/* Tells the room core how many of the sender's writes are still in the
+ * transport's hands (a staged run counts until it is posted, a put until it
+ * completes), and lets an abort waiting for them take effect. */
+static void writes_sync(room *rm) {
+    rm->h.writes_out = rm->puts_out + (rm->q_head != PD_NONE);
+    if (rm->h.stopping && rm->h.writes_out == 0) xr_abort_effective(&rm->h);
+}
+
 /* ---- staged writes (prefill) --------------------------------------------------- */
 
 static void stages_drop(pd_net *n, room *rm) {
-    for (uint32_t s = rm->q_head; s != NONE;) {
+    for (uint32_t s = rm->q_head; s != PD_NONE;) {
         uint32_t next = n->stages[s].next;
         n->stages[s].next = n->stage_free;
         n->stage_free = s;
         n->stages_avail++;
         s = next;
     }
-    rm->q_head = rm->q_tail = NONE;
+    rm->q_head = rm->q_tail = PD_NONE;
 }
 
 static void stage_push(pd_net *n, room *rm, uint32_t reg, uint32_t src, uint32_t dst,
                        uint32_t units) {
-    PD_ASSERT(n->stage_free != NONE && n->stages_avail > 0);
+    PD_ASSERT(n->stage_free != PD_NONE && n->stages_avail > 0);
     uint32_t s = n->stage_free;
     n->stage_free = n->stages[s].next;
     n->stages_avail--;
-    n->stages[s] = (stage){.next = NONE, .reg = reg, .src = src, .dst = dst, .n = units};
-    if (rm->q_tail == NONE) rm->q_head = s;
+    n->stages[s] = (stage){.next = PD_NONE, .reg = reg, .src = src, .dst = dst, .n = units};
+    if (rm->q_tail == PD_NONE) rm->q_head = s;
     else n->stages[rm->q_tail].next = s;
     rm->q_tail = s;
 }
@@ -449,8 +418,9 @@ static uint32_t count_runs(const room *rm, uint32_t base, uint32_t first, const 
                            uint32_t cnt) {
     uint32_t runs = 0;
     for (uint32_t i = 0; i < cnt; i++) {
-        uint32_t dst = rm->dest[first - base + i];
-        if (i == 0 || src[i] != src[i - 1] + 1 || dst != rm->dest[first - base + i - 1] + 1) runs++;
+        uint32_t dst = rm->dest.pages[first - base + i];
+        if (i == 0 || src[i] != src[i - 1] + 1 || dst != rm->dest.pages[first - base + i - 1] + 1)
+            runs++;
     }
     return runs;
 }
@@ -461,9 +431,9 @@ static void stage_runs(pd_net *n, room *rm, uint32_t base, uint32_t first, const
     while (i < cnt) {
         uint32_t j = i + 1;
         while (j < cnt && src[j] == src[j - 1] + 1 &&
-               rm->dest[first - base + j] == rm->dest[first - base + j - 1] + 1)
+               rm->dest.pages[first - base + j] == rm->dest.pages[first - base + j - 1] + 1)
             j++;
-        stage_push(n, rm, REG_KV, src[i], rm->dest[first - base + i], j - i);
+        stage_push(n, rm, REG_KV, src[i], rm->dest.pages[first - base + i], j - i);
         i = j;
     }
 }
@@ -584,19 +554,21 @@ static void peer_fail(pd_net *n, uint32_t pi, const char *why) {
         p->fd = -1;
     }
     for (uint32_t r = 0; r < n->cfg.rooms_max; r++) {
-        room *rm = &n->rooms[r];
-        if (!rm->used || rm->peer != pi || rm->peer_gen != p->gen) continue;
+        room *rm = room_at(n, r);
+        if (!rm->slot.used || rm->peer != pi || rm->peer_gen != p->gen) continue;
         set_st(n, rm, PD_XFER_FAILED);
         rm->peer_lost = true;
         rm->lost_unreliable = p->ep_no_peer_mode;
         rm->lost_ms = now;
         if (rm->lost_unreliable) n->abandon_pending++;
         if (n->cfg.role == PD_NET_PREFILL) {
-            rm->s_done = true;
+            xr_peer_failed(&rm->h, XR_SENDER);
             rm->note = N_NONE; /* nobody left to tell */
             stages_drop(n, rm);
         } else {
-            rm->stopped = true;
+            xr_peer_failed(&rm->h, XR_RECEIVER);
+            /* A hung prefill may still write until it declares us dead itself. */
+            if (rm->h.dest_sent) rm->h.settle_until = now + n->cfg.drain_grace_ms;
         }
         mark_dirty(n, rm);
     }
@@ -626,12 +598,12 @@ static uint32_t peer_alloc(pd_net *n) {
         if (n->peers[i].state == PS_FREE) {
             peer *p = &n->peers[i];
             p->rx = malloc(RX_INIT_BYTES);
-            if (!p->rx) return NONE;
+            if (!p->rx) return PD_NONE;
             p->rx_cap = RX_INIT_BYTES;
             p->t_state_ms = p->last_rx_ms = p->last_tx_ms = now_ms();
             return i;
         }
-    return NONE;
+    return PD_NONE;
 }
 
 /* ---- UCX completions -------------------------------------------------------------- */
@@ -639,7 +611,7 @@ static uint32_t peer_alloc(pd_net *n) {
 static void write_failed(pd_net *n, room *rm) {
     n->stats.write_errors++;
     set_st(n, rm, PD_XFER_FAILED);
-    rm->s_done = true;
+    xr_sender_done(&rm->h);
     stages_drop(n, rm);
     if (rm->note != N_ACK) {
         rm->note = peer_of(n, rm) ? N_ABORT : N_NONE;
@@ -650,8 +622,8 @@ static void write_failed(pd_net *n, room *rm) {
 /* The room a completion belongs to, or NULL if its writes were abandoned. */
 static room *req_room(void *req) {
     req_ctx *c = req;
-    room *rm = &c->net->rooms[c->room];
-    if (!rm->used || rm->gen != c->gen) return NULL;
+    room *rm = room_at(c->net, c->room);
+    if (!rm->slot.used || rm->slot.gen != c->gen) return NULL;
     PD_ASSERT(c->net->ucx_out > 0);
     c->net->ucx_out--;
     return rm;
@@ -684,7 +656,7 @@ static void flush_done(void *req, ucs_status_t status, void *user) {
 }
 
 static void req_track(pd_net *n, room *rm, void *req) {
-    *(req_ctx *)req = (req_ctx){.net = n, .room = ridx(n, rm), .gen = rm->gen};
+    *(req_ctx *)req = (req_ctx){.net = n, .room = ridx(n, rm), .gen = rm->slot.gen};
     n->ucx_out++;
 }
 
@@ -719,14 +691,15 @@ static bool post_put(pd_net *n, room *rm, peer *p, const stage *s) {
 /* ---- the room pumps (progress thread) --------------------------------------------- */
 
 static void pump_sender(pd_net *n, room *rm, uint64_t now) {
+    writes_sync(rm);
     peer *p = peer_of(n, rm);
-    if (p && p->state == PS_READY && rm->dest_known) {
+    if (p && p->state == PS_READY && rm->dest.known) {
         uint32_t pi = rm->peer;
-        while (rm->q_head != NONE && !rm->s_done) {
+        while (rm->q_head != PD_NONE && xr_sendable(&rm->h)) {
             uint32_t si = rm->q_head;
             stage s = n->stages[si];
             rm->q_head = s.next;
-            if (rm->q_head == NONE) rm->q_tail = NONE;
+            if (rm->q_head == PD_NONE) rm->q_tail = PD_NONE;
             n->stages[si].next = n->stage_free;
             n->stage_free = si;
             n->stages_avail++;
@@ -736,7 +709,7 @@ static void pump_sender(pd_net *n, room *rm, uint64_t now) {
             }
             if (!rm->started) {
                 rm->started = true;
-                if (!send_room_msg(n, pi, BP_START, rm->id, 0)) return;
+                if (!send_room_msg(n, pi, BP_START, rm->slot.id, 0)) return;
             }
             if (!post_put(n, rm, p, &s)) {
                 write_failed(n, rm);
@@ -762,12 +735,12 @@ static void pump_sender(pd_net *n, room *rm, uint64_t now) {
                 notice note = rm->note;
                 rm->note = N_NONE;
                 if (note == N_DONE) {
-                    if (!send_room_msg(n, pi, BP_DONE, rm->id, rm->bytes)) return;
-                    rm->s_done = true;
+                    if (!send_room_msg(n, pi, BP_DONE, rm->slot.id, rm->bytes)) return;
+                    xr_sender_done(&rm->h);
                     set_st(n, rm, PD_XFER_SUCCESS);
                 } else {
                     bp_type t = note == N_ACK ? BP_ACK : BP_ABORT;
-                    if (!send_room_msg(n, pi, t, rm->id, rm->note_value)) return;
+                    if (!send_room_msg(n, pi, t, rm->slot.id, rm->note_value)) return;
                 }
             }
         } else if (rm->note != N_NONE && rm->due_ms > now) {
@@ -781,19 +754,20 @@ static void pump_sender(pd_net *n, room *rm, uint64_t now) {
 
 static bool send_dest(pd_net *n, uint32_t pi, room *rm) {
     peer *p = &n->peers[pi];
-    size_t max = BP_HEADER_BYTES + BP_DEST_FIXED + 4u * (size_t)rm->n_dest;
+    size_t max = BP_HEADER_BYTES + BP_DEST_FIXED + 4u * (size_t)rm->dest.n_pages;
     uint8_t *b = tx_reserve(p, max);
     if (!b) {
         peer_fail(n, pi, "send queue full: the peer does not read");
         return false;
     }
-    size_t len = bp_dest_write(b, max, rm->id, rm->prompt, rm->cached, rm->mamba_slot, rm->meta_row,
-                               rm->dest, rm->n_dest);
+    const xr_dest *d = &rm->dest;
+    size_t len = bp_dest_write(b, max, rm->slot.id, d->prompt, d->cached, d->mamba_slot,
+                               d->meta_row, d->pages, d->n_pages);
     PD_ASSERT(len == max);
     tx_commit(n, p, len);
-    rm->dest_sent = true;
-    free(rm->dest); /* the prefill has it now; the receiver never needs it again */
-    rm->dest = NULL;
+    rm->h.dest_sent = true;
+    free(rm->dest.pages); /* the prefill has it now; the receiver never needs it again */
+    rm->dest.pages = NULL;
     return true;
 }
 
@@ -804,24 +778,24 @@ static void pump_receiver(pd_net *n, room *rm, uint64_t now) {
          * tells it nothing, and the room goes either way. */
         if (p) {
             if (p->state != PS_READY) return;
-            send_room_msg(n, rm->peer, BP_ABORT, rm->id, ABORT_REASON_ENGINE);
+            send_room_msg(n, rm->peer, BP_ABORT, rm->slot.id, ABORT_REASON_ENGINE);
         }
         room_free(n, ridx(n, rm));
         return;
     }
-    if (!p || rm->stopped) return;
+    if (!p || rm->h.peer_stopped) return;
     uint32_t pi = rm->peer;
-    if (!rm->dest_sent) {
+    if (!rm->h.dest_sent) {
         if (p->state != PS_READY) return;
         if (!send_dest(n, pi, rm)) return;
     }
-    if (rm->abort_req && !rm->abort_sent) {
+    if (rm->h.abort_sent && !rm->abort_wired) {
         if (rm->due_ms > now) {
             due_at(n, rm, rm->due_ms);
             return;
         }
-        rm->abort_sent = true;
-        send_room_msg(n, pi, BP_ABORT, rm->id, ABORT_REASON_ENGINE);
+        rm->abort_wired = true;
+        send_room_msg(n, pi, BP_ABORT, rm->slot.id, ABORT_REASON_ENGINE);
     }
 }
 
@@ -866,8 +840,8 @@ static bool hello_layout_matches(const pd_net *n, const bp_hello *h, char *why, 
 }
 
 /* An endpoint to the decode node's worker, in peer-failure mode where the
- * transports allow it, else in mode NONE. Once peer mode has failed, or if
- * the transports are shared-memory only (ucx_init), NONE is asked at once. */
+ * transports allow it, else in mode PD_NONE. Once peer mode has failed, or if
+ * the transports are shared-memory only (ucx_init), PD_NONE is asked at once. */
 static ucs_status_t peer_ep_create(pd_net *n, peer *p, const bp_hello *h) {
     /* The worker address and keys are opaque to us; UCX parses them. */
     ucp_ep_params_t ep = {
@@ -984,76 +958,76 @@ static void on_dest(pd_net *n, uint32_t pi, const uint8_t *pl, uint32_t len) {
         return;
     }
     uint32_t r = room_find(n, d.room);
-    if (r != NONE) {
-        room *rm = &n->rooms[r];
-        if (rm->dest_known || rm->peer != NONE) {
+    if (r != PD_NONE) {
+        room *rm = room_at(n, r);
+        if (rm->dest.known || rm->peer != PD_NONE) {
             refuse_room(n, pi, BP_E_ROOM_DUPLICATE, d.room,
                         "a destination for this room already exists");
             return;
         }
-        if (rm->early_abort || rm->st == PD_XFER_FAILED) {
+        if (rm->h.early_abort || rm->h.st == PD_XFER_FAILED) {
             /* The prefill half is gone already: tell the decode half now. */
-            rm->dest_known = true; /* a tombstone's job is done */
+            rm->dest.known = true; /* a tombstone's job is done */
             send_room_msg(n, pi, BP_ABORT, d.room, ABORT_REASON_ENGINE);
             room_try_release(n, rm);
             return;
         }
     } else {
         r = room_new(n, d.room);
-        if (r == NONE) {
+        if (r == PD_NONE) {
             send_error(n, pi, BP_E_BUSY, true, d.room, "no room slot free on the prefill node");
             return;
         }
     }
-    room *rm = &n->rooms[r];
+    room *rm = room_at(n, r);
     uint32_t *pages = malloc(((size_t)d.n_pages + 1) * sizeof(uint32_t));
     if (!pages) {
-        if (!rm->open) room_free(n, r);
+        if (!rm->h.open) room_free(n, r);
         send_error(n, pi, BP_E_BUSY, true, d.room, "out of memory on the prefill node");
         return;
     }
     for (uint32_t i = 0; i < d.n_pages; i++) pages[i] = bp_dest_page(&d, i);
-    rm->dest = pages;
-    rm->n_dest = d.n_pages;
-    rm->prompt = d.prompt_tokens;
-    rm->cached = d.cached_tokens;
-    rm->mamba_slot = d.mamba_slot;
-    rm->meta_row = d.meta_row;
-    rm->dest_known = true;
+    rm->dest.pages = pages;
+    rm->dest.n_pages = d.n_pages;
+    rm->dest.prompt = d.prompt_tokens;
+    rm->dest.cached = d.cached_tokens;
+    rm->dest.mamba_slot = d.mamba_slot;
+    rm->dest.meta_row = d.meta_row;
+    rm->dest.known = true;
     rm->peer = pi;
     rm->peer_gen = p->gen;
-    if (!rm->open) rm->t_ms = now_ms();
-    if (rm->open && rm->st == PD_XFER_BOOTSTRAPPING) set_st(n, rm, PD_XFER_WAITING_FOR_INPUT);
+    if (!rm->h.open) rm->t_ms = now_ms();
+    if (rm->h.open && rm->h.st == PD_XFER_BOOTSTRAPPING) set_st(n, rm, PD_XFER_WAITING_FOR_INPUT);
     send_room_msg(n, pi, BP_DEST_OK, d.room, 0);
 }
 
 static void on_decode_abort(pd_net *n, uint32_t pi, uint64_t room_id) {
     peer *p = &n->peers[pi];
     uint32_t r = room_find(n, room_id);
-    if (r == NONE) {
+    if (r == PD_NONE) {
         /* Closed here already (a race with our own notice: nothing of it
          * can write any more), or the decode half ended before this half
          * opened: a tombstone makes a later sender_open fail at once. */
         r = room_new(n, room_id);
-        if (r != NONE) {
-            room *tomb = &n->rooms[r];
-            tomb->st = PD_XFER_FAILED;
+        if (r != PD_NONE) {
+            room *tomb = room_at(n, r);
             tomb->r_aborted = true;
-            tomb->s_done = true;
+            xr_peer_failed(&tomb->h, XR_SENDER);
+            xr_set_tomb(&n->rooms, r, true);
         }
         send_room_msg(n, pi, BP_ACK, room_id, 0);
         return;
     }
-    room *rm = &n->rooms[r];
-    if (rm->peer == NONE) {
+    room *rm = room_at(n, r);
+    if (rm->peer == PD_NONE) {
         /* No destination came: the decode half ended before it sent one.
          * Nothing was ever written. */
         rm->r_aborted = true;
         set_st(n, rm, PD_XFER_FAILED);
-        rm->s_done = true;
+        xr_peer_failed(&rm->h, XR_SENDER);
         stages_drop(n, rm);
         send_room_msg(n, pi, BP_ACK, room_id, 0);
-        if (rm->closed) room_free(n, r); /* our own tombstone: both halves are gone */
+        if (xr_gone(&rm->h)) room_free(n, r); /* our own tombstone: both halves are gone */
         return;
     }
     if (rm->peer != pi || rm->peer_gen != p->gen) {
@@ -1064,11 +1038,11 @@ static void on_decode_abort(pd_net *n, uint32_t pi, uint64_t room_id) {
     rm->r_aborted = true;
     set_st(n, rm, PD_XFER_FAILED);
     stages_drop(n, rm);
-    if (rm->s_done && rm->note == N_NONE) {
+    if (rm->h.done && rm->note == N_NONE) {
         send_room_msg(n, pi, BP_ACK, room_id, 0);
         return;
     }
-    rm->s_done = true;
+    xr_peer_failed(&rm->h, XR_SENDER);
     rm->note = N_ACK;
     rm->note_value = 0;
     rm->due_ms = 0;
@@ -1079,8 +1053,8 @@ static void on_decode_abort(pd_net *n, uint32_t pi, uint64_t room_id) {
 
 static room *own_room(pd_net *n, uint32_t pi, uint64_t room_id) {
     uint32_t r = room_find(n, room_id);
-    if (r == NONE) return NULL;
-    room *rm = &n->rooms[r];
+    if (r == PD_NONE) return NULL;
+    room *rm = room_at(n, r);
     return rm->peer == pi && rm->peer_gen == n->peers[pi].gen ? rm : NULL;
 }
 
@@ -1101,8 +1075,8 @@ static void on_decode_msg(pd_net *n, uint32_t pi, uint32_t type, const uint8_t *
             p->ever_ready = true;
             n->stats.peers_connected++;
             for (uint32_t r = 0; r < n->cfg.rooms_max; r++) {
-                room *rm = &n->rooms[r];
-                if (rm->used && rm->peer == pi && rm->peer_gen == p->gen) mark_dirty(n, rm);
+                room *rm = room_at(n, r);
+                if (rm->slot.used && rm->peer == pi && rm->peer_gen == p->gen) mark_dirty(n, rm);
             }
         }
         return;
@@ -1130,19 +1104,18 @@ static void on_decode_msg(pd_net *n, uint32_t pi, uint32_t type, const uint8_t *
             return;
         }
         if (type == BP_DEST_OK) {
-            if (rm->st == PD_XFER_BOOTSTRAPPING) set_st(n, rm, PD_XFER_WAITING_FOR_INPUT);
+            xr_dest_arrived(&rm->h);
         } else if (type == BP_START) {
-            if (rm->st == PD_XFER_BOOTSTRAPPING || rm->st == PD_XFER_WAITING_FOR_INPUT)
-                set_st(n, rm, PD_XFER_TRANSFERRING);
+            xr_data_started(&rm->h);
         } else if (type == BP_DONE) {
-            rm->stopped = true;
             n->stats.bytes_received += value;
             set_st(n, rm, PD_XFER_SUCCESS);
+            xr_peer_stopped(&rm->h);
         } else if (type == BP_ABORT) {
-            rm->stopped = true;
             set_st(n, rm, PD_XFER_FAILED);
+            xr_peer_failed(&rm->h, XR_RECEIVER);
         } else {
-            rm->stopped = true;
+            xr_peer_stopped(&rm->h);
         }
         return;
     }
@@ -1174,8 +1147,8 @@ static void on_error_msg(pd_net *n, uint32_t pi, const uint8_t *pl, uint32_t len
         /* The prefill refused our destination: it will never write to it. */
         room *rm = own_room(n, pi, e.room);
         if (rm) {
-            rm->stopped = true;
             set_st(n, rm, PD_XFER_FAILED);
+            xr_peer_failed(&rm->h, XR_RECEIVER);
         }
     }
 }
@@ -1323,8 +1296,8 @@ static void accept_all(pd_net *n) {
         if (fd < 0) return;
         int one = 1;
         setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
-        uint32_t pi = set_nonblocking(fd) ? peer_alloc(n) : NONE;
-        if (pi == NONE) {
+        uint32_t pi = set_nonblocking(fd) ? peer_alloc(n) : PD_NONE;
+        if (pi == PD_NONE) {
             uint8_t b[BP_HEADER_BYTES + 16 + BP_ERROR_TEXT_MAX];
             size_t len = bp_error_write(b, sizeof(b), BP_E_BUSY, false, 0, "too many connections");
             ssize_t w = send(fd, b, len, MSG_NOSIGNAL | MSG_DONTWAIT);
@@ -1490,8 +1463,8 @@ static void abandon_dead_writes(pd_net *n, uint64_t now) {
     if (n->abandon_pending == 0) return;
     uint32_t still = 0;
     for (uint32_t r = 0; r < n->cfg.rooms_max; r++) {
-        room *rm = &n->rooms[r];
-        if (!rm->used || !rm->peer_lost || !rm->lost_unreliable ||
+        room *rm = room_at(n, r);
+        if (!rm->slot.used || !rm->peer_lost || !rm->lost_unreliable ||
             (!rm->puts_out && !rm->flush_out))
             continue;
         if (since(now, rm->lost_ms) < n->cfg.drain_grace_ms) {
@@ -1499,12 +1472,12 @@ static void abandon_dead_writes(pd_net *n, uint64_t now) {
             continue;
         }
         net_log(n, "pd_net: room %llu: abandoning %u writes to a dead peer",
-                (unsigned long long)rm->id, rm->puts_out);
+                (unsigned long long)rm->slot.id, rm->puts_out);
         n->stats.writes_abandoned += rm->puts_out + rm->flush_out;
         PD_ASSERT(n->ucx_out >= rm->puts_out + rm->flush_out);
         n->ucx_out -= rm->puts_out + rm->flush_out;
         rm->puts_out = rm->flush_out = 0;
-        rm->gen++;
+        rm->slot.gen++;
         mark_dirty(n, rm);
     }
     n->abandon_pending = still;
@@ -1542,8 +1515,8 @@ static void timers(pd_net *n, uint64_t now) {
     if (now >= n->next_due_ms) {
         n->next_due_ms = UINT64_MAX;
         for (uint32_t r = 0; r < n->cfg.rooms_max; r++) {
-            room *rm = &n->rooms[r];
-            if (!rm->used || rm->due_ms == 0) continue;
+            room *rm = room_at(n, r);
+            if (!rm->slot.used || rm->due_ms == 0) continue;
             if (rm->due_ms <= now) {
                 rm->due_ms = 0;
                 mark_dirty(n, rm);
@@ -1555,20 +1528,22 @@ static void timers(pd_net *n, uint64_t now) {
     if (n->cfg.role == PD_NET_PREFILL && now >= n->next_scan_ms) {
         n->next_scan_ms = now + ORPHAN_SCAN_MS;
         for (uint32_t r = 0; r < n->cfg.rooms_max; r++) {
-            room *rm = &n->rooms[r];
-            if (!rm->used || rm->open || since(now, rm->t_ms) < n->cfg.orphan_ms) continue;
+            room *rm = room_at(n, r);
+            if (!rm->slot.used || rm->h.open || since(now, rm->t_ms) < n->cfg.orphan_ms) continue;
             if (rm->puts_out || rm->flush_out || rm->note != N_NONE) continue;
-            if (!rm->closed && rm->dest_known && !rm->r_aborted && rm->st != PD_XFER_FAILED) {
+            if (!xr_gone(&rm->h) && rm->dest.known && !rm->r_aborted &&
+                rm->h.st != PD_XFER_FAILED) {
                 /* A destination the engine never claimed: free the decode's pages. */
                 uint32_t pi = rm->peer;
-                if (peer_of(n, rm)) send_room_msg(n, pi, BP_ABORT, rm->id, ABORT_REASON_ORPHAN);
+                if (peer_of(n, rm))
+                    send_room_msg(n, pi, BP_ABORT, rm->slot.id, ABORT_REASON_ORPHAN);
             }
             room_free(n, r);
         }
         for (uint32_t r = 0; r < n->cfg.rooms_max; r++) {
-            room *rm = &n->rooms[r];
-            if (rm->used && rm->closed && since(now, rm->t_ms) >= n->cfg.orphan_ms &&
-                !rm->puts_out && !rm->flush_out && rm->q_head == NONE) {
+            room *rm = room_at(n, r);
+            if (rm->slot.used && xr_gone(&rm->h) && since(now, rm->t_ms) >= n->cfg.orphan_ms &&
+                !rm->puts_out && !rm->flush_out && rm->q_head == PD_NONE) {
                 rm->note = N_NONE;
                 room_free(n, r);
             }
@@ -1600,9 +1575,9 @@ static void process_dirty(pd_net *n, uint64_t now) {
         uint32_t r = n->dirty[n->dirty_head];
         n->dirty_head = (n->dirty_head + 1) % n->cfg.rooms_max;
         n->dirty_n--;
-        room *rm = &n->rooms[r];
-        rm->in_dirty = false;
-        if (!rm->used) continue;
+        room *rm = room_at(n, r);
+        n->in_dirty[r] = false;
+        if (!rm->slot.used) continue;
         if (n->cfg.role == PD_NET_PREFILL) pump_sender(n, rm, now);
         else pump_receiver(n, rm, now);
     }
@@ -1707,17 +1682,13 @@ static pd_err v_sender_open(void *self, uint64_t id) {
     pthread_mutex_lock(&n->mu);
     pd_err err = PD_OK;
     uint32_t r = room_find(n, id);
-    if (r == NONE) r = room_new(n, id);
-    if (r == NONE) {
+    if (r == PD_NONE) r = room_new(n, id);
+    if (r == PD_NONE) {
         err = PD_ERR_NOMEM;
-    } else if (n->rooms[r].open || n->rooms[r].closed) {
-        err = PD_ERR_EXISTS;
-    } else {
-        room *rm = &n->rooms[r];
-        rm->open = true;
+    } else if ((err = xr_open_sender(&room_at(n, r)->h, room_at(n, r)->dest.known)) == PD_OK) {
+        xr_set_tomb(&n->rooms, r, false);
         n->stats.rooms_opened++;
-        if (rm->st == PD_XFER_FAILED) n->stats.rooms_failed++;
-        else rm->st = rm->dest_known ? PD_XFER_WAITING_FOR_INPUT : PD_XFER_BOOTSTRAPPING;
+        if (room_at(n, r)->h.st == PD_XFER_FAILED) n->stats.rooms_failed++;
     }
     pthread_mutex_unlock(&n->mu);
     return err;
@@ -1727,7 +1698,7 @@ static uint32_t v_sender_peer_cached(void *self, uint64_t id) {
     pd_net *n = self;
     pthread_mutex_lock(&n->mu);
     uint32_t r = room_find(n, id);
-    uint32_t cached = r != NONE && n->rooms[r].dest_known ? n->rooms[r].cached : 0;
+    uint32_t cached = r != PD_NONE && room_at(n, r)->dest.known ? room_at(n, r)->dest.cached : 0;
     pthread_mutex_unlock(&n->mu);
     return cached;
 }
@@ -1737,13 +1708,10 @@ static pd_err sendable(pd_net *n, uint64_t id, uint32_t first, const uint32_t *s
                        room **out) {
     if (n->cfg.role != PD_NET_PREFILL) return PD_ERR_STATE;
     uint32_t r = room_find(n, id);
-    if (r == NONE) return PD_ERR_NOTFOUND;
-    room *rm = &n->rooms[r];
-    if (!rm->open || rm->closed || rm->s_done || rm->final_staged) return PD_ERR_STATE;
-    if (rm->st != PD_XFER_WAITING_FOR_INPUT && rm->st != PD_XFER_TRANSFERRING) return PD_ERR_STATE;
-    uint32_t base = rm->cached / n->cfg.page_size;
-    if (cnt > 0 &&
-        (!src || first < base || first - base > rm->n_dest || cnt > rm->n_dest - (first - base)))
+    if (r == PD_NONE) return PD_ERR_NOTFOUND;
+    room *rm = room_at(n, r);
+    if (!xr_sendable(&rm->h) || rm->final_staged) return PD_ERR_STATE;
+    if ((cnt > 0 && !src) || !xr_dest_covers(&rm->dest, n->cfg.page_size, first, cnt))
         return PD_ERR_INVALID;
     for (uint32_t i = 0; i < cnt; i++)
         if (src[i] >= n->units[REG_KV]) return PD_ERR_INVALID;
@@ -1758,7 +1726,7 @@ static pd_err v_send_pages(void *self, uint64_t id, uint32_t first, const uint32
     room *rm = NULL;
     pd_err err = sendable(n, id, first, src, cnt, &rm);
     if (!err && cnt > 0) {
-        uint32_t base = rm->cached / n->cfg.page_size;
+        uint32_t base = rm->dest.cached / n->cfg.page_size;
         if (count_runs(rm, base, first, src, cnt) > n->stages_avail) {
             err = PD_ERR_NOMEM;
         } else {
@@ -1779,19 +1747,18 @@ static pd_err v_send_final(void *self, uint64_t id, uint32_t first, const uint32
     room *rm = NULL;
     pd_err err = sendable(n, id, first, src, cnt, &rm);
     if (!err) {
-        uint32_t ps = n->cfg.page_size, base = rm->cached / ps;
-        if ((mamba_slot == PD_POOL_NONE) != (rm->mamba_slot == PD_POOL_NONE) ||
+        uint32_t ps = n->cfg.page_size, base = rm->dest.cached / ps;
+        if (!xr_final_fits(&rm->dest, ps, first, cnt, mamba_slot) ||
             (mamba_slot != PD_POOL_NONE && mamba_slot >= n->units[REG_MAMBA]) ||
-            meta_row >= n->units[REG_META] ||
-            (rm->prompt > rm->cached && first + cnt != PD_DIV_CEIL(rm->prompt, ps))) {
+            meta_row >= n->units[REG_META]) {
             err = PD_ERR_INVALID;
         } else if (count_runs(rm, base, first, src, cnt) + 3 > n->stages_avail) {
             err = PD_ERR_NOMEM;
         } else {
             stage_runs(n, rm, base, first, src, cnt);
             if (mamba_slot != PD_POOL_NONE)
-                stage_push(n, rm, REG_MAMBA, mamba_slot, rm->mamba_slot, 1);
-            stage_push(n, rm, REG_META, meta_row, rm->meta_row, 1);
+                stage_push(n, rm, REG_MAMBA, mamba_slot, rm->dest.mamba_slot, 1);
+            stage_push(n, rm, REG_META, meta_row, rm->dest.meta_row, 1);
             stage_push(n, rm, STAGE_FINAL, 0, 0, 0);
             rm->final_staged = true;
             set_st(n, rm, PD_XFER_TRANSFERRING);
@@ -1812,7 +1779,7 @@ static uint32_t peer_for_addr(pd_net *n, const char *addr) {
             return i;
     }
     uint32_t pi = peer_alloc(n);
-    if (pi == NONE) return NONE;
+    if (pi == PD_NONE) return PD_NONE;
     peer *p = &n->peers[pi];
     snprintf(p->addr, sizeof(p->addr), "%s", addr);
     p->state = PS_RESOLVE;
@@ -1821,9 +1788,10 @@ static uint32_t peer_for_addr(pd_net *n, const char *addr) {
 
 /* A connection started for nothing: forget it again if no room uses it. */
 static void peer_forget_if_unused(pd_net *n, uint32_t pi) {
-    if (pi == NONE || n->peers[pi].state != PS_RESOLVE) return;
+    if (pi == PD_NONE || n->peers[pi].state != PS_RESOLVE) return;
     for (uint32_t i = 0; i < n->cfg.rooms_max; i++)
-        if (n->rooms[i].used && n->rooms[i].peer == pi && n->rooms[i].peer_gen == n->peers[pi].gen)
+        if (room_at(n, i)->slot.used && room_at(n, i)->peer == pi &&
+            room_at(n, i)->peer_gen == n->peers[pi].gen)
             return;
     peer_release(n, &n->peers[pi]);
 }
@@ -1834,51 +1802,39 @@ static bool addr_ok(const char *addr) {
         split_addr(addr, host, sizeof(host), port, sizeof(port));
 }
 
+static bool dest_fits_here(const pd_net *n, const pd_xfer_dest *dest) {
+    if (!xr_dest_valid(dest, n->cfg.page_size) || dest->n_pages > BP_DEST_PAGES_MAX ||
+        dest->meta_row >= n->units[REG_META] ||
+        (dest->mamba_slot != PD_POOL_NONE && dest->mamba_slot >= n->units[REG_MAMBA]))
+        return false;
+    for (uint32_t i = 0; i < dest->n_pages; i++)
+        if (dest->pages[i] >= n->units[REG_KV]) return false;
+    return true;
+}
+
 static pd_err v_receiver_open(void *self, uint64_t id, const char *peer_addr,
                               const pd_xfer_dest *dest) {
     pd_net *n = self;
     if (n->cfg.role != PD_NET_DECODE || !n->registered) return PD_ERR_STATE;
-    uint32_t ps = n->cfg.page_size;
-    if (!dest || !peer_addr || dest->prompt_tokens == 0 || dest->cached_tokens % ps ||
-        dest->cached_tokens > dest->prompt_tokens ||
-        dest->n_pages != PD_DIV_CEIL(dest->prompt_tokens, ps) - dest->cached_tokens / ps ||
-        dest->n_pages > BP_DEST_PAGES_MAX || (dest->n_pages && !dest->pages) ||
-        dest->meta_row >= n->units[REG_META] ||
-        (dest->mamba_slot != PD_POOL_NONE && dest->mamba_slot >= n->units[REG_MAMBA]))
-        return PD_ERR_INVALID;
-    for (uint32_t i = 0; i < dest->n_pages; i++)
-        if (dest->pages[i] >= n->units[REG_KV]) return PD_ERR_INVALID;
-    if (!addr_ok(peer_addr)) return PD_ERR_INVALID;
-    uint32_t *pages = malloc(((size_t)dest->n_pages + 1) * sizeof(uint32_t));
-    if (!pages) return PD_ERR_NOMEM;
-    if (dest->n_pages) memcpy(pages, dest->pages, dest->n_pages * sizeof(uint32_t));
+    if (!dest_fits_here(n, dest) || !addr_ok(peer_addr)) return PD_ERR_INVALID;
     pthread_mutex_lock(&n->mu);
     pd_err err = PD_OK;
-    uint32_t r = NONE, pi = NONE;
-    if (room_find(n, id) != NONE) err = PD_ERR_EXISTS;
-    else if ((pi = peer_for_addr(n, peer_addr)) == NONE) err = PD_ERR_NOMEM;
-    else if ((r = room_new(n, id)) == NONE) err = PD_ERR_NOMEM;
+    uint32_t r = PD_NONE, pi = PD_NONE;
+    if (room_find(n, id) != PD_NONE) err = PD_ERR_EXISTS;
+    else if ((pi = peer_for_addr(n, peer_addr)) == PD_NONE) err = PD_ERR_NOMEM;
+    else if ((r = room_new(n, id)) == PD_NONE) err = PD_ERR_NOMEM;
+    else if ((err = xr_dest_set(&room_at(n, r)->dest, dest)) != PD_OK) room_free(n, r);
     if (!err) {
-        room *rm = &n->rooms[r];
-        rm->dest = pages;
-        pages = NULL;
-        rm->n_dest = dest->n_pages;
-        rm->prompt = dest->prompt_tokens;
-        rm->cached = dest->cached_tokens;
-        rm->mamba_slot = dest->mamba_slot;
-        rm->meta_row = dest->meta_row;
-        rm->dest_known = true;
+        room *rm = room_at(n, r);
         rm->peer = pi;
         rm->peer_gen = n->peers[pi].gen;
-        rm->open = true;
-        rm->st = PD_XFER_BOOTSTRAPPING;
+        PD_MUST(xr_open_receiver(&rm->h));
         n->stats.rooms_opened++;
         mark_dirty(n, rm);
     } else {
         peer_forget_if_unused(n, pi);
     }
     pthread_mutex_unlock(&n->mu);
-    free(pages);
     if (!err) wake(n);
     return err;
 }
@@ -1887,53 +1843,54 @@ static pd_xfer_status v_status(void *self, uint64_t id) {
     pd_net *n = self;
     pthread_mutex_lock(&n->mu);
     uint32_t r = room_find(n, id);
-    pd_xfer_status st = r == NONE || !n->rooms[r].open ? PD_XFER_NONE : n->rooms[r].st;
+    pd_xfer_status st = r == PD_NONE ? PD_XFER_NONE : xr_status(&room_at(n, r)->h);
     pthread_mutex_unlock(&n->mu);
     return st;
+}
+
+/* The engine's abort on the prefill side (mutex held): stop posting, and
+ * tell the decode once the writes in flight have completed. */
+static pd_err abort_sender(pd_net *n, room *rm, uint64_t late) {
+    writes_sync(rm);
+    if (xr_abort(&rm->h, XR_SENDER) == XR_ACT_NONE) return PD_OK;
+    stages_drop(n, rm);
+    writes_sync(rm);
+    if (!rm->dest.known) {
+        rm->h.early_abort = true; /* told when (if) the destination arrives */
+        return PD_OK;
+    }
+    if (!peer_of(n, rm)) return PD_ERR_IO; /* the decode side is unreachable; it fails the room */
+    if (rm->note != N_ACK) {
+        rm->note = N_ABORT;
+        rm->note_value = ABORT_REASON_ENGINE;
+    }
+    if (late) due_at(n, rm, late);
+    mark_dirty(n, rm);
+    return PD_OK;
 }
 
 static pd_err v_abort(void *self, uint64_t id) {
     pd_net *n = self;
     pthread_mutex_lock(&n->mu);
     bool fault = n->faults[PD_NET_FAULT_ABORT_ERROR];
-    pd_err err = fault ? PD_ERR_IO : PD_OK;
     uint32_t r = room_find(n, id);
-    if (r == NONE) {
+    if (r == PD_NONE) {
         pthread_mutex_unlock(&n->mu);
         return PD_OK;
     }
-    room *rm = &n->rooms[r];
+    room *rm = room_at(n, r);
     uint64_t late = fault ? now_ms() + 2 * n->cfg.heartbeat_ms : 0;
+    pd_err err = PD_OK;
     if (n->cfg.role == PD_NET_PREFILL) {
-        if (!rm->s_done) {
-            rm->s_done = true;
-            stages_drop(n, rm);
-            if (!rm->dest_known) {
-                rm->early_abort = true; /* told when (if) the destination arrives */
-            } else if (peer_of(n, rm)) {
-                if (rm->note != N_ACK) {
-                    rm->note = N_ABORT;
-                    rm->note_value = ABORT_REASON_ENGINE;
-                }
-                if (late) due_at(n, rm, late);
-                mark_dirty(n, rm);
-            } else {
-                err = PD_ERR_IO; /* the decode side is unreachable; it fails the room itself */
-            }
-        }
-    } else if (!rm->stopped) {
-        if (!rm->dest_sent) {
-            rm->stopped = true; /* the prefill never learned where to write */
-        } else if (!rm->abort_req) {
-            rm->abort_req = true;
-            if (late) due_at(n, rm, late);
-            mark_dirty(n, rm);
-            if (!peer_of(n, rm)) err = PD_ERR_IO;
-        }
+        err = abort_sender(n, rm, late);
+    } else if (xr_abort(&rm->h, XR_RECEIVER) == XR_ACT_NOTIFY) {
+        if (late) due_at(n, rm, late);
+        mark_dirty(n, rm);
+        if (!peer_of(n, rm)) err = PD_ERR_IO;
     }
     pthread_mutex_unlock(&n->mu);
     wake(n);
-    return err;
+    return fault ? PD_ERR_IO : err;
 }
 
 static bool v_drained(void *self, uint64_t id) {
@@ -1941,15 +1898,11 @@ static bool v_drained(void *self, uint64_t id) {
     pthread_mutex_lock(&n->mu);
     bool drained = true;
     uint32_t r = room_find(n, id);
-    if (r != NONE) {
-        room *rm = &n->rooms[r];
-        if (n->cfg.role == PD_NET_PREFILL) {
-            drained = rm->q_head == NONE && rm->puts_out == 0;
-        } else {
-            drained = rm->stopped;
-            if (drained && rm->peer_lost && rm->dest_sent)
-                drained = now_ms() >= rm->lost_ms + n->cfg.drain_grace_ms;
-        }
+    if (r != PD_NONE) {
+        room *rm = room_at(n, r);
+        bool sender = n->cfg.role == PD_NET_PREFILL;
+        if (sender) writes_sync(rm);
+        drained = xr_drained(&rm->h, sender ? XR_SENDER : XR_RECEIVER, now_ms());
     }
     pthread_mutex_unlock(&n->mu);
     return drained;
@@ -1960,14 +1913,15 @@ static void v_close(void *self, uint64_t id) {
     pthread_mutex_lock(&n->mu);
     uint32_t r = room_find(n, id);
     bool kick = false;
-    if (r != NONE && !n->rooms[r].closed) {
-        room *rm = &n->rooms[r];
-        rm->closed = true;
+    if (r != PD_NONE && room_at(n, r)->h.open && !room_at(n, r)->h.closed) {
+        room *rm = room_at(n, r);
+        xr_close(&rm->h);
         rm->t_ms = now_ms();
-        if (n->cfg.role == PD_NET_DECODE && !rm->dest_sent && peer_of(n, rm)) {
+        if (n->cfg.role == PD_NET_DECODE && !rm->h.dest_sent && peer_of(n, rm)) {
             /* Ended before its destination left: the prefill half may be
              * waiting for one. Tell it, then forget the room. */
             rm->cancel_only = true;
+            xr_set_tomb(&n->rooms, r, true);
             mark_dirty(n, rm);
             kick = true;
         } else {
@@ -1978,52 +1932,60 @@ static void v_close(void *self, uint64_t id) {
     if (kick) wake(n);
 }
 
+/* cancel() on the prefill side (mutex held). */
+static void cancel_sender(pd_net *n, uint32_t r, uint64_t id) {
+    if (r == PD_NONE) {
+        /* The decode half may still send its destination: answer it with ABORT. */
+        if ((r = room_new(n, id)) == PD_NONE) return;
+        room *rm = room_at(n, r);
+        xr_cancel(&rm->h, XR_SENDER);
+        rm->h.early_abort = true;
+        set_st(n, rm, PD_XFER_FAILED);
+        xr_set_tomb(&n->rooms, r, true);
+        n->stats.rooms_cancelled++;
+        return;
+    }
+    room *rm = room_at(n, r);
+    if (!xr_can_open(&rm->h)) return;
+    xr_cancel(&rm->h, XR_SENDER);
+    rm->t_ms = now_ms();
+    n->stats.rooms_cancelled++;
+    if (rm->dest.known && rm->h.st != PD_XFER_FAILED && peer_of(n, rm)) {
+        /* An orphan destination: its decode half waits for data. */
+        rm->note = N_ABORT;
+        rm->note_value = ABORT_REASON_ENGINE;
+        xr_set_tomb(&n->rooms, r, true);
+        mark_dirty(n, rm);
+    } else {
+        room_try_release(n, rm);
+    }
+}
+
+/* cancel() on the decode side (mutex held): a record that sends one ABORT. */
+static void cancel_receiver(pd_net *n, uint32_t r, uint64_t id, const char *peer_addr) {
+    if (r != PD_NONE || !addr_ok(peer_addr)) return;
+    uint32_t pi = peer_for_addr(n, peer_addr);
+    if (pi == PD_NONE || (r = room_new(n, id)) == PD_NONE) {
+        peer_forget_if_unused(n, pi);
+        return;
+    }
+    room *rm = room_at(n, r);
+    rm->peer = pi;
+    rm->peer_gen = n->peers[pi].gen;
+    rm->cancel_only = xr_cancel(&rm->h, XR_RECEIVER) == XR_ACT_NOTIFY;
+    PD_ASSERT(rm->cancel_only);
+    xr_set_tomb(&n->rooms, r, true);
+    n->stats.rooms_cancelled++;
+    mark_dirty(n, rm);
+}
+
 static void v_cancel(void *self, uint64_t id, const char *peer_addr) {
     pd_net *n = self;
     if (!n->registered) return;
     pthread_mutex_lock(&n->mu);
     uint32_t r = room_find(n, id);
-    if (n->cfg.role == PD_NET_PREFILL) {
-        if (r == NONE) {
-            /* The decode half may still send its destination: answer it with ABORT. */
-            r = room_new(n, id);
-            if (r != NONE) {
-                room *rm = &n->rooms[r];
-                rm->early_abort = true;
-                rm->s_done = true;
-                rm->closed = true;
-                rm->st = PD_XFER_FAILED;
-                n->stats.rooms_cancelled++;
-            }
-        } else if (!n->rooms[r].open && !n->rooms[r].closed) {
-            room *rm = &n->rooms[r];
-            rm->s_done = true;
-            rm->closed = true;
-            rm->t_ms = now_ms();
-            n->stats.rooms_cancelled++;
-            if (rm->dest_known && rm->st != PD_XFER_FAILED && peer_of(n, rm)) {
-                /* An orphan destination: its decode half waits for data. */
-                rm->note = N_ABORT;
-                rm->note_value = ABORT_REASON_ENGINE;
-                mark_dirty(n, rm);
-            } else {
-                room_try_release(n, rm);
-            }
-        }
-    } else if (r == NONE && addr_ok(peer_addr)) {
-        uint32_t pi = peer_for_addr(n, peer_addr);
-        if (pi != NONE && (r = room_new(n, id)) != NONE) {
-            room *rm = &n->rooms[r];
-            rm->peer = pi;
-            rm->peer_gen = n->peers[pi].gen;
-            rm->closed = true;
-            rm->cancel_only = true;
-            n->stats.rooms_cancelled++;
-            mark_dirty(n, rm);
-        } else {
-            peer_forget_if_unused(n, pi);
-        }
-    }
+    if (n->cfg.role == PD_NET_PREFILL) cancel_sender(n, r, id);
+    else cancel_receiver(n, r, id, peer_addr);
     pthread_mutex_unlock(&n->mu);
     wake(n);
 }
@@ -2224,32 +2186,22 @@ static void config_adopt(pd_net *n, const pd_net_config *cfg) {
     c->ucx_tls = c->ucx_net_devices = NULL;
 }
 
-/* Rooms, their hash index and free list, peers, page-run stages and the poll
+/* Rooms (the room core's table), peers, page-run stages and the poll
  * set, all sized once from the config. */
 static pd_err tables_alloc(pd_net *n, char *msg, size_t cap) {
     const pd_net_config *c = &n->cfg;
-    uint32_t ht_cap = 16;
-    while (ht_cap < 2 * c->rooms_max) ht_cap *= 2;
-    n->ht_mask = ht_cap - 1;
-    n->rooms = calloc(c->rooms_max, sizeof(room));
-    n->room_ht = malloc(ht_cap * sizeof(uint32_t));
-    n->room_free = malloc(c->rooms_max * sizeof(uint32_t));
+    if (xr_table_init(&n->rooms, c->rooms_max, sizeof(room), evictable, evict, n) != PD_OK)
+        return pd_errorf(msg, cap, PD_ERR_NOMEM, "out of memory for %u rooms", c->rooms_max);
+    n->in_dirty = calloc(c->rooms_max, sizeof(bool));
     n->peers = calloc(c->peers_max, sizeof(peer));
     n->stages = malloc(c->stages_max * sizeof(stage));
     n->dirty = malloc(c->rooms_max * sizeof(uint32_t));
     n->pfd = malloc((c->peers_max + 3) * sizeof(struct pollfd));
     n->pfd_peer = malloc((c->peers_max + 3) * sizeof(uint32_t));
-    if (!n->rooms || !n->room_ht || !n->room_free || !n->peers || !n->stages || !n->dirty ||
-        !n->pfd || !n->pfd_peer)
+    if (!n->in_dirty || !n->peers || !n->stages || !n->dirty || !n->pfd || !n->pfd_peer)
         return pd_errorf(msg, cap, PD_ERR_NOMEM, "out of memory for %u rooms", c->rooms_max);
-    memset(n->room_ht, 0xFF, ht_cap * sizeof(uint32_t));
-    for (uint32_t r = 0; r < c->rooms_max; r++) {
-        n->room_free[r] = c->rooms_max - 1 - r;
-        n->rooms[r].q_head = n->rooms[r].q_tail = NONE;
-    }
-    n->room_free_n = c->rooms_max;
     for (uint32_t s = 0; s < c->stages_max; s++)
-        n->stages[s].next = s + 1 < c->stages_max ? s + 1 : NONE;
+        n->stages[s].next = s + 1 < c->stages_max ? s + 1 : PD_NONE;
     n->stage_free = 0;
     n->stages_avail = c->stages_max;
     for (uint32_t i = 0; i < c->peers_max; i++) {
@@ -2376,7 +2328,7 @@ void pd_net_stats_get(pd_net *n, pd_net_stats *out) {
 
 uint32_t pd_net_rooms_live(pd_net *n) {
     pthread_mutex_lock(&n->mu);
-    uint32_t live = n->cfg.rooms_max - n->room_free_n;
+    uint32_t live = xr_used(&n->rooms);
     pthread_mutex_unlock(&n->mu);
     return live;
 }
@@ -2387,7 +2339,8 @@ void pd_net_set_fault(pd_net *n, pd_net_fault fault, bool on) {
     n->faults[fault] = on;
     if (!on && fault == PD_NET_FAULT_HOLD_NOTICES)
         for (uint32_t r = 0; r < n->cfg.rooms_max; r++)
-            if (n->rooms[r].used && n->rooms[r].note != N_NONE) mark_dirty(n, &n->rooms[r]);
+            if (room_at(n, r)->slot.used && room_at(n, r)->note != N_NONE)
+                mark_dirty(n, room_at(n, r));
     pthread_mutex_unlock(&n->mu);
     wake(n);
 }
@@ -2420,11 +2373,12 @@ void pd_net_destroy(pd_net *n) {
     }
     /* Single-threaded from here. Fail every connection: the forced endpoint
      * closes complete every outstanding put before memory goes away. */
-    if (n->peers && n->rooms) {
+    bool made = n->rooms.recs != NULL;
+    if (n->peers && made) {
         for (uint32_t pi = 0; pi < n->cfg.peers_max; pi++)
             peer_fail(n, pi, "transport shutting down");
         /* Forced closes complete at once in peer-failure mode; requests a
-         * mode-NONE endpoint left behind are released by the worker below. */
+         * mode-PD_NONE endpoint left behind are released by the worker below. */
         uint64_t t0 = now_ms();
         for (;;) {
             bool closing = false;
@@ -2443,9 +2397,9 @@ void pd_net_destroy(pd_net *n) {
             nanosleep(&(struct timespec){.tv_nsec = 200000}, NULL);
         }
         /* Late completions find a stale generation and are ignored. */
-        for (uint32_t r = 0; r < n->cfg.rooms_max; r++) n->rooms[r].gen++;
+        for (uint32_t r = 0; r < n->cfg.rooms_max; r++) room_at(n, r)->slot.gen++;
         ucx_settle(n, 1000);
-        for (uint32_t r = 0; r < n->cfg.rooms_max; r++) free(n->rooms[r].dest);
+        for (uint32_t r = 0; r < n->cfg.rooms_max; r++) xr_dest_clear(&room_at(n, r)->dest);
     }
     for (int r = 0; r < REG_N; r++) {
         if (n->rkey_buf[r]) ucp_rkey_buffer_release(n->rkey_buf[r]);
@@ -2457,10 +2411,9 @@ void pd_net_destroy(pd_net *n) {
     if (n->listen_fd >= 0) close(n->listen_fd);
     if (n->wake_rd >= 0) close(n->wake_rd);
     if (n->wake_wr >= 0) close(n->wake_wr);
-    if (n->rooms) pthread_mutex_destroy(&n->mu);
-    free(n->rooms);
-    free(n->room_ht);
-    free(n->room_free);
+    if (made) pthread_mutex_destroy(&n->mu);
+    xr_table_free(&n->rooms);
+    free(n->in_dirty);
     free(n->peers);
     free(n->stages);
     free(n->dirty);
