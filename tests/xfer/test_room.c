@@ -1,0 +1,172 @@
+/* The room core (src/xfer/room.h), without any transport: the status
+ * machine, the drained rule on each side, abort and cancel decisions,
+ * tombstones, the destination's checks and the room table's eviction. */
+#include <stdlib.h>
+
+#include "../test_util.h"
+#include "pdserve/pool.h"
+#include "room.h"
+
+static void status_moves_forward_and_final_sticks(void **state) {
+    (void)state;
+    xr_half h = {0};
+    assert_int_equal(xr_status(&h), PD_XFER_NONE);
+    assert_int_equal(xr_open_sender(&h, false), PD_OK);
+    assert_int_equal(xr_status(&h), PD_XFER_BOOTSTRAPPING);
+    assert_int_equal(xr_open_sender(&h, false), PD_ERR_EXISTS);
+    xr_dest_arrived(&h);
+    assert_int_equal(h.st, PD_XFER_WAITING_FOR_INPUT);
+    xr_set_status(&h, PD_XFER_SUCCESS);
+    xr_set_status(&h, PD_XFER_FAILED);
+    assert_int_equal(h.st, PD_XFER_SUCCESS);
+    xr_half r = {0};
+    assert_int_equal(xr_open_receiver(&r), PD_OK);
+    xr_data_started(&r);
+    assert_int_equal(r.st, PD_XFER_TRANSFERRING);
+}
+
+static void news_before_open_keeps_failed(void **state) {
+    (void)state;
+    xr_half h = {0};
+    xr_peer_failed(&h, XR_SENDER); /* the decode aborted before this side opened */
+    assert_true(xr_news_for_engine(&h));
+    assert_int_equal(xr_status(&h), PD_XFER_NONE);
+    assert_int_equal(xr_open_sender(&h, true), PD_OK);
+    assert_int_equal(xr_status(&h), PD_XFER_FAILED);
+    assert_false(xr_news_for_engine(&h));
+}
+
+static void sender_abort_waits_for_writes(void **state) {
+    (void)state;
+    xr_half h = {0};
+    xr_open_sender(&h, true);
+    assert_true(xr_sendable(&h));
+    h.writes_out = 2;
+    assert_false(xr_drained(&h, XR_SENDER, 0));
+    assert_int_equal(xr_abort(&h, XR_SENDER), XR_ACT_NOTIFY_LATER);
+    assert_false(xr_sendable(&h));
+    assert_int_equal(xr_abort(&h, XR_SENDER), XR_ACT_NONE);
+    h.writes_out = 0;
+    assert_false(xr_drained(&h, XR_SENDER, 0)); /* the abort has not taken effect */
+    xr_abort_effective(&h);
+    assert_true(h.done);
+    assert_true(xr_drained(&h, XR_SENDER, 0));
+    xr_half idle = {0};
+    xr_open_sender(&idle, true);
+    assert_int_equal(xr_abort(&idle, XR_SENDER), XR_ACT_NOTIFY);
+    assert_true(xr_drained(&idle, XR_SENDER, 0));
+}
+
+static void receiver_drains_only_when_sender_stops(void **state) {
+    (void)state;
+    xr_half h = {0};
+    xr_open_receiver(&h);
+    assert_int_equal(xr_abort(&h, XR_RECEIVER), XR_ACT_NONE); /* destination never left */
+    assert_true(xr_drained(&h, XR_RECEIVER, 0));
+    xr_half r = {0};
+    xr_open_receiver(&r);
+    r.dest_sent = true;
+    assert_false(xr_drained(&r, XR_RECEIVER, 0));
+    assert_int_equal(xr_abort(&r, XR_RECEIVER), XR_ACT_NOTIFY);
+    assert_int_equal(xr_abort(&r, XR_RECEIVER), XR_ACT_NONE); /* one notice */
+    assert_false(xr_drained(&r, XR_RECEIVER, 0));
+    xr_peer_failed(&r, XR_RECEIVER); /* lost peer: writes may still land for a while */
+    r.settle_until = 100;
+    assert_false(xr_drained(&r, XR_RECEIVER, 99));
+    assert_true(xr_drained(&r, XR_RECEIVER, 100));
+    r.writes_out = 1;
+    assert_false(xr_drained(&r, XR_RECEIVER, 100));
+}
+
+static void cancel_tells_once_and_marks_gone(void **state) {
+    (void)state;
+    xr_half s = {0}, r = {0}, open = {0};
+    assert_int_equal(xr_cancel(&s, XR_SENDER), XR_ACT_NOTIFY);
+    assert_true(s.done && xr_gone(&s));
+    assert_int_equal(xr_cancel(&s, XR_SENDER), XR_ACT_NONE);
+    assert_int_equal(xr_open_sender(&s, true), PD_ERR_EXISTS);
+    assert_int_equal(xr_cancel(&r, XR_RECEIVER), XR_ACT_NOTIFY);
+    xr_open_receiver(&open);
+    assert_int_equal(xr_cancel(&open, XR_RECEIVER), XR_ACT_NONE);
+    assert_false(xr_gone(&open));
+    xr_close(&open);
+    assert_true(xr_gone(&open));
+    xr_dest d = {0};
+    s.early_abort = true;
+    assert_true(xr_news_for_peer(&s, &d));
+    d.known = true;
+    assert_false(xr_news_for_peer(&s, &d));
+}
+
+static void destination_checks(void **state) {
+    (void)state;
+    uint32_t pages[3] = {7, 8, 9};
+    pd_xfer_dest ok = {.prompt_tokens = 10, .cached_tokens = 4, .pages = pages, .n_pages = 2,
+                       .mamba_slot = PD_POOL_NONE, .meta_row = 0};
+    assert_true(xr_dest_valid(&ok, 4));
+    pd_xfer_dest bad = ok;
+    bad.cached_tokens = 3;
+    assert_false(xr_dest_valid(&bad, 4));
+    bad = ok;
+    bad.n_pages = 3;
+    assert_false(xr_dest_valid(&bad, 4));
+    assert_false(xr_dest_valid(NULL, 4));
+    xr_dest d = {0};
+    assert_int_equal(xr_dest_set(&d, &ok), PD_OK);
+    assert_true(xr_dest_covers(&d, 4, 1, 2));
+    assert_false(xr_dest_covers(&d, 4, 0, 1)); /* page 0 is cached on the decode side */
+    assert_false(xr_dest_covers(&d, 4, 2, 2));
+    assert_int_equal(xr_dest_page(&d, 4, 2), 8);
+    assert_true(xr_final_fits(&d, 4, 2, 1, PD_POOL_NONE));
+    assert_false(xr_final_fits(&d, 4, 1, 1, PD_POOL_NONE)); /* does not end the prompt */
+    assert_false(xr_final_fits(&d, 4, 2, 1, 5));           /* a Mamba state nobody expects */
+    xr_dest_clear(&d);
+    assert_false(d.known);
+}
+
+typedef struct rec {
+    xr_slot slot;
+    bool busy;
+} rec;
+
+static bool rec_evictable(void *ctx, uint32_t r) {
+    return !((rec *)xr_at(ctx, r))->busy;
+}
+
+static void rec_evict(void *ctx, uint32_t r) { xr_remove(ctx, r); }
+
+static void table_evicts_oldest_idle_tombstone_only(void **state) {
+    (void)state;
+    xr_table t;
+    assert_int_equal(xr_table_init(&t, 3, sizeof(rec), rec_evictable, rec_evict, &t), PD_OK);
+    uint32_t a = xr_add(&t, 10), b = xr_add(&t, 20), c = xr_add(&t, 30);
+    assert_int_equal(xr_find(&t, 20), b);
+    assert_int_equal(xr_add(&t, 40), PD_NONE); /* full, and no tombstone */
+    xr_set_tomb(&t, b, true);
+    xr_set_tomb(&t, a, true);
+    ((rec *)xr_at(&t, b))->busy = true;
+    uint32_t gen_a = xr_at(&t, a)->gen;
+    uint32_t d = xr_add(&t, 40); /* b is older but busy: a goes */
+    assert_int_equal(d, a);
+    assert_int_equal(xr_find(&t, 10), PD_NONE);
+    assert_int_not_equal(xr_at(&t, d)->gen, gen_a);
+    assert_int_equal(xr_at(&t, d)->tomb_order, 0);
+    xr_set_tomb(&t, c, true);
+    xr_set_tomb(&t, c, false); /* opened again: live */
+    assert_int_equal(xr_add(&t, 50), PD_NONE);
+    assert_int_equal(xr_used(&t), 3);
+    xr_table_free(&t);
+}
+
+int main(void) {
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(status_moves_forward_and_final_sticks),
+        cmocka_unit_test(news_before_open_keeps_failed),
+        cmocka_unit_test(sender_abort_waits_for_writes),
+        cmocka_unit_test(receiver_drains_only_when_sender_stops),
+        cmocka_unit_test(cancel_tells_once_and_marks_gone),
+        cmocka_unit_test(destination_checks),
+        cmocka_unit_test(table_evicts_oldest_idle_tombstone_only),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
