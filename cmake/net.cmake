@@ -4,7 +4,7 @@
 find_package(Threads REQUIRED)
 pkg_check_modules(UCX REQUIRED IMPORTED_TARGET ucx)
 
-add_library(pd_net STATIC src/xfer/net.c src/xfer/bootstrap_proto.c)
+add_library(pd_net STATIC src/xfer/net.c src/xfer/net_conn.c src/xfer/net_ucx.c src/xfer/bootstrap_proto.c)
 target_link_libraries(pd_net PUBLIC pd_xfer PkgConfig::UCX Threads::Threads)
 
 list(APPEND PD_CLI_LIBS pd_net)

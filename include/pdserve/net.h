@@ -3,9 +3,9 @@
  * in different processes or on different hosts: a TCP bootstrap channel for
  * control and UCX for the data (shared memory and TCP on one machine; RDMA
  * where the hardware has it). It implements the pd_xfer contract of
- * include/pdserve/xfer.h; read that file and src/xfer/loopback.c (the
- * in-process reference implementation) for the exact semantics of each
- * status, of abort() and of drained().
+ * include/pdserve/xfer.h, whose rules (each status, abort(), drained(),
+ * tombstones, cancel()) live once in the room core (src/xfer/room.h) that
+ * this transport and the in-process loopback both drive.
  *
  * Roles. The prefill node listens on its bootstrap port. A decode node
  * connects to a prefill node the first time a request names it

@@ -8,6 +8,9 @@
  *
  * Everything is polled, never blocked on. A transport backend (loopback,
  * UCX) implements the vtable; each node gets its own endpoint (`self`).
+ * The rules below are written once, in the room core (src/xfer/room.h),
+ * which every backend drives; a backend only carries the news between the
+ * two nodes.
  *
  * Rooms. A room is the 64-bit id that pairs the two halves of one request.
  * Per room and side the status moves

@@ -1,0 +1,228 @@
+/*
+ * net_internal.h — what the three files of the network transport share
+ * (src/xfer/net.c: the vtable, the progress loop, timers and lifecycle;
+ * net_conn.c: the TCP bootstrap connections and their messages; net_ucx.c:
+ * UCX memory, puts, flushes and completions). Private to src/xfer. One
+ * mutex guards everything here (net.c explains the threads).
+ */
+#ifndef PD_XFER_NET_INTERNAL_H
+#define PD_XFER_NET_INTERNAL_H
+
+#include <poll.h>
+#include <pthread.h>
+#include <time.h>
+
+#include <ucp/api/ucp.h>
+
+#include "bootstrap_proto.h"
+#include "pdserve/net.h"
+#include "room.h"
+
+#define REG_KV BP_REG_KV
+#define REG_MAMBA BP_REG_MAMBA
+#define REG_META BP_REG_META
+#define REG_N BP_REG_COUNT
+#define STAGE_FINAL 0xFFu
+
+#define RX_INIT_BYTES (64u << 10)
+#define TX_INIT_BYTES (64u << 10)
+#define TX_MAX_BYTES (32u << 20)         /* a peer that stops reading is failed */
+#define PEER_ADDR_MAX 256u
+#define PROGRESS_BURST 256
+#define POLL_IDLE_MS 100
+#define POLL_BUSY_MS 1                   /* while UCX requests are outstanding */
+#define POLL_RECV_MS 10                  /* decode, while a prefill peer is connected */
+#define ORPHAN_SCAN_MS 250
+#define ABORT_REASON_ENGINE 1u
+#define ABORT_REASON_WRITE_ERROR 2u
+#define ABORT_REASON_ORPHAN 3u
+
+typedef struct stage {
+    uint32_t next;
+    uint32_t reg;          /* REG_* or STAGE_FINAL */
+    uint32_t src, dst, n;  /* units of the region */
+} stage;
+
+typedef enum notice { N_NONE = 0, N_DONE, N_ABORT, N_ACK } notice;
+
+/* One room on this node: the room core's half and destination (room.h),
+ * plus what the network adds. */
+typedef struct room {
+    xr_slot slot;            /* id, generation (also bumped when writes are abandoned) */
+    xr_half h;               /* the sender half on a prefill node, the receiver's on a decode */
+    xr_dest dest;            /* decode: its own (pages freed once sent); prefill: the DEST */
+    uint32_t peer, peer_gen; /* PD_NONE: not yet bound to a connection */
+    uint64_t t_ms;           /* created / closed: orphan and tombstone expiry */
+    uint64_t due_ms;         /* a notice held back by the abort-error fault */
+    /* prefill */
+    bool final_staged;
+    bool started;            /* START sent */
+    bool need_flush;         /* puts posted since the last flush */
+    bool r_aborted;          /* the decode asked to stop */
+    notice note;             /* sent once every posted write has completed */
+    uint64_t note_value;
+    uint32_t puts_out, flush_out;
+    uint32_t q_head, q_tail;
+    uint64_t bytes;
+    /* decode */
+    bool abort_wired;        /* our ABORT is on the wire */
+    bool peer_lost;
+    bool lost_unreliable;    /* the lost peer's endpoint had no peer-failure mode */
+    bool cancel_only;        /* never opened here: one ABORT to the prefill, then freed */
+    uint64_t lost_ms;
+} room;
+
+/* Lives in the user area UCX reserves in every request (request_size): a
+ * completion finds its room by index and generation, so a completion that
+ * comes after the room's writes were abandoned touches nothing. */
+typedef struct req_ctx {
+    pd_net *net;
+    uint32_t room, gen;
+} req_ctx;
+
+typedef enum peer_state {
+    PS_FREE = 0,
+    PS_RESOLVE,
+    PS_CONNECTING,
+    PS_HELLO,
+    PS_READY,
+    PS_CLOSING
+} peer_state;
+
+typedef struct peer {
+    pd_net *net;
+    peer_state state;
+    uint32_t gen;
+    int fd;
+    short revents;
+    bool ever_ready;
+    bool ucx_failed;          /* the endpoint's error handler fired */
+    bool closing_after_tx;    /* a fatal ERROR is queued: send it, then close */
+    char addr[PEER_ADDR_MAX];
+    uint64_t t_state_ms, last_rx_ms, last_tx_ms;
+    uint8_t *rx;
+    size_t rx_len, rx_cap;
+    uint8_t *tx;
+    size_t tx_off, tx_len, tx_cap;
+    uint64_t node_id;
+    /* prefill: the decode node's memory */
+    ucp_ep_h ep;
+    bool ep_no_peer_mode;
+    void *close_req;
+    ucp_rkey_h rkey[REG_N];
+    uint64_t rbase[REG_N], runit[REG_N];
+    uint32_t runits[REG_N];
+} peer;
+
+struct pd_net {
+    pd_net_config cfg;
+    char listen_host[128];
+    char token[BP_TOKEN_MAX + 1];
+    size_t token_len;
+    pthread_mutex_t mu;
+    pthread_t thread;
+    bool running, stopping;
+    int wake_rd, wake_wr;
+    int listen_fd;
+    uint16_t port;
+    bool listen_ready;
+    /* UCX */
+    ucp_context_h ctx;
+    ucp_worker_h worker;
+    int ucx_fd;
+    ucp_address_t *waddr;
+    size_t waddr_len;
+    bool no_peer_mode;
+    uint32_t ucx_out;
+    uint64_t last_event_ns;   /* the worker last reported progress */
+    /* registered memory */
+    bool registered;
+    uint8_t *base[REG_N];
+    size_t unit[REG_N];
+    uint32_t units[REG_N];
+    ucp_mem_h memh[REG_N];
+    void *rkey_buf[REG_N];
+    size_t rkey_len[REG_N];
+    /* tables, all sized at creation */
+    xr_table rooms;
+    bool *in_dirty;            /* per room slot: on the dirty ring (a stale entry may name a
+                                  freed slot) */
+    peer *peers;
+    stage *stages;
+    uint32_t stage_free, stages_avail;
+    uint32_t *dirty, dirty_head, dirty_n;
+    struct pollfd *pfd;
+    uint32_t *pfd_peer;
+    uint64_t next_due_ms, next_scan_ms;
+    uint32_t abandon_pending;  /* rooms that may need abandon_dead_writes */
+    bool faults[PD_NET_FAULT__COUNT];
+    pd_net_stats stats;
+    uint64_t node_id;
+};
+
+/* ---- small helpers ---------------------------------------------------------------- */
+
+static inline uint64_t now_ms(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000u + (uint64_t)ts.tv_nsec / 1000000u;
+}
+
+/* Milliseconds from t to now; 0 if t is later (it was stamped after now was
+ * read at the top of the progress loop). */
+static inline uint64_t since(uint64_t now, uint64_t t) { return now > t ? now - t : 0; }
+
+static inline uint32_t ridx(const pd_net *n, const room *rm) {
+    return (uint32_t)(((const char *)rm - n->rooms.recs) / sizeof(room));
+}
+
+static inline room *room_at(const pd_net *n, uint32_t r) { return (room *)xr_at(&n->rooms, r); }
+
+static inline uint64_t now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
+}
+
+/* ---- net.c: helpers, rooms, staged writes, timers -------------------------------- */
+#if defined(__GNUC__)
+__attribute__((format(printf, 2, 3)))
+#endif
+void net_log(pd_net *n, const char *fmt, ...);
+bool net_set_nonblocking(int fd);
+void net_set_st(pd_net *n, room *rm, pd_xfer_status st);
+void net_due_at(pd_net *n, room *rm, uint64_t t);
+uint32_t net_room_find(const pd_net *n, uint64_t id);
+void net_mark_dirty(pd_net *n, room *rm);
+uint32_t net_room_new(pd_net *n, uint64_t id);
+void net_room_free(pd_net *n, uint32_t r);
+void net_room_try_release(pd_net *n, room *rm);
+peer *net_peer_of(pd_net *n, const room *rm);
+void net_writes_sync(room *rm);
+void net_stages_drop(pd_net *n, room *rm);
+
+/* ---- net_conn.c: bootstrap connections and messages ------------------------------ */
+uint8_t *net_tx_reserve(peer *p, size_t max);
+void net_tx_commit(pd_net *n, peer *p, size_t len);
+bool net_send_room_msg(pd_net *n, uint32_t pi, bp_type type, uint64_t room_id, uint64_t value);
+void net_peer_release(pd_net *n, peer *p);
+void net_peer_fail(pd_net *n, uint32_t pi, const char *why);
+void net_pump_receiver(pd_net *n, room *rm, uint64_t now);
+void net_peer_write(pd_net *n, uint32_t pi);
+void net_accept_all(pd_net *n);
+void net_peer_service(pd_net *n, uint32_t pi, uint64_t now);
+uint32_t net_peer_for_addr(pd_net *n, const char *addr);
+void net_peer_forget_if_unused(pd_net *n, uint32_t pi);
+bool net_addr_ok(const char *addr);
+pd_err net_listen_init(pd_net *n, char *msg, size_t cap);
+
+/* ---- net_ucx.c: UCX memory, puts and completions --------------------------------- */
+void net_pump_sender(pd_net *n, room *rm, uint64_t now);
+ucs_status_t net_peer_ep_create(pd_net *n, peer *p, const bp_hello *h);
+bool net_peer_regions_set(peer *p, const bp_hello *h);
+void net_abandon_dead_writes(pd_net *n, uint64_t now);
+void net_ucx_progress(pd_net *n);
+pd_err net_ucx_init(pd_net *n, char *msg, size_t cap);
+void net_ucx_settle(pd_net *n, uint64_t budget_ms);
+
+#endif /* PD_XFER_NET_INTERNAL_H */

@@ -1,0 +1,411 @@
+/*
+ * net_ucx.c — the network transport's data path (see net.c): the UCX
+ * context and worker, registered memory, page-run puts with their flush
+ * before the completion notice, completions found by room generation, and
+ * giving up on writes to a dead peer.
+ */
+#include "net_internal.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+static void ep_error_cb(void *arg, ucp_ep_h ep, ucs_status_t status) {
+    (void)ep;
+    peer *p = arg;
+    p->ucx_failed = true;
+    net_log(p->net, "pd_net: UCX endpoint to %s failed: %s", p->addr, ucs_status_string(status));
+}
+
+/* ---- UCX completions -------------------------------------------------------------- */
+
+static void write_failed(pd_net *n, room *rm) {
+    n->stats.write_errors++;
+    net_set_st(n, rm, PD_XFER_FAILED);
+    xr_sender_done(&rm->h);
+    net_stages_drop(n, rm);
+    if (rm->note != N_ACK) {
+        rm->note = net_peer_of(n, rm) ? N_ABORT : N_NONE;
+        rm->note_value = ABORT_REASON_WRITE_ERROR;
+    }
+}
+
+/* The room a completion belongs to, or NULL if its writes were abandoned. */
+static room *req_room(void *req) {
+    req_ctx *c = req;
+    room *rm = room_at(c->net, c->room);
+    if (!rm->slot.used || rm->slot.gen != c->gen) return NULL;
+    PD_ASSERT(c->net->ucx_out > 0);
+    c->net->ucx_out--;
+    return rm;
+}
+
+static void put_done(void *req, ucs_status_t status, void *user) {
+    (void)user;
+    pd_net *n = ((req_ctx *)req)->net;
+    room *rm = req_room(req);
+    if (rm) {
+        PD_ASSERT(rm->puts_out > 0);
+        rm->puts_out--;
+        if (status != UCS_OK) write_failed(n, rm);
+        net_mark_dirty(n, rm);
+    }
+    ucp_request_free(req);
+}
+
+static void flush_done(void *req, ucs_status_t status, void *user) {
+    (void)user;
+    pd_net *n = ((req_ctx *)req)->net;
+    room *rm = req_room(req);
+    if (rm) {
+        PD_ASSERT(rm->flush_out > 0);
+        rm->flush_out--;
+        if (status != UCS_OK) write_failed(n, rm);
+        net_mark_dirty(n, rm);
+    }
+    ucp_request_free(req);
+}
+
+static void req_track(pd_net *n, room *rm, void *req) {
+    *(req_ctx *)req = (req_ctx){.net = n, .room = ridx(n, rm), .gen = rm->slot.gen};
+    n->ucx_out++;
+}
+
+/* Posts one staged write. False on an immediate error. */
+static bool post_put(pd_net *n, room *rm, peer *p, const stage *s) {
+    uint32_t reg = s->reg;
+    PD_ASSERT(reg < REG_N && p->rkey[reg]);
+    size_t len = (size_t)s->n * n->unit[reg];
+    const uint8_t *src = n->base[reg] + (size_t)s->src * n->unit[reg];
+    uint64_t raddr = p->rbase[reg] + (uint64_t)s->dst * p->runit[reg];
+    ucp_request_param_t prm = {
+        .op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_MEMH,
+        .cb.send = put_done,
+        .memh = n->memh[reg],
+    };
+    ucs_status_ptr_t sp = ucp_put_nbx(p->ep, src, len, raddr, p->rkey[reg], &prm);
+    if (UCS_PTR_IS_ERR(sp)) {
+        net_log(n, "pd_net: put to %s failed: %s", p->addr, ucs_status_string(UCS_PTR_STATUS(sp)));
+        return false;
+    }
+    if (sp != NULL) {
+        req_track(n, rm, sp);
+        rm->puts_out++;
+    }
+    rm->need_flush = true;
+    rm->bytes += len;
+    n->stats.bytes_sent += len;
+    n->stats.writes_posted++;
+    return true;
+}
+
+/* ---- the sender's pump (progress thread) --------------------------------------------- */
+
+void net_pump_sender(pd_net *n, room *rm, uint64_t now) {
+    net_writes_sync(rm);
+    peer *p = net_peer_of(n, rm);
+    if (p && p->state == PS_READY && rm->dest.known) {
+        uint32_t pi = rm->peer;
+        while (rm->q_head != PD_NONE && xr_sendable(&rm->h)) {
+            uint32_t si = rm->q_head;
+            stage s = n->stages[si];
+            rm->q_head = s.next;
+            if (rm->q_head == PD_NONE) rm->q_tail = PD_NONE;
+            n->stages[si].next = n->stage_free;
+            n->stage_free = si;
+            n->stages_avail++;
+            if (s.reg == STAGE_FINAL) {
+                if (rm->note == N_NONE) rm->note = N_DONE;
+                continue;
+            }
+            if (!rm->started) {
+                rm->started = true;
+                if (!net_send_room_msg(n, pi, BP_START, rm->slot.id, 0)) return;
+            }
+            if (!post_put(n, rm, p, &s)) {
+                write_failed(n, rm);
+                break;
+            }
+        }
+        if (rm->note != N_NONE && rm->due_ms <= now && !(n->faults[PD_NET_FAULT_HOLD_NOTICES])) {
+            if (rm->need_flush) {
+                ucp_request_param_t prm = {
+                    .op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK,
+                    .cb.send = flush_done,
+                };
+                ucs_status_ptr_t sp = ucp_ep_flush_nbx(p->ep, &prm);
+                rm->need_flush = false;
+                if (UCS_PTR_IS_ERR(sp)) {
+                    write_failed(n, rm);
+                } else if (sp != NULL) {
+                    req_track(n, rm, sp);
+                    rm->flush_out++;
+                }
+            }
+            if (rm->note != N_NONE && rm->puts_out == 0 && rm->flush_out == 0) {
+                notice note = rm->note;
+                rm->note = N_NONE;
+                if (note == N_DONE) {
+                    if (!net_send_room_msg(n, pi, BP_DONE, rm->slot.id, rm->bytes)) return;
+                    xr_sender_done(&rm->h);
+                    net_set_st(n, rm, PD_XFER_SUCCESS);
+                } else {
+                    bp_type t = note == N_ACK ? BP_ACK : BP_ABORT;
+                    if (!net_send_room_msg(n, pi, t, rm->slot.id, rm->note_value)) return;
+                }
+            }
+        } else if (rm->note != N_NONE && rm->due_ms > now) {
+            net_due_at(n, rm, rm->due_ms);
+        }
+    } else if (!p && rm->note != N_NONE) {
+        rm->note = N_NONE; /* the connection is gone: nobody to tell */
+    }
+    net_room_try_release(n, rm);
+}
+
+/* An endpoint to the decode node's worker, in peer-failure mode where the
+ * transports allow it, else in mode PD_NONE. Once peer mode has failed, or if
+ * the transports are shared-memory only (ucx_init), PD_NONE is asked at once. */
+ucs_status_t net_peer_ep_create(pd_net *n, peer *p, const bp_hello *h) {
+    /* The worker address and keys are opaque to us; UCX parses them. */
+    ucp_ep_params_t ep = {
+        .field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
+                      UCP_EP_PARAM_FIELD_ERR_HANDLER,
+        .address = (const ucp_address_t *)h->worker_addr,
+        .err_mode = UCP_ERR_HANDLING_MODE_PEER,
+        .err_handler = {.cb = ep_error_cb, .arg = p},
+    };
+    ucs_status_t st = UCS_ERR_UNSUPPORTED;
+    if (!n->no_peer_mode) st = ucp_ep_create(n->worker, &ep, &p->ep);
+    if (st != UCS_OK) {
+        ep.err_mode = UCP_ERR_HANDLING_MODE_NONE;
+        st = ucp_ep_create(n->worker, &ep, &p->ep);
+        if (st == UCS_OK) {
+            n->no_peer_mode = true;
+            p->ep_no_peer_mode = true;
+            n->stats.peers_without_peer_errors++;
+        }
+    }
+    if (st != UCS_OK) p->ep = NULL;
+    return st;
+}
+
+/* Records the decode node's regions and unpacks their remote keys; false if
+ * a key does not unpack. */
+bool net_peer_regions_set(peer *p, const bp_hello *h) {
+    for (int r = 0; r < REG_N; r++) {
+        p->rbase[r] = h->region[r].base;
+        p->runit[r] = h->region[r].unit_bytes;
+        p->runits[r] = h->region[r].units;
+        if (!h->region[r].units) continue;
+        if (ucp_ep_rkey_unpack(p->ep, h->region[r].rkey, &p->rkey[r]) != UCS_OK) {
+            p->rkey[r] = NULL;
+            return false;
+        }
+    }
+    return true;
+}
+
+/* ---- writes to a dead peer --------------------------------------------------------------- */
+
+/* Without peer-failure mode (UCX 1.13 shared memory) a forced close may leave
+ * requests to a dead peer pending forever. They can only move if the dead
+ * peer's side consumes them, which it no longer does; after the drain grace
+ * the room stops waiting for them (and ignores them should they complete). */
+void net_abandon_dead_writes(pd_net *n, uint64_t now) {
+    if (n->abandon_pending == 0) return;
+    uint32_t still = 0;
+    for (uint32_t r = 0; r < n->cfg.rooms_max; r++) {
+        room *rm = room_at(n, r);
+        if (!rm->slot.used || !rm->peer_lost || !rm->lost_unreliable ||
+            (!rm->puts_out && !rm->flush_out))
+            continue;
+        if (since(now, rm->lost_ms) < n->cfg.drain_grace_ms) {
+            still++;
+            continue;
+        }
+        net_log(n, "pd_net: room %llu: abandoning %u writes to a dead peer",
+                (unsigned long long)rm->slot.id, rm->puts_out);
+        n->stats.writes_abandoned += rm->puts_out + rm->flush_out;
+        PD_ASSERT(n->ucx_out >= rm->puts_out + rm->flush_out);
+        n->ucx_out -= rm->puts_out + rm->flush_out;
+        rm->puts_out = rm->flush_out = 0;
+        rm->slot.gen++;
+        net_mark_dirty(n, rm);
+    }
+    n->abandon_pending = still;
+}
+
+void net_ucx_progress(pd_net *n) {
+    unsigned events = 0;
+    for (int i = 0; i < PROGRESS_BURST; i++) {
+        unsigned k = ucp_worker_progress(n->worker);
+        if (!k) break;
+        events += k;
+    }
+    if (events) n->last_event_ns = now_ns();
+}
+
+/* True if every transport named in tls is a shared-memory one (UCX 1.13
+ * gives those no peer-failure mode, so asking for it only logs an error). */
+static bool tls_shm_only(const char *tls) {
+    if (!tls || !*tls || tls[0] == '^') return false;
+    static const char *const shm[] = {"shm", "sm", "posix", "sysv", "cma", "knem", "xpmem", "self"};
+    char buf[256];
+    snprintf(buf, sizeof(buf), "%s", tls);
+    char *save = NULL;
+    for (char *t = strtok_r(buf, ",", &save); t; t = strtok_r(NULL, ",", &save)) {
+        bool ok = false;
+        for (size_t i = 0; i < PD_ARRAY_LEN(shm) && !ok; i++) ok = !strcmp(t, shm[i]);
+        if (!ok) return false;
+    }
+    return true;
+}
+
+/* UCX's configuration as this node uses it: UCX_* environment variables,
+ * which UCX reads itself, with this node's ucx_tls / ucx_net_devices over them. */
+static pd_err ucx_config_make(const pd_net *n, ucp_config_t **out, char *msg, size_t cap) {
+    ucp_config_t *uc = NULL;
+    ucs_status_t st = ucp_config_read(NULL, NULL, &uc);
+    if (st != UCS_OK)
+        return pd_errorf(msg, cap, PD_ERR_IO, "UCX config: %s", ucs_status_string(st));
+    const char *tls = n->cfg.ucx_tls, *devices = n->cfg.ucx_net_devices;
+    if (tls && (st = ucp_config_modify(uc, "TLS", tls)) != UCS_OK) {
+        ucp_config_release(uc);
+        return pd_errorf(msg, cap, PD_ERR_INVALID, "UCX TLS '%s': %s", tls, ucs_status_string(st));
+    }
+    if (devices && (st = ucp_config_modify(uc, "NET_DEVICES", devices)) != UCS_OK) {
+        ucp_config_release(uc);
+        return pd_errorf(msg, cap, PD_ERR_INVALID, "UCX NET_DEVICES '%s': %s", devices,
+                         ucs_status_string(st));
+    }
+    *out = uc;
+    return PD_OK;
+}
+
+/* The transport list of a UCX configuration, as UCX_TLS syntax ("all" when
+ * nothing restricts it): ucx_tls if this node set one, else UCX_TLS as UCX
+ * read it. UCX has no getter for a single setting, so the configuration is
+ * printed into memory and its UCX_TLS line copied to out ("" if that fails). */
+static void ucx_config_tls(const ucp_config_t *uc, char *out, size_t cap) {
+    static const char key[] = "UCX_TLS=";
+    out[0] = '\0';
+    char *text = NULL;
+    size_t len = 0;
+    FILE *mem = open_memstream(&text, &len);
+    if (!mem) return;
+    ucp_config_print(uc, mem, NULL, UCS_CONFIG_PRINT_CONFIG);
+    if (fclose(mem) == 0 && text) {
+        const char *at = text;
+        while (at && strncmp(at, key, sizeof(key) - 1) != 0) {
+            at = strchr(at, '\n');
+            if (at) at++;
+        }
+        if (at) {
+            at += sizeof(key) - 1;
+            snprintf(out, cap, "%.*s", (int)strcspn(at, "\n"), at);
+        }
+    }
+    free(text);
+}
+
+pd_err net_ucx_init(pd_net *n, char *msg, size_t cap) {
+    ucp_config_t *uc = NULL;
+    pd_err err = ucx_config_make(n, &uc, msg, cap);
+    if (err) return err;
+    char tls[256];
+    ucx_config_tls(uc, tls, sizeof(tls));
+    n->no_peer_mode = tls_shm_only(tls);
+    ucp_params_t prm = {
+        .field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_NAME |
+            UCP_PARAM_FIELD_REQUEST_SIZE,
+        .features = UCP_FEATURE_RMA | UCP_FEATURE_WAKEUP,
+        .request_size = sizeof(req_ctx),
+        .name = n->cfg.role == PD_NET_PREFILL ? "pdserve-prefill" : "pdserve-decode",
+    };
+    ucs_status_t st = ucp_init(&prm, uc, &n->ctx);
+    ucp_config_release(uc);
+    if (st != UCS_OK) {
+        n->ctx = NULL;
+        return pd_errorf(msg, cap, PD_ERR_IO, "UCX init: %s", ucs_status_string(st));
+    }
+    ucp_worker_params_t wp = {.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE,
+                              .thread_mode = UCS_THREAD_MODE_SINGLE};
+    if ((st = ucp_worker_create(n->ctx, &wp, &n->worker)) != UCS_OK) {
+        n->worker = NULL;
+        return pd_errorf(msg, cap, PD_ERR_IO, "UCX worker: %s", ucs_status_string(st));
+    }
+    if ((st = ucp_worker_get_efd(n->worker, &n->ucx_fd)) != UCS_OK)
+        return pd_errorf(msg, cap, PD_ERR_IO, "UCX worker event fd: %s", ucs_status_string(st));
+    if ((st = ucp_worker_get_address(n->worker, &n->waddr, &n->waddr_len)) != UCS_OK) {
+        n->waddr = NULL;
+        return pd_errorf(msg, cap, PD_ERR_IO, "UCX worker address: %s", ucs_status_string(st));
+    }
+    if (n->waddr_len > BP_WORKER_ADDR_MAX)
+        return pd_errorf(msg, cap, PD_ERR_TOOBIG,
+                         "UCX worker address of %zu bytes is over the protocol's limit",
+                         n->waddr_len);
+    return PD_OK;
+}
+
+pd_err pd_net_register(pd_net *n, const pd_exec_memory *mem, pd_meta_row *meta, uint32_t meta_rows,
+                       char *msg, size_t msg_cap) {
+    if (!n || !mem) return pd_errorf(msg, msg_cap, PD_ERR_INVALID, "no memory description");
+    if (n->registered || n->running)
+        return pd_errorf(msg, msg_cap, PD_ERR_STATE, "memory is registered once, before start");
+    if (!mem->kv || mem->kv_pages == 0 || mem->kv_page_bytes == 0)
+        return pd_errorf(msg, msg_cap, PD_ERR_INVALID, "no KV pages to register");
+    if (!meta || meta_rows == 0)
+        return pd_errorf(msg, msg_cap, PD_ERR_INVALID, "no metadata rows to register");
+    if ((mem->mamba_slots > 0) != (mem->mamba != NULL && mem->mamba_slot_bytes > 0))
+        return pd_errorf(msg, msg_cap, PD_ERR_INVALID, "Mamba region incomplete");
+    n->base[REG_KV] = mem->kv;
+    n->unit[REG_KV] = mem->kv_page_bytes;
+    n->units[REG_KV] = mem->kv_pages;
+    n->base[REG_MAMBA] = mem->mamba_slots ? mem->mamba : NULL;
+    n->unit[REG_MAMBA] = mem->mamba_slots ? mem->mamba_slot_bytes : 0;
+    n->units[REG_MAMBA] = mem->mamba_slots;
+    n->base[REG_META] = (uint8_t *)meta;
+    n->unit[REG_META] = sizeof(pd_meta_row);
+    n->units[REG_META] = meta_rows;
+    for (int r = 0; r < REG_N; r++) {
+        if (!n->units[r]) continue;
+        ucp_mem_map_params_t mp = {
+            .field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH,
+            .address = n->base[r],
+            .length = n->unit[r] * n->units[r],
+        };
+        ucs_status_t st = ucp_mem_map(n->ctx, &mp, &n->memh[r]);
+        if (st != UCS_OK) {
+            n->memh[r] = NULL;
+            return pd_errorf(msg, msg_cap, PD_ERR_IO, "UCX memory registration: %s",
+                             ucs_status_string(st));
+        }
+        st = ucp_rkey_pack(n->ctx, n->memh[r], &n->rkey_buf[r], &n->rkey_len[r]);
+        if (st != UCS_OK) {
+            n->rkey_buf[r] = NULL;
+            return pd_errorf(msg, msg_cap, PD_ERR_IO, "UCX remote key: %s", ucs_status_string(st));
+        }
+        if (n->rkey_len[r] == 0 || n->rkey_len[r] > BP_RKEY_MAX)
+            return pd_errorf(msg, msg_cap, PD_ERR_TOOBIG, "UCX remote key of %zu bytes",
+                             n->rkey_len[r]);
+    }
+    n->registered = true;
+    return PD_OK;
+}
+
+/* UCX 1.13 aborts the process in ucp_worker_destroy when a wire-up message
+ * is still queued on an endpoint UCX created itself (seen over TCP when the
+ * peer's endpoint was created moments before the shutdown). Let the worker
+ * finish what it started — a worker flush waits for that — within budget_ms. */
+void net_ucx_settle(pd_net *n, uint64_t budget_ms) {
+    if (!n->worker) return;
+    ucp_request_param_t prm = {.op_attr_mask = 0};
+    void *req = ucp_worker_flush_nbx(n->worker, &prm);
+    if (!UCS_PTR_IS_PTR(req)) return;
+    uint64_t t0 = now_ms();
+    while (ucp_request_check_status(req) == UCS_INPROGRESS && since(now_ms(), t0) < budget_ms) {
+        if (!ucp_worker_progress(n->worker)) nanosleep(&(struct timespec){.tv_nsec = 100000}, NULL);
+    }
+    ucp_request_free(req);
+}
