@@ -19,8 +19,9 @@
  * around poll(). UCX completion callbacks run inside ucp_worker_progress on
  * the progress thread, so they too run under the mutex.
  *
- * Rooms. The room core's table of rooms_max rooms, allocated at creation. On the prefill side a room exists from the first of
- * sender_open() or the decode's DEST; it may outlive close() while its last
+ * Rooms. The room core's table of rooms_max rooms, allocated at creation.
+ * On the prefill side a room exists from the first of sender_open() or the
+ * decode's DEST; it may outlive close() while its last
  * writes settle or its abort notice is due, and as a tombstone when it was
  * aborted before its destination arrived (the late DEST is then answered
  * with ABORT instead of being orphaned). Orphans and tombstones expire after
