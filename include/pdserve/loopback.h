@@ -45,8 +45,9 @@ typedef struct pd_loopback_config {
     uint64_t dead_grace;      /* how long until a killed side's peer declares it dead */
     uint32_t rooms_max;
     uint32_t page_size;       /* tokens per KV page on both sides */
-    uint32_t ops_max;         /* data operations queued at once (0: max(4096, 64 * rooms_max));
-                                 control operations have slots of their own */
+    /* Data operations queued at once (0: max(4096, 64 * rooms_max)); control
+     * operations have slots of their own. */
+    uint32_t ops_max;
 } pd_loopback_config;
 
 pd_err pd_loopback_create(pd_loopback **out, const pd_loopback_config *cfg);

@@ -49,16 +49,16 @@
 #define CONTROL_OPS_PER_ROOM 8u /* DEST, S_ABORT, R_NOTICE, R_ABORT, ACK, DEAD x2, spare */
 
 typedef enum op_kind {
-    OP_DEST,      /* receiver -> sender: the destination (bootstrap) */
-    OP_PAGES,     /* sender -> receiver: KV pages */
-    OP_STATE,     /* sender -> receiver: Mamba state */
-    OP_META,      /* sender -> receiver: metadata row */
-    OP_DONE,      /* completion notice, after all the data */
-    OP_S_ABORT,   /* the sender's abort takes effect */
-    OP_R_NOTICE,  /* the receiver learns the sender aborted */
-    OP_R_ABORT,   /* the sender learns the receiver aborted */
-    OP_ACK,       /* the receiver learns the sender stopped */
-    OP_DEAD,      /* a side learns its peer died */
+    OP_DEST,     /* receiver -> sender: the destination (bootstrap) */
+    OP_PAGES,    /* sender -> receiver: KV pages */
+    OP_STATE,    /* sender -> receiver: Mamba state */
+    OP_META,     /* sender -> receiver: metadata row */
+    OP_DONE,     /* completion notice, after all the data */
+    OP_S_ABORT,  /* the sender's abort takes effect */
+    OP_R_NOTICE, /* the receiver learns the sender aborted */
+    OP_R_ABORT,  /* the sender learns the receiver aborted */
+    OP_ACK,      /* the receiver learns the sender stopped */
+    OP_DEAD,     /* a side learns its peer died */
 } op_kind;
 
 static bool is_data(op_kind k) {
@@ -70,29 +70,29 @@ typedef struct op {
     uint32_t room_idx;
     op_kind kind;
     bool held, live;
-    bool cancelled;       /* dropped while queued: counts already released */
-    bool notice_late;     /* OP_S_ABORT: the abort reported an error; its notice is retried */
-    pd_lb_side side;      /* OP_DEAD: the side that learns */
+    bool cancelled;   /* dropped while queued: counts already released */
+    bool notice_late; /* OP_S_ABORT: the abort reported an error; its notice is retried */
+    pd_lb_side side;  /* OP_DEAD: the side that learns */
     uint32_t first_page, n;
-    uint32_t *src;        /* OP_PAGES: source pages */
-    uint32_t src_slot;    /* OP_STATE / OP_META */
+    uint32_t *src;     /* OP_PAGES: source pages */
+    uint32_t src_slot; /* OP_STATE / OP_META */
     uint32_t next_free;
 } op;
 
 typedef struct room {
-    xr_slot slot;            /* the room core's table header: id, generation, tombstone */
-    xr_half h[2];            /* [PD_LB_PREFILL]: the sender, [PD_LB_DECODE]: the receiver */
-    xr_dest dest;            /* the receiver's destination, set when it opens */
-    bool dest_delivered;     /* the sender has it (OP_DEST ran) */
+    xr_slot slot;        /* the room core's table header: id, generation, tombstone */
+    xr_half h[2];        /* [PD_LB_PREFILL]: the sender, [PD_LB_DECODE]: the receiver */
+    xr_dest dest;        /* the receiver's destination, set when it opens */
+    bool dest_delivered; /* the sender has it (OP_DEST ran) */
     pd_lb_outcome boot, xfer;
-    uint32_t pending_all;    /* operations queued for the room, of any kind */
-    uint32_t inc[2];         /* each side's incarnation when it opened the room */
-    uint64_t last_data_due;  /* writes and the completion notice keep their order */
+    uint32_t pending_all;   /* operations queued for the room, of any kind */
+    uint32_t inc[2];        /* each side's incarnation when it opened the room */
+    uint64_t last_data_due; /* writes and the completion notice keep their order */
 } room;
 
 typedef struct side_mem {
     bool alive;
-    uint32_t inc;            /* incarnation: bumped when the side dies */
+    uint32_t inc; /* incarnation: bumped when the side dies */
     pd_exec_memory mem;
     pd_meta_row *meta;
     uint32_t meta_rows;
@@ -104,11 +104,11 @@ struct pd_loopback {
     xr_table rooms;
     op *ops;
     uint32_t ops_cap, op_free, ops_live;
-    uint32_t *heap, heap_n;    /* runnable ops, by (due, seq) */
-    uint32_t *held, held_n;    /* ops parked by a HOLD outcome, in posting order */
+    uint32_t *heap, heap_n; /* runnable ops, by (due, seq) */
+    uint32_t *held, held_n; /* ops parked by a HOLD outcome, in posting order */
     uint64_t seq, now;
     side_mem sides[2];
-    pd_rng rng;              /* latency jitter */
+    pd_rng rng; /* latency jitter */
 };
 
 typedef struct endpoint {
@@ -137,9 +137,7 @@ static void data_count(room *rm, int d) {
     }
 }
 
-static bool evictable(void *ctx, uint32_t r) {
-    return room_at(ctx, r)->pending_all == 0;
-}
+static bool evictable(void *ctx, uint32_t r) { return room_at(ctx, r)->pending_all == 0; }
 
 static void room_free(pd_loopback *lb, uint32_t r) {
     room *rm = room_at(lb, r);

@@ -21,7 +21,6 @@
 
 /* ---- the bootstrap connections: buffers ------------------------------------------ */
 
-
 /* Space for a message of up to max bytes at the end of the tx buffer; NULL
  * if the peer is not reading (the caller fails it). */
 uint8_t *net_tx_reserve(peer *p, size_t max) {
@@ -507,9 +506,7 @@ static void on_decode_msg(pd_net *n, uint32_t pi, uint32_t type, const uint8_t *
         }
         return;
     }
-    default:
-        refuse_conn(n, pi, BP_E_UNEXPECTED, "message type not sent to a decode node");
-        return;
+    default: refuse_conn(n, pi, BP_E_UNEXPECTED, "message type not sent to a decode node"); return;
     }
 }
 
@@ -876,7 +873,8 @@ bool net_addr_ok(const char *addr) {
 pd_err net_listen_init(pd_net *n, char *msg, size_t cap) {
     char port[16];
     snprintf(port, sizeof(port), "%u", n->cfg.bootstrap_port);
-    struct addrinfo hints = {.ai_family = AF_UNSPEC, .ai_socktype = SOCK_STREAM,
+    struct addrinfo hints = {.ai_family = AF_UNSPEC,
+                             .ai_socktype = SOCK_STREAM,
                              .ai_flags = AI_PASSIVE | AI_NUMERICSERV};
     struct addrinfo *res = NULL;
     int gai = getaddrinfo(n->listen_host, port, &hints, &res);

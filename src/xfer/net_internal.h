@@ -26,12 +26,12 @@
 
 #define RX_INIT_BYTES (64u << 10)
 #define TX_INIT_BYTES (64u << 10)
-#define TX_MAX_BYTES (32u << 20)         /* a peer that stops reading is failed */
+#define TX_MAX_BYTES (32u << 20) /* a peer that stops reading is failed */
 #define PEER_ADDR_MAX 256u
 #define PROGRESS_BURST 256
 #define POLL_IDLE_MS 100
-#define POLL_BUSY_MS 1                   /* while UCX requests are outstanding */
-#define POLL_RECV_MS 10                  /* decode, while a prefill peer is connected */
+#define POLL_BUSY_MS 1  /* while UCX requests are outstanding */
+#define POLL_RECV_MS 10 /* decode, while a prefill peer is connected */
 #define ORPHAN_SCAN_MS 250
 #define ABORT_REASON_ENGINE 1u
 #define ABORT_REASON_WRITE_ERROR 2u
@@ -39,8 +39,8 @@
 
 typedef struct stage {
     uint32_t next;
-    uint32_t reg;          /* REG_* or STAGE_FINAL */
-    uint32_t src, dst, n;  /* units of the region */
+    uint32_t reg;         /* REG_* or STAGE_FINAL */
+    uint32_t src, dst, n; /* units of the region */
 } stage;
 
 typedef enum notice { N_NONE = 0, N_DONE, N_ABORT, N_ACK } notice;
@@ -56,19 +56,19 @@ typedef struct room {
     uint64_t due_ms;         /* a notice held back by the abort-error fault */
     /* prefill */
     bool final_staged;
-    bool started;            /* START sent */
-    bool need_flush;         /* puts posted since the last flush */
-    bool r_aborted;          /* the decode asked to stop */
-    notice note;             /* sent once every posted write has completed */
+    bool started;    /* START sent */
+    bool need_flush; /* puts posted since the last flush */
+    bool r_aborted;  /* the decode asked to stop */
+    notice note;     /* sent once every posted write has completed */
     uint64_t note_value;
     uint32_t puts_out, flush_out;
     uint32_t q_head, q_tail;
     uint64_t bytes;
     /* decode */
-    bool abort_wired;        /* our ABORT is on the wire */
+    bool abort_wired; /* our ABORT is on the wire */
     bool peer_lost;
-    bool lost_unreliable;    /* the lost peer's endpoint had no peer-failure mode */
-    bool cancel_only;        /* never opened here: one ABORT to the prefill, then freed */
+    bool lost_unreliable; /* the lost peer's endpoint had no peer-failure mode */
+    bool cancel_only;     /* never opened here: one ABORT to the prefill, then freed */
     uint64_t lost_ms;
 } room;
 
@@ -96,8 +96,8 @@ typedef struct peer {
     int fd;
     short revents;
     bool ever_ready;
-    bool ucx_failed;          /* the endpoint's error handler fired */
-    bool closing_after_tx;    /* a fatal ERROR is queued: send it, then close */
+    bool ucx_failed;       /* the endpoint's error handler fired */
+    bool closing_after_tx; /* a fatal ERROR is queued: send it, then close */
     char addr[PEER_ADDR_MAX];
     uint64_t t_state_ms, last_rx_ms, last_tx_ms;
     uint8_t *rx;
@@ -134,7 +134,7 @@ struct pd_net {
     size_t waddr_len;
     bool no_peer_mode;
     uint32_t ucx_out;
-    uint64_t last_event_ns;   /* the worker last reported progress */
+    uint64_t last_event_ns; /* the worker last reported progress */
     /* registered memory */
     bool registered;
     uint8_t *base[REG_N];
@@ -145,7 +145,7 @@ struct pd_net {
     size_t rkey_len[REG_N];
     /* tables, all sized at creation */
     xr_table rooms;
-    bool *in_dirty;            /* per room slot: on the dirty ring (a stale entry may name a
+    bool *in_dirty; /* per room slot: on the dirty ring (a stale entry may name a
                                   freed slot) */
     peer *peers;
     stage *stages;
@@ -154,7 +154,7 @@ struct pd_net {
     struct pollfd *pfd;
     uint32_t *pfd_peer;
     uint64_t next_due_ms, next_scan_ms;
-    uint32_t abandon_pending;  /* rooms that may need abandon_dead_writes */
+    uint32_t abandon_pending; /* rooms that may need abandon_dead_writes */
     bool faults[PD_NET_FAULT__COUNT];
     pd_net_stats stats;
     uint64_t node_id;

@@ -170,7 +170,7 @@ ucs_status_t net_peer_ep_create(pd_net *n, peer *p, const bp_hello *h) {
     /* The worker address and keys are opaque to us; UCX parses them. */
     ucp_ep_params_t ep = {
         .field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
-                      UCP_EP_PARAM_FIELD_ERR_HANDLER,
+            UCP_EP_PARAM_FIELD_ERR_HANDLER,
         .address = (const ucp_address_t *)h->worker_addr,
         .err_mode = UCP_ERR_HANDLING_MODE_PEER,
         .err_handler = {.cb = ep_error_cb, .arg = p},

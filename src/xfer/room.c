@@ -154,8 +154,7 @@ bool xr_dest_covers(const xr_dest *d, uint32_t ps, uint32_t first, uint32_t n) {
     return first >= base && first - base <= d->n_pages && n <= d->n_pages - (first - base);
 }
 
-bool xr_final_fits(const xr_dest *d, uint32_t ps, uint32_t first, uint32_t n,
-                   uint32_t mamba_slot) {
+bool xr_final_fits(const xr_dest *d, uint32_t ps, uint32_t first, uint32_t n, uint32_t mamba_slot) {
     if ((mamba_slot == PD_POOL_NONE) != (d->mamba_slot == PD_POOL_NONE)) return false;
     return d->prompt <= d->cached || first + n == PD_DIV_CEIL(d->prompt, ps);
 }

@@ -47,18 +47,18 @@
 typedef enum xr_role { XR_SENDER = 0, XR_RECEIVER = 1 } xr_role;
 
 typedef struct xr_half {
-    bool open, closed;    /* the engine opened / closed the room on this side */
-    bool cancelled;       /* this side ended the room without opening it */
+    bool open, closed; /* the engine opened / closed the room on this side */
+    bool cancelled;    /* this side ended the room without opening it */
     pd_xfer_status st;
-    uint32_t writes_out;  /* writes of the room that may still touch this node's memory */
+    uint32_t writes_out; /* writes of the room that may still touch this node's memory */
     /* sender */
-    bool done;            /* posts no more writes */
-    bool stopping;        /* its own abort waits for writes in flight to settle */
-    bool early_abort;     /* ended before the destination came: answer it with an abort */
+    bool done;        /* posts no more writes */
+    bool stopping;    /* its own abort waits for writes in flight to settle */
+    bool early_abort; /* ended before the destination came: answer it with an abort */
     /* receiver */
-    bool dest_sent;       /* the destination may have reached the sender */
-    bool abort_sent;      /* our abort is on its way (or was) */
-    bool peer_stopped;    /* the sender will write nothing more */
+    bool dest_sent;        /* the destination may have reached the sender */
+    bool abort_sent;       /* our abort is on its way (or was) */
+    bool peer_stopped;     /* the sender will write nothing more */
     uint64_t settle_until; /* not drained before this time (a lost peer's writes) */
 } xr_half;
 
@@ -71,9 +71,9 @@ typedef struct xr_dest {
 
 /* What a transport must do after an engine call. */
 typedef enum xr_act {
-    XR_ACT_NONE = 0,       /* nothing to send */
-    XR_ACT_NOTIFY,         /* tell the peer now */
-    XR_ACT_NOTIFY_LATER,   /* tell the peer once the writes in flight have settled */
+    XR_ACT_NONE = 0,     /* nothing to send */
+    XR_ACT_NOTIFY,       /* tell the peer now */
+    XR_ACT_NOTIFY_LATER, /* tell the peer once the writes in flight have settled */
 } xr_act;
 
 /* ---- the status and the half's rules ---- */
@@ -148,7 +148,7 @@ bool xr_sendable(const xr_half *h);
  * array sized at creation, found by room id through a pd_index. */
 typedef struct xr_slot {
     uint64_t id;
-    uint32_t gen;        /* bumped when the slot is freed */
+    uint32_t gen; /* bumped when the slot is freed */
     bool used;
     uint64_t tomb_order; /* 0: not a tombstone; else when it became one */
 } xr_slot;

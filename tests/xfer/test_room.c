@@ -101,8 +101,12 @@ static void cancel_tells_once_and_marks_gone(void **state) {
 static void destination_checks(void **state) {
     (void)state;
     uint32_t pages[3] = {7, 8, 9};
-    pd_xfer_dest ok = {.prompt_tokens = 10, .cached_tokens = 4, .pages = pages, .n_pages = 2,
-                       .mamba_slot = PD_POOL_NONE, .meta_row = 0};
+    pd_xfer_dest ok = {.prompt_tokens = 10,
+                       .cached_tokens = 4,
+                       .pages = pages,
+                       .n_pages = 2,
+                       .mamba_slot = PD_POOL_NONE,
+                       .meta_row = 0};
     assert_true(xr_dest_valid(&ok, 4));
     pd_xfer_dest bad = ok;
     bad.cached_tokens = 3;
@@ -119,7 +123,7 @@ static void destination_checks(void **state) {
     assert_int_equal(xr_dest_page(&d, 4, 2), 8);
     assert_true(xr_final_fits(&d, 4, 2, 1, PD_POOL_NONE));
     assert_false(xr_final_fits(&d, 4, 1, 1, PD_POOL_NONE)); /* does not end the prompt */
-    assert_false(xr_final_fits(&d, 4, 2, 1, 5));           /* a Mamba state nobody expects */
+    assert_false(xr_final_fits(&d, 4, 2, 1, 5));            /* a Mamba state nobody expects */
     xr_dest_clear(&d);
     assert_false(d.known);
 }
@@ -129,9 +133,7 @@ typedef struct rec {
     bool busy;
 } rec;
 
-static bool rec_evictable(void *ctx, uint32_t r) {
-    return !((rec *)xr_at(ctx, r))->busy;
-}
+static bool rec_evictable(void *ctx, uint32_t r) { return !((rec *)xr_at(ctx, r))->busy; }
 
 static void rec_evict(void *ctx, uint32_t r) { xr_remove(ctx, r); }
 
