@@ -4,14 +4,15 @@
  * adds the representation:
  *
  *   nodes    a fixed arena; node 0 is the root (no pages, never evicted).
- *            Free nodes are chained through next_sib.
+ *            Free nodes are a pd_list through their sibling link.
  *   entries  one per cached page position: the page's tokens, its device
  *            page, its host page, and the next entry of the same node. A
  *            node's pages are a chain of entries, so a split is a pointer
  *            cut and never copies tokens.
  *   children the base's pd_index keyed by (parent, first page's tokens) ->
- *            child, plus a sibling list per node for iteration.
- *   lists    three intrusive LRU lists (device, host, snapshot) threaded
+ *            child, plus a list of children per node (pd_list through the
+ *            sibling link) for iteration.
+ *   lists    three LRU lists (device, host, snapshot), pd_lists threaded
  *            through the nodes; see the header for their ordering rule.
  *
  * Sizes: entries_max = kv pages + host pages (every entry holds at least one
@@ -25,6 +26,7 @@
  */
 #include "pdserve/cache.h"
 #include "pdserve/index.h"
+#include "pdserve/list.h"
 
 #include <stdio.h>
 #include <stdlib.h>
@@ -36,23 +38,21 @@ enum { L_DEV = 0, L_HOST = 1, L_MAMBA = 2, L__COUNT = 3 };
 enum { R_KV = 0, R_HOST = 1, R_MAMBA = 2, R__COUNT = 3 };
 
 typedef struct cnode {
-    uint32_t parent, first_child, next_sib, prev_sib;
+    uint32_t parent;
+    pd_list kids; /* its children, newest first */
+    pd_link sib;  /* in its parent's kids, or in the free nodes */
     uint32_t first_ent, last_ent, n_pages;
     uint32_t end_pages;            /* depth in pages at the node's end */
-    uint32_t n_children, n_dev_children;
+    uint32_t n_dev_children;
     uint32_t lock_ref, mamba_lock;
     uint32_t mamba_slot;
     uint32_t loading;              /* ticket index, or NONE */
-    uint32_t lprev[L__COUNT], lnext[L__COUNT];
+    pd_link lru[L__COUNT];
     uint64_t lstamp[L__COUNT];
     uint64_t key_hash;
     bool live, on_dev, on_host;
     bool in_list[L__COUNT];
 } cnode;
-
-typedef struct lru_list {
-    uint32_t head, tail, len;
-} lru_list;
 
 typedef struct ticket {
     bool used;
@@ -68,7 +68,8 @@ struct pd_cache {
     uint32_t page_size;
 
     cnode *nodes;
-    uint32_t nodes_max, node_free, nodes_live;
+    pd_list node_free;
+    uint32_t nodes_max, nodes_live;
 
     int32_t *ent_tokens;           /* entries_max * page_size */
     uint32_t *ent_dev, *ent_host, *ent_next;
@@ -76,7 +77,7 @@ struct pd_cache {
 
     pd_index children; /* child_key(parent, first page) -> node */
 
-    lru_list lists[L__COUNT];
+    pd_list lists[L__COUNT];
     ticket *tickets;
     uint32_t loads_max, loads_live;
 
@@ -102,6 +103,15 @@ static inline cnode *N(pd_cache *c, uint32_t id) {
     PD_ASSERT(id < c->nodes_max);
     return &c->nodes[id];
 }
+
+/* The records of list l (an LRU list), and of the sibling lists. */
+static inline pd_links lru_links(pd_cache *c, int l) {
+    return (pd_links){.base = c->nodes,
+                      .stride = sizeof(cnode),
+                      .offset = offsetof(cnode, lru) + (size_t)l * sizeof(pd_link)};
+}
+
+static inline pd_links sib_links(pd_cache *c) { return PD_LINKS(c->nodes, cnode, sib); }
 
 static inline const int32_t *ent_tok(const pd_cache *c, uint32_t e) {
     return c->ent_tokens + (size_t)e * c->page_size;
@@ -167,42 +177,24 @@ static void node_set_pages(pd_cache *c, uint32_t id, bool host, const uint32_t *
 static void list_remove(pd_cache *c, int l, uint32_t id) {
     cnode *n = N(c, id);
     PD_ASSERT(n->in_list[l]);
-    lru_list *ls = &c->lists[l];
-    if (n->lprev[l] != NONE) N(c, n->lprev[l])->lnext[l] = n->lnext[l];
-    else ls->head = n->lnext[l];
-    if (n->lnext[l] != NONE) N(c, n->lnext[l])->lprev[l] = n->lprev[l];
-    else ls->tail = n->lprev[l];
-    n->lprev[l] = n->lnext[l] = NONE;
+    pd_list_remove(&c->lists[l], lru_links(c, l), id);
     n->in_list[l] = false;
-    ls->len--;
 }
 
 static void list_push_tail(pd_cache *c, int l, uint32_t id) {
     cnode *n = N(c, id);
     PD_ASSERT(!n->in_list[l]);
-    lru_list *ls = &c->lists[l];
-    n->lprev[l] = ls->tail;
-    n->lnext[l] = NONE;
-    if (ls->tail != NONE) N(c, ls->tail)->lnext[l] = id;
-    else ls->head = id;
-    ls->tail = id;
+    pd_list_push_back(&c->lists[l], lru_links(c, l), id);
     n->in_list[l] = true;
     n->lstamp[l] = c->clock;
-    ls->len++;
 }
 
 static void list_insert_after(pd_cache *c, int l, uint32_t after, uint32_t id) {
     cnode *a = N(c, after), *n = N(c, id);
     PD_ASSERT(a->in_list[l] && !n->in_list[l]);
-    lru_list *ls = &c->lists[l];
-    n->lprev[l] = after;
-    n->lnext[l] = a->lnext[l];
-    if (a->lnext[l] != NONE) N(c, a->lnext[l])->lprev[l] = id;
-    else ls->tail = id;
-    a->lnext[l] = id;
+    pd_list_insert_after(&c->lists[l], lru_links(c, l), after, id);
     n->in_list[l] = true;
     n->lstamp[l] = a->lstamp[l];
-    ls->len++;
 }
 
 /* Brings list membership in line with the node's state. */
@@ -258,16 +250,18 @@ static void ht_remove(pd_cache *c, uint32_t id) {
 /* ---- node and entry arenas ----------------------------------------------- */
 
 static uint32_t node_alloc(pd_cache *c) {
-    uint32_t id = c->node_free;
+    uint32_t id = c->node_free.head;
     PD_ASSERTF(id != NONE, "node arena exhausted (%u nodes)", c->nodes_max);
+    pd_list_remove(&c->node_free, sib_links(c), id);
     cnode *n = N(c, id);
-    c->node_free = n->next_sib;
     memset(n, 0, sizeof(*n));
-    n->parent = n->first_child = n->next_sib = n->prev_sib = NONE;
+    n->parent = NONE;
+    pd_list_init(&n->kids);
+    pd_link_init(&n->sib);
     n->first_ent = n->last_ent = NONE;
     n->mamba_slot = NONE;
     n->loading = NONE;
-    for (int l = 0; l < L__COUNT; l++) n->lprev[l] = n->lnext[l] = NONE;
+    for (int l = 0; l < L__COUNT; l++) pd_link_init(&n->lru[l]);
     n->live = true;
     c->nodes_live++;
     return id;
@@ -286,8 +280,7 @@ static void node_release(pd_cache *c, uint32_t id) {
         e = next;
     }
     n->live = false;
-    n->next_sib = c->node_free;
-    c->node_free = id;
+    pd_list_push_front(&c->node_free, sib_links(c), id);
     c->nodes_live--;
 }
 
@@ -306,26 +299,17 @@ static uint32_t entry_alloc(pd_cache *c, const int32_t *tokens) {
 static void child_link(pd_cache *c, uint32_t parent, uint32_t id) {
     cnode *p = N(c, parent), *n = N(c, id);
     n->parent = parent;
-    n->prev_sib = NONE;
-    n->next_sib = p->first_child;
-    if (p->first_child != NONE) N(c, p->first_child)->prev_sib = id;
-    p->first_child = id;
-    p->n_children++;
+    pd_list_push_front(&p->kids, sib_links(c), id);
     if (n->on_dev) p->n_dev_children++;
 }
 
 static void child_unlink(pd_cache *c, uint32_t id) {
     cnode *n = N(c, id), *p = N(c, n->parent);
-    if (n->prev_sib != NONE) N(c, n->prev_sib)->next_sib = n->next_sib;
-    else p->first_child = n->next_sib;
-    if (n->next_sib != NONE) N(c, n->next_sib)->prev_sib = n->prev_sib;
-    PD_ASSERT(p->n_children > 0);
-    p->n_children--;
+    pd_list_remove(&p->kids, sib_links(c), id);
     if (n->on_dev) {
         PD_ASSERT(p->n_dev_children > 0);
         p->n_dev_children--;
     }
-    n->prev_sib = n->next_sib = NONE;
 }
 
 /* Splits node id after k pages: a new node P takes the first k pages and
@@ -360,17 +344,12 @@ static uint32_t split(pd_cache *c, uint32_t id, uint32_t k) {
     p->parent = n->parent;
     pd_index_insert(&c->children, p->key_hash, pid);
 
-    /* Sibling list: P replaces id. */
-    cnode *par = N(c, n->parent);
-    p->prev_sib = n->prev_sib;
-    p->next_sib = n->next_sib;
-    if (n->prev_sib != NONE) N(c, n->prev_sib)->next_sib = pid;
-    else par->first_child = pid;
-    if (n->next_sib != NONE) N(c, n->next_sib)->prev_sib = pid;
-    n->prev_sib = n->next_sib = NONE;
+    /* Among its parent's children, P takes id's place; id is P's one child. */
+    pd_list *siblings = &N(c, n->parent)->kids;
+    pd_list_insert_after(siblings, sib_links(c), n->sib.prev, pid);
+    pd_list_remove(siblings, sib_links(c), id);
     n->parent = pid;
-    p->first_child = id;
-    p->n_children = 1;
+    pd_list_push_back(&p->kids, sib_links(c), id);
     p->n_dev_children = n->on_dev ? 1 : 0;
     ht_insert(c, id);
 
@@ -441,17 +420,18 @@ static void empty_init(pd_cache *c) {
     for (uint32_t e = 0; e < c->entries_max; e++)
         c->ent_next[e] = e + 1 < c->entries_max ? e + 1 : NONE;
     c->ent_free = 0;
-    for (uint32_t i = 1; i < c->nodes_max; i++)
-        c->nodes[i].next_sib = i + 1 < c->nodes_max ? i + 1 : NONE;
-    c->node_free = c->nodes_max > 1 ? 1 : NONE;
-    for (int li = 0; li < L__COUNT; li++) c->lists[li].head = c->lists[li].tail = NONE;
+    pd_list_init(&c->node_free);
+    for (uint32_t i = 1; i < c->nodes_max; i++) pd_list_push_back(&c->node_free, sib_links(c), i);
+    for (int li = 0; li < L__COUNT; li++) pd_list_init(&c->lists[li]);
 
     cnode *root = &c->nodes[PD_CNODE_ROOT];
-    root->parent = root->first_child = root->next_sib = root->prev_sib = NONE;
+    root->parent = NONE;
+    pd_list_init(&root->kids);
+    pd_link_init(&root->sib);
     root->first_ent = root->last_ent = NONE;
     root->mamba_slot = NONE;
     root->loading = NONE;
-    for (int li = 0; li < L__COUNT; li++) root->lprev[li] = root->lnext[li] = NONE;
+    for (int li = 0; li < L__COUNT; li++) pd_link_init(&root->lru[li]);
     root->live = true;
     root->on_dev = true; /* the empty prefix is always usable */
 }
@@ -764,7 +744,7 @@ static void free_host_copy(pd_cache *c, uint32_t id) {
 /* Removes a node that holds nothing any more (C2) and has no children. */
 static void delete_node(pd_cache *c, uint32_t id) {
     cnode *n = N(c, id);
-    PD_ASSERT(!n->on_dev && !n->on_host && n->n_children == 0 && n->lock_ref == 0);
+    PD_ASSERT(!n->on_dev && !n->on_host && n->kids.len == 0 && n->lock_ref == 0);
     PD_ASSERT(n->mamba_slot == NONE && n->loading == NONE);
     for (int l = 0; l < L__COUNT; l++) PD_ASSERT(!n->in_list[l]);
     ht_remove(c, id);
@@ -780,9 +760,9 @@ static void delete_subtree(pd_cache *c, uint32_t id) {
     while (sp > 0) {
         uint32_t top = c->stack[sp - 1];
         cnode *n = N(c, top);
-        if (n->first_child != NONE) {
+        if (n->kids.head != NONE) {
             PD_ASSERT(sp < c->nodes_max);
-            c->stack[sp++] = n->first_child;
+            c->stack[sp++] = n->kids.head;
             continue;
         }
         sp--;
@@ -796,10 +776,10 @@ static void delete_subtree(pd_cache *c, uint32_t id) {
 }
 
 static uint32_t first_eligible(pd_cache *c, int l) {
-    for (uint32_t id = c->lists[l].head; id != NONE; id = N(c, id)->lnext[l]) {
+    for (uint32_t id = c->lists[l].head; id != NONE; id = N(c, id)->lru[l].next) {
         cnode *n = N(c, id);
         if (l == L_DEV && n->n_dev_children == 0) return id;
-        if (l == L_HOST && (n->on_dev || n->n_children == 0)) return id;
+        if (l == L_HOST && (n->on_dev || n->kids.len == 0)) return id;
         if (l == L_MAMBA) return id;
     }
     return NONE;
@@ -1042,7 +1022,7 @@ void pd_cache_walk(pd_cache *c, void (*fn)(void *ctx, const pd_cnode_info *),
     /* Iterative pre-order DFS; a node's prefix is rebuilt from its entries
      * into prefix[] at its depth (parents are visited first). */
     uint32_t sp = 0;
-    for (uint32_t ch = N(c, PD_CNODE_ROOT)->first_child; ch != NONE; ch = N(c, ch)->next_sib)
+    for (uint32_t ch = N(c, PD_CNODE_ROOT)->kids.head; ch != NONE; ch = N(c, ch)->sib.next)
         c->stack[sp++] = ch;
     while (sp > 0) {
         uint32_t id = c->stack[--sp];
@@ -1068,8 +1048,7 @@ void pd_cache_walk(pd_cache *c, void (*fn)(void *ctx, const pd_cnode_info *),
             .host_pages = n->on_host ? host : NULL,
         };
         fn(ctx, &info);
-        for (uint32_t ch = n->first_child; ch != NONE; ch = N(c, ch)->next_sib)
-            c->stack[sp++] = ch;
+        for (uint32_t ch = n->kids.head; ch != NONE; ch = N(c, ch)->sib.next) c->stack[sp++] = ch;
     }
     free(prefix);
     free(dev);
@@ -1110,19 +1089,20 @@ typedef struct verify_tally {
 static pd_err verify_children(pd_cache *c, uint32_t id, uint32_t *sp, char *msg,
                               size_t msg_cap) {
     cnode *n = N(c, id);
-    uint32_t kids = 0, dev_kids = 0;
+    uint32_t kids = 0, dev_kids = 0, prev = NONE;
     uint64_t kid_locks = 0;
-    for (uint32_t ch = n->first_child; ch != NONE; ch = N(c, ch)->next_sib) {
+    for (uint32_t ch = n->kids.head; ch != NONE; prev = ch, ch = N(c, ch)->sib.next) {
         cnode *k = N(c, ch);
         if (k->parent != id) VFAIL("node %u: child %u has parent %u", id, ch, k->parent);
+        if (k->sib.prev != prev) VFAIL("node %u: sibling list broken at child %u", id, ch);
         kids++;
         dev_kids += k->on_dev;
         kid_locks += k->lock_ref;
         if (*sp >= c->nodes_max) VFAIL("cycle below node %u", id);
         c->stack[(*sp)++] = ch;
     }
-    if (kids != n->n_children)
-        VFAIL("node %u: %u children counted, %u recorded", id, kids, n->n_children);
+    if (kids != n->kids.len || prev != n->kids.tail)
+        VFAIL("node %u: %u children counted, %u recorded", id, kids, n->kids.len);
     if (dev_kids != n->n_dev_children)
         VFAIL("node %u: %u device children counted, %u recorded", id, dev_kids,
               n->n_dev_children);
@@ -1210,9 +1190,9 @@ static pd_err verify_lists(pd_cache *c, const uint32_t *in_list_n, char *msg,
     for (int l = 0; l < L__COUNT; l++) {
         uint32_t len = 0, prev = NONE;
         uint64_t last_stamp = 0;
-        for (uint32_t id = c->lists[l].head; id != NONE; id = N(c, id)->lnext[l]) {
+        for (uint32_t id = c->lists[l].head; id != NONE; id = N(c, id)->lru[l].next) {
             cnode *n = N(c, id);
-            if (!n->in_list[l] || n->lprev[l] != prev) VFAIL("list %d broken at node %u", l, id);
+            if (!n->in_list[l] || n->lru[l].prev != prev) VFAIL("list %d broken at node %u", l, id);
             if (n->lstamp[l] < last_stamp) VFAIL("list %d: stamps decrease at node %u", l, id);
             last_stamp = n->lstamp[l];
             c->stack[len] = id;

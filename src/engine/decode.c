@@ -75,7 +75,7 @@ static void poll_transfers(pd_engine *e) {
     uint32_t idx = e->q[Q_WAIT_XFER].head;
     while (idx != NONE) {
         req *r = eng_req(e, idx);
-        idx = r->qnext;
+        idx = r->qlink.next;
         pd_xfer_status st = e->xfer.vt->status(e->xfer.self, r->room);
         if (st == PD_XFER_SUCCESS) {
             commit(e, r);
@@ -149,7 +149,7 @@ void decode_add_items(pd_engine *e, batch_rec *b) {
     uint32_t idx = e->q[Q_RUNNING].head;
     while (idx != NONE && b->n < e->cfg.batch_max) {
         req *r = eng_req(e, idx);
-        idx = r->qnext;
+        idx = r->qlink.next;
         if (r->forwards_in_flight > 0) continue;
         /* Where the last token goes: below prompt + max_new - 1, the positions
          * reserved at admission (the last sampled token is never fed back). */

@@ -153,26 +153,13 @@ static void rid_index_remove(pd_engine *e, req *r) {
 
 void q_push(pd_engine *e, req *r, uint8_t queue) {
     PD_ASSERT(r->queue == Q_NONE && queue < Q__COUNT);
-    qlist *q = &e->q[queue];
-    uint32_t idx = eng_idx(e, r);
-    r->qprev = q->tail;
-    r->qnext = NONE;
-    if (q->tail != NONE) e->reqs[q->tail].qnext = idx;
-    else q->head = idx;
-    q->tail = idx;
-    q->len++;
+    pd_list_push_back(&e->q[queue], eng_qlinks(e), eng_idx(e, r));
     r->queue = queue;
 }
 
 void q_remove(pd_engine *e, req *r) {
     if (r->queue == Q_NONE) return;
-    qlist *q = &e->q[r->queue];
-    if (r->qprev != NONE) e->reqs[r->qprev].qnext = r->qnext;
-    else q->head = r->qnext;
-    if (r->qnext != NONE) e->reqs[r->qnext].qprev = r->qprev;
-    else q->tail = r->qprev;
-    q->len--;
-    r->qprev = r->qnext = NONE;
+    pd_list_remove(&e->q[r->queue], eng_qlinks(e), eng_idx(e, r));
     r->queue = Q_NONE;
 }
 
@@ -183,17 +170,17 @@ void q_move(pd_engine *e, req *r, uint8_t queue) {
 }
 
 static req *record_alloc(pd_engine *e) {
-    uint32_t idx = e->free_head;
+    uint32_t idx = e->free_reqs.head;
     if (idx == NONE) return NULL;
+    pd_list_remove(&e->free_reqs, eng_qlinks(e), idx);
     req *r = &e->reqs[idx];
-    e->free_head = r->qnext;
     uint32_t gen = r->gen + 1;
     memset(r, 0, sizeof(*r));
     r->gen = gen;
     r->owner = ((uint64_t)gen << 32) | (uint64_t)(idx + 1);
     r->live = true;
     r->queue = Q_NONE;
-    r->qprev = r->qnext = NONE;
+    pd_link_init(&r->qlink);
     r->row = r->mamba_run = r->meta_row = NONE;
     r->mamba_track[0] = r->mamba_track[1] = NONE;
     r->final_snap = NONE;
@@ -217,8 +204,7 @@ static void record_free(pd_engine *e, req *r) {
     free(r->prompt);
     r->prompt = NULL;
     r->live = false;
-    r->qnext = e->free_head;
-    e->free_head = idx;
+    pd_list_push_front(&e->free_reqs, eng_qlinks(e), idx);
     e->reqs_live--;
 }
 
@@ -554,7 +540,7 @@ static void drain_poll(pd_engine *e) {
     uint32_t idx = e->q[Q_DRAINING].head;
     while (idx != NONE) {
         req *r = &e->reqs[idx];
-        idx = r->qnext;
+        idx = r->qlink.next;
         if (!e->xfer.vt->drained(e->xfer.self, r->room)) continue;
         if (r->q_pages) {
             LEDGER_MUST(e, pd_ledger_free(e->ledger, e->kv_id, r->pages + r->own_from,
@@ -760,12 +746,12 @@ static pd_err arrays_alloc(pd_engine *e) {
  * queue empty, the metadata rows zeroed. */
 static void records_init(pd_engine *e) {
     const pd_engine_config *cfg = &e->cfg;
+    pd_list_init(&e->free_reqs);
     for (uint32_t i = 0; i < cfg->requests_max; i++) {
-        e->reqs[i].qnext = i + 1 < cfg->requests_max ? i + 1 : NONE;
         e->reqs[i].queue = Q_NONE;
+        pd_list_push_back(&e->free_reqs, eng_qlinks(e), i);
     }
-    e->free_head = 0;
-    for (int q = 0; q < Q__COUNT; q++) e->q[q].head = e->q[q].tail = NONE;
+    for (int q = 0; q < Q__COUNT; q++) pd_list_init(&e->q[q]);
     if (cfg->meta_mem) memset(cfg->meta_mem, 0, (size_t)cfg->meta_rows * sizeof(pd_meta_row));
 }
 

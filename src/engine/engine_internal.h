@@ -13,6 +13,7 @@
 #include "pdserve/cache.h"
 #include "pdserve/engine.h"
 #include "pdserve/index.h"
+#include "pdserve/list.h"
 
 #define NONE UINT32_MAX
 
@@ -33,16 +34,12 @@ enum {
     Q_NONE = 255
 };
 
-typedef struct qlist {
-    uint32_t head, tail, len;
-} qlist;
-
 typedef struct req {
     bool live;
     uint8_t queue;
     uint32_t gen;
-    pd_owner owner;                 /* (gen << 32) | (index + 1): never 0 */
-    uint32_t qprev, qnext;
+    pd_owner owner; /* (gen << 32) | (index + 1): never 0 */
+    pd_link qlink;  /* in its queue, or (not live) in the free records */
 
     char rid[PD_RID_MAX];
     uint64_t room;
@@ -138,9 +135,10 @@ struct pd_engine {
     uint32_t tracks;          /* track slots per request: 0, 1 or 2 */
 
     req *reqs;
-    uint32_t reqs_live, free_head;
+    uint32_t reqs_live;
+    pd_list free_reqs;        /* records not live, the last freed first */
     pd_index rid_ix, room_ix; /* live rid -> record; room -> record (not colocated) */
-    qlist q[Q__COUNT];
+    pd_list q[Q__COUNT];
     uint32_t pages_per_req;
     uint32_t *page_store;
     uint32_t *scratch, *dups;
@@ -170,6 +168,8 @@ static inline void eng_act(pd_engine *e, const req *r, pd_action a, bool final, 
 /* ---- engine.c: shared machinery ---- */
 req *eng_req(pd_engine *e, uint32_t idx);
 uint32_t eng_idx(pd_engine *e, const req *r);
+/* The queues' (and the free records') links: pd_list over e->reqs. */
+static inline pd_links eng_qlinks(pd_engine *e) { return PD_LINKS(e->reqs, req, qlink); }
 void q_push(pd_engine *e, req *r, uint8_t queue);
 void q_remove(pd_engine *e, req *r);
 void q_move(pd_engine *e, req *r, uint8_t queue);

@@ -102,7 +102,7 @@ static void poll_bootstrap_queue(pd_engine *e) {
     uint32_t idx = e->q[Q_BOOTSTRAP].head;
     while (idx != NONE) {
         req *r = eng_req(e, idx);
-        idx = r->qnext;
+        idx = r->qlink.next;
         if (!r->holds_meta) {
             if (pd_pool_free_count(e->meta) == 0) {
                 uint64_t timeout_us = e->cfg.bootstrap_timeout_us;
@@ -132,7 +132,7 @@ static void poll_rooms(pd_engine *e) {
         uint32_t idx = e->q[queues[k]].head;
         while (idx != NONE) {
             req *r = eng_req(e, idx);
-            idx = r->qnext;
+            idx = r->qlink.next;
             if (!room_check(e, r)) continue;
             if (r->queue == Q_PARKED && r->bootstrapped) send_final(e, r);
         }
@@ -140,7 +140,7 @@ static void poll_rooms(pd_engine *e) {
     uint32_t idx = e->q[Q_TRANSFER].head;
     while (idx != NONE) {
         req *r = eng_req(e, idx);
-        idx = r->qnext;
+        idx = r->qlink.next;
         pd_xfer_status st = e->xfer.vt->status(e->xfer.self, r->room);
         if (st == PD_XFER_SUCCESS) {
             eng_retire(e, r, PD_TERM_FINISHED, PD_FINISH_TRANSFERRED, 200, "");
@@ -156,7 +156,7 @@ static void poll_loads(pd_engine *e) {
     uint32_t idx = e->q[Q_LOADING].head;
     while (idx != NONE) {
         req *r = eng_req(e, idx);
-        idx = r->qnext;
+        idx = r->qlink.next;
         if (!e->exec.vt->load_poll(e->exec.self, r->load_id)) continue;
         PD_MUST(pd_cache_load_done(e->cache, r->ticket));
         r->holds_host = false;
@@ -314,7 +314,7 @@ static uint32_t add_chunk(pd_engine *e, batch_rec *b, req *r, uint32_t budget) {
  * for their first chunk, so admission never hoards the pools. */
 static void admit_waiting(pd_engine *e) {
     uint32_t unstarted = 0;
-    for (uint32_t idx = e->q[Q_PREFILL].head; idx != NONE; idx = eng_req(e, idx)->qnext) {
+    for (uint32_t idx = e->q[Q_PREFILL].head; idx != NONE; idx = eng_req(e, idx)->qlink.next) {
         req *r = eng_req(e, idx);
         unstarted += r->launched == r->cached_tokens;
     }
@@ -336,7 +336,7 @@ static void schedule(pd_engine *e) {
     uint32_t idx = e->q[Q_PREFILL].head;
     while (idx != NONE && budget > 0 && b->n < e->cfg.batch_max) {
         req *r = eng_req(e, idx);
-        idx = r->qnext;
+        idx = r->qlink.next;
         if (r->launched == r->prompt_len) continue;
         if (!r->bootstrapped && r->launched > r->cached_tokens) {
             /* Optimistic and still bootstrapping: at a chunk boundary with
