@@ -180,6 +180,7 @@ uint32_t net_room_new(pd_net *n, uint64_t id) {
 /* Removes r from the table; the slot's generation moves on, so a completion
  * that names the old one touches nothing. */
 void net_room_free(pd_net *n, uint32_t r) {
+    PD_ASSERT(r < n->cfg.rooms_max);
     room *rm = room_at(n, r);
     PD_ASSERT(rm->slot.used && rm->puts_out == 0 && rm->flush_out == 0);
     net_stages_drop(n, rm);
@@ -190,6 +191,7 @@ void net_room_free(pd_net *n, uint32_t r) {
 /* The engine is done with the room (closed or cancelled): a tombstone from
  * now on, and freed once nothing refers to it any more. */
 void net_room_try_release(pd_net *n, room *rm) {
+    PD_ASSERT(ridx(n, rm) < n->cfg.rooms_max);
     if (!rm->slot.used || !xr_gone(&rm->h)) return;
     xr_set_tomb(&n->rooms, ridx(n, rm), true);
     if (n->cfg.role == PD_NET_PREFILL) {
@@ -590,6 +592,7 @@ static pd_xfer_status v_status(void *self, uint64_t id) {
 /* The engine's abort on the prefill side (mutex held): stop posting, and
  * tell the decode once the writes in flight have completed. */
 static pd_err abort_sender(pd_net *n, room *rm, uint64_t late) {
+    PD_ASSERT(n->cfg.role == PD_NET_PREFILL && rm->slot.used);
     net_writes_sync(rm);
     if (xr_abort(&rm->h, XR_SENDER) == XR_ACT_NONE) return PD_OK;
     net_stages_drop(n, rm);
@@ -674,6 +677,7 @@ static void v_close(void *self, uint64_t id) {
 
 /* cancel() on the prefill side (mutex held). */
 static void cancel_sender(pd_net *n, uint32_t r, uint64_t id) {
+    PD_ASSERT(n->cfg.role == PD_NET_PREFILL);
     if (r == PD_NONE) {
         /* The decode half may still send its destination: answer it with ABORT. */
         if ((r = net_room_new(n, id)) == PD_NONE) return;
@@ -703,6 +707,7 @@ static void cancel_sender(pd_net *n, uint32_t r, uint64_t id) {
 
 /* cancel() on the decode side (mutex held): a record that sends one ABORT. */
 static void cancel_receiver(pd_net *n, uint32_t r, uint64_t id, const char *peer_addr) {
+    PD_ASSERT(n->cfg.role == PD_NET_DECODE);
     if (r != PD_NONE || !net_addr_ok(peer_addr)) return;
     uint32_t pi = net_peer_for_addr(n, peer_addr);
     if (pi == PD_NONE || (r = net_room_new(n, id)) == PD_NONE) {

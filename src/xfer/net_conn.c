@@ -24,6 +24,7 @@
 /* Space for a message of up to max bytes at the end of the tx buffer; NULL
  * if the peer is not reading (the caller fails it). */
 uint8_t *net_tx_reserve(peer *p, size_t max) {
+    PD_ASSERT(p->tx_off <= p->tx_len && p->tx_len <= p->tx_cap);
     if (p->tx_off > 0 && p->tx_len + max > p->tx_cap) {
         memmove(p->tx, p->tx + p->tx_off, p->tx_len - p->tx_off);
         p->tx_len -= p->tx_off;
@@ -50,6 +51,7 @@ void net_tx_commit(pd_net *n, peer *p, size_t len) {
 
 /* Queues a room message; false if the peer had to be failed. */
 bool net_send_room_msg(pd_net *n, uint32_t pi, bp_type type, uint64_t room_id, uint64_t value) {
+    PD_ASSERT(pi < n->cfg.peers_max);
     peer *p = &n->peers[pi];
     uint8_t *b = net_tx_reserve(p, BP_HEADER_BYTES + BP_ROOM_MSG_BYTES);
     if (!b) {
@@ -77,6 +79,7 @@ static void send_error(pd_net *n, uint32_t pi, bp_code code, bool has_room, uint
 /* A protocol violation that ends the connection: counted, answered with an
  * ERROR, then the connection is closed once the reply is out. */
 static void refuse_conn(pd_net *n, uint32_t pi, bp_code code, const char *text) {
+    PD_ASSERT(pi < n->cfg.peers_max);
     peer *p = &n->peers[pi];
     n->stats.bad_messages++;
     net_log(n, "pd_net: refusing %s: %s (%s)", p->addr, text, bp_code_name(code));
@@ -88,6 +91,7 @@ static void refuse_conn(pd_net *n, uint32_t pi, bp_code code, const char *text) 
 
 /* A room-level refusal: counted, answered, the connection stays. */
 static void refuse_room(pd_net *n, uint32_t pi, bp_code code, uint64_t room_id, const char *text) {
+    PD_ASSERT(pi < n->cfg.peers_max);
     n->stats.bad_messages++;
     net_log(n, "pd_net: refusing room %llu from %s: %s", (unsigned long long)room_id,
             n->peers[pi].addr, text);
@@ -120,6 +124,7 @@ static void close_fd_quietly(int fd) {
 
 /* Ends a connection and fails every room bound to it. */
 void net_peer_fail(pd_net *n, uint32_t pi, const char *why) {
+    PD_ASSERT(pi < n->cfg.peers_max);
     peer *p = &n->peers[pi];
     if (p->state == PS_FREE || p->state == PS_CLOSING) return;
     uint64_t now = now_ms();
@@ -182,6 +187,7 @@ static uint32_t peer_alloc(pd_net *n) {
 /* ---- the receiver's pump (progress thread) ------------------------------------------ */
 
 static bool send_dest(pd_net *n, uint32_t pi, room *rm) {
+    PD_ASSERT(n->cfg.role == PD_NET_DECODE && rm->dest.known && !rm->h.dest_sent);
     peer *p = &n->peers[pi];
     size_t max = BP_HEADER_BYTES + BP_DEST_FIXED + 4u * (size_t)rm->dest.n_pages;
     uint8_t *b = net_tx_reserve(p, max);
@@ -201,6 +207,7 @@ static bool send_dest(pd_net *n, uint32_t pi, room *rm) {
 }
 
 void net_pump_receiver(pd_net *n, room *rm, uint64_t now) {
+    PD_ASSERT(n->cfg.role == PD_NET_DECODE && rm->slot.used);
     peer *p = net_peer_of(n, rm);
     if (rm->cancel_only) {
         /* Tell the prefill once the connection is up; a lost connection
@@ -269,6 +276,7 @@ static bool hello_layout_matches(const pd_net *n, const bp_hello *h, char *why, 
 }
 
 static void on_hello(pd_net *n, uint32_t pi, const uint8_t *pl, uint32_t len) {
+    PD_ASSERT(n->cfg.role == PD_NET_PREFILL && pi < n->cfg.peers_max);
     peer *p = &n->peers[pi];
     bp_hello h;
     if (p->state != PS_HELLO) {
@@ -332,6 +340,7 @@ static const char *dest_problem(const pd_net *n, const peer *p, const bp_dest *d
 }
 
 static void on_dest(pd_net *n, uint32_t pi, const uint8_t *pl, uint32_t len) {
+    PD_ASSERT(n->cfg.role == PD_NET_PREFILL && n->peers[pi].state == PS_READY);
     peer *p = &n->peers[pi];
     bp_dest d;
     if (bp_dest_read(pl, len, &d) != PD_OK) {
@@ -388,6 +397,7 @@ static void on_dest(pd_net *n, uint32_t pi, const uint8_t *pl, uint32_t len) {
 }
 
 static void on_decode_abort(pd_net *n, uint32_t pi, uint64_t room_id) {
+    PD_ASSERT(n->cfg.role == PD_NET_PREFILL && n->peers[pi].state == PS_READY);
     peer *p = &n->peers[pi];
     uint32_t r = net_room_find(n, room_id);
     if (r == PD_NONE) {
@@ -445,6 +455,7 @@ static room *own_room(pd_net *n, uint32_t pi, uint64_t room_id) {
 }
 
 static void on_decode_msg(pd_net *n, uint32_t pi, uint32_t type, const uint8_t *pl, uint32_t len) {
+    PD_ASSERT(n->cfg.role == PD_NET_DECODE && pi < n->cfg.peers_max);
     peer *p = &n->peers[pi];
     if (type == BP_HELLO_OK) {
         uint64_t node_id;
@@ -539,6 +550,7 @@ static void on_error_msg(pd_net *n, uint32_t pi, const uint8_t *pl, uint32_t len
 }
 
 static void on_message(pd_net *n, uint32_t pi, uint32_t type, const uint8_t *pl, uint32_t len) {
+    PD_ASSERT(pi < n->cfg.peers_max);
     peer *p = &n->peers[pi];
     if (type == BP_ERROR) {
         on_error_msg(n, pi, pl, len);
@@ -578,6 +590,7 @@ static void on_message(pd_net *n, uint32_t pi, uint32_t type, const uint8_t *pl,
 
 /* Parses every complete message in the rx buffer. */
 static void peer_parse(pd_net *n, uint32_t pi) {
+    PD_ASSERT(pi < n->cfg.peers_max && n->peers[pi].rx_len <= n->peers[pi].rx_cap);
     peer *p = &n->peers[pi];
     uint32_t gen = p->gen;
     size_t off = 0;
@@ -629,6 +642,7 @@ static void peer_parse(pd_net *n, uint32_t pi) {
 }
 
 static void peer_read(pd_net *n, uint32_t pi, uint64_t now) {
+    PD_ASSERT(pi < n->cfg.peers_max);
     peer *p = &n->peers[pi];
     uint32_t gen = p->gen;
     for (int rounds = 0; rounds < 64; rounds++) {
@@ -657,6 +671,7 @@ static void peer_read(pd_net *n, uint32_t pi, uint64_t now) {
 }
 
 void net_peer_write(pd_net *n, uint32_t pi) {
+    PD_ASSERT(pi < n->cfg.peers_max && n->peers[pi].fd >= 0);
     peer *p = &n->peers[pi];
     while (p->tx_off < p->tx_len) {
         ssize_t w = send(p->fd, p->tx + p->tx_off, p->tx_len - p->tx_off, MSG_NOSIGNAL);
@@ -730,6 +745,7 @@ static bool split_addr(const char *s, char *host, size_t host_cap, char *port, s
 }
 
 static void queue_hello(pd_net *n, uint32_t pi) {
+    PD_ASSERT(n->cfg.role == PD_NET_DECODE && pi < n->cfg.peers_max);
     peer *p = &n->peers[pi];
     bp_hello h = {
         .node_id = n->node_id,
@@ -760,6 +776,7 @@ static void queue_hello(pd_net *n, uint32_t pi) {
 }
 
 static void peer_connect(pd_net *n, uint32_t pi) {
+    PD_ASSERT(n->cfg.role == PD_NET_DECODE && n->peers[pi].state == PS_RESOLVE);
     peer *p = &n->peers[pi];
     char host[PEER_ADDR_MAX], port[16];
     if (!split_addr(p->addr, host, sizeof(host), port, sizeof(port))) {
@@ -807,6 +824,7 @@ static void peer_connect(pd_net *n, uint32_t pi) {
 }
 
 void net_peer_service(pd_net *n, uint32_t pi, uint64_t now) {
+    PD_ASSERT(pi < n->cfg.peers_max);
     peer *p = &n->peers[pi];
     switch (p->state) {
     case PS_FREE: return;

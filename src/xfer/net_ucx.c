@@ -102,6 +102,7 @@ static bool post_put(pd_net *n, room *rm, peer *p, const stage *s) {
 /* ---- the sender's pump (progress thread) --------------------------------------------- */
 
 void net_pump_sender(pd_net *n, room *rm, uint64_t now) {
+    PD_ASSERT(n->cfg.role == PD_NET_PREFILL && rm->slot.used);
     net_writes_sync(rm);
     peer *p = net_peer_of(n, rm);
     if (p && p->state == PS_READY && rm->dest.known) {
