@@ -696,8 +696,16 @@ static enum MHD_Result handle_abort(conn_state *st, struct MHD_Connection *conn)
 static enum MHD_Result handle_text_command(conn_state *st, struct MHD_Connection *conn,
                                            cmd_kind kind) {
     cmd_reply reply;
-    if (node_command_wait(st->n, kind, NULL, &reply) != PD_OK || !reply.text)
+    if (node_command_wait(st->n, kind, NULL, &reply) != PD_OK)
         return send_error(conn, 503, "the server is shutting down");
+    if (!reply.text && reply.value == PD_ERR_TOOBIG)
+        return send_error(conn, 500,
+                          "the metrics text is larger than its %u-byte buffer; "
+                          "no partial metrics are served",
+                          (unsigned)METRICS_TEXT_BYTES);
+    if (!reply.text)
+        return send_error(conn, 500, "the server could not build its answer (%s)",
+                          pd_err_name((pd_err)reply.value));
     const char *type = kind == CMD_INFO ? "application/json" : "text/plain; version=0.0.4";
     enum MHD_Result ret = pd_http_queue_text(conn, 200, type, reply.text, strlen(reply.text));
     free(reply.text);

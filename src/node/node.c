@@ -322,12 +322,16 @@ static void run_command(pd_node *n, cmd *q) {
     case CMD_CANCEL_ROOM:
         pd_engine_cancel_room(n->eng, q->room, q->peer);
         break;
-    case CMD_INFO:
-        reply_done(q->reply, 0, info_json(n));
+    case CMD_INFO: {
+        char *text = info_json(n);
+        reply_done(q->reply, text ? PD_OK : PD_ERR_NOMEM, text);
         break;
-    case CMD_METRICS:
-        reply_done(q->reply, 0, metrics_text(n));
+    }
+    case CMD_METRICS: {
+        char *text = metrics_text(n);
+        reply_done(q->reply, text ? PD_OK : PD_ERR_TOOBIG, text);
         break;
+    }
     }
 }
 
@@ -460,118 +464,105 @@ static char *info_json(pd_node *n) {
     return out;
 }
 
-typedef struct tbuf {
-    char *p;
-    size_t len, cap;
-} tbuf;
-
-#if defined(__GNUC__)
-__attribute__((format(printf, 2, 3)))
-#endif
-static void tb_printf(tbuf *t, const char *fmt, ...) {
-    for (;;) {
-        va_list ap;
-        va_start(ap, fmt);
-        int k = vsnprintf(t->p + t->len, t->cap - t->len, fmt, ap);
-        va_end(ap);
-        if (k >= 0 && (size_t)k < t->cap - t->len) {
-            t->len += (size_t)k;
-            return;
-        }
-        size_t cap = t->cap * 2 + (size_t)(k > 0 ? k : 0);
-        char *p = realloc(t->p, cap);
-        PD_ASSERT(p);
-        t->p = p;
-        t->cap = cap;
-    }
-}
-
-static void hist_text(tbuf *t, const char *name, const char *help, const hist *h) {
-    tb_printf(t, "# HELP %s %s\n# TYPE %s histogram\n", name, help, name);
+static void hist_text(pd_strbuf *t, const char *name, const char *help, const hist *h) {
+    pd_strbuf_printf(t, "# HELP %s %s\n# TYPE %s histogram\n", name, help, name);
     uint64_t cum = 0;
     for (int b = 0; b < HIST_BUCKETS - 1; b++) {
         cum += h->counts[b];
-        tb_printf(t, "%s_bucket{le=\"%g\"} %llu\n", name, h->bounds[b], (unsigned long long)cum);
+        pd_strbuf_printf(t, "%s_bucket{le=\"%g\"} %llu\n", name, h->bounds[b],
+                         (unsigned long long)cum);
     }
     cum += h->counts[HIST_BUCKETS - 1];
-    tb_printf(t, "%s_bucket{le=\"+Inf\"} %llu\n%s_sum %.6f\n%s_count %llu\n", name,
-              (unsigned long long)cum, name, h->sum, name, (unsigned long long)h->n);
+    pd_strbuf_printf(t, "%s_bucket{le=\"+Inf\"} %llu\n%s_sum %.6f\n%s_count %llu\n", name,
+                     (unsigned long long)cum, name, h->sum, name, (unsigned long long)h->n);
 }
 
 /* Requests by state and by outcome, and the rooms still draining. */
-static void metrics_requests(tbuf *t, const pd_engine_counters *c, const char *role) {
-    tb_printf(t, "# HELP pdserve_requests_running "
-                 "Requests computing (prefill chunks or decoding).\n"
-                 "# TYPE pdserve_requests_running gauge\n"
-                 "pdserve_requests_running{role=\"%s\"} %u\n",
-              role, c->running);
-    tb_printf(t, "# HELP pdserve_requests_queued Requests waiting, by queue.\n"
-                 "# TYPE pdserve_requests_queued gauge\n");
-    tb_printf(t, "pdserve_requests_queued{queue=\"bootstrap\"} %u\n", c->queued_bootstrap);
-    tb_printf(t, "pdserve_requests_queued{queue=\"waiting\"} %u\n", c->queued_waiting);
-    tb_printf(t, "pdserve_requests_queued{queue=\"prealloc\"} %u\n", c->prealloc);
-    tb_printf(t, "pdserve_requests_queued{queue=\"wait_transfer\"} %u\n", c->wait_transfer);
-    tb_printf(t, "pdserve_requests_queued{queue=\"loading\"} %u\n", c->loading);
-    tb_printf(t, "# HELP pdserve_requests_transferring Requests handing over (prefill).\n"
-                 "# TYPE pdserve_requests_transferring gauge\n"
-                 "pdserve_requests_transferring %u\n",
-              c->transferring + c->parked);
-    tb_printf(t, "# HELP pdserve_rooms_draining "
-                 "Retired requests whose room may still touch memory.\n"
-                 "# TYPE pdserve_rooms_draining gauge\n"
-                 "pdserve_rooms_draining %u\n",
-              c->draining);
-    tb_printf(t, "# HELP pdserve_requests_total Requests by outcome.\n"
-                 "# TYPE pdserve_requests_total counter\n");
-    tb_printf(t, "pdserve_requests_total{outcome=\"finished\"} %llu\n",
-              (unsigned long long)c->finished);
-    tb_printf(t, "pdserve_requests_total{outcome=\"aborted\"} %llu\n",
-              (unsigned long long)c->aborted);
-    tb_printf(t, "pdserve_requests_total{outcome=\"failed\"} %llu\n",
-              (unsigned long long)c->failed);
-    tb_printf(t, "pdserve_requests_total{outcome=\"rejected\"} %llu\n",
-              (unsigned long long)c->rejected);
+static void metrics_requests(pd_strbuf *t, const pd_engine_counters *c, const char *role) {
+    pd_strbuf_printf(t,
+                     "# HELP pdserve_requests_running "
+                     "Requests computing (prefill chunks or decoding).\n"
+                     "# TYPE pdserve_requests_running gauge\n"
+                     "pdserve_requests_running{role=\"%s\"} %u\n",
+                     role, c->running);
+    pd_strbuf_printf(t,
+                     "# HELP pdserve_requests_queued Requests waiting, by queue.\n"
+                     "# TYPE pdserve_requests_queued gauge\n");
+    pd_strbuf_printf(t, "pdserve_requests_queued{queue=\"bootstrap\"} %u\n", c->queued_bootstrap);
+    pd_strbuf_printf(t, "pdserve_requests_queued{queue=\"waiting\"} %u\n", c->queued_waiting);
+    pd_strbuf_printf(t, "pdserve_requests_queued{queue=\"prealloc\"} %u\n", c->prealloc);
+    pd_strbuf_printf(t, "pdserve_requests_queued{queue=\"wait_transfer\"} %u\n", c->wait_transfer);
+    pd_strbuf_printf(t, "pdserve_requests_queued{queue=\"loading\"} %u\n", c->loading);
+    pd_strbuf_printf(t,
+                     "# HELP pdserve_requests_transferring Requests handing over (prefill).\n"
+                     "# TYPE pdserve_requests_transferring gauge\n"
+                     "pdserve_requests_transferring %u\n",
+                     c->transferring + c->parked);
+    pd_strbuf_printf(t,
+                     "# HELP pdserve_rooms_draining "
+                     "Retired requests whose room may still touch memory.\n"
+                     "# TYPE pdserve_rooms_draining gauge\n"
+                     "pdserve_rooms_draining %u\n",
+                     c->draining);
+    pd_strbuf_printf(t,
+                     "# HELP pdserve_requests_total Requests by outcome.\n"
+                     "# TYPE pdserve_requests_total counter\n");
+    pd_strbuf_printf(t, "pdserve_requests_total{outcome=\"finished\"} %llu\n",
+                     (unsigned long long)c->finished);
+    pd_strbuf_printf(t, "pdserve_requests_total{outcome=\"aborted\"} %llu\n",
+                     (unsigned long long)c->aborted);
+    pd_strbuf_printf(t, "pdserve_requests_total{outcome=\"failed\"} %llu\n",
+                     (unsigned long long)c->failed);
+    pd_strbuf_printf(t, "pdserve_requests_total{outcome=\"rejected\"} %llu\n",
+                     (unsigned long long)c->rejected);
 }
 
 /* Tokens computed, transport failures and rooms cancelled. */
-static void metrics_work(tbuf *t, const pd_engine_counters *c) {
-    tb_printf(t, "# HELP pdserve_tokens_total Tokens computed.\n"
-                 "# TYPE pdserve_tokens_total counter\n");
-    tb_printf(t, "pdserve_tokens_total{kind=\"prefill\"} %llu\n",
-              (unsigned long long)c->prefill_tokens);
-    tb_printf(t, "pdserve_tokens_total{kind=\"decode\"} %llu\n",
-              (unsigned long long)c->decode_tokens);
-    tb_printf(t, "pdserve_tokens_total{kind=\"cached\"} %llu\n",
-              (unsigned long long)c->cached_tokens);
-    tb_printf(t, "# HELP pdserve_transfer_failures_total "
-                 "Transport abort() calls that reported an error.\n"
-                 "# TYPE pdserve_transfer_failures_total counter\n"
-                 "pdserve_transfer_failures_total %llu\n",
-              (unsigned long long)c->xfer_abort_errors);
-    tb_printf(t, "# HELP pdserve_rooms_cancelled_total "
-                 "Requests that ended before opening their room; the peer was told.\n"
-                 "# TYPE pdserve_rooms_cancelled_total counter\n"
-                 "pdserve_rooms_cancelled_total %llu\n",
-              (unsigned long long)c->rooms_cancelled);
+static void metrics_work(pd_strbuf *t, const pd_engine_counters *c) {
+    pd_strbuf_printf(t,
+                     "# HELP pdserve_tokens_total Tokens computed.\n"
+                     "# TYPE pdserve_tokens_total counter\n");
+    pd_strbuf_printf(t, "pdserve_tokens_total{kind=\"prefill\"} %llu\n",
+                     (unsigned long long)c->prefill_tokens);
+    pd_strbuf_printf(t, "pdserve_tokens_total{kind=\"decode\"} %llu\n",
+                     (unsigned long long)c->decode_tokens);
+    pd_strbuf_printf(t, "pdserve_tokens_total{kind=\"cached\"} %llu\n",
+                     (unsigned long long)c->cached_tokens);
+    pd_strbuf_printf(t,
+                     "# HELP pdserve_transfer_failures_total "
+                     "Transport abort() calls that reported an error.\n"
+                     "# TYPE pdserve_transfer_failures_total counter\n"
+                     "pdserve_transfer_failures_total %llu\n",
+                     (unsigned long long)c->xfer_abort_errors);
+    pd_strbuf_printf(t,
+                     "# HELP pdserve_rooms_cancelled_total "
+                     "Requests that ended before opening their room; the peer was told.\n"
+                     "# TYPE pdserve_rooms_cancelled_total counter\n"
+                     "pdserve_rooms_cancelled_total %llu\n",
+                     (unsigned long long)c->rooms_cancelled);
 }
 
 /* Units of every pool of the ledger, by ownership state. */
-static void metrics_pools(tbuf *t, pd_ledger *l) {
-    tb_printf(t, "# HELP pdserve_pool_units Units of each pool by ownership state.\n"
-                 "# TYPE pdserve_pool_units gauge\n");
+static void metrics_pools(pd_strbuf *t, pd_ledger *l) {
+    pd_strbuf_printf(t,
+                     "# HELP pdserve_pool_units Units of each pool by ownership state.\n"
+                     "# TYPE pdserve_pool_units gauge\n");
     for (int pid = 0; pid < pd_ledger_pool_count(l); pid++) {
         const char *pname = pd_pool_name(pd_ledger_pool(l, pid));
         for (int st = 0; st < PD_UNIT_STATE__COUNT; st++)
-            tb_printf(t, "pdserve_pool_units{pool=\"%s\",state=\"%s\"} %llu\n", pname,
-                      pd_unit_state_name((pd_unit_state)st),
-                      (unsigned long long)pd_ledger_count(l, pid, (pd_unit_state)st));
+            pd_strbuf_printf(t, "pdserve_pool_units{pool=\"%s\",state=\"%s\"} %llu\n", pname,
+                             pd_unit_state_name((pd_unit_state)st),
+                             (unsigned long long)pd_ledger_count(l, pid, (pd_unit_state)st));
     }
 }
 
+/* The Prometheus text, malloc'd; NULL if it does not fit METRICS_TEXT_BYTES
+ * (the client gets an error, never metrics cut short). */
 static char *metrics_text(pd_node *n) {
-    tbuf t = {.p = malloc(8192), .cap = 8192};
-    PD_ASSERT(t.p);
-    t.p[0] = 0;
+    char *text = malloc(METRICS_TEXT_BYTES);
+    if (!text) return NULL;
+    pd_strbuf t;
+    pd_strbuf_init(&t, text, METRICS_TEXT_BYTES);
     pd_engine_counters c;
     pd_engine_counters_get(n->eng, &c);
     metrics_requests(&t, &c, pd_node_role_name(n->cfg.role));
@@ -583,12 +574,18 @@ static char *metrics_text(pd_node *n) {
               "Between consecutive tokens of a request.", &n->itl);
     hist_text(&t, "pdserve_e2e_latency_seconds",
               "From submit to the terminal event on this node.", &n->e2e);
-    tb_printf(&t, "# HELP pdserve_ownership_violations_total "
-                  "Failed ownership checks (strict mode).\n"
-                  "# TYPE pdserve_ownership_violations_total counter\n"
-                  "pdserve_ownership_violations_total %llu\n",
-              (unsigned long long)n->violations);
-    return t.p;
+    pd_strbuf_printf(&t,
+                     "# HELP pdserve_ownership_violations_total "
+                     "Failed ownership checks (strict mode).\n"
+                     "# TYPE pdserve_ownership_violations_total counter\n"
+                     "pdserve_ownership_violations_total %llu\n",
+                     (unsigned long long)n->violations);
+    if (t.truncated) {
+        free(text);
+        return NULL;
+    }
+    PD_ASSERT(t.len < METRICS_TEXT_BYTES && text[t.len] == '\0');
+    return text;
 }
 
 /* ---- create / start / destroy -------------------------------------------------------- */

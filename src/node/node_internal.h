@@ -17,6 +17,10 @@
 #include "pdserve/engine.h"
 #include "pdserve/node.h"
 
+/* The /metrics text: some 8 KiB with every pool and histogram; a text that
+ * outgrows this is answered with an error, never cut short. */
+#define METRICS_TEXT_BYTES (64u * 1024u)
+
 typedef struct call {
     atomic_int refs;
     pthread_mutex_t mu;
@@ -65,7 +69,9 @@ typedef struct cmd_reply {
     pthread_mutex_t mu;
     pthread_cond_t cv;
     bool ready;
-    int64_t value;                   /* ABORT: 1 found / 0 not; ABORT_ALL: count */
+    /* ABORT: 1 found / 0 not; ABORT_ALL: the count; INFO / METRICS: PD_OK, or
+     * the pd_err why text is NULL. */
+    int64_t value;
     char *text;                      /* INFO / METRICS: malloc'd, the caller frees */
 } cmd_reply;
 

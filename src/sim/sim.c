@@ -34,6 +34,13 @@
 #define DRAIN_TICKS_MAX 20000
 #define CHUNKS_TRACKED 32
 #define CHECK_TEXT_MAX 16384
+#define TRACE_LINE_MAX 512      /* bytes of a trace line, with its NUL */
+#define VIOLATION_TEXT_MAX 1024 /* bytes of one violation's text, with its NUL */
+#define VIOLATIONS_REPORTED 5   /* the first ones go into the report in full */
+/* The failure report: the first violations ("violation: " text "\n"), the
+ * scenario heading, the configuration line and the last TAIL_LINES lines. */
+#define REPORT_BYTES \
+    (VIOLATIONS_REPORTED * (VIOLATION_TEXT_MAX + 16) + 1024 + TAIL_LINES * TRACE_LINE_MAX)
 
 /* ---- configuration --------------------------------------------------------- */
 
@@ -78,27 +85,6 @@ static void cfg_format(const sim_cfg *c, char *out, size_t cap) {
         size_t n = strlen(out);
         snprintf(out + n, cap > n ? cap - n : 0, " model=tiny");
     }
-}
-
-/* ---- text buffers ------------------------------------------------------------ */
-
-typedef struct tbuf {
-    char *data;
-    size_t len, cap;
-} tbuf;
-
-static void tb_add(tbuf *b, const char *s) {
-    size_t n = strlen(s);
-    if (b->len + n + 1 > b->cap) {
-        size_t cap = b->cap ? b->cap * 2 : 4096;
-        while (cap < b->len + n + 1) cap *= 2;
-        char *d = realloc(b->data, cap);
-        PD_ASSERT(d);
-        b->data = d;
-        b->cap = cap;
-    }
-    memcpy(b->data + b->len, s, n + 1);
-    b->len += n;
 }
 
 /* ---- the world ----------------------------------------------------------------- */
@@ -151,7 +137,7 @@ typedef struct sim {
     uint32_t tail_n, tail_pos;
     uint32_t pending_steps;
     uint32_t violations;
-    tbuf report;
+    pd_strbuf report; /* over report_text */
     uint64_t events, steps;
     pd_rng jitter;               /* forward delays (config exec_jitter, jitter_seed) */
     pd_model *model;             /* tiny model weights, shared by both nodes */
@@ -164,23 +150,26 @@ typedef struct sim {
     void *violation_ctx;
     uint32_t last_ended;         /* the request whose terminal event came last (+1; 0: none) */
     char check_text[CHECK_TEXT_MAX]; /* pd_engine_check's report (check_nodes, idle-clean) */
+    char report_text[REPORT_BYTES];  /* what a failed run reports (finish_run) */
 } sim;
 
 static const char *side_name(int side) { return side == SIDE_P ? "prefill" : "decode"; }
 
+/* An empty world: no node, no request, the report empty. */
+static void sim_init(sim *s) {
+    memset(s, 0, sizeof(*s));
+    pd_strbuf_init(&s->report, s->report_text, sizeof(s->report_text));
+}
+
 static void violation(sim *s, const char *fmt, ...) {
-    char buf[1024];
+    char buf[VIOLATION_TEXT_MAX];
     va_list ap;
     va_start(ap, fmt);
     vsnprintf(buf, sizeof(buf), fmt, ap);
     va_end(ap);
     s->violations++;
     if (s->on_violation) s->on_violation(s->violation_ctx, buf);
-    if (s->violations <= 5) {
-        tb_add(&s->report, "violation: ");
-        tb_add(&s->report, buf);
-        tb_add(&s->report, "\n");
-    }
+    if (s->violations <= VIOLATIONS_REPORTED) pd_strbuf_printf(&s->report, "violation: %s\n", buf);
 }
 
 static sreq *find_req(sim *s, const char *rid) {
@@ -402,7 +391,6 @@ static void sim_free(sim *s) {
     }
     free(s->reqs);
     for (uint32_t i = 0; i < TAIL_LINES; i++) free(s->tail[i]);
-    free(s->report.data);
 }
 
 /* Both engines' checks: ledger, clean idle, flags, prefix cache. */
@@ -468,16 +456,16 @@ static void report_tail(sim *s) {
     trace_flush_steps(s);
     char cfg[480];
     cfg_format(&s->cfg, cfg, sizeof(cfg));
-    tb_add(&s->report, "# the run as a scenario (configuration and the last lines):\n");
-    tb_add(&s->report, cfg);
-    tb_add(&s->report, "\n");
+    pd_strbuf_printf(&s->report,
+                     "# the run as a scenario (configuration and the last lines):\n"
+                     "%s\n",
+                     cfg);
     if (s->tail_n == TAIL_LINES)
-        tb_add(&s->report, "# ... earlier lines omitted (use --trace FILE for all)\n");
+        pd_strbuf_append(&s->report, "# ... earlier lines omitted (use --trace FILE for all)\n");
     for (uint32_t i = 0; i < s->tail_n; i++) {
         uint32_t k = (s->tail_pos + TAIL_LINES - s->tail_n + i) % TAIL_LINES;
         if (!strncmp(s->tail[k], "config ", 7)) continue;
-        tb_add(&s->report, s->tail[k]);
-        tb_add(&s->report, "\n");
+        pd_strbuf_printf(&s->report, "%s\n", s->tail[k]);
     }
 }
 
@@ -1145,7 +1133,7 @@ static bool split_line(char *line, line_args *a) {
 
 /* Executes one line; records it in the trace; checks both nodes after it. */
 static pd_err exec_line(sim *s, const char *text, char *msg, size_t cap) {
-    char line[512];
+    char line[TRACE_LINE_MAX];
     if (strlen(text) >= sizeof(line))
         return pd_errorf(msg, cap, PD_ERR_PARSE, "line longer than %zu bytes", sizeof(line) - 1);
     snprintf(line, sizeof(line), "%s", text);
@@ -1166,7 +1154,7 @@ static pd_err exec_line(sim *s, const char *text, char *msg, size_t cap) {
     }
     pd_err err = world_build(s, msg, cap);
     if (err) return err;
-    char canon[512];
+    char canon[TRACE_LINE_MAX];
     snprintf(canon, sizeof(canon), "%s", text);
     char *hash = strchr(canon, '#');
     if (hash) *hash = 0;
@@ -1548,7 +1536,9 @@ static pd_err finish_run(sim *s, pd_err err, const char *msg, pd_sim_result *res
     if (res) fill_result(s, res);
     if (s->violations) {
         report_tail(s);
-        if (report) pd_strbuf_append(report, s->report.data ? s->report.data : "");
+        if (report) pd_strbuf_append(report, s->report.data);
+        if (report && s->report.truncated)
+            pd_strbuf_printf(report, "# (the report above is cut at %d bytes)\n", REPORT_BYTES);
         return PD_ERR_INTERNAL;
     }
     return PD_OK;
@@ -1570,7 +1560,7 @@ static pd_err seed_config(const pd_sim_options *o, sim *s, char *msg, size_t cap
 
 pd_err pd_sim_seed_config(const pd_sim_options *o, char *out, size_t out_cap) {
     sim s;
-    memset(&s, 0, sizeof(s));
+    sim_init(&s);
     char msg[256] = "";
     pd_err err = seed_config(o, &s, msg, sizeof(msg));
     if (err) snprintf(out, out_cap, "%s", msg);
@@ -1581,7 +1571,7 @@ pd_err pd_sim_seed_config(const pd_sim_options *o, char *out, size_t out_cap) {
 
 pd_err pd_sim_random(const pd_sim_options *o, pd_sim_result *res, pd_strbuf *report) {
     sim s;
-    memset(&s, 0, sizeof(s));
+    sim_init(&s);
     s.trace = o->trace;
     s.on_violation = o->on_violation;
     s.violation_ctx = o->violation_ctx;
@@ -1629,7 +1619,7 @@ pd_err pd_sim_random(const pd_sim_options *o, pd_sim_result *res, pd_strbuf *rep
 pd_err pd_sim_scenario(const char *text, const char *name, const char *config_extra, FILE *trace,
                        pd_sim_result *res, pd_strbuf *report) {
     sim s;
-    memset(&s, 0, sizeof(s));
+    sim_init(&s);
     cfg_default(&s.cfg);
     s.trace = trace;
     s.name = name;
@@ -1770,7 +1760,7 @@ static const struct {
 static pd_err explore_one(uint32_t config, const uint32_t *prefix, uint32_t n_prefix,
                           uint32_t *choices, uint32_t *counts, uint32_t *depth, pd_strbuf *report) {
     sim s;
-    memset(&s, 0, sizeof(s));
+    sim_init(&s);
     cfg_default(&s.cfg);
     char msg[512] = "";
     bool abort_error = explore_configs[config].fault != NULL;
