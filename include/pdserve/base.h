@@ -158,6 +158,10 @@ uint64_t pd_hash_tokens(const int32_t *tokens, size_t n, uint64_t seed);
 uint64_t pd_hash_u64(uint64_t x);
 /* 64-bit hash of a NUL-terminated string (FNV-1a, then pd_hash_u64). */
 uint64_t pd_hash_str(const char *s);
+/* FNV-1a of a NUL-terminated string alone, without the finaliser: pd_hash_str's
+ * first step, for values that were derived from it and must not change (the
+ * simulator's rooms). Indexes want pd_hash_str. */
+uint64_t pd_hash_fnv1a(const char *s);
 
 #ifdef __cplusplus
 }

@@ -270,12 +270,14 @@ uint64_t pd_hash_u64(uint64_t x) {
     return x;
 }
 
-uint64_t pd_hash_str(const char *s) {
+uint64_t pd_hash_fnv1a(const char *s) {
     uint64_t h = 0xCBF29CE484222325ull;
     for (const unsigned char *p = (const unsigned char *)s; *p; p++)
         h = (h ^ *p) * 0x100000001B3ull;
-    return pd_hash_u64(h);
+    return h;
 }
+
+uint64_t pd_hash_str(const char *s) { return pd_hash_u64(pd_hash_fnv1a(s)); }
 
 uint64_t pd_hash_tokens(const int32_t *tokens, size_t n, uint64_t seed) {
     uint64_t h = pd_hash_u64(seed ^ (0x9E3779B97F4A7C15ull * (n + 1)));

@@ -176,12 +176,6 @@ static pd_err model_alloc(pd_model **out, const pd_model_config *cfg, char *msg,
 
 /* ---- seeded dummy weights -------------------------------------------------- */
 
-static uint64_t name_hash(const char *s) {
-    uint64_t h = 0xcbf29ce484222325ull; /* FNV-1a, then a finaliser */
-    for (; *s; s++) h = (h ^ (unsigned char)*s) * 0x100000001b3ull;
-    return pd_hash_u64(h);
-}
-
 static double normal(pd_rng *rng) {
     double u1 = 1.0 - pd_rng_unit(rng); /* (0, 1] */
     double u2 = pd_rng_unit(rng);
@@ -192,7 +186,9 @@ static double normal(pd_rng *rng) {
 
 static void fill(float *v, const pd_tensor_entry *t, uint64_t seed) {
     pd_rng rng;
-    pd_rng_seed(&rng, pd_hash_u64(seed) ^ name_hash(t->name));
+    /* pd_hash_str is the FNV-1a + finaliser this always was: the same seed
+     * still gives the same weights. */
+    pd_rng_seed(&rng, pd_hash_u64(seed) ^ pd_hash_str(t->name));
     for (uint64_t i = 0; i < t->elems; i++) {
         double x = 0;
         switch (t->init) {

@@ -611,9 +611,9 @@ static pd_err sreq_make(sim *s, const line_args *a, uint32_t len, uint32_t max_n
     sreq tmp;
     memset(&tmp, 0, sizeof(tmp));
     snprintf(tmp.rid, sizeof(tmp.rid), "%s", rid);
-    uint64_t rh = 0xCBF29CE484222325ull;
-    for (const char *q = rid; *q; q++) rh = (rh ^ (unsigned char)*q) * 0x100000001B3ull;
-    tmp.room = pd_hash_u64(rh ^ ((uint64_t)s->n_reqs << 40)) | 1;
+    /* The raw FNV-1a, as always: rooms (and the sampling seeds drawn from
+     * them) stay what every seed and scenario was run with. */
+    tmp.room = pd_hash_u64(pd_hash_fnv1a(rid) ^ ((uint64_t)s->n_reqs << 40)) | 1;
     if (dup) tmp.room = dup->room; /* the same request submitted twice */
     tmp.len = len;
     tmp.max_new = max_new;
