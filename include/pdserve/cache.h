@@ -55,8 +55,8 @@ typedef uint32_t pd_cnode;           /* node handle */
 typedef uint32_t pd_cache_ticket;    /* host load handle */
 
 #define PD_CNODE_ROOT ((pd_cnode)0)
-#define PD_CNODE_NONE UINT32_MAX
-#define PD_TICKET_NONE UINT32_MAX
+#define PD_CNODE_NONE PD_NONE
+#define PD_TICKET_NONE PD_NONE
 
 typedef enum pd_copy_dir { PD_COPY_DEV_TO_HOST, PD_COPY_HOST_TO_DEV } pd_copy_dir;
 

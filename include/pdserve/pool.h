@@ -46,7 +46,7 @@ typedef struct pd_pool pd_pool;
 
 /* Largest pool: indices are uint32 and PD_POOL_NONE is reserved. */
 #define PD_POOL_UNITS_MAX (UINT32_C(1) << 30)
-#define PD_POOL_NONE UINT32_MAX
+#define PD_POOL_NONE PD_NONE
 
 /* unit_tokens is the page size for page pools (KV, HOST) and must be 0 for
  * slot pools. units_total in [1, PD_POOL_UNITS_MAX]. */

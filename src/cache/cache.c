@@ -32,8 +32,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define NONE UINT32_MAX
-
 enum { L_DEV = 0, L_HOST = 1, L_MAMBA = 2, L__COUNT = 3 };
 enum { R_KV = 0, R_HOST = 1, R_MAMBA = 2, R__COUNT = 3 };
 
@@ -46,7 +44,7 @@ typedef struct cnode {
     uint32_t n_dev_children;
     uint32_t lock_ref, mamba_lock;
     uint32_t mamba_slot;
-    uint32_t loading;              /* ticket index, or NONE */
+    uint32_t loading; /* ticket index, or PD_NONE */
     pd_link lru[L__COUNT];
     uint64_t lstamp[L__COUNT];
     uint64_t key_hash;
@@ -158,7 +156,7 @@ static void units_free(pd_cache *c, int r, const uint32_t *u, uint32_t n,
 /* Gathers a node's device (or host) pages into buf, in position order. */
 static uint32_t node_pages(pd_cache *c, uint32_t id, bool host, uint32_t *buf) {
     uint32_t n = 0;
-    for (uint32_t e = N(c, id)->first_ent; e != NONE; e = c->ent_next[e])
+    for (uint32_t e = N(c, id)->first_ent; e != PD_NONE; e = c->ent_next[e])
         buf[n++] = host ? c->ent_host[e] : c->ent_dev[e];
     PD_ASSERT(n == N(c, id)->n_pages);
     return n;
@@ -166,9 +164,9 @@ static uint32_t node_pages(pd_cache *c, uint32_t id, bool host, uint32_t *buf) {
 
 static void node_set_pages(pd_cache *c, uint32_t id, bool host, const uint32_t *buf) {
     uint32_t i = 0;
-    for (uint32_t e = N(c, id)->first_ent; e != NONE; e = c->ent_next[e], i++) {
-        if (host) c->ent_host[e] = buf ? buf[i] : NONE;
-        else c->ent_dev[e] = buf ? buf[i] : NONE;
+    for (uint32_t e = N(c, id)->first_ent; e != PD_NONE; e = c->ent_next[e], i++) {
+        if (host) c->ent_host[e] = buf ? buf[i] : PD_NONE;
+        else c->ent_dev[e] = buf ? buf[i] : PD_NONE;
     }
 }
 
@@ -203,7 +201,7 @@ static void relist(pd_cache *c, uint32_t id) {
     bool want[L__COUNT] = {
         [L_DEV] = n->on_dev && n->lock_ref == 0,
         [L_HOST] = n->on_host && n->lock_ref == 0,
-        [L_MAMBA] = n->mamba_slot != NONE && n->mamba_lock == 0,
+        [L_MAMBA] = n->mamba_slot != PD_NONE && n->mamba_lock == 0,
     };
     for (int l = 0; l < L__COUNT; l++) {
         if (want[l] && !n->in_list[l]) list_push_tail(c, l, id);
@@ -214,7 +212,7 @@ static void relist(pd_cache *c, uint32_t id) {
 /* Moves the path node..root to the list tails, deepest first, so that every
  * node stays behind its descendants. */
 static void touch_path(pd_cache *c, uint32_t id) {
-    for (; id != PD_CNODE_ROOT && id != NONE; id = N(c, id)->parent) {
+    for (; id != PD_CNODE_ROOT && id != PD_NONE; id = N(c, id)->parent) {
         for (int l = 0; l < L__COUNT; l++) {
             if (!N(c, id)->in_list[l]) continue;
             list_remove(c, l, id);
@@ -228,13 +226,13 @@ static void touch_path(pd_cache *c, uint32_t id) {
 static uint32_t ht_lookup(const pd_cache *c, uint32_t parent, const int32_t *first_page) {
     uint64_t h = child_key(c, parent, first_page);
     pd_index_probe p;
-    for (uint32_t id = pd_index_first(&c->children, h, &p); id != NONE;
+    for (uint32_t id = pd_index_first(&c->children, h, &p); id != PD_NONE;
          id = pd_index_next(&c->children, &p)) {
         const cnode *n = &c->nodes[id];
         if (n->key_hash == h && n->parent == parent && page_eq(c, n->first_ent, first_page))
             return id;
     }
-    return NONE;
+    return PD_NONE;
 }
 
 static void ht_insert(pd_cache *c, uint32_t id) {
@@ -251,16 +249,16 @@ static void ht_remove(pd_cache *c, uint32_t id) {
 
 static uint32_t node_alloc(pd_cache *c) {
     uint32_t id = c->node_free.head;
-    PD_ASSERTF(id != NONE, "node arena exhausted (%u nodes)", c->nodes_max);
+    PD_ASSERTF(id != PD_NONE, "node arena exhausted (%u nodes)", c->nodes_max);
     pd_list_remove(&c->node_free, sib_links(c), id);
     cnode *n = N(c, id);
     memset(n, 0, sizeof(*n));
-    n->parent = NONE;
+    n->parent = PD_NONE;
     pd_list_init(&n->kids);
     pd_link_init(&n->sib);
-    n->first_ent = n->last_ent = NONE;
-    n->mamba_slot = NONE;
-    n->loading = NONE;
+    n->first_ent = n->last_ent = PD_NONE;
+    n->mamba_slot = PD_NONE;
+    n->loading = PD_NONE;
     for (int l = 0; l < L__COUNT; l++) pd_link_init(&n->lru[l]);
     n->live = true;
     c->nodes_live++;
@@ -272,7 +270,7 @@ static void node_release(pd_cache *c, uint32_t id) {
     PD_ASSERT(n->live && id != PD_CNODE_ROOT);
     /* Give the entries back. */
     uint32_t e = n->first_ent;
-    while (e != NONE) {
+    while (e != PD_NONE) {
         uint32_t next = c->ent_next[e];
         c->ent_next[e] = c->ent_free;
         c->ent_free = e;
@@ -286,10 +284,10 @@ static void node_release(pd_cache *c, uint32_t id) {
 
 static uint32_t entry_alloc(pd_cache *c, const int32_t *tokens) {
     uint32_t e = c->ent_free;
-    PD_ASSERTF(e != NONE, "entry arena exhausted (%u entries)", c->entries_max);
+    PD_ASSERTF(e != PD_NONE, "entry arena exhausted (%u entries)", c->entries_max);
     c->ent_free = c->ent_next[e];
-    c->ent_next[e] = NONE;
-    c->ent_dev[e] = c->ent_host[e] = NONE;
+    c->ent_next[e] = PD_NONE;
+    c->ent_dev[e] = c->ent_host[e] = PD_NONE;
     memcpy(c->ent_tokens + (size_t)e * c->page_size, tokens,
            c->page_size * sizeof(int32_t));
     c->ents_live++;
@@ -327,7 +325,7 @@ static uint32_t split(pd_cache *c, uint32_t id, uint32_t k) {
     p->first_ent = n->first_ent;
     p->last_ent = e;
     n->first_ent = c->ent_next[e];
-    c->ent_next[e] = NONE;
+    c->ent_next[e] = PD_NONE;
     p->n_pages = k;
     n->n_pages -= k;
     p->end_pages = n->end_pages - n->n_pages;
@@ -363,7 +361,7 @@ static uint32_t split(pd_cache *c, uint32_t id, uint32_t k) {
 static uint32_t match_pages(pd_cache *c, uint32_t id, const int32_t *tokens,
                             uint32_t avail) {
     uint32_t k = 0;
-    for (uint32_t e = N(c, id)->first_ent; e != NONE && k < avail; e = c->ent_next[e]) {
+    for (uint32_t e = N(c, id)->first_ent; e != PD_NONE && k < avail; e = c->ent_next[e]) {
         if (!page_eq(c, e, tokens + (size_t)k * c->page_size)) break;
         k++;
     }
@@ -418,19 +416,19 @@ static bool arrays_alloc(pd_cache *c) {
  * chain, the lists empty, and the root alone. */
 static void empty_init(pd_cache *c) {
     for (uint32_t e = 0; e < c->entries_max; e++)
-        c->ent_next[e] = e + 1 < c->entries_max ? e + 1 : NONE;
+        c->ent_next[e] = e + 1 < c->entries_max ? e + 1 : PD_NONE;
     c->ent_free = 0;
     pd_list_init(&c->node_free);
     for (uint32_t i = 1; i < c->nodes_max; i++) pd_list_push_back(&c->node_free, sib_links(c), i);
     for (int li = 0; li < L__COUNT; li++) pd_list_init(&c->lists[li]);
 
     cnode *root = &c->nodes[PD_CNODE_ROOT];
-    root->parent = NONE;
+    root->parent = PD_NONE;
     pd_list_init(&root->kids);
     pd_link_init(&root->sib);
-    root->first_ent = root->last_ent = NONE;
-    root->mamba_slot = NONE;
-    root->loading = NONE;
+    root->first_ent = root->last_ent = PD_NONE;
+    root->mamba_slot = PD_NONE;
+    root->loading = PD_NONE;
     for (int li = 0; li < L__COUNT; li++) pd_link_init(&root->lru[li]);
     root->live = true;
     root->on_dev = true; /* the empty prefix is always usable */
@@ -499,7 +497,7 @@ pd_err pd_cache_match(pd_cache *c, const int32_t *tokens, uint32_t n_tokens,
     while (pos < q_pages) {
         const int32_t *q = tokens + (size_t)pos * c->page_size;
         uint32_t child = ht_lookup(c, node, q);
-        if (child == NONE) break;
+        if (child == PD_NONE) break;
         uint32_t k = match_pages(c, child, q, q_pages - pos);
         PD_ASSERT(k >= 1);
         bool diverged = k < N(c, child)->n_pages;
@@ -509,7 +507,7 @@ pd_err pd_cache_match(pd_cache *c, const int32_t *tokens, uint32_t n_tokens,
             PD_ASSERT(pos == dev_pages); /* C1: no device node below host-only */
             dev_pages += node_pages(c, child, false, pages + pos);
             m.dev_node = child;
-            if (ch->mamba_slot != NONE) {
+            if (ch->mamba_slot != PD_NONE) {
                 m.mamba_node = child;
                 m.mamba_slot = ch->mamba_slot;
                 m.mamba_tokens = ch->end_pages * c->page_size;
@@ -564,8 +562,7 @@ pd_err pd_cache_unlock(pd_cache *c, pd_cnode node) {
     for (uint32_t id = node; id != PD_CNODE_ROOT; id = N(c, id)->parent) {
         cnode *n = N(c, id);
         if (n->lock_ref == 0) return PD_ERR_STATE;
-        if (n->lock_ref == 1 && (n->mamba_lock > 0 || n->loading != NONE))
-            return PD_ERR_STATE;
+        if (n->lock_ref == 1 && (n->mamba_lock > 0 || n->loading != PD_NONE)) return PD_ERR_STATE;
     }
     if (N(c, PD_CNODE_ROOT)->lock_ref == 0) return PD_ERR_STATE;
     c->clock++;
@@ -590,7 +587,7 @@ static pd_err mamba_lock_change(pd_cache *c, pd_cnode node, int delta) {
     if (!c || node >= c->nodes_max || !N(c, node)->live || node == PD_CNODE_ROOT)
         return PD_ERR_NOTFOUND;
     cnode *n = N(c, node);
-    if (n->mamba_slot == NONE) return PD_ERR_NOTFOUND;
+    if (n->mamba_slot == PD_NONE) return PD_ERR_NOTFOUND;
     if (delta > 0 && n->lock_ref == 0) return PD_ERR_STATE;
     if (delta < 0 && n->mamba_lock == 0) return PD_ERR_STATE;
     c->clock++;
@@ -619,11 +616,11 @@ static uint32_t insert_new_node(pd_cache *c, uint32_t parent, const int32_t *tok
                                 pd_owner owner) {
     uint32_t id = node_alloc(c);
     cnode *n = N(c, id);
-    uint32_t prev = NONE;
+    uint32_t prev = PD_NONE;
     for (uint32_t i = pos; i < n_pages; i++) {
         uint32_t e = entry_alloc(c, tokens + (size_t)i * c->page_size);
         c->ent_dev[e] = pages[i];
-        if (prev == NONE) n->first_ent = e;
+        if (prev == PD_NONE) n->first_ent = e;
         else c->ent_next[prev] = e;
         prev = e;
     }
@@ -649,7 +646,7 @@ static void insert_matched(pd_cache *c, uint32_t parent, uint32_t child, uint32_
     PD_ASSERT(ch->n_pages == k);
     if (ch->on_dev) {
         uint32_t i = 0;
-        for (uint32_t e = ch->first_ent; e != NONE; e = c->ent_next[e], i++) {
+        for (uint32_t e = ch->first_ent; e != PD_NONE; e = c->ent_next[e], i++) {
             if (pages[i] != c->ent_dev[e]) {
                 dup_out[(*dup_pages)++] = pages[i];
                 pages[i] = c->ent_dev[e];
@@ -680,7 +677,7 @@ pd_err pd_cache_insert(pd_cache *c, const int32_t *tokens, uint32_t n_tokens,
     while (pos < n_pages) {
         const int32_t *q = tokens + (size_t)pos * c->page_size;
         uint32_t child = ht_lookup(c, node, q);
-        if (child == NONE) {
+        if (child == PD_NONE) {
             node = insert_new_node(c, node, tokens, pages, pos, n_pages, owner);
             pos = n_pages;
             break;
@@ -688,7 +685,7 @@ pd_err pd_cache_insert(pd_cache *c, const int32_t *tokens, uint32_t n_tokens,
         uint32_t k = match_pages(c, child, q, n_pages - pos);
         PD_ASSERT(k >= 1);
         if (k < N(c, child)->n_pages) child = split(c, child, k);
-        if (N(c, child)->loading != NONE) break; /* a host load owns these positions */
+        if (N(c, child)->loading != PD_NONE) break; /* a host load owns these positions */
         insert_matched(c, node, child, pages + pos, k, owner, dup_out, &r.dup_pages);
         pos += k;
         node = child;
@@ -696,7 +693,7 @@ pd_err pd_cache_insert(pd_cache *c, const int32_t *tokens, uint32_t n_tokens,
     r.node = node;
     r.covered_tokens = pos * c->page_size;
     if (mamba_slot != PD_POOL_NONE && pos == n_pages && node != PD_CNODE_ROOT &&
-        N(c, node)->mamba_slot == NONE) {
+        N(c, node)->mamba_slot == PD_NONE) {
         cnode *n = N(c, node);
         PD_ASSERT(n->mamba_lock == 0);
         units_move(c, R_MAMBA, &mamba_slot, 1, PD_UNIT_REQ, owner,
@@ -725,15 +722,15 @@ static void emit(pd_cache *c, pd_evict_kind kind, uint32_t id, uint64_t stamp,
 
 static void free_snapshot(pd_cache *c, uint32_t id) {
     cnode *n = N(c, id);
-    PD_ASSERT(n->mamba_slot != NONE && n->mamba_lock == 0);
+    PD_ASSERT(n->mamba_slot != PD_NONE && n->mamba_lock == 0);
     units_free(c, R_MAMBA, &n->mamba_slot, 1, PD_UNIT_CACHE_EVICTABLE, PD_OWNER_CACHE);
-    n->mamba_slot = NONE;
+    n->mamba_slot = PD_NONE;
     relist(c, id);
 }
 
 static void free_host_copy(pd_cache *c, uint32_t id) {
     cnode *n = N(c, id);
-    PD_ASSERT(n->on_host && n->lock_ref == 0 && n->loading == NONE);
+    PD_ASSERT(n->on_host && n->lock_ref == 0 && n->loading == PD_NONE);
     uint32_t k = node_pages(c, id, true, c->scratch_a);
     units_free(c, R_HOST, c->scratch_a, k, PD_UNIT_CACHE_EVICTABLE, PD_OWNER_CACHE);
     node_set_pages(c, id, true, NULL);
@@ -745,7 +742,7 @@ static void free_host_copy(pd_cache *c, uint32_t id) {
 static void delete_node(pd_cache *c, uint32_t id) {
     cnode *n = N(c, id);
     PD_ASSERT(!n->on_dev && !n->on_host && n->kids.len == 0 && n->lock_ref == 0);
-    PD_ASSERT(n->mamba_slot == NONE && n->loading == NONE);
+    PD_ASSERT(n->mamba_slot == PD_NONE && n->loading == PD_NONE);
     for (int l = 0; l < L__COUNT; l++) PD_ASSERT(!n->in_list[l]);
     ht_remove(c, id);
     child_unlink(c, id);
@@ -760,7 +757,7 @@ static void delete_subtree(pd_cache *c, uint32_t id) {
     while (sp > 0) {
         uint32_t top = c->stack[sp - 1];
         cnode *n = N(c, top);
-        if (n->kids.head != NONE) {
+        if (n->kids.head != PD_NONE) {
             PD_ASSERT(sp < c->nodes_max);
             c->stack[sp++] = n->kids.head;
             continue;
@@ -776,20 +773,20 @@ static void delete_subtree(pd_cache *c, uint32_t id) {
 }
 
 static uint32_t first_eligible(pd_cache *c, int l) {
-    for (uint32_t id = c->lists[l].head; id != NONE; id = N(c, id)->lru[l].next) {
+    for (uint32_t id = c->lists[l].head; id != PD_NONE; id = N(c, id)->lru[l].next) {
         cnode *n = N(c, id);
         if (l == L_DEV && n->n_dev_children == 0) return id;
         if (l == L_HOST && (n->on_dev || n->kids.len == 0)) return id;
         if (l == L_MAMBA) return id;
     }
-    return NONE;
+    return PD_NONE;
 }
 
 static uint32_t evict_host_pages(pd_cache *c, uint32_t need) {
     uint32_t freed = 0;
     while (freed < need) {
         uint32_t id = first_eligible(c, L_HOST);
-        if (id == NONE) break;
+        if (id == PD_NONE) break;
         cnode *n = N(c, id);
         uint64_t stamp = n->lstamp[L_HOST];
         freed += n->n_pages;
@@ -805,9 +802,9 @@ static uint32_t evict_host_pages(pd_cache *c, uint32_t need) {
 static uint32_t evict_device_node(pd_cache *c, uint32_t id) {
     cnode *n = N(c, id);
     PD_ASSERT(n->on_dev && n->lock_ref == 0 && n->n_dev_children == 0);
-    PD_ASSERT(n->loading == NONE && id != PD_CNODE_ROOT);
+    PD_ASSERT(n->loading == PD_NONE && id != PD_CNODE_ROOT);
     uint64_t stamp = n->lstamp[L_DEV];
-    if (n->mamba_slot != NONE) free_snapshot(c, id); /* C3 */
+    if (n->mamba_slot != PD_NONE) free_snapshot(c, id); /* C3 */
 
     bool written_back = false;
     int hp = c->pool_id[R_HOST];
@@ -849,7 +846,7 @@ pd_err pd_cache_evict(pd_cache *c, uint32_t pages_needed, uint32_t *pages_freed)
     uint32_t freed = 0;
     while (freed < pages_needed) {
         uint32_t id = first_eligible(c, L_DEV);
-        if (id == NONE) break;
+        if (id == PD_NONE) break;
         freed += evict_device_node(c, id);
     }
     if (pages_freed) *pages_freed = freed;
@@ -872,7 +869,7 @@ pd_err pd_cache_evict_snapshots(pd_cache *c, uint32_t slots_needed,
     uint32_t freed = 0;
     while (freed < slots_needed) {
         uint32_t id = first_eligible(c, L_MAMBA);
-        if (id == NONE) break;
+        if (id == PD_NONE) break;
         uint64_t stamp = N(c, id)->lstamp[L_MAMBA];
         free_snapshot(c, id);
         emit(c, PD_EVICT_SNAPSHOT, id, stamp, false, false);
@@ -902,7 +899,7 @@ pd_err pd_cache_load_begin(pd_cache *c, pd_cnode host_node, pd_owner owner,
     uint32_t total = 0, depth = 0;
     uint32_t id = host_node;
     for (; !N(c, id)->on_dev; id = N(c, id)->parent) {
-        if (N(c, id)->loading != NONE) return PD_ERR_STATE;
+        if (N(c, id)->loading != PD_NONE) return PD_ERR_STATE;
         PD_ASSERT(N(c, id)->on_host);
         total += N(c, id)->n_pages;
         c->stack[depth++] = id;
@@ -916,7 +913,7 @@ pd_err pd_cache_load_begin(pd_cache *c, pd_cnode host_node, pd_owner owner,
     pd_pool *kv = pd_ledger_pool(c->ledger, c->pool_id[R_KV]);
     while (pd_pool_free_count(kv) < total) {
         uint32_t v = first_eligible(c, L_DEV);
-        if (v == NONE) break;
+        if (v == PD_NONE) break;
         evict_device_node(c, v); /* never the locked path being loaded */
     }
     if (pd_pool_free_count(kv) < total) return PD_ERR_NOMEM;
@@ -961,7 +958,7 @@ static pd_err ticket_end(pd_cache *c, pd_cache_ticket t, bool done) {
                                           k, PD_UNIT_REQ, tk->owner));
             node_set_pages(c, id, false, NULL);
         }
-        n->loading = NONE;
+        n->loading = PD_NONE;
         relist(c, id);
         moved += k;
     }
@@ -1004,7 +1001,7 @@ uint32_t pd_cache_node_prefix(const pd_cache *c, pd_cnode node, int32_t *buf,
     for (uint32_t id = node; id != PD_CNODE_ROOT; id = c->nodes[id].parent) {
         const cnode *n = &c->nodes[id];
         uint32_t pos = (n->end_pages - n->n_pages) * c->page_size;
-        for (uint32_t e = n->first_ent; e != NONE; e = c->ent_next[e]) {
+        for (uint32_t e = n->first_ent; e != PD_NONE; e = c->ent_next[e]) {
             memcpy(buf + pos, ent_tok(c, e), c->page_size * sizeof(int32_t));
             pos += c->page_size;
         }
@@ -1022,33 +1019,40 @@ void pd_cache_walk(pd_cache *c, void (*fn)(void *ctx, const pd_cnode_info *),
     /* Iterative pre-order DFS; a node's prefix is rebuilt from its entries
      * into prefix[] at its depth (parents are visited first). */
     uint32_t sp = 0;
-    for (uint32_t ch = N(c, PD_CNODE_ROOT)->kids.head; ch != NONE; ch = N(c, ch)->sib.next)
+    for (uint32_t ch = N(c, PD_CNODE_ROOT)->kids.head; ch != PD_NONE; ch = N(c, ch)->sib.next)
         c->stack[sp++] = ch;
     while (sp > 0) {
         uint32_t id = c->stack[--sp];
         cnode *n = N(c, id);
         uint32_t start = (n->end_pages - n->n_pages) * c->page_size;
         uint32_t i = 0;
-        for (uint32_t e = n->first_ent; e != NONE; e = c->ent_next[e], i++) {
+        for (uint32_t e = n->first_ent; e != PD_NONE; e = c->ent_next[e], i++) {
             memcpy(prefix + start + (size_t)i * c->page_size, ent_tok(c, e),
                    c->page_size * sizeof(int32_t));
             dev[i] = c->ent_dev[e];
             host[i] = c->ent_host[e];
         }
         pd_cnode_info info = {
-            .node = id, .parent = n->parent,
-            .end_tokens = n->end_pages * c->page_size, .pages = n->n_pages,
-            .on_dev = n->on_dev, .on_host = n->on_host, .loading = n->loading != NONE,
-            .lock_ref = n->lock_ref, .mamba_lock = n->mamba_lock,
-            .mamba_slot = n->mamba_slot == NONE ? PD_POOL_NONE : n->mamba_slot,
-            .stamp_dev = n->lstamp[L_DEV], .stamp_host = n->lstamp[L_HOST],
+            .node = id,
+            .parent = n->parent,
+            .end_tokens = n->end_pages * c->page_size,
+            .pages = n->n_pages,
+            .on_dev = n->on_dev,
+            .on_host = n->on_host,
+            .loading = n->loading != PD_NONE,
+            .lock_ref = n->lock_ref,
+            .mamba_lock = n->mamba_lock,
+            .mamba_slot = n->mamba_slot == PD_NONE ? PD_POOL_NONE : n->mamba_slot,
+            .stamp_dev = n->lstamp[L_DEV],
+            .stamp_host = n->lstamp[L_HOST],
             .stamp_mamba = n->lstamp[L_MAMBA],
             .prefix = prefix,
-            .dev_pages = (n->on_dev || n->loading != NONE) ? dev : NULL,
+            .dev_pages = (n->on_dev || n->loading != PD_NONE) ? dev : NULL,
             .host_pages = n->on_host ? host : NULL,
         };
         fn(ctx, &info);
-        for (uint32_t ch = n->kids.head; ch != NONE; ch = N(c, ch)->sib.next) c->stack[sp++] = ch;
+        for (uint32_t ch = n->kids.head; ch != PD_NONE; ch = N(c, ch)->sib.next)
+            c->stack[sp++] = ch;
     }
     free(prefix);
     free(dev);
@@ -1061,8 +1065,12 @@ static pd_err verify_units(pd_cache *c, int r, const uint32_t *u, uint32_t n,
                            pd_unit_state want, pd_owner owner, uint32_t id,
                            char *msg, size_t msg_cap) {
     for (uint32_t i = 0; i < n; i++) {
-        if (u[i] == NONE) VFAIL("node %u: %s unit missing at page %u", id,
-                                r == R_KV ? "kv" : r == R_HOST ? "host" : "mamba", i);
+        if (u[i] == PD_NONE)
+            VFAIL("node %u: %s unit missing at page %u", id,
+                  r == R_KV         ? "kv"
+                      : r == R_HOST ? "host"
+                                    : "mamba",
+                  i);
         pd_unit_state st = pd_ledger_state_of(c->ledger, c->pool_id[r], u[i]);
         if (st != want)
             VFAIL("node %u: %s unit %u is %s in the ledger, expected %s", id,
@@ -1089,9 +1097,9 @@ typedef struct verify_tally {
 static pd_err verify_children(pd_cache *c, uint32_t id, uint32_t *sp, char *msg,
                               size_t msg_cap) {
     cnode *n = N(c, id);
-    uint32_t kids = 0, dev_kids = 0, prev = NONE;
+    uint32_t kids = 0, dev_kids = 0, prev = PD_NONE;
     uint64_t kid_locks = 0;
-    for (uint32_t ch = n->kids.head; ch != NONE; prev = ch, ch = N(c, ch)->sib.next) {
+    for (uint32_t ch = n->kids.head; ch != PD_NONE; prev = ch, ch = N(c, ch)->sib.next) {
         cnode *k = N(c, ch);
         if (k->parent != id) VFAIL("node %u: child %u has parent %u", id, ch, k->parent);
         if (k->sib.prev != prev) VFAIL("node %u: sibling list broken at child %u", id, ch);
@@ -1120,11 +1128,11 @@ static pd_err verify_shape(pd_cache *c, uint32_t id, verify_tally *t, char *msg,
     cnode *p = N(c, n->parent);
     if (n->on_dev && !p->on_dev) VFAIL("node %u on device under a host-only parent (C1)", id);
     if (!n->on_dev && !n->on_host) VFAIL("node %u holds nothing (C2)", id);
-    if (n->mamba_slot != NONE && !n->on_dev)
+    if (n->mamba_slot != PD_NONE && !n->on_dev)
         VFAIL("node %u: snapshot on a host-only node (C3)", id);
     if (n->mamba_lock > 0 && n->lock_ref == 0)
         VFAIL("node %u: snapshot locked, node not (C4)", id);
-    if (n->loading != NONE && (n->on_dev || !n->on_host || n->lock_ref == 0))
+    if (n->loading != PD_NONE && (n->on_dev || !n->on_host || n->lock_ref == 0))
         VFAIL("node %u: loading but on_dev=%d on_host=%d lock_ref=%u", id, n->on_dev,
               n->on_host, n->lock_ref);
     if (n->end_pages != p->end_pages + n->n_pages && n->parent != PD_CNODE_ROOT)
@@ -1134,7 +1142,7 @@ static pd_err verify_shape(pd_cache *c, uint32_t id, verify_tally *t, char *msg,
         VFAIL("node %u: top-level node ends at page %u with %u pages", id, n->end_pages,
               n->n_pages);
     uint32_t cnt = 0;
-    for (uint32_t e = n->first_ent; e != NONE; e = c->ent_next[e])
+    for (uint32_t e = n->first_ent; e != PD_NONE; e = c->ent_next[e])
         if (++cnt > c->entries_max) VFAIL("node %u: entry chain loops", id);
     if (cnt != n->n_pages || cnt == 0)
         VFAIL("node %u: %u entries for %u pages", id, cnt, n->n_pages);
@@ -1142,7 +1150,7 @@ static pd_err verify_shape(pd_cache *c, uint32_t id, verify_tally *t, char *msg,
     if (ht_lookup(c, n->parent, ent_tok(c, n->first_ent)) != id)
         VFAIL("node %u: child table lookup does not find it", id);
     bool want[L__COUNT] = {n->on_dev && n->lock_ref == 0, n->on_host && n->lock_ref == 0,
-                           n->mamba_slot != NONE && n->mamba_lock == 0};
+                           n->mamba_slot != PD_NONE && n->mamba_lock == 0};
     for (int l = 0; l < L__COUNT; l++) {
         if (want[l] != n->in_list[l])
             VFAIL("node %u: list %d membership %d, expected %d", id, l, n->in_list[l],
@@ -1159,10 +1167,10 @@ static pd_err verify_node_units(pd_cache *c, uint32_t id, verify_tally *t, char 
     cnode *n = N(c, id);
     pd_err err;
     uint32_t k;
-    if (n->on_dev || n->loading != NONE) {
+    if (n->on_dev || n->loading != PD_NONE) {
         k = node_pages(c, id, false, c->scratch_a);
-        pd_unit_state want_st = n->loading != NONE ? PD_UNIT_REQ : lock_state(n->lock_ref);
-        pd_owner own = n->loading != NONE ? c->tickets[n->loading].owner : PD_OWNER_CACHE;
+        pd_unit_state want_st = n->loading != PD_NONE ? PD_UNIT_REQ : lock_state(n->lock_ref);
+        pd_owner own = n->loading != PD_NONE ? c->tickets[n->loading].owner : PD_OWNER_CACHE;
         err = verify_units(c, R_KV, c->scratch_a, k, want_st, own, id, msg, msg_cap);
         if (err) return err;
         if (n->on_dev) (n->lock_ref ? t->pr : t->ev)[R_KV] += k;
@@ -1174,7 +1182,7 @@ static pd_err verify_node_units(pd_cache *c, uint32_t id, verify_tally *t, char 
         if (err) return err;
         (n->lock_ref ? t->pr : t->ev)[R_HOST] += k;
     }
-    if (n->mamba_slot != NONE) {
+    if (n->mamba_slot != PD_NONE) {
         err = verify_units(c, R_MAMBA, &n->mamba_slot, 1, lock_state(n->mamba_lock), 0, id,
                            msg, msg_cap);
         if (err) return err;
@@ -1188,9 +1196,9 @@ static pd_err verify_node_units(pd_cache *c, uint32_t id, verify_tally *t, char 
 static pd_err verify_lists(pd_cache *c, const uint32_t *in_list_n, char *msg,
                            size_t msg_cap) {
     for (int l = 0; l < L__COUNT; l++) {
-        uint32_t len = 0, prev = NONE;
+        uint32_t len = 0, prev = PD_NONE;
         uint64_t last_stamp = 0;
-        for (uint32_t id = c->lists[l].head; id != NONE; id = N(c, id)->lru[l].next) {
+        for (uint32_t id = c->lists[l].head; id != PD_NONE; id = N(c, id)->lru[l].next) {
             cnode *n = N(c, id);
             if (!n->in_list[l] || n->lru[l].prev != prev) VFAIL("list %d broken at node %u", l, id);
             if (n->lstamp[l] < last_stamp) VFAIL("list %d: stamps decrease at node %u", l, id);

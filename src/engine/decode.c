@@ -73,7 +73,7 @@ static void commit(pd_engine *e, req *r) {
 
 static void poll_transfers(pd_engine *e) {
     uint32_t idx = e->q[Q_WAIT_XFER].head;
-    while (idx != NONE) {
+    while (idx != PD_NONE) {
         req *r = eng_req(e, idx);
         idx = r->qlink.next;
         pd_xfer_status st = e->xfer.vt->status(e->xfer.self, r->room);
@@ -147,7 +147,7 @@ void decode_on_result(pd_engine *e, req *r, const bitem *it, const pd_item_resul
 void decode_add_items(pd_engine *e, batch_rec *b) {
     uint32_t ps = e->cfg.page_size;
     uint32_t idx = e->q[Q_RUNNING].head;
-    while (idx != NONE && b->n < e->cfg.batch_max) {
+    while (idx != PD_NONE && b->n < e->cfg.batch_max) {
         req *r = eng_req(e, idx);
         idx = r->qlink.next;
         if (r->forwards_in_flight > 0) continue;
@@ -156,7 +156,7 @@ void decode_add_items(pd_engine *e, batch_rec *b) {
         uint32_t pos = r->prompt_len + r->out_len - 1;
         PD_ASSERT(r->out_len < r->max_new);
         if (pos / ps >= r->n_pages) eng_alloc_pages(e, r, 1);
-        eng_batch_add(e, b, r, &r->last_token, pos, 1, true, r->out_len, NONE, false, true);
+        eng_batch_add(e, b, r, &r->last_token, pos, 1, true, r->out_len, PD_NONE, false, true);
     }
 }
 
@@ -169,7 +169,7 @@ static void schedule(pd_engine *e) {
 
 void decode_step(pd_engine *e) {
     poll_transfers(e);
-    while (e->q[Q_PREALLOC].head != NONE) {
+    while (e->q[Q_PREALLOC].head != PD_NONE) {
         if (prealloc(e, eng_req(e, e->q[Q_PREALLOC].head)) == 0) break;
     }
     eng_batch_poll(e, decode_on_result);

@@ -171,7 +171,7 @@ void q_move(pd_engine *e, req *r, uint8_t queue) {
 
 static req *record_alloc(pd_engine *e) {
     uint32_t idx = e->free_reqs.head;
-    if (idx == NONE) return NULL;
+    if (idx == PD_NONE) return NULL;
     pd_list_remove(&e->free_reqs, eng_qlinks(e), idx);
     req *r = &e->reqs[idx];
     uint32_t gen = r->gen + 1;
@@ -181,9 +181,9 @@ static req *record_alloc(pd_engine *e) {
     r->live = true;
     r->queue = Q_NONE;
     pd_link_init(&r->qlink);
-    r->row = r->mamba_run = r->meta_row = NONE;
-    r->mamba_track[0] = r->mamba_track[1] = NONE;
-    r->final_snap = NONE;
+    r->row = r->mamba_run = r->meta_row = PD_NONE;
+    r->mamba_track[0] = r->mamba_track[1] = PD_NONE;
+    r->final_snap = PD_NONE;
     r->lock_node = PD_CNODE_NONE;
     r->ticket = PD_TICKET_NONE;
     r->pages = e->page_store + (size_t)idx * e->pages_per_req;
@@ -312,9 +312,9 @@ void eng_cache_insert(pd_engine *e, req *r, uint32_t tokens, uint32_t snapshot_s
      * next snapshot allocates a new one. */
     if (!res.mamba_taken) return;
     int track = r->mamba_track[0] == snapshot_slot ? 0 : 1;
-    PD_ASSERTF(snapshot_slot != NONE && r->mamba_track[track] == snapshot_slot,
+    PD_ASSERTF(snapshot_slot != PD_NONE && r->mamba_track[track] == snapshot_slot,
                "the cache took Mamba slot %u, not a track slot of %s", snapshot_slot, r->rid);
-    r->mamba_track[track] = NONE;
+    r->mamba_track[track] = PD_NONE;
 }
 
 /* ---- the retire path --------------------------------------------------------- */
@@ -352,9 +352,9 @@ static void free_or_quarantine(pd_engine *e, req *r, int pool_id, const uint32_t
 
 static uint32_t mamba_slots_of(req *r, uint32_t *out) {
     uint32_t n = 0;
-    if (r->mamba_run != NONE) out[n++] = r->mamba_run;
+    if (r->mamba_run != PD_NONE) out[n++] = r->mamba_run;
     for (int i = 0; i < 2; i++)
-        if (r->mamba_track[i] != NONE) out[n++] = r->mamba_track[i];
+        if (r->mamba_track[i] != PD_NONE) out[n++] = r->mamba_track[i];
     return n;
 }
 
@@ -364,16 +364,16 @@ static void insert_finished_prompt(pd_engine *e, req *r) {
     if (!e->cache || !r->holds_kv || r->term != PD_TERM_FINISHED) return;
     uint32_t ps = e->cfg.page_size;
     uint32_t whole = (PD_MIN(r->done, r->prompt_len) / ps) * ps;
-    uint32_t snap = (r->holds_mamba && whole == r->prompt_len) ? r->final_snap : NONE;
+    uint32_t snap = (r->holds_mamba && whole == r->prompt_len) ? r->final_snap : PD_NONE;
     if (whole > 0) eng_cache_insert(e, r, whole, snap);
-    r->final_snap = NONE;
+    r->final_snap = PD_NONE;
 }
 
 static void release_meta_row(pd_engine *e, req *r, bool quarantine) {
     if (!r->holds_meta) return;
     free_or_quarantine(e, r, e->meta_id, &r->meta_row, 1, quarantine);
     r->q_meta = quarantine;
-    if (!quarantine) r->meta_row = NONE;
+    if (!quarantine) r->meta_row = PD_NONE;
     r->holds_meta = false;
 }
 
@@ -422,7 +422,7 @@ static void release_compute(pd_engine *e, req *r, bool quarantine) {
         uint32_t n = mamba_slots_of(r, slots);
         free_or_quarantine(e, r, e->mamba_id, slots, n, quarantine);
         r->q_mamba = quarantine && n > 0;
-        if (!quarantine) r->mamba_run = r->mamba_track[0] = r->mamba_track[1] = NONE;
+        if (!quarantine) r->mamba_run = r->mamba_track[0] = r->mamba_track[1] = PD_NONE;
         r->holds_mamba = false;
     }
     release_kv(e, r, quarantine);
@@ -430,7 +430,7 @@ static void release_compute(pd_engine *e, req *r, bool quarantine) {
     r->reserved = 0;
     if (r->holds_row) {
         LEDGER_MUST(e, pd_ledger_free(e->ledger, e->row_id, &r->row, 1, PD_UNIT_REQ, r->owner));
-        r->row = NONE;
+        r->row = PD_NONE;
         r->holds_row = false;
     }
 }
@@ -497,7 +497,7 @@ void eng_retire(pd_engine *e, req *r, pd_terminal_kind kind, pd_finish_reason fi
         e->xfer.vt->close(e->xfer.self, r->room);
         r->holds_room = false;
     }
-    r->meta_row = NONE;
+    r->meta_row = PD_NONE;
     record_free(e, r);
 }
 
@@ -511,7 +511,8 @@ void eng_release_for_requeue(pd_engine *e, req *r) {
     PD_ASSERT(r->forwards_in_flight == 0 && !r->holds_host && r->term == PD_TERM_NONE);
     uint32_t ps = e->cfg.page_size;
     /* Keep what was computed: cache its whole pages, then let go. */
-    if (e->cache && r->holds_kv && r->done >= ps) eng_cache_insert(e, r, (r->done / ps) * ps, NONE);
+    if (e->cache && r->holds_kv && r->done >= ps)
+        eng_cache_insert(e, r, (r->done / ps) * ps, PD_NONE);
     /* Still bootstrapping, so nothing was sent: nothing to quarantine. The
      * metadata row and the room stay for the next attempt. */
     PD_ASSERT(!r->bootstrapped && r->holds_meta && r->holds_room);
@@ -520,7 +521,7 @@ void eng_release_for_requeue(pd_engine *e, req *r) {
     r->cached_tokens = 0;
     r->n_pages = r->own_from = 0;
     r->track_next = 0;
-    r->final_snap = NONE;
+    r->final_snap = PD_NONE;
 }
 
 void eng_release_at_commit(pd_engine *e, req *r) {
@@ -530,7 +531,7 @@ void eng_release_at_commit(pd_engine *e, req *r) {
     e->xfer.vt->close(e->xfer.self, r->room);
     r->holds_room = false;
     LEDGER_MUST(e, pd_ledger_free(e->ledger, e->meta_id, &r->meta_row, 1, PD_UNIT_REQ, r->owner));
-    r->meta_row = NONE;
+    r->meta_row = PD_NONE;
     r->holds_meta = false;
 }
 
@@ -538,7 +539,7 @@ void eng_release_at_commit(pd_engine *e, req *r) {
  * once the transport says it never will again. */
 static void drain_poll(pd_engine *e) {
     uint32_t idx = e->q[Q_DRAINING].head;
-    while (idx != NONE) {
+    while (idx != PD_NONE) {
         req *r = &e->reqs[idx];
         idx = r->qlink.next;
         if (!e->xfer.vt->drained(e->xfer.self, r->room)) continue;
@@ -553,13 +554,13 @@ static void drain_poll(pd_engine *e) {
             uint32_t n = mamba_slots_of(r, slots);
             LEDGER_MUST(e, pd_ledger_free(e->ledger, e->mamba_id, slots, n,
                                           PD_UNIT_QUARANTINE, r->room));
-            r->mamba_run = r->mamba_track[0] = r->mamba_track[1] = NONE;
+            r->mamba_run = r->mamba_track[0] = r->mamba_track[1] = PD_NONE;
             r->q_mamba = false;
         }
         if (r->q_meta) {
             LEDGER_MUST(e, pd_ledger_free(e->ledger, e->meta_id, &r->meta_row, 1,
                                           PD_UNIT_QUARANTINE, r->room));
-            r->meta_row = NONE;
+            r->meta_row = PD_NONE;
             r->q_meta = false;
         }
         if (r->q_lock) {
@@ -589,11 +590,17 @@ void eng_batch_add(pd_engine *e, batch_rec *b, req *r, const int32_t *tokens, ui
     PD_ASSERT(b->n < e->cfg.batch_max);
     pd_batch_item *it = &e->launch_items[b->n];
     *it = (pd_batch_item){
-        .req = r->owner, .tokens = tokens, .n_tokens = n, .start_pos = start,
-        .pages = r->pages, .n_pages = r->n_pages,
+        .req = r->owner,
+        .tokens = tokens,
+        .n_tokens = n,
+        .start_pos = start,
+        .pages = r->pages,
+        .n_pages = r->n_pages,
         .mamba_slot = e->mamba ? r->mamba_run : PD_POOL_NONE,
-        .snapshot_slot = snapshot_slot == NONE ? PD_POOL_NONE : snapshot_slot,
-        .sample = sample, .sampling = r->sampling, .sample_index = sample_index,
+        .snapshot_slot = snapshot_slot == PD_NONE ? PD_POOL_NONE : snapshot_slot,
+        .sample = sample,
+        .sampling = r->sampling,
+        .sample_index = sample_index,
     };
     PD_ASSERT((uint64_t)r->n_pages * e->cfg.page_size >= (uint64_t)start + n);
     b->items[b->n] = (bitem){.idx = eng_idx(e, r), .gen = r->gen, .start = start, .n = n,
@@ -836,7 +843,7 @@ static pd_err reject(pd_engine *e, pd_reject *why, pd_err err, int status, const
 static pd_err submit(pd_engine *e, const pd_request_spec *s, uint64_t now_us, pd_reject *why);
 
 void pd_engine_cancel_room(pd_engine *e, uint64_t room, const char *peer) {
-    if (e->cfg.role == PD_ROLE_COLOCATED || room == 0 || room_find(e, room) != NONE) return;
+    if (e->cfg.role == PD_ROLE_COLOCATED || room == 0 || room_find(e, room) != PD_NONE) return;
     cancel_room(e, room, peer);
 }
 
@@ -904,9 +911,9 @@ static pd_err admission_check(pd_engine *e, const pd_request_spec *s, pd_reject 
                       s->prompt_len, generates ? s->max_new_tokens : 0,
                       (unsigned long long)need_tokens, e->cfg.prompt_tokens_max,
                       (unsigned long long)pool_tokens);
-    if (rid_find(e, s->rid) != NONE)
+    if (rid_find(e, s->rid) != PD_NONE)
         return reject(e, why, PD_ERR_EXISTS, 409, "rid '%s' is already live", s->rid);
-    if (e->cfg.role != PD_ROLE_COLOCATED && room_find(e, s->room) != NONE)
+    if (e->cfg.role != PD_ROLE_COLOCATED && room_find(e, s->room) != PD_NONE)
         return reject(e, why, PD_ERR_EXISTS, 409, "room %llu is already live",
                       (unsigned long long)s->room);
     return PD_OK;
@@ -957,7 +964,7 @@ static pd_err submit(pd_engine *e, const pd_request_spec *s, uint64_t now_us, pd
 pd_err pd_engine_abort(pd_engine *e, const char *rid) {
     if (!rid) return PD_ERR_NOTFOUND;
     uint32_t idx = rid_find(e, rid);
-    if (idx == NONE) return PD_ERR_NOTFOUND;
+    if (idx == PD_NONE) return PD_ERR_NOTFOUND;
     req *r = &e->reqs[idx];
     if (r->streamed) return PD_ERR_NOTFOUND; /* already ended; only draining */
     eng_retire(e, r, PD_TERM_ABORTED, PD_FINISH_NONE, 499, "aborted by request");
@@ -1029,7 +1036,7 @@ static pd_err tally_units(pd_engine *e, int pool_id, uint32_t *req_units, uint32
             req_units[lo - 1]++;
         } else if (st == PD_UNIT_QUARANTINE) {
             uint32_t idx = room_find(e, o);
-            if (idx == NONE || e->reqs[idx].queue != Q_DRAINING) {
+            if (idx == PD_NONE || e->reqs[idx].queue != Q_DRAINING) {
                 result = pd_violation(report,
                                       "pool %s unit %u quarantined for room %llu that nothing "
                                       "drains",
@@ -1158,5 +1165,5 @@ void pd_engine_set_action_observer(pd_engine *e, pd_action_observer fn, void *ct
 
 uint64_t pd_engine_request_id(const pd_engine *e, const char *rid) {
     uint32_t idx = rid_find(e, rid);
-    return idx == NONE ? 0 : e->reqs[idx].owner;
+    return idx == PD_NONE ? 0 : e->reqs[idx].owner;
 }

@@ -15,8 +15,6 @@
 #include "pdserve/index.h"
 #include "pdserve/list.h"
 
-#define NONE UINT32_MAX
-
 /* Queues: a live request is in exactly one. */
 enum {
     Q_BOOTSTRAP = 0, /* prefill: meta row + sender opened, handshake pending */
@@ -70,8 +68,8 @@ typedef struct req {
     pd_cnode lock_node;
     uint32_t mamba_run;
     uint32_t mamba_track[2];
-    uint32_t track_next;   /* which track slot the next snapshot goes to */
-    uint32_t final_snap;   /* track slot holding the prompt-end snapshot, or NONE */
+    uint32_t track_next; /* which track slot the next snapshot goes to */
+    uint32_t final_snap; /* track slot holding the prompt-end snapshot, or PD_NONE */
     uint32_t meta_row;
     pd_cache_ticket ticket;
     uint64_t load_id;
@@ -110,7 +108,7 @@ typedef struct bitem {
     uint32_t start, n;
     bool final;             /* the request's last prompt chunk (prefill) */
     bool decode;            /* one generated token (decode, colocated) */
-    uint32_t snapshot_slot; /* track slot written at the chunk end, or NONE */
+    uint32_t snapshot_slot; /* track slot written at the chunk end, or PD_NONE */
 } bitem;
 
 typedef struct batch_rec {
@@ -201,7 +199,7 @@ uint64_t eng_kv_available(pd_engine *e);                          /* free + evic
 bool eng_reserve_pages(pd_engine *e, req *r, uint32_t need);
 pd_err eng_alloc_slot(pd_engine *e, int pool_id, pd_owner owner, uint32_t *out);
 void eng_cache_lock(pd_engine *e, req *r, pd_cnode node);
-/* Inserts pages[0, tokens/ps) (+ snapshot, a track slot of r or NONE) into
+/* Inserts pages[0, tokens/ps) (+ snapshot, a track slot of r or PD_NONE) into
  * the cache, moves r's lock to the new node, frees duplicates. If the cache
  * takes the snapshot, r's track slot forgets it (the slot is the cache's). */
 void eng_cache_insert(pd_engine *e, req *r, uint32_t tokens, uint32_t snapshot_slot);

@@ -100,7 +100,7 @@ static bool room_check(pd_engine *e, req *r) {
 
 static void poll_bootstrap_queue(pd_engine *e) {
     uint32_t idx = e->q[Q_BOOTSTRAP].head;
-    while (idx != NONE) {
+    while (idx != PD_NONE) {
         req *r = eng_req(e, idx);
         idx = r->qlink.next;
         if (!r->holds_meta) {
@@ -130,7 +130,7 @@ static void poll_rooms(pd_engine *e) {
     static const uint8_t queues[] = {Q_WAITING, Q_LOADING, Q_PREFILL, Q_PARKED};
     for (size_t k = 0; k < sizeof(queues); k++) {
         uint32_t idx = e->q[queues[k]].head;
-        while (idx != NONE) {
+        while (idx != PD_NONE) {
             req *r = eng_req(e, idx);
             idx = r->qlink.next;
             if (!room_check(e, r)) continue;
@@ -138,7 +138,7 @@ static void poll_rooms(pd_engine *e) {
         }
     }
     uint32_t idx = e->q[Q_TRANSFER].head;
-    while (idx != NONE) {
+    while (idx != PD_NONE) {
         req *r = eng_req(e, idx);
         idx = r->qlink.next;
         pd_xfer_status st = e->xfer.vt->status(e->xfer.self, r->room);
@@ -154,7 +154,7 @@ static void poll_rooms(pd_engine *e) {
 
 static void poll_loads(pd_engine *e) {
     uint32_t idx = e->q[Q_LOADING].head;
-    while (idx != NONE) {
+    while (idx != PD_NONE) {
         req *r = eng_req(e, idx);
         idx = r->qlink.next;
         if (!e->exec.vt->load_poll(e->exec.self, r->load_id)) continue;
@@ -176,7 +176,7 @@ static pd_cnode match_prefix(pd_engine *e, req *r, uint32_t *use, uint32_t *load
                              uint32_t *snap_slot) {
     pd_cnode node = PD_CNODE_NONE;
     *use = *load = 0;
-    *snap_slot = NONE;
+    *snap_slot = PD_NONE;
     if (!e->cache) return node;
     pd_cache_match_result m;
     /* Leave at least the last token to compute: it yields the first output. */
@@ -289,13 +289,13 @@ static uint32_t add_chunk(pd_engine *e, batch_rec *b, req *r, uint32_t budget) {
     }
     uint32_t need = PD_DIV_CEIL(end, ps) > r->n_pages ? PD_DIV_CEIL(end, ps) - r->n_pages : 0;
     eng_alloc_pages(e, r, need);
-    uint32_t snap = NONE;
+    uint32_t snap = PD_NONE;
     if (e->tracks > 0 && end % ps == 0) {
         uint32_t t = r->track_next % e->tracks;
-        if (r->mamba_track[t] == NONE &&
+        if (r->mamba_track[t] == PD_NONE &&
             eng_alloc_slot(e, e->mamba_id, r->owner, &r->mamba_track[t]) != PD_OK)
-            r->mamba_track[t] = NONE;
-        if (r->mamba_track[t] != NONE) {
+            r->mamba_track[t] = PD_NONE;
+        if (r->mamba_track[t] != PD_NONE) {
             snap = r->mamba_track[t];
             r->track_next++;
         }
@@ -314,11 +314,11 @@ static uint32_t add_chunk(pd_engine *e, batch_rec *b, req *r, uint32_t budget) {
  * for their first chunk, so admission never hoards the pools. */
 static void admit_waiting(pd_engine *e) {
     uint32_t unstarted = 0;
-    for (uint32_t idx = e->q[Q_PREFILL].head; idx != NONE; idx = eng_req(e, idx)->qlink.next) {
+    for (uint32_t idx = e->q[Q_PREFILL].head; idx != PD_NONE; idx = eng_req(e, idx)->qlink.next) {
         req *r = eng_req(e, idx);
         unstarted += r->launched == r->cached_tokens;
     }
-    while (unstarted < e->cfg.batch_max && e->q[Q_WAITING].head != NONE) {
+    while (unstarted < e->cfg.batch_max && e->q[Q_WAITING].head != PD_NONE) {
         int got = admit(e, eng_req(e, e->q[Q_WAITING].head));
         if (got == 0) break; /* first come, first served: no overtaking */
         unstarted += got == 1;
@@ -334,7 +334,7 @@ static void schedule(pd_engine *e) {
     if (e->cfg.role == PD_ROLE_COLOCATED) decode_add_items(e, b);
     uint32_t budget = e->cfg.chunk_tokens;
     uint32_t idx = e->q[Q_PREFILL].head;
-    while (idx != NONE && budget > 0 && b->n < e->cfg.batch_max) {
+    while (idx != PD_NONE && budget > 0 && b->n < e->cfg.batch_max) {
         req *r = eng_req(e, idx);
         idx = r->qlink.next;
         if (r->launched == r->prompt_len) continue;
@@ -362,9 +362,9 @@ static void on_result(pd_engine *e, req *r, const bitem *it, const pd_item_resul
     if (!it->final) {
         if (e->cache) {
             uint32_t whole = (r->done / ps) * ps;
-            bool at_snapshot = it->snapshot_slot != NONE && r->done % ps == 0;
-            uint32_t snap = at_snapshot ? it->snapshot_slot : NONE;
-            if (whole > r->own_from * ps || snap != NONE) eng_cache_insert(e, r, whole, snap);
+            bool at_snapshot = it->snapshot_slot != PD_NONE && r->done % ps == 0;
+            uint32_t snap = at_snapshot ? it->snapshot_slot : PD_NONE;
+            if (whole > r->own_from * ps || snap != PD_NONE) eng_cache_insert(e, r, whole, snap);
         }
         send_ready(e, r);
         return;
