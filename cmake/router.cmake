@@ -15,7 +15,6 @@ add_library(pd_router STATIC
 # Its public header is include/pdserve/router.h; the rest is private (the
 # router's own tests, beside it, reach the internals through the test kit).
 target_include_directories(pd_router PRIVATE ${CMAKE_SOURCE_DIR}/src/router)
-target_compile_definitions(pd_router PRIVATE PD_VERSION="${PROJECT_VERSION}")
 target_link_libraries(pd_router PUBLIC pd_http PkgConfig::JANSSON PkgConfig::MICROHTTPD
                       PkgConfig::CURL Threads::Threads)
 

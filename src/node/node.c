@@ -441,7 +441,7 @@ static json_t *info_counters(pd_node *n) {
 static char *info_json(pd_node *n) {
     json_t *root = json_object();
     json_object_set_new(root, "role", json_string(pd_node_role_name(n->cfg.role)));
-    json_object_set_new(root, "version", json_string("0.1.0"));
+    json_object_set_new(root, "version", json_string(PD_VERSION));
     json_object_set_new(root, "config", info_config(n));
     json_object_set_new(root, "counters", info_counters(n));
     char *rep = malloc(1 << 20);

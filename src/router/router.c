@@ -46,10 +46,6 @@
 #include "stats.h"
 #include "workers.h"
 
-#ifndef PD_VERSION
-#define PD_VERSION "0.1.0"
-#endif
-
 #define STREAM_BLOCK_BYTES (16u * 1024u)
 
 typedef struct slot {
