@@ -78,6 +78,17 @@ void pd_loopback_restart(pd_loopback *lb, pd_lb_side side);
 /* The room's status on a side (for tests; PD_XFER_NONE if unknown). */
 pd_xfer_status pd_loopback_status(pd_loopback *lb, pd_lb_side side, uint64_t room);
 
+/* ---- ground truth for a judge ----
+ * Every unit a write touches, at the moment it touches it: the prefill's
+ * source (read) and the decode's destination (written), for room. Lets a
+ * judge that knows who owns each unit (the simulator, through the ledgers)
+ * check the transport's drained rule against what the fabric really does,
+ * instead of trusting drained(). NULL removes it. */
+typedef enum pd_lb_region { PD_LB_KV = 0, PD_LB_MAMBA, PD_LB_META } pd_lb_region;
+typedef void (*pd_lb_touch_fn)(void *ctx, pd_lb_side side, pd_lb_region region, uint32_t unit,
+                               uint64_t room);
+void pd_loopback_set_touch_observer(pd_loopback *lb, pd_lb_touch_fn fn, void *ctx);
+
 #ifdef __cplusplus
 }
 #endif

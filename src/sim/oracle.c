@@ -16,6 +16,7 @@
 
 typedef struct orec {
     uint64_t owner;          /* 0: slot never used on this incarnation of the node */
+    uint64_t room;
     uint32_t client;
     pd_terminal_kind reason; /* A1: recorded at TERMINAL_REASON */
     uint32_t in_flight;      /* A4: launches minus results */
@@ -125,6 +126,7 @@ static orec *record_of(sim_oracle *o, int side, const pd_action_event *ev) {
         uint32_t client = o->next_client;
         memset(r, 0, sizeof(*r));
         r->owner = ev->req;
+        r->room = ev->room;
         r->client = client;
         if (client != NO_CLIENT) {
             oclient *c = client_at(o, client);
@@ -332,3 +334,13 @@ bool oracle_cached_after_term(const sim_oracle *o, uint32_t client) {
 }
 
 uint64_t oracle_actions(const sim_oracle *o) { return o->actions; }
+
+bool oracle_room_of(const sim_oracle *o, int side, uint64_t owner, uint64_t *room) {
+    PD_ASSERT(side >= 0 && side < ORACLE_SIDES);
+    for (uint32_t i = 0; owner && i < o->records_max; i++)
+        if (o->recs[side][i].owner == owner) {
+            *room = o->recs[side][i].room;
+            return true;
+        }
+    return false;
+}

@@ -74,5 +74,8 @@ bool oracle_final_in_flight(const sim_oracle *o, uint32_t client); /* prefill, n
 bool oracle_running(const sim_oracle *o, uint32_t client);         /* decode committed, no reason */
 bool oracle_cached_after_term(const sim_oracle *o, uint32_t client);
 uint64_t oracle_actions(const sim_oracle *o);
+/* The room of the record the engine on `side` knows as `owner` (a ledger
+ * owner of state REQ), accepted and not yet replaced; false if none. */
+bool oracle_room_of(const sim_oracle *o, int side, uint64_t owner, uint64_t *room);
 
 #endif

@@ -253,6 +253,50 @@ static bool on_oracle_drained(void *ctx, int side, uint64_t room) {
     return x.vt->drained(x.self, room);
 }
 
+/* The ledger pool of the engine that holds units of this loopback region. */
+static int pool_of(pd_ledger *l, pd_lb_region region) {
+    static const pd_pool_kind kinds[] = {
+        [PD_LB_KV] = PD_POOL_KV, [PD_LB_MAMBA] = PD_POOL_MAMBA, [PD_LB_META] = PD_POOL_META};
+    for (int id = 0; id < pd_ledger_pool_count(l); id++)
+        if (pd_pool_kind_of(pd_ledger_pool(l, id)) == kinds[region]) return id;
+    return -1;
+}
+
+/* [X1] What the fabric really does, against who owns what: a write of room R
+ * may touch a unit only while that node holds it for R — the request of room
+ * R has it, or it is quarantined for R — or, for the prefill's KV source, while
+ * its prefix cache holds it (a cached page keeps its bytes until eviction
+ * hands it out again). This judges the transport's drained() instead of
+ * trusting it, as the oracle's A5 does. */
+static void on_touch(void *ctx, pd_lb_side lside, pd_lb_region region, uint32_t unit,
+                     uint64_t room) {
+    sim *s = ctx;
+    int side = lside == PD_LB_PREFILL ? SIDE_P : SIDE_D;
+    node *n = &s->nodes[side];
+    if (!n->alive || !n->eng) return;
+    pd_ledger *l = pd_engine_ledger(n->eng);
+    int pool = pool_of(l, region);
+    PD_ASSERT(pool >= 0);
+    pd_unit_state st = pd_ledger_state_of(l, pool, unit);
+    pd_owner owner = pd_ledger_owner_of(l, pool, unit);
+    uint64_t held_for = 0;
+    if (st == PD_UNIT_QUARANTINE && owner == room) return;
+    if (st == PD_UNIT_REQ && oracle_room_of(s->oracle, side, owner, &held_for) && held_for == room)
+        return;
+    bool cached = st == PD_UNIT_CACHE_EVICTABLE || st == PD_UNIT_CACHE_PROTECTED;
+    if (cached && side == SIDE_P && region == PD_LB_KV) return;
+    const char *region_name[] = {"KV page", "Mamba slot", "metadata row"};
+    char holder[96];
+    if (st == PD_UNIT_REQ)
+        snprintf(holder, sizeof(holder), "held by the request of room %llu",
+                 (unsigned long long)held_for);
+    else if (st == PD_UNIT_QUARANTINE)
+        snprintf(holder, sizeof(holder), "quarantined for room %llu", (unsigned long long)owner);
+    else snprintf(holder, sizeof(holder), "%s", cached ? "in the prefix cache" : "free");
+    violation(s, "[X1] a write of room %llu touched %s %s %u, which is %s",
+              (unsigned long long)room, side_name(side), region_name[region], unit, holder);
+}
+
 static int jitter_delay(sim *s) {
     return s->cfg.exec_jitter ? (int)pd_rng_below(&s->jitter, s->cfg.exec_jitter + 1) : 0;
 }
@@ -366,6 +410,7 @@ static pd_err world_build(sim *s, char *msg, size_t cap) {
     if (err) return pd_errorf(msg, cap, err, "transport: bad configuration");
     s->oracle = oracle_create(c->requests_max, on_oracle_violation, on_oracle_drained, s);
     if (!s->oracle) return pd_errorf(msg, cap, PD_ERR_NOMEM, "oracle: out of memory");
+    pd_loopback_set_touch_observer(s->lb, on_touch, s);
     if (c->tiny) {
         pd_model_config mc;
         if ((err = pd_model_config_preset(&mc, "tiny", msg, cap))) return err;
