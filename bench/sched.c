@@ -83,8 +83,9 @@ typedef struct counter {
     uint64_t ended;
 } counter;
 
-static void c_token(void *self, const char *rid, uint64_t room, int32_t t, float lp, uint32_t i) {
-    (void)self, (void)rid, (void)room, (void)t, (void)lp, (void)i;
+static void c_token(void *self, uint64_t tag, const char *rid, uint64_t room, int32_t t, float lp,
+                    uint32_t i) {
+    (void)self, (void)tag, (void)rid, (void)room, (void)t, (void)lp, (void)i;
 }
 static void c_term(void *self, const pd_terminal_event *ev) {
     (void)ev;

@@ -71,6 +71,8 @@ typedef struct pd_request_spec {
     uint32_t n_stop_tokens;        /* <= PD_STOP_TOKENS_MAX */
     bool ignore_eos;
     const char *peer;              /* decode: the prefill node's bootstrap address */
+    /* The caller's own handle for the request: every sink event echoes it. */
+    uint64_t tag;
 } pd_request_spec;
 
 typedef enum pd_terminal_kind {
@@ -91,6 +93,7 @@ const char *pd_terminal_kind_name(pd_terminal_kind k);
 const char *pd_finish_reason_name(pd_finish_reason f);
 
 typedef struct pd_terminal_event {
+    uint64_t tag; /* the request's pd_request_spec.tag */
     const char *rid;
     uint64_t room;
     pd_terminal_kind kind;
@@ -102,9 +105,12 @@ typedef struct pd_terminal_event {
     uint32_t cached_tokens;
 } pd_terminal_event;
 
+/* Every event names its request by the tag the caller gave at submit
+ * (pd_request_spec.tag), so a caller finds its own record without knowing the
+ * engine's ids; rid and room come along for logs and checks. */
 typedef struct pd_sink_vtable {
     /* A generated token (decode node). index 0 is the first output token. */
-    void (*token)(void *self, const char *rid, uint64_t room, int32_t token,
+    void (*token)(void *self, uint64_t tag, const char *rid, uint64_t room, int32_t token,
                   float logprob, uint32_t index);
     /* The request's one terminal event on this node. */
     void (*terminal)(void *self, const pd_terminal_event *ev);
@@ -188,9 +194,10 @@ const pd_engine_config *pd_engine_config_of(const pd_engine *e);
 void pd_engine_report(pd_engine *e, pd_report_format fmt, pd_strbuf *out);
 
 /* The engine's id of a live request (the ledger owner and pd_batch_item.req),
- * or 0 if the rid is not live. A request is live until its terminal event is
- * out; then its rid is free for a new request, even while its record still
- * drains its room. */
+ * or 0 if the rid is not live: for inspecting the ledger and matching executor
+ * items; a sink finds its request by tag. The id is opaque. A request is live
+ * until its terminal event is out; then its rid is free for a new request,
+ * even while its record still drains its room. */
 uint64_t pd_engine_request_id(const pd_engine *e, const char *rid);
 
 /* What the engine does on a request's behalf, reported as it happens, so an
@@ -223,6 +230,8 @@ const char *pd_action_name(pd_action a);
 typedef struct pd_action_event {
     pd_action action;
     uint64_t req;             /* the engine's id of the record (pd_engine_request_id) */
+    /* The record's index, < requests_max: the engine reuses records, never ids. */
+    uint32_t record;
     const char *rid;
     uint64_t room;
     pd_terminal_kind kind;    /* TERMINAL_REASON, TERMINAL: the reason */

@@ -47,7 +47,7 @@ void decode_emit_token(pd_engine *e, req *r, int32_t token, float logprob) {
     r->last_token = token;
     r->out_len++;
     eng_act(e, r, PD_ACT_TOKEN, false, r->out_len);
-    e->sink.vt->token(e->sink.self, r->rid, r->room, token, logprob, r->out_len - 1);
+    e->sink.vt->token(e->sink.self, r->tag, r->rid, r->room, token, logprob, r->out_len - 1);
     pd_finish_reason why;
     if (finished(e, r, &why)) eng_retire(e, r, PD_TERM_FINISHED, why, 200, "");
 }

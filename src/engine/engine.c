@@ -87,8 +87,14 @@ const char *pd_action_name(pd_action a) {
 }
 
 void eng_act_report(pd_engine *e, const req *r, pd_action a, bool final, uint32_t n) {
-    pd_action_event ev = {.action = a, .req = r->owner, .rid = r->rid, .room = r->room,
-                          .kind = r->term, .final = final, .n = n};
+    pd_action_event ev = {.action = a,
+                          .req = r->owner,
+                          .record = eng_idx(e, r),
+                          .rid = r->rid,
+                          .room = r->room,
+                          .kind = r->term,
+                          .final = final,
+                          .n = n};
     e->obs(e->obs_ctx, &ev);
 }
 
@@ -327,9 +333,16 @@ void eng_emit_terminal(pd_engine *e, req *r) {
     else if (r->term == PD_TERM_ABORTED) e->ctr.aborted++;
     else e->ctr.failed++;
     pd_terminal_event ev = {
-        .rid = r->rid, .room = r->room, .kind = r->term, .finish = r->finish,
-        .status_code = r->status, .message = r->msg, .prompt_tokens = r->prompt_len,
-        .completion_tokens = r->out_len, .cached_tokens = r->cached_tokens,
+        .tag = r->tag,
+        .rid = r->rid,
+        .room = r->room,
+        .kind = r->term,
+        .finish = r->finish,
+        .status_code = r->status,
+        .message = r->msg,
+        .prompt_tokens = r->prompt_len,
+        .completion_tokens = r->out_len,
+        .cached_tokens = r->cached_tokens,
     };
     eng_act(e, r, PD_ACT_TERMINAL, false, 0);
     e->sink.vt->terminal(e->sink.self, &ev);
@@ -935,6 +948,7 @@ static pd_err submit(pd_engine *e, const pd_request_spec *s, uint64_t now_us, pd
     }
     memcpy(r->rid, s->rid, strlen(s->rid) + 1); /* spec_check: shorter than PD_RID_MAX */
     r->room = s->room;
+    r->tag = s->tag;
     memcpy(prompt, s->prompt, (size_t)s->prompt_len * sizeof(int32_t));
     r->prompt = prompt;
     r->prompt_len = s->prompt_len;

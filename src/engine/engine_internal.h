@@ -40,6 +40,7 @@ typedef struct req {
     pd_link qlink;  /* in its queue, or (not live) in the free records */
 
     char rid[PD_RID_MAX];
+    uint64_t tag; /* the caller's (pd_request_spec.tag), in every sink event */
     uint64_t room;
     int32_t *prompt;
     uint32_t prompt_len;

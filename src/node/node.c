@@ -65,7 +65,12 @@ struct pd_node {
     uint32_t meta_rows;
     pd_net *net;                     /* --transfer-backend ucx */
     uint32_t requests_max;
-    call **calls;                    /* by engine record index */
+    /* Submitted calls by slot; a call's slot is its tag in the engine
+     * (pd_request_spec.tag) until its terminal event. At most requests_max
+     * are awaiting one: each holds a live engine record. */
+    call **calls;
+    uint32_t *free_slots; /* a stack of the slots without a call */
+    uint32_t n_free_slots;
 
     pthread_t sched;
     bool sched_running;
@@ -162,22 +167,33 @@ void call_unref(call *c) {
     free(c);
 }
 
-static call *call_of(pd_node *n, const char *rid) {
-    uint64_t id = pd_engine_request_id(n->eng, rid);
-    uint64_t lo = id & 0xFFFFFFFFull;
-    if (lo == 0 || lo > n->requests_max) return NULL;
-    call *c = n->calls[lo - 1];
-    return (c && strcmp(c->rid, rid) == 0) ? c : NULL;
+/* The call a sink event is about: the engine echoes the slot the node gave
+ * as the request's tag, for requests it accepted and has not ended. */
+static call *call_of(pd_node *n, uint64_t tag, const char *rid) {
+    PD_ASSERTF(tag < n->requests_max && n->calls[tag],
+               "sink event for %s with tag %llu, which names no submitted call", rid,
+               (unsigned long long)tag);
+    call *c = n->calls[tag];
+    PD_ASSERTF(strcmp(c->rid, rid) == 0, "sink event for %s reached the call of %s", rid, c->rid);
+    return c;
+}
+
+static uint32_t slot_take(pd_node *n) {
+    return n->n_free_slots > 0 ? n->free_slots[--n->n_free_slots] : PD_NONE;
+}
+
+static void slot_give(pd_node *n, uint32_t slot) {
+    PD_ASSERT(slot < n->requests_max && !n->calls[slot] && n->n_free_slots < n->requests_max);
+    n->free_slots[n->n_free_slots++] = slot;
 }
 
 /* ---- the sink (scheduler thread) -------------------------------------------------- */
 
-static void sink_token(void *self, const char *rid, uint64_t room, int32_t token, float logprob,
-                       uint32_t index) {
+static void sink_token(void *self, uint64_t tag, const char *rid, uint64_t room, int32_t token,
+                       float logprob, uint32_t index) {
     (void)room;
     pd_node *n = self;
-    call *c = call_of(n, rid);
-    if (!c) return;
+    call *c = call_of(n, tag, rid);
     uint64_t now = node_now_us();
     pthread_mutex_lock(&c->mu);
     if (index == c->n_tokens && c->n_tokens < c->spec.max_new_tokens) {
@@ -198,10 +214,7 @@ static void sink_token(void *self, const char *rid, uint64_t room, int32_t token
 
 static void sink_terminal(void *self, const pd_terminal_event *ev) {
     pd_node *n = self;
-    uint64_t id = pd_engine_request_id(n->eng, ev->rid);
-    uint64_t lo = id & 0xFFFFFFFFull;
-    call *c = call_of(n, ev->rid);
-    if (!c) return;
+    call *c = call_of(n, ev->tag, ev->rid);
     uint64_t now = node_now_us();
     pthread_mutex_lock(&c->mu);
     c->done = true;
@@ -214,7 +227,8 @@ static void sink_terminal(void *self, const pd_terminal_event *ev) {
     hist_add(&n->e2e, (double)(now - c->t_submit_us) / 1e6);
     pthread_cond_broadcast(&c->cv);
     pthread_mutex_unlock(&c->mu);
-    n->calls[lo - 1] = NULL;
+    n->calls[ev->tag] = NULL;
+    slot_give(n, (uint32_t)ev->tag);
     call_unref(c); /* the scheduler's reference */
 }
 
@@ -294,11 +308,18 @@ static void run_command(pd_node *n, cmd *q) {
         c->t_submit_us = node_now_us();
         pd_reject why;
         memset(&why, 0, sizeof(why));
-        pd_err err = pd_engine_submit(n->eng, &c->spec, node_now_us(), &why);
+        /* No free slot means requests_max calls await their end, each with a
+         * live engine record: the engine refuses this one (429) for want of
+         * a record, and the tag is never echoed. */
+        uint32_t slot = slot_take(n);
+        pd_request_spec spec = c->spec;
+        spec.tag = slot;
+        pd_err err = pd_engine_submit(n->eng, &spec, node_now_us(), &why);
         if (err == PD_OK) {
-            uint64_t lo = pd_engine_request_id(n->eng, c->rid) & 0xFFFFFFFFull;
-            PD_ASSERT(lo >= 1 && lo <= n->requests_max && !n->calls[lo - 1]);
-            n->calls[lo - 1] = c; /* the command's reference becomes the scheduler's */
+            PD_ASSERT(slot != PD_NONE && !n->calls[slot]);
+            n->calls[slot] = c; /* the command's reference becomes the scheduler's */
+        } else if (slot != PD_NONE) {
+            slot_give(n, slot);
         }
         pthread_mutex_lock(&c->mu);
         c->submitted = true;
@@ -678,17 +699,20 @@ static void engine_config_from(const pd_node_config *c, const pd_model_shape *sh
     ec->transfer_timeout_us = c->transfer_timeout_ms * 1000;
 }
 
-/* Everything the node sizes at start-up: the meta rows, the calls by engine
- * record index, the command ring and (strict mode) the report buffer. */
+/* Everything the node sizes at start-up: the meta rows, the calls by slot
+ * (every slot free), the command ring and (strict mode) the report buffer. */
 static pd_err alloc_tables(pd_node *n, const pd_engine_config *ec, char *msg, size_t cap) {
     n->meta_rows = ec->meta_rows;
     n->meta = calloc(ec->meta_rows, sizeof(pd_meta_row));
     n->requests_max = ec->requests_max;
     n->calls = calloc(ec->requests_max, sizeof(call *));
+    n->free_slots = calloc(ec->requests_max, sizeof(uint32_t));
     n->cmds = calloc(CMDS_MAX, sizeof(cmd));
     if (n->cfg.strict) n->strict_report = calloc(1, STRICT_REPORT_BYTES);
-    if (!n->meta || !n->calls || !n->cmds || (n->cfg.strict && !n->strict_report))
+    if (!n->meta || !n->calls || !n->free_slots || !n->cmds || (n->cfg.strict && !n->strict_report))
         return pd_errorf(msg, cap, PD_ERR_NOMEM, "out of memory");
+    /* Slot 0 on top: the first call gets tag 0. */
+    for (uint32_t i = 0; i < ec->requests_max; i++) slot_give(n, ec->requests_max - 1 - i);
     return PD_OK;
 }
 
@@ -853,6 +877,7 @@ void pd_node_destroy(pd_node *n) {
     if (n->model_ex.vt) pd_model_executor_destroy(&n->model_ex);
     pd_model_destroy(n->model);
     free(n->calls);
+    free(n->free_slots);
     free(n->meta);
     free(n->cmds);
     free(n->strict_report);

@@ -112,17 +112,17 @@ void oracle_node_lost(sim_oracle *o, int side) {
 
 /* The record an action is about: same slot, same owner (generation). */
 static orec *record_of(sim_oracle *o, int side, const pd_action_event *ev) {
-    uint64_t lo = ev->req & 0xFFFFFFFFull;
-    if (lo == 0 || lo > o->records_max) {
-        fail(o, "oracle: %s reported %s for %s with an invalid request id %llu", side_word(side),
-             pd_action_name(ev->action), ev->rid, (unsigned long long)ev->req);
+    if (ev->record >= o->records_max || ev->req == 0) {
+        fail(o, "oracle: %s reported %s for %s with an invalid record %u (id %llu)",
+             side_word(side), pd_action_name(ev->action), ev->rid, ev->record,
+             (unsigned long long)ev->req);
         return NULL;
     }
-    orec *r = &o->recs[side][lo - 1];
+    orec *r = &o->recs[side][ev->record];
     if (ev->action == PD_ACT_ACCEPT) {
         if (r->owner && !r->emitted)
-            fail(o, "%s: %s reused record #%llu while its request had no terminal event",
-                 ev->rid, side_word(side), (unsigned long long)(lo - 1));
+            fail(o, "%s: %s reused record #%u while its request had no terminal event", ev->rid,
+                 side_word(side), ev->record);
         uint32_t client = o->next_client;
         memset(r, 0, sizeof(*r));
         r->owner = ev->req;
@@ -130,7 +130,7 @@ static orec *record_of(sim_oracle *o, int side, const pd_action_event *ev) {
         r->client = client;
         if (client != NO_CLIENT) {
             oclient *c = client_at(o, client);
-            c->slot[side] = (uint32_t)(lo - 1);
+            c->slot[side] = ev->record;
             c->owner[side] = ev->req;
         }
         return r;

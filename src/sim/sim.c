@@ -192,17 +192,23 @@ static bool live_on(const sreq *r, int side) {
 
 /* ---- callbacks --------------------------------------------------------------- */
 
-static void on_token(void *self, const char *rid, uint64_t room, int32_t token, float lp,
-                     uint32_t index) {
+/* The request a sink event names: its tag is the request's index in s->reqs
+ * (submit_to_nodes), and that request has the event's rid. */
+static sreq *req_of_event(sim *s, int side, uint64_t tag, const char *rid, const char *what) {
+    if (tag < s->n_reqs && strcmp(s->reqs[tag].rid, rid) == 0) return &s->reqs[tag];
+    violation(s, "%s emitted %s for rid %s with tag %llu, which names %s", side_name(side), what,
+              rid, (unsigned long long)tag, tag < s->n_reqs ? s->reqs[tag].rid : "no request");
+    return NULL;
+}
+
+static void on_token(void *self, uint64_t tag, const char *rid, uint64_t room, int32_t token,
+                     float lp, uint32_t index) {
     (void)room;
     (void)lp;
     node *n = self;
     sim *s = n->sim;
-    sreq *r = find_req(s, rid);
-    if (!r) {
-        violation(s, "%s emitted a token for unknown rid %s", side_name(n->side), rid);
-        return;
-    }
+    sreq *r = req_of_event(s, n->side, tag, rid, "a token");
+    if (!r) return;
     if (n->side != SIDE_D) {
         violation(s, "prefill emitted a token for %s", rid);
         return;
@@ -220,11 +226,8 @@ static void on_token(void *self, const char *rid, uint64_t room, int32_t token, 
 static void on_terminal(void *self, const pd_terminal_event *ev) {
     node *n = self;
     sim *s = n->sim;
-    sreq *r = find_req(s, ev->rid);
-    if (!r) {
-        violation(s, "%s: terminal event for unknown rid %s", side_name(n->side), ev->rid);
-        return;
-    }
+    sreq *r = req_of_event(s, n->side, ev->tag, ev->rid, "a terminal event");
+    if (!r) return;
     int side = n->side;
     r->terms[side]++;
     if (r->terms[side] > 1)
@@ -690,9 +693,15 @@ static pd_err sreq_make(sim *s, const line_args *a, uint32_t len, uint32_t max_n
  * there with 409. True if a node accepted it. */
 static bool submit_to_nodes(sim *s, sreq *r, int at, const sreq *dup) {
     pd_request_spec spec = {
-        .rid = r->rid, .room = r->room, .prompt = r->prompt, .prompt_len = r->len,
-        .max_new_tokens = r->max_new, .sampling = r->sampling, .ignore_eos = r->ignore_eos,
+        .rid = r->rid,
+        .room = r->room,
+        .prompt = r->prompt,
+        .prompt_len = r->len,
+        .max_new_tokens = r->max_new,
+        .sampling = r->sampling,
+        .ignore_eos = r->ignore_eos,
         .peer = "loopback",
+        .tag = s->n_reqs, /* r's index once cmd_submit appends it (a refused one's is unused) */
     };
     bool accepted_any = false;
     for (int side = 0; side < 2; side++) {

@@ -27,9 +27,17 @@ static out *find(const char *rid) {
     return NULL;
 }
 
-static void on_token(void *self, const char *rid, uint64_t room, int32_t t, float lp, uint32_t i) {
+/* Every sink event names its request by the tag it was submitted with. */
+static out *by_tag(uint64_t tag, const char *rid) {
+    assert_true(tag < REQS);
+    assert_string_equal(outs[tag].rid, rid);
+    return &outs[tag];
+}
+
+static void on_token(void *self, uint64_t tag, const char *rid, uint64_t room, int32_t t, float lp,
+                     uint32_t i) {
     (void)self, (void)room, (void)lp;
-    out *o = find(rid);
+    out *o = by_tag(tag, rid);
     assert_int_equal(i, o->n);
     assert_int_equal(o->terminals, 0);
     o->tokens[o->n++] = t;
@@ -37,7 +45,7 @@ static void on_token(void *self, const char *rid, uint64_t room, int32_t t, floa
 
 static void on_term(void *self, const pd_terminal_event *ev) {
     (void)self;
-    out *o = find(ev->rid);
+    out *o = by_tag(ev->tag, ev->rid);
     o->terminals++;
     o->kind = ev->kind;
 }
@@ -91,8 +99,12 @@ static void run_colocated(bool mamba, bool overlap, uint32_t page_size, uint32_t
             prompts[i][k] = (i > 0 && k < lens[i] / 2) ? prompts[0][k % lens[0]]
                                                        : (int32_t)pd_rng_below(&rng, 60);
         snprintf(outs[i].rid, sizeof(outs[i].rid), "c%d", i);
-        pd_request_spec s = {.rid = outs[i].rid, .prompt = prompts[i], .prompt_len = lens[i],
-                             .max_new_tokens = 1 + (uint32_t)(i % 6), .sampling = {.top_p = 1.0f}};
+        pd_request_spec s = {.rid = outs[i].rid,
+                             .prompt = prompts[i],
+                             .prompt_len = lens[i],
+                             .max_new_tokens = 1 + (uint32_t)(i % 6),
+                             .sampling = {.top_p = 1.0f},
+                             .tag = (uint64_t)i};
         assert_ok(pd_engine_submit(e, &s, 0, NULL));
     }
     for (uint64_t t = 1; t < 2000 && !pd_engine_idle(e); t++) {

@@ -19,8 +19,9 @@ typedef struct world {
     uint32_t terminals;
 } world;
 
-static void on_token(void *self, const char *rid, uint64_t room, int32_t t, float lp, uint32_t i) {
-    (void)self, (void)rid, (void)room, (void)t, (void)lp, (void)i;
+static void on_token(void *self, uint64_t tag, const char *rid, uint64_t room, int32_t t, float lp,
+                     uint32_t i) {
+    (void)self, (void)tag, (void)rid, (void)room, (void)t, (void)lp, (void)i;
 }
 static void on_term(void *self, const pd_terminal_event *ev) {
     (void)ev;

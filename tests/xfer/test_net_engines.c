@@ -34,8 +34,9 @@ typedef struct side {
 
 static int rid_index(const char *rid) { return atoi(rid + 1); }
 
-static void on_token(void *self, const char *rid, uint64_t room, int32_t t, float lp, uint32_t i) {
-    (void)room, (void)lp;
+static void on_token(void *self, uint64_t tag, const char *rid, uint64_t room, int32_t t, float lp,
+                     uint32_t i) {
+    (void)tag, (void)room, (void)lp;
     side *s = self;
     out *o = &s->outs[rid_index(rid)];
     assert_int_equal(i, o->n_tokens);
