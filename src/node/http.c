@@ -191,6 +191,7 @@ static int parse_prompt_text(pd_node *n, const prompt_field *f, parsed *p, char 
         return refuse(err, cap, 413, "the prompt is %zu tokens, the limit is %u", need,
                       cfg->max_prompt_tokens);
     p->prompt = malloc(need * sizeof(int32_t));
+    if (!p->prompt) return refuse(err, cap, 503, "out of memory for a %zu-token prompt", need);
     p->prompt_len = (uint32_t)pd_tokenizer_encode(t, len, node_bos(n) >= 0, p->prompt, need);
     return 0;
 }
@@ -203,6 +204,7 @@ static int parse_prompt_ids(pd_node *n, const prompt_field *f, parsed *p, char *
         return refuse(err, cap, 413, "the prompt is %zu tokens, the limit is %u", k,
                       cfg->max_prompt_tokens);
     p->prompt = malloc(k * sizeof(int32_t));
+    if (!p->prompt) return refuse(err, cap, 503, "out of memory for a %zu-token prompt", k);
     for (size_t i = 0; i < k; i++) {
         json_t *v = json_array_get(f->v, i);
         if (!json_is_integer(v))
@@ -358,11 +360,13 @@ static const char *finish_name(const call *c) {
 }
 
 /* Bytes of tokens [from, to), sanitised; an incomplete trailing UTF-8
- * character is kept in st->carry for the next piece unless final. */
+ * character is kept in st->carry for the next piece unless final. NULL when
+ * out of memory. */
 static char *decode_text(conn_state *st, const int32_t *tokens, uint32_t from, uint32_t to,
                          bool final) {
     size_t raw_len = pd_tokenizer_decode(tokens + from, to - from, NULL, 0);
     char *raw = malloc(st->carry_len + raw_len + 1);
+    if (!raw) return NULL;
     memcpy(raw, st->carry, st->carry_len);
     pd_tokenizer_decode(tokens + from, to - from, raw + st->carry_len, raw_len + 1);
     size_t len = st->carry_len + raw_len;
@@ -386,7 +390,7 @@ static char *decode_text(conn_state *st, const int32_t *tokens, uint32_t from, u
     }
     size_t need = pd_utf8_sanitize(raw, len, NULL, 0);
     char *out = malloc(need + 1);
-    pd_utf8_sanitize(raw, len, out, need + 1);
+    if (out) pd_utf8_sanitize(raw, len, out, need + 1);
     free(raw);
     return out;
 }
@@ -440,15 +444,21 @@ static json_t *openai_body(conn_state *st, const call *c, const char *text, bool
 
 /* ---- streaming ------------------------------------------------------------------------- */
 
-static void set_event(conn_state *st, json_t *obj) {
+/* The next SSE event (NULL: the closing [DONE]); false when out of memory,
+ * and the stream ends there. */
+static bool set_event(conn_state *st, json_t *obj) {
     char *text = obj ? json_dumps(obj, JSON_COMPACT) : NULL;
     if (obj) json_decref(obj);
     free(st->ev);
+    st->ev = NULL;
+    st->ev_len = st->ev_off = 0;
+    if (obj && !text) return false;
     size_t len = text ? strlen(text) : 6;
     st->ev = malloc(len + 9);
-    st->ev_len = (size_t)snprintf(st->ev, len + 9, "data: %s\n\n", text ? text : "[DONE]");
-    st->ev_off = 0;
+    if (st->ev)
+        st->ev_len = (size_t)snprintf(st->ev, len + 9, "data: %s\n\n", text ? text : "[DONE]");
     free(text);
+    return st->ev != NULL;
 }
 
 static ssize_t sse_reader(void *cls, uint64_t pos, char *buf, size_t max) {
@@ -464,8 +474,8 @@ static ssize_t sse_reader(void *cls, uint64_t pos, char *buf, size_t max) {
         }
         if (st->sent_done) return MHD_CONTENT_READER_END_OF_STREAM;
         if (st->sent_final) {
-            set_event(st, NULL); /* data: [DONE] */
             st->sent_done = true;
+            if (!set_event(st, NULL)) return MHD_CONTENT_READER_END_WITH_ERROR; /* [DONE] */
             continue;
         }
         if (!wait_outputs(st, st->sent_tokens, 200)) return MHD_CONTENT_READER_END_WITH_ERROR;
@@ -476,6 +486,7 @@ static ssize_t sse_reader(void *cls, uint64_t pos, char *buf, size_t max) {
         if (have > st->sent_tokens) {
             /* Tokens are only appended, and the ones below `have` are final. */
             char *text = decode_text(st, c->tokens, st->sent_tokens, have, false);
+            if (!text) return MHD_CONTENT_READER_END_WITH_ERROR;
             json_t *ev;
             if (c->openai) {
                 ev = openai_body(st, c, text, false, false);
@@ -489,9 +500,10 @@ static ssize_t sse_reader(void *cls, uint64_t pos, char *buf, size_t max) {
             }
             free(text);
             st->sent_tokens = have;
-            set_event(st, ev);
+            if (!set_event(st, ev)) return MHD_CONTENT_READER_END_WITH_ERROR;
         } else if (done) {
             char *text = decode_text(st, c->tokens, have, have, true);
+            if (!text) return MHD_CONTENT_READER_END_WITH_ERROR;
             json_t *ev;
             if (c->openai) {
                 ev = openai_body(st, c, text, true, true);
@@ -503,7 +515,7 @@ static ssize_t sse_reader(void *cls, uint64_t pos, char *buf, size_t max) {
             }
             free(text);
             st->sent_final = true;
-            set_event(st, ev);
+            if (!set_event(st, ev)) return MHD_CONTENT_READER_END_WITH_ERROR;
         }
     }
 }
@@ -600,6 +612,7 @@ static bool wait_done(conn_state *st) {
 static enum MHD_Result answer_done(conn_state *st, struct MHD_Connection *conn, bool openai) {
     call *c = st->c;
     char *text = decode_text(st, c->tokens, 0, c->n_tokens, true);
+    if (!text) return send_error(conn, 503, "out of memory for the answer");
     int http = (c->kind == PD_TERM_FAILED && c->status >= 400) ? c->status : 200;
     json_t *body;
     if (openai) {
@@ -644,7 +657,8 @@ static enum MHD_Result handle_generate(conn_state *st, struct MHD_Connection *co
     }
     call_fill(n, c, &p, openai);
     /* p.stop lives on this stack frame until the submit is answered. */
-    st->c = c;
+    st->c = c; /* released with the connection, whatever happens next */
+    if (!c->tokens || !c->logprobs) return send_error(conn, 503, "out of memory for the answer");
     st->created = (uint64_t)time(NULL);
     if ((status = submit_call(n, c, err, sizeof(err)))) return send_error(conn, status, "%s", err);
     const union MHD_ConnectionInfo *ci =
