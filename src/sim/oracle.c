@@ -12,7 +12,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define NO_CLIENT UINT32_MAX
 
 typedef struct orec {
     uint64_t owner;          /* 0: slot never used on this incarnation of the node */
@@ -28,7 +27,7 @@ typedef struct oclient {
     bool final_sent;         /* O2: the prefill half posted its final send */
     bool committed;          /* decode took the data */
     bool cached_after_term;
-    uint32_t slot[ORACLE_SIDES]; /* the client's record on each side, or UINT32_MAX */
+    uint32_t slot[ORACLE_SIDES]; /* the client's record on each side, or PD_NONE */
     uint64_t owner[ORACLE_SIDES];
 } oclient;
 
@@ -64,7 +63,7 @@ sim_oracle *oracle_create(uint32_t records_max, oracle_report_fn report, oracle_
     o->report = report;
     o->drained = drained;
     o->ctx = ctx;
-    o->next_client = NO_CLIENT;
+    o->next_client = PD_NONE;
     for (int s = 0; s < ORACLE_SIDES; s++) {
         o->recs[s] = calloc(records_max, sizeof(orec));
         if (!o->recs[s]) {
@@ -94,7 +93,7 @@ static oclient *client_at(sim_oracle *o, uint32_t client) {
     while (o->n_clients <= client) {
         oclient *c = &o->clients[o->n_clients++];
         memset(c, 0, sizeof(*c));
-        c->slot[0] = c->slot[1] = UINT32_MAX;
+        c->slot[0] = c->slot[1] = PD_NONE;
     }
     return &o->clients[client];
 }
@@ -107,7 +106,7 @@ void oracle_expect_client(sim_oracle *o, uint32_t client) {
 void oracle_node_lost(sim_oracle *o, int side) {
     PD_ASSERT(side >= 0 && side < ORACLE_SIDES);
     memset(o->recs[side], 0, o->records_max * sizeof(orec));
-    for (uint32_t i = 0; i < o->n_clients; i++) o->clients[i].slot[side] = UINT32_MAX;
+    for (uint32_t i = 0; i < o->n_clients; i++) o->clients[i].slot[side] = PD_NONE;
 }
 
 /* The record an action is about: same slot, same owner (generation). */
@@ -128,7 +127,7 @@ static orec *record_of(sim_oracle *o, int side, const pd_action_event *ev) {
         r->owner = ev->req;
         r->room = ev->room;
         r->client = client;
-        if (client != NO_CLIENT) {
+        if (client != PD_NONE) {
             oclient *c = client_at(o, client);
             c->slot[side] = ev->record;
             c->owner[side] = ev->req;
@@ -146,7 +145,7 @@ static orec *record_of(sim_oracle *o, int side, const pd_action_event *ev) {
 static const orec *client_rec(const sim_oracle *o, int side, uint32_t client) {
     if (client >= o->n_clients) return NULL;
     const oclient *c = &o->clients[client];
-    if (c->slot[side] == UINT32_MAX) return NULL;
+    if (c->slot[side] == PD_NONE) return NULL;
     const orec *r = &o->recs[side][c->slot[side]];
     return r->owner == c->owner[side] ? r : NULL;
 }
@@ -168,7 +167,7 @@ static void judge_insert(sim_oracle *o, int side, orec *r, const pd_action_event
     if (r->reason == PD_TERM_FINISHED && r->released && r->release_insert) return;
     fail(o, "%s: [A1] inserted into the %s prefix cache after its terminal reason (%s)", ev->rid,
          side_word(side), pd_terminal_kind_name(r->reason));
-    if (r->client != NO_CLIENT) client_at(o, r->client)->cached_after_term = true;
+    if (r->client != PD_NONE) client_at(o, r->client)->cached_after_term = true;
 }
 
 /* A3: the retire path's steps 3 to 5, in order. */
@@ -211,7 +210,7 @@ static void judge_retire(sim_oracle *o, int side, orec *r, const pd_action_event
 }
 
 static void judge_flow(sim_oracle *o, int side, orec *r, const pd_action_event *ev) {
-    oclient *c = r->client != NO_CLIENT ? client_at(o, r->client) : NULL;
+    oclient *c = r->client != PD_NONE ? client_at(o, r->client) : NULL;
     switch (ev->action) {
     case PD_ACT_ROOM_OPEN:
         r->opened = true;

@@ -22,7 +22,6 @@
  */
 #include "cache_fixture.h"
 
-#define NONE UINT32_MAX
 #define PENDING (UINT32_MAX - 1) /* host page chosen by the cache, not yet seen */
 #define MAXP 48                  /* pages per query */
 #define REF_CAP 8192
@@ -106,8 +105,8 @@ static rec *ref_add(model *m, const int32_t *t, uint32_t len) {
     r->hash = h;
     r->tokens = malloc((size_t)len * m->ps * sizeof(int32_t));
     memcpy(r->tokens, t, (size_t)len * m->ps * sizeof(int32_t));
-    r->dev = r->host = r->snap = NONE;
-    r->load_dev = NONE;
+    r->dev = r->host = r->snap = PD_NONE;
+    r->load_dev = PD_NONE;
     m->n_recs++;
     return r;
 }
@@ -146,7 +145,7 @@ static void ref_scan_children(model *m) {
         rec *p = ref_find(m, r->tokens, r->len - 1);
         assert_non_null(p);
         p->has_child = true;
-        if (r->dev != NONE) p->has_dev_child = true;
+        if (r->dev != PD_NONE) p->has_dev_child = true;
     }
 }
 
@@ -169,25 +168,25 @@ static void judge_device_eviction(model *m, const pd_evict_event *ev, const vict
     uint32_t first = v->first, end = v->end, end_tok = v->end_tok;
     uint64_t clock = v->clock;
     m->cascade_len = 0;
-    assert_true(last->dev != NONE && last->lock == 0 && !last->loading);
+    assert_true(last->dev != PD_NONE && last->lock == 0 && !last->loading);
     assert_false(last->has_dev_child);
     assert_true(ev->stamp == last->st_dev);
     for (uint32_t i = 0; i < REF_CAP; i++) {
         rec *r = &m->recs[i];
-        if (r->used == 1 && r->dev != NONE && r->lock == 0 && !r->has_dev_child)
+        if (r->used == 1 && r->dev != PD_NONE && r->lock == 0 && !r->has_dev_child)
             assert_true(last->st_dev <= r->st_dev); /* nothing older was eligible */
     }
     for (uint32_t p = first; p <= end; p++) {
         rec *r = ref_find(m, m->victim, p);
         assert_non_null(r);
-        assert_true(r->dev != NONE && r->lock == 0);
-        if (r->snap != NONE) {
+        assert_true(r->dev != PD_NONE && r->lock == 0);
+        if (r->snap != PD_NONE) {
             assert_int_equal(r->mlock, 0);
-            r->snap = NONE;
+            r->snap = PD_NONE;
         }
-        r->dev = NONE;
+        r->dev = PD_NONE;
         if (ev->written_back) {
-            assert_true(r->host == NONE);
+            assert_true(r->host == PD_NONE);
             r->host = PENDING;
             r->st_host = clock;
         }
@@ -196,7 +195,7 @@ static void judge_device_eviction(model *m, const pd_evict_event *ev, const vict
         assert_false(ev->written_back);
         for (uint32_t p = first; p <= end; p++) {
             rec *r = ref_find(m, m->victim, p);
-            assert_true(r->host == NONE);
+            assert_true(r->host == PD_NONE);
         }
         /* Its host-only subtree goes next, as cascade HOST events. */
         memcpy(m->cascade_root, m->victim, end_tok * sizeof(int32_t));
@@ -213,12 +212,12 @@ static void judge_device_eviction(model *m, const pd_evict_event *ev, const vict
 static void drop_emptied_cascade_root(model *m) {
     uint32_t root_pages = m->cascade_len / m->ps;
     rec *root = ref_find(m, m->cascade_root, root_pages);
-    if (!root || root->dev != NONE || root->host != NONE) return;
+    if (!root || root->dev != PD_NONE || root->host != PD_NONE) return;
     ref_scan_children(m);
     if (root->has_child) return;
     for (uint32_t p = root_pages; p >= 1; p--) {
         rec *r = ref_find(m, m->cascade_root, p);
-        if (!r || r->dev != NONE || r->host != NONE || r->has_child) break;
+        if (!r || r->dev != PD_NONE || r->host != PD_NONE || r->has_child) break;
         ref_del(m, r);
         ref_scan_children(m);
     }
@@ -229,15 +228,15 @@ static void judge_host_eviction(model *m, const pd_evict_event *ev, const victim
     uint32_t first = v->first, end = v->end, end_tok = v->end_tok;
     bool cascade = m->cascade_len > 0 && end_tok > m->cascade_len &&
                    is_prefix_of(m->cascade_root, m->cascade_len, m->victim, end_tok);
-    assert_true(last->host != NONE && last->lock == 0 && !last->loading);
-    assert_true(ev->node_deleted == (last->dev == NONE));
-    if (last->dev == NONE) assert_false(last->has_child);
+    assert_true(last->host != PD_NONE && last->lock == 0 && !last->loading);
+    assert_true(ev->node_deleted == (last->dev == PD_NONE));
+    if (last->dev == PD_NONE) assert_false(last->has_child);
     if (!cascade) {
         assert_true(ev->stamp == last->st_host);
         for (uint32_t i = 0; i < REF_CAP; i++) {
             rec *r = &m->recs[i];
-            if (r->used == 1 && r->host != NONE && r->lock == 0 &&
-                (r->dev != NONE || !r->has_child))
+            if (r->used == 1 && r->host != PD_NONE && r->lock == 0 &&
+                (r->dev != PD_NONE || !r->has_child))
                 assert_true(last->st_host <= r->st_host);
         }
     } else {
@@ -246,8 +245,8 @@ static void judge_host_eviction(model *m, const pd_evict_event *ev, const victim
     for (uint32_t p = first; p <= end; p++) {
         rec *r = ref_find(m, m->victim, p);
         assert_non_null(r);
-        assert_true(r->host != NONE);
-        r->host = NONE;
+        assert_true(r->host != PD_NONE);
+        r->host = PD_NONE;
     }
     if (ev->node_deleted) {
         for (uint32_t p = first; p <= end; p++) ref_del(m, ref_find(m, m->victim, p));
@@ -256,14 +255,14 @@ static void judge_host_eviction(model *m, const pd_evict_event *ev, const victim
 }
 
 static void judge_snapshot_eviction(model *m, const pd_evict_event *ev, rec *last) {
-    assert_true(last->snap != NONE && last->mlock == 0);
+    assert_true(last->snap != PD_NONE && last->mlock == 0);
     assert_true(ev->stamp == last->st_mamba);
     for (uint32_t i = 0; i < REF_CAP; i++) {
         rec *r = &m->recs[i];
-        if (r->used == 1 && r->snap != NONE && r->mlock == 0)
+        if (r->used == 1 && r->snap != PD_NONE && r->mlock == 0)
             assert_true(last->st_mamba <= r->st_mamba);
     }
-    last->snap = NONE;
+    last->snap = PD_NONE;
 }
 
 static void on_evict(void *ctx, const pd_evict_event *ev) {
@@ -308,27 +307,27 @@ static void walk_node(void *ctx, const pd_cnode_info *ni) {
             assert_int_equal(r->dev, ni->dev_pages[i]);
         } else if (ni->loading) {
             assert_true(r->loading);
-            assert_int_equal(r->dev, NONE);
+            assert_int_equal(r->dev, PD_NONE);
             assert_int_equal(r->load_dev, ni->dev_pages[i]);
         } else {
-            assert_int_equal(r->dev, NONE);
+            assert_int_equal(r->dev, PD_NONE);
             assert_false(r->loading);
         }
         if (ni->on_host) {
             if (r->host == PENDING) r->host = ni->host_pages[i];
             assert_int_equal(r->host, ni->host_pages[i]);
         } else {
-            assert_int_equal(r->host, NONE);
+            assert_int_equal(r->host, PD_NONE);
         }
         assert_int_equal(r->lock, ni->lock_ref);
         bool last = i + 1 == ni->pages;
         if (last) {
-            assert_int_equal(r->snap, ni->mamba_slot == PD_POOL_NONE ? NONE : ni->mamba_slot);
+            assert_int_equal(r->snap, ni->mamba_slot == PD_POOL_NONE ? PD_NONE : ni->mamba_slot);
             assert_int_equal(r->mlock, ni->mamba_lock);
             if (ni->mamba_slot != PD_POOL_NONE && ni->mamba_lock == 0)
                 assert_true(r->st_mamba == ni->stamp_mamba);
         } else {
-            assert_int_equal(r->snap, NONE);
+            assert_int_equal(r->snap, PD_NONE);
         }
         if (ni->on_dev && ni->lock_ref == 0) assert_true(r->st_dev == ni->stamp_dev);
         if (ni->on_host && ni->lock_ref == 0) assert_true(r->st_host == ni->stamp_host);
@@ -364,9 +363,9 @@ static void touch(model *m, const int32_t *q, uint32_t len) {
     for (uint32_t p = 1; p <= len; p++) {
         rec *r = ref_find(m, q, p);
         assert_non_null(r);
-        if (r->dev != NONE && r->lock == 0) r->st_dev = clock;
-        if (r->host != NONE && r->lock == 0) r->st_host = clock;
-        if (r->snap != NONE && r->mlock == 0) r->st_mamba = clock;
+        if (r->dev != PD_NONE && r->lock == 0) r->st_dev = clock;
+        if (r->host != PD_NONE && r->lock == 0) r->st_host = clock;
+        if (r->snap != PD_NONE && r->mlock == 0) r->st_mamba = clock;
     }
 }
 
@@ -392,9 +391,9 @@ static void ref_lock(model *m, const int32_t *q, uint32_t len, int delta) {
             assert_true(r->lock > 0);
             r->lock--;
             if (r->lock == 0) {
-                if (r->dev != NONE) r->st_dev = clock;
-                if (r->host != NONE) r->st_host = clock;
-                if (r->snap != NONE && r->mlock == 0) r->st_mamba = clock;
+                if (r->dev != PD_NONE) r->st_dev = clock;
+                if (r->host != PD_NONE) r->st_host = clock;
+                if (r->snap != PD_NONE && r->mlock == 0) r->st_mamba = clock;
             }
         }
     }
@@ -446,12 +445,12 @@ static void hold_matched(model *m, const int32_t *q, const pd_cache_match_result
     ref_lock(m, q, h->len, +1);
     m->n_held++;
     rec *end = ref_find(m, q, h->len);
-    if (end->snap != NONE && pd_rng_chance(&m->rng, 1, 2)) {
+    if (end->snap != PD_NONE && pd_rng_chance(&m->rng, 1, 2)) {
         assert_ok(pd_cache_mamba_lock(f->c, h->node));
         end->mlock++;
         h->mamba = true;
     }
-    if (h->len > dev && !end->loading && end->dev == NONE) maybe_start_load(m, h, q, dev);
+    if (h->len > dev && !end->loading && end->dev == PD_NONE) maybe_start_load(m, h, q, dev);
 }
 
 static void op_match(model *m) {
@@ -467,9 +466,9 @@ static void op_match(model *m) {
     uint32_t dev = 0, host, mamba = 0;
     while (dev < len) {
         rec *r = ref_find(m, q, dev + 1);
-        if (!r || r->dev == NONE) break;
+        if (!r || r->dev == PD_NONE) break;
         dev++;
-        if (r->snap != NONE) mamba = dev;
+        if (r->snap != PD_NONE) mamba = dev;
     }
     host = dev;
     while (host < len && ref_find(m, q, host + 1)) host++;
@@ -543,7 +542,7 @@ static void op_insert(model *m) {
     for (uint32_t p = 0; p < len; p++) {
         rec *r = ref_find(m, q, p + 1);
         if (r && r->loading) break;
-        if (r && r->dev != NONE) {
+        if (r && r->dev != PD_NONE) {
             expect_final[p] = r->dev;
             if (pages[p] != r->dev) expect_dups[n_dups++] = pages[p];
         } else {
@@ -552,7 +551,7 @@ static void op_insert(model *m) {
         covered++;
     }
     rec *end = covered ? ref_find(m, q, covered) : NULL;
-    bool expect_taken = slot != PD_POOL_NONE && covered == len && (!end || end->snap == NONE);
+    bool expect_taken = slot != PD_POOL_NONE && covered == len && (!end || end->snap == PD_NONE);
 
     uint32_t orig[MAXP];
     memcpy(orig, pages, len * sizeof(uint32_t));
@@ -570,7 +569,7 @@ static void op_insert(model *m) {
     for (uint32_t p = 0; p < covered; p++) {
         rec *r = ref_find(m, q, p + 1);
         if (!r) r = ref_add(m, q, p + 1);
-        if (r->dev == NONE) r->dev = orig[p];
+        if (r->dev == PD_NONE) r->dev = orig[p];
     }
     if (expect_taken) ref_find(m, q, len)->snap = slot;
     touch(m, q, covered);
@@ -594,7 +593,7 @@ static void finish_load(model *m, held *h, bool done) {
         if (!r->loading || r->load_ticket != h->ticket) continue;
         if (done) r->dev = r->load_dev;
         r->loading = false;
-        r->load_dev = NONE;
+        r->load_dev = PD_NONE;
     }
     h->loading = false;
 }
@@ -614,7 +613,7 @@ static void op_unlock(model *m) {
         assert_ok(pd_cache_mamba_unlock(f->c, h->node));
         rec *end = ref_find(m, h->tokens, h->len);
         end->mlock--;
-        if (end->mlock == 0 && end->snap != NONE) end->st_mamba = pd_cache_clock(f->c);
+        if (end->mlock == 0 && end->snap != PD_NONE) end->st_mamba = pd_cache_clock(f->c);
     }
     assert_ok(pd_cache_unlock(f->c, h->node));
     ref_lock(m, h->tokens, h->len, -1);
