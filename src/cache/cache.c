@@ -223,6 +223,11 @@ static void touch_path(pd_cache *c, uint32_t id) {
 
 /* ---- hash table of children ---------------------------------------------- */
 
+/* The children index's hash of node id (the key it was inserted under). */
+static uint64_t child_hash_of(const void *ctx, uint32_t id) {
+    return ((const pd_cache *)ctx)->nodes[id].key_hash;
+}
+
 static uint32_t ht_lookup(const pd_cache *c, uint32_t parent, const int32_t *first_page) {
     uint64_t h = child_key(c, parent, first_page);
     pd_index_probe p;
@@ -453,7 +458,7 @@ pd_err pd_cache_create(pd_cache **out, const pd_cache_config *cfg) {
     c->entries_max = (uint32_t)entries;
     c->nodes_max = (uint32_t)entries + 1;
     c->loads_max = cfg->loads_max ? cfg->loads_max : 64;
-    if (pd_index_init(&c->children, c->nodes_max) != PD_OK || !arrays_alloc(c)) {
+    if (!arrays_alloc(c) || pd_index_init(&c->children, c->nodes_max, child_hash_of, c) != PD_OK) {
         pd_cache_destroy(c);
         return PD_ERR_NOMEM;
     }

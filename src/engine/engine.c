@@ -137,6 +137,14 @@ uint32_t eng_idx(pd_engine *e, const req *r) { return (uint32_t)(r - e->reqs); }
 
 /* The rid and room indexes (pd_index): a live rid maps to its record until
  * the terminal event, a room (not colocated) until the record is freed. */
+static uint64_t rid_hash_of(const void *ctx, uint32_t idx) {
+    return pd_hash_str(((const pd_engine *)ctx)->reqs[idx].rid);
+}
+
+static uint64_t room_hash_of(const void *ctx, uint32_t idx) {
+    return pd_hash_u64(((const pd_engine *)ctx)->reqs[idx].room);
+}
+
 static uint32_t rid_find(const pd_engine *e, const char *rid) {
     pd_index_probe p;
     for (uint32_t i = pd_index_first(&e->rid_ix, pd_hash_str(rid), &p); i != PD_NONE;
@@ -745,8 +753,8 @@ static pd_err pools_create(pd_engine *e) {
  * batch_max. */
 static pd_err arrays_alloc(pd_engine *e) {
     const pd_engine_config *cfg = &e->cfg;
-    pd_err err = pd_index_init(&e->rid_ix, cfg->requests_max);
-    if (!err) err = pd_index_init(&e->room_ix, cfg->requests_max);
+    pd_err err = pd_index_init(&e->rid_ix, cfg->requests_max, rid_hash_of, e);
+    if (!err) err = pd_index_init(&e->room_ix, cfg->requests_max, room_hash_of, e);
     if (err) return err;
     e->reqs = calloc(cfg->requests_max, sizeof(req));
     e->page_store = calloc((size_t)cfg->requests_max * e->pages_per_req, sizeof(uint32_t));

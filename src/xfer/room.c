@@ -167,6 +167,9 @@ uint32_t xr_dest_page(const xr_dest *d, uint32_t ps, uint32_t page) {
 
 /* ---- the room table ----------------------------------------------------- */
 
+/* The index's hash of record r: its room id's. */
+static uint64_t slot_hash_of(const void *ctx, uint32_t r) { return pd_hash_u64(xr_at(ctx, r)->id); }
+
 pd_err xr_table_init(xr_table *t, uint32_t max, size_t stride,
                      bool (*evictable)(void *ctx, uint32_t r), void (*evict)(void *ctx, uint32_t r),
                      void *ctx) {
@@ -179,7 +182,7 @@ pd_err xr_table_init(xr_table *t, uint32_t max, size_t stride,
     t->ctx = ctx;
     t->recs = calloc(max, stride);
     t->free_slots = malloc(max * sizeof(uint32_t));
-    if (!t->recs || !t->free_slots || pd_index_init(&t->ix, max) != PD_OK) {
+    if (!t->recs || !t->free_slots || pd_index_init(&t->ix, max, slot_hash_of, t) != PD_OK) {
         xr_table_free(t);
         return PD_ERR_NOMEM;
     }

@@ -17,6 +17,10 @@ typedef struct rec {
 /* Few distinct hashes, so long probe runs and wrap-around get exercised. */
 static uint64_t key_hash(uint64_t key) { return pd_hash_u64(key % 37) ^ (key % 37); }
 
+static uint64_t rec_hash(const void *ctx, uint32_t v) {
+    return key_hash(((const rec *)ctx)[v].key);
+}
+
 static uint32_t lookup(const pd_index *ix, const rec *r, uint64_t key) {
     pd_index_probe p;
     for (uint32_t v = pd_index_first(ix, key_hash(key), &p); v != PD_NONE;
@@ -29,7 +33,7 @@ static void index_matches_reference_under_churn(void **state) {
     (void)state;
     static rec r[N];
     pd_index ix;
-    assert_int_equal(pd_index_init(&ix, N), PD_OK);
+    assert_int_equal(pd_index_init(&ix, N, rec_hash, r), PD_OK);
     pd_rng rng;
     pd_rng_seed(&rng, 7);
     for (uint32_t i = 0; i < N; i++) r[i] = (rec){.key = 1000 + i};
@@ -55,7 +59,7 @@ static void index_matches_reference_under_churn(void **state) {
     pd_index_clear(&ix);
     for (uint32_t k = 0; k < N; k++) assert_int_equal(lookup(&ix, r, r[k].key), PD_NONE);
     pd_index_free(&ix);
-    assert_int_equal(pd_index_init(&ix, 0), PD_ERR_INVALID);
+    assert_int_equal(pd_index_init(&ix, 0, rec_hash, r), PD_ERR_INVALID);
     pd_index_free(&ix);
 }
 
