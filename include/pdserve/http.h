@@ -68,6 +68,20 @@ __attribute__((format(printf, 4, 5)))
 enum MHD_Result pd_http_queue_error(struct MHD_Connection *c, unsigned status,
                                     const char *allow, const char *fmt, ...);
 
+/* libmicrohttpd's URL unescaping (MHD_OPTION_UNESCAPE_CALLBACK) for both
+ * servers, with one difference: a string that holds a percent-encoded NUL
+ * ("%00") is left as it came, undecoded. Decoded, the NUL would end the C
+ * string a handler sees, and "/generate%00anything" would be served as
+ * "/generate"; left alone, it matches no route. Returns the new length. */
+size_t pd_http_unescape(void *cls, struct MHD_Connection *c, char *s);
+
+/* A request whose framing two HTTP implementations could read differently —
+ * the way one request is smuggled inside another behind a proxy: two
+ * different Content-Length headers, Transfer-Encoding together with
+ * Content-Length, or HTTP/1.1 without Host. NULL if none, else what is wrong,
+ * for a 400. Both servers ask on the first call for a request. */
+const char *pd_http_ambiguous(struct MHD_Connection *c, const char *version);
+
 #ifdef __cplusplus
 }
 #endif

@@ -12,6 +12,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <strings.h>
 
 #include "pdserve/base.h"
 
@@ -102,4 +103,44 @@ enum MHD_Result pd_http_queue_error(struct MHD_Connection *c, unsigned status, c
     enum MHD_Result ret = queue(c, status, "application/json", allow, body, strlen(body));
     free(body);
     return ret;
+}
+
+size_t pd_http_unescape(void *cls, struct MHD_Connection *c, char *s) {
+    (void)cls;
+    (void)c;
+    for (const char *p = s; (p = strchr(p, '%')) != NULL; p++)
+        if (p[1] == '0' && p[2] == '0') return strlen(s);
+    return MHD_http_unescape(s);
+}
+
+typedef struct header_count {
+    unsigned content_length, transfer_encoding;
+    bool lengths_differ;
+    const char *first_length;
+} header_count;
+
+static enum MHD_Result count_header(void *cls, enum MHD_ValueKind kind, const char *key,
+                                    const char *value) {
+    (void)kind;
+    header_count *hc = cls;
+    if (!strcasecmp(key, MHD_HTTP_HEADER_CONTENT_LENGTH)) {
+        if (hc->content_length++ == 0) hc->first_length = value;
+        else if (strcmp(value ? value : "", hc->first_length ? hc->first_length : ""))
+            hc->lengths_differ = true;
+    } else if (!strcasecmp(key, MHD_HTTP_HEADER_TRANSFER_ENCODING)) {
+        hc->transfer_encoding++;
+    }
+    return MHD_YES;
+}
+
+const char *pd_http_ambiguous(struct MHD_Connection *c, const char *version) {
+    header_count hc = {0};
+    MHD_get_connection_values(c, MHD_HEADER_KIND, count_header, &hc);
+    if (hc.lengths_differ) return "two different Content-Length headers";
+    if (hc.transfer_encoding && hc.content_length)
+        return "Transfer-Encoding together with Content-Length";
+    if (version && !strcmp(version, MHD_HTTP_VERSION_1_1) &&
+        !MHD_lookup_connection_value(c, MHD_HEADER_KIND, MHD_HTTP_HEADER_HOST))
+        return "an HTTP/1.1 request without a Host header";
+    return NULL;
 }

@@ -234,7 +234,7 @@ static json_t *given(json_t *src, const char *name) {
     return v && !json_is_null(v) ? v : NULL;
 }
 
-static int parse_stop_tokens(json_t *v, parsed *p, char *err, size_t cap) {
+static int parse_stop_tokens(json_t *v, uint32_t vocab, parsed *p, char *err, size_t cap) {
     if (!json_is_array(v))
         return refuse(err, cap, 400, "'stop_token_ids' must be an array of integers");
     if (json_array_size(v) > PD_STOP_TOKENS_MAX)
@@ -243,14 +243,19 @@ static int parse_stop_tokens(json_t *v, parsed *p, char *err, size_t cap) {
         json_t *e = json_array_get(v, i);
         if (!json_is_integer(e))
             return refuse(err, cap, 400, "'stop_token_ids'[%zu] is not an integer", i);
-        p->stop[p->n_stop++] = (int32_t)json_integer_value(e);
+        json_int_t x = json_integer_value(e);
+        if (x < 0 || x >= (json_int_t)vocab) /* checked before the cast: never wraps */
+            return refuse(err, cap, 400,
+                          "'stop_token_ids'[%zu] = %lld is outside the vocabulary (size %u)", i,
+                          (long long)x, vocab);
+        p->stop[p->n_stop++] = (int32_t)x;
     }
     return 0;
 }
 
 /* max_new_tokens (max_tokens), temperature, top_p, stop_token_ids, ignore_eos. */
-static int parse_sampling(const pd_node_config *cfg, json_t *src, bool openai, parsed *p, char *err,
-                          size_t cap) {
+static int parse_sampling(const pd_node_config *cfg, uint32_t vocab, json_t *src, bool openai,
+                          parsed *p, char *err, size_t cap) {
     json_t *v;
     const char *mname = openai ? "max_tokens" : "max_new_tokens";
     if ((v = given(src, mname))) {
@@ -265,8 +270,9 @@ static int parse_sampling(const pd_node_config *cfg, json_t *src, bool openai, p
     if ((v = given(src, "temperature"))) {
         if (!json_is_number(v)) return refuse(err, cap, 400, "'temperature' must be a number");
         p->temperature = json_number_value(v);
-        if (!(p->temperature >= 0.0) || p->temperature > 1e6)
-            return refuse(err, cap, 400, "'temperature' must be >= 0");
+        if (!(p->temperature >= 0.0 && p->temperature <= 1e6))
+            return refuse(err, cap, 400, "'temperature' must be in [0, 1e6], not %g",
+                          p->temperature);
     }
     if ((v = given(src, "top_p"))) {
         if (!json_is_number(v)) return refuse(err, cap, 400, "'top_p' must be a number");
@@ -275,7 +281,7 @@ static int parse_sampling(const pd_node_config *cfg, json_t *src, bool openai, p
             return refuse(err, cap, 400, "'top_p' must be in (0, 1]");
     }
     int status;
-    if ((v = given(src, "stop_token_ids")) && (status = parse_stop_tokens(v, p, err, cap)))
+    if ((v = given(src, "stop_token_ids")) && (status = parse_stop_tokens(v, vocab, p, err, cap)))
         return status;
     if ((v = given(src, "ignore_eos"))) {
         if (!json_is_boolean(v)) return refuse(err, cap, 400, "'ignore_eos' must be a boolean");
@@ -334,7 +340,7 @@ static int parse_request(pd_node *n, json_t *root, bool openai, parsed *p, char 
     int status;
     if ((status = parse_shape(root, openai, &prompt, &src, err, cap))) return status;
     if ((status = parse_prompt(n, &prompt, p, err, cap))) return status;
-    if ((status = parse_sampling(cfg, src, openai, p, err, cap))) return status;
+    if ((status = parse_sampling(cfg, node_vocab(n), src, openai, p, err, cap))) return status;
     json_t *v;
     if ((v = given(root, "stream"))) {
         if (!json_is_boolean(v)) return refuse(err, cap, 400, "'stream' must be a boolean");
@@ -739,7 +745,6 @@ static const route routes[] = {
 static enum MHD_Result handler(void *cls, struct MHD_Connection *conn, const char *url,
                                const char *method, const char *version, const char *upload,
                                size_t *upload_size, void **con_cls) {
-    (void)version;
     pd_node *n = cls;
     conn_state *st = *con_cls;
     if (!st) {
@@ -748,6 +753,9 @@ static enum MHD_Result handler(void *cls, struct MHD_Connection *conn, const cha
         st->n = n;
         st->fd = -1;
         *con_cls = st;
+        /* Framing a proxy could read otherwise: refused before the body. */
+        const char *ambiguous = pd_http_ambiguous(conn, version);
+        if (ambiguous) return send_error(conn, 400, "%s", ambiguous);
         return MHD_YES;
     }
     if (*upload_size) {
@@ -822,13 +830,13 @@ pd_err http_start(pd_node *n, http_server **out, uint16_t *bound_port, char *msg
     h->n = n;
     /* poll(), not select(): one process (pdserve run) holds more than
      * FD_SETSIZE sockets under load, and select() refuses those. */
-    h->d = MHD_start_daemon(MHD_USE_THREAD_PER_CONNECTION | MHD_USE_INTERNAL_POLLING_THREAD |
-                                MHD_USE_POLL | MHD_USE_ERROR_LOG,
-                            cfg->port, NULL, NULL, handler, n, MHD_OPTION_SOCK_ADDR,
-                            (struct sockaddr *)&addr, MHD_OPTION_NOTIFY_COMPLETED, completed, n,
-                            MHD_OPTION_CONNECTION_LIMIT, (unsigned)4096,
-                            MHD_OPTION_CONNECTION_TIMEOUT, (unsigned)60,
-                            MHD_OPTION_THREAD_STACK_SIZE, (size_t)(512 * 1024), MHD_OPTION_END);
+    h->d = MHD_start_daemon(
+        MHD_USE_THREAD_PER_CONNECTION | MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_POLL |
+            MHD_USE_ERROR_LOG,
+        cfg->port, NULL, NULL, handler, n, MHD_OPTION_SOCK_ADDR, (struct sockaddr *)&addr,
+        MHD_OPTION_NOTIFY_COMPLETED, completed, n, MHD_OPTION_CONNECTION_LIMIT, (unsigned)4096,
+        MHD_OPTION_CONNECTION_TIMEOUT, (unsigned)60, MHD_OPTION_UNESCAPE_CALLBACK, pd_http_unescape,
+        NULL, MHD_OPTION_THREAD_STACK_SIZE, (size_t)(512 * 1024), MHD_OPTION_END);
     if (!h->d) {
         free(h);
         return pd_errorf(msg, cap, PD_ERR_IO, "could not listen on %s:%u (in use?)", host,

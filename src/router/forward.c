@@ -126,6 +126,11 @@ static unsigned transport_status(const half *h, char *msg, size_t cap) {
         snprintf(msg, cap, "the %s node did not accept the connection in time", who);
         return 504;
     }
+    if (h->rc == CURLE_WEIRD_SERVER_REPLY && h->status != 0) {
+        snprintf(msg, cap, "the %s node answered with status %ld, which is not an HTTP status", who,
+                 h->status);
+        return 502;
+    }
     snprintf(msg, cap, "the %s node failed: %s", who, curl_easy_strerror(h->rc));
     return 502;
 }
@@ -223,6 +228,8 @@ static void harvest(rt_fwd *f) {
         PD_ASSERT(h != NULL && h->easy == m->easy_handle);
         CURLcode rc = m->data.result;
         note_head(h);
+        /* A worker's status outside 100..599 is not HTTP: never passed on. */
+        if (rc == CURLE_OK && (h->status < 100 || h->status > 599)) rc = CURLE_WEIRD_SERVER_REPLY;
         h->rc = rc;
         h->done = true;
         curl_multi_remove_handle(f->multi, h->easy);

@@ -762,10 +762,8 @@ static enum MHD_Result answer_too_large(req *q, struct MHD_Connection *c) {
 }
 
 static enum MHD_Result on_request(void *cls, struct MHD_Connection *c, const char *url,
-                                  const char *method, const char *version,
-                                  const char *upload_data, size_t *upload_data_size,
-                                  void **req_cls) {
-    (void)version;
+                                  const char *method, const char *version, const char *upload_data,
+                                  size_t *upload_data_size, void **req_cls) {
     pd_router *r = cls;
     req *q = *req_cls;
     if (!q) {
@@ -776,6 +774,9 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *c, const cha
         q->route = find_route(url);
         q->start_ms = rt_now_ms();
         *req_cls = q;
+        /* Framing a proxy could read otherwise: refused before the body. */
+        const char *ambiguous = pd_http_ambiguous(c, version);
+        if (ambiguous) return answer_error(q, c, 400, NULL, "%s", ambiguous);
         /* A declared length over the limit is refused before reading it. */
         const char *cl =
             MHD_lookup_connection_value(c, MHD_HEADER_KIND, MHD_HTTP_HEADER_CONTENT_LENGTH);
@@ -857,12 +858,11 @@ pd_err pd_router_start(pd_router *r, char *msg, size_t msg_cap) {
     unsigned flags = MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_THREAD_PER_CONNECTION |
         MHD_USE_POLL | MHD_USE_ERROR_LOG;
     if (ai->ai_family == AF_INET6) flags |= MHD_USE_IPv6;
-    r->mhd = MHD_start_daemon(flags, r->cfg.port, NULL, NULL, on_request, r,
-                              MHD_OPTION_SOCK_ADDR, ai->ai_addr,
-                              MHD_OPTION_NOTIFY_COMPLETED, on_completed, r,
+    r->mhd = MHD_start_daemon(flags, r->cfg.port, NULL, NULL, on_request, r, MHD_OPTION_SOCK_ADDR,
+                              ai->ai_addr, MHD_OPTION_NOTIFY_COMPLETED, on_completed, r,
                               MHD_OPTION_CONNECTION_LIMIT, (unsigned)r->cfg.connections_max,
-                              MHD_OPTION_LISTENING_ADDRESS_REUSE, 1u,
-                              MHD_OPTION_END);
+                              MHD_OPTION_LISTENING_ADDRESS_REUSE, 1u, MHD_OPTION_UNESCAPE_CALLBACK,
+                              pd_http_unescape, NULL, MHD_OPTION_END);
     freeaddrinfo(ai);
     if (!r->mhd)
         return pd_errorf(msg, msg_cap, PD_ERR_IO, "cannot listen on %s:%u (in use? not local?)",

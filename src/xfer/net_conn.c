@@ -296,6 +296,11 @@ static void on_hello(pd_net *n, uint32_t pi, const uint8_t *pl, uint32_t len) {
         refuse_conn(n, pi, BP_E_MISMATCH, why);
         return;
     }
+    const char *bad_addr = net_worker_addr_problem(n, h.worker_addr, h.worker_addr_len);
+    if (bad_addr) {
+        refuse_conn(n, pi, BP_E_MISMATCH, bad_addr);
+        return;
+    }
     ucs_status_t st = net_peer_ep_create(n, p, &h);
     if (st != UCS_OK) {
         snprintf(why, sizeof(why), "no UCX path to the decode node's worker: %s",
@@ -324,6 +329,7 @@ static void on_hello(pd_net *n, uint32_t pi, const uint8_t *pl, uint32_t len) {
  * node's; NULL if acceptable, else why not. */
 static const char *dest_problem(const pd_net *n, const peer *p, const bp_dest *d) {
     uint32_t ps = n->cfg.page_size;
+    if (d->room == 0) return "room 0 names no request";
     if (d->prompt_tokens == 0) return "empty prompt";
     if (d->cached_tokens % ps || d->cached_tokens > d->prompt_tokens)
         return "cached prefix not a page multiple within the prompt";

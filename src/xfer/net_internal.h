@@ -218,6 +218,7 @@ pd_err net_listen_init(pd_net *n, char *msg, size_t cap);
 
 /* ---- net_ucx.c: UCX memory, puts and completions --------------------------------- */
 void net_pump_sender(pd_net *n, room *rm, uint64_t now);
+const char *net_worker_addr_problem(const pd_net *n, const uint8_t *addr, size_t len);
 ucs_status_t net_peer_ep_create(pd_net *n, peer *p, const bp_hello *h);
 bool net_peer_regions_set(peer *p, const bp_hello *h);
 void net_abandon_dead_writes(pd_net *n, uint64_t now);

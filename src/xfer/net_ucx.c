@@ -167,6 +167,24 @@ void net_pump_sender(pd_net *n, room *rm, uint64_t now) {
 /* An endpoint to the decode node's worker, in peer-failure mode where the
  * transports allow it, else in mode PD_NONE. Once peer mode has failed, or if
  * the transports are shared-memory only (ucx_init), PD_NONE is asked at once. */
+/* UCX packs a worker address behind a one-byte header whose low four bits
+ * are the address format's version; ucp_ep_create aborts the process on a
+ * version it does not know (UCX 1.13: "addr version 15" for a 0xff byte).
+ * So an address whose version is not the one this build packs never reaches
+ * UCX. NULL if acceptable, else why not. This screens out garbage and other
+ * builds; it is no parser: a forged address with the right header still
+ * reaches UCX, which is why only a peer that proved it holds the token
+ * should get this far (docs/bootstrap-protocol.md, "Trust"). */
+const char *net_worker_addr_problem(const pd_net *n, const uint8_t *addr, size_t len) {
+    PD_ASSERT(n->waddr && n->waddr_len > 0);
+    if (len == 0) return "empty UCX worker address";
+    if (len > BP_WORKER_ADDR_MAX) return "UCX worker address too long";
+    uint8_t ours = *(const uint8_t *)n->waddr;
+    if ((addr[0] & 0x0F) != (ours & 0x0F))
+        return "UCX worker address of another format version (another UCX build?)";
+    return NULL;
+}
+
 ucs_status_t net_peer_ep_create(pd_net *n, peer *p, const bp_hello *h) {
     /* The worker address and keys are opaque to us; UCX parses them. */
     ucp_ep_params_t ep = {

@@ -139,6 +139,61 @@ class Server:
         self.stop(signal.SIGKILL)
 
 
+def raw_http(port, data, timeout=10):
+    """Sends bytes as they are and returns (status, parsed JSON body or None)
+    of the first answer; (0, None) if the server closed without one."""
+    s = socket.create_connection(("127.0.0.1", port))
+    s.settimeout(timeout)
+    answer = b""
+    try:
+        s.sendall(data)
+        while True:
+            head, sep, rest = answer.partition(b"\r\n\r\n")
+            if sep:
+                length = 0
+                for line in head.split(b"\r\n")[1:]:
+                    k, _, v = line.partition(b":")
+                    if k.strip().lower() == b"content-length":
+                        length = int(v.strip())
+                if len(rest) >= length:
+                    break
+            chunk = s.recv(65536)
+            if not chunk:
+                break
+            answer += chunk
+    except OSError:
+        pass
+    finally:
+        s.close()
+    if not answer.startswith(b"HTTP/1."):
+        return 0, None
+    status = int(answer.split(b" ", 2)[1])
+    body = answer.partition(b"\r\n\r\n")[2]
+    try:
+        return status, json.loads(body)
+    except ValueError:
+        return status, None
+
+
+# Requests whose framing two HTTP implementations could read differently
+# (request smuggling behind a proxy): both servers must refuse each with 400
+# in the JSON error shape (issue 10, finding 10).
+AMBIGUOUS_REQUESTS = (
+    (b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\nContent-Length: 3\r\n\r\n{}",
+     "two different Content-Length"),
+    (b"POST /generate HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\nContent-Length: 7\r\n\r\n"
+     b"2\r\n{}\r\n0\r\n\r\n", "Transfer-Encoding together with Content-Length"),
+    (b"POST /generate HTTP/1.1\r\nContent-Length: 2\r\n\r\n{}", "without a Host"),
+)
+
+
+def check_ambiguous_requests_refused(port):
+    for data, words in AMBIGUOUS_REQUESTS:
+        st, obj = raw_http(port, data)
+        assert st == 400, (data, st, obj)
+        assert obj and obj["error"]["code"] == 400 and words in obj["error"]["message"], (data, obj)
+
+
 def generate_reference(prompt, max_new, extra=()):
     """Token ids from `pdserve generate` (the model run offline, alone)."""
     out = subprocess.run([PDSERVE, "generate", "--prompt", prompt, "--max-new-tokens", str(max_new), "--json"]

@@ -169,6 +169,11 @@ def test_router_bad_input():
         assert answer.startswith(b"HTTP/1.1 413"), answer[:200]
         st, obj = run.router.get("/nope")
         assert st == 404
+        pdtest.check_ambiguous_requests_refused(run.router.port)
+        # A percent-encoded NUL once cut the path: this was served as /generate
+        # (issue 10, finding 9). Now it names no route.
+        st, obj = run.router.post("/generate%00anything", {"text": "x", "sampling_params": {"max_new_tokens": 2}})
+        assert st == 404 and obj["error"]["code"] == 404, (st, obj)
         st, obj = run.router.get("/generate")
         assert st == 405
         st, obj = run.router.post("/abort_request", {"rid": "nobody"})

@@ -106,12 +106,20 @@ def test_bad_input_gets_clear_errors_and_leaks_nothing():
                      contains="above the limit")
         expect_error(srv, 400, "/generate", {"text": "hi", "sampling_params": {"temperature": -1}},
                      contains="temperature")
+        expect_error(srv, 400, "/generate", {"text": "hi", "sampling_params": {"temperature": 1e308}},
+                     contains="[0, 1e6]")  # was "must be >= 0" (issue 10, finding 11)
         expect_error(srv, 400, "/generate", {"text": "hi", "sampling_params": {"top_p": 0}}, contains="top_p")
+        # 4294967372 = 2^32 + 76 once acted as token 76 (an unchecked int32 cast; issue 10, finding 7)
+        expect_error(srv, 400, "/generate", {"text": "hi", "sampling_params": {"stop_token_ids": [4294967372]}},
+                     contains="'stop_token_ids'[0] = 4294967372 is outside the vocabulary")
+        expect_error(srv, 400, "/generate", {"text": "hi", "sampling_params": {"stop_token_ids": [1, -1]}},
+                     contains="'stop_token_ids'[1]")
         expect_error(srv, 400, "/generate", {"text": "hi", "rid": 7}, contains="'rid'")
         expect_error(srv, 400, "/v1/completions", {"prompt": {"a": 1}}, contains="prompt")
         expect_error(srv, 413, "/generate", {"text": "x" * 600}, contains="does not fit")  # longer than the KV pool
         expect_error(srv, 413, "/generate", raw=json.dumps({"text": "y" * 70000}), contains="larger than")
         expect_error(srv, 404, "/nowhere", {"text": "hi"})
+        expect_error(srv, 404, "/generate%00anything", {"text": "hi"})  # was served as /generate (finding 9)
         expect_error(srv, 405, "/generate", method="GET")
         expect_error(srv, 405, "/health", {"x": 1}, method="POST")
         expect_error(srv, 404, "/abort_request", {"rid": "nobody"}, contains="nobody")
@@ -136,6 +144,7 @@ def test_bad_input_gets_clear_errors_and_leaks_nothing():
         st, body = results["first"]
         assert st == 200 and body["meta_info"]["finish_reason"]["type"] == "abort", body
         assert body["meta_info"]["finish_reason"]["status_code"] == 499
+        pdtest.check_ambiguous_requests_refused(srv.port)
         # Garbage on the HTTP port itself.
         # (libmicrohttpd answers 400 or keeps the line open until its timeout;
         # either way the node must stay healthy.)

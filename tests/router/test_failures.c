@@ -65,6 +65,23 @@ static void prefill_error_aborts_the_decode_half(void **state) {
     fw_stop(d);
 }
 
+/* Issue 10, finding 11: a worker's status 999 was passed on to the client.
+ * A status outside 100..599 is not HTTP: 502, naming it. */
+static void a_status_that_is_not_http_is_502(void **state) {
+    (void)state;
+    fake_worker *p = fw_start("prefill"), *d = fw_start("decode");
+    pd_router *r = tk_router(&p, 1, &d, 1, NULL);
+    fw_set(d, &(fw_behaviour){.generate_status = 999});
+    tc_response resp;
+    post(r, "/generate", "{\"text\": \"x\", \"rid\": \"bogus-1\"}", &resp);
+    expect_error(&resp, 502);
+    assert_non_null(strstr(resp.body, "999, which is not an HTTP status"));
+    tc_free(&resp);
+    pd_router_destroy(r);
+    fw_stop(p);
+    fw_stop(d);
+}
+
 static void refused_connection_is_502_and_the_other_half_is_aborted(void **state) {
     (void)state;
     fake_worker *p = fw_start("prefill"), *d = fw_start("decode");
@@ -228,6 +245,7 @@ int main(void) {
     signal(SIGPIPE, SIG_IGN);
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(prefill_error_aborts_the_decode_half),
+        cmocka_unit_test(a_status_that_is_not_http_is_502),
         cmocka_unit_test(refused_connection_is_502_and_the_other_half_is_aborted),
         cmocka_unit_test(garbage_and_closed_connections_are_502),
         cmocka_unit_test(hang_past_the_timeout_is_504_with_both_halves_aborted),

@@ -151,12 +151,17 @@ static void rogue_fini(void) {
     free(rogue.mem);
 }
 
-static size_t rogue_hello(uint8_t *buf, size_t cap, const pair_opts *o, const char *token,
-                          uint32_t page_size) {
+/* A HELLO with the rogue's memory and the given UCX worker address. */
+static size_t rogue_hello_addr(uint8_t *buf, size_t cap, const pair_opts *o, const char *token,
+                               uint32_t page_size, const uint8_t *addr, size_t addr_len) {
     bp_hello h = {
-        .node_id = 666, .page_size = page_size, .meta_row_bytes = sizeof(pd_meta_row),
-        .token_len = token ? (uint16_t)strlen(token) : 0, .token = (const uint8_t *)token,
-        .worker_addr_len = (uint16_t)rogue.addr_len, .worker_addr = (const uint8_t *)rogue.addr,
+        .node_id = 666,
+        .page_size = page_size,
+        .meta_row_bytes = sizeof(pd_meta_row),
+        .token_len = token ? (uint16_t)strlen(token) : 0,
+        .token = (const uint8_t *)token,
+        .worker_addr_len = (uint16_t)addr_len,
+        .worker_addr = addr,
     };
     uint64_t base = (uint64_t)(uintptr_t)rogue.mem;
     size_t kv = o->kv_pages * o->kv_page_bytes, mb = o->mamba_slots * o->mamba_slot_bytes;
@@ -168,6 +173,12 @@ static size_t rogue_hello(uint8_t *buf, size_t cap, const pair_opts *o, const ch
     size_t len = bp_hello_write(buf, cap, &h);
     assert_true(len > 0);
     return len;
+}
+
+static size_t rogue_hello(uint8_t *buf, size_t cap, const pair_opts *o, const char *token,
+                          uint32_t page_size) {
+    return rogue_hello_addr(buf, cap, o, token, page_size, (const uint8_t *)rogue.addr,
+                            rogue.addr_len);
 }
 
 /* A raw decode peer that completed the handshake. */
@@ -279,6 +290,25 @@ static void oversize_length_is_refused(void **state) {
     pair_free(w);
 }
 
+/* Issue 10, finding 1: a HELLO whose UCX worker address is 50 bytes of 0xff
+ * reached ucp_ep_create, and UCX aborted the prefill process ("addr version
+ * 15"). It is refused now, and the node keeps serving. */
+static void garbage_worker_address_is_refused_and_the_node_stays_up(void **state) {
+    (void)state;
+    pair *w = secure_pair();
+    static uint8_t buf[BP_HEADER_BYTES + BP_HELLO_MAX];
+    uint8_t garbage[50];
+    memset(garbage, 0xff, sizeof(garbage));
+    int fd = raw_connect(pd_net_bootstrap_port(w->pre));
+    raw_send(
+        fd, buf,
+        rogue_hello_addr(buf, sizeof(buf), &w->o, TOKEN, w->o.page_size, garbage, sizeof(garbage)));
+    expect_refused(fd, BP_E_MISMATCH, "UCX worker address");
+    close(fd);
+    valid_decode_still_completes_a_room(w, 4);
+    pair_free(w);
+}
+
 static void wrong_version_is_refused_with_a_clear_error(void **state) {
     (void)state;
     pair *w = secure_pair();
@@ -376,12 +406,16 @@ static void destinations_that_do_not_fit_are_refused(void **state) {
     expect_room_error(fd, BP_E_DEST_INVALID, 24);
     send_dest(fd, 25, 12, 0, BP_NONE, 0, ok, 3); /* this model has Mamba layers */
     expect_room_error(fd, BP_E_DEST_INVALID, 25);
+    /* Room 0 names no request (the nodes refuse it at HTTP): it once got DEST_OK
+     * (issue 10, finding 11). */
+    send_dest(fd, 0, 12, 0, 0, 0, ok, 3);
+    expect_room_error(fd, BP_E_DEST_INVALID, 0);
     /* A good one, then the same room again. */
     send_dest(fd, 26, 12, 0, 0, 0, ok, 3);
     expect_room_msg(fd, BP_DEST_OK, 26);
     send_dest(fd, 26, 12, 0, 0, 0, ok, 3);
     expect_room_error(fd, BP_E_ROOM_DUPLICATE, 26);
-    assert_int_equal(stats_of(w->pre).bad_messages, 7);
+    assert_int_equal(stats_of(w->pre).bad_messages, 8);
     /* Its own room it may abort: acknowledged. */
     uint8_t buf[64];
     raw_send(fd, buf, bp_room_write(buf, sizeof(buf), BP_ABORT, 26, 1));
@@ -398,7 +432,7 @@ static void destinations_that_do_not_fit_are_refused(void **state) {
     expect_room_error(fd, BP_E_ROOM_UNKNOWN, 30);
     send_dest(fd, 30, 12, 0, 0, 0, ok, 3); /* nor hijack it */
     expect_room_error(fd, BP_E_ROOM_DUPLICATE, 30);
-    assert_int_equal(stats_of(w->pre).bad_messages, 9);
+    assert_int_equal(stats_of(w->pre).bad_messages, 10);
     assert_int_equal(st_of(w->px, 30), PD_XFER_WAITING_FOR_INPUT);
     assert_ok(w->px.vt->send_final(w->px.self, 30, 0, src, 3, 0, 4));
     WAIT_FOR(st_of(w->dx, 30) == PD_XFER_SUCCESS);
@@ -410,7 +444,7 @@ static void destinations_that_do_not_fit_are_refused(void **state) {
      * close), not counted. */
     raw_send(fd, buf, bp_room_write(buf, sizeof(buf), BP_ABORT, 31, 1));
     expect_room_msg(fd, BP_ACK, 31);
-    assert_int_equal(stats_of(w->pre).bad_messages, 9);
+    assert_int_equal(stats_of(w->pre).bad_messages, 10);
     close(fd);
     valid_decode_still_completes_a_room(w, 7);
     pair_free(w);
@@ -570,6 +604,7 @@ int main(void) {
         cmocka_unit_test(truncated_message_is_refused),
         cmocka_unit_test(oversize_length_is_refused),
         cmocka_unit_test(wrong_version_is_refused_with_a_clear_error),
+        cmocka_unit_test(garbage_worker_address_is_refused_and_the_node_stays_up),
         cmocka_unit_test(missing_or_wrong_token_is_refused),
         cmocka_unit_test(messages_out_of_turn_are_refused),
         cmocka_unit_test(destinations_that_do_not_fit_are_refused),
