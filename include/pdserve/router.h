@@ -74,6 +74,10 @@ typedef struct pd_router_config {
     size_t max_body_bytes;            /* client request bodies; default 1 MiB */
     size_t max_response_bytes;        /* a non-streamed worker answer; default 64 MiB */
     uint32_t connections_max;         /* client connections = requests in flight; default 1024 */
+    /* Of them, from one client address; default 256. */
+    uint32_t connections_per_ip;
+    /* A client connection silent this long is closed; default 60. */
+    uint32_t client_timeout_s;
 } pd_router_config;
 
 /* Fills the defaults above (no workers). */

@@ -48,6 +48,9 @@ static void usage(FILE *to) {
             "  --port P                    listen port (default 30000; 0 = any free port)\n"
             "  --max-body-bytes N          larger request bodies get 413 (default 1048576)\n"
             "  --max-connections N         client connections = requests in flight (default 1024)\n"
+            "  --max-connections-per-ip N  of them from one client address (default 256)\n"
+            "  --client-timeout-s N        close a client connection silent this long\n"
+            "                              (default 60)\n"
             "\n"
             "health and timeouts:\n"
             "  --health-interval-ms N      GET /health of every worker this often (default 1000);\n"
@@ -74,6 +77,27 @@ static int usage_error(const char *what, const char *detail) {
 }
 
 /* 0 on success, else the exit code (2). */
+/* The client-side limits; false if name is none of them. */
+static bool limit_option(const char *name, const char *val, pd_router_config *cfg, bool *ok) {
+    uint64_t v = 0;
+    if (!strcmp(name, "--max-body-bytes")) {
+        *ok = cli_u64(val, 1, (uint64_t)1 << 32, &v);
+        cfg->max_body_bytes = (size_t)v;
+    } else if (!strcmp(name, "--max-connections")) {
+        *ok = cli_u64(val, 1, 65536, &v);
+        cfg->connections_max = (uint32_t)v;
+    } else if (!strcmp(name, "--max-connections-per-ip")) {
+        *ok = cli_u64(val, 1, 65536, &v);
+        cfg->connections_per_ip = (uint32_t)v;
+    } else if (!strcmp(name, "--client-timeout-s")) {
+        *ok = cli_u64(val, 1, 86400, &v);
+        cfg->client_timeout_s = (uint32_t)v;
+    } else {
+        return false;
+    }
+    return true;
+}
+
 static int parse_args(int argc, char **argv, pd_router_config *cfg, bool *help) {
     pd_router_config_default(cfg);
     *help = false;
@@ -120,12 +144,8 @@ static int parse_args(int argc, char **argv, pd_router_config *cfg, bool *help) 
         } else if (!strcmp(name, "--abort-grace-ms")) {
             ok = cli_u64(val, 0, 3600000, &v);
             cfg->abort_grace_ms = (uint32_t)v;
-        } else if (!strcmp(name, "--max-body-bytes")) {
-            ok = cli_u64(val, 1, (uint64_t)1 << 32, &v);
-            cfg->max_body_bytes = (size_t)v;
-        } else if (!strcmp(name, "--max-connections")) {
-            ok = cli_u64(val, 1, 65536, &v);
-            cfg->connections_max = (uint32_t)v;
+        } else if (limit_option(name, val, cfg, &ok)) {
+            /* taken */
         } else {
             return usage_error("unknown option ", name);
         }

@@ -89,6 +89,8 @@ void pd_router_config_default(pd_router_config *cfg) {
     cfg->max_body_bytes = 1u << 20;
     cfg->max_response_bytes = 64u << 20;
     cfg->connections_max = 1024;
+    cfg->connections_per_ip = 256;
+    cfg->client_timeout_s = 60;
 }
 
 pd_err pd_router_create(pd_router **out, const pd_router_config *cfg, char *msg, size_t msg_cap) {
@@ -106,6 +108,12 @@ pd_err pd_router_create(pd_router **out, const pd_router_config *cfg, char *msg,
         return pd_errorf(msg, msg_cap, PD_ERR_INVALID, "size limits must be > 0");
     if (cfg->connections_max == 0 || cfg->connections_max > 65536)
         return pd_errorf(msg, msg_cap, PD_ERR_INVALID, "connections_max must be 1..65536");
+    if (cfg->connections_per_ip == 0 || cfg->connections_per_ip > cfg->connections_max)
+        return pd_errorf(msg, msg_cap, PD_ERR_INVALID,
+                         "connections_per_ip must be 1..connections_max (%u)",
+                         cfg->connections_max);
+    if (cfg->client_timeout_s == 0 || cfg->client_timeout_s > 86400)
+        return pd_errorf(msg, msg_cap, PD_ERR_INVALID, "client_timeout_s must be 1..86400");
     if (cfg->policy != PD_ROUTER_ROUND_ROBIN && cfg->policy != PD_ROUTER_LEAST_LOAD)
         return pd_errorf(msg, msg_cap, PD_ERR_INVALID, "unknown policy");
     pd_router *r = calloc(1, sizeof *r);
@@ -698,6 +706,8 @@ static enum MHD_Result handle_server_info(req *q, struct MHD_Connection *c) {
         (json_int_t)k->abort_timeout_ms, "abort_grace_ms", (json_int_t)k->abort_grace_ms,
         "max_body_bytes", (json_int_t)k->max_body_bytes, "max_response_bytes",
         (json_int_t)k->max_response_bytes, "connections_max", (json_int_t)k->connections_max);
+    json_object_set_new(cfg, "connections_per_ip", json_integer(k->connections_per_ip));
+    json_object_set_new(cfg, "client_timeout_s", json_integer(k->client_timeout_s));
     json_t *o = json_pack("{s:s, s:s, s:o, s:b, s:o, s:o}", "role", "router", "version", PD_VERSION,
                           "config", cfg, "healthy_pair", rt_workers_have_pair(&r->workers),
                           "workers", workers_json(r), "counters", rt_stats_json(&r->stats));
@@ -858,11 +868,15 @@ pd_err pd_router_start(pd_router *r, char *msg, size_t msg_cap) {
     unsigned flags = MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_THREAD_PER_CONNECTION |
         MHD_USE_POLL | MHD_USE_ERROR_LOG;
     if (ai->ai_family == AF_INET6) flags |= MHD_USE_IPv6;
-    r->mhd = MHD_start_daemon(flags, r->cfg.port, NULL, NULL, on_request, r, MHD_OPTION_SOCK_ADDR,
-                              ai->ai_addr, MHD_OPTION_NOTIFY_COMPLETED, on_completed, r,
-                              MHD_OPTION_CONNECTION_LIMIT, (unsigned)r->cfg.connections_max,
-                              MHD_OPTION_LISTENING_ADDRESS_REUSE, 1u, MHD_OPTION_UNESCAPE_CALLBACK,
-                              pd_http_unescape, NULL, MHD_OPTION_END);
+    r->mhd = MHD_start_daemon(
+        flags, r->cfg.port, NULL, NULL, on_request, r, MHD_OPTION_SOCK_ADDR, ai->ai_addr,
+        MHD_OPTION_NOTIFY_COMPLETED, on_completed, r, MHD_OPTION_CONNECTION_LIMIT,
+        (unsigned)r->cfg.connections_max, MHD_OPTION_LISTENING_ADDRESS_REUSE, 1u,
+        MHD_OPTION_UNESCAPE_CALLBACK, pd_http_unescape, NULL,
+        /* No client holds a slot by staying silent, and no
+                               * one address takes them all. */
+        MHD_OPTION_CONNECTION_TIMEOUT, (unsigned)r->cfg.client_timeout_s,
+        MHD_OPTION_PER_IP_CONNECTION_LIMIT, (unsigned)r->cfg.connections_per_ip, MHD_OPTION_END);
     freeaddrinfo(ai);
     if (!r->mhd)
         return pd_errorf(msg, msg_cap, PD_ERR_IO, "cannot listen on %s:%u (in use? not local?)",

@@ -6,6 +6,7 @@
 #include <signal.h>
 #include <stdio.h>
 #include <sys/socket.h>
+#include <sys/time.h>
 #include <unistd.h>
 
 #include "../test_util.h"
@@ -293,6 +294,54 @@ static void error_quoting_invalid_utf8_still_has_a_json_body(void **state) {
     fw_stop(d);
 }
 
+static int silent_connection(pd_router *r) {
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    assert_true(fd >= 0);
+    struct sockaddr_in a = {.sin_family = AF_INET,
+                            .sin_port = htons(pd_router_port(r)),
+                            .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+    assert_int_equal(connect(fd, (struct sockaddr *)&a, sizeof a), 0);
+    struct timeval tv = {.tv_sec = 10};
+    setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+    return fd;
+}
+
+/* Issue 10, finding 3: 1,024 silent sockets locked every client out, for as
+ * long as they stayed open. Now one address holds at most
+ * connections_per_ip, and a silent connection is closed after
+ * client_timeout_s; the router serves a request throughout. */
+static void silent_clients_cannot_hold_the_router(void **state) {
+    (void)state;
+    fake_worker *p = fw_start("prefill"), *d = fw_start("decode");
+    pd_router_config cfg;
+    tk_config(&cfg);
+    cfg.connections_per_ip = 3;
+    cfg.client_timeout_s = 1;
+    pd_router *r = tk_router(&p, 1, &d, 1, &cfg);
+    int fds[3];
+    for (int i = 0; i < 3; i++) fds[i] = silent_connection(r);
+    char byte;
+    uint64_t t0 = tk_now_ms();
+    assert_true(recv(fds[2], &byte, 1, 0) <= 0); /* over the per-address cap: closed */
+    assert_true(recv(fds[0], &byte, 1, 0) <= 0); /* silent for the timeout: closed */
+    uint64_t waited = tk_now_ms() - t0;
+    assert_true(waited >= 500 && waited < 8000);
+    for (int i = 0; i < 3; i++) close(fds[i]);
+    /* The router lets go of the closed ones as it notices them. */
+    tc_response resp = {0};
+    char url[128];
+    for (uint64_t until = tk_now_ms() + 5000; resp.status != 200 && tk_now_ms() < until;) {
+        tc_free(&resp);
+        tc_request("POST", tk_url(r, "/generate", url, sizeof url), "{\"text\": \"x\"}", WAIT_MS,
+                   &resp);
+    }
+    assert_int_equal(resp.status, 200);
+    tc_free(&resp);
+    pd_router_destroy(r);
+    fw_stop(p);
+    fw_stop(d);
+}
+
 int main(void) {
     signal(SIGPIPE, SIG_IGN);
     const struct CMUnitTest tests[] = {
@@ -301,6 +350,7 @@ int main(void) {
         cmocka_unit_test(duplicate_live_rid_is_a_conflict),
         cmocka_unit_test(rid_over_the_nodes_limit_is_refused_before_forwarding),
         cmocka_unit_test(error_quoting_invalid_utf8_still_has_a_json_body),
+        cmocka_unit_test(silent_clients_cannot_hold_the_router),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
