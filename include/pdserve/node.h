@@ -70,6 +70,11 @@ typedef struct pd_node_config {
     const char *bootstrap_host;       /* prefill: where the bootstrap channel listens */
     uint16_t bootstrap_port;          /* prefill: default 8998; 0: any free port */
     const char *bootstrap_token;
+    /* decode: "host:port,host:port,..." of the prefill bootstrap channels a
+     * request may name; a request naming any other is refused with 403 and
+     * never contacted. NULL: any (a request decides where this node
+     * connects, so set it wherever clients can reach the decode node). */
+    const char *prefill_peers;
 } pd_node_config;
 
 void pd_node_config_default(pd_node_config *c, pd_node_role role);

@@ -47,6 +47,8 @@ static const struct {
     {"--disaggregation-bootstrap-port", "N", "prefill: bootstrap channel port (default 8998)"},
     {"--bootstrap-host", "ADDR", "prefill: bootstrap listen address (default 0.0.0.0)"},
     {"--bootstrap-token", "SECRET", "shared secret decode peers must present (default none)"},
+    {"--prefill-peers", "H:P,...",
+     "decode: the only prefill bootstrap addresses a request may name (403 otherwise)"},
     {"--enable-metrics", "", "serve GET /metrics (Prometheus text)"},
     {"--max-body-bytes", "N", "largest request body (default 1048576)"},
     {"--served-model-name", "NAME", "\"model\" in /v1/completions answers (default pdserve-tiny)"},
@@ -112,6 +114,7 @@ static bool set_option(pd_node_config *c, const char *a, const char *v, bool *ok
         ok = ok && parse_num(v, 65535, &x), c->bootstrap_port = (uint16_t)x;
     else if (!strcmp(a, "--bootstrap-host")) c->bootstrap_host = v;
     else if (!strcmp(a, "--bootstrap-token")) c->bootstrap_token = v;
+    else if (!strcmp(a, "--prefill-peers")) c->prefill_peers = v;
     else if (!strcmp(a, "--max-body-bytes"))
         ok = ok && parse_num(v, 1u << 30, &x) && x > 0, c->max_body_bytes = (size_t)x;
     else if (!strcmp(a, "--served-model-name")) c->served_model_name = v;

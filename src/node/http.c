@@ -293,6 +293,21 @@ static int parse_sampling(const pd_node_config *cfg, uint32_t vocab, json_t *src
 /* The bootstrap fields, set by the router on prefill and decode nodes: the
  * room (required there) and the prefill node's address (the decode node's
  * peer, required on a decode node unless the transfer is in-process). */
+/* A decode node contacts only the prefill peers it was given (--prefill-peers):
+ * an exact "host:port" entry of the comma-separated list. */
+static bool peer_allowed(const pd_node_config *cfg, const char *peer) {
+    if (cfg->role != PD_NODE_DECODE || !cfg->prefill_peers || !peer[0]) return true;
+    size_t len = strlen(peer);
+    for (const char *s = cfg->prefill_peers; *s;) {
+        const char *end = strchr(s, ',');
+        size_t n = end ? (size_t)(end - s) : strlen(s);
+        if (n == len && !strncmp(s, peer, n)) return true;
+        if (!end) break;
+        s = end + 1;
+    }
+    return false;
+}
+
 static int parse_bootstrap(const pd_node_config *cfg, json_t *root, parsed *p, char *err,
                            size_t cap) {
     json_t *room = json_object_get(root, "bootstrap_room");
@@ -322,6 +337,8 @@ static int parse_bootstrap(const pd_node_config *cfg, json_t *root, parsed *p, c
     if (json_is_string(host) && json_is_integer(port))
         snprintf(p->peer, sizeof(p->peer), "%s:%lld", json_string_value(host),
                  (long long)json_integer_value(port));
+    if (!peer_allowed(cfg, p->peer))
+        return refuse(err, cap, 403, "bootstrap peer '%s' is not one of --prefill-peers", p->peer);
     return 0;
 }
 
@@ -542,6 +559,7 @@ static void cancel_refused(pd_node *n, json_t *root) {
         json_integer_value(port) <= 65535)
         snprintf(peer, sizeof(peer), "%s:%lld", json_string_value(host),
                  (long long)json_integer_value(port));
+    if (!peer_allowed(node_config(n), peer)) peer[0] = '\0'; /* never contacted */
     node_cancel_room(n, (uint64_t)json_integer_value(room), peer);
 }
 

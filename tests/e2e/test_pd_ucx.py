@@ -67,6 +67,28 @@ def test_ucx_shm_page_1_chunk_7():
         cl.stop()
 
 
+def test_decode_contacts_only_listed_prefill_peers():
+    """Issue 10, finding 2: a /generate sent straight to a decode node could
+    name any bootstrap_host, and the decode node connected there (handing
+    over its token, worker address and memory keys). With --prefill-peers it
+    refuses every other peer with 403 and never contacts it."""
+    cl = Cluster("tcp")
+    try:
+        cl.d.stop()
+        cl.d = Server(["decode", "--strict", "--transfer-backend", "ucx", "--prefill-peers",
+                       "127.0.0.1:%d" % cl.boot], env=cl.env, name="decode", port=cl.d.port)
+        st, obj = cl.d.post("/generate", {"text": "hi", "bootstrap_room": 77, "bootstrap_host": "10.255.255.1",
+                                          "bootstrap_port": 9, "sampling_params": {"max_new_tokens": 2}})
+        assert st == 403 and obj["error"]["type"] == "permission_error", (st, obj)
+        assert "'10.255.255.1:9' is not one of --prefill-peers" in obj["error"]["message"], obj
+        deadline = time.time() + 10  # the router sees the restarted decode node healthy
+        while time.time() < deadline and not cl.r.get("/server_info")[1].get("healthy_pair"):
+            time.sleep(0.1)
+        check_identity(cl, n=4)  # the listed peer, through the router, still works
+    finally:
+        cl.stop()
+
+
 def test_ucx_refused_half_ends_its_peer():
     cl = Cluster("tcp", ["--bootstrap-timeout-ms", "600000", "--transfer-timeout-ms", "600000",
                          "--max-total-tokens", "1024"])
@@ -141,4 +163,5 @@ def test_decode_sigkill_mid_transfer_then_restart():
 
 if __name__ == "__main__":
     pdtest.run_tests([test_ucx_tcp_page_16_chunk_64, test_ucx_shm_page_1_chunk_7,
+                      test_decode_contacts_only_listed_prefill_peers,
                       test_ucx_refused_half_ends_its_peer, test_decode_sigkill_mid_transfer_then_restart])
