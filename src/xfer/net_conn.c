@@ -694,6 +694,23 @@ void net_peer_write(pd_net *n, uint32_t pi) {
     if (p->closing_after_tx) net_peer_fail(n, pi, "closed after refusing the peer");
 }
 
+/* Every slot is taken: the connection that has held one longest without a
+ * HELLO makes way, so silent or slow strangers cannot lock the decode nodes
+ * out (issue 10, finding 4). Authenticated peers are never evicted. False
+ * if every slot holds one. */
+static bool evict_unauthenticated(pd_net *n) {
+    uint32_t victim = PD_NONE;
+    for (uint32_t pi = 0; pi < n->cfg.peers_max; pi++) {
+        const peer *p = &n->peers[pi];
+        if (p->state != PS_HELLO || p->closing_after_tx) continue;
+        if (victim == PD_NONE || p->t_state_ms < n->peers[victim].t_state_ms) victim = pi;
+    }
+    if (victim == PD_NONE) return false;
+    n->stats.peers_evicted++;
+    net_peer_fail(n, victim, "evicted: every slot was taken and it had not said HELLO");
+    return n->peers[victim].state == PS_FREE;
+}
+
 void net_accept_all(pd_net *n) {
     for (int i = 0; i < 64; i++) {
         struct sockaddr_storage sa;
@@ -702,7 +719,9 @@ void net_accept_all(pd_net *n) {
         if (fd < 0) return;
         int one = 1;
         setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
-        uint32_t pi = net_set_nonblocking(fd) ? peer_alloc(n) : PD_NONE;
+        bool nb = net_set_nonblocking(fd);
+        uint32_t pi = nb ? peer_alloc(n) : PD_NONE;
+        if (pi == PD_NONE && nb && evict_unauthenticated(n)) pi = peer_alloc(n);
         if (pi == PD_NONE) {
             uint8_t b[BP_HEADER_BYTES + 16 + BP_ERROR_TEXT_MAX];
             size_t len = bp_error_write(b, sizeof(b), BP_E_BUSY, false, 0, "too many connections");

@@ -309,6 +309,24 @@ static void garbage_worker_address_is_refused_and_the_node_stays_up(void **state
     pair_free(w);
 }
 
+/* Issue 10, finding 4: anyone could fill the 64 bootstrap connection slots
+ * without a token, and every decode (re)connect failed with "busy" until the
+ * attacker stopped. A connection that has not said HELLO now makes way for a
+ * newer one when every slot is taken. */
+static void silent_strangers_cannot_hold_every_slot(void **state) {
+    (void)state;
+    pair *w = secure_pair();
+    enum { SLOTS = 64 }; /* pd_net_config_default's peers_max */
+    int silent[SLOTS];
+    for (int i = 0; i < SLOTS; i++) silent[i] = raw_connect(pd_net_bootstrap_port(w->pre));
+    int fd = rogue_connected(w); /* a real peer: HELLO, then HELLO_OK */
+    assert_true(stats_of(w->pre).peers_evicted >= 1);
+    close(fd);
+    valid_decode_still_completes_a_room(w, 4); /* the pair's own decode gets in too */
+    for (int i = 0; i < SLOTS; i++) close(silent[i]);
+    pair_free(w);
+}
+
 static void wrong_version_is_refused_with_a_clear_error(void **state) {
     (void)state;
     pair *w = secure_pair();
@@ -605,6 +623,7 @@ int main(void) {
         cmocka_unit_test(oversize_length_is_refused),
         cmocka_unit_test(wrong_version_is_refused_with_a_clear_error),
         cmocka_unit_test(garbage_worker_address_is_refused_and_the_node_stays_up),
+        cmocka_unit_test(silent_strangers_cannot_hold_every_slot),
         cmocka_unit_test(missing_or_wrong_token_is_refused),
         cmocka_unit_test(messages_out_of_turn_are_refused),
         cmocka_unit_test(destinations_that_do_not_fit_are_refused),
