@@ -103,8 +103,8 @@ typedef struct pd_net_stats {
                                               never completed; given up after drain_grace_ms */
     uint64_t rooms_cancelled;              /* rooms ended here before they opened; the peer
                                               is told (xfer.h, cancel) */
-    uint64_t peers_evicted;                /* connections closed before their HELLO to free
-                                              a slot for a newer one (all slots taken) */
+    /* Connections closed before their HELLO to free a slot for a newer one. */
+    uint64_t peers_evicted;
 } pd_net_stats;
 void pd_net_stats_get(pd_net *n, pd_net_stats *out);
 
