@@ -45,7 +45,9 @@ static const struct {
     {"--transfer-backend", "loopback|ucx",
      "prefill/decode transport (default ucx; loopback only inside `run`)"},
     {"--disaggregation-bootstrap-port", "N", "prefill: bootstrap channel port (default 8998)"},
-    {"--bootstrap-host", "ADDR", "prefill: bootstrap listen address (default 0.0.0.0)"},
+    {"--bootstrap-host", "ADDR", "prefill: bootstrap listen address (default: --host)"},
+    {"--insecure-bootstrap", "",
+     "prefill: let the bootstrap channel listen beyond loopback without a token"},
     {"--bootstrap-token", "SECRET", "shared secret decode peers must present (default none)"},
     {"--prefill-peers", "H:P,...",
      "decode: the only prefill bootstrap addresses a request may name (403 otherwise)"},
@@ -128,11 +130,13 @@ int cli_node_parse(int argc, char **argv, pd_node_config *c, int *consumed_until
         const char *a = argv[i];
         if (!strcmp(a, "--help") || !strcmp(a, "-h")) return 1;
         bool flag_only = !strcmp(a, "--disable-overlap") || !strcmp(a, "--disable-prefix-cache") ||
-                         !strcmp(a, "--strict") || !strcmp(a, "--enable-metrics");
+                         !strcmp(a, "--strict") || !strcmp(a, "--enable-metrics") ||
+                         !strcmp(a, "--insecure-bootstrap");
         if (flag_only) {
             if (!strcmp(a, "--disable-overlap")) c->disable_overlap = true;
             else if (!strcmp(a, "--disable-prefix-cache")) c->disable_prefix_cache = true;
             else if (!strcmp(a, "--strict")) c->strict = true, c->on_violation = print_violation;
+            else if (!strcmp(a, "--insecure-bootstrap")) c->insecure_bootstrap = true;
             else c->enable_metrics = true;
             continue;
         }

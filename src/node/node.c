@@ -25,6 +25,8 @@
 #include "pdserve/net.h"
 #include "pdserve/tokenizer.h"
 
+#define NODE_STRINGS 9 /* own_config_strings's slots */
+
 #define CMDS_MAX 4096
 #define HIST_BUCKETS 12
 /* One strict-mode report: the violations and the attribution of every pool;
@@ -56,7 +58,7 @@ static const double itl_bounds[HIST_BUCKETS - 1] = {0.0005, 0.001, 0.0025, 0.005
 
 struct pd_node {
     pd_node_config cfg;
-    char *strings[8];                /* owned copies of the config's strings */
+    char *strings[NODE_STRINGS];     /* owned copies of the config's strings */
     pd_model *model;
     pd_executor model_ex;
     pd_stream *stream;
@@ -140,7 +142,7 @@ void pd_node_config_default(pd_node_config *c, pd_node_role role) {
     c->bootstrap_timeout_ms = 30000;
     c->transfer_timeout_ms = 60000;
     c->transfer_backend = "loopback";
-    c->bootstrap_host = "0.0.0.0";
+    c->bootstrap_host = NULL; /* = host */
     c->bootstrap_port = 8998;
 }
 
@@ -629,6 +631,27 @@ static void own_config_strings(pd_node *n) {
     c->transfer_backend = own(n, 5, c->transfer_backend);
     c->bootstrap_host = own(n, 6, c->bootstrap_host);
     c->bootstrap_token = own(n, 7, c->bootstrap_token);
+    c->prefill_peers = own(n, 8, c->prefill_peers);
+    /* The bootstrap channel listens where the HTTP port does unless told. */
+    if (!c->bootstrap_host) c->bootstrap_host = c->host;
+}
+
+static bool is_loopback_host(const char *h) {
+    return !strncmp(h, "127.", 4) || !strcmp(h, "::1") || !strcmp(h, "localhost");
+}
+
+/* A prefill node's bootstrap channel hands what a peer sends to UCX, which
+ * trusts it: beyond this host, only with a token, or when told to. */
+static pd_err check_bootstrap_exposure(const pd_node_config *c, char *msg, size_t cap) {
+    if (c->role != PD_NODE_PREFILL || strcmp(c->transfer_backend, "ucx") != 0) return PD_OK;
+    if (is_loopback_host(c->bootstrap_host) || c->bootstrap_token || c->insecure_bootstrap)
+        return PD_OK;
+    return pd_errorf(msg, cap, PD_ERR_INVALID,
+                     "the bootstrap channel would listen on %s without a token, so anyone who "
+                     "can reach it could talk to UCX on this node: give --bootstrap-token "
+                     "SECRET (the same on the decode nodes), or --insecure-bootstrap to accept "
+                     "that",
+                     c->bootstrap_host);
 }
 
 /* The model: loaded from --model, or a built-in configuration with dummy
@@ -782,6 +805,12 @@ pd_err pd_node_create(pd_node **out, const pd_node_config *cfg_in, char *msg, si
     if (!n) return pd_errorf(msg, cap, PD_ERR_NOMEM, "out of memory");
     n->cfg = *cfg_in;
     own_config_strings(n);
+    pd_err exposed = check_bootstrap_exposure(&n->cfg, msg, cap);
+    if (exposed) {
+        for (int i = 0; i < NODE_STRINGS; i++) free(n->strings[i]);
+        free(n);
+        return exposed;
+    }
     pthread_mutex_init(&n->mu, NULL);
     pthread_cond_init(&n->cv, NULL);
     atomic_init(&n->stopping, false);
@@ -881,7 +910,7 @@ void pd_node_destroy(pd_node *n) {
     free(n->meta);
     free(n->cmds);
     free(n->strict_report);
-    for (int i = 0; i < 8; i++) free(n->strings[i]);
+    for (int i = 0; i < NODE_STRINGS; i++) free(n->strings[i]);
     pthread_mutex_destroy(&n->mu);
     pthread_cond_destroy(&n->cv);
     free(n);

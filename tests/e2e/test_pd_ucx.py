@@ -4,6 +4,7 @@ token-identical to `pdserve generate`; SIGKILL of the decode process in the
 middle of transfers makes the router report errors for the affected
 requests, the prefill node frees everything once the peer is gone, and a
 restarted decode process serves new requests."""
+import subprocess
 import threading
 import time
 
@@ -89,6 +90,23 @@ def test_decode_contacts_only_listed_prefill_peers():
         cl.stop()
 
 
+def test_bootstrap_beyond_loopback_needs_a_token():
+    """Issue 10: by default there was no token and the bootstrap channel
+    listened on 0.0.0.0. It now listens on --host, and beyond loopback a
+    prefill node without a token refuses to start unless told."""
+    args = [pdtest.PDSERVE, "prefill", "--transfer-backend", "ucx", "--host", "0.0.0.0", "--port", "0",
+            "--disaggregation-bootstrap-port", "0"]
+    r = subprocess.run(args, capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0 and "--insecure-bootstrap" in r.stderr, (r.returncode, r.stderr)
+    p = Server(["prefill", "--transfer-backend", "ucx", "--host", "0.0.0.0", "--bootstrap-token", "s3cret",
+                "--disaggregation-bootstrap-port", str(pdtest.free_port())], name="prefill-token")
+    try:
+        st, obj = p.get("/health")
+        assert st == 200, (st, obj)
+    finally:
+        p.stop()
+
+
 def test_ucx_refused_half_ends_its_peer():
     cl = Cluster("tcp", ["--bootstrap-timeout-ms", "600000", "--transfer-timeout-ms", "600000",
                          "--max-total-tokens", "1024"])
@@ -163,5 +181,5 @@ def test_decode_sigkill_mid_transfer_then_restart():
 
 if __name__ == "__main__":
     pdtest.run_tests([test_ucx_tcp_page_16_chunk_64, test_ucx_shm_page_1_chunk_7,
-                      test_decode_contacts_only_listed_prefill_peers,
+                      test_decode_contacts_only_listed_prefill_peers, test_bootstrap_beyond_loopback_needs_a_token,
                       test_ucx_refused_half_ends_its_peer, test_decode_sigkill_mid_transfer_then_restart])
