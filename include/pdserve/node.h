@@ -67,9 +67,9 @@ typedef struct pd_node_config {
     /* transport (prefill / decode) */
     const char *transfer_backend;     /* "loopback" (needs `loopback`) or "ucx" */
     pd_loopback_mt *loopback;         /* the in-process fabric shared with the peer node */
-    const char *bootstrap_host;       /* prefill: where the bootstrap channel listens; NULL:
-                                         `host`. Beyond loopback it needs a token or
-                                         insecure_bootstrap (pd_node_create refuses) */
+    /* prefill: where the bootstrap channel listens; NULL: `host`. Beyond
+     * loopback it needs a token or insecure_bootstrap (pd_node_create refuses). */
+    const char *bootstrap_host;
     uint16_t bootstrap_port;          /* prefill: default 8998; 0: any free port */
     const char *bootstrap_token;
     /* decode: "host:port,host:port,..." of the prefill bootstrap channels a
@@ -77,7 +77,8 @@ typedef struct pd_node_config {
      * never contacted. NULL: any (a request decides where this node
      * connects, so set it wherever clients can reach the decode node). */
     const char *prefill_peers;
-    bool insecure_bootstrap;          /* prefill: listen beyond loopback without a token */
+    /* prefill: listen beyond loopback without a token. */
+    bool insecure_bootstrap;
 } pd_node_config;
 
 void pd_node_config_default(pd_node_config *c, pd_node_role role);

@@ -130,8 +130,8 @@ int cli_node_parse(int argc, char **argv, pd_node_config *c, int *consumed_until
         const char *a = argv[i];
         if (!strcmp(a, "--help") || !strcmp(a, "-h")) return 1;
         bool flag_only = !strcmp(a, "--disable-overlap") || !strcmp(a, "--disable-prefix-cache") ||
-                         !strcmp(a, "--strict") || !strcmp(a, "--enable-metrics") ||
-                         !strcmp(a, "--insecure-bootstrap");
+            !strcmp(a, "--strict") || !strcmp(a, "--enable-metrics") ||
+            !strcmp(a, "--insecure-bootstrap");
         if (flag_only) {
             if (!strcmp(a, "--disable-overlap")) c->disable_overlap = true;
             else if (!strcmp(a, "--disable-prefix-cache")) c->disable_prefix_cache = true;

@@ -58,7 +58,7 @@ static const double itl_bounds[HIST_BUCKETS - 1] = {0.0005, 0.001, 0.0025, 0.005
 
 struct pd_node {
     pd_node_config cfg;
-    char *strings[NODE_STRINGS];     /* owned copies of the config's strings */
+    char *strings[NODE_STRINGS]; /* owned copies of the config's strings */
     pd_model *model;
     pd_executor model_ex;
     pd_stream *stream;
