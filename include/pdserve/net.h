@@ -52,6 +52,9 @@ typedef struct pd_net_config {
                                      peer that UCX never completes (endpoints without
                                      peer-failure mode) are abandoned after this
                                      (default dead_after_ms) */
+    /* prefill: destinations no request has claimed yet, per decode connection
+     * (default rooms_max / 4). */
+    uint32_t orphans_per_peer;
     uint64_t orphan_ms;           /* prefill: a destination the engine never opens, or a
                                      tombstone of an aborted room, is dropped after this
                                      (default 60000) */
@@ -105,6 +108,9 @@ typedef struct pd_net_stats {
                                               is told (xfer.h, cancel) */
     /* Connections closed before their HELLO to free a slot for a newer one. */
     uint64_t peers_evicted;
+    /* Destinations no request claimed, dropped (with an ABORT to their decode
+     * node) to make way for a room, or refused over the per-peer cap. */
+    uint64_t orphans_evicted, orphans_refused;
 } pd_net_stats;
 void pd_net_stats_get(pd_net *n, pd_net_stats *out);
 

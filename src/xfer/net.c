@@ -93,7 +93,6 @@
 #include <string.h>
 #include <unistd.h>
 
-
 #if defined(__GNUC__)
 __attribute__((format(printf, 2, 3)))
 #endif
@@ -150,21 +149,38 @@ void net_mark_dirty(pd_net *n, room *rm) {
     n->dirty[(n->dirty_head + n->dirty_n++) % n->cfg.rooms_max] = r;
 }
 
-
 /* Writes, a flush or a notice of the room are still in the transport's hands. */
 static bool room_busy(const room *rm) {
     return rm->puts_out || rm->flush_out || rm->q_head != PD_NONE || rm->note != N_NONE;
 }
 
-/* The table's eviction test: a tombstone (closed, or failed before the
- * engine opened it) with nothing in flight can make way for a live room. */
-static bool evictable(void *ctx, uint32_t r) {
-    const room *rm = room_at(ctx, r);
-    return !room_busy(rm) && (rm->h.closed || rm->h.cancelled || xr_news_for_engine(&rm->h));
+bool net_room_orphan(const room *rm) {
+    return rm->slot.used && !rm->h.open && !xr_gone(&rm->h) && rm->dest.known &&
+        rm->h.st != PD_XFER_FAILED && !rm->r_aborted;
 }
 
+/* The table's eviction test: a tombstone (closed, or failed before the
+ * engine opened it) or an orphan destination, with nothing in flight, can
+ * make way for a live room. */
+static bool evictable(void *ctx, uint32_t r) {
+    const room *rm = room_at(ctx, r);
+    if (room_busy(rm)) return false;
+    return rm->h.closed || rm->h.cancelled || xr_news_for_engine(&rm->h) || net_room_orphan(rm);
+}
 
-static void evict(void *ctx, uint32_t r) { net_room_free(ctx, r); }
+/* A tombstone goes quietly; an orphan destination (one the engine never
+ * claimed) takes an ABORT to its decode half with it, which frees the pages
+ * it holds there. */
+static void evict(void *ctx, uint32_t r) {
+    pd_net *n = ctx;
+    room *rm = room_at(n, r);
+    if (net_room_orphan(rm)) {
+        n->stats.orphans_evicted++;
+        if (net_peer_of(n, rm))
+            net_send_room_msg(n, rm->peer, BP_ABORT, rm->slot.id, ABORT_REASON_ORPHAN);
+    }
+    net_room_free(n, r);
+}
 
 uint32_t net_room_new(pd_net *n, uint64_t id) {
     uint32_t r = xr_add(&n->rooms, id);
@@ -786,6 +802,7 @@ static void config_adopt(pd_net *n, const pd_net_config *cfg) {
     if (!c->stages_max) c->stages_max = PD_MAX(16u * c->rooms_max, 1024u);
     if (!c->drain_grace_ms) c->drain_grace_ms = c->dead_after_ms;
     if (!c->orphan_ms) c->orphan_ms = 60000;
+    if (!c->orphans_per_peer) c->orphans_per_peer = PD_MAX(1u, c->rooms_max / 4);
     if (!c->spin_us) c->spin_us = 1000;
     snprintf(n->listen_host, sizeof(n->listen_host), "%s",
              cfg->listen_host ? cfg->listen_host : "0.0.0.0");

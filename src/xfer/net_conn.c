@@ -345,6 +345,17 @@ static const char *dest_problem(const pd_net *n, const peer *p, const bp_dest *d
     return NULL;
 }
 
+/* Orphan destinations that came on connection pi (issue 10, finding 5: a
+ * peer holding the token could fill the room table with them). */
+static uint32_t orphans_of(const pd_net *n, uint32_t pi) {
+    uint32_t k = 0;
+    for (uint32_t r = 0; r < n->cfg.rooms_max; r++) {
+        const room *rm = room_at(n, r);
+        k += net_room_orphan(rm) && rm->peer == pi && rm->peer_gen == n->peers[pi].gen;
+    }
+    return k;
+}
+
 static void on_dest(pd_net *n, uint32_t pi, const uint8_t *pl, uint32_t len) {
     PD_ASSERT(n->cfg.role == PD_NET_PREFILL && n->peers[pi].state == PS_READY);
     peer *p = &n->peers[pi];
@@ -374,6 +385,12 @@ static void on_dest(pd_net *n, uint32_t pi, const uint8_t *pl, uint32_t len) {
             return;
         }
     } else {
+        if (orphans_of(n, pi) >= n->cfg.orphans_per_peer) {
+            n->stats.orphans_refused++;
+            send_error(n, pi, BP_E_BUSY, true, d.room,
+                       "too many destinations from this peer that no request has claimed");
+            return;
+        }
         r = net_room_new(n, d.room);
         if (r == PD_NONE) {
             send_error(n, pi, BP_E_BUSY, true, d.room, "no room slot free on the prefill node");
@@ -397,7 +414,10 @@ static void on_dest(pd_net *n, uint32_t pi, const uint8_t *pl, uint32_t len) {
     rm->dest.known = true;
     rm->peer = pi;
     rm->peer_gen = p->gen;
-    if (!rm->h.open) rm->t_ms = now_ms();
+    if (!rm->h.open) {
+        rm->t_ms = now_ms();
+        xr_set_tomb(&n->rooms, r, true); /* evictable, oldest first, before any live room */
+    }
     if (rm->h.open) xr_dest_arrived(&rm->h);
     net_send_room_msg(n, pi, BP_DEST_OK, d.room, 0);
 }

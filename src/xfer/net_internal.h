@@ -199,6 +199,8 @@ void net_room_free(pd_net *n, uint32_t r);
 void net_room_try_release(pd_net *n, room *rm);
 peer *net_peer_of(pd_net *n, const room *rm);
 void net_writes_sync(room *rm);
+/* A destination that came from the decode and that the engine never opened. */
+bool net_room_orphan(const room *rm);
 void net_stages_drop(pd_net *n, room *rm);
 
 /* ---- net_conn.c: bootstrap connections and messages ------------------------------ */

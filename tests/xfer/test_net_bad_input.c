@@ -327,6 +327,38 @@ static void silent_strangers_cannot_hold_every_slot(void **state) {
     pair_free(w);
 }
 
+/* Issue 10, finding 5: a peer holding the token could fill the room table
+ * with destinations no request claims, and every real request failed for
+ * orphan_ms (eviction took only tombstones). Now one connection holds at most
+ * orphans_per_peer of them (rooms_max / 4), and a live room evicts the oldest
+ * orphan, whose decode half gets an ABORT. */
+static void orphan_destinations_cannot_fill_the_table(void **state) {
+    (void)state;
+    pair_opts o = pair_defaults(); /* rooms_max 64: 16 orphans per connection */
+    o.token = TOKEN;
+    o.dead_after_ms = 10000; /* the raw peers send no heartbeats */
+    pair *w = pair_new(&o);
+    enum { PEERS = 4, CAP = 16 };
+    uint32_t pages[3] = {1, 2, 3};
+    int fd[PEERS];
+    for (int k = 0; k < PEERS; k++) {
+        fd[k] = rogue_connected(w);
+        for (uint64_t i = 0; i < CAP; i++) {
+            send_dest(fd[k], 1000 + 100 * (uint64_t)k + i, 12, 0, 0, 0, pages, 3);
+            expect_room_msg(fd[k], BP_DEST_OK, 1000 + 100 * (uint64_t)k + i);
+        }
+    }
+    send_dest(fd[0], 1999, 12, 0, 0, 0, pages, 3); /* over the per-connection cap */
+    expect_room_error(fd[0], BP_E_BUSY, 1999);
+    assert_int_equal(stats_of(w->pre).orphans_refused, 1);
+    /* The table is full of orphans; a real request still gets its room. */
+    valid_decode_still_completes_a_room(w, 4);
+    assert_true(stats_of(w->pre).orphans_evicted >= 1);
+    expect_room_msg(fd[0], BP_ABORT, 1000); /* the oldest orphan's decode half is told */
+    for (int k = 0; k < PEERS; k++) close(fd[k]);
+    pair_free(w);
+}
+
 static void wrong_version_is_refused_with_a_clear_error(void **state) {
     (void)state;
     pair *w = secure_pair();
@@ -624,6 +656,7 @@ int main(void) {
         cmocka_unit_test(wrong_version_is_refused_with_a_clear_error),
         cmocka_unit_test(garbage_worker_address_is_refused_and_the_node_stays_up),
         cmocka_unit_test(silent_strangers_cannot_hold_every_slot),
+        cmocka_unit_test(orphan_destinations_cannot_fill_the_table),
         cmocka_unit_test(missing_or_wrong_token_is_refused),
         cmocka_unit_test(messages_out_of_turn_are_refused),
         cmocka_unit_test(destinations_that_do_not_fit_are_refused),
