@@ -385,7 +385,11 @@ static void on_dest(pd_net *n, uint32_t pi, const uint8_t *pl, uint32_t len) {
             return;
         }
     } else {
-        if (orphans_of(n, pi) >= n->cfg.orphans_per_peer) {
+        /* Counted only when the table is three quarters full: the scan costs
+         * a pass over the table, and below that no connection can crowd the
+         * others out (a live room evicts the oldest orphan anyway). */
+        bool crowded = (uint64_t)xr_used(&n->rooms) * 4 >= (uint64_t)n->cfg.rooms_max * 3;
+        if (crowded && orphans_of(n, pi) >= n->cfg.orphans_per_peer) {
             n->stats.orphans_refused++;
             send_error(n, pi, BP_E_BUSY, true, d.room,
                        "too many destinations from this peer that no request has claimed");
