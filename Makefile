@@ -6,6 +6,7 @@
 #   make soak    the simulator's long swarm (SOAK_SEEDS=100000 seeds, all faults)
 #   make tidy    the house style's mechanical rules (tools/tidy, docs/tidy.md); CI runs it
 #   make format-check  clang-format on the lines changed since tools/format-base; CI too
+#   make fuzz    every parser's libFuzzer target for FUZZ_SECONDS (default 60) each (clang)
 #   make mutants every planted bug in tests/mutants/*.patch must be caught by the swarm
 #                or the explore (tools/mutants.sh; MUTANTS="a.patch b.patch" for a subset)
 #
@@ -14,13 +15,15 @@ TEST_DIR := build/test
 REL_DIR  := build/release
 
 SOAK_SEEDS ?= 100000
+FUZZ_SECONDS ?= 60
+FUZZ_DIR := build/fuzz
 
 .PHONY: all deps test build-test release run bench soak mutants tidy format-check clean help
 
 all: release
 
 help:
-	@sed -n '2,11p' Makefile
+	@sed -n '2,12p' Makefile
 
 deps:
 	@scripts/deps.sh
@@ -71,3 +74,11 @@ mutants: deps
 
 clean:
 	rm -rf build
+
+fuzz: deps
+	cmake -S . -B $(FUZZ_DIR) -DCMAKE_C_COMPILER=clang -DCMAKE_BUILD_TYPE=Debug \
+		-DPD_BUILD_TESTS=OFF -DPD_FUZZ=ON \
+		"-DCMAKE_C_FLAGS=-O1 -g -fno-omit-frame-pointer -fsanitize=fuzzer-no-link,address,undefined" \
+		"-DCMAKE_EXE_LINKER_FLAGS=-fsanitize=address,undefined"
+	cmake --build $(FUZZ_DIR) -j $(JOBS) --target fuzz_targets
+	tools/fuzz.sh $(FUZZ_DIR) $(FUZZ_SECONDS)
