@@ -879,6 +879,7 @@ static pd_err cmd_kill(sim *s, const line_args *a, bool kill, char *msg, size_t 
 }
 
 static bool all_idle(sim *s) {
+    if (!s->built) return true; /* a scenario with no request never built its world */
     for (int side = 0; side < 2; side++) {
         node *n = &s->nodes[side];
         if (!n->alive) continue;
