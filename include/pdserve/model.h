@@ -104,6 +104,10 @@ typedef struct pd_model_shape {
 pd_err pd_model_config_preset(pd_model_config *out, const char *name, char *msg, size_t msg_cap);
 /* Every field in range and consistent; the message names the first problem. */
 pd_err pd_model_config_check(const pd_model_config *cfg, char *msg, size_t msg_cap);
+/* A config.json's text into *cfg, checked as pd_model_config_check does;
+ * path only names the source in messages. */
+pd_err pd_model_config_parse(pd_model_config *cfg, const char *json, size_t len, const char *path,
+                             char *msg, size_t msg_cap);
 /* cfg must pass pd_model_config_check. */
 void pd_model_config_shape(const pd_model_config *cfg, pd_model_shape *out);
 /* Bytes of one KV page for this model. */

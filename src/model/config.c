@@ -256,9 +256,6 @@ static pd_err read_field(pd_model_config *cfg, const field *f, const json_t *v, 
 }
 
 pd_err mdl_config_read(pd_model_config *cfg, const char *path, char *msg, size_t cap) {
-    memset(cfg, 0, sizeof(*cfg));
-    cfg->bos_token = -1;
-    cfg->eos_token = -1;
     FILE *f = fopen(path, "rb");
     if (!f) return pd_errorf(msg, cap, PD_ERR_IO, "%s: cannot open: %s", path, strerror(errno));
     char buf[1 << 16];
@@ -267,8 +264,16 @@ pd_err mdl_config_read(pd_model_config *cfg, const char *path, char *msg, size_t
     fclose(f);
     if (more)
         return pd_errorf(msg, cap, PD_ERR_TOOBIG, "%s: larger than %zu bytes", path, sizeof(buf));
+    return pd_model_config_parse(cfg, buf, len, path, msg, cap);
+}
+
+pd_err pd_model_config_parse(pd_model_config *cfg, const char *json, size_t len, const char *path,
+                             char *msg, size_t cap) {
+    memset(cfg, 0, sizeof(*cfg));
+    cfg->bos_token = -1;
+    cfg->eos_token = -1;
     json_error_t jerr;
-    json_t *root = json_loadb(buf, len, JSON_REJECT_DUPLICATES, &jerr);
+    json_t *root = json_loadb(json, len, JSON_REJECT_DUPLICATES, &jerr);
     if (!root)
         return pd_errorf(msg, cap, PD_ERR_PARSE, "%s: not valid JSON: %s (line %d, column %d)",
                          path, jerr.text, jerr.line, jerr.column);
