@@ -465,6 +465,18 @@ static json_t *openai_body(conn_state *st, const call *c, const char *text, bool
     return body;
 }
 
+int node_http_check_body(pd_node *n, const char *body, size_t len, bool openai, char *err,
+                         size_t cap) {
+    json_error_t jerr;
+    json_t *root = json_loadb(body, len, 0, &jerr);
+    if (!root) return refuse(err, cap, 400, "malformed JSON: %s", jerr.text);
+    parsed p;
+    int status = parse_request(n, root, openai, &p, err, cap);
+    json_decref(root);
+    free(p.prompt);
+    return status;
+}
+
 /* ---- streaming ------------------------------------------------------------------------- */
 
 /* The next SSE event (NULL: the closing [DONE]); false when out of memory,

@@ -51,6 +51,12 @@ typedef struct call {
     bool aborting;                   /* an abort was sent for it */
 } call;
 
+/* The request-body parser alone, as POST /generate (openai: /v1/completions)
+ * runs it: 0 if the body would be submitted, else the HTTP status, with the
+ * message in err. For the fuzz target (tests/fuzz/fuzz_request.c). */
+int node_http_check_body(pd_node *n, const char *body, size_t len, bool openai, char *err,
+                         size_t cap);
+
 call *call_new(void);
 void call_ref(call *c);
 void call_unref(call *c);
