@@ -233,7 +233,12 @@ static bool op_slot_free(const pd_loopback *lb, op_kind kind) {
     return !is_data(kind) || lb->ops_live + reserve < lb->ops_cap;
 }
 
+static void reclaim_cancelled(pd_loopback *lb);
+
 static op *op_post(pd_loopback *lb, uint32_t r, op_kind kind, uint64_t delay) {
+    /* Dropped operations wait in the heap until their due time: when they
+     * are what fills the pool, they make way. */
+    if (lb->op_free == PD_NONE) reclaim_cancelled(lb);
     if (!op_slot_free(lb, kind)) return NULL;
     uint32_t o = lb->op_free;
     op *p = &lb->ops[o];
@@ -257,7 +262,10 @@ static op *op_post(pd_loopback *lb, uint32_t r, op_kind kind, uint64_t delay) {
     return p;
 }
 
-/* A control operation: the pool keeps slots for them, so this cannot fail. */
+/* A control operation: the pool keeps slots for them, so this cannot fail
+ * (op_post frees dropped operations first when the pool is full; then data
+ * holds at most its budget, and live control operations at most
+ * CONTROL_OPS_PER_ROOM a room). */
 static op *op_post_control(pd_loopback *lb, uint32_t r, op_kind kind, uint64_t delay) {
     op *p = op_post(lb, r, kind, delay);
     PD_ASSERTF(p, "loopback: no operation slot left for a control operation");
@@ -281,6 +289,18 @@ static void op_free_slot(pd_loopback *lb, uint32_t o) {
     lb->op_free = o;
     PD_ASSERT(lb->ops_live > 0);
     lb->ops_live--;
+}
+
+/* Frees every dropped operation still waiting in the heap, and rebuilds it. */
+static void reclaim_cancelled(pd_loopback *lb) {
+    uint32_t keep = 0;
+    for (uint32_t i = 0; i < lb->heap_n; i++) {
+        uint32_t o = lb->heap[i];
+        if (lb->ops[o].cancelled) op_free_slot(lb, o);
+        else lb->heap[keep++] = o;
+    }
+    lb->heap_n = 0;
+    for (uint32_t i = 0; i < keep; i++) heap_push(lb, lb->heap[i]);
 }
 
 /* Drops the room's queued operations — only the data ones (they will never

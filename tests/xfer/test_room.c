@@ -4,6 +4,7 @@
 #include <stdlib.h>
 
 #include "../test_util.h"
+#include "pdserve/loopback.h"
 #include "pdserve/pool.h"
 #include "room.h"
 
@@ -160,6 +161,34 @@ static void table_evicts_oldest_idle_tombstone_only(void **state) {
     xr_table_free(&t);
 }
 
+/* The loopback's fixed operation pool: rooms whose two halves are gone drop
+ * their queued operations, which wait in the heap until their due time. A
+ * pool full of them must make way for a live room's control operation (an
+ * assertion before) and for its destination (PD_ERR_NOMEM before). */
+static void loopback_pool_full_of_dropped_operations_makes_way(void **state) {
+    (void)state;
+    pd_loopback *lb;
+    pd_loopback_config lc = {.latency = 5, .rooms_max = 1, .page_size = 4, .ops_max = 1};
+    assert_int_equal(pd_loopback_create(&lb, &lc), PD_OK); /* 8 control + 1 data slots */
+    pd_xfer s = pd_loopback_endpoint(lb, PD_LB_PREFILL), r = pd_loopback_endpoint(lb, PD_LB_DECODE);
+    uint32_t pages[1] = {0};
+    pd_xfer_dest d = {.prompt_tokens = 4,
+                      .pages = pages,
+                      .n_pages = 1,
+                      .mamba_slot = PD_POOL_NONE,
+                      .meta_row = 0};
+    for (uint64_t room = 1; room <= 40; room++) { /* no advance: nothing comes due */
+        assert_int_equal(r.vt->receiver_open(r.self, room, NULL, &d), PD_OK); /* DEST */
+        assert_int_equal(r.vt->abort(r.self, room), PD_OK);                   /* R_ABORT */
+        r.vt->close(r.self, room);
+        s.vt->cancel(s.self, room, NULL); /* both halves gone: the room and its ops go */
+        assert_int_equal(pd_loopback_pending(lb), 0);
+    }
+    pd_loopback_advance(lb, 1000);
+    assert_int_equal(pd_loopback_pending(lb), 0);
+    pd_loopback_destroy(lb);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(status_moves_forward_and_final_sticks),
@@ -169,6 +198,7 @@ int main(void) {
         cmocka_unit_test(cancel_tells_once_and_marks_gone),
         cmocka_unit_test(destination_checks),
         cmocka_unit_test(table_evicts_oldest_idle_tombstone_only),
+        cmocka_unit_test(loopback_pool_full_of_dropped_operations_makes_way),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
