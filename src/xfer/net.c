@@ -168,17 +168,19 @@ static bool evictable(void *ctx, uint32_t r) {
     return rm->h.closed || rm->h.cancelled || xr_news_for_engine(&rm->h) || net_room_orphan(rm);
 }
 
-/* A tombstone goes quietly; an orphan destination (one the engine never
- * claimed) takes an ABORT to its decode half with it, which frees the pages
- * it holds there. */
+/* An orphan destination (one the engine never claimed) that goes, by
+ * eviction or expiry, takes an ABORT to its decode half with it, which frees
+ * the pages it holds there; a tombstone goes quietly. True for an orphan. */
+static bool orphan_abort(pd_net *n, room *rm) {
+    if (!net_room_orphan(rm)) return false;
+    if (net_peer_of(n, rm))
+        net_send_room_msg(n, rm->peer, BP_ABORT, rm->slot.id, ABORT_REASON_ORPHAN);
+    return true;
+}
+
 static void evict(void *ctx, uint32_t r) {
     pd_net *n = ctx;
-    room *rm = room_at(n, r);
-    if (net_room_orphan(rm)) {
-        n->stats.orphans_evicted++;
-        if (net_peer_of(n, rm))
-            net_send_room_msg(n, rm->peer, BP_ABORT, rm->slot.id, ABORT_REASON_ORPHAN);
-    }
+    if (orphan_abort(n, room_at(n, r))) n->stats.orphans_evicted++;
     net_room_free(n, r);
 }
 
@@ -336,13 +338,7 @@ static void timers(pd_net *n, uint64_t now) {
             room *rm = room_at(n, r);
             if (!rm->slot.used || rm->h.open || since(now, rm->t_ms) < n->cfg.orphan_ms) continue;
             if (rm->puts_out || rm->flush_out || rm->note != N_NONE) continue;
-            if (!xr_gone(&rm->h) && rm->dest.known && !rm->r_aborted &&
-                rm->h.st != PD_XFER_FAILED) {
-                /* A destination the engine never claimed: free the decode's pages. */
-                uint32_t pi = rm->peer;
-                if (net_peer_of(n, rm))
-                    net_send_room_msg(n, pi, BP_ABORT, rm->slot.id, ABORT_REASON_ORPHAN);
-            }
+            orphan_abort(n, rm);
             net_room_free(n, r);
         }
         for (uint32_t r = 0; r < n->cfg.rooms_max; r++) {
