@@ -14,6 +14,7 @@ packages=(
   libcurl4-openssl-dev # HTTP client (router -> workers, end-to-end tests)
   libucx-dev        # UCX transport between prefill and decode processes
   ucx-utils         # ucx_info, for diagnostics
+  libsodium-dev     # the bootstrap handshake's HMAC proofs and nonces
   python3           # end-to-end tests (standard library only)
   clang-format      # tools/tidy's format rule (docs/tidy.md; Debian 12's is version 14)
 )

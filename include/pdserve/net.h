@@ -106,11 +106,14 @@ typedef struct pd_net_stats {
                                               never completed; given up after drain_grace_ms */
     uint64_t rooms_cancelled;              /* rooms ended here before they opened; the peer
                                               is told (xfer.h, cancel) */
-    /* Connections closed before their HELLO to free a slot for a newer one. */
+    /* Connections closed before they authenticated, to free a slot for a newer one. */
     uint64_t peers_evicted;
     /* Destinations no request claimed, dropped (with an ABORT to their decode
      * node) to make way for a room, or refused over the per-peer cap. */
     uint64_t orphans_evicted, orphans_refused;
+    /* Handshakes refused because the peer's proof of the token did not
+     * verify (it holds another token, or none). */
+    uint64_t auth_refused;
 } pd_net_stats;
 void pd_net_stats_get(pd_net *n, pd_net_stats *out);
 
@@ -126,6 +129,9 @@ typedef enum pd_net_fault {
     /* Prefill: completion, abort and acknowledgement notices are held back
      * while on (data writes still run); released when turned off. */
     PD_NET_FAULT_HOLD_NOTICES,
+    /* Decode: each host-name lookup waits 2 * dead_after_ms first, like a
+     * DNS server that does not answer (numeric addresses are not looked up). */
+    PD_NET_FAULT_SLOW_RESOLVE,
     PD_NET_FAULT__COUNT
 } pd_net_fault;
 void pd_net_set_fault(pd_net *n, pd_net_fault fault, bool on);

@@ -11,6 +11,8 @@
 
 #include <string.h>
 
+#include <sodium.h>
+
 /* ---- little-endian helpers ---------------------------------------------------- */
 
 uint16_t bp_get_u16(const uint8_t *p) { return (uint16_t)(p[0] | (uint16_t)p[1] << 8); }
@@ -41,10 +43,10 @@ void bp_put_u64(uint8_t *p, uint64_t v) {
 
 const char *bp_type_name(uint32_t type) {
     static const char *const names[BP__TYPE_COUNT] = {
-        [BP_HELLO] = "HELLO", [BP_HELLO_OK] = "HELLO_OK", [BP_DEST] = "DEST",
-        [BP_DEST_OK] = "DEST_OK", [BP_START] = "START", [BP_DONE] = "DONE",
-        [BP_ABORT] = "ABORT", [BP_ACK] = "ACK", [BP_PING] = "PING",
-        [BP_ERROR] = "ERROR",
+        [BP_HELLO] = "HELLO",     [BP_HELLO_OK] = "HELLO_OK", [BP_DEST] = "DEST",
+        [BP_DEST_OK] = "DEST_OK", [BP_START] = "START",       [BP_DONE] = "DONE",
+        [BP_ABORT] = "ABORT",     [BP_ACK] = "ACK",           [BP_PING] = "PING",
+        [BP_ERROR] = "ERROR",     [BP_AUTH] = "AUTH",         [BP_CHALLENGE] = "CHALLENGE",
     };
     return type < BP__TYPE_COUNT && names[type] ? names[type] : "UNKNOWN";
 }
@@ -82,9 +84,30 @@ static uint32_t payload_max(uint32_t type) {
     case BP_ACK: return BP_ROOM_MSG_BYTES;
     case BP_PING: return 0;
     case BP_ERROR: return 16 + BP_ERROR_TEXT_MAX;
+    case BP_AUTH: return BP_NONCE_BYTES;
+    case BP_CHALLENGE: return BP_NONCE_BYTES + BP_PROOF_BYTES;
     case BP__TYPE_COUNT: break;
     }
     return 0;
+}
+
+bool bp_type_for_role(uint32_t type, bool prefill) {
+    switch ((bp_type)type) {
+    case BP_AUTH:
+    case BP_HELLO:
+    case BP_DEST: return prefill;
+    case BP_CHALLENGE:
+    case BP_HELLO_OK:
+    case BP_DEST_OK:
+    case BP_START:
+    case BP_DONE:
+    case BP_ACK: return !prefill;
+    case BP_ABORT:
+    case BP_PING:
+    case BP_ERROR: return true;
+    case BP__TYPE_COUNT: break;
+    }
+    return false;
 }
 
 pd_err bp_header_check(const uint8_t *buf, bp_header *out, bp_code *code) {
@@ -127,15 +150,89 @@ void bp_header_write(uint8_t *buf, bp_type type, uint32_t length) {
     bp_put_u32(buf + 12, length);
 }
 
+/* ---- AUTH, CHALLENGE, proofs ------------------------------------------------------ */
+
+static const char LABEL_PREFILL[] = "pdserve bootstrap v2: prefill proof";
+static const char LABEL_DECODE[] = "pdserve bootstrap v2: decode proof";
+
+static void mac_begin(crypto_auth_hmacsha256_state *st, const bp_auth *a, const char *label,
+                      const uint8_t *first, const uint8_t *second) {
+    static const uint8_t no_key[1];
+    crypto_auth_hmacsha256_init(st, a->key_len ? a->key : no_key, a->key_len);
+    crypto_auth_hmacsha256_update(st, (const uint8_t *)label, strlen(label) + 1);
+    crypto_auth_hmacsha256_update(st, first, BP_NONCE_BYTES);
+    crypto_auth_hmacsha256_update(st, second, BP_NONCE_BYTES);
+}
+
+void bp_prefill_proof(const bp_auth *a, uint8_t out[BP_PROOF_BYTES]) {
+    crypto_auth_hmacsha256_state st;
+    mac_begin(&st, a, LABEL_PREFILL, a->nonce_decode, a->nonce_prefill);
+    crypto_auth_hmacsha256_final(&st, out);
+}
+
+bool bp_proof_equal(const uint8_t a[BP_PROOF_BYTES], const uint8_t b[BP_PROOF_BYTES]) {
+    return sodium_memcmp(a, b, BP_PROOF_BYTES) == 0;
+}
+
+size_t bp_auth_write(uint8_t *out, size_t cap, const uint8_t nonce[BP_NONCE_BYTES]) {
+    if (cap < BP_HEADER_BYTES + BP_NONCE_BYTES) return 0;
+    bp_header_write(out, BP_AUTH, BP_NONCE_BYTES);
+    memcpy(out + BP_HEADER_BYTES, nonce, BP_NONCE_BYTES);
+    return BP_HEADER_BYTES + BP_NONCE_BYTES;
+}
+
+pd_err bp_auth_read(const uint8_t *p, uint32_t len, uint8_t nonce[BP_NONCE_BYTES]) {
+    if (len != BP_NONCE_BYTES) return PD_ERR_PARSE;
+    memcpy(nonce, p, BP_NONCE_BYTES);
+    return PD_OK;
+}
+
+size_t bp_challenge_write(uint8_t *out, size_t cap, const uint8_t nonce[BP_NONCE_BYTES],
+                          const uint8_t proof[BP_PROOF_BYTES]) {
+    if (cap < BP_HEADER_BYTES + BP_NONCE_BYTES + BP_PROOF_BYTES) return 0;
+    bp_header_write(out, BP_CHALLENGE, BP_NONCE_BYTES + BP_PROOF_BYTES);
+    memcpy(out + BP_HEADER_BYTES, nonce, BP_NONCE_BYTES);
+    memcpy(out + BP_HEADER_BYTES + BP_NONCE_BYTES, proof, BP_PROOF_BYTES);
+    return BP_HEADER_BYTES + BP_NONCE_BYTES + BP_PROOF_BYTES;
+}
+
+pd_err bp_challenge_read(const uint8_t *p, uint32_t len, uint8_t nonce[BP_NONCE_BYTES],
+                         uint8_t proof[BP_PROOF_BYTES]) {
+    if (len != BP_NONCE_BYTES + BP_PROOF_BYTES) return PD_ERR_PARSE;
+    memcpy(nonce, p, BP_NONCE_BYTES);
+    memcpy(proof, p + BP_NONCE_BYTES, BP_PROOF_BYTES);
+    return PD_OK;
+}
+
 /* ---- HELLO -------------------------------------------------------------------- */
 
 #define HELLO_FIXED 24u
 #define HELLO_REGION 24u
-#define HELLO_HEAD (HELLO_FIXED + BP_REG_COUNT * HELLO_REGION)
+#define HELLO_PROOF (HELLO_FIXED + BP_REG_COUNT * HELLO_REGION)
+#define HELLO_HEAD (HELLO_PROOF + BP_PROOF_BYTES)
 
-size_t bp_hello_write(uint8_t *out, size_t cap, const bp_hello *h) {
-    if (h->token_len > BP_TOKEN_MAX || h->worker_addr_len > BP_WORKER_ADDR_MAX) return 0;
-    size_t len = HELLO_HEAD + h->token_len + h->worker_addr_len;
+void bp_hello_proof(const bp_auth *a, const uint8_t *payload, uint32_t len,
+                    uint8_t out[BP_PROOF_BYTES]) {
+    PD_ASSERT(len >= HELLO_HEAD);
+    static const uint8_t zero[BP_PROOF_BYTES];
+    crypto_auth_hmacsha256_state st;
+    mac_begin(&st, a, LABEL_DECODE, a->nonce_prefill, a->nonce_decode);
+    crypto_auth_hmacsha256_update(&st, payload, HELLO_PROOF);
+    crypto_auth_hmacsha256_update(&st, zero, BP_PROOF_BYTES);
+    crypto_auth_hmacsha256_update(&st, payload + HELLO_HEAD, len - HELLO_HEAD);
+    crypto_auth_hmacsha256_final(&st, out);
+}
+
+bool bp_hello_verify(const bp_auth *a, const uint8_t *payload, uint32_t len) {
+    if (len < HELLO_HEAD) return false;
+    uint8_t want[BP_PROOF_BYTES];
+    bp_hello_proof(a, payload, len, want);
+    return bp_proof_equal(want, payload + HELLO_PROOF);
+}
+
+size_t bp_hello_write(uint8_t *out, size_t cap, const bp_hello *h, const bp_auth *a) {
+    if (h->worker_addr_len > BP_WORKER_ADDR_MAX) return 0;
+    size_t len = HELLO_HEAD + h->worker_addr_len;
     for (int r = 0; r < BP_REG_COUNT; r++) {
         if (h->region[r].rkey_len > BP_RKEY_MAX) return 0;
         len += h->region[r].rkey_len;
@@ -146,7 +243,6 @@ size_t bp_hello_write(uint8_t *out, size_t cap, const bp_hello *h) {
     bp_put_u64(p, h->node_id);
     bp_put_u32(p + 8, h->page_size);
     bp_put_u32(p + 12, h->meta_row_bytes);
-    bp_put_u16(p + 16, h->token_len);
     bp_put_u16(p + 18, h->worker_addr_len);
     for (int r = 0; r < BP_REG_COUNT; r++) {
         uint8_t *q = p + HELLO_FIXED + r * HELLO_REGION;
@@ -156,16 +252,31 @@ size_t bp_hello_write(uint8_t *out, size_t cap, const bp_hello *h) {
         bp_put_u16(q + 20, h->region[r].rkey_len);
     }
     uint8_t *v = p + HELLO_HEAD;
-    if (h->token_len) memcpy(v, h->token, h->token_len);
-    v += h->token_len;
     if (h->worker_addr_len) memcpy(v, h->worker_addr, h->worker_addr_len);
     v += h->worker_addr_len;
     for (int r = 0; r < BP_REG_COUNT; r++) {
         if (h->region[r].rkey_len) memcpy(v, h->region[r].rkey, h->region[r].rkey_len);
         v += h->region[r].rkey_len;
     }
+    bp_hello_proof(a, p, (uint32_t)len, p + HELLO_PROOF);
     bp_header_write(out, BP_HELLO, (uint32_t)len);
     return BP_HEADER_BYTES + len;
+}
+
+/* A region is either absent (no units, no key) or complete, and its byte
+ * range must not wrap the address space. */
+static pd_err region_read(const uint8_t *q, bp_region *g) {
+    g->base = bp_get_u64(q);
+    g->unit_bytes = bp_get_u64(q + 8);
+    g->units = bp_get_u32(q + 16);
+    g->rkey_len = bp_get_u16(q + 20);
+    if (bp_get_u16(q + 22) != 0 || g->rkey_len > BP_RKEY_MAX) return PD_ERR_PARSE;
+    if ((g->units == 0) != (g->rkey_len == 0)) return PD_ERR_PARSE;
+    if (g->units &&
+        (g->unit_bytes == 0 || g->unit_bytes > UINT64_MAX / g->units ||
+         g->base > UINT64_MAX - g->unit_bytes * g->units))
+        return PD_ERR_PARSE;
+    return PD_OK;
 }
 
 pd_err bp_hello_read(const uint8_t *p, uint32_t len, bp_hello *out) {
@@ -174,33 +285,18 @@ pd_err bp_hello_read(const uint8_t *p, uint32_t len, bp_hello *out) {
     out->node_id = bp_get_u64(p);
     out->page_size = bp_get_u32(p + 8);
     out->meta_row_bytes = bp_get_u32(p + 12);
-    out->token_len = bp_get_u16(p + 16);
     out->worker_addr_len = bp_get_u16(p + 18);
-    if (bp_get_u32(p + 20) != 0) return PD_ERR_PARSE;
-    if (out->token_len > BP_TOKEN_MAX || out->worker_addr_len > BP_WORKER_ADDR_MAX ||
-        out->worker_addr_len == 0)
-        return PD_ERR_PARSE;
-    size_t want = HELLO_HEAD + (size_t)out->token_len + out->worker_addr_len;
+    if (bp_get_u16(p + 16) != 0 || bp_get_u32(p + 20) != 0) return PD_ERR_PARSE;
+    if (out->worker_addr_len > BP_WORKER_ADDR_MAX || out->worker_addr_len == 0) return PD_ERR_PARSE;
+    size_t want = HELLO_HEAD + (size_t)out->worker_addr_len;
     for (int r = 0; r < BP_REG_COUNT; r++) {
-        const uint8_t *q = p + HELLO_FIXED + r * HELLO_REGION;
-        bp_region *g = &out->region[r];
-        g->base = bp_get_u64(q);
-        g->unit_bytes = bp_get_u64(q + 8);
-        g->units = bp_get_u32(q + 16);
-        g->rkey_len = bp_get_u16(q + 20);
-        if (bp_get_u16(q + 22) != 0 || g->rkey_len > BP_RKEY_MAX) return PD_ERR_PARSE;
-        /* A region is either absent (no units, no key) or complete, and its
-         * byte range must not wrap the address space. */
-        if ((g->units == 0) != (g->rkey_len == 0)) return PD_ERR_PARSE;
-        if (g->units && (g->unit_bytes == 0 || g->unit_bytes > UINT64_MAX / g->units ||
-                         g->base > UINT64_MAX - g->unit_bytes * g->units))
+        if (region_read(p + HELLO_FIXED + r * HELLO_REGION, &out->region[r]) != PD_OK)
             return PD_ERR_PARSE;
-        want += g->rkey_len;
+        want += out->region[r].rkey_len;
     }
     if (want != len) return PD_ERR_PARSE;
+    out->proof = p + HELLO_PROOF;
     const uint8_t *v = p + HELLO_HEAD;
-    out->token = v;
-    v += out->token_len;
     out->worker_addr = v;
     v += out->worker_addr_len;
     for (int r = 0; r < BP_REG_COUNT; r++) {

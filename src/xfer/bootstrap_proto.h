@@ -10,7 +10,7 @@
  *   off 0  u32 magic    BP_MAGIC ("PDBS" as bytes)
  *   off 4  u16 version  BP_VERSION
  *   off 6  u16 type     bp_type
- *   off 8  u32 flags    0 in version 1 (anything else is refused)
+ *   off 8  u32 flags    0 (anything else is refused)
  *   off 12 u32 length   payload bytes, at most the type's limit
  *
  * The header is checked before a single payload byte is read, so a peer
@@ -33,13 +33,15 @@
 #include "pdserve/base.h"
 
 #define BP_MAGIC 0x53424450u /* bytes 'P' 'D' 'B' 'S' */
-#define BP_VERSION 1u
+#define BP_VERSION 2u
 #define BP_HEADER_BYTES 16u
 /* Hard limit on any payload: a destination of 262,144 pages (4M tokens at
  * page size 16) fits. */
 #define BP_PAYLOAD_MAX (1u << 20)
 #define BP_HELLO_MAX (64u << 10)
 #define BP_TOKEN_MAX 256u
+#define BP_NONCE_BYTES 32u
+#define BP_PROOF_BYTES 32u /* HMAC-SHA-256 */
 #define BP_WORKER_ADDR_MAX 8192u
 #define BP_RKEY_MAX 4096u
 #define BP_ERROR_TEXT_MAX 240u
@@ -49,16 +51,18 @@
 #define BP_NONE UINT32_MAX
 
 typedef enum bp_type {
-    BP_HELLO = 1,   /* decode -> prefill: memory descriptors, token */
-    BP_HELLO_OK,    /* prefill -> decode: accepted */
-    BP_DEST,        /* decode -> prefill: a room's destination */
-    BP_DEST_OK,     /* prefill -> decode: destination accepted (WAITING_FOR_INPUT) */
-    BP_START,       /* prefill -> decode: the first write of the room was posted */
-    BP_DONE,        /* prefill -> decode: every write of the room landed */
-    BP_ABORT,       /* both ways: decode asks to stop / prefill stopped for good */
-    BP_ACK,         /* prefill -> decode: stopped after the decode's ABORT */
-    BP_PING,        /* both ways: heartbeat, empty payload */
-    BP_ERROR,       /* both ways: a refusal, of one room or of the connection */
+    BP_HELLO = 1, /* decode -> prefill: memory descriptors, its proof of the token */
+    BP_HELLO_OK,  /* prefill -> decode: accepted */
+    BP_DEST,      /* decode -> prefill: a room's destination */
+    BP_DEST_OK,   /* prefill -> decode: destination accepted (WAITING_FOR_INPUT) */
+    BP_START,     /* prefill -> decode: the first write of the room was posted */
+    BP_DONE,      /* prefill -> decode: every write of the room landed */
+    BP_ABORT,     /* both ways: decode asks to stop / prefill stopped for good */
+    BP_ACK,       /* prefill -> decode: stopped after the decode's ABORT */
+    BP_PING,      /* both ways: heartbeat, empty payload */
+    BP_ERROR,     /* both ways: a refusal, of one room or of the connection */
+    BP_AUTH,      /* decode -> prefill, first: the decode's nonce */
+    BP_CHALLENGE, /* prefill -> decode: the prefill's nonce and its proof */
     BP__TYPE_COUNT
 } bp_type;
 
@@ -67,7 +71,7 @@ typedef enum bp_type {
 typedef enum bp_code {
     BP_E_MALFORMED = 1,  /* bad magic, bad field, wrong length */
     BP_E_VERSION,        /* unsupported protocol version */
-    BP_E_AUTH,           /* missing or wrong token */
+    BP_E_AUTH,           /* a proof of the token that does not verify */
     BP_E_TOO_BIG,        /* length over the limit */
     BP_E_UNEXPECTED,     /* message type not valid in this state or direction */
     BP_E_ROOM_UNKNOWN,   /* the room is not this connection's */
@@ -80,6 +84,9 @@ typedef enum bp_code {
 } bp_code;
 
 const char *bp_type_name(uint32_t type);
+/* Whether a node of that role ever receives the type (prefill: true for the
+ * decode's messages). Checked on the header, before any payload is read. */
+bool bp_type_for_role(uint32_t type, bool prefill);
 const char *bp_code_name(uint32_t code);
 
 typedef struct bp_header {
@@ -117,8 +124,7 @@ typedef struct bp_hello {
     uint64_t node_id;
     uint32_t page_size;
     uint32_t meta_row_bytes;
-    uint16_t token_len;
-    const uint8_t *token;
+    const uint8_t *proof; /* read: BP_PROOF_BYTES into the payload; write: ignored */
     uint16_t worker_addr_len;
     const uint8_t *worker_addr;
     bp_region region[BP_REG_COUNT];
@@ -142,9 +148,39 @@ typedef struct bp_error {
     const uint8_t *text;             /* not NUL-terminated */
 } bp_error;
 
+/* ---- authentication --------------------------------------------------------
+ *
+ * The token (a shared secret, possibly empty) never crosses the wire. Each
+ * side proves it holds it with an HMAC-SHA-256 keyed by the token over both
+ * sides' fresh nonces, a label that differs per side (so one side's proof is
+ * never valid as the other's), and for the decode node the whole HELLO, so
+ * its worker address and keys cannot be swapped by someone without the
+ * token. The decode node speaks first (AUTH: its nonce); the prefill answers
+ * CHALLENGE (its nonce, its proof); the decode node checks that proof before
+ * it discloses its memory in HELLO, which carries its own proof. With no
+ * token configured the key is empty: anyone can compute the proofs, and a
+ * side with a token refuses a side without one. libsodium does the HMAC and
+ * the constant-time comparison. */
+typedef struct bp_auth {
+    const uint8_t *key; /* the token */
+    size_t key_len;
+    uint8_t nonce_decode[BP_NONCE_BYTES], nonce_prefill[BP_NONCE_BYTES];
+} bp_auth;
+
+void bp_prefill_proof(const bp_auth *a, uint8_t out[BP_PROOF_BYTES]);
+/* The decode node's proof over a HELLO payload (its proof field read as zero). */
+void bp_hello_proof(const bp_auth *a, const uint8_t *payload, uint32_t len,
+                    uint8_t out[BP_PROOF_BYTES]);
+bool bp_hello_verify(const bp_auth *a, const uint8_t *payload, uint32_t len);
+bool bp_proof_equal(const uint8_t a[BP_PROOF_BYTES], const uint8_t b[BP_PROOF_BYTES]);
+
 /* Encoders write a whole message (header included) into out[0, cap) and
- * return its size, or 0 if it does not fit or a field is out of range. */
-size_t bp_hello_write(uint8_t *out, size_t cap, const bp_hello *h);
+ * return its size, or 0 if it does not fit or a field is out of range.
+ * bp_hello_write signs the HELLO with a's key and nonces. */
+size_t bp_auth_write(uint8_t *out, size_t cap, const uint8_t nonce[BP_NONCE_BYTES]);
+size_t bp_challenge_write(uint8_t *out, size_t cap, const uint8_t nonce[BP_NONCE_BYTES],
+                          const uint8_t proof[BP_PROOF_BYTES]);
+size_t bp_hello_write(uint8_t *out, size_t cap, const bp_hello *h, const bp_auth *a);
 size_t bp_hello_ok_write(uint8_t *out, size_t cap, uint64_t node_id, uint32_t page_size);
 /* pages are host-order uint32 values. */
 size_t bp_dest_write(uint8_t *out, size_t cap, uint64_t room, uint32_t prompt_tokens,
@@ -158,6 +194,9 @@ size_t bp_error_write(uint8_t *out, size_t cap, bp_code code, bool has_room, uin
                       const char *text);
 
 /* Decoders take the payload (after the header) and its length. */
+pd_err bp_auth_read(const uint8_t *p, uint32_t len, uint8_t nonce[BP_NONCE_BYTES]);
+pd_err bp_challenge_read(const uint8_t *p, uint32_t len, uint8_t nonce[BP_NONCE_BYTES],
+                         uint8_t proof[BP_PROOF_BYTES]);
 pd_err bp_hello_read(const uint8_t *p, uint32_t len, bp_hello *out);
 pd_err bp_hello_ok_read(const uint8_t *p, uint32_t len, uint64_t *node_id, uint32_t *page_size);
 pd_err bp_dest_read(const uint8_t *p, uint32_t len, bp_dest *out);

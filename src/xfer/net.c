@@ -93,6 +93,8 @@
 #include <string.h>
 #include <unistd.h>
 
+#include <sodium.h>
+
 #if defined(__GNUC__)
 __attribute__((format(printf, 2, 3)))
 #endif
@@ -106,7 +108,7 @@ void net_log(pd_net *n, const char *fmt, ...) {
     n->cfg.log(n->cfg.log_ctx, line);
 }
 
-static void wake(pd_net *n) {
+void net_wake(pd_net *n) {
     if (n->wake_wr < 0) return;
     uint8_t b = 1;
     ssize_t w = write(n->wake_wr, &b, 1); /* EAGAIN: a wake-up is already pending */
@@ -294,6 +296,11 @@ static void timers(pd_net *n, uint64_t now) {
     for (uint32_t pi = 0; pi < n->cfg.peers_max; pi++) {
         peer *p = &n->peers[pi];
         if (p->state == PS_FREE || p->state == PS_CLOSING || p->state == PS_RESOLVE) continue;
+        if (p->state == PS_RESOLVING) {
+            if (since(now, p->t_state_ms) >= n->cfg.dead_after_ms)
+                net_peer_fail(n, pi, "name resolution timed out");
+            continue;
+        }
         if (p->closing_after_tx) {
             if (since(now, p->t_state_ms) >= n->cfg.dead_after_ms)
                 net_peer_fail(n, pi, "peer did not take our refusal");
@@ -386,6 +393,10 @@ static int poll_timeout(pd_net *n, uint64_t now, bool *spinning) {
         if (p->state == PS_FREE) continue;
         if (p->state == PS_CLOSING || p->state == PS_RESOLVE)
             return p->state == PS_RESOLVE ? 0 : POLL_BUSY_MS;
+        if (p->state == PS_RESOLVING) { /* the resolver wakes us when done */
+            t = PD_MIN(t, since(p->t_state_ms + n->cfg.dead_after_ms, now));
+            continue;
+        }
         uint64_t d = p->t_state_ms + n->cfg.dead_after_ms;
         if (p->state == PS_READY && !p->closing_after_tx) {
             d = PD_MIN(p->last_rx_ms + n->cfg.dead_after_ms, p->last_tx_ms + n->cfg.heartbeat_ms);
@@ -419,8 +430,8 @@ static void *progress_main(void *arg) {
         /* Sends: notices queued above go out in this pass. */
         for (uint32_t pi = 0; pi < n->cfg.peers_max; pi++) {
             peer *p = &n->peers[pi];
-            if ((p->state == PS_HELLO || p->state == PS_READY) && p->tx_off < p->tx_len)
-                net_peer_write(n, pi);
+            bool open = p->state == PS_AUTH || p->state == PS_HELLO || p->state == PS_READY;
+            if (open && p->tx_off < p->tx_len) net_peer_write(n, pi);
         }
         bool spinning;
         int timeout = poll_timeout(n, now, &spinning);
@@ -521,7 +532,7 @@ static pd_err v_send_pages(void *self, uint64_t id, uint32_t first, const uint32
     }
     if (!err) net_set_st(n, rm, PD_XFER_TRANSFERRING);
     pthread_mutex_unlock(&n->mu);
-    if (!err) wake(n);
+    if (!err) net_wake(n);
     return err;
 }
 
@@ -551,7 +562,7 @@ static pd_err v_send_final(void *self, uint64_t id, uint32_t first, const uint32
         }
     }
     pthread_mutex_unlock(&n->mu);
-    if (!err) wake(n);
+    if (!err) net_wake(n);
     return err;
 }
 
@@ -588,7 +599,7 @@ static pd_err v_receiver_open(void *self, uint64_t id, const char *peer_addr,
         net_peer_forget_if_unused(n, pi);
     }
     pthread_mutex_unlock(&n->mu);
-    if (!err) wake(n);
+    if (!err) net_wake(n);
     return err;
 }
 
@@ -644,7 +655,7 @@ static pd_err v_abort(void *self, uint64_t id) {
         if (!net_peer_of(n, rm)) err = PD_ERR_IO;
     }
     pthread_mutex_unlock(&n->mu);
-    wake(n);
+    net_wake(n);
     return fault ? PD_ERR_IO : err;
 }
 
@@ -684,7 +695,7 @@ static void v_close(void *self, uint64_t id) {
         }
     }
     pthread_mutex_unlock(&n->mu);
-    if (kick) wake(n);
+    if (kick) net_wake(n);
 }
 
 /* cancel() on the prefill side (mutex held). */
@@ -744,7 +755,7 @@ static void v_cancel(void *self, uint64_t id, const char *peer_addr) {
     if (n->cfg.role == PD_NET_PREFILL) cancel_sender(n, r, id);
     else cancel_receiver(n, r, id, peer_addr);
     pthread_mutex_unlock(&n->mu);
-    wake(n);
+    net_wake(n);
 }
 
 static const pd_xfer_vtable net_vt = {
@@ -852,6 +863,9 @@ pd_err pd_net_create(pd_net **out, const pd_net_config *cfg, char *msg, size_t m
     *out = NULL;
     pd_err err = config_check(cfg, msg, msg_cap);
     if (err) return err;
+    /* The handshake's nonces and proofs (idempotent, thread-safe). */
+    if (sodium_init() < 0)
+        return pd_errorf(msg, msg_cap, PD_ERR_IO, "libsodium could not initialise");
     pd_net *n = calloc(1, sizeof(*n));
     if (!n) return pd_errorf(msg, msg_cap, PD_ERR_NOMEM, "out of memory");
     n->listen_fd = n->wake_rd = n->wake_wr = n->ucx_fd = -1;
@@ -868,6 +882,10 @@ pd_err pd_net_create(pd_net **out, const pd_net_config *cfg, char *msg, size_t m
         return pd_errorf(msg, msg_cap, PD_ERR_NOMEM, "mutex");
     }
     if ((err = tables_alloc(n, msg, msg_cap))) goto fail;
+    if ((err = net_dns_init(n))) {
+        pd_errorf(msg, msg_cap, err, "cannot set up the name resolver");
+        goto fail;
+    }
     n->next_due_ms = UINT64_MAX;
     uint64_t seed = now_ms() ^ ((uint64_t)getpid() << 32) ^ (uint64_t)(uintptr_t)n;
     n->node_id = pd_splitmix64(&seed);
@@ -921,7 +939,7 @@ void pd_net_set_fault(pd_net *n, pd_net_fault fault, bool on) {
             if (room_at(n, r)->slot.used && room_at(n, r)->note != N_NONE)
                 net_mark_dirty(n, room_at(n, r));
     pthread_mutex_unlock(&n->mu);
-    wake(n);
+    net_wake(n);
 }
 
 void pd_net_destroy(pd_net *n) {
@@ -930,7 +948,7 @@ void pd_net_destroy(pd_net *n) {
         pthread_mutex_lock(&n->mu);
         n->stopping = true;
         pthread_mutex_unlock(&n->mu);
-        wake(n);
+        net_wake(n);
         pthread_join(n->thread, NULL);
         n->running = false;
     }
@@ -972,6 +990,7 @@ void pd_net_destroy(pd_net *n) {
     if (n->worker) ucp_worker_destroy(n->worker);
     if (n->ctx) ucp_cleanup(n->ctx);
     if (n->listen_fd >= 0) close(n->listen_fd);
+    net_dns_fini(n); /* before the wake pipe: the resolver writes to it */
     if (n->wake_rd >= 0) close(n->wake_rd);
     if (n->wake_wr >= 0) close(n->wake_wr);
     if (made) pthread_mutex_destroy(&n->mu);

@@ -19,6 +19,8 @@
 #include <sys/types.h>
 #include <unistd.h>
 
+#include <sodium.h>
+
 /* ---- the bootstrap connections: buffers ------------------------------------------ */
 
 /* Space for a message of up to max bytes at the end of the tx buffer; NULL
@@ -130,6 +132,7 @@ void net_peer_fail(pd_net *n, uint32_t pi, const char *why) {
     uint64_t now = now_ms();
     if (p->ever_ready) n->stats.peers_lost++;
     net_log(n, "pd_net: connection to %s closed: %s", p->addr, why);
+    if (p->state == PS_RESOLVING) net_dns_abandon(n, pi);
     if (p->fd >= 0) {
         if (p->tx_off < p->tx_len) {
             ssize_t w = send(p->fd, p->tx + p->tx_off, p->tx_len - p->tx_off, MSG_NOSIGNAL);
@@ -173,7 +176,7 @@ void net_peer_fail(pd_net *n, uint32_t pi, const char *why) {
 
 static uint32_t peer_alloc(pd_net *n) {
     for (uint32_t i = 0; i < n->cfg.peers_max; i++)
-        if (n->peers[i].state == PS_FREE) {
+        if (n->peers[i].state == PS_FREE && net_dns_slot_free(n, i)) {
             peer *p = &n->peers[i];
             p->rx = malloc(RX_INIT_BYTES);
             if (!p->rx) return PD_NONE;
@@ -237,16 +240,36 @@ void net_pump_receiver(pd_net *n, room *rm, uint64_t now) {
 
 /* ---- messages: prefill side --------------------------------------------------------- */
 
-static bool token_ok(const pd_net *n, const bp_hello *h) {
-    if (n->token_len == 0) return true;
-    /* Compare every byte whatever the lengths: the time taken does not say
-     * how much of a guess was right. */
-    unsigned diff = (unsigned)(h->token_len ^ n->token_len);
-    for (size_t i = 0; i < n->token_len; i++) {
-        uint8_t a = i < h->token_len ? h->token[i] : 0;
-        diff |= (unsigned)(a ^ (uint8_t)n->token[i]);
+static bp_auth peer_auth(const pd_net *n, const peer *p) {
+    bp_auth a = {.key = (const uint8_t *)n->token, .key_len = n->token_len};
+    memcpy(a.nonce_decode, p->nonce_decode, BP_NONCE_BYTES);
+    memcpy(a.nonce_prefill, p->nonce_prefill, BP_NONCE_BYTES);
+    return a;
+}
+
+/* AUTH: the decode node's nonce. Answered with ours and our proof. */
+static void on_auth(pd_net *n, uint32_t pi, const uint8_t *pl, uint32_t len) {
+    peer *p = &n->peers[pi];
+    if (p->state != PS_AUTH) {
+        refuse_conn(n, pi, BP_E_UNEXPECTED, "AUTH sent twice");
+        return;
     }
-    return diff == 0;
+    if (bp_auth_read(pl, len, p->nonce_decode) != PD_OK) {
+        refuse_conn(n, pi, BP_E_MALFORMED, "malformed AUTH");
+        return;
+    }
+    randombytes_buf(p->nonce_prefill, BP_NONCE_BYTES);
+    bp_auth a = peer_auth(n, p);
+    uint8_t proof[BP_PROOF_BYTES];
+    bp_prefill_proof(&a, proof);
+    size_t max = BP_HEADER_BYTES + BP_NONCE_BYTES + BP_PROOF_BYTES;
+    uint8_t *b = net_tx_reserve(p, max);
+    if (!b) {
+        net_peer_fail(n, pi, "send queue full");
+        return;
+    }
+    net_tx_commit(n, p, bp_challenge_write(b, max, p->nonce_prefill, proof));
+    p->state = PS_HELLO;
 }
 
 /* The decode node's memory must be laid out as this node's: same page size,
@@ -280,15 +303,19 @@ static void on_hello(pd_net *n, uint32_t pi, const uint8_t *pl, uint32_t len) {
     peer *p = &n->peers[pi];
     bp_hello h;
     if (p->state != PS_HELLO) {
-        refuse_conn(n, pi, BP_E_UNEXPECTED, "HELLO sent twice");
+        refuse_conn(n, pi, BP_E_UNEXPECTED,
+                    p->state == PS_AUTH ? "HELLO before AUTH" : "HELLO sent twice");
         return;
     }
     if (bp_hello_read(pl, len, &h) != PD_OK) {
         refuse_conn(n, pi, BP_E_MALFORMED, "malformed HELLO");
         return;
     }
-    if (!token_ok(n, &h)) {
-        refuse_conn(n, pi, BP_E_AUTH, h.token_len ? "wrong token" : "this node requires a token");
+    bp_auth a = peer_auth(n, p);
+    if (!bp_hello_verify(&a, pl, len)) {
+        n->stats.auth_refused++;
+        refuse_conn(n, pi, BP_E_AUTH,
+                    "the HELLO's proof does not verify: the peer holds another token, or none");
         return;
     }
     char why[160];
@@ -484,9 +511,39 @@ static room *own_room(pd_net *n, uint32_t pi, uint64_t room_id) {
     return rm->peer == pi && rm->peer_gen == n->peers[pi].gen ? rm : NULL;
 }
 
+static void queue_hello(pd_net *n, uint32_t pi);
+
+/* CHALLENGE: the prefill's nonce and its proof, checked before our memory
+ * descriptors leave the node. */
+static void on_challenge(pd_net *n, uint32_t pi, const uint8_t *pl, uint32_t len) {
+    peer *p = &n->peers[pi];
+    uint8_t proof[BP_PROOF_BYTES], want[BP_PROOF_BYTES];
+    if (p->state != PS_AUTH) {
+        refuse_conn(n, pi, BP_E_UNEXPECTED, "CHALLENGE out of turn");
+        return;
+    }
+    if (bp_challenge_read(pl, len, p->nonce_prefill, proof) != PD_OK) {
+        refuse_conn(n, pi, BP_E_MALFORMED, "malformed CHALLENGE");
+        return;
+    }
+    bp_auth a = peer_auth(n, p);
+    bp_prefill_proof(&a, want);
+    if (!bp_proof_equal(proof, want)) {
+        n->stats.auth_refused++;
+        refuse_conn(n, pi, BP_E_AUTH,
+                    "the prefill node's proof does not verify: it holds another token, or none");
+        return;
+    }
+    queue_hello(n, pi);
+}
+
 static void on_decode_msg(pd_net *n, uint32_t pi, uint32_t type, const uint8_t *pl, uint32_t len) {
     PD_ASSERT(n->cfg.role == PD_NET_DECODE && pi < n->cfg.peers_max);
     peer *p = &n->peers[pi];
+    if (type == BP_CHALLENGE) {
+        on_challenge(n, pi, pl, len);
+        return;
+    }
     if (type == BP_HELLO_OK) {
         uint64_t node_id;
         uint32_t ps;
@@ -594,12 +651,16 @@ static void on_message(pd_net *n, uint32_t pi, uint32_t type, const uint8_t *pl,
         on_decode_msg(n, pi, type, pl, len);
         return;
     }
+    if (type == BP_AUTH) {
+        on_auth(n, pi, pl, len);
+        return;
+    }
     if (type == BP_HELLO) {
         on_hello(n, pi, pl, len);
         return;
     }
     if (p->state != PS_READY) {
-        refuse_conn(n, pi, BP_E_UNEXPECTED, "the first message must be HELLO");
+        refuse_conn(n, pi, BP_E_UNEXPECTED, "the first messages must be AUTH, then HELLO");
         return;
     }
     uint64_t room_id, value;
@@ -640,6 +701,15 @@ static void peer_parse(pd_net *n, uint32_t pi) {
                 snprintf(why, sizeof(why), "bad header (%s)",
                          code == BP_E_MALFORMED ? "magic or flags" : "type");
             refuse_conn(n, pi, code, why);
+            return;
+        }
+        if (!bp_type_for_role(h.type, n->cfg.role == PD_NET_PREFILL)) {
+            /* Refused on the header: a 1 MiB DEST sent to a decode node is
+             * never buffered. */
+            char why[64];
+            snprintf(why, sizeof(why), "a %s node never receives %s",
+                     n->cfg.role == PD_NET_PREFILL ? "prefill" : "decode", bp_type_name(h.type));
+            refuse_conn(n, pi, BP_E_UNEXPECTED, why);
             return;
         }
         size_t need = BP_HEADER_BYTES + (size_t)h.length;
@@ -726,7 +796,7 @@ static bool evict_unauthenticated(pd_net *n) {
     uint32_t victim = PD_NONE;
     for (uint32_t pi = 0; pi < n->cfg.peers_max; pi++) {
         const peer *p = &n->peers[pi];
-        if (p->state != PS_HELLO || p->closing_after_tx) continue;
+        if ((p->state != PS_AUTH && p->state != PS_HELLO) || p->closing_after_tx) continue;
         if (victim == PD_NONE || p->t_state_ms < n->peers[victim].t_state_ms) victim = pi;
     }
     if (victim == PD_NONE) return false;
@@ -757,7 +827,7 @@ void net_accept_all(pd_net *n) {
         }
         peer *p = &n->peers[pi];
         p->fd = fd;
-        p->state = PS_HELLO;
+        p->state = PS_AUTH;
         char host[INET6_ADDRSTRLEN + 1] = "?", serv[16] = "?";
         getnameinfo((struct sockaddr *)&sa, sl, host, sizeof(host), serv, sizeof(serv),
                     NI_NUMERICHOST | NI_NUMERICSERV);
@@ -800,8 +870,6 @@ static void queue_hello(pd_net *n, uint32_t pi) {
         .node_id = n->node_id,
         .page_size = n->cfg.page_size,
         .meta_row_bytes = sizeof(pd_meta_row),
-        .token_len = (uint16_t)n->token_len,
-        .token = (const uint8_t *)n->token,
         .worker_addr_len = (uint16_t)n->waddr_len,
         .worker_addr = (const uint8_t *)n->waddr,
     };
@@ -814,42 +882,34 @@ static void queue_hello(pd_net *n, uint32_t pi) {
             .rkey = n->rkey_buf[r],
         };
     uint8_t *b = net_tx_reserve(p, BP_HEADER_BYTES + BP_HELLO_MAX);
-    size_t len = b ? bp_hello_write(b, BP_HEADER_BYTES + BP_HELLO_MAX, &h) : 0;
+    bp_auth a = peer_auth(n, p);
+    size_t len = b ? bp_hello_write(b, BP_HEADER_BYTES + BP_HELLO_MAX, &h, &a) : 0;
     if (len == 0) {
         net_peer_fail(n, pi, "cannot encode HELLO (worker address or keys too large)");
         return;
     }
     net_tx_commit(n, p, len);
     p->state = PS_HELLO;
+}
+
+/* The first message on a connection: our nonce. The handshake's deadline
+ * counts from here. */
+static void queue_auth(pd_net *n, uint32_t pi) {
+    peer *p = &n->peers[pi];
+    randombytes_buf(p->nonce_decode, BP_NONCE_BYTES);
+    uint8_t *b = net_tx_reserve(p, BP_HEADER_BYTES + BP_NONCE_BYTES);
+    if (!b) {
+        net_peer_fail(n, pi, "send queue full");
+        return;
+    }
+    net_tx_commit(n, p, bp_auth_write(b, BP_HEADER_BYTES + BP_NONCE_BYTES, p->nonce_decode));
+    p->state = PS_AUTH;
     p->t_state_ms = now_ms();
 }
 
-static void peer_connect(pd_net *n, uint32_t pi) {
-    PD_ASSERT(n->cfg.role == PD_NET_DECODE && n->peers[pi].state == PS_RESOLVE);
+/* Opens the TCP connection to a resolved address (frees res). */
+static void connect_to(pd_net *n, uint32_t pi, struct addrinfo *res) {
     peer *p = &n->peers[pi];
-    char host[PEER_ADDR_MAX], port[16];
-    if (!split_addr(p->addr, host, sizeof(host), port, sizeof(port))) {
-        net_peer_fail(n, pi, "bad peer address (want host:port)");
-        return;
-    }
-    struct addrinfo hints = {
-        .ai_family = AF_UNSPEC, .ai_socktype = SOCK_STREAM, .ai_flags = AI_NUMERICSERV};
-    struct addrinfo *res = NULL;
-    /* May block on DNS: the mutex is released meanwhile, so only the
-     * progress thread waits, never the engine. The peer may be forgotten in
-     * the meantime (its only room refused): its generation tells. */
-    uint32_t gen = p->gen;
-    pthread_mutex_unlock(&n->mu);
-    int gai = getaddrinfo(host, port, &hints, &res);
-    pthread_mutex_lock(&n->mu);
-    if (p->gen != gen || p->state != PS_RESOLVE) {
-        if (res) freeaddrinfo(res);
-        return;
-    }
-    if (gai != 0 || !res) {
-        net_peer_fail(n, pi, gai ? gai_strerror(gai) : "no address");
-        return;
-    }
     int fd = socket(res->ai_family, res->ai_socktype, res->ai_protocol);
     if (fd < 0 || !net_set_nonblocking(fd)) {
         if (fd >= 0) close(fd);
@@ -864,12 +924,58 @@ static void peer_connect(pd_net *n, uint32_t pi) {
     freeaddrinfo(res);
     p->t_state_ms = now_ms();
     if (rc == 0) {
-        queue_hello(n, pi);
+        queue_auth(n, pi);
     } else if (errno == EINPROGRESS) {
         p->state = PS_CONNECTING;
     } else {
         net_peer_fail(n, pi, strerror(errno));
     }
+}
+
+/* A numeric address resolves here and now; a host name goes to the
+ * resolver thread, so a slow DNS answer never stalls this thread and with
+ * it the heartbeats of every other peer (issue 10, finding 11). */
+static void peer_connect(pd_net *n, uint32_t pi) {
+    PD_ASSERT(n->cfg.role == PD_NET_DECODE && n->peers[pi].state == PS_RESOLVE);
+    peer *p = &n->peers[pi];
+    char host[PEER_ADDR_MAX], port[16];
+    if (!split_addr(p->addr, host, sizeof(host), port, sizeof(port))) {
+        net_peer_fail(n, pi, "bad peer address (want host:port)");
+        return;
+    }
+    struct addrinfo hints = {.ai_family = AF_UNSPEC,
+                             .ai_socktype = SOCK_STREAM,
+                             .ai_flags = AI_NUMERICHOST | AI_NUMERICSERV};
+    struct addrinfo *res = NULL;
+    int gai = getaddrinfo(host, port, &hints, &res);
+    if (gai == 0 && res) {
+        connect_to(n, pi, res);
+        return;
+    }
+    if (res) freeaddrinfo(res);
+    if (gai != EAI_NONAME) {
+        net_peer_fail(n, pi, gai_strerror(gai));
+        return;
+    }
+    uint64_t delay = n->faults[PD_NET_FAULT_SLOW_RESOLVE] ? 2 * n->cfg.dead_after_ms : 0;
+    if (!net_dns_post(n, pi, host, port, delay)) {
+        net_peer_fail(n, pi, "cannot start the name resolver thread");
+        return;
+    }
+    p->state = PS_RESOLVING;
+    p->t_state_ms = now_ms();
+}
+
+static void peer_resolved(pd_net *n, uint32_t pi) {
+    struct addrinfo *res = NULL;
+    int gai = net_dns_take(n, pi, &res);
+    if (gai == NET_DNS_PENDING) return;
+    if (gai != 0 || !res) {
+        if (res) freeaddrinfo(res);
+        net_peer_fail(n, pi, gai ? gai_strerror(gai) : "no address");
+        return;
+    }
+    connect_to(n, pi, res);
 }
 
 void net_peer_service(pd_net *n, uint32_t pi, uint64_t now) {
@@ -885,15 +991,17 @@ void net_peer_service(pd_net *n, uint32_t pi, uint64_t now) {
         }
         return;
     case PS_RESOLVE: peer_connect(n, pi); return;
+    case PS_RESOLVING: peer_resolved(n, pi); return;
     case PS_CONNECTING:
         if (p->revents & (POLLOUT | POLLERR | POLLHUP)) {
             int err = 0;
             socklen_t el = sizeof(err);
             if (getsockopt(p->fd, SOL_SOCKET, SO_ERROR, &err, &el) != 0) err = errno;
             if (err) net_peer_fail(n, pi, strerror(err));
-            else queue_hello(n, pi);
+            else queue_auth(n, pi);
         }
         return;
+    case PS_AUTH:
     case PS_HELLO:
     case PS_READY:
         if (p->ucx_failed) {

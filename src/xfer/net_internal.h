@@ -8,6 +8,7 @@
 #ifndef PD_XFER_NET_INTERNAL_H
 #define PD_XFER_NET_INTERNAL_H
 
+#include <netdb.h>
 #include <poll.h>
 #include <pthread.h>
 #include <time.h>
@@ -82,12 +83,25 @@ typedef struct req_ctx {
 
 typedef enum peer_state {
     PS_FREE = 0,
-    PS_RESOLVE,
+    PS_RESOLVE,   /* decode: to connect (a numeric address resolves in place) */
+    PS_RESOLVING, /* decode: a host name with the resolver thread (net_dns.c) */
     PS_CONNECTING,
-    PS_HELLO,
+    PS_AUTH,  /* prefill: waiting for AUTH; decode: AUTH sent, waiting for CHALLENGE */
+    PS_HELLO, /* prefill: CHALLENGE sent, waiting for HELLO; decode: waiting for HELLO_OK */
     PS_READY,
     PS_CLOSING
 } peer_state;
+
+/* A name resolution for one peer slot (net_dns.c); guarded by dns_mu. */
+typedef enum dns_state { DNS_IDLE = 0, DNS_POSTED, DNS_RUNNING, DNS_DONE } dns_state;
+typedef struct net_dns_job {
+    dns_state state;
+    bool abandoned; /* its peer failed while the resolver ran: it frees the answer */
+    char host[PEER_ADDR_MAX], port[16];
+    uint64_t delay_ms; /* PD_NET_FAULT_SLOW_RESOLVE */
+    int gai;
+    struct addrinfo *res;
+} net_dns_job;
 
 typedef struct peer {
     pd_net *net;
@@ -105,6 +119,7 @@ typedef struct peer {
     uint8_t *tx;
     size_t tx_off, tx_len, tx_cap;
     uint64_t node_id;
+    uint8_t nonce_decode[BP_NONCE_BYTES], nonce_prefill[BP_NONCE_BYTES];
     /* prefill: the decode node's memory */
     ucp_ep_h ep;
     bool ep_no_peer_mode;
@@ -158,6 +173,12 @@ struct pd_net {
     bool faults[PD_NET_FAULT__COUNT];
     pd_net_stats stats;
     uint64_t node_id;
+    /* the resolver thread (net_dns.c), started on the first host name */
+    net_dns_job *dns;
+    pthread_mutex_t dns_mu;
+    pthread_cond_t dns_cv;
+    pthread_t dns_thread;
+    bool dns_ready, dns_thread_up, dns_stopping;
 };
 
 /* ---- small helpers ---------------------------------------------------------------- */
@@ -190,6 +211,8 @@ __attribute__((format(printf, 2, 3)))
 #endif
 void net_log(pd_net *n, const char *fmt, ...);
 bool net_set_nonblocking(int fd);
+/* Wakes the progress thread from its poll (any thread, no lock needed). */
+void net_wake(pd_net *n);
 void net_set_st(pd_net *n, room *rm, pd_xfer_status st);
 void net_due_at(pd_net *n, room *rm, uint64_t t);
 uint32_t net_room_find(const pd_net *n, uint64_t id);
@@ -217,6 +240,19 @@ uint32_t net_peer_for_addr(pd_net *n, const char *addr);
 void net_peer_forget_if_unused(pd_net *n, uint32_t pi);
 bool net_addr_ok(const char *addr);
 pd_err net_listen_init(pd_net *n, char *msg, size_t cap);
+
+/* ---- net_dns.c: name resolution off the progress thread ------------------------- */
+pd_err net_dns_init(pd_net *n);
+/* Hands host:port of peer slot pi to the resolver; false if it cannot start. */
+bool net_dns_post(pd_net *n, uint32_t pi, const char *host, const char *port, uint64_t delay_ms);
+/* NET_DNS_PENDING while pending; else getaddrinfo's result (*res is the
+ * caller's to free when 0). */
+#define NET_DNS_PENDING 1 /* getaddrinfo's own codes are 0 or negative */
+int net_dns_take(pd_net *n, uint32_t pi, struct addrinfo **res);
+void net_dns_abandon(pd_net *n, uint32_t pi);
+/* False while an abandoned resolution of that slot is still running. */
+bool net_dns_slot_free(pd_net *n, uint32_t pi);
+void net_dns_fini(pd_net *n);
 
 /* ---- net_ucx.c: UCX memory, puts and completions --------------------------------- */
 void net_pump_sender(pd_net *n, room *rm, uint64_t now);

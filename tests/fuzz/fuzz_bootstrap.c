@@ -19,12 +19,13 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     bp_error err;
     uint64_t a, b;
     uint32_t c;
+    uint8_t nonce[BP_NONCE_BYTES], proof[BP_PROOF_BYTES];
+    (void)bp_type_for_role(h.type, size & 1);
     switch (h.type) {
     case BP_HELLO:
         if (bp_hello_read(pl, len, &hello) == PD_OK) {
             /* every pointer the reader hands out lies inside the payload */
-            if (hello.token_len)
-                PD_ASSERT(hello.token >= pl && hello.token + hello.token_len <= pl + len);
+            PD_ASSERT(hello.proof >= pl && hello.proof + BP_PROOF_BYTES <= pl + len);
             PD_ASSERT(hello.worker_addr >= pl &&
                       hello.worker_addr + hello.worker_addr_len <= pl + len);
         }
@@ -35,6 +36,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
             for (uint32_t i = 0; i < dest.n_pages; i++) (void)bp_dest_page(&dest, i);
         break;
     case BP_ERROR: bp_error_read(pl, len, &err); break;
+    case BP_AUTH: bp_auth_read(pl, len, nonce); break;
+    case BP_CHALLENGE: bp_challenge_read(pl, len, nonce, proof); break;
     default: bp_room_read(pl, len, &a, &b); break;
     }
     return 0;

@@ -31,6 +31,17 @@ static int raw_connect(uint16_t port) {
     return fd;
 }
 
+static int listen_local(uint16_t *port) {
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    struct sockaddr_in sa = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(0x7F000001)};
+    assert_int_equal(bind(fd, (struct sockaddr *)&sa, sizeof(sa)), 0);
+    assert_int_equal(listen(fd, 4), 0);
+    socklen_t sl = sizeof(sa);
+    getsockname(fd, (struct sockaddr *)&sa, &sl);
+    *port = ntohs(sa.sin_port);
+    return fd;
+}
+
 static void raw_send(int fd, const void *buf, size_t len) {
     const uint8_t *p = buf;
     while (len > 0) {
@@ -151,15 +162,33 @@ static void rogue_fini(void) {
     free(rogue.mem);
 }
 
-/* A HELLO with the rogue's memory and the given UCX worker address. */
-static size_t rogue_hello_addr(uint8_t *buf, size_t cap, const pair_opts *o, const char *token,
+/* The first round trip as a decode node makes it: AUTH with a fresh nonce,
+ * then the prefill's CHALLENGE. Fills a with token and both nonces; returns
+ * whether the prefill's proof verifies under token. */
+static bool rogue_auth(int fd, const char *token, bp_auth *a) {
+    static unsigned counter;
+    *a = (bp_auth){.key = (const uint8_t *)token, .key_len = token ? strlen(token) : 0};
+    for (unsigned i = 0; i < BP_NONCE_BYTES; i++) a->nonce_decode[i] = (uint8_t)(i * 7 + counter);
+    counter++;
+    uint8_t b[BP_HEADER_BYTES + BP_NONCE_BYTES];
+    raw_send(fd, b, bp_auth_write(b, sizeof(b), a->nonce_decode));
+    raw_msg m;
+    assert_true(raw_read(fd, &m));
+    if (m.h.type != BP_CHALLENGE) fail_msg("got %s, want CHALLENGE", bp_type_name(m.h.type));
+    uint8_t proof[BP_PROOF_BYTES], want[BP_PROOF_BYTES];
+    assert_ok(bp_challenge_read(m.payload, m.h.length, a->nonce_prefill, proof));
+    bp_prefill_proof(a, want);
+    return bp_proof_equal(proof, want);
+}
+
+/* After rogue_auth on fd: a HELLO with the rogue's memory and the given UCX
+ * worker address, signed with a. */
+static size_t rogue_hello_addr(uint8_t *buf, size_t cap, const pair_opts *o, const bp_auth *a,
                                uint32_t page_size, const uint8_t *addr, size_t addr_len) {
     bp_hello h = {
         .node_id = 666,
         .page_size = page_size,
         .meta_row_bytes = sizeof(pd_meta_row),
-        .token_len = token ? (uint16_t)strlen(token) : 0,
-        .token = (const uint8_t *)token,
         .worker_addr_len = (uint16_t)addr_len,
         .worker_addr = addr,
     };
@@ -170,22 +199,29 @@ static size_t rogue_hello_addr(uint8_t *buf, size_t cap, const pair_opts *o, con
     h.region[1] = (bp_region){base + kv, o->mamba_slot_bytes, o->mamba_slots, rkey_len, rogue.rkey};
     h.region[2] =
         (bp_region){base + kv + mb, sizeof(pd_meta_row), o->meta_rows, rkey_len, rogue.rkey};
-    size_t len = bp_hello_write(buf, cap, &h);
+    size_t len = bp_hello_write(buf, cap, &h, a);
     assert_true(len > 0);
     return len;
 }
 
-static size_t rogue_hello(uint8_t *buf, size_t cap, const pair_opts *o, const char *token,
+static size_t rogue_hello(uint8_t *buf, size_t cap, const pair_opts *o, const bp_auth *a,
                           uint32_t page_size) {
-    return rogue_hello_addr(buf, cap, o, token, page_size, (const uint8_t *)rogue.addr,
-                            rogue.addr_len);
+    return rogue_hello_addr(buf, cap, o, a, page_size, (const uint8_t *)rogue.addr, rogue.addr_len);
+}
+
+/* Connects, authenticates with token, sends the rogue's HELLO. */
+static int rogue_hello_sent(pair *w, const char *token, uint32_t page_size) {
+    static uint8_t buf[BP_HEADER_BYTES + BP_HELLO_MAX];
+    int fd = raw_connect(pd_net_bootstrap_port(w->pre));
+    bp_auth a;
+    rogue_auth(fd, token, &a);
+    raw_send(fd, buf, rogue_hello(buf, sizeof(buf), &w->o, &a, page_size));
+    return fd;
 }
 
 /* A raw decode peer that completed the handshake. */
 static int rogue_connected(pair *w) {
-    static uint8_t buf[BP_HEADER_BYTES + BP_HELLO_MAX];
-    int fd = raw_connect(pd_net_bootstrap_port(w->pre));
-    raw_send(fd, buf, rogue_hello(buf, sizeof(buf), &w->o, TOKEN, w->o.page_size));
+    int fd = rogue_hello_sent(w, TOKEN, w->o.page_size);
     raw_msg m;
     assert_true(raw_read(fd, &m));
     assert_int_equal(m.h.type, BP_HELLO_OK);
@@ -224,6 +260,51 @@ static pair *secure_pair(void) {
     o.token = TOKEN;
     o.dead_after_ms = 1000;
     return pair_new(&o);
+}
+
+/* Issue 10, finding 11: the progress thread resolved a host named by a
+ * request with a blocking getaddrinfo, so a slow DNS answer stalled the
+ * heartbeats to every other peer. Lookups run on a resolver thread now:
+ * while one hangs for twice the dead-peer time, the connected prefill
+ * keeps hearing from this decode node and a room to it completes; the
+ * hanging one fails on its own deadline. A host name that does resolve
+ * goes through the same thread to a connection. */
+static void a_slow_name_lookup_stalls_no_other_peer(void **state) {
+    (void)state;
+    pair_opts o = pair_defaults();
+    o.dead_after_ms = 1000;
+    pair *w = pair_new(&o);
+    valid_decode_still_completes_a_room(w, 1);
+    uint16_t port;
+    int lfd = listen_local(&port);
+    char name[64];
+    snprintf(name, sizeof(name), "localhost:%u", port);
+    uint32_t dst[1] = {9};
+    pd_xfer_dest d = {
+        .prompt_tokens = 2, .pages = dst, .n_pages = 1, .mamba_slot = 0, .meta_row = 3};
+    pd_net_set_fault(w->dec, PD_NET_FAULT_SLOW_RESOLVE, true);
+    assert_ok(w->dx.vt->receiver_open(w->dx.self, 2, name, &d));
+    valid_decode_still_completes_a_room(w, 3);
+    WAIT_FOR(st_of(w->dx, 2) == PD_XFER_FAILED && drained_of(w->dx, 2));
+    w->dx.vt->close(w->dx.self, 2);
+    assert_int_equal(stats_of(w->pre).peers_lost, 0);
+    assert_int_equal(stats_of(w->dec).peers_lost, 0);
+    valid_decode_still_completes_a_room(w, 4);
+    /* Without the fault the same name resolves and the decode says AUTH. */
+    pd_net_set_fault(w->dec, PD_NET_FAULT_SLOW_RESOLVE, false);
+    assert_ok(w->dx.vt->receiver_open(w->dx.self, 5, name, &d));
+    int fd = accept(lfd, NULL, NULL);
+    assert_true(fd >= 0);
+    struct timeval tv = {.tv_sec = 20};
+    setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+    raw_msg m;
+    assert_true(raw_read(fd, &m));
+    assert_int_equal(m.h.type, BP_AUTH);
+    close(fd);
+    WAIT_FOR(st_of(w->dx, 5) == PD_XFER_FAILED && drained_of(w->dx, 5));
+    w->dx.vt->close(w->dx.self, 5);
+    close(lfd);
+    pair_free(w);
 }
 
 /* ---- framing ---------------------------------------------------------------------- */
@@ -300,9 +381,11 @@ static void garbage_worker_address_is_refused_and_the_node_stays_up(void **state
     uint8_t garbage[50];
     memset(garbage, 0xff, sizeof(garbage));
     int fd = raw_connect(pd_net_bootstrap_port(w->pre));
+    bp_auth a;
+    assert_true(rogue_auth(fd, TOKEN, &a));
     raw_send(
         fd, buf,
-        rogue_hello_addr(buf, sizeof(buf), &w->o, TOKEN, w->o.page_size, garbage, sizeof(garbage)));
+        rogue_hello_addr(buf, sizeof(buf), &w->o, &a, w->o.page_size, garbage, sizeof(garbage)));
     expect_refused(fd, BP_E_MISMATCH, "UCX worker address");
     close(fd);
     valid_decode_still_completes_a_room(w, 4);
@@ -362,13 +445,18 @@ static void orphan_destinations_cannot_fill_the_table(void **state) {
 static void wrong_version_is_refused_with_a_clear_error(void **state) {
     (void)state;
     pair *w = secure_pair();
-    static uint8_t buf[BP_HEADER_BYTES + BP_HELLO_MAX];
+    uint8_t buf[BP_HEADER_BYTES + BP_NONCE_BYTES] = {0};
     int fd = raw_connect(pd_net_bootstrap_port(w->pre));
-    size_t len = rogue_hello(buf, sizeof(buf), &w->o, TOKEN, w->o.page_size);
-    bp_put_u16(buf + 4, 2); /* a newer peer */
+    size_t len = bp_auth_write(buf, sizeof(buf), buf + BP_HEADER_BYTES);
+    bp_put_u16(buf + 4, 3); /* a newer peer */
     raw_send(fd, buf, len);
-    expect_refused(fd, BP_E_VERSION, "version 2 not supported");
-    WAIT_FOR(stats_of(w->pre).bad_messages == 1);
+    expect_refused(fd, BP_E_VERSION, "version 3 not supported; this node speaks 2");
+    /* Version 1 (its HELLO carried the token in clear) is refused alike. */
+    fd = raw_connect(pd_net_bootstrap_port(w->pre));
+    bp_put_u16(buf + 4, 1);
+    raw_send(fd, buf, len);
+    expect_refused(fd, BP_E_VERSION, "version 1 not supported");
+    WAIT_FOR(stats_of(w->pre).bad_messages == 2);
     valid_decode_still_completes_a_room(w, 4);
     pair_free(w);
 }
@@ -382,10 +470,22 @@ static void missing_or_wrong_token_is_refused(void **state) {
     const char *tokens[] = {NULL, "s3crex", "s3cret-and-more", "s3cre"};
     for (size_t i = 0; i < PD_ARRAY_LEN(tokens); i++) {
         int fd = raw_connect(pd_net_bootstrap_port(w->pre));
-        raw_send(fd, buf, rogue_hello(buf, sizeof(buf), &w->o, tokens[i], w->o.page_size));
-        expect_refused(fd, BP_E_AUTH, "token");
+        bp_auth a;
+        /* Without the token the prefill's proof cannot be checked either. */
+        assert_false(rogue_auth(fd, tokens[i], &a));
+        raw_send(fd, buf, rogue_hello(buf, sizeof(buf), &w->o, &a, w->o.page_size));
+        expect_refused(fd, BP_E_AUTH, "another token, or none");
     }
-    WAIT_FOR(stats_of(w->pre).bad_messages == 4);
+    /* A HELLO signed with the right token but for another challenge (a
+     * replay): refused. */
+    int fd = raw_connect(pd_net_bootstrap_port(w->pre));
+    bp_auth a;
+    assert_true(rogue_auth(fd, TOKEN, &a));
+    a.nonce_prefill[0] ^= 1;
+    raw_send(fd, buf, rogue_hello(buf, sizeof(buf), &w->o, &a, w->o.page_size));
+    expect_refused(fd, BP_E_AUTH, "proof");
+    WAIT_FOR(stats_of(w->pre).bad_messages == 5);
+    assert_int_equal(stats_of(w->pre).auth_refused, 5);
     /* A real decode node with the wrong token: its rooms fail and drain. */
     pair_opts o = w->o;
     o.decode_token = "wrong";
@@ -399,10 +499,13 @@ static void missing_or_wrong_token_is_refused(void **state) {
     assert_ok(bx.vt->receiver_open(bx.self, 77, w->peer, &d));
     WAIT_FOR(st_of(bx, 77) == PD_XFER_FAILED);
     assert_true(drained_of(bx, 77));
+    /* It is the decode node that refuses: the prefill's proof does not
+     * verify under its token, so its HELLO never leaves. */
+    assert_int_equal(stats_of(bad).auth_refused, 1);
     bx.vt->close(bx.self, 77);
     pd_net_destroy(bad);
     mem_free(&m);
-    WAIT_FOR(stats_of(w->pre).bad_messages == 5);
+    assert_int_equal(stats_of(w->pre).bad_messages, 5);
     valid_decode_still_completes_a_room(w, 5);
     pair_free(w);
 }
@@ -414,7 +517,13 @@ static void messages_out_of_turn_are_refused(void **state) {
     int fd = raw_connect(pd_net_bootstrap_port(w->pre));
     uint32_t pages[1] = {1};
     send_dest(fd, 9, 3, 0, 0, 0, pages, 1);
-    expect_refused(fd, BP_E_UNEXPECTED, "HELLO");
+    expect_refused(fd, BP_E_UNEXPECTED, "AUTH, then HELLO");
+    /* A HELLO before AUTH. */
+    fd = raw_connect(pd_net_bootstrap_port(w->pre));
+    static uint8_t hb[BP_HEADER_BYTES + BP_HELLO_MAX];
+    bp_auth none = {0};
+    raw_send(fd, hb, rogue_hello(hb, sizeof(hb), &w->o, &none, w->o.page_size));
+    expect_refused(fd, BP_E_UNEXPECTED, "HELLO before AUTH");
     /* A message only a prefill node sends. */
     fd = rogue_connected(w);
     uint8_t buf[64];
@@ -422,14 +531,18 @@ static void messages_out_of_turn_are_refused(void **state) {
     expect_refused(fd, BP_E_UNEXPECTED, NULL);
     /* HELLO twice. */
     fd = rogue_connected(w);
-    static uint8_t hb[BP_HEADER_BYTES + BP_HELLO_MAX];
-    raw_send(fd, hb, rogue_hello(hb, sizeof(hb), &w->o, TOKEN, w->o.page_size));
+    raw_send(fd, hb, rogue_hello(hb, sizeof(hb), &w->o, &none, w->o.page_size));
     expect_refused(fd, BP_E_UNEXPECTED, "twice");
-    /* A page size that does not match. */
+    /* AUTH twice. */
     fd = raw_connect(pd_net_bootstrap_port(w->pre));
-    raw_send(fd, hb, rogue_hello(hb, sizeof(hb), &w->o, TOKEN, w->o.page_size * 2));
+    bp_auth a;
+    rogue_auth(fd, TOKEN, &a);
+    raw_send(fd, hb, bp_auth_write(hb, sizeof(hb), a.nonce_decode));
+    expect_refused(fd, BP_E_UNEXPECTED, "AUTH sent twice");
+    /* A page size that does not match. */
+    fd = rogue_hello_sent(w, TOKEN, w->o.page_size * 2);
     expect_refused(fd, BP_E_MISMATCH, "page size");
-    WAIT_FOR(stats_of(w->pre).bad_messages == 4);
+    WAIT_FOR(stats_of(w->pre).bad_messages == 6);
     valid_decode_still_completes_a_room(w, 6);
     pair_free(w);
 }
@@ -527,63 +640,77 @@ static void silent_peer_is_dropped(void **state) {
 /* ---- a bad prefill node against a real decode node -------------------------------- */
 
 typedef enum fake_mode {
-    FAKE_GARBAGE,        /* answers HELLO with bytes that are not a message */
-    FAKE_SILENT,         /* never answers */
-    FAKE_NEW_VERSION,    /* answers in protocol version 9 */
-    FAKE_UNKNOWN_ROOMS,  /* handshakes, then talks about rooms the decode does not have */
+    FAKE_GARBAGE,       /* answers HELLO with bytes that are not a message */
+    FAKE_SILENT,        /* never answers */
+    FAKE_NEW_VERSION,   /* answers in protocol version 9 */
+    FAKE_UNKNOWN_ROOMS, /* handshakes, then talks about rooms the decode does not have */
+    FAKE_NO_TOKEN,      /* answers AUTH with a proof made without the decode's token */
 } fake_mode;
 
-static int listen_local(uint16_t *port) {
-    int fd = socket(AF_INET, SOCK_STREAM, 0);
-    struct sockaddr_in sa = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(0x7F000001)};
-    assert_int_equal(bind(fd, (struct sockaddr *)&sa, sizeof(sa)), 0);
-    assert_int_equal(listen(fd, 4), 0);
-    socklen_t sl = sizeof(sa);
-    getsockname(fd, (struct sockaddr *)&sa, &sl);
-    *port = ntohs(sa.sin_port);
-    return fd;
+/* Answers the decode node's AUTH with a CHALLENGE whose proof is made with
+ * token (which may not be the decode's). */
+static void fake_challenge(int fd, const char *token) {
+    raw_msg m;
+    assert_true(raw_read(fd, &m));
+    assert_int_equal(m.h.type, BP_AUTH);
+    bp_auth a = {.key = (const uint8_t *)token, .key_len = token ? strlen(token) : 0};
+    assert_ok(bp_auth_read(m.payload, m.h.length, a.nonce_decode));
+    memset(a.nonce_prefill, 0x42, BP_NONCE_BYTES);
+    uint8_t proof[BP_PROOF_BYTES], buf[128];
+    bp_prefill_proof(&a, proof);
+    raw_send(fd, buf, bp_challenge_write(buf, sizeof(buf), a.nonce_prefill, proof));
 }
 
-static void fake_prefill_case(fake_mode mode) {
-    pair_opts o = pair_defaults();
-    o.dead_after_ms = 1000;
-    node_mem dm;
-    mem_alloc(&dm, &o, false);
-    pd_net *dec = node_start(&o, PD_NET_DECODE, &dm);
-    pd_xfer dx = pd_net_endpoint(dec);
-    uint16_t port;
-    int lfd = listen_local(&port);
-    char peer[64];
-    snprintf(peer, sizeof(peer), "127.0.0.1:%u", port);
-    uint32_t dst[2] = {5, 6};
-    pd_xfer_dest d = {.prompt_tokens = 8, .pages = dst, .n_pages = 2, .mamba_slot = 0,
-                      .meta_row = 1};
-    assert_ok(dx.vt->receiver_open(dx.self, 55, peer, &d));
-    int fd = accept(lfd, NULL, NULL);
-    assert_true(fd >= 0);
-    struct timeval tv = {.tv_sec = 20};
-    setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+/* Finding 2, disclosure: a prefill that cannot prove it holds the token gets
+ * no HELLO (no worker address, no memory keys), and no byte the decode node
+ * sends contains the token. */
+static void expect_no_disclosure(int fd) {
+    uint8_t all[4096];
+    size_t n = 0;
+    for (ssize_t r; n < sizeof(all) && (r = recv(fd, all + n, sizeof(all) - n, 0)) > 0;)
+        n += (size_t)r;
+    assert_true(n >= BP_HEADER_BYTES);
+    bp_header h;
+    bp_code code;
+    assert_ok(bp_header_check(all, &h, &code));
+    assert_int_equal(h.type, BP_ERROR); /* the refusal, then EOF: no HELLO */
+    bp_error e;
+    assert_ok(bp_error_read(all + BP_HEADER_BYTES, h.length, &e));
+    assert_int_equal(e.code, BP_E_AUTH);
+    assert_int_equal(n, BP_HEADER_BYTES + h.length);
+    for (size_t i = 0; i + strlen(TOKEN) <= n; i++)
+        assert_false(memcmp(all + i, TOKEN, strlen(TOKEN)) == 0);
+}
+
+/* What the fake prefill does after its CHALLENGE; returns the connection,
+ * or -1 once the decode node has closed it. */
+static int fake_act(int fd, fake_mode mode, pd_xfer dx, const pair_opts *o, const uint32_t *dst) {
     raw_msg m;
+    if (mode == FAKE_NO_TOKEN) {
+        expect_no_disclosure(fd);
+        return fd;
+    }
     assert_true(raw_read(fd, &m));
     assert_int_equal(m.h.type, BP_HELLO);
     bp_hello h;
     assert_ok(bp_hello_read(m.payload, m.h.length, &h));
-    assert_int_equal(h.page_size, o.page_size);
-    assert_int_equal(h.region[0].units, o.kv_pages);
+    assert_int_equal(h.page_size, o->page_size);
+    assert_int_equal(h.region[0].units, o->kv_pages);
     uint8_t buf[256];
     switch (mode) {
     case FAKE_GARBAGE:
         memset(buf, 0x5A, 64);
         raw_send(fd, buf, 64);
         break;
-    case FAKE_SILENT: break;
+    case FAKE_SILENT:
+    case FAKE_NO_TOKEN: break;
     case FAKE_NEW_VERSION:
-        bp_hello_ok_write(buf, sizeof(buf), 1, o.page_size);
+        bp_hello_ok_write(buf, sizeof(buf), 1, o->page_size);
         bp_put_u16(buf + 4, 9);
         raw_send(fd, buf, 32);
         break;
     case FAKE_UNKNOWN_ROOMS: {
-        raw_send(fd, buf, bp_hello_ok_write(buf, sizeof(buf), 1, o.page_size));
+        raw_send(fd, buf, bp_hello_ok_write(buf, sizeof(buf), 1, o->page_size));
         assert_true(raw_read(fd, &m));
         assert_int_equal(m.h.type, BP_DEST);
         raw_send(fd, buf, bp_room_write(buf, sizeof(buf), BP_DEST_OK, 55, 0));
@@ -600,14 +727,39 @@ static void fake_prefill_case(fake_mode mode) {
         size_t len = bp_dest_write(buf, sizeof(buf), 55, 8, 0, 0, 0, dst, 2);
         raw_send(fd, buf, len);
         expect_refused(fd, BP_E_UNEXPECTED, NULL);
-        fd = -1;
-        break;
+        return -1;
     }
     }
+    return fd;
+}
+
+static void fake_prefill_case(fake_mode mode) {
+    pair_opts o = pair_defaults();
+    o.dead_after_ms = 1000;
+    if (mode == FAKE_NO_TOKEN) o.token = TOKEN;
+    node_mem dm;
+    mem_alloc(&dm, &o, false);
+    pd_net *dec = node_start(&o, PD_NET_DECODE, &dm);
+    pd_xfer dx = pd_net_endpoint(dec);
+    uint16_t port;
+    int lfd = listen_local(&port);
+    char peer[64];
+    snprintf(peer, sizeof(peer), "127.0.0.1:%u", port);
+    uint32_t dst[2] = {5, 6};
+    pd_xfer_dest d = {
+        .prompt_tokens = 8, .pages = dst, .n_pages = 2, .mamba_slot = 0, .meta_row = 1};
+    assert_ok(dx.vt->receiver_open(dx.self, 55, peer, &d));
+    int fd = accept(lfd, NULL, NULL);
+    assert_true(fd >= 0);
+    struct timeval tv = {.tv_sec = 20};
+    setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+    fake_challenge(fd, mode == FAKE_NO_TOKEN ? "guess" : o.token);
+    fd = fake_act(fd, mode, dx, &o, dst);
     WAIT_FOR(st_of(dx, 55) == PD_XFER_FAILED);
     WAIT_FOR(drained_of(dx, 55));
     pd_net_stats s = stats_of(dec);
     assert_int_equal(s.bad_messages, mode == FAKE_SILENT ? 0 : mode == FAKE_UNKNOWN_ROOMS ? 2 : 1);
+    assert_int_equal(s.auth_refused, mode == FAKE_NO_TOKEN);
     dx.vt->close(dx.self, 55);
     if (fd >= 0) close(fd);
     close(lfd);
@@ -633,6 +785,11 @@ static void decode_refuses_a_newer_protocol(void **state) {
 static void decode_refuses_messages_about_unknown_rooms(void **state) {
     (void)state;
     fake_prefill_case(FAKE_UNKNOWN_ROOMS);
+}
+
+static void decode_discloses_nothing_to_a_prefill_without_the_token(void **state) {
+    (void)state;
+    fake_prefill_case(FAKE_NO_TOKEN);
 }
 
 static int setup(void **state) {
@@ -665,6 +822,8 @@ int main(void) {
         cmocka_unit_test(decode_gives_up_on_a_silent_prefill),
         cmocka_unit_test(decode_refuses_a_newer_protocol),
         cmocka_unit_test(decode_refuses_messages_about_unknown_rooms),
+        cmocka_unit_test(decode_discloses_nothing_to_a_prefill_without_the_token),
+        cmocka_unit_test(a_slow_name_lookup_stalls_no_other_peer),
     };
     if (getenv("PD_TEST_FILTER")) cmocka_set_test_filter(getenv("PD_TEST_FILTER"));
     return cmocka_run_group_tests(tests, setup, teardown);

@@ -15,7 +15,7 @@ static void header_fields_are_little_endian_at_fixed_offsets(void **state) {
     size_t len =
         bp_room_write(buf, sizeof(buf), BP_DONE, 0x0102030405060708ull, 0x1122334455667788ull);
     assert_int_equal(len, 32);
-    const uint8_t want[16] = {'P', 'D', 'B', 'S', 1, 0, BP_DONE, 0, 0, 0, 0, 0, 16, 0, 0, 0};
+    const uint8_t want[16] = {'P', 'D', 'B', 'S', 2, 0, BP_DONE, 0, 0, 0, 0, 0, 16, 0, 0, 0};
     assert_memory_equal(buf, want, 16);
     assert_int_equal(buf[16], 0x08);
     assert_int_equal(buf[23], 0x01);
@@ -40,10 +40,10 @@ static void damaged_headers_are_refused_with_their_code(void **state) {
     assert_err(bp_header_check(buf, &h, &code), PD_ERR_PARSE);
     assert_int_equal(code, BP_E_MALFORMED);
     bp_ping_write(buf, sizeof(buf));
-    bp_put_u16(buf + 4, 2);
+    bp_put_u16(buf + 4, 1); /* version 1 sent the token in clear: refused */
     assert_err(bp_header_check(buf, &h, &code), PD_ERR_PARSE);
     assert_int_equal(code, BP_E_VERSION);
-    assert_int_equal(h.version, 2);
+    assert_int_equal(h.version, 1);
     bp_ping_write(buf, sizeof(buf));
     bp_put_u32(buf + 8, 4);
     assert_err(bp_header_check(buf, &h, &code), PD_ERR_PARSE);
@@ -66,9 +66,11 @@ static bp_hello sample_hello(uint8_t *keys) {
     static const uint8_t addr[40] = {9, 8, 7};
     for (int i = 0; i < 30; i++) keys[i] = (uint8_t)(i * 3);
     bp_hello h = {
-        .node_id = 0xFEEDu, .page_size = 16, .meta_row_bytes = sizeof(pd_meta_row),
-        .token_len = 6, .token = (const uint8_t *)"secret",
-        .worker_addr_len = sizeof(addr), .worker_addr = addr,
+        .node_id = 0xFEEDu,
+        .page_size = 16,
+        .meta_row_bytes = sizeof(pd_meta_row),
+        .worker_addr_len = sizeof(addr),
+        .worker_addr = addr,
     };
     h.region[0] = (bp_region){.base = 0x10000, .unit_bytes = 4096, .units = 100,
                               .rkey_len = 10, .rkey = keys};
@@ -79,17 +81,27 @@ static bp_hello sample_hello(uint8_t *keys) {
     return h;
 }
 
+static bp_auth sample_auth(const char *token) {
+    bp_auth a = {.key = (const uint8_t *)token, .key_len = token ? strlen(token) : 0};
+    for (unsigned i = 0; i < BP_NONCE_BYTES; i++) {
+        a.nonce_decode[i] = (uint8_t)(i + 1);
+        a.nonce_prefill[i] = (uint8_t)(200 - i);
+    }
+    return a;
+}
+
 static void hello_round_trips_and_checks_lengths(void **state) {
     (void)state;
     uint8_t keys[30];
     bp_hello h = sample_hello(keys), g;
-    size_t len = bp_hello_write(buf, sizeof(buf), &h);
-    assert_int_equal(len, 16 + 96 + 6 + 40 + 30);
+    bp_auth a = sample_auth("secret");
+    size_t len = bp_hello_write(buf, sizeof(buf), &h, &a);
+    assert_int_equal(len, 16 + 96 + 32 + 40 + 30);
     assert_ok(bp_hello_read(buf + 16, (uint32_t)(len - 16), &g));
     assert_int_equal(g.node_id, h.node_id);
     assert_int_equal(g.page_size, 16);
-    assert_int_equal(g.token_len, 6);
-    assert_memory_equal(g.token, "secret", 6);
+    assert_true(g.proof == buf + 16 + 96);
+    assert_true(bp_hello_verify(&a, buf + 16, (uint32_t)(len - 16)));
     assert_memory_equal(g.worker_addr, h.worker_addr, 40);
     for (int r = 0; r < 3; r++) {
         assert_int_equal(g.region[r].base, h.region[r].base);
@@ -104,17 +116,91 @@ static void hello_round_trips_and_checks_lengths(void **state) {
     /* A region whose byte range wraps the address space. */
     bp_hello w = h;
     w.region[0].base = UINT64_MAX - 100;
-    len = bp_hello_write(buf, sizeof(buf), &w);
+    len = bp_hello_write(buf, sizeof(buf), &w, &a);
     assert_err(bp_hello_read(buf + 16, (uint32_t)(len - 16), &g), PD_ERR_PARSE);
     /* A region with units but no key. */
     w = h;
     w.region[1].rkey_len = 0;
-    len = bp_hello_write(buf, sizeof(buf), &w);
+    len = bp_hello_write(buf, sizeof(buf), &w, &a);
     assert_err(bp_hello_read(buf + 16, (uint32_t)(len - 16), &g), PD_ERR_PARSE);
-    /* Too long a token cannot even be encoded. */
+    /* Too long a worker address cannot even be encoded. */
     w = h;
-    w.token_len = BP_TOKEN_MAX + 1;
-    assert_int_equal(bp_hello_write(buf, sizeof(buf), &w), 0);
+    w.worker_addr_len = BP_WORKER_ADDR_MAX + 1;
+    assert_int_equal(bp_hello_write(buf, sizeof(buf), &w, &a), 0);
+}
+
+/* The proofs: each side's depends on the token, on both nonces and (the
+ * decode's) on every byte of the HELLO; neither is valid as the other's. */
+static void proofs_bind_token_nonces_and_hello(void **state) {
+    (void)state;
+    uint8_t keys[30], p1[BP_PROOF_BYTES], p2[BP_PROOF_BYTES];
+    bp_hello h = sample_hello(keys);
+    bp_auth a = sample_auth("secret"), b;
+    size_t len = bp_hello_write(buf, sizeof(buf), &h, &a);
+    uint32_t plen = (uint32_t)(len - 16);
+    const char *others[] = {NULL, "secreT", "secret-and-more", "secre"};
+    for (size_t i = 0; i < PD_ARRAY_LEN(others); i++) {
+        b = sample_auth(others[i]);
+        assert_false(bp_hello_verify(&b, buf + 16, plen));
+        bp_prefill_proof(&a, p1);
+        bp_prefill_proof(&b, p2);
+        assert_false(bp_proof_equal(p1, p2));
+    }
+    b = a;
+    b.nonce_prefill[7] ^= 1; /* a replayed HELLO under a fresh challenge */
+    assert_false(bp_hello_verify(&b, buf + 16, plen));
+    b = a;
+    b.nonce_decode[31] ^= 0x80;
+    assert_false(bp_hello_verify(&b, buf + 16, plen));
+    bp_prefill_proof(&b, p2);
+    bp_prefill_proof(&a, p1);
+    assert_false(bp_proof_equal(p1, p2));
+    /* Any byte of the HELLO changed after signing (a swapped worker address
+     * or key): the proof no longer verifies. */
+    for (uint32_t i = 0; i < plen; i += 7) {
+        buf[16 + i] ^= 0x10;
+        assert_false(bp_hello_verify(&a, buf + 16, plen));
+        buf[16 + i] ^= 0x10;
+    }
+    assert_true(bp_hello_verify(&a, buf + 16, plen));
+    /* No token on both sides: proofs still verify (an empty key). */
+    b = sample_auth(NULL);
+    len = bp_hello_write(buf, sizeof(buf), &h, &b);
+    assert_true(bp_hello_verify(&b, buf + 16, (uint32_t)(len - 16)));
+    /* AUTH and CHALLENGE round-trip and are exact in length. */
+    uint8_t nonce[BP_NONCE_BYTES], proof[BP_PROOF_BYTES];
+    len = bp_auth_write(buf, sizeof(buf), a.nonce_decode);
+    assert_int_equal(len, 16 + 32);
+    assert_ok(bp_auth_read(buf + 16, 32, nonce));
+    assert_memory_equal(nonce, a.nonce_decode, 32);
+    assert_err(bp_auth_read(buf + 16, 31, nonce), PD_ERR_PARSE);
+    bp_prefill_proof(&a, p1);
+    len = bp_challenge_write(buf, sizeof(buf), a.nonce_prefill, p1);
+    assert_int_equal(len, 16 + 64);
+    assert_ok(bp_challenge_read(buf + 16, 64, nonce, proof));
+    assert_memory_equal(nonce, a.nonce_prefill, 32);
+    assert_memory_equal(proof, p1, 32);
+    assert_err(bp_challenge_read(buf + 16, 65, nonce, proof), PD_ERR_PARSE);
+}
+
+/* Each role refuses on the header the types it never receives (a 1 MiB
+ * DEST sent to a decode node is never buffered). */
+static void types_are_checked_against_the_role(void **state) {
+    (void)state;
+    const uint32_t to_prefill[] = {BP_AUTH, BP_HELLO, BP_DEST};
+    const uint32_t to_decode[] = {BP_CHALLENGE, BP_HELLO_OK, BP_DEST_OK, BP_START, BP_DONE, BP_ACK};
+    for (size_t i = 0; i < PD_ARRAY_LEN(to_prefill); i++) {
+        assert_true(bp_type_for_role(to_prefill[i], true));
+        assert_false(bp_type_for_role(to_prefill[i], false));
+    }
+    for (size_t i = 0; i < PD_ARRAY_LEN(to_decode); i++) {
+        assert_false(bp_type_for_role(to_decode[i], true));
+        assert_true(bp_type_for_role(to_decode[i], false));
+    }
+    const uint32_t both[] = {BP_ABORT, BP_PING, BP_ERROR};
+    for (size_t i = 0; i < PD_ARRAY_LEN(both); i++)
+        assert_true(bp_type_for_role(both[i], true) && bp_type_for_role(both[i], false));
+    assert_false(bp_type_for_role(0, true) || bp_type_for_role(BP__TYPE_COUNT, false));
 }
 
 static void dest_round_trips_and_refuses_inconsistent_counts(void **state) {
@@ -178,10 +264,11 @@ static void mutated_messages_never_read_out_of_bounds(void **state) {
     pd_rng_seed(&rng, test_seed(7));
     uint8_t keys[30];
     bp_hello h = sample_hello(keys);
+    bp_auth auth = sample_auth("secret");
     uint32_t pages[9] = {1, 2, 3, 4, 5, 6, 7, 8, 9};
     static uint8_t msg[4][BP_HEADER_BYTES + 400];
     size_t lens[4] = {
-        bp_hello_write(msg[0], sizeof(msg[0]), &h),
+        bp_hello_write(msg[0], sizeof(msg[0]), &h, &auth),
         bp_dest_write(msg[1], sizeof(msg[1]), 1, 33, 0, 0, 0, pages, 9),
         bp_error_write(msg[2], sizeof(msg[2]), BP_E_BUSY, true, 9, "busy"),
         bp_room_write(msg[3], sizeof(msg[3]), BP_ABORT, 3, 1),
@@ -203,9 +290,9 @@ static void mutated_messages_never_read_out_of_bounds(void **state) {
         bp_error ge;
         uint64_t a, b;
         if (bp_hello_read(p, plen, &gh) == PD_OK) {
-            size_t total = (size_t)gh.token_len + gh.worker_addr_len;
+            size_t total = (size_t)gh.worker_addr_len;
             for (int r = 0; r < 3; r++) total += gh.region[r].rkey_len;
-            assert_true(96 + total == plen);
+            assert_true(96 + 32 + total == plen);
         }
         if (bp_dest_read(p, plen, &gd) == PD_OK) {
             uint32_t sum = 0;
@@ -223,6 +310,8 @@ int main(void) {
         cmocka_unit_test(header_fields_are_little_endian_at_fixed_offsets),
         cmocka_unit_test(damaged_headers_are_refused_with_their_code),
         cmocka_unit_test(hello_round_trips_and_checks_lengths),
+        cmocka_unit_test(proofs_bind_token_nonces_and_hello),
+        cmocka_unit_test(types_are_checked_against_the_role),
         cmocka_unit_test(dest_round_trips_and_refuses_inconsistent_counts),
         cmocka_unit_test(error_and_small_messages_round_trip),
         cmocka_unit_test(mutated_messages_never_read_out_of_bounds),
