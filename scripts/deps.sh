@@ -11,6 +11,7 @@ packages=(
   libcmocka-dev     # unit test framework
   libjansson-dev    # JSON (reports, HTTP bodies; tests parse what we emit)
   libmicrohttpd-dev # HTTP server
+  node-llhttp       # llhttp's C sources, Node.js's HTTP parser: our HTTP server's (docs/http-server.md)
   libcurl4-openssl-dev # HTTP client (router -> workers, end-to-end tests)
   libucx-dev        # UCX transport between prefill and decode processes
   ucx-utils         # ucx_info, for diagnostics
