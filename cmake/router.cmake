@@ -10,6 +10,8 @@ add_library(pd_router STATIC
   src/router/health.c
   src/router/client.c
   src/router/forward.c
+  src/router/sse.c
+  src/router/body.c
   src/router/stats.c
   src/router/router.c)
 # Its public header is include/pdserve/router.h; the rest is private (the

@@ -11,13 +11,10 @@
  * (the decode node's final answer, the prefill node's hand-off) is never
  * aborted afterwards.
  *
- * Event stream bookkeeping, in one buffer of SSE_WINDOW bytes:
- *
- *     [0, ready)         complete events, checked, waiting for the client
- *     [ready, sse_len)   the start of an event still arriving
- *
- * Only complete events go out, so a router-made ending (error event or
- * abort event, then [DONE]) never lands in the middle of a worker's event.
+ * Event stream bookkeeping: sse.h (one window of SSE_WINDOW bytes, complete
+ * events before `ready`). Only complete events go out, so a router-made
+ * ending (error event or abort event, then [DONE]) never lands in the middle
+ * of a worker's event.
  */
 #include "forward.h"
 
@@ -33,10 +30,10 @@
 #include <time.h>
 
 #include "client.h"
+#include "sse.h"
 #include "pdserve/http.h"
 #include "stats.h"
 
-#define SSE_WINDOW (256u * 1024u)          /* event stream window; one event must fit */
 #define PREFILL_BODY_MAX (64u * 1024u)     /* kept of the prefill node's answer */
 #define SETTLE_MS 500u                     /* after the decode's answer, for the prefill's */
 #define POLL_SLICE_MS 1000u                /* a wait is never longer: re-check the clock */
@@ -94,9 +91,7 @@ struct rt_fwd {
     char content_type[128];
 
     /* STREAM */
-    char *sse;
-    size_t sse_len, ready, scanned;
-    bool saw_final, saw_done, garbage;
+    rt_sse ev; /* the decode node's event stream, when streaming */
     char *tail;
     size_t tail_len, tail_off;
 };
@@ -137,8 +132,6 @@ static unsigned transport_status(const half *h, char *msg, size_t cap) {
 
 /* ---- libcurl callbacks ---------------------------------------------------- */
 
-static void scan_events(rt_fwd *f);
-
 static void note_head(half *h) {
     if (h->head_known) return;
     h->head_known = true;
@@ -171,19 +164,19 @@ static size_t half_write(char *ptr, size_t size, size_t nmemb, void *userdata) {
     note_head(h);
     if (h->sse) {
         /* Nothing after [DONE] goes out, nor anything after garbage. */
-        if (f->saw_done || f->garbage) return n;
-        if (n <= SSE_WINDOW - f->sse_len) {
-            memcpy(f->sse + f->sse_len, ptr, n);
-            f->sse_len += n;
+        if (f->ev.saw_done || f->ev.garbage) return n;
+        if (n <= SSE_WINDOW - f->ev.len) {
+            memcpy(f->ev.buf + f->ev.len, ptr, n);
+            f->ev.len += n;
             h->paused = false;
             return n;
         }
         /* Full. Would the chunk fit once the client took every complete
          * event? If not, one event is larger than the window and the
          * stream is unusable; if so, wait for the client. */
-        scan_events(f);
-        if (f->saw_done || f->garbage) return n;
-        if (n > SSE_WINDOW - (f->sse_len - f->ready)) {
+        rt_sse_scan(&f->ev);
+        if (f->ev.saw_done || f->ev.garbage) return n;
+        if (n > SSE_WINDOW - (f->ev.len - f->ev.ready)) {
             h->overflow = true;
             return 0;
         }
@@ -380,9 +373,9 @@ static void set_error(rt_fwd *f, rt_fwd_head *head, unsigned status, const char 
 /* Ends the stream with `event_data` (may be NULL: no event) then [DONE]. */
 static void set_tail(rt_fwd *f, char *event_data, unsigned outcome) {
     static const char done[] = "data: [DONE]\n\n";
-    PD_ASSERT(f->ready == 0);
-    f->sse_len = 0; /* a partial event from the worker is dropped */
-    f->scanned = 0;
+    PD_ASSERT(f->ev.ready == 0);
+    f->ev.len = 0; /* a partial event from the worker is dropped */
+    f->ev.scanned = 0;
     size_t ev = event_data ? strlen(event_data) : 0;
     size_t cap = ev + 16 + sizeof done;
     free(f->tail);
@@ -405,17 +398,17 @@ __attribute__((format(printf, 3, 4)))
 #endif
 static void set_error_tail(rt_fwd *f, unsigned status, const char *fmt, ...) {
     char *ev = NULL;
-    if (!f->saw_final) {
+    if (!f->ev.saw_final) {
         va_list ap;
         va_start(ap, fmt);
         ev = pd_http_error_body_v(status, fmt, ap);
         va_end(ap);
     }
-    set_tail(f, ev, f->saw_final ? 200 : status);
+    set_tail(f, ev, f->ev.saw_final ? 200 : status);
 }
 
 static void set_abort_tail(rt_fwd *f) {
-    set_tail(f, f->saw_final ? NULL : abort_answer(f, true), f->saw_final ? 200 : 499);
+    set_tail(f, f->ev.saw_final ? NULL : abort_answer(f, true), f->ev.saw_final ? 200 : 499);
 }
 
 /* ---- creation ---------------------------------------------------------------- */
@@ -477,7 +470,7 @@ pd_err rt_fwd_create(rt_fwd **out, const rt_fwd_params *p, char *msg, size_t msg
     if (!err) err = half_init(f, PREFILL, p->prefill_base, path, msg, msg_cap);
     if (!err) err = half_init(f, DECODE, p->decode_base, path, msg, msg_cap);
     f->h[DECODE].cap_max = p->max_response_bytes;
-    if (!err && p->stream && !(f->sse = malloc(SSE_WINDOW)))
+    if (!err && p->stream && !(f->ev.buf = malloc(SSE_WINDOW)))
         err = pd_errorf(msg, msg_cap, PD_ERR_NOMEM, "out of memory");
     if (err) {
         rt_fwd_destroy(f);
@@ -548,7 +541,7 @@ static void prefill_failed(rt_fwd *f, rt_fwd_head *head) {
     unsigned status = (unsigned)p->status;
     if (head && own) set_full(f, head, status, own);
     else if (head) set_error(f, head, status, "the prefill node answered HTTP %u", status);
-    else if (own && !f->saw_final) set_tail(f, own, status);
+    else if (own && !f->ev.saw_final) set_tail(f, own, status);
     else {
         free(own);
         set_error_tail(f, status, "the prefill node answered HTTP %u", status);
@@ -648,99 +641,12 @@ void rt_fwd_head_wait(rt_fwd *f, rt_fwd_head *head) {
 
 /* ---- stream ------------------------------------------------------------------- */
 
-/* Classifies one complete event: [DONE], final (finish_reason set, or an
- * error object), or neither. Returns false for garbage (data not JSON). */
-static bool classify_event(rt_fwd *f, const char *ev, size_t len) {
-    char data[SSE_WINDOW > 4096 ? 4096 : SSE_WINDOW];
-    char *big = NULL;
-    char *dst = data;
-    size_t cap = sizeof data, dlen = 0;
-    bool any = false;
-    size_t i = 0;
-    while (i < len) {
-        size_t j = i;
-        while (j < len && ev[j] != '\n') j++;
-        size_t line_len = j - i;
-        if (line_len && ev[i + line_len - 1] == '\r') line_len--;
-        if (line_len >= 5 && !memcmp(ev + i, "data:", 5)) {
-            const char *v = ev + i + 5;
-            size_t vl = line_len - 5;
-            if (vl && *v == ' ') v++, vl--;
-            size_t need = dlen + (any ? 1 : 0) + vl + 1;
-            if (need > cap) {
-                char *nb = malloc(len + 2);
-                if (!nb) return false;
-                memcpy(nb, dst, dlen);
-                free(big);
-                big = dst = nb;
-                cap = len + 2;
-            }
-            if (any) dst[dlen++] = '\n';
-            memcpy(dst + dlen, v, vl);
-            dlen += vl;
-            any = true;
-        }
-        i = j + 1;
-    }
-    bool ok = true;
-    if (any) {
-        if (dlen == 6 && !memcmp(dst, "[DONE]", 6)) {
-            f->saw_done = true;
-        } else {
-            json_t *root = json_loadb(dst, dlen, 0, NULL);
-            if (!json_is_object(root)) {
-                ok = false;
-            } else {
-                json_t *meta = json_object_get(root, "meta_info");
-                json_t *choices = json_object_get(root, "choices");
-                json_t *fr = json_object_get(meta, "finish_reason");
-                if (!fr && json_is_array(choices))
-                    fr = json_object_get(json_array_get(choices, 0), "finish_reason");
-                if ((fr && !json_is_null(fr)) || json_object_get(root, "error"))
-                    f->saw_final = true;
-            }
-            json_decref(root);
-        }
-    }
-    free(big);
-    return ok;
-}
-
-/* Moves `ready` over every complete event received. */
-static void scan_events(rt_fwd *f) {
-    while (!f->saw_done && !f->garbage) {
-        size_t from = f->scanned > f->ready + 3 ? f->scanned - 3 : f->ready;
-        size_t end = 0;
-        for (size_t i = from; i + 1 < f->sse_len; i++) {
-            if (f->sse[i] == '\n' && f->sse[i + 1] == '\n') {
-                end = i + 2;
-                break;
-            }
-            if (i + 3 < f->sse_len && !memcmp(f->sse + i, "\r\n\r\n", 4)) {
-                end = i + 4;
-                break;
-            }
-        }
-        if (end == 0) {
-            f->scanned = f->sse_len;
-            return;
-        }
-        if (!classify_event(f, f->sse + f->ready, end - f->ready)) {
-            f->garbage = true;
-            return;
-        }
-        f->ready = end;
-        f->scanned = end;
-        if (f->saw_done) f->sse_len = end; /* nothing after [DONE] goes out */
-    }
-}
-
 /* Called once the client has taken every complete event: the chunk curl
  * holds back now fits (half_write refused for good any chunk that could not
  * fit even then). */
 static void unpause(rt_fwd *f) {
     half *d = &f->h[DECODE];
-    PD_ASSERT(f->ready == 0);
+    PD_ASSERT(f->ev.ready == 0);
     if (d->paused && d->added) {
         d->paused = false;
         /* May call half_write right here. */
@@ -752,13 +658,13 @@ long rt_fwd_stream_read(rt_fwd *f, char *buf, size_t max) {
     PD_ASSERT(f->started && max > 0);
     half *p = &f->h[PREFILL], *d = &f->h[DECODE];
     for (;;) {
-        if (f->ready > 0) {
-            size_t n = PD_MIN(max, f->ready);
-            memcpy(buf, f->sse, n);
-            memmove(f->sse, f->sse + n, f->sse_len - n);
-            f->sse_len -= n;
-            f->ready -= n;
-            f->scanned -= n;
+        if (f->ev.ready > 0) {
+            size_t n = PD_MIN(max, f->ev.ready);
+            memcpy(buf, f->ev.buf, n);
+            memmove(f->ev.buf, f->ev.buf + n, f->ev.len - n);
+            f->ev.len -= n;
+            f->ev.ready -= n;
+            f->ev.scanned -= n;
             return (long)n;
         }
         if (f->tail_off < f->tail_len) {
@@ -768,16 +674,16 @@ long rt_fwd_stream_read(rt_fwd *f, char *buf, size_t max) {
             return (long)n;
         }
         if (f->ended) return 0;
-        if (f->saw_done) {
+        if (f->ev.saw_done) {
             settle(f);
             f->outcome = 200;
             f->ended = true;
             continue;
         }
         unpause(f);
-        scan_events(f);
-        if (f->ready > 0 || f->saw_done) continue;
-        if (f->garbage || d->overflow) {
+        rt_sse_scan(&f->ev);
+        if (f->ev.ready > 0 || f->ev.saw_done) continue;
+        if (f->ev.garbage || d->overflow) {
             d->failed = true;
             abandon_all(f, false);
             set_error_tail(f, 502, "the decode node sent a malformed or oversized event");
@@ -825,13 +731,13 @@ void rt_fwd_request_shutdown(rt_fwd *f) {
 
 void rt_fwd_close(rt_fwd *f) {
     if (!f->started) return;
-    if (!f->ended || f->tail_off < f->tail_len || f->ready > 0) {
+    if (!f->ended || f->tail_off < f->tail_len || f->ev.ready > 0) {
         /* The exchange ended before the answer was fully handed out: the
          * client went away (or the connection failed) mid-answer. */
         abandon_all(f, false);
         f->outcome = RT_STATUS_CLIENT_GONE;
         f->ended = true;
-        f->ready = f->tail_len = f->tail_off = 0;
+        f->ev.ready = f->tail_len = f->tail_off = 0;
         return;
     }
     close_half(&f->h[PREFILL]);
@@ -860,7 +766,7 @@ void rt_fwd_destroy(rt_fwd *f) {
     curl_slist_free_all(f->hdrs);
     free(f->body);
     free(f->own_body);
-    free(f->sse);
+    free(f->ev.buf);
     free(f->tail);
     free(f);
 }

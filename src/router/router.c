@@ -25,6 +25,8 @@
  */
 #include "pdserve/router.h"
 
+#include "body.h"
+
 #include <errno.h>
 #include <fcntl.h>
 #include <jansson.h>
@@ -39,6 +41,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "body.h"
 #include "client.h"
 #include "forward.h"
 #include "health.h"
@@ -353,109 +356,6 @@ static enum MHD_Result answer_json(req *q, struct MHD_Connection *c, unsigned st
 
 /* ---- validation ------------------------------------------------------------------- */
 
-typedef enum kind { K_STRING, K_BOOL, K_INTEGER, K_NUMBER, K_ARRAY, K_OBJECT, K_PROMPT } kind;
-
-static bool has_kind(json_t *v, kind k) {
-    switch (k) {
-    case K_STRING: return json_is_string(v);
-    case K_BOOL: return json_is_boolean(v);
-    case K_INTEGER: return json_is_integer(v);
-    case K_NUMBER: return json_is_number(v);
-    case K_ARRAY: return json_is_array(v);
-    case K_OBJECT: return json_is_object(v);
-    case K_PROMPT: return json_is_string(v) || json_is_array(v);
-    }
-    return false;
-}
-
-static const char *kind_name(kind k) {
-    static const char *names[] = {"a string", "a boolean", "an integer", "a number",
-                                  "an array", "an object", "a string or an array of token ids"};
-    return names[k];
-}
-
-typedef struct field_rule {
-    const char *name;
-    kind kind;
-} field_rule;
-
-static const field_rule generate_rules[] = {
-    {"text", K_STRING},   {"input_ids", K_ARRAY}, {"sampling_params", K_OBJECT},
-    {"stream", K_BOOL},   {"rid", K_STRING},
-};
-static const field_rule sampling_rules[] = {
-    {"max_new_tokens", K_INTEGER}, {"temperature", K_NUMBER}, {"top_p", K_NUMBER},
-    {"stop_token_ids", K_ARRAY},   {"ignore_eos", K_BOOL},
-};
-static const field_rule completions_rules[] = {
-    {"model", K_STRING},       {"prompt", K_PROMPT},     {"max_tokens", K_INTEGER},
-    {"temperature", K_NUMBER}, {"top_p", K_NUMBER},      {"stream", K_BOOL},
-    {"stop_token_ids", K_ARRAY}, {"ignore_eos", K_BOOL}, {"rid", K_STRING},
-};
-
-/* A client-supplied rid must be one the nodes accept (PD_RID_MAX, base.h):
- * the router refuses the rest at the door rather than forward a request
- * that both halves would refuse. An embedded NUL would reach the nodes as a
- * different, shorter rid, so it is refused too. */
-#define RID_RULE "rid must be a non-empty string of at most %d bytes, without NUL"
-
-static bool rid_acceptable(json_t *rid) {
-    if (!json_is_string(rid)) return false;
-    size_t n = json_string_length(rid);
-    return n > 0 && n < PD_RID_MAX && strlen(json_string_value(rid)) == n;
-}
-
-/* The fields the router knows must have their type; the rest is the
- * workers' to judge (unknown fields are ignored, as the API says). Returns
- * false with the message naming the field. */
-static bool check_fields(json_t *o, const field_rule *rules, size_t n, const char *prefix,
-                         char *why, size_t cap) {
-    for (size_t i = 0; i < n; i++) {
-        json_t *v = json_object_get(o, rules[i].name);
-        if (v && !has_kind(v, rules[i].kind)) {
-            snprintf(why, cap, "%s%s must be %s", prefix, rules[i].name, kind_name(rules[i].kind));
-            return false;
-        }
-    }
-    return true;
-}
-
-static bool validate_generation(route rt, json_t *o, char *why, size_t cap) {
-    if (rt == ROUTE_GENERATE) {
-        if (!check_fields(o, generate_rules, PD_ARRAY_LEN(generate_rules), "", why, cap))
-            return false;
-        json_t *sp = json_object_get(o, "sampling_params");
-        if (sp && !check_fields(sp, sampling_rules, PD_ARRAY_LEN(sampling_rules),
-                                "sampling_params.", why, cap))
-            return false;
-    } else if (!check_fields(o, completions_rules, PD_ARRAY_LEN(completions_rules), "", why, cap)) {
-        return false;
-    }
-    json_t *rid = json_object_get(o, "rid");
-    if (rid && !rid_acceptable(rid)) {
-        snprintf(why, cap, RID_RULE, PD_RID_MAX - 1);
-        return false;
-    }
-    return true;
-}
-
-/* Parses a body that must be one JSON object; answers 400 otherwise. */
-static json_t *parse_object(req *q, struct MHD_Connection *c) {
-    json_error_t jerr;
-    json_t *o = json_loadb(q->body ? q->body : "", q->len, 0, &jerr);
-    if (!o) {
-        answer_error(q, c, 400, NULL, "malformed JSON: %s (line %d, column %d)", jerr.text,
-                     jerr.line, jerr.column);
-        return NULL;
-    }
-    if (!json_is_object(o)) {
-        json_decref(o);
-        answer_error(q, c, 400, NULL, "the body must be a JSON object");
-        return NULL;
-    }
-    return o;
-}
-
 /* ---- routes ------------------------------------------------------------------------ */
 
 /* The pair stops counting this request as soon as the answer is decided —
@@ -564,13 +464,12 @@ static enum MHD_Result handle_generation(req *q, struct MHD_Connection *c) {
     pd_router *r = q->r;
     rt_stats_begin(&r->stats);
     q->generation = true;
-    json_t *o = parse_object(q, c);
-    if (!o) return MHD_YES;
+    json_t *o;
     char why[256];
-    if (!validate_generation(q->route, o, why, sizeof why)) {
-        json_decref(o);
-        return answer_error(q, c, 400, NULL, "%s", why);
-    }
+    unsigned refused =
+        rt_body_parse(q->route == ROUTE_GENERATE ? RT_BODY_GENERATE : RT_BODY_COMPLETIONS, q->body,
+                      q->len, &o, why, sizeof why);
+    if (refused) return answer_error(q, c, refused, NULL, "%s", why);
     char rid[PD_RID_MAX];
     if (!request_rid(o, rid, sizeof rid)) {
         json_decref(o);
@@ -607,24 +506,12 @@ static enum MHD_Result handle_generation(req *q, struct MHD_Connection *c) {
 
 static enum MHD_Result handle_abort(req *q, struct MHD_Connection *c) {
     pd_router *r = q->r;
-    json_t *o = parse_object(q, c);
-    if (!o) return MHD_YES;
+    json_t *o;
+    char why[256];
+    unsigned refused = rt_body_parse(RT_BODY_ABORT, q->body, q->len, &o, why, sizeof why);
+    if (refused) return answer_error(q, c, refused, NULL, "%s", why);
     json_t *rid = json_object_get(o, "rid");
-    json_t *all = json_object_get(o, "abort_all");
-    if (rid && !rid_acceptable(rid)) {
-        json_decref(o);
-        return answer_error(q, c, 400, NULL, RID_RULE, PD_RID_MAX - 1);
-    }
-    if (all && !json_is_boolean(all)) {
-        json_decref(o);
-        return answer_error(q, c, 400, NULL, "abort_all must be a boolean");
-    }
-    bool abort_all = json_is_true(all);
-    if (!abort_all && !rid) {
-        json_decref(o);
-        return answer_error(q, c, 400, NULL,
-                            "expected {\"rid\": \"...\"} or {\"abort_all\": true}");
-    }
+    bool abort_all = json_is_true(json_object_get(o, "abort_all"));
     char rid_copy[PD_RID_MAX] = "";
     if (!abort_all) snprintf(rid_copy, sizeof rid_copy, "%s", json_string_value(rid));
     json_decref(o);
