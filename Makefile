@@ -90,7 +90,7 @@ fuzz: deps
 # feed UCX's registration cache only, which nothing here relies on (pools are
 # registered once). No report is suppressed: halt_on_error makes the first
 # race end the process, and the test with it.
-TSAN_TESTS := test_router|test_net|test_colocated|test_node|test_engine|e2e|bench_sched|bench_xfer|sim_same_seed
+TSAN_TESTS := test_http_server|test_router|test_net|test_colocated|test_node|test_engine|e2e|bench_sched|bench_xfer|sim_same_seed
 tsan: deps
 	cmake -S . -B $(TSAN_DIR) -DCMAKE_BUILD_TYPE=Debug \
 		"-DCMAKE_C_FLAGS=-fsanitize=thread -O1 -g -fno-omit-frame-pointer" \

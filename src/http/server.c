@@ -601,6 +601,8 @@ static void expire(http_loop *l, conn *c, int kind) {
         snprintf(msg, sizeof msg, "the request's body did not arrive within %u ms",
                  l->cfg->body_timeout_ms);
         conn_refuse(l, c, 408, msg);
+    } else if (kind == T_IDLE && unsent(c) > 0) {
+        timer_set(l, c, T_IDLE); /* still reading the last answer: the write deadline guards it */
     } else {
         conn_close(l, c); /* idle, lingered, or never said a word */
     }
