@@ -13,9 +13,10 @@
  *        count towards it, and are not kept)
  *   505  any version but HTTP/1.0 and 1.1 (0.9 and 2.0 parse; 1.2 does not)
  *   400  anything llhttp refuses (its reason quoted); two Content-Length
- *        headers, even equal; Transfer-Encoding with Content-Length; two Host
- *        headers, or HTTP/1.1 without one; a target that is not a path; a
- *        path holding a percent-encoded NUL (a raw NUL llhttp refuses)
+ *        headers, even equal; Transfer-Encoding with Content-Length, or in
+ *        HTTP/1.0; two Host headers, or HTTP/1.1 without one; a target that
+ *        is not a path; a path holding a percent-encoded NUL (a raw NUL
+ *        llhttp refuses)
  *
  * The header limit is exact without counting inside llhttp: while the block
  * is incomplete, llhttp is given at most the bytes the limit has left, and
@@ -164,6 +165,10 @@ static int on_headers_complete(llhttp_t *ll) {
     if (major != 1 || minor > 1)
         return refuse(p, 505, "HTTP/%u.%u is not supported (only 1.0 and 1.1)", major, minor);
     if (minor == 1 && p->hosts == 0) return refuse(p, 400, "an HTTP/1.1 request without Host");
+    /* HTTP/1.0 has no transfer codings: a 1.0 hop before us may not have read
+     * the body as chunked, which is the smuggling RFC 9112 6.1 warns of. */
+    if (minor == 0 && p->transfer_encodings)
+        return refuse(p, 400, "Transfer-Encoding in an HTTP/1.0 request");
     if ((ll->flags & F_CONTENT_LENGTH) && ll->content_length > p->lim.body_bytes_max)
         return refuse(p, 413, "request body of %llu bytes is over the limit of %llu bytes",
                       (unsigned long long)ll->content_length,

@@ -535,6 +535,8 @@ static const refusal refusals[] = {
      400, "Transfer-Encoding together with Content-Length"},
     {"POST / HTTP/1.1\r\nHost: h\r\nContent-Length: 1\r\nTransfer-Encoding: chunked\r\n\r\n", 0,
      400, "Transfer-Encoding together with Content-Length"},
+    {"POST / HTTP/1.0\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n", 0, 400,
+     "Transfer-Encoding in an HTTP/1.0 request"},
     {"GET / HTTP/1.1\r\n\r\n", 0, 400, "without Host"},
     {"GET / HTTP/1.1\r\nHost: a\r\nHost: b\r\n\r\n", 0, 400, "two Host"},
     {"GET /generate%00x HTTP/1.1\r\nHost: h\r\n\r\n", 0, 400, "%00"},
