@@ -770,13 +770,12 @@ static void stream_writes_are_refused_over_the_watermark(void **state) {
     memset(chunk, 'z', sizeof chunk);
     size_t sent = 0;
     pd_err err = PD_OK;
-    /* The client reads nothing: the kernel's buffers fill, then the queue. */
+    /* The client reads nothing: the queue fills faster than the loop empties it. */
     for (int i = 0; i < 4096 && err == PD_OK; i++) {
         err = pd_http_req_stream_write(r, chunk, sizeof chunk);
         if (err == PD_OK) sent += sizeof chunk;
     }
     assert_err(err, PD_ERR_NOMEM);
-    assert_true(pd_http_req_backlog_bytes(r) >= cfg.output_watermark_bytes);
     /* Reading drains it: WRITABLE comes, and writing works again. */
     struct timespec t0, t1;
     clock_gettime(CLOCK_MONOTONIC, &t0);
@@ -789,6 +788,39 @@ static void stream_writes_are_refused_over_the_watermark(void **state) {
     assert_true(read_response(&c, &resp));
     assert_int_equal(resp.body_len, sent + 10);
     response_free(&resp);
+    hang_up(&c);
+    held_release_all();
+    pd_http_server_stop(s);
+}
+
+static void a_client_that_stops_reading_is_cut_at_the_write_deadline(void **state) {
+    (void)state;
+    pd_http_server_config cfg = test_config();
+    cfg.output_watermark_bytes = 64 * 1024;
+    cfg.write_timeout_ms = 300;
+    pd_http_server *s = start(&cfg);
+    client c = dial(s);
+    int small = 4096;
+    setsockopt(c.fd, SOL_SOCKET, SO_RCVBUF, &small, sizeof small);
+    send_str(&c, "GET /hold HTTP/1.1\r\nHost: h\r\n\r\n");
+    held_wait(1, false);
+    pd_http_req *r = H.req[0];
+    assert_ok(pd_http_req_stream_begin(r, 200, NULL));
+    /* Write on (waiting a moment whenever the backlog is full) until the
+     * kernel's buffers are full too, nothing moves, and the deadline cuts. */
+    static char chunk[16 * 1024];
+    pd_err err = PD_OK;
+    struct timespec t0, t1, ms = {.tv_nsec = 1000 * 1000};
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    for (t1 = t0; err != PD_ERR_STATE && t1.tv_sec - t0.tv_sec < READ_TIMEOUT_S;) {
+        err = pd_http_req_stream_write(r, chunk, sizeof chunk);
+        if (err == PD_ERR_NOMEM) nanosleep(&ms, NULL);
+        clock_gettime(CLOCK_MONOTONIC, &t1);
+    }
+    assert_err(err, PD_ERR_STATE);
+    held_wait(1, true); /* nothing taken for 300 ms: the connection is cut */
+    assert_true(pd_http_req_gone(r));
+    assert_err(pd_http_req_stream_write(r, chunk, 1), PD_ERR_STATE);
     hang_up(&c);
     held_release_all();
     pd_http_server_stop(s);
@@ -891,6 +923,7 @@ int main(void) {
         cmocka_unit_test(a_stream_from_another_thread_is_chunked),
         cmocka_unit_test(a_client_hanging_up_mid_stream_is_gone),
         cmocka_unit_test(stream_writes_are_refused_over_the_watermark),
+        cmocka_unit_test(a_client_that_stops_reading_is_cut_at_the_write_deadline),
         cmocka_unit_test(stop_finishes_or_cuts_what_is_open),
         cmocka_unit_test(a_port_in_use_is_refused),
         cmocka_unit_test(ipv6_loopback_is_served),
