@@ -151,7 +151,9 @@ typedef void (*pd_http_req_watch_fn)(pd_http_req *r, pd_http_req_event ev, void 
 /* Sets the callback for the events above. It runs on the loop thread, must
  * not block, and may call any answering function (GONE: they return
  * PD_ERR_STATE). If the client is already gone when it is set, it runs at
- * once, on the calling thread. fn NULL clears it. */
+ * once, on the calling thread. fn NULL clears it, and returns only once no
+ * callback runs any more (unless called from inside one): after it, the
+ * callback's user data may be freed. */
 void pd_http_req_watch(pd_http_req *r, pd_http_req_watch_fn fn, void *user);
 /* True once the connection ended before the answer did (poll-able). */
 bool pd_http_req_gone(pd_http_req *r);

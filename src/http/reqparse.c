@@ -356,5 +356,6 @@ pd_http_req *http_reqparse_take(http_reqparse *p) {
     }
     atomic_init(&r->refs, 1);
     pthread_mutex_init(&r->mu, NULL);
+    pthread_cond_init(&r->called, NULL);
     return r;
 }

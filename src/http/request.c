@@ -164,6 +164,7 @@ void pd_http_req_release(pd_http_req *r) {
     PD_ASSERT(before > 0);
     if (before > 1) return;
     PD_ASSERT(r->loop == NULL && !r->queued); /* H4 */
+    pthread_cond_destroy(&r->called);
     pthread_mutex_destroy(&r->mu);
     http_buf_free(&r->pending);
     free(r->body);
@@ -338,10 +339,35 @@ pd_err pd_http_req_stream_end(pd_http_req *r) {
 
 /* ---- what happens to the client ------------------------------------------------- */
 
+/* Runs the watch callback for ev outside r->mu (called with it held;
+ * returns with it released). While it runs, `calling` says so, and
+ * pd_http_req_watch(r, NULL) from another thread waits for it to return:
+ * whoever frees the callback's user data after clearing the watch never
+ * races a callback still using it. */
+static void watch_call(pd_http_req *r, pd_http_req_event ev) {
+    pd_http_req_watch_fn fn = r->watch;
+    void *user = r->watch_user;
+    if (!fn) {
+        pthread_mutex_unlock(&r->mu);
+        return;
+    }
+    r->calling++;
+    r->calling_thread = pthread_self();
+    pthread_mutex_unlock(&r->mu);
+    fn(r, ev, user);
+    pthread_mutex_lock(&r->mu);
+    if (--r->calling == 0) pthread_cond_broadcast(&r->called);
+    pthread_mutex_unlock(&r->mu);
+}
+
 void pd_http_req_watch(pd_http_req *r, pd_http_req_watch_fn fn, void *user) {
     pthread_mutex_lock(&r->mu);
     r->watch = fn;
     r->watch_user = user;
+    /* Clearing: wait out a callback running on another thread (never the
+     * one running it: a callback may clear its own watch). */
+    while (!fn && r->calling > 0 && !pthread_equal(r->calling_thread, pthread_self()))
+        pthread_cond_wait(&r->called, &r->mu);
     bool gone = r->gone;
     pthread_mutex_unlock(&r->mu);
     if (gone && fn) fn(r, PD_HTTP_REQ_GONE, user);
@@ -379,10 +405,8 @@ void http_req_detach(pd_http_req *r) {
     PD_ASSERT(r->loop != NULL);
     r->loop = NULL;
     bool gone = r->gone = !r->ended;
-    pd_http_req_watch_fn fn = r->watch;
-    void *user = r->watch_user;
-    pthread_mutex_unlock(&r->mu);
-    if (gone && fn) fn(r, PD_HTTP_REQ_GONE, user);
+    if (gone) watch_call(r, PD_HTTP_REQ_GONE);
+    else pthread_mutex_unlock(&r->mu);
 }
 
 int http_req_take(pd_http_req *r, http_buf *out, bool *ended, bool *close_after) {
@@ -413,10 +437,8 @@ void http_req_set_unsent(pd_http_req *r, uint64_t unsent) {
     r->out_unsent = unsent;
     bool writable = r->congested && r->pending.len + unsent < r->watermark / 2;
     if (writable) r->congested = false;
-    pd_http_req_watch_fn fn = r->watch;
-    void *user = r->watch_user;
-    pthread_mutex_unlock(&r->mu);
-    if (writable && fn) fn(r, PD_HTTP_REQ_WRITABLE, user);
+    if (writable) watch_call(r, PD_HTTP_REQ_WRITABLE);
+    else pthread_mutex_unlock(&r->mu);
 }
 
 void http_req_close_after(pd_http_req *r) {

@@ -136,6 +136,9 @@ struct pd_http_req {
     size_t extra_len;
     pd_http_req_watch_fn watch;
     void *watch_user;
+    uint32_t calling;         /* watch callbacks running now (on the loop thread) */
+    pthread_t calling_thread; /* the thread running them */
+    pthread_cond_t called;    /* signalled when calling drops to 0 */
     pd_http_req *ready_next; /* the loop's ready list (under the loop's lock) */
 };
 
