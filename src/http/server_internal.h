@@ -139,7 +139,7 @@ struct pd_http_req {
     uint32_t calling;         /* watch callbacks running now (on the loop thread) */
     pthread_t calling_thread; /* the thread running them */
     pthread_cond_t called;    /* signalled when calling drops to 0 */
-    pd_http_req *ready_next; /* the loop's ready list (under the loop's lock) */
+    pd_http_req *ready_next;  /* the loop's ready list (under the loop's lock) */
 };
 
 /* The loop's side of the contract (server.c): put an attached handle on the
