@@ -80,6 +80,7 @@ struct rt_fwd {
     uint64_t grace_deadline_ms;   /* 0 until an abort was requested and seen */
     atomic_bool abort_requested;
     atomic_bool shutdown_requested;
+    atomic_bool client_gone_told; /* rt_fwd_client_gone: the server saw the hang-up */
     bool watch_client;
     bool client_gone;
     bool ended;                   /* nothing more to produce after what is queued */
@@ -236,6 +237,7 @@ static void harvest(rt_fwd *f) {
  * from data without reading it, so the watch stops (the stream's writes
  * still notice a hang-up). */
 static void check_client(rt_fwd *f) {
+    if (atomic_load(&f->client_gone_told)) f->client_gone = true;
     if (!f->watch_client || f->client_gone) return;
     char c;
     ssize_t r = recv(f->client_fd, &c, 1, MSG_PEEK | MSG_DONTWAIT);
@@ -460,6 +462,7 @@ pd_err rt_fwd_create(rt_fwd **out, const rt_fwd_params *p, char *msg, size_t msg
     f->abort_grace_ms = p->abort_grace_ms;
     atomic_init(&f->abort_requested, false);
     atomic_init(&f->shutdown_requested, false);
+    atomic_init(&f->client_gone_told, false);
     const char *path = p->api == RT_FWD_GENERATE ? "/generate" : "/v1/completions";
     pd_err err = PD_OK;
     f->multi = curl_multi_init();
@@ -721,6 +724,11 @@ long rt_fwd_stream_read(rt_fwd *f, char *buf, size_t max) {
 
 void rt_fwd_request_abort(rt_fwd *f) {
     atomic_store(&f->abort_requested, true);
+    curl_multi_wakeup(f->multi);
+}
+
+void rt_fwd_client_gone(rt_fwd *f) {
+    atomic_store(&f->client_gone_told, true);
     curl_multi_wakeup(f->multi);
 }
 

@@ -84,6 +84,9 @@ long rt_fwd_stream_read(rt_fwd *f, char *buf, size_t max);
 /* From any thread: a router-level /abort_request named this request. */
 void rt_fwd_request_abort(rt_fwd *f);
 /* From any thread: the router is stopping; end now with 503. */
+/* The HTTP server saw the client hang up (any thread): like a hang-up seen
+ * on client_fd, the forward aborts both halves and answers nobody. */
+void rt_fwd_client_gone(rt_fwd *f);
 void rt_fwd_request_shutdown(rt_fwd *f);
 /* The client's exchange is over (answered, failed or gone): abort and close
  * whatever still runs. Idempotent. */

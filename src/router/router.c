@@ -1,15 +1,19 @@
 /*
  * The router's HTTP server: routes, request validation, the table of
- * requests in flight, and the glue between libmicrohttpd and a forward.
+ * requests in flight, and the glue between the HTTP server
+ * (pd_http_server, docs/http-server.md) and a forward.
  *
- * libmicrohttpd runs in thread-per-connection mode. A request's handler may
- * block for as long as the request lives: it validates the body, picks a
- * pair, rewrites the body with the bootstrap fields and drives the forward
- * (forward.c) until the response's head is decided, then queues it; a
- * streamed body is produced by the same thread from MHD's content-reader
- * callback. The price is one thread per client connection, bounded by
- * connections_max; the gain is straight-line code with no hand-written
- * event loop, and a forward that is never shared between threads.
+ * The server's event loop parses every request and makes every answer about
+ * framing, limits and deadlines itself (JSON errors; issue 10). Cheap routes
+ * (/health, /server_info, /metrics, 404, 405) are answered on the loop
+ * thread. A generation or an abort may block for as long as the request
+ * lives, so it runs on a thread of its own, started per request and bounded
+ * by the server's connection caps: it validates the body, picks a pair,
+ * rewrites the body with the bootstrap fields and drives the forward
+ * (forward.c) until the response's head is decided, then answers; a
+ * streamed body is pumped from the forward by the same thread. The price is
+ * a thread per request in flight; the gain is straight-line code and a
+ * forward never shared between threads. (Issue 13 makes this event-driven.)
  *
  * The in-flight table (one slot per possible connection, a linear scan
  * under a mutex) maps rids to forwards for the two things that reach a
@@ -18,19 +22,16 @@
  * /abort_request can never miss a request that a worker already has;
  * a flag set before the forward exists is handed to it when it attaches.
  *
- * MHD's request-completed callback is the single end of every request:
- * it closes the forward (which aborts whatever still runs — this is where a
- * hang-up that MHD noticed while writing ends up), releases the workers,
- * frees the slot and records the outcome.
+ * finish() is the single end of every request: it closes the forward
+ * (which aborts whatever still runs — this is where a hang-up the server
+ * reported ends up), releases the workers, frees the slot and records the
+ * outcome.
  */
 #include "pdserve/router.h"
-
-#include "body.h"
 
 #include <errno.h>
 #include <fcntl.h>
 #include <jansson.h>
-#include <microhttpd.h>
 #include <netdb.h>
 #include <stdatomic.h>
 #include <stdio.h>
@@ -46,6 +47,7 @@
 #include "forward.h"
 #include "health.h"
 #include "pdserve/http.h"
+#include "pdserve/http_server.h"
 #include "stats.h"
 #include "workers.h"
 
@@ -64,14 +66,16 @@ struct pd_router {
     rt_workers workers;
     rt_health health;
     rt_stats stats;
-    struct MHD_Daemon *mhd;
+    pd_http_server *srv;
     uint16_t port;
     bool started;
     bool stopped;
 
     pthread_mutex_t table_mu;
-    slot *slots;             /* cfg.connections_max of them */
-    bool stopping;           /* guarded by table_mu */
+    slot *slots;         /* cfg.connections_max of them */
+    bool stopping;       /* guarded by table_mu */
+    size_t threads_live; /* request threads running (table_mu) */
+    pthread_cond_t threads_cv;
 };
 
 /* ---- configuration ---------------------------------------------------------- */
@@ -138,6 +142,7 @@ pd_err pd_router_create(pd_router **out, const pd_router_config *cfg, char *msg,
         return pd_errorf(msg, msg_cap, PD_ERR_NOMEM, "out of memory");
     }
     pthread_mutex_init(&r->table_mu, NULL);
+    pthread_cond_init(&r->threads_cv, NULL);
     rt_stats_init(&r->stats);
     *out = r;
     return PD_OK;
@@ -267,10 +272,10 @@ static const struct {
 
 typedef struct req {
     pd_router *r;
+    pd_http_req *h; /* retained until finish() */
     route route;
-    char *body;
-    size_t len, cap;
-    bool too_large;
+    const char *body; /* the server's copy, NUL-terminated */
+    size_t len;
     bool answered;           /* a response is queued */
     bool generation;         /* counted in the stats */
     bool recorded;           /* its outcome is in the stats */
@@ -278,44 +283,19 @@ typedef struct req {
     long slot;
     bool picked;             /* a worker pair counts this request in flight */
     size_t prefill, decode;
-    rt_fwd *fwd;
     uint64_t start_ms;
+    /* Shared with the server's watch callback (the loop thread). */
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    rt_fwd *fwd;   /* set under mu once attached; read freely by this thread */
+    bool gone;     /* the client hung up */
+    bool writable; /* the backlog fell after a refused stream write */
 } req;
 
 static route find_route(const char *url) {
     for (size_t i = 0; i < PD_ARRAY_LEN(routes); i++)
         if (!strcmp(url, routes[i].path)) return (route)i;
     return ROUTE_NONE;
-}
-
-/* Keeps at most max_body_bytes; past that only remembers that it was. */
-static void body_append(req *q, const char *data, size_t n) {
-    size_t max = q->r->cfg.max_body_bytes;
-    if (q->too_large) return;
-    if (n > max - q->len) {
-        q->too_large = true;
-        free(q->body);
-        q->body = NULL;
-        q->len = q->cap = 0;
-        return;
-    }
-    if (q->len + n + 1 > q->cap) {
-        size_t cap = q->cap ? q->cap : 1024;
-        while (cap < q->len + n + 1) cap *= 2;
-        char *nb = realloc(q->body, cap);
-        if (!nb) {
-            q->too_large = true; /* refused like an oversized body: the router lives on */
-            free(q->body);
-            q->body = NULL;
-            q->len = q->cap = 0;
-            return;
-        }
-        q->body = nb;
-        q->cap = cap;
-    }
-    memcpy(q->body + q->len, data, n);
-    q->len += n;
-    q->body[q->len] = '\0';
 }
 
 /* A generation request's outcome goes into the stats when the answer is
@@ -328,10 +308,10 @@ static void record_outcome(req *q, unsigned status) {
 }
 
 #if defined(__GNUC__)
-__attribute__((format(printf, 5, 6)))
+__attribute__((format(printf, 4, 5)))
 #endif
-static enum MHD_Result answer_error(req *q, struct MHD_Connection *c, unsigned status,
-                                    const char *allow, const char *fmt, ...) {
+static bool
+answer_error(req *q, unsigned status, const char *allow, const char *fmt, ...) {
     char message[512];
     va_list ap;
     va_start(ap, fmt);
@@ -340,18 +320,20 @@ static enum MHD_Result answer_error(req *q, struct MHD_Connection *c, unsigned s
     q->status = status;
     q->answered = true;
     record_outcome(q, status);
-    return pd_http_queue_error(c, status, allow, "%s", message);
+    if (allow) pd_http_req_add_header(q->h, "Allow", allow);
+    pd_http_req_respond_error(q->h, status, "%s", message);
+    return true;
 }
 
-static enum MHD_Result answer_json(req *q, struct MHD_Connection *c, unsigned status, json_t *o) {
+static bool answer_json(req *q, unsigned status, json_t *o) {
     char *text = o ? json_dumps(o, JSON_COMPACT) : NULL;
     json_decref(o);
-    if (!text) return answer_error(q, c, 500, NULL, "out of memory");
+    if (!text) return answer_error(q, 500, NULL, "out of memory");
     q->status = status;
     q->answered = true;
-    enum MHD_Result ret = pd_http_queue_json(c, status, text, strlen(text));
+    pd_http_req_respond_json(q->h, status, text, strlen(text));
     free(text);
-    return ret;
+    return true;
 }
 
 /* ---- validation ------------------------------------------------------------------- */
@@ -367,16 +349,6 @@ static void release_workers(req *q) {
     rt_workers_release(&q->r->workers, q->prefill,
                        q->fwd && rt_fwd_half_failed(q->fwd, RT_PREFILL));
     rt_workers_release(&q->r->workers, q->decode, q->fwd && rt_fwd_half_failed(q->fwd, RT_DECODE));
-}
-
-static ssize_t stream_reader(void *cls, uint64_t pos, char *buf, size_t max) {
-    (void)pos;
-    req *q = cls;
-    long n = rt_fwd_stream_read(q->fwd, buf, max);
-    if (n > 0) return (ssize_t)n;
-    release_workers(q);
-    record_outcome(q, rt_fwd_outcome(q->fwd));
-    return n == 0 ? MHD_CONTENT_READER_END_OF_STREAM : MHD_CONTENT_READER_END_WITH_ERROR;
 }
 
 /* The client's rid, or a fresh random one; false when there is no randomness. */
@@ -405,35 +377,52 @@ static char *bootstrap_body(json_t *o, const rt_worker *pw, uint64_t room, const
     return body;
 }
 
-/* Queues the response whose head the forward decided; a STREAM body is read
- * from the forward by stream_reader, on this connection's thread. */
-static enum MHD_Result queue_head(req *q, struct MHD_Connection *c, const rt_fwd_head *head) {
+/* One block of a streamed answer; waits while the client's backlog is over
+ * the watermark. False once the client is gone. */
+static bool stream_out(req *q, const char *buf, size_t n) {
+    for (;;) {
+        pd_err err = pd_http_req_stream_write(q->h, buf, n);
+        if (err != PD_ERR_NOMEM) return err == PD_OK;
+        pthread_mutex_lock(&q->mu);
+        while (!q->writable && !q->gone) pthread_cond_wait(&q->cv, &q->mu);
+        q->writable = false;
+        pthread_mutex_unlock(&q->mu);
+    }
+}
+
+/* Answers with the head the forward decided; a STREAM body is pumped from
+ * the forward on this thread until it ends or the client goes. */
+static void answer_head(req *q, const rt_fwd_head *head) {
     q->answered = true;
     if (head->kind != RT_FWD_STREAM) {
         release_workers(q); /* both halves are over */
         record_outcome(q, rt_fwd_outcome(q->fwd));
     }
-    if (head->kind == RT_FWD_GONE) return MHD_NO; /* nobody to answer: close */
+    if (head->kind == RT_FWD_GONE) return; /* nobody to answer */
     if (head->kind == RT_FWD_FULL) {
-        return pd_http_queue_text(c, head->status, head->content_type, head->body, head->body_len);
+        pd_http_req_respond(q->h, head->status, head->content_type, head->body, head->body_len);
+        return;
     }
-    struct MHD_Response *resp = MHD_create_response_from_callback(
-        MHD_SIZE_UNKNOWN, STREAM_BLOCK_BYTES, stream_reader, q, NULL);
-    if (!resp) return MHD_NO;
-    MHD_add_response_header(resp, MHD_HTTP_HEADER_CONTENT_TYPE, head->content_type);
-    MHD_add_response_header(resp, MHD_HTTP_HEADER_CACHE_CONTROL, "no-cache");
-    enum MHD_Result ret = MHD_queue_response(c, head->status, resp);
-    MHD_destroy_response(resp);
-    return ret;
+    pd_http_req_add_header(q->h, "Cache-Control", "no-cache");
+    pd_http_req_stream_begin(q->h, head->status, head->content_type);
+    char *buf = malloc(STREAM_BLOCK_BYTES);
+    long n = buf ? 1 : -1;
+    while (n > 0) {
+        n = rt_fwd_stream_read(q->fwd, buf, STREAM_BLOCK_BYTES);
+        if (n > 0 && !stream_out(q, buf, (size_t)n)) break;
+    }
+    free(buf);
+    if (n > 0) return; /* the client went while we wrote: finish() closes the forward */
+    release_workers(q);
+    record_outcome(q, rt_fwd_outcome(q->fwd));
+    if (n == 0) pd_http_req_stream_end(q->h);
 }
 
 /* Hands body (ownership included) to a new forward to the picked pair and
  * answers with whatever head the forward decides. */
-static enum MHD_Result forward_generation(req *q, struct MHD_Connection *c, char *body,
-                                          const char *rid, const char *model, bool stream) {
+static bool forward_generation(req *q, char *body, const char *rid, const char *model,
+                               bool stream) {
     pd_router *r = q->r;
-    const union MHD_ConnectionInfo *ci =
-        MHD_get_connection_info(c, MHD_CONNECTION_INFO_CONNECTION_FD);
     rt_fwd_params p = {
         .api = q->route == ROUTE_GENERATE ? RT_FWD_GENERATE : RT_FWD_COMPLETIONS,
         .rid = rid,
@@ -443,7 +432,7 @@ static enum MHD_Result forward_generation(req *q, struct MHD_Connection *c, char
         .body_len = strlen(body),
         .prefill_base = r->workers.w[q->prefill].url.base, /* url fields are immutable */
         .decode_base = r->workers.w[q->decode].url.base,
-        .client_fd = ci ? ci->connect_fd : -1,
+        .client_fd = -1, /* the server reports a hang-up (on_event) */
         .timeout_ms = r->cfg.request_timeout_ms,
         .connect_timeout_ms = r->cfg.connect_timeout_ms,
         .abort_timeout_ms = r->cfg.abort_timeout_ms,
@@ -451,16 +440,23 @@ static enum MHD_Result forward_generation(req *q, struct MHD_Connection *c, char
         .max_response_bytes = r->cfg.max_response_bytes,
     };
     char msg[256];
-    if (rt_fwd_create(&q->fwd, &p, msg, sizeof msg) != PD_OK)
-        return answer_error(q, c, 500, NULL, "%s", msg);
-    table_attach(r, q->slot, q->fwd);
+    rt_fwd *fwd;
+    if (rt_fwd_create(&fwd, &p, msg, sizeof msg) != PD_OK)
+        return answer_error(q, 500, NULL, "%s", msg);
+    pthread_mutex_lock(&q->mu);
+    q->fwd = fwd;
+    bool gone = q->gone;
+    pthread_mutex_unlock(&q->mu);
+    if (gone) rt_fwd_client_gone(fwd);
+    table_attach(r, q->slot, fwd);
 
     rt_fwd_head head;
-    rt_fwd_head_wait(q->fwd, &head);
-    return queue_head(q, c, &head);
+    rt_fwd_head_wait(fwd, &head);
+    answer_head(q, &head);
+    return true;
 }
 
-static enum MHD_Result handle_generation(req *q, struct MHD_Connection *c) {
+static bool handle_generation(req *q) {
     pd_router *r = q->r;
     rt_stats_begin(&r->stats);
     q->generation = true;
@@ -469,11 +465,11 @@ static enum MHD_Result handle_generation(req *q, struct MHD_Connection *c) {
     unsigned refused =
         rt_body_parse(q->route == ROUTE_GENERATE ? RT_BODY_GENERATE : RT_BODY_COMPLETIONS, q->body,
                       q->len, &o, why, sizeof why);
-    if (refused) return answer_error(q, c, refused, NULL, "%s", why);
+    if (refused) return answer_error(q, refused, NULL, "%s", why);
     char rid[PD_RID_MAX];
     if (!request_rid(o, rid, sizeof rid)) {
         json_decref(o);
-        return answer_error(q, c, 500, NULL, "no randomness for a request id");
+        return answer_error(q, 500, NULL, "no randomness for a request id");
     }
     bool stream = json_is_true(json_object_get(o, "stream"));
     const char *model = json_string_value(json_object_get(o, "model"));
@@ -484,32 +480,31 @@ static enum MHD_Result handle_generation(req *q, struct MHD_Connection *c) {
     if (err) {
         json_decref(o);
         if (err == PD_ERR_EXISTS)
-            return answer_error(q, c, 409, NULL, "a live request already has rid %s", rid);
-        if (err == PD_ERR_STATE)
-            return answer_error(q, c, 503, NULL, "the router is shutting down");
-        return answer_error(q, c, 429, NULL, "too many requests in flight");
+            return answer_error(q, 409, NULL, "a live request already has rid %s", rid);
+        if (err == PD_ERR_STATE) return answer_error(q, 503, NULL, "the router is shutting down");
+        return answer_error(q, 429, NULL, "too many requests in flight");
     }
     if (rt_workers_pick(&r->workers, &q->prefill, &q->decode) != PD_OK) {
         json_decref(o);
-        return answer_error(q, c, 503, NULL, "no healthy prefill/decode pair");
+        return answer_error(q, 503, NULL, "no healthy prefill/decode pair");
     }
     q->picked = true;
     uint64_t room;
     if (!new_room(&room)) {
         json_decref(o);
-        return answer_error(q, c, 500, NULL, "no randomness for a bootstrap room");
+        return answer_error(q, 500, NULL, "no randomness for a bootstrap room");
     }
     char *body = bootstrap_body(o, &r->workers.w[q->prefill], room, rid);
-    if (!body) return answer_error(q, c, 500, NULL, "out of memory");
-    return forward_generation(q, c, body, rid, model_copy, stream);
+    if (!body) return answer_error(q, 500, NULL, "out of memory");
+    return forward_generation(q, body, rid, model_copy, stream);
 }
 
-static enum MHD_Result handle_abort(req *q, struct MHD_Connection *c) {
+static bool handle_abort(req *q) {
     pd_router *r = q->r;
     json_t *o;
     char why[256];
     unsigned refused = rt_body_parse(RT_BODY_ABORT, q->body, q->len, &o, why, sizeof why);
-    if (refused) return answer_error(q, c, refused, NULL, "%s", why);
+    if (refused) return answer_error(q, refused, NULL, "%s", why);
     json_t *rid = json_object_get(o, "rid");
     bool abort_all = json_is_true(json_object_get(o, "abort_all"));
     char rid_copy[PD_RID_MAX] = "";
@@ -524,12 +519,12 @@ static enum MHD_Result handle_abort(req *q, struct MHD_Connection *c) {
                             : json_pack("{s:s}", "rid", rid_copy);
     char *fwd_body = fwd ? json_dumps(fwd, JSON_COMPACT) : NULL;
     json_decref(fwd);
-    if (!fwd_body) return answer_error(q, c, 500, NULL, "out of memory");
+    if (!fwd_body) return answer_error(q, 500, NULL, "out of memory");
     size_t n = r->workers.count;
     rt_post *posts = calloc(n, sizeof *posts);
     if (!posts) {
         free(fwd_body);
-        return answer_error(q, c, 500, NULL, "out of memory");
+        return answer_error(q, 500, NULL, "out of memory");
     }
     for (size_t i = 0; i < n; i++)
         snprintf(posts[i].url, sizeof posts[i].url, "%s/abort_request", r->workers.w[i].url.base);
@@ -550,9 +545,9 @@ static enum MHD_Result handle_abort(req *q, struct MHD_Connection *c) {
     free(posts);
     if (!abort_all && total == 0 && requests == 0) {
         json_decref(per);
-        return answer_error(q, c, 404, NULL, "no live request has rid %s", rid_copy);
+        return answer_error(q, 404, NULL, "no live request has rid %s", rid_copy);
     }
-    return answer_json(q, c, 200,
+    return answer_json(q, 200,
                        json_pack("{s:I, s:I, s:o}", "aborted", (json_int_t)total, "requests",
                                  (json_int_t)requests, "workers", per));
 }
@@ -580,7 +575,7 @@ static json_t *workers_json(pd_router *r) {
     return arr;
 }
 
-static enum MHD_Result handle_server_info(req *q, struct MHD_Connection *c) {
+static bool handle_server_info(req *q) {
     pd_router *r = q->r;
     const pd_router_config *k = &r->cfg;
     json_t *cfg = json_pack(
@@ -598,18 +593,18 @@ static enum MHD_Result handle_server_info(req *q, struct MHD_Connection *c) {
     json_t *o = json_pack("{s:s, s:s, s:o, s:b, s:o, s:o}", "role", "router", "version", PD_VERSION,
                           "config", cfg, "healthy_pair", rt_workers_have_pair(&r->workers),
                           "workers", workers_json(r), "counters", rt_stats_json(&r->stats));
-    return answer_json(q, c, 200, o);
+    return answer_json(q, 200, o);
 }
 
-static enum MHD_Result handle_metrics(req *q, struct MHD_Connection *c) {
+static bool handle_metrics(req *q) {
     pd_router *r = q->r;
     size_t cap = 8192 + r->workers.count * 1024;
     char *buf = malloc(cap);
-    if (!buf) return answer_error(q, c, 500, NULL, "out of memory");
+    if (!buf) return answer_error(q, 500, NULL, "out of memory");
     rt_worker *snap = malloc(r->workers.count * sizeof *snap);
     if (!snap) {
         free(buf);
-        return answer_error(q, c, 500, NULL, "out of memory");
+        return answer_error(q, 500, NULL, "out of memory");
     }
     pd_strbuf sb;
     pd_strbuf_init(&sb, buf, cap);
@@ -640,88 +635,33 @@ static enum MHD_Result handle_metrics(req *q, struct MHD_Connection *c) {
     rt_stats_prometheus(&r->stats, &sb);
     q->status = 200;
     q->answered = true;
-    enum MHD_Result ret =
-        pd_http_queue_text(c, 200, "text/plain; version=0.0.4", sb.data, sb.len);
+    pd_http_req_respond(q->h, 200, "text/plain; version=0.0.4", sb.data, sb.len);
     free(snap);
     free(buf);
-    return ret;
+    return true;
 }
 
-/* ---- libmicrohttpd callbacks ----------------------------------------------------- */
+/* ---- the server's side ------------------------------------------------------------ */
 
-static enum MHD_Result answer_too_large(req *q, struct MHD_Connection *c) {
-    if (q->route == ROUTE_GENERATE || q->route == ROUTE_COMPLETIONS) {
-        rt_stats_begin(&q->r->stats);
-        q->generation = true;
+/* The server's news about the client (loop thread, never blocks). */
+static void on_event(pd_http_req *h, pd_http_req_event ev, void *user) {
+    (void)h;
+    req *q = user;
+    pthread_mutex_lock(&q->mu);
+    if (ev == PD_HTTP_REQ_GONE) {
+        q->gone = true;
+        if (q->fwd) rt_fwd_client_gone(q->fwd);
+    } else {
+        q->writable = true;
     }
-    return answer_error(q, c, 413, NULL, "the body is larger than %zu bytes",
-                        q->r->cfg.max_body_bytes);
+    pthread_cond_broadcast(&q->cv);
+    pthread_mutex_unlock(&q->mu);
 }
 
-static enum MHD_Result on_request(void *cls, struct MHD_Connection *c, const char *url,
-                                  const char *method, const char *version, const char *upload_data,
-                                  size_t *upload_data_size, void **req_cls) {
-    pd_router *r = cls;
-    req *q = *req_cls;
-    if (!q) {
-        q = calloc(1, sizeof *q);
-        if (!q) return MHD_NO;
-        q->r = r;
-        q->slot = -1;
-        q->route = find_route(url);
-        q->start_ms = rt_now_ms();
-        *req_cls = q;
-        /* Framing a proxy could read otherwise: refused before the body. */
-        const char *ambiguous = pd_http_ambiguous(c, version);
-        if (ambiguous) return answer_error(q, c, 400, NULL, "%s", ambiguous);
-        /* A declared length over the limit is refused before reading it. */
-        const char *cl =
-            MHD_lookup_connection_value(c, MHD_HEADER_KIND, MHD_HTTP_HEADER_CONTENT_LENGTH);
-        if (cl) {
-            char *end;
-            errno = 0;
-            unsigned long long v = strtoull(cl, &end, 10);
-            if (errno || *end || v > r->cfg.max_body_bytes) q->too_large = true;
-        }
-        /* Refused before a byte of the body is read (MHD then closes the
-         * connection instead of reading the rest). */
-        if (q->too_large && q->route != ROUTE_NONE && !strcmp(method, routes[q->route].method))
-            return answer_too_large(q, c);
-        return MHD_YES;
-    }
-    if (*upload_data_size > 0) {
-        if (!q->answered) body_append(q, upload_data, *upload_data_size);
-        *upload_data_size = 0;
-        return MHD_YES;
-    }
-    if (q->answered) return MHD_YES;
-    if (q->route == ROUTE_NONE) return answer_error(q, c, 404, NULL, "unknown path %.200s", url);
-    if (strcmp(method, routes[q->route].method))
-        return answer_error(q, c, 405, routes[q->route].method, "%s takes %s, not %.16s",
-                            routes[q->route].path, routes[q->route].method, method);
-    if (q->too_large) return answer_too_large(q, c);
-    switch (q->route) {
-    case ROUTE_GENERATE:
-    case ROUTE_COMPLETIONS: return handle_generation(q, c);
-    case ROUTE_ABORT: return handle_abort(q, c);
-    case ROUTE_HEALTH:
-        if (!rt_workers_have_pair(&r->workers))
-            return answer_error(q, c, 503, NULL, "no healthy prefill/decode pair");
-        return answer_json(q, c, 200, json_pack("{s:s}", "status", "ok"));
-    case ROUTE_SERVER_INFO: return handle_server_info(q, c);
-    case ROUTE_METRICS: return handle_metrics(q, c);
-    case ROUTE_NONE: break;
-    }
-    return MHD_NO;
-}
-
-static void on_completed(void *cls, struct MHD_Connection *c, void **req_cls,
-                         enum MHD_RequestTerminationCode toe) {
-    (void)c, (void)toe;
-    pd_router *r = cls;
-    req *q = *req_cls;
-    if (!q) return;
-    *req_cls = NULL;
+/* The single end of every request. */
+static void finish(req *q) {
+    pd_router *r = q->r;
+    pd_http_req_watch(q->h, NULL, NULL); /* waits out a callback in flight */
     unsigned status = q->status;
     if (q->fwd) {
         rt_fwd_close(q->fwd);
@@ -735,46 +675,113 @@ static void on_completed(void *cls, struct MHD_Connection *c, void **req_cls,
     if (q->slot >= 0) table_remove(r, q->slot);
     rt_fwd_destroy(q->fwd);
     record_outcome(q, status);
-    free(q->body);
+    if (!q->answered) pd_http_req_respond_error(q->h, 500, "the router could not answer");
+    pd_http_req_release(q->h);
+    pthread_cond_destroy(&q->cv);
+    pthread_mutex_destroy(&q->mu);
     free(q);
+}
+
+static void *request_main(void *arg) {
+    req *q = arg;
+    pd_router *r = q->r;
+    pd_http_req_watch(q->h, on_event, q);
+    if (q->route == ROUTE_ABORT) handle_abort(q);
+    else handle_generation(q);
+    finish(q);
+    pthread_mutex_lock(&r->table_mu);
+    if (--r->threads_live == 0) pthread_cond_broadcast(&r->threads_cv);
+    pthread_mutex_unlock(&r->table_mu);
+    return NULL;
+}
+
+/* Starts the request's own thread; false (nothing started) when it cannot. */
+static bool spawn(req *q) {
+    pd_router *r = q->r;
+    pthread_attr_t at;
+    pthread_attr_init(&at);
+    pthread_attr_setdetachstate(&at, PTHREAD_CREATE_DETACHED);
+    pthread_attr_setstacksize(&at, 256u * 1024u);
+    pthread_mutex_lock(&r->table_mu);
+    r->threads_live++;
+    pthread_mutex_unlock(&r->table_mu);
+    pthread_t t;
+    bool ok = pthread_create(&t, &at, request_main, q) == 0;
+    pthread_attr_destroy(&at);
+    if (!ok) {
+        pthread_mutex_lock(&r->table_mu);
+        if (--r->threads_live == 0) pthread_cond_broadcast(&r->threads_cv);
+        pthread_mutex_unlock(&r->table_mu);
+    }
+    return ok;
+}
+
+/* Answers the cheap routes here, on the loop thread. */
+static void answer_here(req *q) {
+    pd_router *r = q->r;
+    const char *path = pd_http_req_path(q->h), *method = pd_http_req_method(q->h);
+    if (q->route == ROUTE_NONE) answer_error(q, 404, NULL, "unknown path %.200s", path);
+    else if (strcmp(method, routes[q->route].method))
+        answer_error(q, 405, routes[q->route].method, "%s takes %s, not %.16s",
+                     routes[q->route].path, routes[q->route].method, method);
+    else if (q->route == ROUTE_SERVER_INFO) handle_server_info(q);
+    else if (q->route == ROUTE_METRICS) handle_metrics(q);
+    else if (!rt_workers_have_pair(&r->workers))
+        answer_error(q, 503, NULL, "no healthy prefill/decode pair");
+    else answer_json(q, 200, json_pack("{s:s}", "status", "ok"));
+}
+
+static void on_request(pd_http_req *h, void *user) {
+    pd_router *r = user;
+    req *q = calloc(1, sizeof *q);
+    if (!q) {
+        pd_http_req_respond_error(h, 503, "out of memory");
+        return;
+    }
+    q->r = r;
+    q->h = h;
+    q->slot = -1;
+    q->route = find_route(pd_http_req_path(h));
+    q->start_ms = rt_now_ms();
+    q->body = pd_http_req_body(h, &q->len);
+    pthread_mutex_init(&q->mu, NULL);
+    pthread_cond_init(&q->cv, NULL);
+    pd_http_req_retain(h);
+    bool threaded =
+        (q->route == ROUTE_GENERATE || q->route == ROUTE_COMPLETIONS || q->route == ROUTE_ABORT) &&
+        !strcmp(pd_http_req_method(h), routes[q->route].method);
+    if (!threaded) answer_here(q);
+    else if (spawn(q)) return;
+    else answer_error(q, 503, NULL, "the router cannot start a thread for the request");
+    finish(q);
 }
 
 /* ---- start / stop ------------------------------------------------------------------- */
 
 pd_err pd_router_start(pd_router *r, char *msg, size_t msg_cap) {
     if (r->started) return pd_errorf(msg, msg_cap, PD_ERR_STATE, "the router is already started");
-    struct addrinfo hints = {.ai_family = AF_UNSPEC, .ai_socktype = SOCK_STREAM,
-                             .ai_flags = AI_PASSIVE | AI_NUMERICSERV};
-    struct addrinfo *ai = NULL;
-    char port[8];
-    snprintf(port, sizeof port, "%u", (unsigned)r->cfg.port);
-    int gai = getaddrinfo(r->host, port, &hints, &ai);
-    if (gai != 0 || !ai)
-        return pd_errorf(msg, msg_cap, PD_ERR_INVALID, "cannot resolve listen host '%s': %s",
-                         r->host, gai_strerror(gai));
-    unsigned flags = MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_THREAD_PER_CONNECTION |
-        MHD_USE_POLL | MHD_USE_ERROR_LOG;
-    if (ai->ai_family == AF_INET6) flags |= MHD_USE_IPv6;
-    r->mhd = MHD_start_daemon(
-        flags, r->cfg.port, NULL, NULL, on_request, r, MHD_OPTION_SOCK_ADDR, ai->ai_addr,
-        MHD_OPTION_NOTIFY_COMPLETED, on_completed, r, MHD_OPTION_CONNECTION_LIMIT,
-        (unsigned)r->cfg.connections_max, MHD_OPTION_LISTENING_ADDRESS_REUSE, 1u,
-        MHD_OPTION_UNESCAPE_CALLBACK, pd_http_unescape, NULL,
-        /* No client holds a slot by staying silent, and no
-                               * one address takes them all. */
-        MHD_OPTION_CONNECTION_TIMEOUT, (unsigned)r->cfg.client_timeout_s,
-        MHD_OPTION_PER_IP_CONNECTION_LIMIT, (unsigned)r->cfg.connections_per_ip, MHD_OPTION_END);
-    freeaddrinfo(ai);
-    if (!r->mhd)
-        return pd_errorf(msg, msg_cap, PD_ERR_IO, "cannot listen on %s:%u (in use? not local?)",
-                         r->host, (unsigned)r->cfg.port);
-    const union MHD_DaemonInfo *di = MHD_get_daemon_info(r->mhd, MHD_DAEMON_INFO_BIND_PORT);
-    r->port = di ? di->port : r->cfg.port;
-    pd_err err = rt_health_start(&r->health, &r->workers, r->cfg.health_interval_ms,
-                                 r->cfg.health_timeout_ms, r->cfg.connect_timeout_ms, msg, msg_cap);
+    pd_http_server_config hc;
+    pd_http_server_config_default(&hc);
+    hc.host = r->host;
+    hc.port = r->cfg.port;
+    hc.connections_max = r->cfg.connections_max;
+    hc.connections_per_ip_max = r->cfg.connections_per_ip;
+    hc.body_bytes_max = r->cfg.max_body_bytes;
+    /* No client holds a connection by staying silent or by trickling its
+     * request: headers, body, idle time and unread answers all have
+     * client_timeout_s, counted as deadlines, not inactivity. */
+    uint32_t t_ms = r->cfg.client_timeout_s * 1000u;
+    hc.header_timeout_ms = hc.body_timeout_ms = hc.idle_timeout_ms = hc.write_timeout_ms = t_ms;
+    hc.on_request = on_request;
+    hc.user = r;
+    pd_err err = pd_http_server_start(&r->srv, &hc, msg, msg_cap);
+    if (err) return err;
+    r->port = pd_http_server_port(r->srv);
+    err = rt_health_start(&r->health, &r->workers, r->cfg.health_interval_ms,
+                          r->cfg.health_timeout_ms, r->cfg.connect_timeout_ms, msg, msg_cap);
     if (err) {
-        MHD_stop_daemon(r->mhd);
-        r->mhd = NULL;
+        pd_http_server_stop(r->srv);
+        r->srv = NULL;
         return err;
     }
     r->started = true;
@@ -797,9 +804,13 @@ void pd_router_stop(pd_router *r) {
         struct timespec ts = {0, 5 * 1000000L};
         nanosleep(&ts, NULL);
     }
-    /* Joins every connection thread. */
-    MHD_stop_daemon(r->mhd);
-    r->mhd = NULL;
+    /* Ends every connection (a request thread still running sees its
+     * client gone), then waits for the request threads. */
+    pd_http_server_stop(r->srv);
+    r->srv = NULL;
+    pthread_mutex_lock(&r->table_mu);
+    while (r->threads_live > 0) pthread_cond_wait(&r->threads_cv, &r->table_mu);
+    pthread_mutex_unlock(&r->table_mu);
     rt_health_stop(&r->health);
 }
 
@@ -807,6 +818,7 @@ void pd_router_destroy(pd_router *r) {
     if (!r) return;
     pd_router_stop(r);
     rt_stats_destroy(&r->stats);
+    pthread_cond_destroy(&r->threads_cv);
     pthread_mutex_destroy(&r->table_mu);
     rt_workers_destroy(&r->workers);
     free(r->slots);

@@ -7,6 +7,7 @@
 #include <stdio.h>
 #include <sys/socket.h>
 #include <sys/time.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "../test_util.h"
@@ -135,6 +136,98 @@ static long chunked_post_status(uint16_t port, const char *path, int chunks, siz
     long status = 0;
     if (sscanf(buf, "HTTP/1.%*d %ld", &status) != 1) return 0;
     return status;
+}
+
+/* Sends raw bytes (trickled one byte per trickle_ms when nonzero) and reads
+ * the answer until the router closes; returns the status, and the body
+ * parsed as JSON in *body (NULL if it is not JSON). */
+static long raw_answer(uint16_t port, const char *bytes, size_t len, unsigned trickle_ms,
+                       json_t **body) {
+    struct sockaddr_in sa = {.sin_family = AF_INET, .sin_port = htons(port)};
+    sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    PD_ASSERT(connect(fd, (struct sockaddr *)&sa, sizeof sa) == 0);
+    struct timeval tv = {.tv_sec = 10};
+    setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+    for (size_t off = 0; off < len;) {
+        size_t n = trickle_ms ? 1 : len - off;
+        if (send(fd, bytes + off, n, MSG_NOSIGNAL) != (ssize_t)n) break; /* cut off */
+        off += n;
+        if (trickle_ms) nanosleep(&(struct timespec){0, (long)trickle_ms * 1000000L}, NULL);
+    }
+    static char buf[65536];
+    size_t got = 0;
+    for (ssize_t r; got < sizeof buf - 1 && (r = recv(fd, buf + got, sizeof buf - 1 - got, 0)) > 0;)
+        got += (size_t)r;
+    close(fd);
+    buf[got] = '\0';
+    long status = 0;
+    if (sscanf(buf, "HTTP/1.%*d %ld", &status) != 1) status = 0;
+    const char *b = strstr(buf, "\r\n\r\n");
+    *body = b ? json_loads(b + 4, 0, NULL) : NULL;
+    return status;
+}
+
+/* Issue 10, finding 8: libmicrohttpd answered these itself, with HTML; each
+ * gets the JSON error shape now, from the router's own server. */
+static void malformed_framing_gets_a_json_error(void **state) {
+    (void)state;
+    fake_worker *p = fw_start("prefill"), *d = fw_start("decode");
+    pd_router *r = tk_router(&p, 1, &d, 1, NULL);
+    static char big[40000];
+    int n = snprintf(big, sizeof big, "GET /health HTTP/1.1\r\nHost: x\r\nX-Big: ");
+    memset(big + n, 'a', sizeof big - (size_t)n - 5);
+    memcpy(big + sizeof big - 5, "\r\n\r\n", 5);
+    const struct {
+        const char *what, *bytes;
+        long status;
+    } framing[] = {
+        {"header block over the limit", big, 431},
+        {"bad Content-Length",
+         "POST /generate HTTP/1.1\r\nHost: x\r\nContent-Length: 12abc\r\n\r\n{}", 400},
+        {"bad chunked encoding",
+         "POST /generate HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n{}\r\n",
+         400},
+        {"HTTP/0.9", "GET /health\r\n\r\n", 505},
+        {"HTTP/2.0 request line", "GET /health HTTP/2.0\r\nHost: x\r\n\r\n", 505},
+    };
+    for (size_t i = 0; i < PD_ARRAY_LEN(framing); i++) {
+        json_t *o;
+        size_t len = framing[i].bytes == big ? sizeof big : strlen(framing[i].bytes);
+        long st = raw_answer(pd_router_port(r), framing[i].bytes, len, 0, &o);
+        if (st != framing[i].status || !tc_error_message(o, st))
+            fail_msg("%s: status %ld (want %ld), JSON error body %s", framing[i].what, st,
+                     framing[i].status, o ? "present" : "missing");
+        json_decref(o);
+    }
+    pd_router_destroy(r);
+    fw_stop(p);
+    fw_stop(d);
+}
+
+/* Issue 10, finding 3: a request trickled at one byte per interval was never
+ * cut (the idle timeout restarts with every byte). The header block now has
+ * a deadline of client_timeout_s from its first byte: 408, JSON, closed. */
+static void slowloris_is_cut_at_the_header_deadline(void **state) {
+    (void)state;
+    fake_worker *p = fw_start("prefill"), *d = fw_start("decode");
+    pd_router_config cfg;
+    tk_config(&cfg);
+    cfg.client_timeout_s = 1;
+    pd_router *r = tk_router(&p, 1, &d, 1, &cfg);
+    static const char slow[] = "POST /generate HTTP/1.1\r\nHost: x\r\nX-Slow: "
+                               "aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa\r\n\r\n";
+    json_t *o;
+    uint64_t t0 = tk_now_ms();
+    long st = raw_answer(pd_router_port(r), slow, sizeof slow - 1, 100, &o); /* ~7 s to send */
+    uint64_t took = tk_now_ms() - t0;
+    assert_int_equal(st, 408);
+    assert_non_null(tc_error_message(o, 408));
+    assert_true(took < 5000); /* cut at the deadline, not when the trickle ended */
+    json_decref(o);
+    pd_router_destroy(r);
+    fw_stop(p);
+    fw_stop(d);
 }
 
 static void oversized_bodies_get_413(void **state) {
@@ -351,6 +444,8 @@ int main(void) {
         cmocka_unit_test(rid_over_the_nodes_limit_is_refused_before_forwarding),
         cmocka_unit_test(error_quoting_invalid_utf8_still_has_a_json_body),
         cmocka_unit_test(silent_clients_cannot_hold_the_router),
+        cmocka_unit_test(malformed_framing_gets_a_json_error),
+        cmocka_unit_test(slowloris_is_cut_at_the_header_deadline),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -267,7 +267,9 @@ static void check_settled(storm *s, size_t hangups_mid_request, size_t hangups) 
     }
     json_t *counters = json_object_get(info, "counters");
     json_int_t gone = json_integer_value(json_object_get(counters, "client_disconnects"));
-    assert_true(gone >= (json_int_t)hangups_mid_request && gone <= (json_int_t)hangups);
+    if (gone < (json_int_t)hangups_mid_request || gone > (json_int_t)hangups)
+        fail_msg("client_disconnects %lld, want %zu..%zu", (long long)gone, hangups_mid_request,
+                 hangups);
     json_decref(info);
     tc_response resp;
     tc_request("POST", s->gen_url, "{\"text\": \"after\"}", 10000, &resp);
