@@ -748,6 +748,40 @@ static void a_client_hanging_up_mid_stream_is_gone(void **state) {
     pd_http_server_stop(s);
 }
 
+static atomic_int slow_entered, slow_left;
+
+static void slow_watch(pd_http_req *r, pd_http_req_event ev, void *user) {
+    (void)r, (void)user;
+    if (ev != PD_HTTP_REQ_GONE) return;
+    atomic_store(&slow_entered, 1);
+    nanosleep(&(struct timespec){0, 300 * 1000000L}, NULL);
+    atomic_store(&slow_left, 1);
+}
+
+/* Clearing a watch while its callback runs on the loop thread waits for
+ * the callback to return: the caller may then free what the callback uses
+ * (the router frees its per-request state right after). */
+static void clearing_a_watch_waits_for_its_callback(void **state) {
+    (void)state;
+    pd_http_server_config cfg = test_config();
+    pd_http_server *s = start(&cfg);
+    client c = dial(s);
+    send_str(&c, "GET /hold HTTP/1.1\r\nHost: h\r\n\r\n");
+    held_wait(1, false);
+    pd_http_req *r = H.req[0];
+    atomic_store(&slow_entered, 0);
+    atomic_store(&slow_left, 0);
+    pd_http_req_watch(r, slow_watch, NULL);
+    hang_up(&c);
+    for (int i = 0; i < 10000 && !atomic_load(&slow_entered); i++)
+        nanosleep(&(struct timespec){0, 1000000L}, NULL);
+    assert_true(atomic_load(&slow_entered));
+    pd_http_req_watch(r, NULL, NULL);
+    assert_true(atomic_load(&slow_left));
+    held_release_all();
+    pd_http_server_stop(s);
+}
+
 /* Reads what has arrived, without waiting for it. */
 static void read_available(client *c) {
     struct pollfd p = {.fd = c->fd, .events = POLLIN};
@@ -922,6 +956,7 @@ int main(void) {
         cmocka_unit_test(caps_refuse_the_newcomer_with_503),
         cmocka_unit_test(a_stream_from_another_thread_is_chunked),
         cmocka_unit_test(a_client_hanging_up_mid_stream_is_gone),
+        cmocka_unit_test(clearing_a_watch_waits_for_its_callback),
         cmocka_unit_test(stream_writes_are_refused_over_the_watermark),
         cmocka_unit_test(a_client_that_stops_reading_is_cut_at_the_write_deadline),
         cmocka_unit_test(stop_finishes_or_cuts_what_is_open),
