@@ -10,6 +10,7 @@
 #   make tsan    ThreadSanitizer build, then every threaded test (node, router, UCX, e2e)
 #   make mutants every planted bug in tests/mutants/*.patch must be caught by the swarm
 #                or the explore (tools/mutants.sh; MUTANTS="a.patch b.patch" for a subset)
+#   make chaos   network and process faults across network namespaces (root; tests/chaos)
 #
 JOBS   ?= $(shell nproc 2>/dev/null || echo 2)
 TEST_DIR := build/test
@@ -20,12 +21,12 @@ FUZZ_SECONDS ?= 60
 FUZZ_DIR := build/fuzz
 TSAN_DIR := build/tsan
 
-.PHONY: all deps test build-test release run bench soak mutants tidy format-check clean help
+.PHONY: all deps test build-test release run bench soak mutants tidy format-check clean help chaos
 
 all: release
 
 help:
-	@sed -n '2,13p' Makefile
+	@sed -n '2,14p' Makefile
 
 deps:
 	@scripts/deps.sh
@@ -76,6 +77,13 @@ mutants: deps
 
 clean:
 	rm -rf build
+
+# Chaos across real network boundaries (tests/chaos/README.md; needs root, else it
+# says SKIPPED): prefill, decode and router each in a network namespace of its own,
+# one fault at a time under a 500-request abort storm. CHAOS_SEED=N replays a run,
+# CHAOS_FAULTS=loss,tbf,... picks faults.
+chaos: release
+	python3 tests/chaos/run.py $(REL_DIR)/pdserve
 
 fuzz: deps
 	cmake -S . -B $(FUZZ_DIR) -DCMAKE_C_COMPILER=clang -DCMAKE_BUILD_TYPE=Debug \

@@ -17,6 +17,8 @@ packages=(
   ucx-utils         # ucx_info, for diagnostics
   libsodium-dev     # the bootstrap handshake's HMAC proofs and nonces
   python3           # end-to-end tests (standard library only)
+  iproute2          # tests/chaos: ip netns, veth pairs, tc (tbf, netem)
+  iptables          # tests/chaos: random loss (the statistic match) inside a namespace
   clang-format      # tools/tidy's format rule (docs/tidy.md; Debian 12's is version 14)
 )
 
