@@ -252,7 +252,15 @@ class Cluster:
         self.token = "chaos-%016x" % random.getrandbits(64)
         self.gen = {"p": 0, "d": 0}  # bumped by a restart
         self.killed = []  # processes this test killed on purpose
-        self.relay = None
+        self.relay = self.p = self.d = self.r = None
+        try:
+            self.start_all(relay, seed)
+        except BaseException:
+            self.kill_all()
+            raise
+
+    def start_all(self, relay, seed):
+        net, pdserve, logdir = self.net, self.pdserve, self.logdir
         if relay:
             boot = ADDR["r"], RELAY_PORT["boot"]
             routes = ["%s:%d=%s:%d" % (ADDR["r"], RELAY_PORT["p"], ADDR["p"], HTTP_PORT["p"]),
@@ -655,6 +663,22 @@ def wait_idle_clean(cl, who, timeout=IDLE_CLEAN_LIMIT_S):
                                                              json.dumps(info)[:2000]))
 
 
+def wait_router_idle(cl, timeout=15):
+    """The router's count of requests in flight reaches 0; returns the last count."""
+    deadline = time.time() + timeout
+    in_flight = None
+    while time.time() < deadline:
+        try:
+            _, info = http_call(ADDR["r"], HTTP_PORT["r"], "GET", "/server_info")
+            in_flight = info["counters"]["in_flight"]
+            if in_flight == 0:
+                return 0
+        except Exception as e:
+            in_flight = repr(e)
+        time.sleep(0.05)
+    return in_flight
+
+
 def fresh_request(cl, refs, timeout=30):
     """The router serves a new request after the fault (retrying while its health
     probes catch up with a restarted node); returns the seconds it took."""
@@ -800,6 +824,9 @@ class LinkDown(Fault):
         self.at = wait_mid_transfer(cl, storm, rng)
         net.ex("p", "ip", "link", "set", "to-d", "down")
         time.sleep(3.0)
+        self.lift(net, cl)
+
+    def lift(self, net, cl):
         net.ex("p", "ip", "link", "set", "to-d", "up")
         net.routes("pd")  # routes through a link are dropped with it
 
@@ -816,6 +843,9 @@ class SigStop(Fault):
         self.at = wait_mid_transfer(cl, storm, rng)
         cl.d.send(signal.SIGSTOP)
         time.sleep(5.0)
+        cl.d.send(signal.SIGCONT)
+
+    def lift(self, net, cl):
         cl.d.send(signal.SIGCONT)
 
     def evidence(self, net, cl):
@@ -888,10 +918,15 @@ def run_fault(fault, net, pdserve, logdir, seed, n, refs):
     fig = {"fault": fault.name, "seed": seed, "requests": n, "failures": []}
     fail = fig["failures"].append
     rng = random.Random("%d/%s" % (seed, fault.name))
-    cl = Cluster(net, pdserve, logdir, relay=fault.relay, seed=seed)
+    try:
+        cl = Cluster(net, pdserve, logdir, relay=fault.relay, seed=seed)
+    except Exception as e:
+        fail("the cluster did not start: %s" % e)
+        fig["wall_s"] = time.time() - t0
+        return fig
     mon = Monitor(cl)
     mon.start()
-    clean_stop = False
+    clean_stop = lifted = False
     try:
         fault.apply(net, cl)
         storm = Storm(seed, n, refs)
@@ -930,13 +965,14 @@ def run_fault(fault, net, pdserve, logdir, seed, n, refs):
             if info["counters"].get("ownership_violations"):
                 fail("%s: ownership violations %r" % (who, info["counters"]))
         fig["idle_clean_s"] = time.time() - t_end
-        st, rinfo = http_call(ADDR["r"], HTTP_PORT["r"], "GET", "/server_info")
-        in_flight = rinfo.get("counters", {}).get("in_flight")
+        in_flight = wait_router_idle(cl)
         if in_flight:
-            fail("router: %r requests still in flight after every client was answered" % in_flight)
+            fail("router: %r requests still in flight 15 s after every client was answered" %
+                 in_flight)
         fig["evidence"], took_effect = fault.evidence(net, cl)
         if not took_effect:
             fail("the fault had no effect: " + fig["evidence"])
+        lifted = True
         fault.lift(net, cl)
         fig["fresh_s"] = fresh_request(cl, refs)
         for who in ("p", "d"):
@@ -954,6 +990,11 @@ def run_fault(fault, net, pdserve, logdir, seed, n, refs):
         traceback.print_exc()
     finally:
         mon.finish()
+        if not lifted:  # the next fault starts on a clean network
+            try:
+                fault.lift(net, cl)
+            except Exception:
+                pass
         if clean_stop:
             for name, st, out in cl.stop():
                 fail("%s did not stop cleanly (exit %s):\n%s" % (name, st, out))
@@ -993,12 +1034,26 @@ def report(fault, fig):
     log("   %s (%.1fs)" % ("FAIL" if fig["failures"] else "PASS", fig["wall_s"]))
 
 
+def table(figs):
+    log("\n%-12s %10s %5s %7s %7s %6s %6s %8s %10s %12s  %s" % (
+        "fault", "seed", "reqs", "answers", "aborted", "closed", "errors", "timeouts",
+        "idle_clean", "quarantine", "result"))
+    for f in figs:
+        if "quarantine_s" not in f:
+            log("%-12s %s" % (f["fault"], "FAIL"))
+            continue
+        log("%-12s %10d %5d %7d %7d %6d %6d %8d %9.2fs %11.2fs  %s" % (
+            f["fault"], f["seed"], f["requests"], f["answer"], f["aborted"], f["closed"],
+            f["error"], f["timeout"], f["idle_clean_s"], f["quarantine_s"],
+            "FAIL" if f["failures"] else "PASS"))
+
+
 class Interrupted(BaseException):
     pass
 
 
 def on_signal(signum, frame):
-    raise Interrupted("signal %d" % signum)
+    raise Interrupted("signal %d" % signum)  # SIGALRM (14): the budget
 
 
 def main():
@@ -1042,18 +1097,22 @@ def main():
     Net.remove_stale()
     net = Net()
     figs = []
+    current = None
     try:
         net.up()
         net.enter("r")
         for f in faults:
+            current = f.name
             fig = run_fault(f, net, pdserve, logdir, seed, n, refs)
             report(f, fig)
             figs.append(fig)
     except Interrupted as e:
-        log("chaos: interrupted (%s); cleaning up" % e)
-        figs.append({"fault": "interrupted", "failures": [str(e)]})
+        why = "CHAOS_BUDGET_S=%d ran out" % budget if "14" in str(e) else str(e)
+        log("chaos: interrupted during %s (%s); cleaning up" % (current, why))
+        figs.append({"fault": current or "setup", "failures": [why]})
     finally:
         net.down()
+    table(figs)
     failed = [f["fault"] for f in figs if f["failures"]]
     log("chaos: %d faults, %d failed%s; seed %d; %.0fs" %
         (len(figs), len(failed), (" (%s)" % ",".join(failed)) if failed else "", seed,
