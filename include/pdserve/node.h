@@ -4,12 +4,15 @@
  * transport, and the HTTP API of docs/http-api.md.
  *
  * Threads:
- *   - HTTP (libmicrohttpd, one thread per connection): parses requests,
- *     hands them to the scheduler through a bounded command queue, waits for
- *     their outputs (or streams them) and writes the responses;
+ *   - HTTP (pd_http_server, docs/http-server.md): one event-loop thread owns
+ *     the sockets, reads requests within their deadlines and writes answers;
+ *     one responder thread parses each request, hands it to the scheduler
+ *     through a bounded command queue and turns its outputs into the answer
+ *     (whole, or streamed as they come). Neither ever waits for the other
+ *     or for the scheduler;
  *   - the scheduler: the only thread that touches the engine; it drains the
  *     command queue, steps the engine, and delivers tokens and terminal
- *     events to the waiting HTTP threads;
+ *     events to the requests' calls, waking the responder;
  *   - the executor worker: runs forwards in launch order, so batch N+1
  *     computes while the scheduler processes batch N's result (overlap);
  *   - the transport's progress thread (loopback fabric or UCX).
@@ -37,11 +40,17 @@ typedef void (*pd_node_violation_fn)(void *ctx, pd_node_role role, const char *r
 typedef struct pd_node_config {
     pd_node_role role;
     /* HTTP */
-    const char *host;                 /* listen address (default "127.0.0.1") */
-    uint16_t port;                    /* 0: any free port */
-    size_t max_body_bytes;            /* default 1 MiB */
-    bool enable_metrics;              /* GET /metrics */
-    const char *served_model_name;    /* "model" in /v1/completions (default "pdserve-tiny") */
+    const char *host;      /* listen address (default "127.0.0.1") */
+    uint16_t port;         /* 0: any free port */
+    size_t max_body_bytes; /* default 1 MiB; 413 over */
+    /* Deadlines of a client connection (408 for a header block or a body
+     * that does not arrive in time; docs/http-api.md). */
+    uint32_t http_header_timeout_ms; /* the request line and headers (default 10000) */
+    uint32_t http_body_timeout_ms;   /* the body, from the end of the headers (default 30000) */
+    uint32_t http_idle_timeout_ms;   /* keep-alive between requests (default 60000) */
+    uint32_t http_write_timeout_ms;  /* no byte of an answer taken by the client (default 30000) */
+    bool enable_metrics;             /* GET /metrics */
+    const char *served_model_name;   /* "model" in /v1/completions (default "pdserve-tiny") */
     /* model */
     const char *model_dir;            /* NULL: built-in config with dummy weights */
     const char *model_preset;         /* "tiny" (default) or "small" */

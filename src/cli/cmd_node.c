@@ -53,6 +53,11 @@ static const struct {
      "decode: the only prefill bootstrap addresses a request may name (403 otherwise)"},
     {"--enable-metrics", "", "serve GET /metrics (Prometheus text)"},
     {"--max-body-bytes", "N", "largest request body (default 1048576)"},
+    {"--http-header-timeout-ms", "N", "408 when a request's headers take longer (default 10000)"},
+    {"--http-body-timeout-ms", "N", "408 when a request's body takes longer (default 30000)"},
+    {"--http-idle-timeout-ms", "N", "close a keep-alive connection idle this long (default 60000)"},
+    {"--http-write-timeout-ms", "N",
+     "close a connection that reads nothing of its answer this long (default 30000)"},
     {"--served-model-name", "NAME", "\"model\" in /v1/completions answers (default pdserve-tiny)"},
 };
 
@@ -74,6 +79,20 @@ static void print_violation(void *ctx, pd_node_role role, const char *report) {
 
 static bool parse_num(const char *v, uint64_t max, uint64_t *out) {
     return cli_u64(v, 0, max, out);
+}
+
+/* The HTTP deadlines (--http-*-timeout-ms), 1 ms to a day. */
+static bool set_http_timeout(pd_node_config *c, const char *a, const char *v, bool *ok_out) {
+    uint32_t *to = !strcmp(a, "--http-header-timeout-ms") ? &c->http_header_timeout_ms
+        : !strcmp(a, "--http-body-timeout-ms")            ? &c->http_body_timeout_ms
+        : !strcmp(a, "--http-idle-timeout-ms")            ? &c->http_idle_timeout_ms
+        : !strcmp(a, "--http-write-timeout-ms")           ? &c->http_write_timeout_ms
+                                                          : NULL;
+    if (!to) return false;
+    uint64_t x = 0;
+    *ok_out = v && parse_num(v, 86400000, &x) && x > 0;
+    if (*ok_out) *to = (uint32_t)x;
+    return true;
 }
 
 /* Sets option a to its value v (NULL when argv ends there). Returns false
@@ -120,6 +139,7 @@ static bool set_option(pd_node_config *c, const char *a, const char *v, bool *ok
     else if (!strcmp(a, "--max-body-bytes"))
         ok = ok && parse_num(v, 1u << 30, &x) && x > 0, c->max_body_bytes = (size_t)x;
     else if (!strcmp(a, "--served-model-name")) c->served_model_name = v;
+    else if (!strncmp(a, "--http-", 7)) return set_http_timeout(c, a, v, ok_out);
     else return false;
     *ok_out = ok;
     return true;

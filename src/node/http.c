@@ -1,113 +1,68 @@
 /*
- * http.c — the HTTP API of a node (docs/http-api.md) on libmicrohttpd, one
- * thread per connection.
+ * http.c — the HTTP API of a node (docs/http-api.md) on the project's own
+ * server (pd_http_server, docs/http-server.md).
  *
- * A request body is collected up to --max-body-bytes (beyond: 413), parsed
- * with jansson, checked field by field (a wrong type is a 400 naming the
- * field), turned into an engine request and handed to the scheduler. The
- * connection's thread then waits for the outputs: for a plain response it
- * waits for the terminal event; for a streaming one, MHD pulls server-sent
- * events from a reader callback that waits for the next tokens. While
- * waiting it watches the client's socket: a client that hangs up aborts its
- * request.
+ * Three threads meet here, and none ever waits for another:
+ *   - the server's loop thread owns the sockets and runs on_request for each
+ *     complete, valid request. It answers what needs nobody else (404, 405,
+ *     /health, a node that is stopping) and hands the rest to the responder
+ *     as an exchange;
+ *   - the responder thread parses each body (jansson, checked field by
+ *     field: a wrong type is a 400 naming the field), queues the engine
+ *     request or the command for the scheduler, and writes the answer once
+ *     the scheduler has produced it: whole, or as server-sent events while
+ *     the tokens come;
+ *   - the scheduler thread (node.c) appends outputs to a call and calls the
+ *     call's wake hook, which only puts the exchange on the ready list.
+ *
+ * An exchange is one request being answered: a slot in a table sized at
+ * start, run by the responder as a small state machine. Wakes move it on:
+ * from the scheduler (the submit's outcome, a token, the end, a command's
+ * reply) and from the loop (PD_HTTP_REQ_GONE: the client left;
+ * PD_HTTP_REQ_WRITABLE: its backlog drained after a refused write). A wake
+ * puts the exchange on the ready list once, and the responder then looks at
+ * everything afresh, so wakes may come early, late or merged.
+ *
+ * Invariants:
+ *   X1  An exchange is free (on the free list) or in use. In use, it holds a
+ *       reference to its request handle, and one to its call once it has one.
+ *   X2  Only the responder touches an exchange in use, except `queued` and
+ *       `retired`, which live under h->mu. It is on the ready list exactly
+ *       while `queued`.
+ *   X3  An exchange is retired only once nothing can wake it any more: its
+ *       watch cleared (pd_http_req_watch waits out a callback running on the
+ *       loop), its call's hook cleared under the call's mutex, its command's
+ *       reply seen ready. It is then freed at once, or by the responder when
+ *       it pops it, if it was still queued.
+ *   X4  A client that leaves before its answer has ended has its request
+ *       aborted (CMD_ABORT), once, and only after the engine accepted it:
+ *       until then its rid may still name another client's live request.
+ *   X5  Nothing is dropped under back-pressure: an event that stream_write
+ *       refuses (the backlog is over the watermark) is kept and sent first
+ *       on the next wake; the tokens that arrive meanwhile go into the
+ *       event after it.
  */
 #define _GNU_SOURCE
-#include <arpa/inet.h>
 #include <jansson.h>
-#include <microhttpd.h>
-#include <netinet/in.h>
-#include <poll.h>
 #include <stdarg.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/socket.h>
 #include <time.h>
 
 #include "node_internal.h"
-#include "pdserve/http.h"
+#include "pdserve/http_server.h"
+#include "pdserve/list.h"
 #include "pdserve/tokenizer.h"
 
-struct http_server {
-    struct MHD_Daemon *d;
-    pd_node *n;
-};
-
-typedef struct conn_state {
-    pd_node *n;
-    char *body;
-    size_t len, cap;
-    bool too_big;
-    call *c;
-    int fd;
-    /* streaming */
-    uint32_t sent_tokens;
-    bool sent_final, sent_done;
-    char *ev;                /* the event being written */
-    size_t ev_len, ev_off;
-    char carry[4];           /* an incomplete UTF-8 character held for the next event */
-    size_t carry_len;
-    uint64_t created;        /* /v1/completions "created" */
-} conn_state;
-
-/* ---- responses -----------------------------------------------------------------
- * Bodies, errors and headers come from the http layer (pdserve/http.h), shared
- * with the router; only the event stream is built here. */
-
-#define send_error(conn, status, ...) \
-    pd_http_queue_error(conn, (unsigned)(status), NULL, __VA_ARGS__)
-
-/* ---- client liveness ----------------------------------------------------------------- */
-
-/* True if the client closed its side (or the socket broke). */
-static bool client_gone(int fd) {
-    if (fd < 0) return false;
-    struct pollfd p = {.fd = fd, .events = POLLIN | POLLRDHUP};
-    if (poll(&p, 1, 0) <= 0) return false;
-    if (p.revents & (POLLRDHUP | POLLHUP | POLLERR | POLLNVAL)) return true;
-    if (p.revents & POLLIN) {
-        char b;
-        ssize_t k = recv(fd, &b, 1, MSG_PEEK | MSG_DONTWAIT);
-        return k == 0;
-    }
-    return false;
-}
-
-static void abort_call(pd_node *n, call *c) {
-    pthread_mutex_lock(&c->mu);
-    bool send = !c->done && !c->aborting;
-    c->aborting = true;
-    pthread_mutex_unlock(&c->mu);
-    if (send) node_command(n, CMD_ABORT, NULL, c->rid, NULL);
-}
-
-/* Waits (up to wait_ms) for c to have more than `have` tokens or be done.
- * Returns false if the client hung up meanwhile (the request is aborted). */
-static bool wait_outputs(conn_state *st, uint32_t have, int wait_ms) {
-    call *c = st->c;
-    uint64_t until = node_now_us() + (uint64_t)wait_ms * 1000;
-    pthread_mutex_lock(&c->mu);
-    while (!c->done && c->n_tokens <= have) {
-        uint64_t now = node_now_us();
-        if (now >= until) break;
-        pthread_mutex_unlock(&c->mu);
-        if (client_gone(st->fd)) {
-            abort_call(st->n, c);
-            return false;
-        }
-        pthread_mutex_lock(&c->mu);
-        struct timespec ts;
-        clock_gettime(CLOCK_REALTIME, &ts);
-        ts.tv_nsec += 50 * 1000000L;
-        if (ts.tv_nsec >= 1000000000L) {
-            ts.tv_sec++;
-            ts.tv_nsec -= 1000000000L;
-        }
-        if (!c->done && c->n_tokens <= have) pthread_cond_timedwait(&c->cv, &c->mu, &ts);
-    }
-    pthread_mutex_unlock(&c->mu);
-    return true;
-}
+/* Open client connections (libmicrohttpd's limit before). All of them may
+ * come from one address: a router's connections to its nodes all do. */
+#define HTTP_CONNECTIONS_MAX 4096u
+/* Exchanges: one per connection waiting for its answer, plus those whose
+ * client left while their command was still queued for the scheduler (at
+ * most its queue's 4096); more is answered with 503. */
+#define HTTP_EXCHANGES (2u * HTTP_CONNECTIONS_MAX)
 
 /* ---- request parsing ------------------------------------------------------------------ */
 
@@ -371,6 +326,175 @@ static int parse_request(pd_node *n, json_t *root, bool openai, parsed *p, char 
     return parse_bootstrap(cfg, root, p, err, cap);
 }
 
+/* ---- exchanges ------------------------------------------------------------------------- */
+
+typedef enum ex_kind {
+    EX_GENERATE,
+    EX_COMPLETIONS,
+    EX_ABORT,
+    EX_INFO,
+    EX_METRICS,
+    EX_HEALTH
+} ex_kind;
+
+typedef enum ex_state {
+    EX_FREE,       /* on the free list */
+    EX_NEW,        /* handed over by the loop, not looked at yet */
+    EX_SUBMITTING, /* generate: the scheduler has not taken or refused the call yet */
+    EX_WAITING,    /* generate, whole answer: until the terminal event */
+    EX_STREAMING,  /* generate, event stream: an event per wake while tokens come */
+    EX_REPLY,      /* abort, info, metrics: until the scheduler's reply */
+} ex_state;
+
+typedef struct exchange {
+    http_server *h;
+    pd_http_req *r;
+    ex_kind kind;
+    ex_state state;
+    bool queued, retired; /* h->mu (X2) */
+    pd_link link;         /* the free list or the ready list (h->mu) */
+    /* generate */
+    call *c;
+    parsed p;         /* p.stop is the submit's spec until the engine copied it */
+    uint64_t created; /* /v1/completions "created" */
+    uint32_t sent_tokens;
+    bool sent_final, sent_done;
+    char *ev; /* the next event, kept while stream_write refuses it (X5) */
+    size_t ev_len;
+    char carry[4]; /* an incomplete UTF-8 character held for the next event */
+    size_t carry_len;
+    /* abort, info, metrics */
+    cmd_kind cmd;
+    cmd_reply reply;
+    bool reply_set; /* reply's mutex and condition exist */
+} exchange;
+
+struct http_server {
+    pd_node *n;
+    pd_http_server *srv;
+    exchange *ex;
+    uint32_t ex_max;
+    pthread_t thread;
+    pthread_mutex_t mu; /* the lists, each exchange's queued and retired, stop */
+    pthread_cond_t cv;  /* the ready list has work, or stop */
+    pd_list free, ready;
+    bool stop;
+};
+
+static pd_links ex_links(http_server *h) { return PD_LINKS(h->ex, exchange, link); }
+static uint32_t ex_index(const exchange *e) { return (uint32_t)(e - e->h->ex); }
+
+/* Under h->mu: on the ready list once (X2). */
+static void ex_queue_locked(exchange *e) {
+    http_server *h = e->h;
+    if (e->queued) return;
+    e->queued = true;
+    pd_list_push_back(&h->ready, ex_links(h), ex_index(e));
+    pthread_cond_signal(&h->cv);
+}
+
+/* From any thread, with no lock of ours held: the responder will look at e. */
+static void ex_wake(void *ctx) {
+    exchange *e = ctx;
+    pthread_mutex_lock(&e->h->mu);
+    PD_ASSERT(!e->retired); /* X3 */
+    ex_queue_locked(e);
+    pthread_mutex_unlock(&e->h->mu);
+}
+
+/* The loop's events (GONE, WRITABLE): either way, look again. */
+static void ex_watch(pd_http_req *r, pd_http_req_event ev, void *user) {
+    (void)r;
+    (void)ev;
+    ex_wake(user);
+}
+
+/* Under h->mu: back to the free list, every field reset. */
+static void ex_free_locked(http_server *h, exchange *e) {
+    PD_ASSERT(!e->queued);
+    *e = (exchange){.h = h, .state = EX_FREE};
+    pd_list_push_back(&h->free, ex_links(h), ex_index(e));
+}
+
+/* Takes a free exchange for r and queues it; false when none is free. */
+static bool ex_start(http_server *h, pd_http_req *r, ex_kind kind) {
+    pthread_mutex_lock(&h->mu);
+    uint32_t i = h->free.head;
+    if (i != PD_NONE) {
+        pd_list_remove(&h->free, ex_links(h), i);
+        exchange *e = &h->ex[i];
+        PD_ASSERT(e->state == EX_FREE && !e->queued && !e->retired);
+        e->state = EX_NEW;
+        e->kind = kind;
+        e->r = r;
+        pd_http_req_retain(r);
+        ex_queue_locked(e);
+    }
+    pthread_mutex_unlock(&h->mu);
+    return i != PD_NONE;
+}
+
+/* The end of an exchange (X3): nothing wakes it any more, its references are
+ * dropped, and it is free (now, or once popped if still queued). */
+static void ex_retire(exchange *e) {
+    http_server *h = e->h;
+    PD_ASSERT(e->state != EX_FREE && e->r != NULL);
+    pd_http_req_watch(e->r, NULL, NULL);
+    if (e->c) {
+        pthread_mutex_lock(&e->c->mu);
+        e->c->wake = NULL;
+        pthread_mutex_unlock(&e->c->mu);
+        call_unref(e->c);
+    }
+    if (e->reply_set) {
+        pthread_mutex_destroy(&e->reply.mu);
+        pthread_cond_destroy(&e->reply.cv);
+        free(e->reply.text);
+    }
+    free(e->p.prompt);
+    free(e->ev);
+    pd_http_req_release(e->r);
+    pthread_mutex_lock(&h->mu);
+    if (e->queued) e->retired = true;
+    else ex_free_locked(h, e);
+    pthread_mutex_unlock(&h->mu);
+}
+
+/* The project's error body as the answer, and the exchange's end. */
+#if defined(__GNUC__)
+__attribute__((format(printf, 3, 4)))
+#endif
+static void
+ex_fail(exchange *e, unsigned status, const char *fmt, ...) {
+    char message[512];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(message, sizeof message, fmt, ap);
+    va_end(ap);
+    pd_http_req_respond_error(e->r, status, "%s", message); /* PD_ERR_STATE: nobody to tell */
+    ex_retire(e);
+}
+
+/* o as compact JSON (o is released; NULL, as a failed json_pack returns, is
+ * out of memory). */
+static void respond_value(pd_http_req *r, unsigned status, json_t *o) {
+    char *text = o ? json_dumps(o, JSON_COMPACT) : NULL;
+    json_decref(o);
+    if (!text) {
+        pd_http_req_respond_error(r, 503, "out of memory for the answer");
+        return;
+    }
+    pd_http_req_respond_json(r, status, text, strlen(text));
+    free(text);
+}
+
+static void abort_call(pd_node *n, call *c) {
+    pthread_mutex_lock(&c->mu);
+    bool send = !c->done && !c->aborting;
+    c->aborting = true;
+    pthread_mutex_unlock(&c->mu);
+    if (send) node_command(n, CMD_ABORT, NULL, c->rid, NULL);
+}
 /* ---- outputs ----------------------------------------------------------------------- */
 
 static const char *finish_name(const call *c) {
@@ -383,17 +507,17 @@ static const char *finish_name(const call *c) {
 }
 
 /* Bytes of tokens [from, to), sanitised; an incomplete trailing UTF-8
- * character is kept in st->carry for the next piece unless final. NULL when
+ * character is kept in e->carry for the next piece unless final. NULL when
  * out of memory. */
-static char *decode_text(conn_state *st, const int32_t *tokens, uint32_t from, uint32_t to,
+static char *decode_text(exchange *e, const int32_t *tokens, uint32_t from, uint32_t to,
                          bool final) {
     size_t raw_len = pd_tokenizer_decode(tokens + from, to - from, NULL, 0);
-    char *raw = malloc(st->carry_len + raw_len + 1);
+    char *raw = malloc(e->carry_len + raw_len + 1);
     if (!raw) return NULL;
-    memcpy(raw, st->carry, st->carry_len);
-    pd_tokenizer_decode(tokens + from, to - from, raw + st->carry_len, raw_len + 1);
-    size_t len = st->carry_len + raw_len;
-    st->carry_len = 0;
+    memcpy(raw, e->carry, e->carry_len);
+    pd_tokenizer_decode(tokens + from, to - from, raw + e->carry_len, raw_len + 1);
+    size_t len = e->carry_len + raw_len;
+    e->carry_len = 0;
     if (!final) {
         /* Hold back the start of a multi-byte character cut by the piece's end. */
         size_t k = len, back = 0;
@@ -405,8 +529,8 @@ static char *decode_text(conn_state *st, const int32_t *tokens, uint32_t from, u
             unsigned char lead = (unsigned char)raw[k - 1];
             size_t want = lead >= 0xF0 ? 4 : lead >= 0xE0 ? 3 : lead >= 0xC0 ? 2 : 1;
             if (want > 1 && want > back + 1 && lead < 0xF8) {
-                st->carry_len = back + 1;
-                memcpy(st->carry, raw + k - 1, st->carry_len);
+                e->carry_len = back + 1;
+                memcpy(e->carry, raw + k - 1, e->carry_len);
                 len = k - 1;
             }
         }
@@ -447,15 +571,15 @@ static json_t *ids_array(const int32_t *t, uint32_t from, uint32_t to) {
     return a;
 }
 
-static json_t *openai_body(conn_state *st, const call *c, const char *text, bool final,
+static json_t *openai_body(exchange *e, const call *c, const char *text, bool final,
                            bool with_usage) {
-    const pd_node_config *cfg = node_config(st->n);
+    const pd_node_config *cfg = node_config(e->h->n);
     char id[PD_RID_MAX + 8];
     snprintf(id, sizeof(id), "cmpl-%s", c->rid);
     json_t *choice = json_pack("{s:i,s:s,s:o,s:n}", "index", 0, "text", text, "finish_reason",
                                final ? json_string(finish_name(c)) : json_null(), "logprobs");
     json_t *body = json_pack("{s:s,s:s,s:I,s:s,s:[o]}", "id", id, "object", "text_completion",
-                             "created", (json_int_t)st->created, "model", cfg->served_model_name,
+                             "created", (json_int_t)e->created, "model", cfg->served_model_name,
                              "choices", choice);
     if (with_usage)
         json_object_set_new(body, "usage",
@@ -477,87 +601,128 @@ int node_http_check_body(pd_node *n, const char *body, size_t len, bool openai, 
     return status;
 }
 
-/* ---- streaming ------------------------------------------------------------------------- */
+/* ---- the event stream ------------------------------------------------------------------ */
 
-/* The next SSE event (NULL: the closing [DONE]); false when out of memory,
- * and the stream ends there. */
-static bool set_event(conn_state *st, json_t *obj) {
+/* The next SSE event into e->ev (obj NULL: the closing [DONE]); false when
+ * out of memory. */
+static bool set_event(exchange *e, json_t *obj) {
     char *text = obj ? json_dumps(obj, JSON_COMPACT) : NULL;
     if (obj) json_decref(obj);
-    free(st->ev);
-    st->ev = NULL;
-    st->ev_len = st->ev_off = 0;
+    PD_ASSERT(e->ev == NULL);
     if (obj && !text) return false;
     size_t len = text ? strlen(text) : 6;
-    st->ev = malloc(len + 9);
-    if (st->ev)
-        st->ev_len = (size_t)snprintf(st->ev, len + 9, "data: %s\n\n", text ? text : "[DONE]");
+    e->ev = malloc(len + 9);
+    if (e->ev) e->ev_len = (size_t)snprintf(e->ev, len + 9, "data: %s\n\n", text ? text : "[DONE]");
     free(text);
-    return st->ev != NULL;
+    return e->ev != NULL;
 }
 
-static ssize_t sse_reader(void *cls, uint64_t pos, char *buf, size_t max) {
-    (void)pos;
-    conn_state *st = cls;
-    call *c = st->c;
-    for (;;) {
-        if (st->ev_off < st->ev_len) {
-            size_t k = PD_MIN(max, st->ev_len - st->ev_off);
-            memcpy(buf, st->ev + st->ev_off, k);
-            st->ev_off += k;
-            return (ssize_t)k;
-        }
-        if (st->sent_done) return MHD_CONTENT_READER_END_OF_STREAM;
-        if (st->sent_final) {
-            st->sent_done = true;
-            if (!set_event(st, NULL)) return MHD_CONTENT_READER_END_WITH_ERROR; /* [DONE] */
-            continue;
-        }
-        if (!wait_outputs(st, st->sent_tokens, 200)) return MHD_CONTENT_READER_END_WITH_ERROR;
+/* The event for tokens [e->sent_tokens, have). */
+static json_t *token_event(exchange *e, uint32_t have) {
+    call *c = e->c;
+    /* Tokens are only appended, and the ones below `have` are final. */
+    char *text = decode_text(e, c->tokens, e->sent_tokens, have, false);
+    if (!text) return NULL;
+    json_t *ev;
+    if (c->openai) {
+        ev = openai_body(e, c, text, false, false);
+    } else {
+        ev = json_object();
+        json_object_set_new(ev, "text", json_string(text));
+        json_object_set_new(ev, "output_ids", ids_array(c->tokens, e->sent_tokens, have));
         pthread_mutex_lock(&c->mu);
-        uint32_t have = c->n_tokens;
-        bool done = c->done;
+        json_object_set_new(ev, "meta_info", meta_info(c, false));
         pthread_mutex_unlock(&c->mu);
-        if (have > st->sent_tokens) {
-            /* Tokens are only appended, and the ones below `have` are final. */
-            char *text = decode_text(st, c->tokens, st->sent_tokens, have, false);
-            if (!text) return MHD_CONTENT_READER_END_WITH_ERROR;
-            json_t *ev;
-            if (c->openai) {
-                ev = openai_body(st, c, text, false, false);
-            } else {
-                ev = json_object();
-                json_object_set_new(ev, "text", json_string(text));
-                json_object_set_new(ev, "output_ids", ids_array(c->tokens, st->sent_tokens, have));
-                pthread_mutex_lock(&c->mu);
-                json_object_set_new(ev, "meta_info", meta_info(c, false));
-                pthread_mutex_unlock(&c->mu);
+    }
+    free(text);
+    e->sent_tokens = have;
+    return ev;
+}
+
+/* The last event before [DONE], once the call is done. */
+static json_t *final_event(exchange *e) {
+    call *c = e->c;
+    char *text = decode_text(e, c->tokens, c->n_tokens, c->n_tokens, true);
+    if (!text) return NULL;
+    json_t *ev;
+    if (c->openai) {
+        ev = openai_body(e, c, text, true, true);
+    } else {
+        ev = json_object();
+        json_object_set_new(ev, "text", json_string(text));
+        json_object_set_new(ev, "output_ids", json_array());
+        json_object_set_new(ev, "meta_info", meta_info(c, true));
+    }
+    free(text);
+    return ev;
+}
+
+typedef enum ev_next { EV_NONE, EV_READY, EV_FAILED } ev_next;
+
+/* Makes the next event, if there is one yet: new tokens, then the final
+ * event once the call is done, then [DONE]. */
+static ev_next next_event(exchange *e) {
+    call *c = e->c;
+    PD_ASSERT(e->ev == NULL && !e->sent_done);
+    if (e->sent_final) {
+        e->sent_done = true;
+        return set_event(e, NULL) ? EV_READY : EV_FAILED;
+    }
+    pthread_mutex_lock(&c->mu);
+    uint32_t have = c->n_tokens;
+    bool done = c->done;
+    pthread_mutex_unlock(&c->mu);
+    json_t *ev;
+    if (have > e->sent_tokens) {
+        ev = token_event(e, have);
+    } else if (done) {
+        ev = final_event(e);
+        e->sent_final = true;
+    } else {
+        return EV_NONE; /* the next token or the end wakes us */
+    }
+    return ev && set_event(e, ev) ? EV_READY : EV_FAILED;
+}
+
+/* EX_STREAMING: as many events as there are, until the stream ends, the
+ * client leaves, or stream_write refuses (X5: the event waits in e->ev for
+ * the WRITABLE wake, or the next token's). */
+static void gen_stream(exchange *e) {
+    pd_node *n = e->h->n;
+    for (;;) {
+        if (pd_http_req_gone(e->r)) {
+            abort_call(n, e->c); /* X4 */
+            ex_retire(e);
+            return;
+        }
+        if (e->ev) {
+            pd_err err = pd_http_req_stream_write(e->r, e->ev, e->ev_len);
+            if (err == PD_ERR_NOMEM) return;
+            if (err) { /* PD_ERR_STATE: the client left meanwhile */
+                abort_call(n, e->c);
+                ex_retire(e);
+                return;
             }
-            free(text);
-            st->sent_tokens = have;
-            if (!set_event(st, ev)) return MHD_CONTENT_READER_END_WITH_ERROR;
-        } else if (done) {
-            char *text = decode_text(st, c->tokens, have, have, true);
-            if (!text) return MHD_CONTENT_READER_END_WITH_ERROR;
-            json_t *ev;
-            if (c->openai) {
-                ev = openai_body(st, c, text, true, true);
-            } else {
-                ev = json_object();
-                json_object_set_new(ev, "text", json_string(text));
-                json_object_set_new(ev, "output_ids", json_array());
-                json_object_set_new(ev, "meta_info", meta_info(c, true));
-            }
-            free(text);
-            st->sent_final = true;
-            if (!set_event(st, ev)) return MHD_CONTENT_READER_END_WITH_ERROR;
+            free(e->ev);
+            e->ev = NULL;
+        }
+        if (e->sent_done) {
+            pd_http_req_stream_end(e->r);
+            ex_retire(e);
+            return;
+        }
+        ev_next next = next_event(e);
+        if (next == EV_NONE) return;
+        if (next == EV_FAILED) { /* out of memory: the stream ends without [DONE] */
+            abort_call(n, e->c);
+            pd_http_req_stream_end(e->r);
+            ex_retire(e);
+            return;
         }
     }
 }
 
-static void sse_free(void *cls) { (void)cls; /* conn_state is freed by the completed callback */ }
-
-/* ---- handlers -------------------------------------------------------------------------- */
+/* ---- generate -------------------------------------------------------------------------- */
 
 /* A refused body that still names a room: the other node's half of the
  * request (the router sends both at once) must not wait for this one. */
@@ -604,59 +769,23 @@ static void call_fill(pd_node *n, call *c, parsed *p, bool openai) {
     };
 }
 
-/* Hands c to the scheduler and waits until the engine took or refused it:
- * 0 when it took it; otherwise the HTTP status, with the message in err. */
-static int submit_call(pd_node *n, call *c, char *err, size_t cap) {
-    pd_err qerr = node_command(n, CMD_SUBMIT, c, NULL, NULL);
-    if (qerr == PD_ERR_STATE) return refuse(err, cap, 503, "the server is shutting down");
-    if (qerr) return refuse(err, cap, 429, "the command queue is full");
-    pthread_mutex_lock(&c->mu);
-    while (!c->submitted) pthread_cond_wait(&c->cv, &c->mu);
-    pthread_mutex_unlock(&c->mu);
-    c->spec.stop_tokens = NULL; /* the engine copied them */
-    if (c->submit_err == PD_OK) return 0;
-    return refuse(err, cap, c->reject.status ? c->reject.status : 500, "%s", c->reject.message);
-}
-
-/* The response is an event stream that sse_reader produces as tokens come. */
-static enum MHD_Result queue_stream(conn_state *st, struct MHD_Connection *conn) {
-    struct MHD_Response *r =
-        MHD_create_response_from_callback(MHD_SIZE_UNKNOWN, 4096, sse_reader, st, sse_free);
-    if (!r) return MHD_NO;
-    MHD_add_response_header(r, "Content-Type", "text/event-stream");
-    MHD_add_response_header(r, "Cache-Control", "no-cache");
-    enum MHD_Result ret = MHD_queue_response(conn, 200, r);
-    MHD_destroy_response(r);
-    return ret;
-}
-
-/* Waits for the call's terminal event; false when the client hung up
- * meanwhile (the request is being aborted). */
-static bool wait_done(conn_state *st) {
-    call *c = st->c;
-    for (;;) {
-        pthread_mutex_lock(&c->mu);
-        bool done = c->done;
-        uint32_t have = c->n_tokens;
-        pthread_mutex_unlock(&c->mu);
-        if (done) return true;
-        if (!wait_outputs(st, have, 200)) return false;
-    }
-}
-
 /* The whole answer of a finished call, in the shape of its API. */
-static enum MHD_Result answer_done(conn_state *st, struct MHD_Connection *conn, bool openai) {
-    call *c = st->c;
-    char *text = decode_text(st, c->tokens, 0, c->n_tokens, true);
-    if (!text) return send_error(conn, 503, "out of memory for the answer");
-    int http = (c->kind == PD_TERM_FAILED && c->status >= 400) ? c->status : 200;
+static void answer_done(exchange *e) {
+    call *c = e->c;
+    char *text = decode_text(e, c->tokens, 0, c->n_tokens, true);
+    if (!text) {
+        pd_http_req_respond_error(e->r, 503, "out of memory for the answer");
+        return;
+    }
+    unsigned http = (c->kind == PD_TERM_FAILED && c->status >= 400) ? (unsigned)c->status : 200;
     json_t *body;
-    if (openai) {
+    if (e->kind == EX_COMPLETIONS) {
         if (c->kind == PD_TERM_FAILED) {
             free(text);
-            return send_error(conn, http, "%s", c->message);
+            pd_http_req_respond_error(e->r, http, "%s", c->message);
+            return;
         }
-        body = openai_body(st, c, text, true, true);
+        body = openai_body(e, c, text, true, true);
     } else {
         body = json_object();
         json_object_set_new(body, "text", json_string(text));
@@ -664,222 +793,349 @@ static enum MHD_Result answer_done(conn_state *st, struct MHD_Connection *conn, 
         json_object_set_new(body, "meta_info", meta_info(c, true));
     }
     free(text);
-    return pd_http_queue_json_value(conn, (unsigned)http, body);
+    respond_value(e->r, http, body);
 }
 
-static enum MHD_Result handle_generate(conn_state *st, struct MHD_Connection *conn, bool openai) {
-    pd_node *n = st->n;
-    if (st->too_big)
-        return send_error(conn, 413, "the body is larger than %zu bytes",
-                          node_config(n)->max_body_bytes);
+/* EX_WAITING: the whole answer once the call is done. */
+static void gen_wait(exchange *e) {
+    call *c = e->c;
+    if (pd_http_req_gone(e->r)) {
+        abort_call(e->h->n, c); /* X4 */
+        ex_retire(e);
+        return;
+    }
+    pthread_mutex_lock(&c->mu);
+    bool done = c->done;
+    pthread_mutex_unlock(&c->mu);
+    if (!done) return;
+    answer_done(e); /* done: the scheduler writes to c no more */
+    ex_retire(e);
+}
+
+/* EX_SUBMITTING: the engine took the call (on to waiting or streaming) or
+ * refused it (its status and message). */
+static void gen_submitted(exchange *e) {
+    call *c = e->c;
+    pthread_mutex_lock(&c->mu);
+    bool submitted = c->submitted;
+    pthread_mutex_unlock(&c->mu);
+    if (!submitted) return;     /* also when the client left: X4 */
+    c->spec.stop_tokens = NULL; /* the engine copied them out of e->p */
+    if (c->submit_err != PD_OK) {
+        ex_fail(e, c->reject.status ? (unsigned)c->reject.status : 500, "%s", c->reject.message);
+        return;
+    }
+    if (!c->stream) {
+        e->state = EX_WAITING;
+        gen_wait(e);
+        return;
+    }
+    e->state = EX_STREAMING;
+    pd_http_req_add_header(e->r, "Cache-Control", "no-cache");
+    if (pd_http_req_stream_begin(e->r, 200, "text/event-stream") == PD_ERR_NOMEM) {
+        abort_call(e->h->n, c);
+        ex_fail(e, 503, "out of memory for the answer");
+        return;
+    }
+    gen_stream(e); /* PD_ERR_STATE: the client left; gen_stream sees it */
+}
+
+/* EX_NEW for /generate and /v1/completions: parse, check, submit. */
+static void gen_begin(exchange *e) {
+    pd_node *n = e->h->n;
+    bool openai = e->kind == EX_COMPLETIONS;
+    size_t len;
+    const char *body = pd_http_req_body(e->r, &len);
     json_error_t jerr;
-    json_t *root = json_loadb(st->body ? st->body : "", st->len, 0, &jerr);
-    if (!root)
-        return send_error(conn, 400, "malformed JSON: %s (line %d, column %d)", jerr.text,
-                          jerr.line, jerr.column);
-    parsed p;
+    json_t *root = json_loadb(body, len, 0, &jerr);
+    if (!root) {
+        ex_fail(e, 400, "malformed JSON: %s (line %d, column %d)", jerr.text, jerr.line,
+                jerr.column);
+        return;
+    }
     char err[256];
-    int status = parse_request(n, root, openai, &p, err, sizeof(err));
+    int status = parse_request(n, root, openai, &e->p, err, sizeof(err));
     if (status) cancel_refused(n, root);
     json_decref(root);
     if (status) {
-        free(p.prompt);
-        return send_error(conn, status, "%s", err);
+        ex_fail(e, (unsigned)status, "%s", err);
+        return;
     }
     call *c = call_new();
     if (!c) {
-        free(p.prompt);
-        return send_error(conn, 503, "out of memory");
+        ex_fail(e, 503, "out of memory");
+        return;
     }
-    call_fill(n, c, &p, openai);
-    /* p.stop lives on this stack frame until the submit is answered. */
-    st->c = c; /* released with the connection, whatever happens next */
-    if (!c->tokens || !c->logprobs) return send_error(conn, 503, "out of memory for the answer");
-    st->created = (uint64_t)time(NULL);
-    if ((status = submit_call(n, c, err, sizeof(err)))) return send_error(conn, status, "%s", err);
-    const union MHD_ConnectionInfo *ci =
-        MHD_get_connection_info(conn, MHD_CONNECTION_INFO_CONNECTION_FD);
-    st->fd = ci ? ci->connect_fd : -1;
-    if (c->stream) return queue_stream(st, conn);
-    /* A client that hung up has its request aborted; nobody to answer. */
-    if (!wait_done(st)) return MHD_NO;
-    return answer_done(st, conn, openai);
+    call_fill(n, c, &e->p, openai); /* takes p.prompt; the spec points at e->p.stop */
+    e->p.prompt = NULL;
+    e->c = c;
+    if (!c->tokens || !c->logprobs) {
+        ex_fail(e, 503, "out of memory for the answer");
+        return;
+    }
+    e->created = (uint64_t)time(NULL);
+    c->wake = ex_wake; /* nobody else knows c yet */
+    c->wake_ctx = e;
+    e->state = EX_SUBMITTING;
+    pd_err qerr = node_command(n, CMD_SUBMIT, c, NULL, NULL);
+    if (qerr) {
+        ex_fail(e, qerr == PD_ERR_STATE ? 503 : 429, "%s",
+                qerr == PD_ERR_STATE ? "the server is shutting down" : "the command queue is full");
+        return;
+    }
+    pd_http_req_watch(e->r, ex_watch, e); /* the client leaving, and WRITABLE */
 }
 
-static enum MHD_Result handle_abort(conn_state *st, struct MHD_Connection *conn) {
-    pd_node *n = st->n;
-    if (st->too_big) return send_error(conn, 413, "the body is too large");
+/* ---- abort, info, metrics: a command and its reply -------------------------------------- */
+
+/* Queues the command; the reply wakes e. False when the queue refused it. */
+static bool ex_command(exchange *e, cmd_kind kind, const char *rid) {
+    cmd_reply *q = &e->reply;
+    memset(q, 0, sizeof(*q));
+    pthread_mutex_init(&q->mu, NULL);
+    pthread_cond_init(&q->cv, NULL);
+    q->wake = ex_wake;
+    q->wake_ctx = e;
+    e->reply_set = true;
+    e->cmd = kind;
+    e->state = EX_REPLY;
+    return node_command(e->h->n, kind, NULL, rid, q) == PD_OK;
+}
+
+static void abort_begin(exchange *e) {
+    size_t len;
+    const char *body = pd_http_req_body(e->r, &len);
     json_error_t jerr;
-    json_t *root = json_loadb(st->body ? st->body : "", st->len, 0, &jerr);
-    if (!root)
-        return send_error(conn, 400, "malformed JSON: %s (line %d, column %d)", jerr.text,
-                          jerr.line, jerr.column);
+    json_t *root = json_loadb(body, len, 0, &jerr);
+    if (!root) {
+        ex_fail(e, 400, "malformed JSON: %s (line %d, column %d)", jerr.text, jerr.line,
+                jerr.column);
+        return;
+    }
     if (!json_is_object(root)) {
         json_decref(root);
-        return send_error(conn, 400, "the request body must be a JSON object");
+        ex_fail(e, 400, "the request body must be a JSON object");
+        return;
     }
     json_t *rid = json_object_get(root, "rid"), *all = json_object_get(root, "abort_all");
-    cmd_reply reply;
-    pd_err err;
-    if (all && json_is_true(all)) {
-        json_decref(root);
-        err = node_command_wait(n, CMD_ABORT_ALL, NULL, &reply);
-    } else if (rid && json_is_string(rid) && !rid_acceptable(rid)) {
-        json_decref(root);
-        return send_error(conn, 400, RID_RULE, PD_RID_MAX - 1);
-    } else if (rid && json_is_string(rid)) {
-        char r[PD_RID_MAX];
-        snprintf(r, sizeof(r), "%s", json_string_value(rid));
-        json_decref(root);
-        err = node_command_wait(n, CMD_ABORT, r, &reply);
-        if (!err && reply.value == 0)
-            return send_error(conn, 404, "no live request has rid '%s'", r);
-    } else {
-        json_decref(root);
-        return send_error(conn, 400, "give 'rid' (a string) or 'abort_all': true");
+    bool abort_all = all && json_is_true(all);
+    bool rid_given = !abort_all && rid && json_is_string(rid);
+    bool rid_ok = rid_given && rid_acceptable(rid);
+    if (rid_ok) snprintf(e->p.rid, sizeof(e->p.rid), "%s", json_string_value(rid));
+    json_decref(root);
+    if (rid_given && !rid_ok) {
+        ex_fail(e, 400, RID_RULE, PD_RID_MAX - 1);
+        return;
     }
-    if (err) return send_error(conn, 503, "the server is shutting down");
-    json_t *body = json_pack("{s:I}", "aborted", (json_int_t)reply.value);
-    return pd_http_queue_json_value(conn, 200, body);
+    if (!abort_all && !rid_ok) {
+        ex_fail(e, 400, "give 'rid' (a string) or 'abort_all': true");
+        return;
+    }
+    if (!ex_command(e, abort_all ? CMD_ABORT_ALL : CMD_ABORT, abort_all ? NULL : e->p.rid))
+        ex_fail(e, 503, "the server is shutting down");
 }
 
-static enum MHD_Result handle_text_command(conn_state *st, struct MHD_Connection *conn,
-                                           cmd_kind kind) {
-    cmd_reply reply;
-    if (node_command_wait(st->n, kind, NULL, &reply) != PD_OK)
-        return send_error(conn, 503, "the server is shutting down");
-    if (!reply.text && reply.value == PD_ERR_TOOBIG)
-        return send_error(conn, 500,
-                          "the metrics text is larger than its %u-byte buffer; "
-                          "no partial metrics are served",
-                          (unsigned)METRICS_TEXT_BYTES);
-    if (!reply.text)
-        return send_error(conn, 500, "the server could not build its answer (%s)",
-                          pd_err_name((pd_err)reply.value));
-    const char *type = kind == CMD_INFO ? "application/json" : "text/plain; version=0.0.4";
-    enum MHD_Result ret = pd_http_queue_text(conn, 200, type, reply.text, strlen(reply.text));
-    free(reply.text);
-    return ret;
+static void answer_abort(exchange *e) {
+    if (e->cmd == CMD_ABORT && e->reply.value == 0) {
+        pd_http_req_respond_error(e->r, 404, "no live request has rid '%s'", e->p.rid);
+        return;
+    }
+    respond_value(e->r, 200, json_pack("{s:I}", "aborted", (json_int_t)e->reply.value));
 }
+
+static void answer_text(exchange *e) {
+    const cmd_reply *q = &e->reply;
+    if (!q->text && q->value == PD_ERR_TOOBIG)
+        pd_http_req_respond_error(e->r, 500,
+                                  "the metrics text is larger than its %u-byte buffer; "
+                                  "no partial metrics are served",
+                                  (unsigned)METRICS_TEXT_BYTES);
+    else if (!q->text)
+        pd_http_req_respond_error(e->r, 500, "the server could not build its answer (%s)",
+                                  pd_err_name((pd_err)q->value));
+    else
+        pd_http_req_respond(e->r, 200,
+                            e->cmd == CMD_INFO ? "application/json" : "text/plain; version=0.0.4",
+                            q->text, strlen(q->text));
+}
+
+/* EX_REPLY: the answer once the scheduler has replied (also to a client
+ * that left: the reply is written into e, which must wait for it; X3). */
+static void reply_check(exchange *e) {
+    pthread_mutex_lock(&e->reply.mu);
+    bool ready = e->reply.ready;
+    pthread_mutex_unlock(&e->reply.mu);
+    if (!ready) return;
+    if (e->cmd == CMD_ABORT || e->cmd == CMD_ABORT_ALL) answer_abort(e);
+    else answer_text(e);
+    ex_retire(e);
+}
+
+/* ---- the responder --------------------------------------------------------------------- */
+
+static void ex_run(exchange *e) {
+    switch (e->state) {
+    case EX_NEW:
+        if (e->kind == EX_GENERATE || e->kind == EX_COMPLETIONS) gen_begin(e);
+        else if (e->kind == EX_ABORT) abort_begin(e);
+        else if (!ex_command(e, e->kind == EX_INFO ? CMD_INFO : CMD_METRICS, NULL))
+            ex_fail(e, 503, "the server is shutting down");
+        break;
+    case EX_SUBMITTING: gen_submitted(e); break;
+    case EX_WAITING: gen_wait(e); break;
+    case EX_STREAMING: gen_stream(e); break;
+    case EX_REPLY: reply_check(e); break;
+    case EX_FREE: PD_ASSERTF(false, "exchange %u woken while free", ex_index(e));
+    }
+}
+
+/* Runs each exchange put on the ready list, one at a time, until stopped
+ * with the list empty. */
+static void *responder_main(void *arg) {
+    http_server *h = arg;
+    pthread_mutex_lock(&h->mu);
+    for (;;) {
+        while (h->ready.len == 0 && !h->stop) pthread_cond_wait(&h->cv, &h->mu);
+        if (h->ready.len == 0) break;
+        uint32_t i = h->ready.head;
+        pd_list_remove(&h->ready, ex_links(h), i);
+        exchange *e = &h->ex[i];
+        e->queued = false;
+        if (e->retired) {
+            ex_free_locked(h, e);
+            continue;
+        }
+        pthread_mutex_unlock(&h->mu);
+        ex_run(e);
+        pthread_mutex_lock(&h->mu);
+    }
+    pthread_mutex_unlock(&h->mu);
+    return NULL;
+}
+
+/* ---- routes (the loop thread) ---------------------------------------------------------- */
 
 typedef struct route {
     const char *path, *method;
+    ex_kind kind;
 } route;
 
 static const route routes[] = {
-    {"/generate", "POST"}, {"/v1/completions", "POST"}, {"/abort_request", "POST"},
-    {"/health", "GET"},    {"/server_info", "GET"},     {"/get_server_info", "GET"},
-    {"/metrics", "GET"},
+    {"/generate", "POST", EX_GENERATE},   {"/v1/completions", "POST", EX_COMPLETIONS},
+    {"/abort_request", "POST", EX_ABORT}, {"/health", "GET", EX_HEALTH},
+    {"/server_info", "GET", EX_INFO},     {"/get_server_info", "GET", EX_INFO},
+    {"/metrics", "GET", EX_METRICS},
 };
 
-static enum MHD_Result handler(void *cls, struct MHD_Connection *conn, const char *url,
-                               const char *method, const char *version, const char *upload,
-                               size_t *upload_size, void **con_cls) {
-    pd_node *n = cls;
-    conn_state *st = *con_cls;
-    if (!st) {
-        st = calloc(1, sizeof(*st));
-        if (!st) return MHD_NO;
-        st->n = n;
-        st->fd = -1;
-        *con_cls = st;
-        /* Framing a proxy could read otherwise: refused before the body. */
-        const char *ambiguous = pd_http_ambiguous(conn, version);
-        if (ambiguous) return send_error(conn, 400, "%s", ambiguous);
-        return MHD_YES;
-    }
-    if (*upload_size) {
-        size_t limit = node_config(n)->max_body_bytes;
-        if (!st->too_big && st->len + *upload_size <= limit) {
-            if (st->len + *upload_size + 1 > st->cap) {
-                size_t cap = PD_MAX(st->cap * 2, st->len + *upload_size + 1);
-                char *b = realloc(st->body, cap);
-                if (!b) return MHD_NO;
-                st->body = b;
-                st->cap = cap;
-            }
-            memcpy(st->body + st->len, upload, *upload_size);
-            st->len += *upload_size;
-        } else {
-            st->too_big = true; /* keep reading, answer 413 at the end */
-        }
-        *upload_size = 0;
-        return MHD_YES;
-    }
-    const route *r = NULL;
+/* On the loop thread: must not block. What needs neither the body nor the
+ * scheduler is answered here; the rest goes to the responder. */
+static void on_request(pd_http_req *r, void *user) {
+    http_server *h = user;
+    const pd_node_config *cfg = node_config(h->n);
+    const char *path = pd_http_req_path(r), *method = pd_http_req_method(r);
+    const route *rt = NULL;
     for (size_t i = 0; i < PD_ARRAY_LEN(routes); i++)
-        if (!strcmp(url, routes[i].path)) r = &routes[i];
-    if (!r) return send_error(conn, 404, "no such path: %s", url);
-    if (strcmp(method, r->method))
-        return pd_http_queue_error(conn, 405, r->method, "%s %s is not allowed (use %s)", method,
-                                   url, r->method);
-    if (node_stopping(n)) return send_error(conn, 503, "the server is shutting down");
-    if (!strcmp(url, "/generate")) return handle_generate(st, conn, false);
-    if (!strcmp(url, "/v1/completions")) return handle_generate(st, conn, true);
-    if (!strcmp(url, "/abort_request")) return handle_abort(st, conn);
-    if (!strcmp(url, "/health"))
-        return pd_http_queue_json_value(conn, 200,
-                                        json_pack("{s:s,s:s}", "status", "ok", "role",
-                                                  pd_node_role_name(node_config(n)->role)));
-    if (!strcmp(url, "/metrics")) {
-        if (!node_config(n)->enable_metrics)
-            return send_error(conn, 404, "metrics are off (start with --enable-metrics)");
-        return handle_text_command(st, conn, CMD_METRICS);
+        if (!strcmp(path, routes[i].path)) rt = &routes[i];
+    if (!rt) {
+        pd_http_req_respond_error(r, 404, "no such path: %s", path);
+    } else if (strcmp(method, rt->method)) {
+        pd_http_req_add_header(r, "Allow", rt->method);
+        pd_http_req_respond_error(r, 405, "%s %s is not allowed (use %s)", method, path,
+                                  rt->method);
+    } else if (node_stopping(h->n)) {
+        pd_http_req_respond_error(r, 503, "the server is shutting down");
+    } else if (rt->kind == EX_HEALTH) {
+        respond_value(r, 200,
+                      json_pack("{s:s,s:s}", "status", "ok", "role", pd_node_role_name(cfg->role)));
+    } else if (rt->kind == EX_METRICS && !cfg->enable_metrics) {
+        pd_http_req_respond_error(r, 404, "metrics are off (start with --enable-metrics)");
+    } else if (!ex_start(h, r, rt->kind)) {
+        pd_http_req_respond_error(r, 503, "%u requests are being answered; try again later",
+                                  h->ex_max);
     }
-    return handle_text_command(st, conn, CMD_INFO);
 }
 
-static void completed(void *cls, struct MHD_Connection *conn, void **con_cls,
-                      enum MHD_RequestTerminationCode toe) {
-    (void)conn;
-    pd_node *n = cls;
-    conn_state *st = *con_cls;
-    if (!st) return;
-    if (st->c) {
-        /* A request whose client went away before its end is aborted. */
-        if (toe != MHD_REQUEST_TERMINATED_COMPLETED_OK) abort_call(n, st->c);
-        call_unref(st->c);
-    }
-    free(st->body);
-    free(st->ev);
-    free(st);
-    *con_cls = NULL;
+/* ---- start and stop -------------------------------------------------------------------- */
+
+static void server_config(const pd_node_config *cfg, http_server *h, pd_http_server_config *sc) {
+    pd_http_server_config_default(sc);
+    sc->host = cfg->host && strcmp(cfg->host, "localhost") ? cfg->host : "127.0.0.1";
+    sc->port = cfg->port;
+    sc->connections_max = HTTP_CONNECTIONS_MAX;
+    sc->connections_per_ip_max = HTTP_CONNECTIONS_MAX;
+    sc->body_bytes_max = cfg->max_body_bytes;
+    sc->header_timeout_ms = cfg->http_header_timeout_ms;
+    sc->body_timeout_ms = cfg->http_body_timeout_ms;
+    sc->idle_timeout_ms = cfg->http_idle_timeout_ms;
+    sc->write_timeout_ms = cfg->http_write_timeout_ms;
+    sc->on_request = on_request;
+    sc->user = h;
+}
+
+/* Frees what http_start made; the responder has stopped, nothing is in use. */
+static void server_free(http_server *h) {
+    pthread_mutex_destroy(&h->mu);
+    pthread_cond_destroy(&h->cv);
+    free(h->ex);
+    free(h);
+}
+
+static void responder_stop(http_server *h) {
+    pthread_mutex_lock(&h->mu);
+    h->stop = true;
+    pthread_cond_signal(&h->cv);
+    pthread_mutex_unlock(&h->mu);
+    pthread_join(h->thread, NULL);
 }
 
 pd_err http_start(pd_node *n, http_server **out, uint16_t *bound_port, char *msg, size_t cap) {
-    const pd_node_config *cfg = node_config(n);
-    struct sockaddr_in addr;
-    memset(&addr, 0, sizeof(addr));
-    addr.sin_family = AF_INET;
-    addr.sin_port = htons(cfg->port);
-    const char *host = cfg->host && strcmp(cfg->host, "localhost") ? cfg->host : "127.0.0.1";
-    if (inet_pton(AF_INET, host, &addr.sin_addr) != 1)
-        return pd_errorf(msg, cap, PD_ERR_INVALID, "--host '%s' is not an IPv4 address", host);
     http_server *h = calloc(1, sizeof(*h));
     if (!h) return pd_errorf(msg, cap, PD_ERR_NOMEM, "out of memory");
     h->n = n;
-    /* poll(), not select(): one process (pdserve run) holds more than
-     * FD_SETSIZE sockets under load, and select() refuses those. */
-    h->d = MHD_start_daemon(
-        MHD_USE_THREAD_PER_CONNECTION | MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_POLL |
-            MHD_USE_ERROR_LOG,
-        cfg->port, NULL, NULL, handler, n, MHD_OPTION_SOCK_ADDR, (struct sockaddr *)&addr,
-        MHD_OPTION_NOTIFY_COMPLETED, completed, n, MHD_OPTION_CONNECTION_LIMIT, (unsigned)4096,
-        MHD_OPTION_CONNECTION_TIMEOUT, (unsigned)60, MHD_OPTION_UNESCAPE_CALLBACK, pd_http_unescape,
-        NULL, MHD_OPTION_THREAD_STACK_SIZE, (size_t)(512 * 1024), MHD_OPTION_END);
-    if (!h->d) {
-        free(h);
-        return pd_errorf(msg, cap, PD_ERR_IO, "could not listen on %s:%u (in use?)", host,
-                         cfg->port);
+    h->ex_max = HTTP_EXCHANGES;
+    h->ex = calloc(h->ex_max, sizeof(*h->ex));
+    pthread_mutex_init(&h->mu, NULL);
+    pthread_cond_init(&h->cv, NULL);
+    if (!h->ex) {
+        server_free(h);
+        return pd_errorf(msg, cap, PD_ERR_NOMEM, "out of memory");
     }
-    const union MHD_DaemonInfo *di = MHD_get_daemon_info(h->d, MHD_DAEMON_INFO_BIND_PORT);
-    *bound_port = di ? di->port : cfg->port;
+    pd_list_init(&h->free);
+    pd_list_init(&h->ready);
+    for (uint32_t i = 0; i < h->ex_max; i++) {
+        h->ex[i] = (exchange){.h = h, .state = EX_FREE};
+        pd_list_push_back(&h->free, ex_links(h), i);
+    }
+    if (pthread_create(&h->thread, NULL, responder_main, h) != 0) {
+        server_free(h);
+        return pd_errorf(msg, cap, PD_ERR_NOMEM, "could not start the HTTP responder thread");
+    }
+    pd_http_server_config sc;
+    server_config(node_config(n), h, &sc);
+    pd_err err = pd_http_server_start(&h->srv, &sc, msg, cap);
+    if (err) {
+        responder_stop(h);
+        server_free(h);
+        return err;
+    }
+    *bound_port = pd_http_server_port(h->srv);
     *out = h;
     return PD_OK;
 }
 
 void http_stop(http_server *h) {
     if (!h) return;
-    MHD_stop_daemon(h->d);
-    free(h);
+    /* The responder still runs: answers in flight may end within the
+     * server's grace, the rest see GONE and are retired. */
+    pd_http_server_stop(h->srv);
+    responder_stop(h);
+    /* Neither the loop nor the scheduler (stopped before us) can wake an
+     * exchange any more; whatever is still in use ends here. */
+    for (uint32_t i = 0; i < h->ex_max; i++) {
+        exchange *e = &h->ex[i];
+        PD_ASSERT(!e->queued && !e->retired);
+        if (e->state != EX_FREE) ex_retire(e);
+    }
+    PD_ASSERT(h->free.len == h->ex_max);
+    server_free(h);
 }

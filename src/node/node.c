@@ -8,10 +8,11 @@
  * engine is busy (results and transfers arrive without a signal), a longer
  * one when it is idle (a new command wakes it at once).
  *
- * Outputs reach the HTTP threads through the engine's sink, which runs on
- * the scheduler thread: each token is appended to the request's call and the
- * waiting HTTP thread is signalled. The call is found through the engine's
- * request id, whose low half indexes the engine's record table.
+ * Outputs reach the HTTP side through the engine's sink, which runs on the
+ * scheduler thread: each token is appended to the request's call and the
+ * call's wake hook queues it for http.c's responder thread, never waiting on
+ * it. The call is found through the engine's request id, whose low half
+ * indexes the engine's record table.
  */
 #include <jansson.h>
 #include <stdio.h>
@@ -141,6 +142,10 @@ void pd_node_config_default(pd_node_config *c, pd_node_role role) {
     c->max_new_tokens_limit = 4096;
     c->bootstrap_timeout_ms = 30000;
     c->transfer_timeout_ms = 60000;
+    c->http_header_timeout_ms = 10000;
+    c->http_body_timeout_ms = 30000;
+    c->http_idle_timeout_ms = 60000;
+    c->http_write_timeout_ms = 30000;
     c->transfer_backend = "loopback";
     c->bootstrap_host = NULL; /* = host */
     c->bootstrap_port = 8998;
@@ -167,6 +172,13 @@ void call_unref(call *c) {
     free(c->tokens);
     free(c->logprobs);
     free(c);
+}
+
+/* Under c->mu, after a change to c: wakes its waiters (a thread on cv, the
+ * HTTP side through its hook, which only queues). */
+static void call_changed(call *c) {
+    pthread_cond_broadcast(&c->cv);
+    if (c->wake) c->wake(c->wake_ctx);
 }
 
 /* The call a sink event is about: the engine echoes the slot the node gave
@@ -210,7 +222,7 @@ static void sink_token(void *self, uint64_t tag, const char *rid, uint64_t room,
         }
         c->t_done_us = now; /* time of the latest token until done */
     }
-    pthread_cond_broadcast(&c->cv);
+    call_changed(c);
     pthread_mutex_unlock(&c->mu);
 }
 
@@ -227,7 +239,7 @@ static void sink_terminal(void *self, const pd_terminal_event *ev) {
     c->cached_tokens = ev->cached_tokens;
     c->t_done_us = now;
     hist_add(&n->e2e, (double)(now - c->t_submit_us) / 1e6);
-    pthread_cond_broadcast(&c->cv);
+    call_changed(c);
     pthread_mutex_unlock(&c->mu);
     n->calls[ev->tag] = NULL;
     slot_give(n, (uint32_t)ev->tag);
@@ -297,6 +309,7 @@ static void reply_done(cmd_reply *r, int64_t value, char *text) {
     r->text = text;
     r->ready = true;
     pthread_cond_broadcast(&r->cv);
+    if (r->wake) r->wake(r->wake_ctx);
     pthread_mutex_unlock(&r->mu);
 }
 
@@ -327,7 +340,7 @@ static void run_command(pd_node *n, cmd *q) {
         c->submitted = true;
         c->submit_err = err;
         c->reject = why;
-        pthread_cond_broadcast(&c->cv);
+        call_changed(c);
         pthread_mutex_unlock(&c->mu);
         if (err != PD_OK) call_unref(c);
         break;
@@ -862,8 +875,10 @@ void pd_node_destroy(pd_node *n) {
     atomic_store(&n->stopping, true);
     pthread_cond_signal(&n->cv);
     pthread_mutex_unlock(&n->mu);
-    /* HTTP first: no new commands; its threads end their waits as their
-     * calls end (the scheduler aborts everything before it exits). */
+    /* The scheduler first: it aborts everything live before it exits, and
+     * stopping refuses new commands (an HTTP request gets a 503). The HTTP
+     * side keeps answering meanwhile, and goes last, once every call has
+     * ended, so it can still send each its final answer. */
     if (n->sched_running) pthread_join(n->sched, NULL);
     /* Commands that arrived after the scheduler's last look. */
     for (uint32_t i = 0; i < n->cmd_n; i++) {
@@ -875,14 +890,14 @@ void pd_node_destroy(pd_node *n) {
             q->c->reject.status = 503;
             snprintf(q->c->reject.message, sizeof(q->c->reject.message),
                      "the server is shutting down");
-            pthread_cond_broadcast(&q->c->cv);
+            call_changed(q->c);
             pthread_mutex_unlock(&q->c->mu);
             call_unref(q->c);
         }
         if (q->reply) reply_done(q->reply, 0, NULL);
     }
-    /* Anything the engine could not end in time ends here, so no HTTP thread
-     * waits forever. */
+    /* Anything the engine could not end in time ends here, so no HTTP
+     * exchange waits forever. */
     if (n->calls)
         for (uint32_t i = 0; i < n->requests_max; i++) {
             call *c = n->calls[i];
@@ -894,7 +909,7 @@ void pd_node_destroy(pd_node *n) {
                 c->status = 503;
                 snprintf(c->message, sizeof(c->message), "the server is shutting down");
             }
-            pthread_cond_broadcast(&c->cv);
+            call_changed(c);
             pthread_mutex_unlock(&c->mu);
             call_unref(c);
             n->calls[i] = NULL;

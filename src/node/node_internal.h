@@ -3,10 +3,12 @@
  * side) share: the call (one client request in flight) and the command
  * queue between the two sides.
  *
- * A call is shared by the HTTP thread that owns the client connection and
- * the scheduler thread that delivers its outputs; it is reference counted
- * (one reference each) and guarded by its own mutex. The scheduler never
- * blocks on an HTTP thread: it appends tokens and signals.
+ * A call is shared by the HTTP side (http.c's responder thread, which
+ * answers the client) and the scheduler thread that delivers its outputs; it
+ * is reference counted (one reference each) and guarded by its own mutex.
+ * The scheduler never blocks on HTTP: it appends tokens, signals the call's
+ * condition variable and calls its wake hook, which only queues the call's
+ * exchange for the responder (a short critical section, never I/O).
  */
 #ifndef PDSERVE_NODE_INTERNAL_H
 #define PDSERVE_NODE_INTERNAL_H
@@ -49,6 +51,11 @@ typedef struct call {
     uint32_t cached_tokens;
     uint64_t t_submit_us, t_first_us, t_done_us;
     bool aborting;                   /* an abort was sent for it */
+    /* Called under mu after each change above (submit outcome, a token, the
+     * end): must not block. Set before the submit, cleared (under mu) by
+     * whoever frees wake_ctx. NULL: nobody listens but cv. */
+    void (*wake)(void *ctx);
+    void *wake_ctx;
 } call;
 
 /* The request-body parser alone, as POST /generate (openai: /v1/completions)
@@ -70,7 +77,8 @@ typedef enum cmd_kind {
     CMD_CANCEL_ROOM
 } cmd_kind;
 
-/* A command with a synchronous answer (the HTTP thread waits on it). */
+/* A command with an answer: node_command_wait waits on cv; the responder
+ * (http.c) sets wake instead and is called, under mu, once ready is set. */
 typedef struct cmd_reply {
     pthread_mutex_t mu;
     pthread_cond_t cv;
@@ -78,7 +86,9 @@ typedef struct cmd_reply {
     /* ABORT: 1 found / 0 not; ABORT_ALL: the count; INFO / METRICS: PD_OK, or
      * the pd_err why text is NULL. */
     int64_t value;
-    char *text;                      /* INFO / METRICS: malloc'd, the caller frees */
+    char *text;              /* INFO / METRICS: malloc'd, the caller frees */
+    void (*wake)(void *ctx); /* may be NULL; must not block */
+    void *wake_ctx;
 } cmd_reply;
 
 struct pd_node;
@@ -111,7 +121,8 @@ uint64_t node_now_us(void);
 uint64_t node_next_rid(struct pd_node *n);
 bool node_stopping(const struct pd_node *n);
 
-/* http.c */
+/* http.c: the node's HTTP API on pd_http_server; http_stop after the
+ * scheduler has stopped and every call has ended (pd_node_destroy). */
 typedef struct http_server http_server;
 pd_err http_start(struct pd_node *n, http_server **out, uint16_t *bound_port, char *msg,
                   size_t cap);

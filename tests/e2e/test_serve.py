@@ -117,9 +117,10 @@ def test_bad_input_gets_clear_errors_and_leaks_nothing():
         expect_error(srv, 400, "/generate", {"text": "hi", "rid": 7}, contains="'rid'")
         expect_error(srv, 400, "/v1/completions", {"prompt": {"a": 1}}, contains="prompt")
         expect_error(srv, 413, "/generate", {"text": "x" * 600}, contains="does not fit")  # longer than the KV pool
-        expect_error(srv, 413, "/generate", raw=json.dumps({"text": "y" * 70000}), contains="larger than")
+        expect_error(srv, 413, "/generate", raw=json.dumps({"text": "y" * 70000}), contains="over the limit")
         expect_error(srv, 404, "/nowhere", {"text": "hi"})
-        expect_error(srv, 404, "/generate%00anything", {"text": "hi"})  # was served as /generate (finding 9)
+        # Was served as /generate (finding 9); the HTTP server refuses it now.
+        expect_error(srv, 400, "/generate%00anything", {"text": "hi"}, contains="%00")
         expect_error(srv, 405, "/generate", method="GET")
         expect_error(srv, 405, "/health", {"x": 1}, method="POST")
         expect_error(srv, 404, "/abort_request", {"rid": "nobody"}, contains="nobody")
@@ -145,9 +146,8 @@ def test_bad_input_gets_clear_errors_and_leaks_nothing():
         assert st == 200 and body["meta_info"]["finish_reason"]["type"] == "abort", body
         assert body["meta_info"]["finish_reason"]["status_code"] == 499
         pdtest.check_ambiguous_requests_refused(srv.port)
-        # Garbage on the HTTP port itself.
-        # (libmicrohttpd answers 400 or keeps the line open until its timeout;
-        # either way the node must stay healthy.)
+        # Garbage on the HTTP port itself: refused, and the node stays healthy
+        # (tests/e2e/test_node_http.py checks each refusal's status and body).
         for junk in (b"\x00\xff garbage \r\n\r\n", b"POST /generate HTTP/1.1\r\nContent-Length: 99999999\r\n\r\n{",
                      b"GET / HTTP/1.1\r\n" + b"X: " + b"a" * 100000 + b"\r\n\r\n"):
             s = socket.create_connection(("127.0.0.1", srv.port))
