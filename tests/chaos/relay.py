@@ -10,10 +10,14 @@ target (non-blocking) and forwards both ways. End of stream is passed on
 (shutdown of the write side) after the data before it; an error on either
 side closes both. A direction stops reading while 1 MiB of it waits, so a
 slow reader slows its writer as a real link would. Prints "ready" once
-every listener is bound; stops on SIGTERM. Standard library only.
+every listener is bound, its counters (connections accepted, connects to a
+target that failed, bytes) on SIGUSR1 and when it stops on SIGTERM; each
+failed accept or connect on stderr. Standard library only.
 """
 import argparse
 import heapq
+import json
+import os
 import random
 import selectors
 import signal
@@ -57,6 +61,8 @@ class Relay:
         self.seq = 0
         self.interest = {}  # socket -> events wanted
         self.owner = {}  # socket -> (conn, role)
+        self.stats = {"accepted": 0, "connect_failed": 0, "accept_failed": 0, "reset": 0,
+                      "bytes": 0}
         for listen, target in routes:
             ls = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
             ls.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -111,8 +117,11 @@ class Relay:
     def accept(self, ls, target):
         try:
             client, _ = ls.accept()
-        except OSError:
+        except OSError as e:
+            self.stats["accept_failed"] += 1
+            print("accept: %s" % e, file=sys.stderr, flush=True)
             return
+        self.stats["accepted"] += 1
         client.setblocking(False)
         server = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         server.setblocking(False)
@@ -123,6 +132,8 @@ class Relay:
         self.owner[server] = conn
         err = server.connect_ex(target)
         if err not in (0, 115):  # EINPROGRESS
+            self.stats["connect_failed"] += 1
+            print("connect %s: %s" % (target, os.strerror(err)), file=sys.stderr, flush=True)
             self.close(conn)
             return
         self.update(conn)
@@ -134,8 +145,10 @@ class Relay:
         except (BlockingIOError, InterruptedError):
             return
         except OSError:
+            self.stats["reset"] += 1
             self.close(conn)
             return
+        self.stats["bytes"] += len(data)
         now = time.monotonic()
         due = max(now + max(0.0, self.rng.uniform(self.delay - self.jitter, self.delay + self.jitter)),
                   pipe.last_due)
@@ -200,7 +213,10 @@ class Relay:
                 if conn is None or conn.closed:
                     continue
                 if sock is conn.server and not conn.connected:
-                    if sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR):
+                    err = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+                    if err:
+                        self.stats["connect_failed"] += 1
+                        print("connect: %s" % os.strerror(err), file=sys.stderr, flush=True)
                         self.close(conn)
                         continue
                     conn.connected = True
@@ -227,8 +243,13 @@ def main():
     ap.add_argument("--jitter-ms", type=float, default=10.0)
     ap.add_argument("routes", nargs="+", help="LHOST:LPORT=THOST:TPORT")
     args = ap.parse_args()
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     relay = Relay([parse_route(r) for r in args.routes], args.delay_ms, args.jitter_ms, args.seed)
+
+    def stop(*_):
+        print("relay: %s" % json.dumps(relay.stats), flush=True)
+        sys.exit(0)
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGUSR1, lambda *_: print("relay: %s" % json.dumps(relay.stats), flush=True))
     print("ready", flush=True)
     relay.run()
 

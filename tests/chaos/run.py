@@ -805,8 +805,15 @@ class Delay(Fault):
             t = time.time()
             http_call(ADDR["r"], RELAY_PORT["p"], "GET", "/health")
             times.append(time.time() - t)
-        return ("GET /health through the relay: %.0f ms at best" % (min(times) * 1000),
-                min(times) >= 0.015)
+        cl.relay.send(signal.SIGUSR1)
+        time.sleep(0.3)
+        lines = [x for x in cl.relay.output(100000).splitlines() if x.startswith("relay: ")]
+        stats = json.loads(lines[-1][len("relay: "):]) if lines else {}
+        return ("GET /health through the relay: %.0f ms at best; relayed %s connections, %.1f MB, "
+                "%s failed connects to a node" % (min(times) * 1000, stats.get("accepted"),
+                                                   stats.get("bytes", 0) / 1e6,
+                                                   stats.get("connect_failed")),
+                min(times) >= 0.015 and stats.get("accepted", 0) > 0)
 
 
 class NoFault(Fault):
