@@ -150,8 +150,8 @@ class Relay:
             return
         self.stats["bytes"] += len(data)
         now = time.monotonic()
-        due = max(now + max(0.0, self.rng.uniform(self.delay - self.jitter, self.delay + self.jitter)),
-                  pipe.last_due)
+        drawn = self.rng.uniform(self.delay - self.jitter, self.delay + self.jitter)
+        due = max(now + max(0.0, drawn), pipe.last_due)
         pipe.last_due = due
         if data:
             pipe.pending.append((due, data))
@@ -249,7 +249,8 @@ def main():
         print("relay: %s" % json.dumps(relay.stats), flush=True)
         sys.exit(0)
     signal.signal(signal.SIGTERM, stop)
-    signal.signal(signal.SIGUSR1, lambda *_: print("relay: %s" % json.dumps(relay.stats), flush=True))
+    signal.signal(signal.SIGUSR1,
+                  lambda *_: print("relay: %s" % json.dumps(relay.stats), flush=True))
     print("ready", flush=True)
     relay.run()
 

@@ -248,7 +248,7 @@ class Cluster:
     """prefill + decode + router (+ the delay relay), fresh for each fault."""
 
     def __init__(self, net, pdserve, logdir, relay=False, seed=0):
-        self.net, self.pdserve, self.logdir, self.relay_on = net, pdserve, logdir, relay
+        self.net, self.pdserve, self.logdir = net, pdserve, logdir
         self.token = "chaos-%016x" % random.getrandbits(64)
         self.gen = {"p": 0, "d": 0}  # bumped by a restart
         self.killed = []  # processes this test killed on purpose
@@ -406,7 +406,8 @@ class Storm:
         self.plan = []
         for i in range(n):
             action = rng.choices(("plain", "abort", "close"), (60, 25, 15))[0]
-            self.plan.append({"i": i, "rid": "chaos-%d-%d" % (seed, i), "stream": rng.random() < 0.5,
+            self.plan.append({"i": i, "rid": "chaos-%d-%d" % (seed, i),
+                              "stream": rng.random() < 0.5,
                               "prompt": rng.randrange(len(PROMPT_LENGTHS)),
                               "max_new": rng.choice(MAX_NEW), "action": action,
                               "delay": rng.uniform(0.0, 0.6)})
@@ -473,7 +474,8 @@ class Storm:
             raw = json.dumps(body).encode()
             s = socket.create_connection((ADDR["r"], HTTP_PORT["r"]), timeout=CLIENT_TIMEOUT_S)
             try:
-                s.sendall(b"POST /generate HTTP/1.1\r\nHost: r\r\nContent-Type: application/json\r\n"
+                s.sendall(b"POST /generate HTTP/1.1\r\nHost: r\r\n"
+                          b"Content-Type: application/json\r\n"
                           b"Content-Length: %d\r\n\r\n" % len(raw) + raw)
                 time.sleep(req["delay"])
             finally:
@@ -689,7 +691,8 @@ def fresh_request(cl, refs, timeout=30):
         try:
             st, obj = http_call(ADDR["r"], HTTP_PORT["r"], "POST", "/generate",
                                 {"text": prompt_text(2), "sampling_params":
-                                 {"max_new_tokens": 12, "ignore_eos": True}}, timeout=CLIENT_TIMEOUT_S)
+                                 {"max_new_tokens": 12, "ignore_eos": True}},
+                                timeout=CLIENT_TIMEOUT_S)
             if st == 200:
                 assert obj["output_ids"] == want, ("fresh request's tokens", obj, want)
                 return time.time() - t0
@@ -866,7 +869,8 @@ class Kill(Fault):
         self.who = who
         role = {"p": "prefill", "d": "decode"}[who]
         self.name = "kill-" + role
-        self.what = "SIGKILL of the %s node in the middle of transfers, restarted 0.5 s later" % role
+        self.what = ("SIGKILL of the %s node in the middle of transfers, restarted 0.5 s later"
+                     % role)
 
     def during(self, net, cl, storm, rng):
         self.at = wait_mid_transfer(cl, storm, rng)
@@ -949,7 +953,8 @@ def run_fault(fault, net, pdserve, logdir, seed, n, refs):
             if r and r["outcome"] == "error":
                 key = str(r.get("status"))
                 fig["error_status"][key] = fig["error_status"].get(key, 0) + 1
-                kind = "%s %s: %s" % (q["action"], key, re.sub(r"\d+", "N", r.get("detail", ""))[:90])
+                detail = re.sub(r"\d+", "N", r.get("detail", ""))[:90]
+                kind = "%s %s: %s" % (q["action"], key, detail)
                 fig["error_kinds"][kind] = fig["error_kinds"].get(kind, 0) + 1
         for i, r in enumerate(storm.results):
             if r is None or r["outcome"] in ("timeout", "bad"):
@@ -987,7 +992,8 @@ def run_fault(fault, net, pdserve, logdir, seed, n, refs):
         mon.finish()
         fig["quarantine_s"], fig["quarantine_rooms"] = mon.longest()
         fig["quarantine_units"] = max(mon.units_max.values())
-        fig["quarantine_bound_s"] = DEAD_AFTER_S + DRAIN_GRACE_S + fault.frozen_s + QUARANTINE_SLACK_S
+        fig["quarantine_bound_s"] = (DEAD_AFTER_S + DRAIN_GRACE_S + fault.frozen_s +
+                                     QUARANTINE_SLACK_S)
         if fig["quarantine_s"] > fig["quarantine_bound_s"]:
             fail("units stayed quarantined %.1fs, over the dead-peer grace bound %.1fs" %
                  (fig["quarantine_s"], fig["quarantine_bound_s"]))
@@ -1024,7 +1030,8 @@ def report(fault, fig):
     log("== %s: %s" % (fault.name, fault.what))
     if "answer" in fig:
         errs = ", ".join("%s x%d" % kv for kv in sorted(fig["error_status"].items()))
-        log("   seed=%d requests=%d answers=%d aborted=%d closed=%d errors=%d%s timeouts=%d bad=%d" %
+        log("   seed=%d requests=%d answers=%d aborted=%d closed=%d errors=%d%s timeouts=%d "
+            "bad=%d" %
             (fig["seed"], fig["requests"], fig["answer"], fig["aborted"], fig["closed"],
              fig["error"], " (%s)" % errs if errs else "", fig["timeout"], fig["bad"]))
     if "quarantine_s" in fig:
@@ -1064,7 +1071,8 @@ def on_signal(signum, frame):
 
 
 def main():
-    pdserve = os.path.abspath(os.environ.get("PDSERVE") or (sys.argv[1] if len(sys.argv) > 1 else ""))
+    pdserve = os.environ.get("PDSERVE") or (sys.argv[1] if len(sys.argv) > 1 else "")
+    pdserve = os.path.abspath(pdserve)
     if not os.access(pdserve, os.X_OK):
         log("usage: run.py PDSERVE (or PDSERVE=...)")
         return 2
