@@ -108,8 +108,11 @@ static void http_date(char *out, size_t cap) {
     time_t now = time(NULL);
     struct tm tm;
     if (!gmtime_r(&now, &tm)) memset(&tm, 0, sizeof tm);
-    snprintf(out, cap, "%s, %02d %s %04d %02d:%02d:%02d GMT", days[tm.tm_wday % 7], tm.tm_mday,
-             months[tm.tm_mon % 12], tm.tm_year + 1900, tm.tm_hour, tm.tm_min, tm.tm_sec);
+    /* Every field reduced to its range, so -O2's truncation check can bound it. */
+    snprintf(out, cap, "%.3s, %02u %.3s %04u %02u:%02u:%02u GMT", days[(unsigned)tm.tm_wday % 7u],
+             (unsigned)tm.tm_mday % 32u, months[(unsigned)tm.tm_mon % 12u],
+             (unsigned)(tm.tm_year + 1900) % 10000u, (unsigned)tm.tm_hour % 24u,
+             (unsigned)tm.tm_min % 60u, (unsigned)tm.tm_sec % 61u);
 }
 
 char *http_error_response(unsigned status, const char *message, size_t *len) {
