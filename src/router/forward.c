@@ -632,7 +632,11 @@ void rt_fwd_head_wait(rt_fwd *f, rt_fwd_head *head) {
             finish_full(f, head);
             return;
         }
-        if (half_transport_failed(p) || half_http_failed(p)) {
+        /* After an abort was asked for, a prefill failure (the abort
+         * reached it, its room failed) does not decide: the decode node's
+         * answer, or the abort answer at the grace deadline, does. */
+        if ((half_transport_failed(p) || half_http_failed(p)) &&
+            !atomic_load(&f->abort_requested)) {
             prefill_failed(f, head);
             return;
         }
@@ -704,7 +708,11 @@ long rt_fwd_stream_read(rt_fwd *f, char *buf, size_t max) {
             }
             continue;
         }
-        if (half_transport_failed(p) || half_http_failed(p)) {
+        /* After an abort was asked for, a prefill failure (the abort
+         * reached it, its room failed) does not decide: the decode node's
+         * answer, or the abort answer at the grace deadline, does. */
+        if ((half_transport_failed(p) || half_http_failed(p)) &&
+            !atomic_load(&f->abort_requested)) {
             prefill_failed(f, NULL);
             continue;
         }

@@ -332,8 +332,13 @@ static enum MHD_Result handle_generate(fw_req *q, struct MHD_Connection *c) {
     }
     if (fw->prefill) {
         fw_wait_req(q, b->delay_ms);
-        const char *finish = is_aborted(fw, q->lv) ? "abort" : "transferred";
-        return reply_json(c, 200, answer(q, rid, 0, 0, finish));
+        bool aborted = is_aborted(fw, q->lv);
+        if (aborted && b->fail_on_abort)
+            return reply_json(c, 500,
+                              json_pack("{s:{s:s, s:s, s:i}}", "error", "message",
+                                        "transfer failed: the room was aborted", "type",
+                                        "server_error", "code", 500));
+        return reply_json(c, 200, answer(q, rid, 0, 0, aborted ? "abort" : "transferred"));
     }
     int made = 0;
     while (made < q->tokens && !fw_wait_req(q, b->delay_ms)) made++;
