@@ -39,8 +39,8 @@ typedef struct fw_behaviour {
     int pad_bytes;         /* decode: each token's text padded with this many 'x' */
     bool deaf;             /* /abort_request is recorded but answered 404, as if the
                               rid were not registered yet */
-    bool fail_on_abort;    /* prefill: an aborted request answers 500, as a real prefill
-                              node's does when the abort fails its room */
+    bool fail_on_abort;    /* prefill: an aborted request answers 500 (a real
+                              one does when the abort fails its room) */
     int health_status;     /* 0 = 200 */
     bool health_hang;
 } fw_behaviour;
