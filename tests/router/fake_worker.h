@@ -29,19 +29,19 @@
 #include <stdint.h>
 
 typedef struct fw_behaviour {
-    int generate_status;   /* 0 = normal; otherwise this error status */
-    int delay_ms;          /* prefill: before answering; decode: per token */
-    int tokens;            /* decode: tokens per answer (0 = 4) */
+    int generate_status; /* 0 = normal; otherwise this error status */
+    int delay_ms;        /* prefill: before answering; decode: per token */
+    int tokens;          /* decode: tokens per answer (0 = 4) */
     bool hang;
     bool close;
     bool garbage;
-    bool no_done;          /* stream: end after the final event without [DONE] */
-    int pad_bytes;         /* decode: each token's text padded with this many 'x' */
-    bool deaf;             /* /abort_request is recorded but answered 404, as if the
+    bool no_done;       /* stream: end after the final event without [DONE] */
+    int pad_bytes;      /* decode: each token's text padded with this many 'x' */
+    bool deaf;          /* /abort_request is recorded but answered 404, as if the
                               rid were not registered yet */
-    bool fail_on_abort;    /* prefill: an aborted request answers 500 (a real
+    bool fail_on_abort; /* prefill: an aborted request answers 500 (a real
                               one does when the abort fails its room) */
-    int health_status;     /* 0 = 200 */
+    int health_status;  /* 0 = 200 */
     bool health_hang;
 } fw_behaviour;
 
