@@ -1,7 +1,6 @@
 # The HTTP router (src/router): library, CLI hook, tests.
 # Included by the top-level CMakeLists.txt before the pdserve executable.
 find_package(Threads REQUIRED)
-pkg_check_modules(MICROHTTPD REQUIRED IMPORTED_TARGET libmicrohttpd)
 pkg_check_modules(CURL REQUIRED IMPORTED_TARGET libcurl)
 
 add_library(pd_router STATIC
@@ -17,16 +16,20 @@ add_library(pd_router STATIC
 # Its public header is include/pdserve/router.h; the rest is private (the
 # router's own tests, beside it, reach the internals through the test kit).
 target_include_directories(pd_router PRIVATE ${CMAKE_SOURCE_DIR}/src/router)
-target_link_libraries(pd_router PUBLIC pd_http PkgConfig::JANSSON PkgConfig::MICROHTTPD
-                      PkgConfig::CURL Threads::Threads)
+target_link_libraries(pd_router PUBLIC pd_http PkgConfig::JANSSON PkgConfig::CURL
+                      Threads::Threads)
 
 list(APPEND PD_CLI_SOURCES src/cli/cmd_router.c)
 list(APPEND PD_CLI_LIBS pd_router)
 
 if(PD_BUILD_TESTS)
   # The fake prefill/decode workers and a small HTTP client for the tests.
+  # The fake workers are a libmicrohttpd server: an HTTP implementation other
+  # than the one under test (pd_http_server), so the two are checked against
+  # each other rather than against themselves.
+  pkg_check_modules(MICROHTTPD REQUIRED IMPORTED_TARGET libmicrohttpd)
   add_library(pd_router_testkit STATIC tests/router/fake_worker.c tests/router/test_client.c)
-  target_link_libraries(pd_router_testkit PUBLIC pd_router)
+  target_link_libraries(pd_router_testkit PUBLIC pd_router PkgConfig::MICROHTTPD)
   target_include_directories(pd_router_testkit PUBLIC ${CMAKE_SOURCE_DIR}/src/router)
 
   pd_add_test(test_router_units tests/router/test_units.c pd_router_testkit)

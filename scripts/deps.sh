@@ -10,7 +10,7 @@ packages=(
   pkg-config
   libcmocka-dev     # unit test framework
   libjansson-dev    # JSON (reports, HTTP bodies; tests parse what we emit)
-  libmicrohttpd-dev # HTTP server
+  libmicrohttpd-dev # the router tests' fake workers (an HTTP server other than ours)
   node-llhttp       # llhttp's C sources, Node.js's HTTP parser: our HTTP server's (docs/http-server.md)
   libcurl4-openssl-dev # HTTP client (router -> workers, end-to-end tests)
   libucx-dev        # UCX transport between prefill and decode processes

@@ -16,9 +16,10 @@
  * waiting for (client gone, timeout, abort, the other half failed) is told
  * so with POST /abort_request, so no worker keeps computing for nobody.
  *
- * Threads. libmicrohttpd runs one thread per client connection; a request's
- * thread drives its own libcurl multi handle (both halves at once) and
- * watches the client's socket for a hang-up while it waits. A background
+ * Threads. The HTTP server (pdserve/http_server.h) runs one event loop; a
+ * generation or an abort runs on a thread of its own, which drives its own
+ * libcurl multi handle (both halves at once) and hears of a client's
+ * hang-up from the server while it waits. A background
  * thread checks GET /health of every worker. Nothing here prints or exits;
  * errors come back as pd_err with a message in a caller-owned buffer.
  *

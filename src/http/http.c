@@ -14,6 +14,8 @@
 #include <string.h>
 #include <strings.h>
 
+#include <jansson.h>
+
 #include "pdserve/base.h"
 
 const char *pd_http_error_type(unsigned status) {
@@ -61,87 +63,3 @@ char *pd_http_error_body(unsigned status, const char *fmt, ...) {
 
 /* Every response but a stream: the body copied, Content-Type, and an Allow
  * header when one is given. */
-static enum MHD_Result queue(struct MHD_Connection *c, unsigned status, const char *content_type,
-                             const char *allow, const char *body, size_t len) {
-    PD_ASSERT(c != NULL && content_type != NULL);
-    PD_ASSERT(body != NULL || len == 0);
-    struct MHD_Response *resp =
-        MHD_create_response_from_buffer(len, (void *)body, MHD_RESPMEM_MUST_COPY);
-    if (!resp) return MHD_NO;
-    MHD_add_response_header(resp, MHD_HTTP_HEADER_CONTENT_TYPE, content_type);
-    if (allow) MHD_add_response_header(resp, MHD_HTTP_HEADER_ALLOW, allow);
-    enum MHD_Result ret = MHD_queue_response(c, status, resp);
-    MHD_destroy_response(resp);
-    return ret;
-}
-
-enum MHD_Result pd_http_queue_text(struct MHD_Connection *c, unsigned status,
-                                   const char *content_type, const char *body, size_t len) {
-    return queue(c, status, content_type, NULL, body, len);
-}
-
-enum MHD_Result pd_http_queue_json(struct MHD_Connection *c, unsigned status, const char *body,
-                                   size_t len) {
-    return queue(c, status, "application/json", NULL, body, len);
-}
-
-enum MHD_Result pd_http_queue_json_value(struct MHD_Connection *c, unsigned status, json_t *o) {
-    char *text = o ? json_dumps(o, JSON_COMPACT) : NULL;
-    json_decref(o);
-    if (!text) return MHD_NO;
-    enum MHD_Result ret = queue(c, status, "application/json", NULL, text, strlen(text));
-    free(text);
-    return ret;
-}
-
-enum MHD_Result pd_http_queue_error(struct MHD_Connection *c, unsigned status, const char *allow,
-                                    const char *fmt, ...) {
-    va_list ap;
-    va_start(ap, fmt);
-    char *body = pd_http_error_body_v(status, fmt, ap);
-    va_end(ap);
-    if (!body) return MHD_NO;
-    enum MHD_Result ret = queue(c, status, "application/json", allow, body, strlen(body));
-    free(body);
-    return ret;
-}
-
-size_t pd_http_unescape(void *cls, struct MHD_Connection *c, char *s) {
-    (void)cls;
-    (void)c;
-    for (const char *p = s; (p = strchr(p, '%')) != NULL; p++)
-        if (p[1] == '0' && p[2] == '0') return strlen(s);
-    return MHD_http_unescape(s);
-}
-
-typedef struct header_count {
-    unsigned content_length, transfer_encoding;
-    bool lengths_differ;
-    const char *first_length;
-} header_count;
-
-static enum MHD_Result count_header(void *cls, enum MHD_ValueKind kind, const char *key,
-                                    const char *value) {
-    (void)kind;
-    header_count *hc = cls;
-    if (!strcasecmp(key, MHD_HTTP_HEADER_CONTENT_LENGTH)) {
-        if (hc->content_length++ == 0) hc->first_length = value;
-        else if (strcmp(value ? value : "", hc->first_length ? hc->first_length : ""))
-            hc->lengths_differ = true;
-    } else if (!strcasecmp(key, MHD_HTTP_HEADER_TRANSFER_ENCODING)) {
-        hc->transfer_encoding++;
-    }
-    return MHD_YES;
-}
-
-const char *pd_http_ambiguous(struct MHD_Connection *c, const char *version) {
-    header_count hc = {0};
-    MHD_get_connection_values(c, MHD_HEADER_KIND, count_header, &hc);
-    if (hc.lengths_differ) return "two different Content-Length headers";
-    if (hc.transfer_encoding && hc.content_length)
-        return "Transfer-Encoding together with Content-Length";
-    if (version && !strcmp(version, MHD_HTTP_VERSION_1_1) &&
-        !MHD_lookup_connection_value(c, MHD_HEADER_KIND, MHD_HTTP_HEADER_HOST))
-        return "an HTTP/1.1 request without a Host header";
-    return NULL;
-}

@@ -56,7 +56,7 @@
 #include "pdserve/list.h"
 #include "pdserve/tokenizer.h"
 
-/* Open client connections (libmicrohttpd's limit before). All of them may
+/* Open client connections (the limit libmicrohttpd had here). All of them may
  * come from one address: a router's connections to its nodes all do. */
 #define HTTP_CONNECTIONS_MAX 4096u
 /* Exchanges: one per connection waiting for its answer, plus those whose

@@ -6,8 +6,8 @@
  * The fan-out is what aborts use: a client that hangs up costs one
  * /abort_request to each half, a router-level /abort_request one to every
  * worker, all in parallel so a dead worker costs one timeout, not one per
- * worker. It blocks the calling thread, which is always a connection's own
- * thread (libmicrohttpd thread-per-connection), never a shared one.
+ * worker. It blocks the calling thread, which is always a request's own
+ * thread (router.c), never the server's loop.
  */
 #ifndef PDSERVE_ROUTER_CLIENT_H
 #define PDSERVE_ROUTER_CLIENT_H
