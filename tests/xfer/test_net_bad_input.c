@@ -684,7 +684,7 @@ static void expect_no_disclosure(int fd) {
 
 /* What the fake prefill does after its CHALLENGE; returns the connection,
  * or -1 once the decode node has closed it. */
-static int fake_act(int fd, fake_mode mode, pd_xfer dx, const pair_opts *o, const uint32_t *dst) {
+static int fake_act(int fd, fake_mode mode, pd_xfer dx, const pair_opts *o) {
     raw_msg m;
     if (mode == FAKE_NO_TOKEN) {
         expect_no_disclosure(fd);
@@ -723,10 +723,13 @@ static int fake_act(int fd, fake_mode mode, pd_xfer dx, const pair_opts *o, cons
         assert_false(drained_of(dx, 55));
         /* Stray ACKs are harmless (they can cross a close). */
         raw_send(fd, buf, bp_room_write(buf, sizeof(buf), BP_ACK, 57, 0));
-        /* A message type a decode node never receives ends the connection. */
-        size_t len = bp_dest_write(buf, sizeof(buf), 55, 8, 0, 0, 0, dst, 2);
-        raw_send(fd, buf, len);
-        expect_refused(fd, BP_E_UNEXPECTED, NULL);
+        /* A message type a decode node never receives ends the connection,
+         * refused on its header: the 1 MiB a DEST may announce is never
+         * awaited nor buffered (issue 10, finding 11; the node used to wait
+         * for the whole payload before refusing it). */
+        bp_header_write(buf, BP_DEST, BP_PAYLOAD_MAX);
+        raw_send(fd, buf, BP_HEADER_BYTES);
+        expect_refused(fd, BP_E_UNEXPECTED, "never receives DEST");
         return -1;
     }
     }
@@ -754,7 +757,7 @@ static void fake_prefill_case(fake_mode mode) {
     struct timeval tv = {.tv_sec = 20};
     setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
     fake_challenge(fd, mode == FAKE_NO_TOKEN ? "guess" : o.token);
-    fd = fake_act(fd, mode, dx, &o, dst);
+    fd = fake_act(fd, mode, dx, &o);
     WAIT_FOR(st_of(dx, 55) == PD_XFER_FAILED);
     WAIT_FOR(drained_of(dx, 55));
     pd_net_stats s = stats_of(dec);
