@@ -7,8 +7,11 @@
  * connection — and counted in bad_messages, and afterwards a well-behaved
  * decode node still completes a room with the data intact. */
 #include <netinet/in.h>
+#include <pthread.h>
+#include <stdatomic.h>
 #include <sys/socket.h>
 #include <sys/time.h>
+#include <time.h>
 #include <unistd.h>
 
 #include <ucp/api/ucp.h>
@@ -125,6 +128,8 @@ static void expect_room_msg(int fd, bp_type type, uint64_t room) {
 static struct rogue {
     ucp_context_h ctx;
     ucp_worker_h worker;
+    pthread_t progress;
+    atomic_bool stop;
     ucp_address_t *addr;
     size_t addr_len;
     uint8_t *mem;
@@ -132,6 +137,21 @@ static struct rogue {
     void *rkey;
     size_t rkey_len;
 } rogue;
+
+/* The rogue's worker is progressed like a real decode node's, from here on
+ * the only thread that touches it: a prefill node that connects its UCX
+ * endpoint to it (over tcp) then meets a live peer. A worker nobody
+ * progressed left UCX 1.13's tcp connection handshakes hanging, and under
+ * load tripped an assertion inside UCX (tcp_ep.c, UCT_TCP_EP_FLAG_CTX_TYPE_TX)
+ * in the prefill's progress thread. */
+static void *rogue_progress(void *arg) {
+    (void)arg;
+    while (!atomic_load(&rogue.stop)) {
+        while (ucp_worker_progress(rogue.worker)) {}
+        nanosleep(&(struct timespec){0, 200 * 1000L}, NULL);
+    }
+    return NULL;
+}
 
 static void rogue_init(const pair_opts *o) {
     ucp_config_t *uc;
@@ -151,9 +171,13 @@ static void rogue_init(const pair_opts *o) {
         .address = rogue.mem, .length = bytes};
     assert_int_equal(ucp_mem_map(rogue.ctx, &mp, &rogue.memh), UCS_OK);
     assert_int_equal(ucp_rkey_pack(rogue.ctx, rogue.memh, &rogue.rkey, &rogue.rkey_len), UCS_OK);
+    atomic_init(&rogue.stop, false);
+    assert_int_equal(pthread_create(&rogue.progress, NULL, rogue_progress, NULL), 0);
 }
 
 static void rogue_fini(void) {
+    atomic_store(&rogue.stop, true);
+    pthread_join(rogue.progress, NULL);
     ucp_rkey_buffer_release(rogue.rkey);
     ucp_mem_unmap(rogue.ctx, rogue.memh);
     ucp_worker_release_address(rogue.worker, rogue.addr);
