@@ -5,6 +5,7 @@
 
 #include <jansson.h>
 #include <pthread.h>
+#include <stdbool.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
@@ -16,13 +17,45 @@
  * thread-safe) never while another thread might be initialising it. Routers
  * come and go, several per process in tests, each on any thread, so one
  * process-wide once stands for that state here. It is written once, under
- * pthread_once, and only read after. */
+ * pthread_once, and only read after.
+ *
+ * The same once makes the connection pool: a curl share handle holding the
+ * connection cache (and DNS cache) that every handle of every router in the
+ * process uses, so a request's halves, aborts and health probes reuse kept-
+ * alive connections to the workers instead of opening (and leaving in
+ * TIME_WAIT) one per transfer. Connections are keyed by host and port, so
+ * routers sharing it never mix workers up. libcurl calls the lock functions
+ * around every use from any thread. */
 static struct {
     pthread_once_t once;
     CURLcode rc;
-} curl_global = {PTHREAD_ONCE_INIT, CURLE_OK};
+    CURLSH *share;
+    pthread_mutex_t locks[CURL_LOCK_DATA_LAST];
+} curl_global = {PTHREAD_ONCE_INIT, CURLE_OK, NULL, {PTHREAD_MUTEX_INITIALIZER}};
 
-static void curl_global_init_once(void) { curl_global.rc = curl_global_init(CURL_GLOBAL_DEFAULT); }
+static void share_lock(CURL *easy, curl_lock_data data, curl_lock_access access, void *user) {
+    (void)easy, (void)access, (void)user;
+    pthread_mutex_lock(&curl_global.locks[data]);
+}
+
+static void share_unlock(CURL *easy, curl_lock_data data, void *user) {
+    (void)easy, (void)user;
+    pthread_mutex_unlock(&curl_global.locks[data]);
+}
+
+static void curl_global_init_once(void) {
+    curl_global.rc = curl_global_init(CURL_GLOBAL_DEFAULT);
+    if (curl_global.rc != CURLE_OK) return;
+    for (int i = 0; i < CURL_LOCK_DATA_LAST; i++) pthread_mutex_init(&curl_global.locks[i], NULL);
+    CURLSH *sh = curl_share_init();
+    if (!sh) return; /* no pool: every transfer opens its own connection */
+    bool ok = curl_share_setopt(sh, CURLSHOPT_LOCKFUNC, share_lock) == CURLSHE_OK &&
+        curl_share_setopt(sh, CURLSHOPT_UNLOCKFUNC, share_unlock) == CURLSHE_OK &&
+        curl_share_setopt(sh, CURLSHOPT_SHARE, CURL_LOCK_DATA_CONNECT) == CURLSHE_OK &&
+        curl_share_setopt(sh, CURLSHOPT_SHARE, CURL_LOCK_DATA_DNS) == CURLSHE_OK;
+    if (ok) curl_global.share = sh;
+    else curl_share_cleanup(sh);
+}
 
 pd_err rt_client_global_init(char *msg, size_t msg_cap) {
     pthread_once(&curl_global.once, curl_global_init_once);
@@ -40,6 +73,7 @@ void rt_client_setup(CURL *easy, uint32_t connect_timeout_ms) {
     curl_easy_setopt(easy, CURLOPT_HTTP_VERSION, (long)CURL_HTTP_VERSION_1_1);
     curl_easy_setopt(easy, CURLOPT_CONNECTTIMEOUT_MS, (long)connect_timeout_ms);
     curl_easy_setopt(easy, CURLOPT_TCP_NODELAY, 1L);
+    if (curl_global.share) curl_easy_setopt(easy, CURLOPT_SHARE, curl_global.share);
 }
 
 uint64_t rt_now_ms(void) {

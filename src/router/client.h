@@ -21,7 +21,8 @@
 /* curl_global_init, once per process; safe to call from any thread. */
 pd_err rt_client_global_init(char *msg, size_t msg_cap);
 
-/* No signals, no proxy from the environment, HTTP/1.1, the connect timeout. */
+/* No signals, no proxy from the environment, HTTP/1.1, the connect timeout,
+ * and the process's pool of kept-alive connections to the workers. */
 void rt_client_setup(CURL *easy, uint32_t connect_timeout_ms);
 
 typedef struct rt_post {

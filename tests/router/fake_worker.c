@@ -50,6 +50,7 @@ struct fake_worker {
     char *completed_rids[RECORDS_MAX];
     size_t completions;
     size_t healths;
+    size_t connections; /* TCP connections accepted */
     live *lives;
     size_t live_count;
 };
@@ -441,6 +442,16 @@ static void on_completed(void *cls, struct MHD_Connection *c, void **req_cls,
     *req_cls = NULL;
 }
 
+static void on_connection(void *cls, struct MHD_Connection *c, void **socket_ctx,
+                          enum MHD_ConnectionNotificationCode code) {
+    (void)c, (void)socket_ctx;
+    fake_worker *fw = cls;
+    if (code != MHD_CONNECTION_NOTIFY_STARTED) return;
+    pthread_mutex_lock(&fw->mu);
+    fw->connections++;
+    pthread_mutex_unlock(&fw->mu);
+}
+
 fake_worker *fw_start(const char *role) {
     fake_worker *fw = calloc(1, sizeof *fw);
     PD_ASSERT(fw != NULL);
@@ -456,8 +467,8 @@ fake_worker *fw_start(const char *role) {
     fw->mhd = MHD_start_daemon(
         MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_THREAD_PER_CONNECTION | MHD_USE_POLL, 0, NULL,
         NULL, on_request, fw, MHD_OPTION_SOCK_ADDR, (struct sockaddr *)&sa,
-        MHD_OPTION_NOTIFY_COMPLETED, on_completed, fw, MHD_OPTION_CONNECTION_LIMIT, 2000u,
-        MHD_OPTION_END);
+        MHD_OPTION_NOTIFY_COMPLETED, on_completed, fw, MHD_OPTION_NOTIFY_CONNECTION,
+        on_connection, fw, MHD_OPTION_CONNECTION_LIMIT, 2000u, MHD_OPTION_END);
     PD_ASSERTF(fw->mhd != NULL, "fake worker cannot start");
     fw->port = MHD_get_daemon_info(fw->mhd, MHD_DAEMON_INFO_BIND_PORT)->port;
     snprintf(fw->url, sizeof fw->url, "http://127.0.0.1:%u", (unsigned)fw->port);
@@ -539,6 +550,13 @@ bool fw_got_abort(fake_worker *fw, const char *rid) {
     bool v = has(fw->abort_rids, fw->aborts, rid);
     pthread_mutex_unlock(&fw->mu);
     return v;
+}
+
+size_t fw_connection_count(fake_worker *fw) {
+    pthread_mutex_lock(&fw->mu);
+    size_t n = fw->connections;
+    pthread_mutex_unlock(&fw->mu);
+    return n;
 }
 
 size_t fw_health_count(fake_worker *fw) {

@@ -63,6 +63,7 @@ bool fw_got_abort(fake_worker *fw, const char *rid);
 /* The decode side finished this rid normally (finish_reason length). */
 bool fw_got_completed(fake_worker *fw, const char *rid);
 size_t fw_health_count(fake_worker *fw);
+size_t fw_connection_count(fake_worker *fw); /* TCP connections it accepted */
 size_t fw_live_count(fake_worker *fw);
 
 /* Poll helpers with a deadline; true when the condition held in time. */
