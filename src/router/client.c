@@ -76,6 +76,15 @@ void rt_client_setup(CURL *easy, uint32_t connect_timeout_ms) {
     if (curl_global.share) curl_easy_setopt(easy, CURLOPT_SHARE, curl_global.share);
 }
 
+CURLM *rt_client_multi(void) {
+    CURLM *m = curl_multi_init();
+    /* The pool is shared: without a bound of its own, a multi handle prunes
+     * it to four connections per transfer it holds, closing the idle
+     * connections other requests left for reuse. */
+    if (m) curl_multi_setopt(m, CURLMOPT_MAXCONNECTS, (long)RT_POOL_CONNECTIONS_MAX);
+    return m;
+}
+
 uint64_t rt_now_ms(void) {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
@@ -110,7 +119,7 @@ void rt_fanout_post(rt_post *posts, size_t n, const char *body, uint32_t timeout
         curl_slist_free_all(hdrs);
         hdrs = NULL;
     }
-    CURLM *multi = curl_multi_init();
+    CURLM *multi = rt_client_multi();
     for (size_t i = 0; i < n; i++) {
         posts[i].status = 0;
         posts[i].aborted = -1;

@@ -25,6 +25,12 @@ pd_err rt_client_global_init(char *msg, size_t msg_cap);
  * and the process's pool of kept-alive connections to the workers. */
 void rt_client_setup(CURL *easy, uint32_t connect_timeout_ms);
 
+/* Kept-alive worker connections the pool holds at most, idle or busy. */
+#define RT_POOL_CONNECTIONS_MAX 4096
+/* A multi handle that leaves the shared pool alone (curl_multi_init prunes
+ * it to 4 connections per transfer of its own). */
+CURLM *rt_client_multi(void);
+
 typedef struct rt_post {
     char url[320];          /* full URL, path included */
     long status;            /* HTTP status, 0 when the worker did not answer */

@@ -465,7 +465,7 @@ pd_err rt_fwd_create(rt_fwd **out, const rt_fwd_params *p, char *msg, size_t msg
     atomic_init(&f->client_gone_told, false);
     const char *path = p->api == RT_FWD_GENERATE ? "/generate" : "/v1/completions";
     pd_err err = PD_OK;
-    f->multi = curl_multi_init();
+    f->multi = rt_client_multi();
     struct curl_slist *a = curl_slist_append(NULL, "Content-Type: application/json");
     struct curl_slist *b = a ? curl_slist_append(a, "Expect:") : NULL;
     f->hdrs = b ? b : a;

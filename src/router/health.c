@@ -105,7 +105,7 @@ pd_err rt_health_start(rt_health *h, rt_workers *workers, uint32_t interval_ms, 
     pthread_cond_init(&h->cv, &ca);
     pthread_condattr_destroy(&ca);
     pthread_mutex_init(&h->mu, NULL);
-    h->multi = curl_multi_init();
+    h->multi = rt_client_multi();
     if (!h->multi) {
         pthread_cond_destroy(&h->cv);
         pthread_mutex_destroy(&h->mu);
