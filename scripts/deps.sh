@@ -16,6 +16,7 @@ packages=(
   libucx-dev        # UCX transport between prefill and decode processes
   ucx-utils         # ucx_info, for diagnostics
   libsodium-dev     # the bootstrap handshake's HMAC proofs and nonces
+  prometheus        # promtool: e2e_metrics lints every /metrics text
   python3           # end-to-end tests (standard library only)
   iproute2          # tests/chaos: ip netns, veth pairs, tc (tbf, netem)
   iptables          # tests/chaos: random loss (the statistic match) inside a namespace

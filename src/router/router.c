@@ -627,15 +627,19 @@ static bool handle_metrics(req *q) {
     pd_strbuf sb;
     pd_strbuf_init(&sb, buf, cap);
     rt_workers_snapshot(&r->workers, snap);
-    static const char *families[][2] = {
-        {"pdserve_router_worker_healthy", "gauge"},
-        {"pdserve_router_worker_requests_running", "gauge"},
-        {"pdserve_router_worker_requests_total", "counter"},
-        {"pdserve_router_worker_failures_total", "counter"},
-        {"pdserve_router_worker_probe_failures_total", "counter"},
+    static const char *families[][3] = {
+        {"pdserve_router_worker_healthy", "gauge", "1 while the worker passes its health probes."},
+        {"pdserve_router_worker_requests_running", "gauge",
+         "Requests the router has in flight on the worker."},
+        {"pdserve_router_worker_requests_total", "counter", "Requests sent to the worker."},
+        {"pdserve_router_worker_failures_total", "counter",
+         "Requests the worker failed (transport errors and 5xx)."},
+        {"pdserve_router_worker_probe_failures_total", "counter",
+         "Health probes the worker failed."},
     };
     for (size_t f = 0; f < PD_ARRAY_LEN(families); f++) {
-        pd_strbuf_printf(&sb, "# TYPE %s %s\n", families[f][0], families[f][1]);
+        pd_strbuf_printf(&sb, "# HELP %s %s\n# TYPE %s %s\n", families[f][0], families[f][2],
+                         families[f][0], families[f][1]);
         for (size_t i = 0; i < r->workers.count; i++) {
             const rt_worker *w = &snap[i];
             unsigned long long v = f == 0   ? (unsigned long long)w->healthy
@@ -648,6 +652,8 @@ static bool handle_metrics(req *q) {
         }
     }
     pd_strbuf_printf(&sb,
+                     "# HELP pdserve_router_healthy_pair 1 while at least one healthy prefill and "
+                     "decode pair exists.\n"
                      "# TYPE pdserve_router_healthy_pair gauge\npdserve_router_healthy_pair %d\n",
                      rt_workers_have_pair(&r->workers) ? 1 : 0);
     rt_stats_prometheus(&r->stats, &sb);

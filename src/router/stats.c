@@ -80,13 +80,20 @@ void rt_stats_prometheus(rt_stats *s, pd_strbuf *sb) {
     pthread_mutex_lock(&s->mu);
     rt_counters c = s->c;
     pthread_mutex_unlock(&s->mu);
-    pd_strbuf_printf(sb, "# TYPE pdserve_router_requests_total counter\n"
-                         "pdserve_router_requests_total %llu\n",
-                     (unsigned long long)c.requests_total);
-    pd_strbuf_printf(sb, "# TYPE pdserve_router_requests_running gauge\n"
-                         "pdserve_router_requests_running %llu\n",
+    pd_strbuf_printf(
+        sb,
+        "# HELP pdserve_router_requests_total Generation requests the router received.\n"
+        "# TYPE pdserve_router_requests_total counter\n"
+        "pdserve_router_requests_total %llu\n",
+        (unsigned long long)c.requests_total);
+    pd_strbuf_printf(sb,
+                     "# HELP pdserve_router_requests_running Generation requests in flight.\n"
+                     "# TYPE pdserve_router_requests_running gauge\n"
+                     "pdserve_router_requests_running %llu\n",
                      (unsigned long long)c.in_flight);
-    pd_strbuf_append(sb, "# TYPE pdserve_router_responses_total counter\n");
+    pd_strbuf_append(sb,
+                     "# HELP pdserve_router_responses_total Generation answers by HTTP status.\n"
+                     "# TYPE pdserve_router_responses_total counter\n");
     for (size_t i = 0; i < RT_STATUSES; i++) {
         if (i < RT_STATUSES - 1)
             pd_strbuf_printf(sb, "pdserve_router_responses_total{code=\"%u\"} %llu\n",
@@ -95,13 +102,22 @@ void rt_stats_prometheus(rt_stats *s, pd_strbuf *sb) {
             pd_strbuf_printf(sb, "pdserve_router_responses_total{code=\"other\"} %llu\n",
                              (unsigned long long)c.by_status[i]);
     }
-    pd_strbuf_printf(sb, "# TYPE pdserve_router_client_disconnects_total counter\n"
-                         "pdserve_router_client_disconnects_total %llu\n",
-                     (unsigned long long)c.client_disconnects_total);
-    pd_strbuf_printf(sb, "# TYPE pdserve_router_worker_aborts_sent_total counter\n"
-                         "pdserve_router_worker_aborts_sent_total %llu\n",
-                     (unsigned long long)c.worker_aborts_sent_total);
-    pd_strbuf_append(sb, "# TYPE pdserve_router_request_latency_seconds histogram\n");
+    pd_strbuf_printf(
+        sb,
+        "# HELP pdserve_router_client_disconnects_total Clients that hung up before their answer.\n"
+        "# TYPE pdserve_router_client_disconnects_total counter\n"
+        "pdserve_router_client_disconnects_total %llu\n",
+        (unsigned long long)c.client_disconnects_total);
+    pd_strbuf_printf(
+        sb,
+        "# HELP pdserve_router_worker_aborts_sent_total /abort_request calls sent to workers.\n"
+        "# TYPE pdserve_router_worker_aborts_sent_total counter\n"
+        "pdserve_router_worker_aborts_sent_total %llu\n",
+        (unsigned long long)c.worker_aborts_sent_total);
+    pd_strbuf_append(sb,
+                     "# HELP pdserve_router_request_latency_seconds Time from a generation request "
+                     "to its answer being decided.\n"
+                     "# TYPE pdserve_router_request_latency_seconds histogram\n");
     uint64_t cum = 0;
     for (size_t b = 0; b < RT_LATENCY_BUCKETS; b++) {
         cum += c.latency_buckets[b];
