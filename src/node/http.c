@@ -44,6 +44,7 @@
  */
 #define _GNU_SOURCE
 #include <jansson.h>
+#include <math.h>
 #include <stdarg.h>
 #include <stddef.h>
 #include <stdio.h>
@@ -245,6 +246,94 @@ static int parse_sampling(const pd_node_config *cfg, uint32_t vocab, json_t *src
     return 0;
 }
 
+/* Parameters the OpenAI and SGLang APIs define that pdserve does not
+ * implement yet. Given with anything but their neutral value (the one that
+ * means "off"), they are refused with a 400 naming them: a request that asks
+ * for stop strings, n = 2 or logprobs must not get a 200 that silently
+ * ignored it (issue 11). Unknown fields stay ignored, as OpenAI does. */
+typedef enum neutral { N_NULL, N_ZERO, N_ONE, N_FALSE, N_EMPTY, N_MINUS_ONE_OR_ZERO } neutral;
+typedef struct unsupported {
+    const char *name;
+    neutral off;
+} unsupported;
+
+static const unsupported openai_unsupported[] = {
+    {"n", N_ONE},
+    {"best_of", N_ONE},
+    {"stop", N_EMPTY},
+    {"logprobs", N_NULL},
+    {"top_logprobs", N_NULL},
+    {"echo", N_FALSE},
+    {"seed", N_NULL},
+    {"presence_penalty", N_ZERO},
+    {"frequency_penalty", N_ZERO},
+    {"logit_bias", N_EMPTY},
+    {"suffix", N_EMPTY},
+    {"stream_options", N_NULL},
+    {"max_completion_tokens", N_NULL},
+};
+static const unsupported sampling_unsupported[] = {
+    {"n", N_ONE},
+    {"stop", N_EMPTY},
+    {"top_k", N_MINUS_ONE_OR_ZERO},
+    {"min_p", N_ZERO},
+    {"repetition_penalty", N_ONE},
+    {"frequency_penalty", N_ZERO},
+    {"presence_penalty", N_ZERO},
+    {"sampling_seed", N_NULL},
+    {"seed", N_NULL},
+    {"regex", N_NULL},
+    {"json_schema", N_NULL},
+    {"ebnf", N_NULL},
+};
+static const unsupported generate_unsupported[] = {
+    {"return_logprob", N_FALSE},
+    {"top_logprobs_num", N_ZERO},
+    {"logprob_start_len", N_MINUS_ONE_OR_ZERO},
+    {"return_text_in_logprobs", N_FALSE},
+    {"lora_path", N_NULL},
+};
+
+static bool is_neutral(json_t *v, neutral off) {
+    double x = json_is_number(v) ? json_number_value(v) : NAN;
+    switch (off) {
+    case N_NULL: return false; /* given() already dropped null */
+    case N_ZERO: return x == 0.0;
+    case N_ONE: return x == 1.0;
+    case N_FALSE: return json_is_false(v);
+    case N_EMPTY:
+        return (json_is_string(v) && json_string_length(v) == 0) ||
+            (json_is_array(v) && json_array_size(v) == 0) ||
+            (json_is_object(v) && json_object_size(v) == 0);
+    case N_MINUS_ONE_OR_ZERO: return x == -1.0 || x == 0.0;
+    }
+    return false;
+}
+
+static int refuse_unsupported(json_t *src, const unsupported *u, size_t n, const char *where,
+                              char *err, size_t cap) {
+    for (size_t i = 0; i < n; i++) {
+        json_t *v = given(src, u[i].name);
+        if (v && !is_neutral(v, u[i].off))
+            return refuse(err, cap, 400,
+                          "'%s%s' is not supported by pdserve yet (docs/http-api.md lists "
+                          "what is); leave it out",
+                          where, u[i].name);
+    }
+    return 0;
+}
+
+static int parse_unsupported(json_t *root, json_t *src, bool openai, char *err, size_t cap) {
+    if (openai)
+        return refuse_unsupported(root, openai_unsupported, PD_ARRAY_LEN(openai_unsupported), "",
+                                  err, cap);
+    int status = refuse_unsupported(src, sampling_unsupported, PD_ARRAY_LEN(sampling_unsupported),
+                                    "sampling_params.", err, cap);
+    if (status) return status;
+    return refuse_unsupported(root, generate_unsupported, PD_ARRAY_LEN(generate_unsupported), "",
+                              err, cap);
+}
+
 /* The bootstrap fields, set by the router on prefill and decode nodes: the
  * room (required there) and the prefill node's address (the decode node's
  * peer, required on a decode node unless the transfer is in-process). */
@@ -313,6 +402,7 @@ static int parse_request(pd_node *n, json_t *root, bool openai, parsed *p, char 
     if ((status = parse_shape(root, openai, &prompt, &src, err, cap))) return status;
     if ((status = parse_prompt(n, &prompt, p, err, cap))) return status;
     if ((status = parse_sampling(cfg, node_vocab(n), src, openai, p, err, cap))) return status;
+    if ((status = parse_unsupported(root, src, openai, err, cap))) return status;
     json_t *v;
     if ((v = given(root, "stream"))) {
         if (!json_is_boolean(v)) return refuse(err, cap, 400, "'stream' must be a boolean");

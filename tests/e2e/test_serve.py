@@ -227,6 +227,43 @@ def test_abort_of_an_overlong_rid_never_aborts_its_prefix():
         srv.stop()
 
 
+def test_known_but_unsupported_parameters_are_refused_by_name():
+    """Issue 11: stop strings, n, logprobs, echo, seed, penalties, top_k,
+    min_p were accepted with 200 and silently ignored. Each is now a 400
+    naming it; its neutral value (the one meaning "off") is accepted, and an
+    unknown field is ignored, as OpenAI does."""
+    srv = Server(["serve", "--strict"])
+    try:
+        openai = [("n", 2), ("best_of", 3), ("stop", ["\n"]), ("stop", "x"), ("logprobs", 1),
+                  ("echo", True), ("seed", 7), ("presence_penalty", 0.5),
+                  ("frequency_penalty", -1), ("logit_bias", {"5": 1}), ("suffix", "s"),
+                  ("stream_options", {"include_usage": True})]
+        for name, value in openai:
+            body = {"prompt": "hi", "max_tokens": 2, name: value}
+            expect_error(srv, 400, "/v1/completions", body, contains="'%s'" % name)
+        sampling = [("n", 2), ("stop", ["x"]), ("top_k", 5), ("min_p", 0.1),
+                    ("repetition_penalty", 1.2), ("frequency_penalty", 0.3),
+                    ("presence_penalty", 0.3), ("regex", "a+"), ("json_schema", "{}")]
+        for name, value in sampling:
+            body = {"text": "hi", "sampling_params": {"max_new_tokens": 2, name: value}}
+            expect_error(srv, 400, "/generate", body, contains="'sampling_params.%s'" % name)
+        expect_error(srv, 400, "/generate", {"text": "hi", "return_logprob": True},
+                     contains="'return_logprob'")
+        neutral = {"prompt": "hi", "max_tokens": 2, "n": 1, "stop": [], "logprobs": None,
+                   "echo": False, "presence_penalty": 0, "frequency_penalty": 0.0,
+                   "user": "someone", "no_such_field": {"x": 1}}
+        st, obj = srv.post("/v1/completions", neutral)
+        assert st == 200, (st, obj)
+        st, obj = srv.post("/generate", {"text": "hi", "return_logprob": False,
+                                         "sampling_params": {"max_new_tokens": 2, "top_k": -1,
+                                                             "min_p": 0, "n": 1, "stop": None,
+                                                             "repetition_penalty": 1.0}})
+        assert st == 200, (st, obj)
+        srv.wait_idle_clean()
+    finally:
+        srv.stop()
+
+
 if __name__ == "__main__":
     pdtest.run_tests([
         test_serve_matches_generate_page_16_chunk_512,
@@ -236,4 +273,5 @@ if __name__ == "__main__":
         test_bad_input_gets_clear_errors_and_leaks_nothing,
         test_client_disconnect_aborts_the_request,
         test_abort_of_an_overlong_rid_never_aborts_its_prefix,
+        test_known_but_unsupported_parameters_are_refused_by_name,
     ])
