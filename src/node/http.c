@@ -424,7 +424,8 @@ typedef enum ex_kind {
     EX_ABORT,
     EX_INFO,
     EX_METRICS,
-    EX_HEALTH
+    EX_HEALTH,
+    EX_MODELS /* /v1/models and /v1/models/{id} */
 } ex_kind;
 
 typedef enum ex_state {
@@ -469,6 +470,7 @@ struct http_server {
     pthread_cond_t cv;  /* the ready list has work, or stop */
     pd_list free, ready;
     bool stop;
+    uint64_t started; /* Unix time: the served model's "created" */
 };
 
 static pd_links ex_links(http_server *h) { return PD_LINKS(h->ex, exchange, link); }
@@ -1114,8 +1116,32 @@ static const route routes[] = {
     {"/generate", "POST", EX_GENERATE},   {"/v1/completions", "POST", EX_COMPLETIONS},
     {"/abort_request", "POST", EX_ABORT}, {"/health", "GET", EX_HEALTH},
     {"/server_info", "GET", EX_INFO},     {"/get_server_info", "GET", EX_INFO},
-    {"/metrics", "GET", EX_METRICS},
+    {"/metrics", "GET", EX_METRICS},      {"/v1/models", "GET", EX_MODELS},
 };
+
+/* The route of a path: exact, or /v1/models/{id}. */
+static const route *find_route(const char *path) {
+    for (size_t i = 0; i < PD_ARRAY_LEN(routes); i++)
+        if (!strcmp(path, routes[i].path)) return &routes[i];
+    if (!strncmp(path, "/v1/models/", 11)) return &routes[PD_ARRAY_LEN(routes) - 1];
+    return NULL;
+}
+
+/* OpenAI's model list and model object: this node serves one model. */
+static void answer_models(http_server *h, pd_http_req *r, const char *path) {
+    const char *name = node_config(h->n)->served_model_name;
+    json_t *model = json_pack("{s:s, s:s, s:I, s:s}", "id", name, "object", "model", "created",
+                              (json_int_t)h->started, "owned_by", "pdserve");
+    if (!strcmp(path, "/v1/models")) {
+        respond_value(r, 200, json_pack("{s:s, s:[o]}", "object", "list", "data", model));
+    } else if (!strcmp(path + 11, name)) {
+        respond_value(r, 200, model);
+    } else {
+        json_decref(model);
+        pd_http_req_respond_error(r, 404, "the model '%s' does not exist; this server serves '%s'",
+                                  path + 11, name);
+    }
+}
 
 /* On the loop thread: must not block. What needs neither the body nor the
  * scheduler is answered here; the rest goes to the responder. */
@@ -1123,9 +1149,7 @@ static void on_request(pd_http_req *r, void *user) {
     http_server *h = user;
     const pd_node_config *cfg = node_config(h->n);
     const char *path = pd_http_req_path(r), *method = pd_http_req_method(r);
-    const route *rt = NULL;
-    for (size_t i = 0; i < PD_ARRAY_LEN(routes); i++)
-        if (!strcmp(path, routes[i].path)) rt = &routes[i];
+    const route *rt = find_route(path);
     if (!rt) {
         pd_http_req_respond_error(r, 404, "no such path: %s", path);
     } else if (strcmp(method, rt->method)) {
@@ -1137,6 +1161,8 @@ static void on_request(pd_http_req *r, void *user) {
     } else if (rt->kind == EX_HEALTH) {
         respond_value(r, 200,
                       json_pack("{s:s,s:s}", "status", "ok", "role", pd_node_role_name(cfg->role)));
+    } else if (rt->kind == EX_MODELS) {
+        answer_models(h, r, path);
     } else if (rt->kind == EX_METRICS && !cfg->enable_metrics) {
         pd_http_req_respond_error(r, 404, "metrics are off (start with --enable-metrics)");
     } else if (!ex_start(h, r, rt->kind)) {
@@ -1200,6 +1226,7 @@ pd_err http_start(pd_node *n, http_server **out, uint16_t *bound_port, char *msg
         server_free(h);
         return pd_errorf(msg, cap, PD_ERR_NOMEM, "could not start the HTTP responder thread");
     }
+    h->started = (uint64_t)time(NULL);
     pd_http_server_config sc;
     server_config(node_config(n), h, &sc);
     pd_err err = pd_http_server_start(&h->srv, &sc, msg, cap);

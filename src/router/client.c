@@ -165,3 +165,23 @@ void rt_fanout_post(rt_post *posts, size_t n, const char *body, uint32_t timeout
     curl_slist_free_all(hdrs);
     free(bodies);
 }
+
+long rt_get(const char *url, uint32_t timeout_ms, uint32_t connect_timeout_ms, char *body,
+            size_t cap) {
+    PD_ASSERT(cap > 0);
+    body[0] = '\0';
+    CURL *easy = curl_easy_init();
+    if (!easy) return 0;
+    small_body b = {.len = 0};
+    rt_client_setup(easy, connect_timeout_ms);
+    curl_easy_setopt(easy, CURLOPT_URL, url);
+    curl_easy_setopt(easy, CURLOPT_TIMEOUT_MS, (long)timeout_ms);
+    curl_easy_setopt(easy, CURLOPT_WRITEFUNCTION, small_body_write);
+    curl_easy_setopt(easy, CURLOPT_WRITEDATA, &b);
+    long status = 0;
+    if (curl_easy_perform(easy) == CURLE_OK)
+        curl_easy_getinfo(easy, CURLINFO_RESPONSE_CODE, &status);
+    curl_easy_cleanup(easy);
+    snprintf(body, cap, "%s", b.data);
+    return status;
+}

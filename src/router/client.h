@@ -43,6 +43,11 @@ typedef struct rt_post {
 void rt_fanout_post(rt_post *posts, size_t n, const char *body, uint32_t timeout_ms,
                     uint32_t connect_timeout_ms);
 
+/* GET url (blocking, this thread); the answer's first bytes (up to 1 KiB)
+ * into body[0, cap). Returns the HTTP status, 0 when there was none. */
+long rt_get(const char *url, uint32_t timeout_ms, uint32_t connect_timeout_ms, char *body,
+            size_t cap);
+
 /* Milliseconds of CLOCK_MONOTONIC. */
 uint64_t rt_now_ms(void);
 

@@ -29,6 +29,7 @@
  */
 #include "pdserve/router.h"
 
+#include <ctype.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <jansson.h>
@@ -255,6 +256,7 @@ typedef enum route {
     ROUTE_HEALTH,
     ROUTE_SERVER_INFO,
     ROUTE_METRICS,
+    ROUTE_MODELS, /* /v1/models and /v1/models/{id}: a decode node's answer */
     ROUTE_NONE,
 } route;
 
@@ -268,6 +270,7 @@ static const struct {
     [ROUTE_HEALTH] = {"/health", "GET"},
     [ROUTE_SERVER_INFO] = {"/server_info", "GET"},
     [ROUTE_METRICS] = {"/metrics", "GET"},
+    [ROUTE_MODELS] = {"/v1/models", "GET"},
 };
 
 typedef struct req {
@@ -295,6 +298,7 @@ typedef struct req {
 static route find_route(const char *url) {
     for (size_t i = 0; i < PD_ARRAY_LEN(routes); i++)
         if (!strcmp(url, routes[i].path)) return (route)i;
+    if (!strncmp(url, "/v1/models/", 11)) return ROUTE_MODELS;
     return ROUTE_NONE;
 }
 
@@ -593,6 +597,36 @@ static json_t *workers_json(pd_router *r) {
     return arr;
 }
 
+/* /v1/models[/{id}]: the router serves what its decode nodes serve, so it
+ * relays the answer of the first healthy one (same status, same body). */
+static bool handle_models(req *q) {
+    pd_router *r = q->r;
+    const char *path = pd_http_req_path(q->h);
+    /* Relayed as a URL: only characters a model id needs (a decoded '?', '#'
+     * or space would change what the decode node is asked). */
+    for (const char *c = path; *c; c++)
+        if (!isalnum((unsigned char)*c) && !strchr("/._:-", *c))
+            return answer_error(q, 404, NULL, "no model is named '%.200s'", path + 11);
+    rt_worker *snap = malloc(r->workers.count * sizeof *snap);
+    if (!snap) return answer_error(q, 500, NULL, "out of memory");
+    rt_workers_snapshot(&r->workers, snap);
+    const char *base = NULL;
+    for (size_t i = 0; i < r->workers.count && !base; i++)
+        if (snap[i].role == RT_DECODE && snap[i].healthy) base = snap[i].url.base;
+    char url[PD_ROUTER_URL_MAX + 300], body[1024];
+    if (base) snprintf(url, sizeof url, "%s%s", base, pd_http_req_path(q->h));
+    free(snap);
+    if (!base) return answer_error(q, 503, NULL, "no healthy decode node to ask");
+    long st = rt_get(url, r->cfg.connect_timeout_ms + r->cfg.abort_timeout_ms,
+                     r->cfg.connect_timeout_ms, body, sizeof body);
+    if (st < 200 || st > 599)
+        return answer_error(q, 502, NULL, "the decode node did not answer %s", url);
+    q->status = (unsigned)st;
+    q->answered = true;
+    pd_http_req_respond_json(q->h, (unsigned)st, body, strlen(body));
+    return true;
+}
+
 static bool handle_server_info(req *q) {
     pd_router *r = q->r;
     const pd_router_config *k = &r->cfg;
@@ -711,6 +745,7 @@ static void *request_main(void *arg) {
     pd_router *r = q->r;
     pd_http_req_watch(q->h, on_event, q);
     if (q->route == ROUTE_ABORT) handle_abort(q);
+    else if (q->route == ROUTE_MODELS) handle_models(q);
     else handle_generation(q);
     finish(q);
     pthread_mutex_lock(&r->table_mu);
@@ -771,8 +806,8 @@ static void on_request(pd_http_req *h, void *user) {
     pthread_mutex_init(&q->mu, NULL);
     pthread_cond_init(&q->cv, NULL);
     pd_http_req_retain(h);
-    bool threaded =
-        (q->route == ROUTE_GENERATE || q->route == ROUTE_COMPLETIONS || q->route == ROUTE_ABORT) &&
+    bool threaded = (q->route == ROUTE_GENERATE || q->route == ROUTE_COMPLETIONS ||
+                     q->route == ROUTE_ABORT || q->route == ROUTE_MODELS) &&
         !strcmp(pd_http_req_method(h), routes[q->route].method);
     if (!threaded) answer_here(q);
     else if (spawn(q)) return;

@@ -187,5 +187,29 @@ def test_router_bad_input():
         run.stop()
 
 
+def test_models_are_listed():
+    """OpenAI's /v1/models and /v1/models/{id} (issue 11: both were 404, so
+    tools that list models first broke): the nodes answer for the model they
+    serve, the router relays a decode node's answer; an unknown id is a 404
+    in the error shape."""
+    run = Run()
+    try:
+        for server in (run.router, run.p, run.d):
+            st, obj = server.get("/v1/models")
+            assert st == 200 and obj["object"] == "list", (server.name, st, obj)
+            ids = [m["id"] for m in obj["data"]]
+            assert ids == ["pdserve-tiny"] and obj["data"][0]["object"] == "model", obj
+            st, obj = server.get("/v1/models/pdserve-tiny")
+            assert st == 200 and obj["id"] == "pdserve-tiny", (server.name, st, obj)
+            for missing in ("/v1/models/gpt-4", "/v1/models/a%3Fb"):
+                st, obj = server.get(missing)
+                assert st == 404 and obj["error"]["code"] == 404, (server.name, missing, st, obj)
+        st, obj = run.router.request("POST", "/v1/models", body={})
+        assert st == 405, (st, obj)
+    finally:
+        run.stop()
+
+
 if __name__ == "__main__":
-    pdtest.run_tests([test_run_matches_generate, test_abort_storm, test_router_bad_input])
+    pdtest.run_tests([test_run_matches_generate, test_abort_storm, test_router_bad_input,
+                      test_models_are_listed])
