@@ -69,6 +69,12 @@ void cli_node_usage(FILE *to, const char *cmd, const char *what) {
         fprintf(to, "  %-38s %s\n", left, options[i].help);
     }
     fprintf(to, "  %-38s %s\n", "--help", "this text");
+    fprintf(to, "  %-38s %s\n", "--version", "the version, then exit");
+    fprintf(to,
+            "\nEvery option also takes the form --opt=VALUE. SGLang's spellings are accepted:\n"
+            "  --model-path (--model), --disable-radix-cache (--disable-prefix-cache),\n"
+            "  --disable-overlap-schedule (--disable-overlap), --random-seed (--seed),\n"
+            "  --disaggregation-transfer-backend (--transfer-backend).\n");
 }
 
 /* A failed strict-mode ownership check: the node hands its report here. */
@@ -145,37 +151,64 @@ static bool set_option(pd_node_config *c, const char *a, const char *v, bool *ok
     return true;
 }
 
+/* SGLang's spellings of the same options (issue 11): accepted as aliases. */
+static const char *const aliases[][2] = {
+    {"--model-path", "--model"},
+    {"--disable-radix-cache", "--disable-prefix-cache"},
+    {"--disable-overlap-schedule", "--disable-overlap"},
+    {"--random-seed", "--seed"},
+    {"--disaggregation-transfer-backend", "--transfer-backend"},
+};
+
+static const char *canonical(const char *name) {
+    for (size_t i = 0; i < PD_ARRAY_LEN(aliases); i++)
+        if (!strcmp(name, aliases[i][0])) return aliases[i][1];
+    return name;
+}
+
+static bool set_flag(pd_node_config *c, const char *a) {
+    if (!strcmp(a, "--disable-overlap")) c->disable_overlap = true;
+    else if (!strcmp(a, "--disable-prefix-cache")) c->disable_prefix_cache = true;
+    else if (!strcmp(a, "--strict")) c->strict = true, c->on_violation = print_violation;
+    else if (!strcmp(a, "--insecure-bootstrap")) c->insecure_bootstrap = true;
+    else if (!strcmp(a, "--enable-metrics")) c->enable_metrics = true;
+    else return false;
+    return true;
+}
+
+/* One option at argv[*i] ("--opt VALUE" or "--opt=VALUE"): 0 when taken, 2
+ * on a bad value, -1 when it is not a node option. */
+static int take_option(int argc, char **argv, int *i, pd_node_config *c) {
+    char name[64];
+    const char *arg = argv[*i], *eq = !strncmp(arg, "--", 2) ? strchr(arg, '=') : NULL;
+    const char *v = eq ? eq + 1 : *i + 1 < argc ? argv[*i + 1] : NULL;
+    snprintf(name, sizeof name, "%.*s", eq ? (int)(eq - arg) : (int)strlen(arg), arg);
+    const char *a = canonical(name);
+    if (!eq && set_flag(c, a)) return 0;
+    bool ok;
+    if (!set_option(c, a, v, &ok)) return -1;
+    if (!ok) {
+        fprintf(stderr, "pdserve: option %s needs a valid value%s%s\n", name, v ? ", got " : "",
+                v ? v : "");
+        return 2;
+    }
+    if (!eq) (*i)++;
+    return 0;
+}
+
 int cli_node_parse(int argc, char **argv, pd_node_config *c, int *consumed_until) {
     for (int i = 1; i < argc; i++) {
-        const char *a = argv[i];
-        if (!strcmp(a, "--help") || !strcmp(a, "-h")) return 1;
-        bool flag_only = !strcmp(a, "--disable-overlap") || !strcmp(a, "--disable-prefix-cache") ||
-            !strcmp(a, "--strict") || !strcmp(a, "--enable-metrics") ||
-            !strcmp(a, "--insecure-bootstrap");
-        if (flag_only) {
-            if (!strcmp(a, "--disable-overlap")) c->disable_overlap = true;
-            else if (!strcmp(a, "--disable-prefix-cache")) c->disable_prefix_cache = true;
-            else if (!strcmp(a, "--strict")) c->strict = true, c->on_violation = print_violation;
-            else if (!strcmp(a, "--insecure-bootstrap")) c->insecure_bootstrap = true;
-            else c->enable_metrics = true;
-            continue;
+        if (!strcmp(argv[i], "--help") || !strcmp(argv[i], "-h")) return 1;
+        int rc = take_option(argc, argv, &i, c);
+        if (rc > 0) return rc;
+        if (rc == 0) continue;
+        if (consumed_until) {
+            *consumed_until = i;
+            return 0;
         }
-        const char *v = i + 1 < argc ? argv[i + 1] : NULL;
-        bool ok;
-        if (!set_option(c, a, v, &ok)) {
-            if (consumed_until) {
-                *consumed_until = i;
-                return 0;
-            }
-            fprintf(stderr, "pdserve: unknown option '%s' (see --help)\n", a);
-            return 2;
-        }
-        if (!ok) {
-            fprintf(stderr, "pdserve: option %s needs a valid value%s%s\n", a, v ? ", got " : "",
-                    v ? v : "");
-            return 2;
-        }
-        i++;
+        fprintf(stderr, "pdserve %s: unknown option '%s' (see pdserve %s --help)\n", argv[0],
+                argv[i], argv[0]);
+        return 2;
     }
     if (consumed_until) *consumed_until = argc;
     return 0;

@@ -5,6 +5,7 @@
 #include <string.h>
 
 #include "commands.h"
+#include "pdserve/base.h"
 
 typedef struct command {
     const char *name;
@@ -27,7 +28,7 @@ static const command commands[] = {
 static void usage(FILE *to) {
     fprintf(to,
             "usage: pdserve <command> [options]   "
-            "(pdserve <command> --help for its options)\n\n");
+            "(pdserve <command> --help for its options; --version)\n\n");
     for (size_t i = 0; i < sizeof(commands) / sizeof(commands[0]); i++)
         fprintf(to, "  %-10s %s\n", commands[i].name, commands[i].summary);
 }
@@ -41,6 +42,12 @@ int main(int argc, char **argv) {
         usage(stdout);
         return 0;
     }
+    /* --version, alone or after any command: no option takes it as a value. */
+    for (int i = 1; i < argc; i++)
+        if (!strcmp(argv[i], "--version")) {
+            printf("pdserve %s\n", PD_VERSION);
+            return 0;
+        }
     for (size_t i = 0; i < sizeof(commands) / sizeof(commands[0]); i++)
         if (!strcmp(argv[1], commands[i].name)) return commands[i].run(argc - 1, argv + 1);
     fprintf(stderr, "pdserve: unknown command '%s'\n\n", argv[1]);

@@ -264,6 +264,34 @@ def test_known_but_unsupported_parameters_are_refused_by_name():
         srv.stop()
 
 
+def test_sglang_spellings_opt_equals_value_and_version():
+    """Issue 11: SGLang's option names were refused, `--opt=value` was refused
+    on the server commands and `--version` was unknown. `--version` works on
+    every command; serve takes --opt=value and SGLang's aliases; an unknown
+    option names the command."""
+    import subprocess
+    for cmd in ([], ["serve"], ["prefill"], ["decode"], ["router"], ["run"], ["generate"]):
+        r = subprocess.run([pdtest.PDSERVE] + cmd + ["--version"], capture_output=True, text=True,
+                           timeout=30)
+        assert r.returncode == 0 and r.stdout.startswith("pdserve "), (cmd, r.stdout, r.stderr)
+    r = subprocess.run([pdtest.PDSERVE, "serve", "--bogus"], capture_output=True, text=True,
+                       timeout=30)
+    assert r.returncode == 2 and "pdserve serve: unknown option '--bogus'" in r.stderr, r.stderr
+    r = subprocess.run([pdtest.PDSERVE, "serve", "--port=notaport"], capture_output=True, text=True,
+                       timeout=30)
+    assert r.returncode == 2 and "--port needs a valid value, got notaport" in r.stderr, r.stderr
+    port = pdtest.free_port()
+    srv = Server(["serve", "--strict", "--disable-radix-cache", "--disable-overlap-schedule",
+                  "--random-seed=7", "--max-new-tokens=64"], port_flag="--port", port=port)
+    try:
+        info = srv.info()
+        cfg = info["config"]
+        assert cfg["prefix_cache"] is False and cfg["overlap"] is False, cfg
+        assert cfg["max_new_tokens"] == 64, cfg
+    finally:
+        srv.stop()
+
+
 if __name__ == "__main__":
     pdtest.run_tests([
         test_serve_matches_generate_page_16_chunk_512,
@@ -274,4 +302,5 @@ if __name__ == "__main__":
         test_client_disconnect_aborts_the_request,
         test_abort_of_an_overlong_rid_never_aborts_its_prefix,
         test_known_but_unsupported_parameters_are_refused_by_name,
+        test_sglang_spellings_opt_equals_value_and_version,
     ])
