@@ -50,7 +50,10 @@ typedef struct pd_node_config {
     uint32_t http_idle_timeout_ms;   /* keep-alive between requests (default 60000) */
     uint32_t http_write_timeout_ms;  /* no byte of an answer taken by the client (default 30000) */
     bool enable_metrics;             /* GET /metrics */
-    const char *served_model_name;   /* "model" in /v1/completions (default "pdserve-tiny") */
+    /* /generate streams send only what is new in each event, not SGLang's
+     * default, the whole output so far; the final event is complete either way */
+    bool incremental_streaming_output;
+    const char *served_model_name; /* "model" in /v1/completions (default "pdserve-tiny") */
     /* model */
     const char *model_dir;            /* NULL: built-in config with dummy weights */
     const char *model_preset;         /* "tiny" (default) or "small" */

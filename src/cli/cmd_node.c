@@ -52,6 +52,8 @@ static const struct {
     {"--prefill-peers", "H:P,...",
      "decode: the only prefill bootstrap addresses a request may name (403 otherwise)"},
     {"--enable-metrics", "", "serve GET /metrics (Prometheus text)"},
+    {"--incremental-streaming-output", "",
+     "/generate streams send only the new text and ids (default: the whole output so far)"},
     {"--max-body-bytes", "N", "largest request body (default 1048576)"},
     {"--http-header-timeout-ms", "N", "408 when a request's headers take longer (default 10000)"},
     {"--http-body-timeout-ms", "N", "408 when a request's body takes longer (default 30000)"},
@@ -172,6 +174,7 @@ static bool set_flag(pd_node_config *c, const char *a) {
     else if (!strcmp(a, "--strict")) c->strict = true, c->on_violation = print_violation;
     else if (!strcmp(a, "--insecure-bootstrap")) c->insecure_bootstrap = true;
     else if (!strcmp(a, "--enable-metrics")) c->enable_metrics = true;
+    else if (!strcmp(a, "--incremental-streaming-output")) c->incremental_streaming_output = true;
     else return false;
     return true;
 }

@@ -454,6 +454,8 @@ typedef struct exchange {
     size_t ev_len;
     char carry[4]; /* an incomplete UTF-8 character held for the next event */
     size_t carry_len;
+    char *so_far; /* /generate streams: the text of every event so far (cumulative mode) */
+    size_t so_far_len;
     /* abort, info, metrics */
     cmd_kind cmd;
     cmd_reply reply;
@@ -545,6 +547,7 @@ static void ex_retire(exchange *e) {
     }
     free(e->p.prompt);
     free(e->ev);
+    free(e->so_far);
     pd_http_req_release(e->r);
     pthread_mutex_lock(&h->mu);
     if (e->queued) e->retired = true;
@@ -709,23 +712,42 @@ static bool set_event(exchange *e, json_t *obj) {
     return e->ev != NULL;
 }
 
+/* Appends a piece of text to e->so_far; false when out of memory. */
+static bool so_far_add(exchange *e, const char *text) {
+    size_t n = strlen(text);
+    char *b = realloc(e->so_far, e->so_far_len + n + 1);
+    if (!b) return false;
+    memcpy(b + e->so_far_len, text, n + 1);
+    e->so_far = b;
+    e->so_far_len += n;
+    return true;
+}
+
+/* A /generate event: SGLang's default is cumulative (the whole text and
+ * every token id so far, in each event); --incremental-streaming-output sends
+ * only what is new. The final event is always the complete output. */
+static json_t *generate_event(exchange *e, const char *delta, uint32_t from, uint32_t to,
+                              bool final) {
+    call *c = e->c;
+    bool whole = final || !node_config(e->h->n)->incremental_streaming_output;
+    if (!so_far_add(e, delta)) return NULL;
+    json_t *ev = json_object();
+    json_object_set_new(ev, "text", json_string(whole ? e->so_far : delta));
+    json_object_set_new(ev, "output_ids", ids_array(c->tokens, whole ? 0 : from, to));
+    pthread_mutex_lock(&c->mu);
+    json_object_set_new(ev, "meta_info", meta_info(c, final));
+    pthread_mutex_unlock(&c->mu);
+    return ev;
+}
+
 /* The event for tokens [e->sent_tokens, have). */
 static json_t *token_event(exchange *e, uint32_t have) {
     call *c = e->c;
     /* Tokens are only appended, and the ones below `have` are final. */
     char *text = decode_text(e, c->tokens, e->sent_tokens, have, false);
     if (!text) return NULL;
-    json_t *ev;
-    if (c->openai) {
-        ev = openai_body(e, c, text, false, false);
-    } else {
-        ev = json_object();
-        json_object_set_new(ev, "text", json_string(text));
-        json_object_set_new(ev, "output_ids", ids_array(c->tokens, e->sent_tokens, have));
-        pthread_mutex_lock(&c->mu);
-        json_object_set_new(ev, "meta_info", meta_info(c, false));
-        pthread_mutex_unlock(&c->mu);
-    }
+    json_t *ev = c->openai ? openai_body(e, c, text, false, false)
+                           : generate_event(e, text, e->sent_tokens, have, false);
     free(text);
     e->sent_tokens = have;
     return ev;
@@ -736,15 +758,8 @@ static json_t *final_event(exchange *e) {
     call *c = e->c;
     char *text = decode_text(e, c->tokens, c->n_tokens, c->n_tokens, true);
     if (!text) return NULL;
-    json_t *ev;
-    if (c->openai) {
-        ev = openai_body(e, c, text, true, true);
-    } else {
-        ev = json_object();
-        json_object_set_new(ev, "text", json_string(text));
-        json_object_set_new(ev, "output_ids", json_array());
-        json_object_set_new(ev, "meta_info", meta_info(c, true));
-    }
+    json_t *ev = c->openai ? openai_body(e, c, text, true, true)
+                           : generate_event(e, text, 0, c->n_tokens, true);
     free(text);
     return ev;
 }

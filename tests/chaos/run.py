@@ -542,7 +542,7 @@ class Storm:
                   e.get("meta_info", {}).get("finish_reason") is not None]
         if finals and finals[-1] is not events[-2]:
             return {"status": 200, "bad": "events after the final one: %r" % events[-3:]}
-        ids = [t for e in events[:-1] for t in e.get("output_ids", [])]
+        ids = next((e["output_ids"] for e in reversed(events[:-1]) if "output_ids" in e), [])  # cumulative
         return {"status": 200, "finals": finals, "ids": ids}
 
     def judge(self, req, res):

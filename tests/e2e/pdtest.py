@@ -201,6 +201,33 @@ def generate_reference(prompt, max_new, extra=()):
     return json.loads(out.stdout)["output_ids"]
 
 
+def stream_ids(events):
+    """The token ids of a /generate event stream. Streams are cumulative by
+    default (SGLang's): each event carries every id so far, so each event's
+    ids must extend the previous event's, and the final event's are the
+    whole output."""
+    prev = []
+    for e in events:
+        if e == "[DONE]" or "output_ids" not in e:
+            continue
+        ids = e["output_ids"]
+        assert ids[:len(prev)] == prev, ("not cumulative", prev, ids)
+        assert e["text"].startswith(prev_text(events, e)), ("text not cumulative", e)
+        prev = ids
+    return prev
+
+
+def prev_text(events, event):
+    """The text of the event before `event` that had one ("" for the first)."""
+    last = ""
+    for e in events:
+        if e is event:
+            return last
+        if e != "[DONE]" and "text" in e:
+            last = e["text"]
+    return last
+
+
 def run_tests(tests):
     passed = failed = 0
     for t in tests:

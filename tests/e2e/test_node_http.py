@@ -208,7 +208,7 @@ def test_a_slow_stream_reader_gets_every_event():
             chunked = chunked[size + 2:]
         events = [e[6:].decode() for e in stream.split(b"\n\n") if e]
         assert events[-1] == "[DONE]", events[-2:]
-        ids = [t for e in events[:-1] for t in json.loads(e)["output_ids"]]
+        ids = pdtest.stream_ids([json.loads(e) for e in events[:-1]])
         assert ids == want, (len(ids), len(want))
         srv.wait_idle_clean()
     finally:

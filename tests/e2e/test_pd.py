@@ -84,7 +84,7 @@ def check_identity(pair, n_prompts=24):
         assert pst == 200 and pbody["meta_info"]["finish_reason"]["type"] == "transferred", pbody
         if stream:
             assert res[-1] == "[DONE]"
-            ids = [t for e in res[:-1] for t in e["output_ids"]]
+            ids = pdtest.stream_ids(res)
             assert res[-2]["meta_info"]["finish_reason"]["type"] in ("length", "stop")
         else:
             ids = res["output_ids"]

@@ -42,7 +42,7 @@ def check_identity(cl, n=22):
         if i % 3 == 0:
             st, events = cl.r.stream("/generate", dict(body, stream=True))
             assert st == 200 and events[-1] == "[DONE]", (st, events[-2:])
-            ids = [t for e in events[:-1] for t in e["output_ids"]]
+            ids = pdtest.stream_ids(events)
         else:
             st, res = cl.r.post("/generate", body)
             assert st == 200, (st, res)

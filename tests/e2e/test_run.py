@@ -57,7 +57,7 @@ def test_run_matches_generate():
                 if i % 3 == 0:
                     st, events = run.router.stream("/generate", dict(body, stream=True))
                     assert st == 200 and events[-1] == "[DONE]", events[-2:]
-                    ids = [t for e in events[:-1] for t in e["output_ids"]]
+                    ids = pdtest.stream_ids(events)
                 else:
                     st, res = run.router.post("/generate", body)
                     assert st == 200, res

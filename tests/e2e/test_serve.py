@@ -27,7 +27,7 @@ def check_identity(page_size, chunk):
                                                       "sampling_params": {"max_new_tokens": max_new}})
                 assert st == 200
                 assert events[-1] == "[DONE]", events[-3:]
-                ids = [t for e in events[:-1] for t in e["output_ids"]]
+                ids = pdtest.stream_ids(events)
                 assert ids == want, (ids, want)
                 finals = [e for e in events[:-1] if e["meta_info"]["finish_reason"] is not None]
                 assert len(finals) == 1 and finals[0] is events[-2]
@@ -292,6 +292,54 @@ def test_sglang_spellings_opt_equals_value_and_version():
         srv.stop()
 
 
+def sglang_client_text(events):
+    """What SGLang's documented streaming client does: each event's "text" is
+    the whole output so far, and the client prints output[prev:]."""
+    out, prev = "", 0
+    for e in events:
+        if e == "[DONE]":
+            break
+        out += e["text"][prev:]
+        prev = len(e["text"])
+    return out
+
+
+def test_sglang_stream_client_rebuilds_the_answer():
+    """Issue 11: /generate streamed deltas, so SGLang's client (output[prev:])
+    garbled the text, and the final event had output_ids []. Streams are
+    cumulative now: the client's text equals the non-streaming answer, the
+    final event's ids equal `pdserve generate`'s, token for token; with
+    --incremental-streaming-output the deltas add up to the same ids and the
+    final event is still complete."""
+    for incremental in (False, True):
+        srv = Server(["serve", "--strict"] + (["--incremental-streaming-output"] if incremental
+                                              else []))
+        try:
+            for i, prompt in enumerate(pdtest.prompts(6)):
+                max_new = 3 + 5 * i
+                want = pdtest.generate_reference(prompt, max_new)
+                body = {"text": prompt, "sampling_params": {"max_new_tokens": max_new}}
+                st, whole = srv.post("/generate", body)
+                assert st == 200 and whole["output_ids"] == want, (st, whole, want)
+                st, events = srv.stream("/generate", dict(body, stream=True))
+                assert st == 200 and events[-1] == "[DONE]", events[-2:]
+                final = events[-2]
+                assert final["output_ids"] == want and final["text"] == whole["text"], final
+                if incremental:
+                    # Deltas add up to the ids; their text to a prefix of the
+                    # answer (an incomplete UTF-8 character at the end waits
+                    # for the final event, which is the whole output).
+                    text = "".join(e["text"] for e in events[:-2])
+                    ids = [t for e in events[:-2] for t in e["output_ids"]]
+                    assert whole["text"].startswith(text) and ids == want, (text, ids)
+                else:
+                    assert sglang_client_text(events) == whole["text"], events
+                    assert pdtest.stream_ids(events) == want
+            srv.wait_idle_clean()
+        finally:
+            srv.stop()
+
+
 if __name__ == "__main__":
     pdtest.run_tests([
         test_serve_matches_generate_page_16_chunk_512,
@@ -303,4 +351,5 @@ if __name__ == "__main__":
         test_abort_of_an_overlong_rid_never_aborts_its_prefix,
         test_known_but_unsupported_parameters_are_refused_by_name,
         test_sglang_spellings_opt_equals_value_and_version,
+        test_sglang_stream_client_rebuilds_the_answer,
     ])
