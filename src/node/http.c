@@ -269,7 +269,6 @@ static const unsupported openai_unsupported[] = {
     {"frequency_penalty", N_ZERO},
     {"logit_bias", N_EMPTY},
     {"suffix", N_EMPTY},
-    {"stream_options", N_NULL},
     {"max_completion_tokens", N_NULL},
 };
 static const unsupported sampling_unsupported[] = {
@@ -386,6 +385,96 @@ static int parse_bootstrap(const pd_node_config *cfg, json_t *root, parsed *p, c
     return 0;
 }
 
+/* ---- /v1/chat/completions ----------------------------------------------------------- */
+
+/* The chat template of the built-in tiny model (docs/http-api.md): each
+ * message as "<|role|>\n" content "\n", then "<|assistant|>\n" for the
+ * answer. A model that ships its own template will bring it (issue 12). */
+static char *render_chat(json_t *messages, char *err, size_t cap) {
+    if (!json_is_array(messages) || json_array_size(messages) == 0) {
+        refuse(err, cap, 400, "'messages' must be a non-empty array of messages");
+        return NULL;
+    }
+    size_t need = 16, i;
+    json_t *m;
+    json_array_foreach(messages, i, m) {
+        json_t *role = json_object_get(m, "role"), *content = json_object_get(m, "content");
+        const char *r = json_string_value(role);
+        if (!r || (strcmp(r, "system") && strcmp(r, "user") && strcmp(r, "assistant"))) {
+            refuse(err, cap, 400, "'messages'[%zu].role must be system, user or assistant", i);
+            return NULL;
+        }
+        if (!json_is_string(content)) {
+            refuse(err, cap, 400, "'messages'[%zu].content must be a string", i);
+            return NULL;
+        }
+        need += strlen(r) + json_string_length(content) + 8;
+    }
+    char *out = malloc(need), *w = out;
+    if (!out) {
+        refuse(err, cap, 503, "out of memory for the prompt");
+        return NULL;
+    }
+    json_array_foreach(messages, i, m) {
+        w += sprintf(w, "<|%s|>\n", json_string_value(json_object_get(m, "role")));
+        json_t *content = json_object_get(m, "content");
+        memcpy(w, json_string_value(content), json_string_length(content));
+        w += json_string_length(content);
+        *w++ = '\n';
+    }
+    strcpy(w, "<|assistant|>\n");
+    return out;
+}
+
+/* stream_options: {"include_usage": bool} is understood (and taken out of
+ * the body); anything else in it is refused. */
+static int take_stream_options(json_t *root, bool *include_usage, char *err, size_t cap) {
+    json_t *so = given(root, "stream_options");
+    if (!so) return 0;
+    json_t *iu = json_object_get(so, "include_usage");
+    if (!json_is_object(so) || json_object_size(so) != (iu ? 1u : 0u) ||
+        (iu && !json_is_boolean(iu)))
+        return refuse(err, cap, 400, "'stream_options' supports only {\"include_usage\": bool}");
+    *include_usage = json_is_true(iu);
+    json_object_del(root, "stream_options");
+    return 0;
+}
+
+/* Turns a chat body into the completions body it means: the messages
+ * rendered into "prompt", max_completion_tokens as max_tokens. Chat-only
+ * parameters pdserve lacks are refused by name. */
+static int chat_to_completions(json_t *root, char *err, size_t cap) {
+    static const char *const refused[] = {"tools", "functions", "response_format",
+                                          "parallel_tool_calls", "top_logprobs"};
+    for (size_t i = 0; i < PD_ARRAY_LEN(refused); i++) {
+        json_t *v = given(root, refused[i]);
+        if (v && !(json_is_array(v) && json_array_size(v) == 0))
+            return refuse(err, cap, 400, "'%s' is not supported by pdserve yet; leave it out",
+                          refused[i]);
+    }
+    json_t *tc = given(root, "tool_choice");
+    if (tc && !(json_is_string(tc) && !strcmp(json_string_value(tc), "none")))
+        return refuse(err, cap, 400, "'tool_choice' is not supported by pdserve yet");
+    json_t *lp = given(root, "logprobs");
+    if (lp && !json_is_false(lp))
+        return refuse(err, cap, 400, "'logprobs' is not supported by pdserve yet; leave it out");
+    json_object_del(root, "logprobs");
+    json_t *mct = given(root, "max_completion_tokens");
+    if (mct) {
+        if (given(root, "max_tokens"))
+            return refuse(err, cap, 400, "give 'max_completion_tokens' or 'max_tokens', not both");
+        json_object_set(root, "max_tokens", mct);
+        json_object_del(root, "max_completion_tokens");
+    }
+    if (json_object_get(root, "prompt"))
+        return refuse(err, cap, 400, "a chat request has 'messages', not 'prompt'");
+    char *text = render_chat(json_object_get(root, "messages"), err, cap);
+    if (!text) return 400;
+    json_object_set_new(root, "prompt", json_string(text));
+    free(text);
+    return json_object_get(root, "prompt") ? 0 : refuse(err, cap, 400, "messages are not UTF-8");
+}
+
 /* A request body into p: 0 on success; otherwise the HTTP status, with the
  * message in err. p->prompt is the caller's to free either way. */
 static int parse_request(pd_node *n, json_t *root, bool openai, parsed *p, char *err, size_t cap) {
@@ -421,6 +510,7 @@ static int parse_request(pd_node *n, json_t *root, bool openai, parsed *p, char 
 typedef enum ex_kind {
     EX_GENERATE,
     EX_COMPLETIONS,
+    EX_CHAT,
     EX_ABORT,
     EX_INFO,
     EX_METRICS,
@@ -666,17 +756,33 @@ static json_t *ids_array(const int32_t *t, uint32_t from, uint32_t to) {
     return a;
 }
 
+/* A chat completion (whole) or chunk (streamed): the message, or the delta
+ * with the role in the first chunk. */
+static json_t *chat_choice(const call *c, const char *text, bool final, bool chunk, bool first) {
+    json_t *msg = json_pack("{s:s}", "content", text);
+    if (!chunk || first) json_object_set_new(msg, "role", json_string("assistant"));
+    return json_pack("{s:i,s:o,s:o,s:n}", "index", 0, chunk ? "delta" : "message", msg,
+                     "finish_reason", final ? json_string(finish_name(c)) : json_null(),
+                     "logprobs");
+}
+
 static json_t *openai_body(exchange *e, const call *c, const char *text, bool final,
                            bool with_usage) {
     const pd_node_config *cfg = node_config(e->h->n);
-    char id[PD_RID_MAX + 8];
-    snprintf(id, sizeof(id), "cmpl-%s", c->rid);
-    json_t *choice = json_pack("{s:i,s:s,s:o,s:n}", "index", 0, "text", text, "finish_reason",
-                               final ? json_string(finish_name(c)) : json_null(), "logprobs");
-    json_t *body = json_pack("{s:s,s:s,s:I,s:s,s:[o]}", "id", id, "object", "text_completion",
-                             "created", (json_int_t)e->created, "model", cfg->served_model_name,
-                             "choices", choice);
-    if (with_usage)
+    char id[PD_RID_MAX + 12];
+    snprintf(id, sizeof(id), "%s-%s", c->chat ? "chatcmpl" : "cmpl", c->rid);
+    bool chunk = c->stream;
+    json_t *choice = c->chat
+        ? chat_choice(c, text, final, chunk, e->sent_tokens == 0)
+        : json_pack("{s:i,s:s,s:o,s:n}", "index", 0, "text", text, "finish_reason",
+                    final ? json_string(finish_name(c)) : json_null(), "logprobs");
+    const char *object = !c->chat ? "text_completion"
+        : chunk                   ? "chat.completion.chunk"
+                                  : "chat.completion";
+    json_t *body = json_pack("{s:s,s:s,s:I,s:s,s:[o]}", "id", id, "object", object, "created",
+                             (json_int_t)e->created, "model", cfg->served_model_name, "choices",
+                             choice);
+    if (with_usage && (!chunk || !c->chat || c->include_usage))
         json_object_set_new(body, "usage",
                             json_pack("{s:i,s:i,s:i}", "prompt_tokens", c->prompt_len,
                                       "completion_tokens", c->n_tokens, "total_tokens",
@@ -886,7 +992,7 @@ static void answer_done(exchange *e) {
     }
     unsigned http = (c->kind == PD_TERM_FAILED && c->status >= 400) ? (unsigned)c->status : 200;
     json_t *body;
-    if (e->kind == EX_COMPLETIONS) {
+    if (e->kind == EX_COMPLETIONS || e->kind == EX_CHAT) {
         if (c->kind == PD_TERM_FAILED) {
             free(text);
             pd_http_req_respond_error(e->r, http, "%s", c->message);
@@ -950,7 +1056,7 @@ static void gen_submitted(exchange *e) {
 /* EX_NEW for /generate and /v1/completions: parse, check, submit. */
 static void gen_begin(exchange *e) {
     pd_node *n = e->h->n;
-    bool openai = e->kind == EX_COMPLETIONS;
+    bool openai = e->kind == EX_COMPLETIONS || e->kind == EX_CHAT;
     size_t len;
     const char *body = pd_http_req_body(e->r, &len);
     json_error_t jerr;
@@ -961,7 +1067,10 @@ static void gen_begin(exchange *e) {
         return;
     }
     char err[256];
-    int status = parse_request(n, root, openai, &e->p, err, sizeof(err));
+    bool include_usage = false;
+    int status = openai ? take_stream_options(root, &include_usage, err, sizeof(err)) : 0;
+    if (!status && e->kind == EX_CHAT) status = chat_to_completions(root, err, sizeof(err));
+    if (!status) status = parse_request(n, root, openai, &e->p, err, sizeof(err));
     if (status) cancel_refused(n, root);
     json_decref(root);
     if (status) {
@@ -974,6 +1083,8 @@ static void gen_begin(exchange *e) {
         return;
     }
     call_fill(n, c, &e->p, openai); /* takes p.prompt; the spec points at e->p.stop */
+    c->chat = e->kind == EX_CHAT;
+    c->include_usage = include_usage;
     e->p.prompt = NULL;
     e->c = c;
     if (!c->tokens || !c->logprobs) {
@@ -1083,7 +1194,7 @@ static void reply_check(exchange *e) {
 static void ex_run(exchange *e) {
     switch (e->state) {
     case EX_NEW:
-        if (e->kind == EX_GENERATE || e->kind == EX_COMPLETIONS) gen_begin(e);
+        if (e->kind == EX_GENERATE || e->kind == EX_COMPLETIONS || e->kind == EX_CHAT) gen_begin(e);
         else if (e->kind == EX_ABORT) abort_begin(e);
         else if (!ex_command(e, e->kind == EX_INFO ? CMD_INFO : CMD_METRICS, NULL))
             ex_fail(e, 503, "the server is shutting down");
@@ -1128,10 +1239,15 @@ typedef struct route {
 } route;
 
 static const route routes[] = {
-    {"/generate", "POST", EX_GENERATE},   {"/v1/completions", "POST", EX_COMPLETIONS},
-    {"/abort_request", "POST", EX_ABORT}, {"/health", "GET", EX_HEALTH},
-    {"/server_info", "GET", EX_INFO},     {"/get_server_info", "GET", EX_INFO},
-    {"/metrics", "GET", EX_METRICS},      {"/v1/models", "GET", EX_MODELS},
+    {"/generate", "POST", EX_GENERATE},
+    {"/v1/completions", "POST", EX_COMPLETIONS},
+    {"/v1/chat/completions", "POST", EX_CHAT},
+    {"/abort_request", "POST", EX_ABORT},
+    {"/health", "GET", EX_HEALTH},
+    {"/server_info", "GET", EX_INFO},
+    {"/get_server_info", "GET", EX_INFO},
+    {"/metrics", "GET", EX_METRICS},
+    {"/v1/models", "GET", EX_MODELS},
 };
 
 /* The route of a path: exact, or /v1/models/{id}. */

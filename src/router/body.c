@@ -46,6 +46,14 @@ static const field_rule sampling_rules[] = {
     {"max_new_tokens", K_INTEGER}, {"temperature", K_NUMBER}, {"top_p", K_NUMBER},
     {"stop_token_ids", K_ARRAY},   {"ignore_eos", K_BOOL},
 };
+static const field_rule chat_rules[] = {
+    {"model", K_STRING},         {"messages", K_ARRAY},
+    {"max_tokens", K_INTEGER},   {"max_completion_tokens", K_INTEGER},
+    {"temperature", K_NUMBER},   {"top_p", K_NUMBER},
+    {"stream", K_BOOL},          {"stream_options", K_OBJECT},
+    {"stop_token_ids", K_ARRAY}, {"ignore_eos", K_BOOL},
+    {"rid", K_STRING},
+};
 static const field_rule completions_rules[] = {
     {"model", K_STRING},         {"prompt", K_PROMPT},   {"max_tokens", K_INTEGER},
     {"temperature", K_NUMBER},   {"top_p", K_NUMBER},    {"stream", K_BOOL},
@@ -88,6 +96,12 @@ static bool validate_generation(rt_body_kind what, json_t *o, char *why, size_t 
             !check_fields(sp, sampling_rules, PD_ARRAY_LEN(sampling_rules), "sampling_params.", why,
                           cap))
             return false;
+    } else if (what == RT_BODY_CHAT) {
+        if (!check_fields(o, chat_rules, PD_ARRAY_LEN(chat_rules), "", why, cap)) return false;
+        if (!json_object_get(o, "messages")) {
+            snprintf(why, cap, "'messages' is required");
+            return false;
+        }
     } else if (!check_fields(o, completions_rules, PD_ARRAY_LEN(completions_rules), "", why, cap)) {
         return false;
     }

@@ -14,6 +14,7 @@
 typedef enum rt_body_kind {
     RT_BODY_GENERATE,    /* POST /generate */
     RT_BODY_COMPLETIONS, /* POST /v1/completions */
+    RT_BODY_CHAT,        /* POST /v1/chat/completions */
     RT_BODY_ABORT,       /* POST /abort_request: {"rid"} or {"abort_all": true} */
 } rt_body_kind;
 

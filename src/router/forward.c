@@ -332,6 +332,18 @@ static char *abort_answer(const rt_fwd *f, bool event) {
                       "output_ids", "meta_info", "id", f->rid, "finish_reason", "type", "abort",
                       "message", "aborted by the router", "status_code", 499, "prompt_tokens", 0,
                       "completion_tokens", 0, "cached_tokens", 0);
+    } else if (f->api == RT_FWD_CHAT) {
+        char id[PD_RID_MAX + 12]; /* "chatcmpl-" and the rid */
+        snprintf(id, sizeof id, "chatcmpl-%s", f->rid);
+        o = json_pack("{s:s, s:s, s:I, s:s, s:[{s:i, s:{s:s, s:s}, s:s, s:n}]}", "id", id, "object",
+                      event ? "chat.completion.chunk" : "chat.completion", "created",
+                      (json_int_t)time(NULL), "model", f->model, "choices", "index", 0,
+                      event ? "delta" : "message", "role", "assistant", "content", "",
+                      "finish_reason", "abort", "logprobs");
+        if (o && !event)
+            json_object_set_new(o, "usage",
+                                json_pack("{s:i, s:i, s:i}", "prompt_tokens", 0,
+                                          "completion_tokens", 0, "total_tokens", 0));
     } else {
         char id[PD_RID_MAX + 8];   /* "cmpl-" and the rid */
         snprintf(id, sizeof id, "cmpl-%s", f->rid);
@@ -463,7 +475,9 @@ pd_err rt_fwd_create(rt_fwd **out, const rt_fwd_params *p, char *msg, size_t msg
     atomic_init(&f->abort_requested, false);
     atomic_init(&f->shutdown_requested, false);
     atomic_init(&f->client_gone_told, false);
-    const char *path = p->api == RT_FWD_GENERATE ? "/generate" : "/v1/completions";
+    const char *path = p->api == RT_FWD_GENERATE ? "/generate"
+        : p->api == RT_FWD_CHAT                  ? "/v1/chat/completions"
+                                                 : "/v1/completions";
     pd_err err = PD_OK;
     f->multi = rt_client_multi();
     struct curl_slist *a = curl_slist_append(NULL, "Content-Type: application/json");

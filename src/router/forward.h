@@ -42,7 +42,7 @@
 
 typedef struct rt_fwd rt_fwd;
 
-typedef enum rt_fwd_api { RT_FWD_GENERATE, RT_FWD_COMPLETIONS } rt_fwd_api;
+typedef enum rt_fwd_api { RT_FWD_GENERATE, RT_FWD_COMPLETIONS, RT_FWD_CHAT } rt_fwd_api;
 
 typedef struct rt_fwd_params {
     rt_fwd_api api;

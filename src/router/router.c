@@ -252,6 +252,7 @@ static size_t table_flag_abort(pd_router *r, const char *rid) {
 typedef enum route {
     ROUTE_GENERATE,
     ROUTE_COMPLETIONS,
+    ROUTE_CHAT,
     ROUTE_ABORT,
     ROUTE_HEALTH,
     ROUTE_SERVER_INFO,
@@ -266,6 +267,7 @@ static const struct {
 } routes[] = {
     [ROUTE_GENERATE] = {"/generate", "POST"},
     [ROUTE_COMPLETIONS] = {"/v1/completions", "POST"},
+    [ROUTE_CHAT] = {"/v1/chat/completions", "POST"},
     [ROUTE_ABORT] = {"/abort_request", "POST"},
     [ROUTE_HEALTH] = {"/health", "GET"},
     [ROUTE_SERVER_INFO] = {"/server_info", "GET"},
@@ -428,7 +430,9 @@ static bool forward_generation(req *q, char *body, const char *rid, const char *
                                bool stream) {
     pd_router *r = q->r;
     rt_fwd_params p = {
-        .api = q->route == ROUTE_GENERATE ? RT_FWD_GENERATE : RT_FWD_COMPLETIONS,
+        .api = q->route == ROUTE_GENERATE ? RT_FWD_GENERATE
+            : q->route == ROUTE_CHAT      ? RT_FWD_CHAT
+                                          : RT_FWD_COMPLETIONS,
         .rid = rid,
         .model = model,
         .stream = stream,
@@ -466,9 +470,10 @@ static bool handle_generation(req *q) {
     q->generation = true;
     json_t *o;
     char why[256];
-    unsigned refused =
-        rt_body_parse(q->route == ROUTE_GENERATE ? RT_BODY_GENERATE : RT_BODY_COMPLETIONS, q->body,
-                      q->len, &o, why, sizeof why);
+    unsigned refused = rt_body_parse(q->route == ROUTE_GENERATE   ? RT_BODY_GENERATE
+                                         : q->route == ROUTE_CHAT ? RT_BODY_CHAT
+                                                                  : RT_BODY_COMPLETIONS,
+                                     q->body, q->len, &o, why, sizeof why);
     if (refused) return answer_error(q, refused, NULL, "%s", why);
     char rid[PD_RID_MAX];
     if (!request_rid(o, rid, sizeof rid)) {
@@ -807,7 +812,8 @@ static void on_request(pd_http_req *h, void *user) {
     pthread_cond_init(&q->cv, NULL);
     pd_http_req_retain(h);
     bool threaded = (q->route == ROUTE_GENERATE || q->route == ROUTE_COMPLETIONS ||
-                     q->route == ROUTE_ABORT || q->route == ROUTE_MODELS) &&
+                     q->route == ROUTE_CHAT || q->route == ROUTE_ABORT ||
+                     q->route == ROUTE_MODELS) &&
         !strcmp(pd_http_req_method(h), routes[q->route].method);
     if (!threaded) answer_here(q);
     else if (spawn(q)) return;

@@ -210,6 +210,47 @@ def test_models_are_listed():
         run.stop()
 
 
+def test_chat_completions():
+    """OpenAI's /v1/chat/completions (issue 11: a 404, so most clients and
+    every chat UI failed on their first call), through the router and on a
+    node: the tiny model's template renders the messages; plain and streamed
+    answers agree, token for token (temperature 0); stream_options.include_usage
+    puts usage in the last chunk; unsupported parameters and bad messages are
+    400s naming them."""
+    run = Run()
+    try:
+        msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello"}]
+        for server in (run.router,):  # (the nodes of a PD pair take requests from it)
+            st, obj = server.post("/v1/chat/completions",
+                                  {"model": "pdserve-tiny", "messages": msgs,
+                                   "max_completion_tokens": 6})
+            assert st == 200 and obj["object"] == "chat.completion", (st, obj)
+            choice = obj["choices"][0]
+            assert choice["message"]["role"] == "assistant" and choice["finish_reason"] == "length"
+            assert obj["usage"]["completion_tokens"] == 6, obj
+            st, events = server.stream("/v1/chat/completions",
+                                       {"messages": msgs, "max_tokens": 6, "stream": True,
+                                        "stream_options": {"include_usage": True}})
+            assert st == 200 and events[-1] == "[DONE]", events[-2:]
+            chunks = events[:-1]
+            assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+            assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+            text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks)
+            assert text == choice["message"]["content"], (text, choice)
+            assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+            assert chunks[-1]["usage"]["completion_tokens"] == 6, chunks[-1]
+        for body, words in (({"messages": [{"role": "robot", "content": "x"}]}, "role"),
+                            ({"messages": msgs, "tools": [{"type": "function"}]}, "'tools'"),
+                            ({"messages": msgs, "n": 2}, "'n'"),
+                            ({"messages": msgs, "logprobs": True}, "'logprobs'"),
+                            ({"messages": msgs, "stream_options": {"x": 1}}, "stream_options")):
+            st, obj = run.router.post("/v1/chat/completions", body)
+            assert st == 400 and words in obj["error"]["message"], (body, st, obj)
+        run.nodes_idle_clean()
+    finally:
+        run.stop()
+
+
 if __name__ == "__main__":
     pdtest.run_tests([test_run_matches_generate, test_abort_storm, test_router_bad_input,
-                      test_models_are_listed])
+                      test_models_are_listed, test_chat_completions])

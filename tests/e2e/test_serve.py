@@ -237,7 +237,7 @@ def test_known_but_unsupported_parameters_are_refused_by_name():
         openai = [("n", 2), ("best_of", 3), ("stop", ["\n"]), ("stop", "x"), ("logprobs", 1),
                   ("echo", True), ("seed", 7), ("presence_penalty", 0.5),
                   ("frequency_penalty", -1), ("logit_bias", {"5": 1}), ("suffix", "s"),
-                  ("stream_options", {"include_usage": True})]
+                  ("stream_options", {"include_usage": True, "other": 1})]
         for name, value in openai:
             body = {"prompt": "hi", "max_tokens": 2, name: value}
             expect_error(srv, 400, "/v1/completions", body, contains="'%s'" % name)

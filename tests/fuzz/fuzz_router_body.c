@@ -1,5 +1,6 @@
 /* A client's request body at the router: the first byte picks the route
- * (0 /generate, 1 /v1/completions, 2 /abort_request), the rest is the body,
+ * (0 /generate, 1 /v1/completions, 2 /v1/chat/completions, 3 /abort_request),
+ * the rest is the body,
  * judged as the router judges it (src/router/body.c) before anything is
  * forwarded. Every body is accepted with a JSON object or refused with a
  * 400 and a message; an accepted object has the types the router relies
@@ -25,7 +26,7 @@ static void check_accepted(rt_body_kind kind, json_t *o) {
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     if (size < 1) return 0;
-    rt_body_kind kind = (rt_body_kind)(data[0] % 3);
+    rt_body_kind kind = (rt_body_kind)(data[0] % 4);
     json_t *o = NULL;
     char why[256];
     why[0] = '\0';

@@ -50,7 +50,10 @@ static const bad_case cases[] = {
     {"POST", "/abort_request", "{\"abort_all\": \"yes\"}", 400, "abort_all", NULL},
     {"POST", "/abort_request", "nope", 400, "malformed JSON", NULL},
     {"GET", "/nowhere", NULL, 404, "unknown path", NULL},
-    {"POST", "/v1/chat/completions", "{}", 404, "unknown path", NULL},
+    {"POST", "/v1/chat/completions", "{}", 400, "'messages' is required", NULL},
+    {"POST", "/v1/chat/completions", "{\"messages\": \"hi\"}", 400, "messages", NULL},
+    {"POST", "/v1/chat/completions", "{\"messages\": [], \"stream\": 1}", 400, "stream", NULL},
+    {"POST", "/v1/chat/extra", "{}", 404, "unknown path", NULL},
     {"GET", "/generate", NULL, 405, "POST", "POST"},
     {"DELETE", "/v1/completions", NULL, 405, "POST", "POST"},
     {"POST", "/health", "{}", 405, "GET", "GET"},
@@ -92,7 +95,8 @@ static void bad_requests_get_their_status_and_error_body(void **state) {
     json_t *info = tk_server_info(r);
     json_t *counters = json_object_get(info, "counters");
     json_t *responses = json_object_get(counters, "responses");
-    assert_int_equal(json_integer_value(json_object_get(responses, "400")), 15);
+    /* The 400s above on the generation routes (generate, completions, chat). */
+    assert_int_equal(json_integer_value(json_object_get(responses, "400")), 18);
     assert_int_equal(json_integer_value(json_object_get(responses, "200")), 1);
     assert_int_equal(json_integer_value(json_object_get(counters, "in_flight")), 0);
     json_decref(info);
