@@ -23,6 +23,18 @@ packages=(
   clang-format      # tools/tidy's format rule (docs/tidy.md; Debian 12's is version 14)
 )
 
+# Real third-party clients for the end-to-end tests, from the npm registry
+# (tests/e2e/sdk/package-lock.json pins them): the official OpenAI SDK.
+# Skipped without Node.js and npm (those tests then report SKIPPED).
+npm_clients() {
+  local sdk
+  sdk="$(cd "$(dirname "$0")/.." && pwd)/tests/e2e/sdk"
+  if command -v npm >/dev/null 2>&1 && [ ! -d "$sdk/node_modules/openai" ]; then
+    echo "deps: npm ci in tests/e2e/sdk (the openai SDK)" >&2
+    npm ci --prefix "$sdk" --no-audit --no-fund --loglevel=error >&2
+  fi
+}
+
 missing=()
 for p in "${packages[@]}"; do
   if ! dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed"; then
@@ -31,6 +43,7 @@ for p in "${packages[@]}"; do
 done
 
 if [ ${#missing[@]} -eq 0 ]; then
+  npm_clients
   exit 0
 fi
 
@@ -47,3 +60,4 @@ fi
 export DEBIAN_FRONTEND=noninteractive
 "${sudo_cmd[@]}" apt-get update -qq
 "${sudo_cmd[@]}" apt-get install -y -qq --no-install-recommends "${missing[@]}"
+npm_clients

@@ -467,8 +467,8 @@ fake_worker *fw_start(const char *role) {
     fw->mhd = MHD_start_daemon(
         MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_THREAD_PER_CONNECTION | MHD_USE_POLL, 0, NULL,
         NULL, on_request, fw, MHD_OPTION_SOCK_ADDR, (struct sockaddr *)&sa,
-        MHD_OPTION_NOTIFY_COMPLETED, on_completed, fw, MHD_OPTION_NOTIFY_CONNECTION,
-        on_connection, fw, MHD_OPTION_CONNECTION_LIMIT, 2000u, MHD_OPTION_END);
+        MHD_OPTION_NOTIFY_COMPLETED, on_completed, fw, MHD_OPTION_NOTIFY_CONNECTION, on_connection,
+        fw, MHD_OPTION_CONNECTION_LIMIT, 2000u, MHD_OPTION_END);
     PD_ASSERTF(fw->mhd != NULL, "fake worker cannot start");
     fw->port = MHD_get_daemon_info(fw->mhd, MHD_DAEMON_INFO_BIND_PORT)->port;
     snprintf(fw->url, sizeof fw->url, "http://127.0.0.1:%u", (unsigned)fw->port);
