@@ -251,6 +251,24 @@ def test_chat_completions():
         run.stop()
 
 
+def test_a_second_run_on_a_busy_port_is_refused():
+    """Issue 11, finding 5: a second `pdserve run --port P` started silently
+    on a port in use (the router bound with port reuse) and traffic split
+    between two clusters. It now exits non-zero, naming the address."""
+    import subprocess
+    run = Run()
+    try:
+        r = subprocess.run([pdtest.PDSERVE, "run", "--port", str(run.router.port)],
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode != 0, (r.returncode, r.stdout, r.stderr)
+        assert "Address already in use" in r.stderr and str(run.router.port) in r.stderr, r.stderr
+        st, _ = run.router.get("/health")
+        assert st == 200
+    finally:
+        run.stop()
+
+
 if __name__ == "__main__":
     pdtest.run_tests([test_run_matches_generate, test_abort_storm, test_router_bad_input,
-                      test_models_are_listed, test_chat_completions])
+                      test_models_are_listed, test_chat_completions,
+                      test_a_second_run_on_a_busy_port_is_refused])
