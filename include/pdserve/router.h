@@ -51,6 +51,8 @@ typedef struct pd_router pd_router;
 typedef enum pd_router_policy {
     PD_ROUTER_ROUND_ROBIN = 0, /* each role's healthy workers in turn */
     PD_ROUTER_LEAST_LOAD,      /* fewest requests in flight from this router */
+    PD_ROUTER_RANDOM,          /* a healthy worker at random */
+    PD_ROUTER_POWER_OF_TWO,    /* the less loaded of two healthy workers drawn at random */
 } pd_router_policy;
 
 typedef struct pd_router_config {
@@ -97,7 +99,7 @@ typedef struct pd_router_url {
 pd_err pd_router_url_parse(const char *spec, bool allow_bootstrap, pd_router_url *out,
                            char *msg, size_t msg_cap);
 
-/* "round_robin" / "least_load" <-> pd_router_policy. */
+/* "round_robin" / "least_load" / "random" / "power_of_two" <-> pd_router_policy. */
 const char *pd_router_policy_name(pd_router_policy p);
 pd_err pd_router_policy_parse(const char *s, pd_router_policy *out);
 

@@ -14,6 +14,11 @@
  *                cursor, so equally idle workers still take turns. The load
  *                is what this router sent, not what the worker holds from
  *                other routers: cheap and exact, blind to other clients.
+ *   random       a healthy worker drawn uniformly (a splitmix64 stream kept
+ *                in the cursor: deterministic for a given start).
+ *   power_of_two two healthy workers drawn (possibly the same one); the one
+ *                with fewer in flight, the first on a tie. Load-aware like
+ *                least_load without everyone rushing the same idle worker.
  */
 #ifndef PDSERVE_ROUTER_POLICY_H
 #define PDSERVE_ROUTER_POLICY_H

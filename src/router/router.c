@@ -122,7 +122,7 @@ pd_err pd_router_create(pd_router **out, const pd_router_config *cfg, char *msg,
                          cfg->connections_max);
     if (cfg->client_timeout_s == 0 || cfg->client_timeout_s > 86400)
         return pd_errorf(msg, msg_cap, PD_ERR_INVALID, "client_timeout_s must be 1..86400");
-    if (cfg->policy != PD_ROUTER_ROUND_ROBIN && cfg->policy != PD_ROUTER_LEAST_LOAD)
+    if (cfg->policy > PD_ROUTER_POWER_OF_TWO)
         return pd_errorf(msg, msg_cap, PD_ERR_INVALID, "unknown policy");
     pd_router *r = calloc(1, sizeof *r);
     if (!r) return pd_errorf(msg, msg_cap, PD_ERR_NOMEM, "out of memory");

@@ -55,6 +55,28 @@ static void round_robin_visits_each_healthy_worker_once_per_turn(void **state) {
     assert_int_equal(rt_policy_pick(PD_ROUTER_ROUND_ROBIN, c, 0, &cursor), RT_PICK_NONE);
 }
 
+/* random never picks an unhealthy worker and reaches every healthy one;
+ * power_of_two, drawing two, takes the loaded worker only when both draws
+ * land on it (about a quarter of the time with two workers), random about
+ * half the time. The draws are a fixed stream, so the counts are exact. */
+static void random_and_power_of_two_pick_healthy_workers(void **state) {
+    (void)state;
+    rt_candidate c[3] = {{true, 0}, {false, 0}, {true, 100}};
+    size_t hits[2][3] = {{0}}, cursor[2] = {0, 0};
+    pd_router_policy pol[2] = {PD_ROUTER_RANDOM, PD_ROUTER_POWER_OF_TWO};
+    for (int p = 0; p < 2; p++)
+        for (int i = 0; i < 1000; i++) hits[p][rt_policy_pick(pol[p], c, 3, &cursor[p])]++;
+    for (int p = 0; p < 2; p++) assert_int_equal(hits[p][1], 0);
+    assert_true(hits[0][2] > 400 && hits[0][2] < 600);
+    assert_true(hits[1][2] > 150 && hits[1][2] < 350);
+    rt_candidate none[2] = {{false, 0}, {false, 0}};
+    assert_int_equal(rt_policy_pick(PD_ROUTER_RANDOM, none, 2, &cursor[0]), RT_PICK_NONE);
+    pd_router_policy parsed;
+    assert_int_equal(pd_router_policy_parse("power_of_two", &parsed), PD_OK);
+    assert_int_equal(parsed, PD_ROUTER_POWER_OF_TWO);
+    assert_string_equal(pd_router_policy_name(PD_ROUTER_RANDOM), "random");
+}
+
 static void least_load_picks_fewest_in_flight_and_rotates_ties(void **state) {
     (void)state;
     rt_candidate c[3] = {{true, 2}, {true, 1}, {true, 3}};
@@ -130,7 +152,8 @@ static void create_refuses_bad_configurations(void **state) {
     pd_router_policy pol;
     assert_ok(pd_router_policy_parse("least_load", &pol));
     assert_int_equal(pol, PD_ROUTER_LEAST_LOAD);
-    assert_err(pd_router_policy_parse("random", &pol), PD_ERR_INVALID);
+    assert_ok(pd_router_policy_parse("random", &pol));
+    assert_err(pd_router_policy_parse("fastest", &pol), PD_ERR_INVALID);
 }
 
 int main(void) {
@@ -138,6 +161,7 @@ int main(void) {
         cmocka_unit_test(worker_urls_parse_with_optional_bootstrap_port),
         cmocka_unit_test(round_robin_visits_each_healthy_worker_once_per_turn),
         cmocka_unit_test(least_load_picks_fewest_in_flight_and_rotates_ties),
+        cmocka_unit_test(random_and_power_of_two_pick_healthy_workers),
         cmocka_unit_test(worker_leaves_after_two_failed_probes_and_returns_after_one),
         cmocka_unit_test(create_refuses_bad_configurations),
     };
