@@ -390,9 +390,9 @@ static int parse_bootstrap(const pd_node_config *cfg, json_t *root, parsed *p, c
 /* The chat template of the built-in tiny model (docs/http-api.md): each
  * message as "<|role|>\n" content "\n", then "<|assistant|>\n" for the
  * answer. A model that ships its own template will bring it (issue 12). */
-static char *render_chat(json_t *messages, char *err, size_t cap) {
+static char *render_chat(json_t *messages, int *status, char *err, size_t cap) {
     if (!json_is_array(messages) || json_array_size(messages) == 0) {
-        refuse(err, cap, 400, "'messages' must be a non-empty array of messages");
+        *status = refuse(err, cap, 400, "'messages' must be a non-empty array of messages");
         return NULL;
     }
     size_t need = 16, i;
@@ -401,18 +401,19 @@ static char *render_chat(json_t *messages, char *err, size_t cap) {
         json_t *role = json_object_get(m, "role"), *content = json_object_get(m, "content");
         const char *r = json_string_value(role);
         if (!r || (strcmp(r, "system") && strcmp(r, "user") && strcmp(r, "assistant"))) {
-            refuse(err, cap, 400, "'messages'[%zu].role must be system, user or assistant", i);
+            *status =
+                refuse(err, cap, 400, "'messages'[%zu].role must be system, user or assistant", i);
             return NULL;
         }
         if (!json_is_string(content)) {
-            refuse(err, cap, 400, "'messages'[%zu].content must be a string", i);
+            *status = refuse(err, cap, 400, "'messages'[%zu].content must be a string", i);
             return NULL;
         }
         need += strlen(r) + json_string_length(content) + 8;
     }
     char *out = malloc(need), *w = out;
     if (!out) {
-        refuse(err, cap, 503, "out of memory for the prompt");
+        *status = refuse(err, cap, 503, "out of memory for the prompt");
         return NULL;
     }
     json_array_foreach(messages, i, m) {
@@ -468,8 +469,9 @@ static int chat_to_completions(json_t *root, char *err, size_t cap) {
     }
     if (json_object_get(root, "prompt"))
         return refuse(err, cap, 400, "a chat request has 'messages', not 'prompt'");
-    char *text = render_chat(json_object_get(root, "messages"), err, cap);
-    if (!text) return 400;
+    int status = 0;
+    char *text = render_chat(json_object_get(root, "messages"), &status, err, cap);
+    if (!text) return status;
     json_object_set_new(root, "prompt", json_string(text));
     free(text);
     return json_object_get(root, "prompt") ? 0 : refuse(err, cap, 400, "messages are not UTF-8");

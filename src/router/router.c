@@ -626,6 +626,10 @@ static bool handle_models(req *q) {
                      r->cfg.connect_timeout_ms, body, sizeof body);
     if (st < 200 || st > 599)
         return answer_error(q, 502, NULL, "the decode node did not answer %s", url);
+    json_t *check = json_loads(body, 0, NULL); /* rt_get keeps 1 KiB: never relay a cut answer */
+    if (!check)
+        return answer_error(q, 502, NULL, "the decode node's answer to %s is not JSON", url);
+    json_decref(check);
     q->status = (unsigned)st;
     q->answered = true;
     pd_http_req_respond_json(q->h, (unsigned)st, body, strlen(body));

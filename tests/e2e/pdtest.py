@@ -203,29 +203,18 @@ def generate_reference(prompt, max_new, extra=()):
 
 def stream_ids(events):
     """The token ids of a /generate event stream. Streams are cumulative by
-    default (SGLang's): each event carries every id so far, so each event's
-    ids must extend the previous event's, and the final event's are the
-    whole output."""
-    prev = []
+    default (SGLang's): each event carries every id and all the text so far,
+    so each event must extend the previous one, and the final event's ids
+    are the whole output."""
+    prev, prev_text = [], ""
     for e in events:
         if e == "[DONE]" or "output_ids" not in e:
             continue
         ids = e["output_ids"]
         assert ids[:len(prev)] == prev, ("not cumulative", prev, ids)
-        assert e["text"].startswith(prev_text(events, e)), ("text not cumulative", e)
-        prev = ids
+        assert e["text"].startswith(prev_text), ("text not cumulative", prev_text, e)
+        prev, prev_text = ids, e["text"]
     return prev
-
-
-def prev_text(events, event):
-    """The text of the event before `event` that had one ("" for the first)."""
-    last = ""
-    for e in events:
-        if e is event:
-            return last
-        if e != "[DONE]" and "text" in e:
-            last = e["text"]
-    return last
 
 
 def run_tests(tests):
