@@ -91,7 +91,7 @@ static void c_term(void *self, const pd_terminal_event *ev) {
     (void)ev;
     ((counter *)self)->ended++;
 }
-static const pd_sink_vtable cvt = {c_token, c_term};
+static const pd_sink_vtable cvt = {.token = c_token, .terminal = c_term};
 
 /* ---- the benchmark ------------------------------------------------------------- */
 

@@ -103,6 +103,18 @@ typedef struct pd_terminal_event {
     uint32_t prompt_tokens;
     uint32_t completion_tokens;
     uint32_t cached_tokens;
+    /* When this node reached each stage, on the driver's clock (the now_us it
+     * gives submit and step; the step's time, not the instant within it);
+     * 0: the request never reached it here. */
+    uint64_t submit_us;
+    uint64_t admit_us;       /* prefill, colocated: admitted (memory reserved for its chunks) */
+    uint64_t computed_us;    /* prefill, colocated: the prompt's last chunk's result processed */
+    uint64_t xfer_first_us;  /* prefill: the first send of the room posted */
+    uint64_t xfer_start_us;  /* prefill: the final send posted; decode: the destination sent */
+    uint64_t xfer_done_us;   /* prefill: the transport reported success; decode: likewise */
+    /* KV pages, Mamba state and metadata row this node posted to the room
+     * (prefill) or received through it (decode, once the transfer succeeded). */
+    uint64_t xfer_bytes;
 } pd_terminal_event;
 
 /* Every event names its request by the tag the caller gave at submit
@@ -114,6 +126,11 @@ typedef struct pd_sink_vtable {
                   float logprob, uint32_t index);
     /* The request's one terminal event on this node. */
     void (*terminal)(void *self, const pd_terminal_event *ev);
+    /* Optional (may be NULL): output token `index`'s most likely
+     * alternatives, when its sampling asked for top_logprobs; called just
+     * before token() for the same index. */
+    void (*top_logprobs)(void *self, uint64_t tag, uint32_t index, const int32_t *tokens,
+                         const float *logprobs, uint32_t n);
 } pd_sink_vtable;
 
 typedef struct pd_sink {
@@ -152,6 +169,23 @@ pd_err pd_engine_submit(pd_engine *e, const pd_request_spec *spec, uint64_t now_
 pd_err pd_engine_abort(pd_engine *e, const char *rid);
 /* Aborts every live request; returns how many. */
 uint32_t pd_engine_abort_all(pd_engine *e);
+
+/* What pd_engine_flush_cache gave back: the units the prefix cache held. */
+typedef struct pd_cache_flush {
+    uint64_t kv_pages;             /* device KV pages */
+    uint64_t host_pages;           /* host-tier copies */
+    uint64_t mamba_slots;          /* Mamba snapshots */
+} pd_cache_flush;
+
+/* Empties the prefix cache (SGLang's /flush_cache): every unit it holds, on
+ * the device and on the host tier, goes back to its pool's free list through
+ * the ledger. Refused with PD_ERR_STATE while any request is live or a
+ * forward is in flight (a live request may hold a lock on a cached prefix,
+ * or match one at its next admission): msg then says how many are live and
+ * how many of them hold cached units. PD_OK, with what was freed in *out
+ * (may be NULL) and a one-line summary in msg; a node without a prefix cache
+ * has nothing to flush (PD_OK). */
+pd_err pd_engine_flush_cache(pd_engine *e, pd_cache_flush *out, char *msg, size_t msg_cap);
 
 /* One scheduler iteration at time now_us: poll the transport, process
  * forward results, admit and launch. Never blocks. */

@@ -31,11 +31,41 @@
 extern "C" {
 #endif
 
+/* Most likely tokens a result can report beside the chosen one (OpenAI's
+ * top_logprobs allows 20). */
+#define PD_TOP_LOGPROBS_MAX 20
+
+/* How the next token is chosen (src/model/sample.c has the exact rules).
+ * Every field's zero value means "off", except top_p (1 = off); a
+ * repetition_penalty of 0 or 1 is off. The penalties look at the tokens the
+ * request generated so far (pd_batch_item.history), not at the prompt. */
 typedef struct pd_sampling {
-    float temperature;   /* 0: greedy (argmax, first index wins ties) */
-    float top_p;         /* (0, 1]; 1 = no nucleus cut */
-    uint64_t seed;       /* per-request generator seed */
+    float temperature;        /* 0: greedy (argmax, first index wins ties) */
+    float top_p;              /* (0, 1]; 1 = no nucleus cut */
+    uint64_t seed;            /* per-request generator seed */
+    uint32_t top_k;           /* keep the k most likely tokens; 0: all */
+    float min_p;              /* [0, 1]: keep tokens at least min_p times the likeliest's */
+    float repetition_penalty; /* > 0: logits of generated tokens divided (if > 0) or multiplied */
+    float frequency_penalty;  /* [-2, 2]: minus this times the token's count so far */
+    float presence_penalty;   /* [-2, 2]: minus this once the token was generated */
+    uint32_t top_logprobs;    /* report this many most likely tokens, <= PD_TOP_LOGPROBS_MAX */
 } pd_sampling;
+
+/* min_p in [0, 1], repetition_penalty finite and >= 0, the other two
+ * penalties in [-2, 2], top_logprobs <= PD_TOP_LOGPROBS_MAX. (temperature and
+ * top_p are checked where they are used.) */
+static inline bool pd_sampling_valid(const pd_sampling *s) {
+    return s->min_p >= 0.0f && s->min_p <= 1.0f && s->repetition_penalty >= 0.0f &&
+        s->repetition_penalty <= 1e6f && s->frequency_penalty >= -2.0f &&
+        s->frequency_penalty <= 2.0f && s->presence_penalty >= -2.0f &&
+        s->presence_penalty <= 2.0f && s->top_logprobs <= PD_TOP_LOGPROBS_MAX;
+}
+
+/* Whether the sampler needs the tokens generated so far. */
+static inline bool pd_sampling_penalized(const pd_sampling *s) {
+    return (s->repetition_penalty != 0.0f && s->repetition_penalty != 1.0f) ||
+        s->frequency_penalty != 0.0f || s->presence_penalty != 0.0f;
+}
 
 typedef struct pd_batch_item {
     uint64_t req;              /* engine's request id, echoed in the result */
@@ -55,6 +85,9 @@ typedef struct pd_batch_item {
     bool sample;               /* produce the next token after the last position */
     pd_sampling sampling;
     uint32_t sample_index;     /* which output token is sampled (0 = the first) */
+    /* The output tokens so far (sample_index of them), for the penalties;
+     * NULL when the sampling is not penalized. */
+    const int32_t *history;
 } pd_batch_item;
 
 typedef struct pd_batch {
@@ -67,6 +100,11 @@ typedef struct pd_item_result {
     uint64_t req;
     int32_t token;             /* sampled token, or -1 when !sample */
     float logprob;             /* its log-probability (0 when !sample) */
+    /* sampling.top_logprobs most likely tokens, by the model's raw
+     * distribution, most likely first (ties: lower id first). */
+    uint32_t n_top;
+    int32_t top_token[PD_TOP_LOGPROBS_MAX];
+    float top_logprob[PD_TOP_LOGPROBS_MAX];
 } pd_item_result;
 
 /* Where the node's memory lives, for transport registration. Unit i of each

@@ -37,6 +37,7 @@
 #define PDSERVE_XFER_H
 
 #include "pdserve/base.h"
+#include "pdserve/executor.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -63,7 +64,9 @@ typedef struct pd_meta_row {
     uint32_t prompt_tokens;
     uint32_t prefill_cached_tokens; /* prefix the prefill node reused */
     uint32_t decode_cached_tokens;  /* prefix the decode node already had */
-    uint32_t reserved;
+    uint32_t first_n_top;           /* top_logprobs of the first token */
+    int32_t first_top_token[PD_TOP_LOGPROBS_MAX];
+    float first_top_logprob[PD_TOP_LOGPROBS_MAX];
 } pd_meta_row;
 
 /* A nonce derived from the room; never 0, so a cleared row never matches. */

@@ -187,9 +187,14 @@ static pd_err run(const gen_opts *o, const pd_model *m, const int32_t *prompt, u
     if (err == PD_OK && pd_model_shape_get(m)->n_mamba) err = pd_pool_alloc(slots, &slot);
     if (err != PD_OK && msg && !msg[0]) pd_errorf(msg, cap, err, "cannot set up the executor");
 
-    pd_sampling sampling = {o->temperature, o->top_p, o->sampling_seed};
-    pd_batch_item item = {.req = 1, .pages = pages, .n_pages = n_pages, .mamba_slot = slot,
-                          .snapshot_slot = PD_POOL_NONE, .sampling = sampling};
+    pd_sampling sampling = {
+        .temperature = o->temperature, .top_p = o->top_p, .seed = o->sampling_seed};
+    pd_batch_item item = {.req = 1,
+                          .pages = pages,
+                          .n_pages = n_pages,
+                          .mamba_slot = slot,
+                          .snapshot_slot = PD_POOL_NONE,
+                          .sampling = sampling};
     pd_item_result r;
     double t0 = now_ms();
     for (uint32_t pos = 0; err == PD_OK && pos < n_prompt; pos += item.n_tokens) {

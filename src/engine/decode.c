@@ -43,11 +43,16 @@ static bool finished(pd_engine *e, req *r, pd_finish_reason *why) {
     return false;
 }
 
-void decode_emit_token(pd_engine *e, req *r, int32_t token, float logprob) {
+void decode_emit_token(pd_engine *e, req *r, const pd_item_result *res) {
+    const int32_t token = res->token;
+    if (r->history) r->history[r->out_len] = token; /* out_len < max_new here */
     r->last_token = token;
     r->out_len++;
     eng_act(e, r, PD_ACT_TOKEN, false, r->out_len);
-    e->sink.vt->token(e->sink.self, r->tag, r->rid, r->room, token, logprob, r->out_len - 1);
+    if (res->n_top && e->sink.vt->top_logprobs)
+        e->sink.vt->top_logprobs(e->sink.self, r->tag, r->out_len - 1, res->top_token,
+                                 res->top_logprob, res->n_top);
+    e->sink.vt->token(e->sink.self, r->tag, r->rid, r->room, token, res->logprob, r->out_len - 1);
     pd_finish_reason why;
     if (finished(e, r, &why)) eng_retire(e, r, PD_TERM_FINISHED, why, 200, "");
 }
@@ -62,13 +67,26 @@ static void commit(pd_engine *e, req *r) {
         fail(e, r, 500, "context corruption: first token outside the vocabulary");
         return;
     }
-    int32_t first = meta->first_token;
-    float logprob = meta->first_logprob;
+    pd_item_result first = {
+        .req = r->owner, .token = meta->first_token, .logprob = meta->first_logprob};
+    if (meta->first_n_top > r->sampling.top_logprobs) {
+        fail(e, r, 500, "context corruption: more top logprobs than the request asked for");
+        return;
+    }
+    for (uint32_t i = 0; i < meta->first_n_top; i++) {
+        if (meta->first_top_token[i] < 0 || (uint32_t)meta->first_top_token[i] >= e->info.vocab) {
+            fail(e, r, 500, "context corruption: a top-logprob token outside the vocabulary");
+            return;
+        }
+        first.top_token[i] = meta->first_top_token[i];
+        first.top_logprob[i] = meta->first_top_logprob[i];
+    }
+    first.n_top = meta->first_n_top;
     eng_act(e, r, PD_ACT_COMMIT, false, 0);
     eng_release_at_commit(e, r);
     r->done = r->prompt_len;
     q_move(e, r, Q_RUNNING);
-    decode_emit_token(e, r, first, logprob);
+    decode_emit_token(e, r, &first);
 }
 
 static void poll_transfers(pd_engine *e) {
@@ -78,6 +96,10 @@ static void poll_transfers(pd_engine *e) {
         idx = r->qlink.next;
         pd_xfer_status st = e->xfer.vt->status(e->xfer.self, r->room);
         if (st == PD_XFER_SUCCESS) {
+            uint32_t ps = e->cfg.page_size;
+            uint64_t pages = PD_DIV_CEIL(r->prompt_len, ps) - r->cached_tokens / ps;
+            r->xfer_bytes = pages * e->xfer_page_bytes + e->xfer_state_bytes;
+            r->t_xfer_done = e->now;
             commit(e, r);
         } else if (st == PD_XFER_FAILED) {
             fail(e, r, 500, "transfer failed: the prefill side failed or aborted the room");
@@ -131,6 +153,7 @@ static int prealloc(pd_engine *e, req *r) {
         return 1;
     }
     r->holds_room = r->opened_room = true;
+    r->t_xfer_start = e->now;
     eng_act(e, r, PD_ACT_ROOM_OPEN, false, 0);
     return 1;
 }
@@ -139,7 +162,7 @@ void decode_on_result(pd_engine *e, req *r, const bitem *it, const pd_item_resul
     (void)it;
     if (eng_result_after_retire(e, r)) return;
     e->ctr.decode_tokens++;
-    decode_emit_token(e, r, res->token, res->logprob);
+    decode_emit_token(e, r, res);
 }
 
 /* One item per running request that has no forward in flight (a step

@@ -217,6 +217,8 @@ static void record_free(pd_engine *e, req *r) {
     if (e->cfg.role != PD_ROLE_COLOCATED) pd_index_remove(&e->room_ix, pd_hash_u64(r->room), idx);
     free(r->prompt);
     r->prompt = NULL;
+    free(r->history);
+    r->history = NULL;
     r->live = false;
     pd_list_push_front(&e->free_reqs, eng_qlinks(e), idx);
     e->reqs_live--;
@@ -351,6 +353,13 @@ void eng_emit_terminal(pd_engine *e, req *r) {
         .prompt_tokens = r->prompt_len,
         .completion_tokens = r->out_len,
         .cached_tokens = r->cached_tokens,
+        .submit_us = r->t_submit,
+        .admit_us = r->t_admit,
+        .computed_us = r->t_computed,
+        .xfer_first_us = r->t_xfer_first,
+        .xfer_start_us = r->t_xfer_start,
+        .xfer_done_us = r->t_xfer_done,
+        .xfer_bytes = r->xfer_bytes,
     };
     eng_act(e, r, PD_ACT_TERMINAL, false, 0);
     e->sink.vt->terminal(e->sink.self, &ev);
@@ -622,6 +631,7 @@ void eng_batch_add(pd_engine *e, batch_rec *b, req *r, const int32_t *tokens, ui
         .sample = sample,
         .sampling = r->sampling,
         .sample_index = sample_index,
+        .history = r->history,
     };
     PD_ASSERT((uint64_t)r->n_pages * e->cfg.page_size >= (uint64_t)start + n);
     b->items[b->n] = (bitem){.idx = eng_idx(e, r), .gen = r->gen, .start = start, .n = n,
@@ -807,6 +817,10 @@ pd_err pd_engine_create(pd_engine **out, const pd_engine_config *cfg_in,
     e->xfer = xfer;
     e->sink = sink;
     e->info = info;
+    pd_exec_memory mem;
+    exec.vt->memory(exec.self, &mem);
+    e->xfer_page_bytes = mem.kv_page_bytes;
+    e->xfer_state_bytes = (cfg.mamba_slots ? mem.mamba_slot_bytes : 0) + sizeof(pd_meta_row);
     e->mamba_id = e->host_id = -1;
     err = pools_create(e);
     e->tracks = (cfg.mamba_slots && cfg.prefix_cache && cfg.role != PD_ROLE_DECODE)
@@ -902,6 +916,11 @@ static pd_err spec_check(pd_engine *e, const pd_request_spec *s, pd_reject *why)
         return reject(e, why, PD_ERR_INVALID, 400, "temperature must be a finite number >= 0");
     if (!(p > 0.0f && p <= 1.0f))
         return reject(e, why, PD_ERR_INVALID, 400, "top_p must be in (0, 1]");
+    if (!pd_sampling_valid(&s->sampling))
+        return reject(e, why, PD_ERR_INVALID, 400,
+                      "min_p must be in [0, 1], repetition_penalty >= 0, frequency_penalty and "
+                      "presence_penalty in [-2, 2], top_logprobs at most %d",
+                      PD_TOP_LOGPROBS_MAX);
     if (s->n_stop_tokens > PD_STOP_TOKENS_MAX || (s->n_stop_tokens && !s->stop_tokens))
         return reject(e, why, PD_ERR_INVALID, 400, "at most %d stop tokens", PD_STOP_TOKENS_MAX);
     for (uint32_t i = 0; i < s->n_stop_tokens; i++)
@@ -947,10 +966,21 @@ static pd_err submit(pd_engine *e, const pd_request_spec *s, uint64_t now_us, pd
     if (!err) err = admission_check(e, s, why);
     if (err) return err;
     int32_t *prompt = malloc((size_t)s->prompt_len * sizeof(int32_t));
-    if (!prompt) return reject(e, why, PD_ERR_NOMEM, 429, "out of memory for the prompt");
+    /* The penalties read the tokens generated so far: room for all of them,
+     * taken here so that no step allocates. */
+    int32_t *history = pd_sampling_penalized(&s->sampling) && e->cfg.role != PD_ROLE_PREFILL
+        ? malloc((size_t)s->max_new_tokens * sizeof(int32_t))
+        : NULL;
+    if (!prompt ||
+        (!history && pd_sampling_penalized(&s->sampling) && e->cfg.role != PD_ROLE_PREFILL)) {
+        free(prompt);
+        free(history);
+        return reject(e, why, PD_ERR_NOMEM, 429, "out of memory for the prompt");
+    }
     req *r = record_alloc(e);
     if (!r) {
         free(prompt);
+        free(history);
         return reject(e, why, PD_ERR_NOMEM, 429, "too many live requests (%u)",
                       e->cfg.requests_max);
     }
@@ -960,6 +990,7 @@ static pd_err submit(pd_engine *e, const pd_request_spec *s, uint64_t now_us, pd
     memcpy(prompt, s->prompt, (size_t)s->prompt_len * sizeof(int32_t));
     r->prompt = prompt;
     r->prompt_len = s->prompt_len;
+    r->history = history;
     r->max_new = s->max_new_tokens;
     r->sampling = s->sampling;
     r->n_stop = s->n_stop_tokens;
@@ -1002,6 +1033,53 @@ uint32_t pd_engine_abort_all(pd_engine *e) {
         n++;
     }
     return n;
+}
+
+/* ---- flushing the prefix cache --------------------------------------------------- */
+
+/* Live requests with a reference into the cache: the lock on a matched or
+ * inserted prefix (kept while a room drains), or a host-tier load. */
+static uint32_t requests_holding_cache(const pd_engine *e) {
+    uint32_t n = 0;
+    for (uint32_t i = 0; i < e->cfg.requests_max; i++) {
+        const req *r = &e->reqs[i];
+        if (r->live && (r->holds_lock || r->q_lock || r->holds_host)) n++;
+    }
+    return n;
+}
+
+pd_err pd_engine_flush_cache(pd_engine *e, pd_cache_flush *out, char *msg, size_t msg_cap) {
+    PD_ASSERT(e != NULL);
+    pd_cache_flush freed = {0};
+    if (out) *out = freed;
+    if (!e->cache) return pd_errorf(msg, msg_cap, PD_OK, "this node has no prefix cache");
+    if (!pd_engine_idle(e))
+        return pd_errorf(msg, msg_cap, PD_ERR_STATE,
+                         "%u requests are live (%u of them hold cached units) and %u forwards "
+                         "are in flight; the cache is flushed only when the node is idle",
+                         e->reqs_live, requests_holding_cache(e), e->inflight_n);
+    pd_cache_stats before, after;
+    pd_cache_stats_get(e->cache, &before);
+    /* Idle: nothing is locked and no load is in flight, so clearing leaves
+     * nothing behind. Device nodes may be written back to the host tier on
+     * the way out; the host pass that follows frees those copies too. */
+    pd_cache_clear(e->cache);
+    pd_cache_stats_get(e->cache, &after);
+    PD_ASSERTF(after.nodes == 0 && after.dev_pages == 0 && after.host_pages == 0 &&
+                   after.snapshots == 0,
+               "an idle cache kept %u nodes after a flush", after.nodes);
+    for (int p = 0; p < pd_ledger_pool_count(e->ledger); p++)
+        PD_ASSERT(pd_ledger_count(e->ledger, p, PD_UNIT_CACHE_EVICTABLE) == 0 &&
+                  pd_ledger_count(e->ledger, p, PD_UNIT_CACHE_PROTECTED) == 0);
+    freed = (pd_cache_flush){.kv_pages = before.dev_pages,
+                             .host_pages = before.host_pages,
+                             .mamba_slots = before.snapshots};
+    if (out) *out = freed;
+    return pd_errorf(msg, msg_cap, PD_OK,
+                     "flushed the prefix cache: %llu KV pages, %llu host pages and %llu Mamba "
+                     "snapshots freed",
+                     (unsigned long long)freed.kv_pages, (unsigned long long)freed.host_pages,
+                     (unsigned long long)freed.mamba_slots);
 }
 
 void pd_engine_step(pd_engine *e, uint64_t now_us) {

@@ -44,6 +44,7 @@ typedef struct req {
     uint64_t room;
     int32_t *prompt;
     uint32_t prompt_len;
+    int32_t *history; /* the output tokens, kept when the sampling is penalised */
     uint32_t max_new;
     pd_sampling sampling;
     int32_t stop[PD_STOP_TOKENS_MAX];
@@ -51,6 +52,9 @@ typedef struct req {
     bool ignore_eos;
     char peer[PD_PEER_MAX];
     uint64_t t_submit, t_state;
+    /* pd_terminal_event's stage times and transfer size (0: not reached) */
+    uint64_t t_admit, t_computed, t_xfer_first, t_xfer_start, t_xfer_done;
+    uint64_t xfer_bytes;
 
     /* ---- ownership flags (DESIGN.md section 3) ---- */
     bool holds_row;
@@ -151,6 +155,8 @@ struct pd_engine {
 
     uint64_t now;
     uint64_t next_load_id;
+    /* What a transfer moves: one KV page; a room's Mamba state and meta row. */
+    uint64_t xfer_page_bytes, xfer_state_bytes;
     pd_engine_counters ctr;
     pd_action_observer obs;
     void *obs_ctx;
@@ -226,7 +232,7 @@ void decode_step(pd_engine *e);
  * generated token (streams it, finishes the request if it is the last), and
  * a decode item's result. */
 void decode_add_items(pd_engine *e, batch_rec *b);
-void decode_emit_token(pd_engine *e, req *r, int32_t token, float logprob);
+void decode_emit_token(pd_engine *e, req *r, const pd_item_result *res);
 void decode_on_result(pd_engine *e, req *r, const bitem *it, const pd_item_result *res);
 
 #endif

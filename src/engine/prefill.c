@@ -43,6 +43,8 @@ static bool send_ready(pd_engine *e, req *r) {
         fail(e, r, "transfer: posting pages failed");
         return false;
     }
+    r->xfer_bytes += (uint64_t)(limit - from) * e->xfer_page_bytes;
+    if (!r->t_xfer_first) r->t_xfer_first = e->now;
     r->sent_pages = limit;
     return true;
 }
@@ -62,6 +64,10 @@ static void send_final(pd_engine *e, req *r) {
         fail(e, r, "transfer: posting the final send failed");
         return;
     }
+    r->xfer_bytes += (uint64_t)(total > from ? total - from : 0) * e->xfer_page_bytes +
+                     e->xfer_state_bytes;
+    r->t_xfer_start = e->now;
+    if (!r->t_xfer_first) r->t_xfer_first = e->now;
     r->sent_pages = total;
     q_move(e, r, Q_TRANSFER);
 }
@@ -143,6 +149,7 @@ static void poll_rooms(pd_engine *e) {
         idx = r->qlink.next;
         pd_xfer_status st = e->xfer.vt->status(e->xfer.self, r->room);
         if (st == PD_XFER_SUCCESS) {
+            r->t_xfer_done = e->now;
             eng_retire(e, r, PD_TERM_FINISHED, PD_FINISH_TRANSFERRED, 200, "");
         } else if (st == PD_XFER_FAILED) {
             fail(e, r, "transfer failed");
@@ -256,6 +263,7 @@ static int admit(pd_engine *e, req *r) {
     r->n_pages = r->own_from = use / ps;
     r->cached_tokens = r->launched = r->done = use;
     e->ctr.cached_tokens += use;
+    r->t_admit = e->now; /* an optimistic retry's admission replaces the first */
     if (load > 0 && start_load(e, r, node, load)) {
         q_move(e, r, Q_LOADING);
         return 2;
@@ -359,6 +367,7 @@ static void on_result(pd_engine *e, req *r, const bitem *it, const pd_item_resul
     if (eng_result_after_retire(e, r)) return;
     uint32_t ps = e->cfg.page_size;
     r->done = it->start + it->n;
+    if (it->final) r->t_computed = e->now;
     if (!it->final) {
         if (e->cache) {
             uint32_t whole = (r->done / ps) * ps;
@@ -372,7 +381,7 @@ static void on_result(pd_engine *e, req *r, const bitem *it, const pd_item_resul
     if (e->cfg.role == PD_ROLE_COLOCATED) {
         /* No hand-off: the request starts generating here. */
         q_move(e, r, Q_RUNNING);
-        decode_emit_token(e, r, res->token, res->logprob);
+        decode_emit_token(e, r, res);
         return;
     }
     pd_meta_row *meta = &e->cfg.meta_mem[r->meta_row];
@@ -380,7 +389,10 @@ static void on_result(pd_engine *e, req *r, const bitem *it, const pd_item_resul
         .nonce = pd_room_nonce(r->room), .first_token = res->token,
         .first_logprob = res->logprob, .prompt_tokens = r->prompt_len,
         .prefill_cached_tokens = r->cached_tokens, .decode_cached_tokens = r->peer_cached,
+        .first_n_top = res->n_top,
     };
+    memcpy(meta->first_top_token, res->top_token, sizeof(int32_t) * res->n_top);
+    memcpy(meta->first_top_logprob, res->top_logprob, sizeof(float) * res->n_top);
     if (r->bootstrapped) {
         send_final(e, r);
     } else {

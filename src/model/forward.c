@@ -111,8 +111,8 @@ static void run_pass(pd_runner *r, const pd_batch_item *items, pd_item_result *r
     for (uint32_t s = 0; s < n_sample; s++) {
         const uint32_t i = r->row_item[sample_row[s]];
         const float *lg = r->logits + (size_t)s * c->vocab;
-        mdl_sample(lg, c->vocab, &items[i].sampling, items[i].sample_index, r->probs, r->keys,
-                   &results[i].token, &results[i].logprob);
+        mdl_sample(lg, c->vocab, &items[i].sampling, items[i].sample_index, items[i].history,
+                   r->probs, r->keys, &results[i]);
         if (logits_out) memcpy(logits_out + (size_t)i * c->vocab, lg, sizeof(float) * c->vocab);
     }
     for (uint32_t t = 0; t < r->rows; t++) {
@@ -133,6 +133,7 @@ void mdl_runner_run(pd_runner *r, const pd_batch_item *items, uint32_t n_items,
         results[i].req = it->req;
         results[i].token = -1;
         results[i].logprob = 0.0f;
+        results[i].n_top = 0;
         float *slot = has_mamba ? mdl_runner_slot(r, it->mamba_slot) : NULL;
         /* A request's first chunk starts from the zero state. */
         if (has_mamba && it->start_pos == 0) memset(slot, 0, r->mamba_slot_bytes);
@@ -228,6 +229,14 @@ static pd_err check_item(pd_runner *r, const pd_batch_item *it, uint32_t i, char
             return pd_errorf(
                 msg, cap, PD_ERR_INVALID,
                 "item %u (req %llu): sampling needs temperature >= 0 and top_p in (0, 1]", i, req);
+        if (!pd_sampling_valid(s))
+            return pd_errorf(msg, cap, PD_ERR_INVALID,
+                             "item %u (req %llu): sampling parameter out of range "
+                             "(min_p, penalties or top_logprobs)",
+                             i, req);
+        if (pd_sampling_penalized(s) && it->sample_index > 0 && !it->history)
+            return pd_errorf(msg, cap, PD_ERR_INVALID,
+                             "item %u (req %llu): penalised sampling without the history", i, req);
     }
     return PD_OK;
 }

@@ -155,12 +155,14 @@ void mdl_rope_angles(uint32_t pos, uint32_t head_dim, float base, float *cos_out
 
 /* ---- sampling ---------------------------------------------------------------- */
 
-/* Picks the next token from logits[0..vocab). Greedy when temperature <= 0
- * (first index wins ties); otherwise softmax(logits / T), cut to the
- * smallest set of most likely tokens whose mass reaches top_p, drawn with a
- * generator seeded by (seed, sample_index). *logprob is the model's
- * log-softmax of the token. probs and keys are vocab-sized scratch. */
+/* Picks the next token from logits[0..vocab) by the rules at the top of
+ * sample.c: penalties from history (the sample_index tokens generated so
+ * far; NULL when the sampling is not penalised), greedy or tempered with the
+ * top_k / top_p / min_p cuts, drawn with a generator seeded by (seed,
+ * sample_index). Writes out->token, out->logprob (the model's log-softmax of
+ * the token) and the top_logprobs alternatives. probs and keys are
+ * vocab-sized scratch. */
 void mdl_sample(const float *logits, uint32_t vocab, const pd_sampling *sp, uint32_t sample_index,
-                float *probs, uint64_t *keys, int32_t *token, float *logprob);
+                const int32_t *history, float *probs, uint64_t *keys, pd_item_result *out);
 
 #endif

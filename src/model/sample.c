@@ -1,18 +1,32 @@
 /*
  * sample.c — choosing the next token from the logits.
  *
- * Greedy (temperature 0) takes the first index among equal maxima, so ties
- * resolve the same way everywhere. Otherwise the distribution is
- * softmax(logits / temperature), cut to the smallest set of most likely
- * tokens whose probability reaches top_p (ties in probability broken by the
- * lower index), and one token is drawn with a generator seeded by
- * (sampling.seed, sample_index): the k-th output token of a request is drawn
- * from its own stream, so it does not depend on which batch, node or step
- * computed it.
+ * In order:
+ *   1. Penalties, on a copy of the logits, for the tokens the request has
+ *      generated so far (the history; the prompt is not looked at):
+ *      repetition_penalty divides a positive logit and multiplies a negative
+ *      one, once per distinct token; then frequency_penalty times the
+ *      token's count and presence_penalty are subtracted. Each token's
+ *      adjustment is computed in double from its count, so the order of the
+ *      history does not matter.
+ *   2. Greedy (temperature 0) takes the first index among equal maxima of
+ *      the (penalised) logits, so ties resolve the same way everywhere.
+ *   3. Otherwise the distribution is softmax(logits / temperature). When a
+ *      filter is on, the tokens are sorted by decreasing probability (ties:
+ *      lower index first) and three cuts are taken on that order, each on
+ *      the unfiltered probabilities: top_k keeps the first k; top_p keeps a
+ *      token while the mass before it is below top_p; min_p keeps tokens
+ *      whose probability is at least min_p times the first's. The kept set
+ *      is the shortest of the three prefixes (never empty).
+ *   4. One token is drawn with a generator seeded by (sampling.seed,
+ *      sample_index): the k-th output token of a request is drawn from its
+ *      own stream, so it does not depend on which batch, node or step
+ *      computed it.
  *
  * All sums run sequentially in double in index (or sorted) order. The
- * reported logprob is log-softmax of the raw logits at the chosen token: the
- * model's belief, independent of the sampling settings.
+ * reported logprob is log-softmax of the raw logits at the chosen token, and
+ * the top_logprobs alternatives are the raw distribution's most likely
+ * tokens: the model's belief, independent of the sampling settings.
  */
 #include <math.h>
 #include <string.h>
@@ -61,37 +75,106 @@ static uint64_t key_of(float p, uint32_t index) {
     return ((uint64_t)(UINT32_MAX - bits) << 32) | index;
 }
 
+/* Step 1: the penalised logits in adj (a copy of logits). keys is scratch:
+ * it holds each history token's count while the adjustments are made, and
+ * is left with zeros there. */
+static void penalize(const float *logits, uint32_t vocab, const pd_sampling *sp,
+                     const int32_t *history, uint32_t n_history, float *adj, uint64_t *keys) {
+    memcpy(adj, logits, sizeof(float) * vocab);
+    for (uint32_t i = 0; i < n_history; i++) keys[history[i]] = 0;
+    for (uint32_t i = 0; i < n_history; i++) keys[history[i]]++;
+    const bool rep = sp->repetition_penalty != 0.0f && sp->repetition_penalty != 1.0f;
+    for (uint32_t i = 0; i < n_history; i++) {
+        const int32_t t = history[i];
+        if (keys[t] == 0) continue; /* done at its first occurrence */
+        double x = adj[t];
+        if (rep) x = x > 0.0 ? x / sp->repetition_penalty : x * sp->repetition_penalty;
+        x -= (double)sp->frequency_penalty * (double)keys[t] + (double)sp->presence_penalty;
+        adj[t] = (float)x;
+        keys[t] = 0;
+    }
+}
+
+/* The n most likely tokens of the raw logits, most likely first (ties:
+ * lower index), with their log-softmax. */
+static void top_logprobs(const float *logits, uint32_t vocab, double log_z, uint32_t n,
+                         pd_item_result *out) {
+    if (n > PD_TOP_LOGPROBS_MAX) n = PD_TOP_LOGPROBS_MAX;
+    if (n > vocab) n = vocab;
+    uint32_t have = 0;
+    for (uint32_t i = 0; i < vocab; i++) {
+        /* Insert i if it beats the last kept one (strictly: an equal logit
+         * at a higher index ranks after). */
+        if (have == n && !(logits[i] > logits[out->top_token[have - 1]])) continue;
+        uint32_t at = have < n ? have++ : n - 1;
+        while (at > 0 && logits[i] > logits[out->top_token[at - 1]]) {
+            out->top_token[at] = out->top_token[at - 1];
+            at--;
+        }
+        out->top_token[at] = (int32_t)i;
+    }
+    for (uint32_t r = 0; r < have; r++)
+        out->top_logprob[r] = (float)((double)logits[out->top_token[r]] - log_z);
+    out->n_top = have;
+}
+
+/* Step 3's cuts: how many of the sorted candidates stay (at least one). */
+static uint32_t kept_count(const pd_sampling *sp, const float *probs, const uint64_t *keys,
+                           uint32_t vocab) {
+    uint32_t kept = sp->top_k > 0 && sp->top_k < vocab ? sp->top_k : vocab;
+    if (sp->top_p < 1.0f) {
+        double before = 0.0;
+        uint32_t k = 0;
+        while (k < kept && before < (double)sp->top_p) before += probs[(uint32_t)keys[k++]];
+        kept = k;
+    }
+    if (sp->min_p > 0.0f) {
+        const double floor_p = (double)sp->min_p * probs[(uint32_t)keys[0]];
+        uint32_t k = 1;
+        while (k < kept && (double)probs[(uint32_t)keys[k]] >= floor_p) k++;
+        kept = k;
+    }
+    return kept > 0 ? kept : 1;
+}
+
 void mdl_sample(const float *logits, uint32_t vocab, const pd_sampling *sp, uint32_t sample_index,
-                float *probs, uint64_t *keys, int32_t *token, float *logprob) {
+                const int32_t *history, float *probs, uint64_t *keys, pd_item_result *out) {
     PD_ASSERT(vocab > 0);
-    const uint32_t best = argmax_first(logits, vocab);
-    const double max = logits[best];
+    const uint32_t raw_best = argmax_first(logits, vocab);
+    const double raw_max = logits[raw_best];
     double z = 0.0;
-    for (uint32_t i = 0; i < vocab; i++) z += mdl_exp((double)logits[i] - max);
-    const double log_z = max + mdl_log(z);
+    for (uint32_t i = 0; i < vocab; i++) z += mdl_exp((double)logits[i] - raw_max);
+    const double log_z = raw_max + mdl_log(z);
+
+    /* The logits the choice is made from: the raw ones, or the penalised
+     * copy (in probs, which step 3 then turns into probabilities in place). */
+    const float *lg = logits;
+    if (history && sample_index > 0 && pd_sampling_penalized(sp)) {
+        penalize(logits, vocab, sp, history, sample_index, probs, keys);
+        lg = probs;
+    }
+    const uint32_t best = lg == logits ? raw_best : argmax_first(lg, vocab);
+    const double max = lg[best];
 
     uint32_t chosen = best;
     if (sp->temperature > 0.0f) {
         const double inv_t = 1.0 / (double)sp->temperature;
         double zt = 0.0;
-        for (uint32_t i = 0; i < vocab; i++) zt += mdl_exp(((double)logits[i] - max) * inv_t);
+        for (uint32_t i = 0; i < vocab; i++) zt += mdl_exp(((double)lg[i] - max) * inv_t);
         for (uint32_t i = 0; i < vocab; i++)
-            probs[i] = (float)(mdl_exp(((double)logits[i] - max) * inv_t) / zt);
+            probs[i] = (float)(mdl_exp(((double)lg[i] - max) * inv_t) / zt);
 
         pd_rng rng;
         pd_rng_seed(&rng, pd_hash_u64(sp->seed) ^ pd_hash_u64(0x5eed0000ull + sample_index));
         const double u = pd_rng_unit(&rng);
-        /* Candidates in visiting order: every token by index, or the top_p
-         * nucleus by decreasing probability. */
+        /* Candidates in visiting order: every token by index, or the kept
+         * prefix of the tokens sorted by decreasing probability. */
         uint32_t kept = vocab;
-        bool sorted = sp->top_p < 1.0f;
+        bool sorted = sp->top_p < 1.0f || (sp->top_k > 0 && sp->top_k < vocab) || sp->min_p > 0.0f;
         if (sorted) {
             for (uint32_t i = 0; i < vocab; i++) keys[i] = key_of(probs[i], i);
             heapsort_u64(keys, vocab);
-            double nucleus = 0.0;
-            kept = 0;
-            while (kept < vocab && nucleus < (double)sp->top_p)
-                nucleus += probs[(uint32_t)keys[kept++]];
+            kept = kept_count(sp, probs, keys, vocab);
         }
         double mass = 0.0;
         for (uint32_t r = 0; r < kept; r++) mass += probs[sorted ? (uint32_t)keys[r] : r];
@@ -108,6 +191,8 @@ void mdl_sample(const float *logits, uint32_t vocab, const pd_sampling *sp, uint
             found = target < acc;
         }
     }
-    *token = (int32_t)chosen;
-    *logprob = (float)((double)logits[chosen] - log_z);
+    out->token = (int32_t)chosen;
+    out->logprob = (float)((double)logits[chosen] - log_z);
+    out->n_top = 0;
+    if (sp->top_logprobs) top_logprobs(logits, vocab, log_z, sp->top_logprobs, out);
 }

@@ -57,7 +57,7 @@ static void on_action(void *ctx, const pd_action_event *ev) {
         assert_true(ev->kind == PD_TERM_NONE || ev->kind == PD_TERM_FINISHED);
 }
 
-static const pd_sink_vtable sink_vt = {on_token, on_term};
+static const pd_sink_vtable sink_vt = {.token = on_token, .terminal = on_term};
 
 static void check(pd_engine *e) {
     char buf[8192];

@@ -27,7 +27,7 @@ static void on_term(void *self, const pd_terminal_event *ev) {
     (void)ev;
     ((world *)self)->terminals++;
 }
-static const pd_sink_vtable sink_vt = {on_token, on_term};
+static const pd_sink_vtable sink_vt = {.token = on_token, .terminal = on_term};
 
 static void base_config(pd_engine_config *c, pd_role role) {
     pd_engine_config_default(c, role);

@@ -77,7 +77,7 @@ static inline void fx_run_request(pd_executor *ex, const int32_t *prompt, uint32
                                   fx_run *out) {
     PD_ASSERT(n_decode <= FX_DECODE_MAX);
     memset(out, 0, sizeof(*out));
-    pd_sampling greedy = {0.0f, 1.0f, 0};
+    pd_sampling greedy = {.temperature = 0.0f, .top_p = 1.0f};
     pd_batch_item it = {.req = 7, .pages = pages, .n_pages = n_pages, .mamba_slot = slot,
                         .snapshot_slot = PD_POOL_NONE, .sampling = sp ? *sp : greedy};
     pd_item_result r;

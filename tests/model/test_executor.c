@@ -95,7 +95,7 @@ static void b_snapshot_is_running(pd_batch_item *it, int32_t *t) {
 }
 static void b_top_p(pd_batch_item *it, int32_t *t) {
     (void)t;
-    it->sampling = (pd_sampling){1.0f, 0.0f, 0};
+    it->sampling = (pd_sampling){.temperature = 1.0f, .top_p = 0.0f};
 }
 static void b_too_long(pd_batch_item *it, int32_t *t) { (void)t; it->start_pos = PAGES * PS; }
 

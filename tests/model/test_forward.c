@@ -132,7 +132,9 @@ static void batched_decode_matches_each_request_alone(void **state) {
     pd_executor ex = fx_exec(m, ps, REQS * PAGES_PER, REQS, 1);
     int32_t prompts[REQS][LEN];
     uint32_t pages[REQS][PAGES_PER];
-    pd_sampling sp[REQS] = {{0.0f, 1.0f, 0}, {0.9f, 0.8f, 41}, {1.3f, 1.0f, 42}};
+    pd_sampling sp[REQS] = {{.temperature = 0.0f, .top_p = 1.0f},
+                            {.temperature = 0.9f, .top_p = 0.8f, .seed = 41},
+                            {.temperature = 1.3f, .top_p = 1.0f, .seed = 42}};
     fx_run *alone[REQS];
     for (int r = 0; r < REQS; r++) {
         fx_prompt(prompts[r], LEN, 100 + (uint64_t)r);

@@ -126,13 +126,127 @@ static void deterministic_math_matches_libm_closely(void **state) {
 
 /* ---- sampling --------------------------------------------------------------------- */
 
-static void sample(const float *logits, uint32_t vocab, float temperature, float top_p,
-                   uint64_t seed, uint32_t index, int32_t *token, float *logprob) {
+static pd_item_result sample_with(const float *logits, uint32_t vocab, const pd_sampling *sp,
+                                  uint32_t index, const int32_t *history) {
     float probs[64];
     uint64_t keys[64];
     PD_ASSERT(vocab <= 64);
-    pd_sampling sp = {temperature, top_p, seed};
-    mdl_sample(logits, vocab, &sp, index, probs, keys, token, logprob);
+    pd_item_result out;
+    memset(&out, 0xA5, sizeof(out));
+    mdl_sample(logits, vocab, sp, index, history, probs, keys, &out);
+    return out;
+}
+
+static void sample(const float *logits, uint32_t vocab, float temperature, float top_p,
+                   uint64_t seed, uint32_t index, int32_t *token, float *logprob) {
+    pd_sampling sp = {.temperature = temperature, .top_p = top_p, .seed = seed};
+    pd_item_result out = sample_with(logits, vocab, &sp, index, NULL);
+    assert_int_equal(out.n_top, 0);
+    *token = out.token;
+    *logprob = out.logprob;
+}
+
+/* top_k 2 draws only the two likeliest; min_p 0.5 only those at least half
+ * as likely as the first; both over many draws, where without the cut the
+ * other tokens do come up. */
+static void top_k_and_min_p_cut_the_tail(void **state) {
+    (void)state;
+    const float logits[5] = {1.0f, 2.0f, 0.5f, 1.9f, 1.8f};
+    uint32_t outside_k = 0, outside_minp = 0, plain_other = 0;
+    for (uint32_t k = 0; k < 400; k++) {
+        pd_sampling sp = {.temperature = 1.0f, .top_p = 1.0f, .seed = 3, .top_k = 2};
+        int32_t t = sample_with(logits, 5, &sp, k, NULL).token;
+        outside_k += t != 1 && t != 3;
+        /* p(3)/p(1) = e^-0.1, p(4)/p(1) = e^-0.2, p(0)/p(1) = e^-1 < 0.5 */
+        sp = (pd_sampling){.temperature = 1.0f, .top_p = 1.0f, .seed = 3, .min_p = 0.5f};
+        t = sample_with(logits, 5, &sp, k, NULL).token;
+        outside_minp += t == 0 || t == 2;
+        sp = (pd_sampling){.temperature = 1.0f, .top_p = 1.0f, .seed = 3};
+        t = sample_with(logits, 5, &sp, k, NULL).token;
+        plain_other += t == 0 || t == 2;
+    }
+    assert_int_equal(outside_k, 0);
+    assert_int_equal(outside_minp, 0);
+    assert_true(plain_other > 20);
+    /* top_k 1 is greedy whatever the temperature */
+    pd_sampling one = {.temperature = 5.0f, .top_p = 1.0f, .seed = 9, .top_k = 1};
+    for (uint32_t k = 0; k < 50; k++)
+        assert_int_equal(sample_with(logits, 5, &one, k, NULL).token, 1);
+}
+
+/* Penalties work on the history: greedy picks token 1 until it was
+ * generated; a presence penalty of 2 then moves the choice to 3 (1.9 < 2.0 -
+ * 2), a frequency penalty scales with the count, a repetition penalty
+ * divides positive logits. The reported logprob stays the raw model's. */
+static void penalties_look_at_the_history(void **state) {
+    (void)state;
+    const float logits[5] = {1.0f, 2.0f, 0.5f, 1.9f, 1.8f};
+    const int32_t hist[4] = {1, 1, 3, 1};
+    pd_sampling sp = {.top_p = 1.0f, .presence_penalty = 2.0f};
+    assert_int_equal(sample_with(logits, 5, &sp, 0, hist).token, 1); /* no history yet */
+    pd_item_result r = sample_with(logits, 5, &sp, 1, hist);
+    assert_int_equal(r.token, 3);
+    pd_item_result raw = sample_with(logits, 5, &(pd_sampling){.top_p = 1.0f}, 0, NULL);
+    double z = 0;
+    for (int i = 0; i < 5; i++) z += exp(logits[i]);
+    assert_float_equal(r.logprob, 1.9 - log(z), 1e-6);
+    assert_float_equal(raw.logprob, 2.0 - log(z), 1e-6);
+    /* history {1, 1, 3}: frequency 0.1 takes 2.0 - 0.2 = 1.8 for token 1,
+     * 1.9 - 0.1 = 1.8 for 3; token 4 keeps 1.8: the first index wins (1) */
+    sp = (pd_sampling){.top_p = 1.0f, .frequency_penalty = 0.1f};
+    assert_int_equal(sample_with(logits, 5, &sp, 3, hist).token, 1);
+    sp.frequency_penalty = 0.15f; /* 1.7 and 1.75 fall below token 4's 1.8 */
+    assert_int_equal(sample_with(logits, 5, &sp, 3, hist).token, 4);
+    /* repetition 1.2 on {1, 3}: 2.0 / 1.2 = 1.67, 1.9 / 1.2 = 1.58: token 4 */
+    sp = (pd_sampling){.top_p = 1.0f, .repetition_penalty = 1.2f};
+    assert_int_equal(sample_with(logits, 5, &sp, 3, hist).token, 4);
+    /* a repetition penalty of 1 is off */
+    sp.repetition_penalty = 1.0f;
+    assert_int_equal(sample_with(logits, 5, &sp, 3, hist).token, 1);
+    /* the order of the history does not matter */
+    const int32_t shuffled[4] = {3, 1, 1, 1};
+    sp = (pd_sampling){.temperature = 0.7f,
+                       .top_p = 1.0f,
+                       .seed = 5,
+                       .frequency_penalty = 0.3f,
+                       .presence_penalty = 0.2f,
+                       .repetition_penalty = 1.1f};
+    for (uint32_t k = 0; k < 40; k++) {
+        const int32_t a[4] = {hist[0], hist[1], hist[2], (int32_t)(k % 5)};
+        const int32_t b[4] = {shuffled[0], shuffled[1], shuffled[2], (int32_t)(k % 5)};
+        assert_int_equal(sample_with(logits, 5, &sp, 4, a).token,
+                         sample_with(logits, 5, &sp, 4, b).token);
+    }
+}
+
+/* top_logprobs: the n likeliest of the raw distribution, most likely first,
+ * an equal logit at a higher id after; the chosen token need not be among
+ * them, and n is capped at the vocabulary. */
+static void top_logprobs_list_the_likeliest(void **state) {
+    (void)state;
+    const float logits[6] = {0.5f, 2.0f, 2.0f, -1.0f, 1.5f, 2.5f};
+    double z = 0;
+    for (int i = 0; i < 6; i++) z += exp(logits[i]);
+    pd_sampling sp = {.top_p = 1.0f, .top_logprobs = 3};
+    pd_item_result r = sample_with(logits, 6, &sp, 0, NULL);
+    assert_int_equal(r.token, 5);
+    assert_int_equal(r.n_top, 3);
+    assert_int_equal(r.top_token[0], 5);
+    assert_int_equal(r.top_token[1], 1);
+    assert_int_equal(r.top_token[2], 2);
+    for (uint32_t i = 0; i < 3; i++)
+        assert_float_equal(r.top_logprob[i], logits[r.top_token[i]] - log(z), 1e-6);
+    sp.top_logprobs = 20;
+    r = sample_with(logits, 6, &sp, 0, NULL);
+    assert_int_equal(r.n_top, 6);
+    assert_int_equal(r.top_token[5], 3);
+    /* a penalised choice outside the top: still the raw list */
+    const int32_t hist[1] = {5};
+    sp = (pd_sampling){.top_p = 1.0f, .top_logprobs = 1, .presence_penalty = 2.0f};
+    r = sample_with(logits, 6, &sp, 1, hist);
+    assert_int_equal(r.token, 1);
+    assert_int_equal(r.n_top, 1);
+    assert_int_equal(r.top_token[0], 5);
 }
 
 static void greedy_takes_the_first_of_equal_maxima(void **state) {
@@ -404,6 +518,9 @@ int main(void) {
         cmocka_unit_test(sampled_token_depends_only_on_seed_and_index),
         cmocka_unit_test(temperature_sampling_follows_the_distribution),
         cmocka_unit_test(top_p_keeps_only_the_nucleus),
+        cmocka_unit_test(top_k_and_min_p_cut_the_tail),
+        cmocka_unit_test(penalties_look_at_the_history),
+        cmocka_unit_test(top_logprobs_list_the_likeliest),
         cmocka_unit_test(top_p_draws_stay_inside_the_brute_force_nucleus),
         cmocka_unit_test(tokenizer_round_trips_every_byte),
         cmocka_unit_test(utf8_sanitize_replaces_only_invalid_bytes),
