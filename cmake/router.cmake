@@ -12,7 +12,8 @@ add_library(pd_router STATIC
   src/router/sse.c
   src/router/body.c
   src/router/stats.c
-  src/router/router.c)
+  src/router/router.c
+  src/router/sglang.c)
 # Its public header is include/pdserve/router.h; the rest is private (the
 # router's own tests, beside it, reach the internals through the test kit).
 target_include_directories(pd_router PRIVATE ${CMAKE_SOURCE_DIR}/src/router)

@@ -107,11 +107,11 @@ typedef struct pd_terminal_event {
      * gives submit and step; the step's time, not the instant within it);
      * 0: the request never reached it here. */
     uint64_t submit_us;
-    uint64_t admit_us;       /* prefill, colocated: admitted (memory reserved for its chunks) */
-    uint64_t computed_us;    /* prefill, colocated: the prompt's last chunk's result processed */
-    uint64_t xfer_first_us;  /* prefill: the first send of the room posted */
-    uint64_t xfer_start_us;  /* prefill: the final send posted; decode: the destination sent */
-    uint64_t xfer_done_us;   /* prefill: the transport reported success; decode: likewise */
+    uint64_t admit_us;      /* prefill, colocated: admitted (memory reserved for its chunks) */
+    uint64_t computed_us;   /* prefill, colocated: the prompt's last chunk's result processed */
+    uint64_t xfer_first_us; /* prefill: the first send of the room posted */
+    uint64_t xfer_start_us; /* prefill: the final send posted; decode: the destination sent */
+    uint64_t xfer_done_us;  /* prefill: the transport reported success; decode: likewise */
     /* KV pages, Mamba state and metadata row this node posted to the room
      * (prefill) or received through it (decode, once the transfer succeeded). */
     uint64_t xfer_bytes;
@@ -172,9 +172,9 @@ uint32_t pd_engine_abort_all(pd_engine *e);
 
 /* What pd_engine_flush_cache gave back: the units the prefix cache held. */
 typedef struct pd_cache_flush {
-    uint64_t kv_pages;             /* device KV pages */
-    uint64_t host_pages;           /* host-tier copies */
-    uint64_t mamba_slots;          /* Mamba snapshots */
+    uint64_t kv_pages;    /* device KV pages */
+    uint64_t host_pages;  /* host-tier copies */
+    uint64_t mamba_slots; /* Mamba snapshots */
 } pd_cache_flush;
 
 /* Empties the prefix cache (SGLang's /flush_cache): every unit it holds, on

@@ -20,6 +20,7 @@
 #define PDSERVE_HTTP_H
 
 #include <stdarg.h>
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -41,6 +42,21 @@ __attribute__((format(printf, 2, 3)))
 #endif
 char *pd_http_error_body(unsigned status, const char *fmt, ...);
 char *pd_http_error_body_v(unsigned status, const char *fmt, va_list ap);
+
+/* ---- the API key (--api-key; src/http/auth.c) ------------------------------
+ * Like SGLang's: every request needs "Authorization: Bearer KEY" except
+ * OPTIONS and the paths that start with /health or /metrics. The check
+ * takes the same time whatever the token (hashed, then compared in
+ * constant time). pd_http_req_authorize (http_server.h) answers the 401. */
+
+/* Keys are 1 to PD_HTTP_API_KEY_MAX - 1 bytes of visible ASCII. */
+#define PD_HTTP_API_KEY_MAX 256u
+bool pd_http_api_key_valid(const char *key);
+/* True when a request needs no key: OPTIONS, /health..., /metrics... */
+bool pd_http_api_key_exempt(const char *method, const char *path);
+/* True when an Authorization header value ("Bearer TOKEN", the scheme in any
+ * case; NULL when absent) carries api_key (non-empty). */
+bool pd_http_bearer_matches(const char *authorization, const char *api_key);
 
 #ifdef __cplusplus
 }

@@ -139,6 +139,12 @@ pd_err pd_http_req_stream_begin(pd_http_req *r, unsigned status, const char *con
 pd_err pd_http_req_stream_write(pd_http_req *r, const void *data, size_t len);
 pd_err pd_http_req_stream_end(pd_http_req *r);
 
+/* The API key check of a server started with one (pdserve/http.h): true
+ * when r may go on (api_key NULL or empty, an exempt route, or the right
+ * Bearer token); otherwise answers 401 with WWW-Authenticate: Bearer and
+ * returns false. On the loop thread, before anything else looks at r. */
+bool pd_http_req_authorize(pd_http_req *r, const char *api_key);
+
 /* ---- what happens to the client ------------------------------------------ */
 
 typedef enum pd_http_req_event {

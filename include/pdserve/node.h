@@ -37,6 +37,10 @@ const char *pd_node_role_name(pd_node_role r);
  * prints nothing itself: where a report goes is its caller's choice. */
 typedef void (*pd_node_violation_fn)(void *ctx, pd_node_role role, const char *report);
 
+/* A request's log line (one JSON object, no newline; docs/http-api.md),
+ * on the scheduler thread; valid during the call only. */
+typedef void (*pd_node_log_fn)(void *ctx, const char *line);
+
 typedef struct pd_node_config {
     pd_node_role role;
     /* HTTP */
@@ -74,6 +78,12 @@ typedef struct pd_node_config {
     pd_node_violation_fn on_violation; /* strict: the first reports (the count goes on in
                                           /server_info and /metrics); NULL: none */
     void *on_violation_ctx;
+    /* The request log: a line for every request that ends (or that submit
+     * refuses) when log_requests, else only for those whose client hung up.
+     * NULL on_log: none; the node prints nothing itself. */
+    bool log_requests;
+    pd_node_log_fn on_log;
+    void *on_log_ctx;
     uint64_t bootstrap_timeout_ms;    /* default 30000 */
     uint64_t transfer_timeout_ms;     /* default 60000 */
     /* transport (prefill / decode) */
@@ -91,6 +101,14 @@ typedef struct pd_node_config {
     const char *prefill_peers;
     /* prefill: listen beyond loopback without a token. */
     bool insecure_bootstrap;
+    /* The longest prompt + max_new_tokens a request may ask for (SGLang's
+     * --context-length); longer is a 400 naming it, a default max_new_tokens
+     * is cut to fit. 0: no limit but the two above. */
+    uint32_t context_length;
+    /* Every request but OPTIONS, /health... and /metrics... must carry
+     * "Authorization: Bearer api_key" (SGLang's --api-key), else 401. NULL
+     * or "": none. */
+    const char *api_key;
 } pd_node_config;
 
 void pd_node_config_default(pd_node_config *c, pd_node_role role);

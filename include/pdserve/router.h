@@ -76,11 +76,21 @@ typedef struct pd_router_config {
                                          node gets to end the response itself; default 1000 */
     size_t max_body_bytes;            /* client request bodies; default 1 MiB */
     size_t max_response_bytes;        /* a non-streamed worker answer; default 64 MiB */
+    /* Told of every client that hung up before its answer, one line each (a
+     * JSON object with its rid, docs/http-api.md), on the request's thread.
+     * NULL: nothing is logged; the router prints nothing itself. */
+    void (*on_log)(void *ctx, const char *line);
+    void *on_log_ctx;
     uint32_t connections_max;         /* client connections = requests in flight; default 1024 */
     /* Of them, from one client address; default 256. */
     uint32_t connections_per_ip;
     /* A client connection silent this long is closed; default 60. */
     uint32_t client_timeout_s;
+    /* --api-key, as sgl-router's: clients must send "Authorization: Bearer
+     * api_key" on every route but OPTIONS, /health... and /metrics... (401
+     * otherwise), and the router sends the same to its workers. NULL or "":
+     * none. At most PD_HTTP_API_KEY_MAX - 1 bytes of visible ASCII. */
+    const char *api_key;
 } pd_router_config;
 
 /* Fills the defaults above (no workers). */

@@ -19,6 +19,8 @@
 
 #include "args.h"
 #include "commands.h"
+#include "node_options.h"
+#include "pdserve/http.h"
 #include "pdserve/router.h"
 
 static void usage(FILE *to) {
@@ -34,11 +36,14 @@ static void usage(FILE *to) {
             "\n"
             "workers:\n"
             "  --prefill URL[@PORT]        a prefill node, http://host:port; the optional @PORT\n"
-            "                              is its bootstrap port (default: --bootstrap-port).\n"
+            "                              is its bootstrap port (default: --bootstrap-port);\n"
+            "                              sgl-router's form, --prefill URL PORT, too.\n"
             "                              Repeat for more nodes (at most %d per role)\n"
             "  --decode URL                a decode node, http://host:port; repeatable\n"
-            "  --bootstrap-port N          bootstrap port of prefill nodes given without @PORT\n"
+            "  --bootstrap-port N          bootstrap port of prefill nodes given without one\n"
             "                              (default 8998). The bootstrap host is the URL's host\n"
+            "  --pd-disaggregation         sgl-router's PD mode switch; this router is always\n"
+            "                              in it, so it changes nothing\n"
             "  --policy NAME               round_robin (default): each role's healthy nodes in\n"
             "                              turn; least_load: the healthy node with the fewest\n"
             "                              requests in flight from this router; random; or\n"
@@ -52,6 +57,10 @@ static void usage(FILE *to) {
             "  --max-connections-per-ip N  of them from one client address (default 256)\n"
             "  --client-timeout-s N        close a client connection silent this long\n"
             "                              (default 60)\n"
+            "  --api-key KEY               clients must send 'Authorization: Bearer KEY' (else\n"
+            "                              401; /health* and /metrics* exempt), and the router\n"
+            "                              sends it to the workers (start them with the same)\n"
+            "  --log-level LEVEL           debug, info (default), warning or error\n"
             "\n"
             "health and timeouts:\n"
             "  --health-interval-ms N      GET /health of every worker this often (default 1000);\n"
@@ -64,11 +73,19 @@ static void usage(FILE *to) {
             "  --abort-grace-ms N          after POST /abort_request, how long the decode node\n"
             "                              gets to end the answer itself (default 1000)\n"
             "  --help                      this text\n"
+            "  --version                   the version, then exit\n"
             "\n"
-            "Example:\n"
+            "sgl-router's spellings of the same options:\n"
+            "  --request-timeout-secs N    = --request-timeout-s\n"
+            "  --max-payload-size N        = --max-body-bytes\n"
+            "\n"
+            "Examples:\n"
             "  pdserve router --prefill http://10.0.0.5:30001@8998 --decode http://10.0.0.6:30002\n"
+            "  pdserve router --pd-disaggregation --prefill http://10.0.0.5:30001 8998 \\\n"
+            "                 --decode http://10.0.0.6:30002\n"
             "\n"
-            "Stops on SIGINT/SIGTERM. Exit codes: 0 stopped, 1 runtime error, 2 usage error.\n",
+            "Every option also takes the form --opt=VALUE. Stops on SIGINT/SIGTERM.\n"
+            "Exit codes: 0 stopped, 1 runtime error, 2 usage error.\n",
             PD_ROUTER_WORKERS_MAX);
 }
 
@@ -77,7 +94,6 @@ static int usage_error(const char *what, const char *detail) {
     return 2;
 }
 
-/* 0 on success, else the exit code (2). */
 /* The client-side limits; false if name is none of them. */
 static bool limit_option(const char *name, const char *val, pd_router_config *cfg, bool *ok) {
     uint64_t v = 0;
@@ -93,72 +109,127 @@ static bool limit_option(const char *name, const char *val, pd_router_config *cf
     } else if (!strcmp(name, "--client-timeout-s")) {
         *ok = cli_u64(val, 1, 86400, &v);
         cfg->client_timeout_s = (uint32_t)v;
+    } else if (!strcmp(name, "--api-key")) {
+        *ok = pd_http_api_key_valid(val);
+        cfg->api_key = val;
+    } else if (!strcmp(name, "--log-level")) {
+        *ok = cli_log_level_set(val);
     } else {
         return false;
     }
     return true;
 }
 
+/* The health and time limits; false if name is none of them. */
+static bool time_option(const char *name, const char *val, pd_router_config *cfg, bool *ok) {
+    uint64_t v = 0;
+    if (!strcmp(name, "--health-interval-ms")) {
+        *ok = cli_u64(val, 1, 3600000, &v);
+        cfg->health_interval_ms = (uint32_t)v;
+    } else if (!strcmp(name, "--health-timeout-ms")) {
+        *ok = cli_u64(val, 1, 3600000, &v);
+        cfg->health_timeout_ms = (uint32_t)v;
+    } else if (!strcmp(name, "--request-timeout-s")) {
+        *ok = cli_u64(val, 1, 86400, &v);
+        cfg->request_timeout_ms = (uint32_t)(v * 1000);
+    } else if (!strcmp(name, "--abort-grace-ms")) {
+        *ok = cli_u64(val, 0, 3600000, &v);
+        cfg->abort_grace_ms = (uint32_t)v;
+    } else {
+        return limit_option(name, val, cfg, ok);
+    }
+    return true;
+}
+
+/* A prefill URL given sgl-router's way, its bootstrap port as the next
+ * argument, becomes URL@PORT here; the router keeps pointers. */
+static char prefill_specs[PD_ROUTER_WORKERS_MAX][PD_ROUTER_URL_MAX + 8];
+
+/* --prefill URL [PORT] and --decode URL: 0 taken, 2 refused. */
+static int worker_option(int argc, char **argv, int *i, const char *name, const char *val,
+                         pd_router_config *cfg) {
+    const bool prefill = !strcmp(name, "--prefill");
+    size_t *n = prefill ? &cfg->prefill_count : &cfg->decode_count;
+    if (*n == PD_ROUTER_WORKERS_MAX)
+        return usage_error(prefill ? "too many --prefill nodes" : "too many --decode nodes", "");
+    uint64_t port = 0;
+    if (prefill && *i + 1 < argc && cli_u64(argv[*i + 1], 1, 65535, &port)) {
+        if (strchr(val, '@')) return usage_error("two bootstrap ports for ", val);
+        snprintf(prefill_specs[*n], sizeof prefill_specs[*n], "%s@%u", val, (unsigned)port);
+        val = prefill_specs[*n];
+        (*i)++;
+    }
+    (prefill ? cfg->prefill : cfg->decode)[(*n)++] = val;
+    return 0;
+}
+
+/* sgl-router's spellings of the same options. */
+static const char *canonical(const char *name) {
+    if (!strcmp(name, "--request-timeout-secs")) return "--request-timeout-s";
+    if (!strcmp(name, "--max-payload-size")) return "--max-body-bytes";
+    return name;
+}
+
+/* One option at argv[*i]: 0 taken, 2 refused (message printed). */
+static int take_option(int argc, char **argv, int *i, pd_router_config *cfg) {
+    if (!strcmp(argv[*i], "--pd-disaggregation")) return 0; /* always this router's mode */
+    char typed[64];
+    const char *val = cli_option(argc, argv, i, typed, sizeof typed);
+    const char *name = canonical(typed);
+    if (strncmp(name, "--", 2)) return usage_error("unexpected argument ", name);
+    if (!val) return usage_error(typed, " needs a value");
+    uint64_t v = 0;
+    bool ok = true;
+    if (!strcmp(name, "--prefill") || !strcmp(name, "--decode"))
+        return worker_option(argc, argv, i, name, val, cfg);
+    if (!strcmp(name, "--host")) {
+        cfg->host = val;
+    } else if (!strcmp(name, "--port")) {
+        ok = cli_u64(val, 0, 65535, &v);
+        cfg->port = (uint16_t)v;
+    } else if (!strcmp(name, "--bootstrap-port")) {
+        ok = cli_u64(val, 1, 65535, &v);
+        cfg->bootstrap_port = (uint16_t)v;
+    } else if (!strcmp(name, "--policy")) {
+        ok = pd_router_policy_parse(val, &cfg->policy) == PD_OK;
+    } else if (!time_option(name, val, cfg, &ok)) {
+        return cli_unknown_option_usage("router", typed, usage,
+                                        cli_node_option_known(typed)
+                                            ? "the node commands (serve, prefill, decode, run)"
+                                            : NULL);
+    }
+    if (ok) return 0;
+    if (!strcmp(name, "--api-key"))
+        return usage_error("--api-key: 1 to 255 bytes of visible ASCII", "");
+    if (!strcmp(name, "--log-level"))
+        fprintf(stderr, "pdserve router: --log-level: bad value '%s' (%s)\n", val,
+                CLI_LOG_LEVELS);
+    else
+        fprintf(stderr, "pdserve router: %s: bad value '%s' (see pdserve router --help)\n", typed,
+                val);
+    return 2;
+}
+
 static int parse_args(int argc, char **argv, pd_router_config *cfg, bool *help) {
     pd_router_config_default(cfg);
     *help = false;
     for (int i = 1; i < argc; i++) {
-        const char *a = argv[i];
-        if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
+        if (!strcmp(argv[i], "--help") || !strcmp(argv[i], "-h")) {
             *help = true;
             return 0;
         }
-        /* every other option takes a value: --opt VALUE or --opt=VALUE */
-        char name[64];
-        const char *val = cli_option(argc, argv, &i, name, sizeof name);
-        if (strncmp(name, "--", 2)) return usage_error("unexpected argument ", name);
-        if (!val) return usage_error(name, " needs a value");
-        uint64_t v = 0;
-        bool ok = true;
-        if (!strcmp(name, "--prefill")) {
-            if (cfg->prefill_count == PD_ROUTER_WORKERS_MAX)
-                return usage_error("too many --prefill nodes", "");
-            cfg->prefill[cfg->prefill_count++] = val;
-        } else if (!strcmp(name, "--decode")) {
-            if (cfg->decode_count == PD_ROUTER_WORKERS_MAX)
-                return usage_error("too many --decode nodes", "");
-            cfg->decode[cfg->decode_count++] = val;
-        } else if (!strcmp(name, "--host")) {
-            cfg->host = val;
-        } else if (!strcmp(name, "--port")) {
-            ok = cli_u64(val, 0, 65535, &v);
-            cfg->port = (uint16_t)v;
-        } else if (!strcmp(name, "--bootstrap-port")) {
-            ok = cli_u64(val, 1, 65535, &v);
-            cfg->bootstrap_port = (uint16_t)v;
-        } else if (!strcmp(name, "--policy")) {
-            ok = pd_router_policy_parse(val, &cfg->policy) == PD_OK;
-        } else if (!strcmp(name, "--health-interval-ms")) {
-            ok = cli_u64(val, 1, 3600000, &v);
-            cfg->health_interval_ms = (uint32_t)v;
-        } else if (!strcmp(name, "--health-timeout-ms")) {
-            ok = cli_u64(val, 1, 3600000, &v);
-            cfg->health_timeout_ms = (uint32_t)v;
-        } else if (!strcmp(name, "--request-timeout-s")) {
-            ok = cli_u64(val, 1, 86400, &v);
-            cfg->request_timeout_ms = (uint32_t)(v * 1000);
-        } else if (!strcmp(name, "--abort-grace-ms")) {
-            ok = cli_u64(val, 0, 3600000, &v);
-            cfg->abort_grace_ms = (uint32_t)v;
-        } else if (limit_option(name, val, cfg, &ok)) {
-            /* taken */
-        } else {
-            return usage_error("unknown option ", name);
-        }
-        if (!ok) {
-            fprintf(stderr, "pdserve router: %s: bad value '%s' (see pdserve router --help)\n",
-                    name, val);
-            return 2;
-        }
+        int rc = take_option(argc, argv, &i, cfg);
+        if (rc) return rc;
     }
     if (cfg->prefill_count == 0) return usage_error("at least one --prefill URL is required", "");
     if (cfg->decode_count == 0) return usage_error("at least one --decode URL is required", "");
     return 0;
+}
+
+/* The router's log: clients that hung up, one JSON line each. */
+static void print_hang_up(void *ctx, const char *line) {
+    (void)ctx;
+    fprintf(stderr, "%s\n", line);
 }
 
 int cli_cmd_router(int argc, char **argv) {
@@ -166,6 +237,7 @@ int cli_cmd_router(int argc, char **argv) {
     bool help;
     int rc = parse_args(argc, argv, &cfg, &help);
     if (rc) return rc;
+    cfg.on_log = print_hang_up;
     if (help) {
         usage(stdout);
         return 0;
@@ -202,13 +274,18 @@ int cli_cmd_router(int argc, char **argv) {
         pd_router_destroy(r);
         return 1;
     }
-    printf("pdserve router listening on http://%s:%u (%zu prefill, %zu decode, policy %s)\n",
-           cfg.host, (unsigned)pd_router_port(r), cfg.prefill_count, cfg.decode_count,
-           pd_router_policy_name(cfg.policy));
-    fflush(stdout);
+    cli_log(CLI_LOG_DEBUG,
+            "pdserve router: health every %u ms, request timeout %u ms, body up to %zu bytes, "
+            "%u connections (%u per client), api key %s",
+            cfg.health_interval_ms, cfg.request_timeout_ms, cfg.max_body_bytes,
+            cfg.connections_max, cfg.connections_per_ip, cfg.api_key ? "set" : "none");
+    cli_log(CLI_LOG_INFO,
+            "pdserve router listening on http://%s:%u (%zu prefill, %zu decode, policy %s)",
+            cfg.host, (unsigned)pd_router_port(r), cfg.prefill_count, cfg.decode_count,
+            pd_router_policy_name(cfg.policy));
     int sig = 0;
     sigwait(&stop_signals, &sig);
-    fprintf(stderr, "pdserve router: signal %d, stopping\n", sig);
+    cli_log(CLI_LOG_INFO, "pdserve router: signal %d, stopping", sig);
     pd_router_destroy(r);
     return 0;
 }

@@ -11,9 +11,15 @@ struct pd_run_router {
     char prefill[96], decode[96];
 };
 
+/* The router's log: clients that hung up, one JSON line each. */
+static void print_hang_up(void *ctx, const char *line) {
+    (void)ctx;
+    fprintf(stderr, "%s\n", line);
+}
+
 pd_err cli_run_router_start(pd_run_router **out, const char *host, uint16_t port,
                             uint16_t prefill_port, uint16_t decode_port, uint16_t bootstrap_port,
-                            char *msg, size_t cap) {
+                            const char *api_key, char *msg, size_t cap) {
     *out = NULL;
     pd_run_router *rr = calloc(1, sizeof(*rr));
     if (!rr) return pd_errorf(msg, cap, PD_ERR_NOMEM, "out of memory");
@@ -31,6 +37,8 @@ pd_err cli_run_router_start(pd_run_router **out, const char *host, uint16_t port
     c.prefill_count = 1;
     c.decode[0] = rr->decode;
     c.decode_count = 1;
+    c.api_key = api_key; /* its clients' key, and the one its nodes want */
+    c.on_log = print_hang_up;
     pd_err err = pd_router_create(&rr->r, &c, msg, cap);
     if (!err) err = pd_router_start(rr->r, msg, cap);
     if (err) {

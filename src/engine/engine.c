@@ -1055,8 +1055,8 @@ pd_err pd_engine_flush_cache(pd_engine *e, pd_cache_flush *out, char *msg, size_
     if (!e->cache) return pd_errorf(msg, msg_cap, PD_OK, "this node has no prefix cache");
     if (!pd_engine_idle(e))
         return pd_errorf(msg, msg_cap, PD_ERR_STATE,
-                         "%u requests are live (%u of them hold cached units) and %u forwards "
-                         "are in flight; the cache is flushed only when the node is idle",
+                         "the cache is flushed only when the node is idle: %u requests live "
+                         "(%u of them holding cached units), %u forwards in flight",
                          e->reqs_live, requests_holding_cache(e), e->inflight_n);
     pd_cache_stats before, after;
     pd_cache_stats_get(e->cache, &before);

@@ -64,8 +64,8 @@ static void send_final(pd_engine *e, req *r) {
         fail(e, r, "transfer: posting the final send failed");
         return;
     }
-    r->xfer_bytes += (uint64_t)(total > from ? total - from : 0) * e->xfer_page_bytes +
-                     e->xfer_state_bytes;
+    r->xfer_bytes +=
+        (uint64_t)(total > from ? total - from : 0) * e->xfer_page_bytes + e->xfer_state_bytes;
     r->t_xfer_start = e->now;
     if (!r->t_xfer_first) r->t_xfer_first = e->now;
     r->sent_pages = total;

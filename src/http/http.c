@@ -21,6 +21,7 @@
 const char *pd_http_error_type(unsigned status) {
     switch (status) {
     case 400: return "invalid_request_error";
+    case 401: return "authentication_error";
     case 403: return "permission_error";
     case 404: return "not_found_error";
     case 405: return "method_not_allowed";

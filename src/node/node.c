@@ -26,10 +26,9 @@
 #include "pdserve/net.h"
 #include "pdserve/tokenizer.h"
 
-#define NODE_STRINGS 9 /* own_config_strings's slots */
+#define NODE_STRINGS 10 /* own_config_strings's slots */
 
 #define CMDS_MAX 4096
-#define HIST_BUCKETS 12
 /* One strict-mode report: the violations and the attribution of every pool;
  * longer reports are cut (pd_strbuf), the count of violations is not. */
 #define STRICT_REPORT_BYTES (64u * 1024u)
@@ -44,18 +43,6 @@ typedef struct cmd {
     uint64_t room;                 /* CANCEL_ROOM */
     char peer[PD_PEER_MAX];
 } cmd;
-
-typedef struct hist {
-    const double *bounds;   /* HIST_BUCKETS - 1 finite upper bounds; the last bucket is +Inf */
-    uint64_t counts[HIST_BUCKETS];
-    double sum;
-    uint64_t n;
-} hist;
-
-static const double ttft_bounds[HIST_BUCKETS - 1] = {0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
-                                                     0.5,   1,    2.5,   5,    10};
-static const double itl_bounds[HIST_BUCKETS - 1] = {0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025,
-                                                    0.05,   0.1,   0.25,   0.5,   1};
 
 struct pd_node {
     pd_node_config cfg;
@@ -88,7 +75,7 @@ struct pd_node {
     uint16_t http_port;
 
     /* scheduler thread only */
-    hist ttft, itl, e2e;
+    node_metrics *metrics;
     uint64_t violations;
     char *strict_report;             /* STRICT_REPORT_BYTES, strict mode only: each node
                                         its own, as two run in one process (pdserve run) */
@@ -116,14 +103,6 @@ uint32_t node_vocab(const pd_node *n) { return pd_model_config_get(n->model)->vo
 int32_t node_bos(const pd_node *n) { return pd_model_config_get(n->model)->bos_token; }
 uint64_t node_next_rid(pd_node *n) { return atomic_fetch_add(&n->rid_counter, 1) + 1; }
 bool node_stopping(const pd_node *n) { return atomic_load(&n->stopping); }
-
-static void hist_add(hist *h, double v) {
-    int b = 0;
-    while (b < HIST_BUCKETS - 1 && v > h->bounds[b]) b++;
-    h->counts[b]++;
-    h->sum += v;
-    h->n++;
-}
 
 void pd_node_config_default(pd_node_config *c, pd_node_role role) {
     memset(c, 0, sizeof(*c));
@@ -171,6 +150,9 @@ void call_unref(call *c) {
     free(c->prompt);
     free(c->tokens);
     free(c->logprobs);
+    free(c->top);
+    free(c->top_lp);
+    free(c->n_top);
     free(c);
 }
 
@@ -203,6 +185,23 @@ static void slot_give(pd_node *n, uint32_t slot) {
 
 /* ---- the sink (scheduler thread) -------------------------------------------------- */
 
+/* The alternatives of output token `index`, kept beside it (c->top, n_top
+ * per token) when the request asked for top_logprobs. */
+static void sink_top(void *self, uint64_t tag, uint32_t index, const int32_t *tokens,
+                     const float *logprobs, uint32_t n_top) {
+    pd_node *n = self;
+    PD_ASSERT(tag < n->requests_max && n->calls[tag]);
+    call *c = n->calls[tag];
+    uint32_t k = c->spec.sampling.top_logprobs;
+    pthread_mutex_lock(&c->mu);
+    if (c->top && index == c->n_tokens && index < c->spec.max_new_tokens && n_top <= k) {
+        memcpy(c->top + (size_t)index * k, tokens, sizeof(int32_t) * n_top);
+        memcpy(c->top_lp + (size_t)index * k, logprobs, sizeof(float) * n_top);
+        c->n_top[index] = (uint8_t)n_top;
+    }
+    pthread_mutex_unlock(&c->mu);
+}
+
 static void sink_token(void *self, uint64_t tag, const char *rid, uint64_t room, int32_t token,
                        float logprob, uint32_t index) {
     (void)room;
@@ -214,22 +213,35 @@ static void sink_token(void *self, uint64_t tag, const char *rid, uint64_t room,
         c->tokens[c->n_tokens] = token;
         c->logprobs[c->n_tokens] = logprob;
         c->n_tokens++;
-        if (c->n_tokens == 1) {
-            c->t_first_us = now;
-            hist_add(&n->ttft, (double)(now - c->t_submit_us) / 1e6);
-        } else {
-            hist_add(&n->itl, (double)(now - c->t_done_us) / 1e6);
-        }
+        bool first = c->n_tokens == 1;
+        if (first) c->t_first_us = now;
+        uint64_t since_us = now - (first ? c->t_submit_us : c->t_done_us);
+        node_metrics_token(n->metrics, first, (double)since_us / 1e6);
         c->t_done_us = now; /* time of the latest token until done */
     }
     call_changed(c);
     pthread_mutex_unlock(&c->mu);
 }
 
+/* The request log's line for c (under c->mu), when it is to be logged:
+ * every request with --log-requests, else those whose client hung up. */
+static char *request_line(pd_node *n, const call *c, const pd_terminal_event *ev, uint64_t now) {
+    if (!n->cfg.on_log || !(n->cfg.log_requests || c->hung_up)) return NULL;
+    return node_request_line(n->cfg.role, c, ev, now);
+}
+
+/* Hands a log line on, outside every lock (the callback may block on I/O). */
+static void log_line(pd_node *n, char *line) {
+    if (!line) return;
+    n->cfg.on_log(n->cfg.on_log_ctx, line);
+    free(line);
+}
+
 static void sink_terminal(void *self, const pd_terminal_event *ev) {
     pd_node *n = self;
     call *c = call_of(n, ev->tag, ev->rid);
     uint64_t now = node_now_us();
+    node_metrics_end(n->metrics, ev, now);
     pthread_mutex_lock(&c->mu);
     c->done = true;
     c->kind = ev->kind;
@@ -238,15 +250,17 @@ static void sink_terminal(void *self, const pd_terminal_event *ev) {
     snprintf(c->message, sizeof(c->message), "%s", ev->message ? ev->message : "");
     c->cached_tokens = ev->cached_tokens;
     c->t_done_us = now;
-    hist_add(&n->e2e, (double)(now - c->t_submit_us) / 1e6);
+    char *line = request_line(n, c, ev, now);
     call_changed(c);
     pthread_mutex_unlock(&c->mu);
+    log_line(n, line);
     n->calls[ev->tag] = NULL;
     slot_give(n, (uint32_t)ev->tag);
     call_unref(c); /* the scheduler's reference */
 }
 
-static const pd_sink_vtable node_sink_vt = {.token = sink_token, .terminal = sink_terminal};
+static const pd_sink_vtable node_sink_vt = {
+    .token = sink_token, .terminal = sink_terminal, .top_logprobs = sink_top};
 
 /* ---- commands ------------------------------------------------------------------ */
 
@@ -340,8 +354,10 @@ static void run_command(pd_node *n, cmd *q) {
         c->submitted = true;
         c->submit_err = err;
         c->reject = why;
+        char *line = err != PD_OK ? request_line(n, c, NULL, c->t_submit_us) : NULL;
         call_changed(c);
         pthread_mutex_unlock(&c->mu);
+        log_line(n, line);
         if (err != PD_OK) call_unref(c);
         break;
     }
@@ -366,6 +382,13 @@ static void run_command(pd_node *n, cmd *q) {
     case CMD_METRICS: {
         char *text = metrics_text(n);
         reply_done(q->reply, text ? PD_OK : PD_ERR_TOOBIG, text);
+        break;
+    }
+    case CMD_FLUSH: {
+        char msg[256];
+        pd_err err = pd_engine_flush_cache(n->eng, NULL, msg, sizeof(msg));
+        char *text = strdup(msg);
+        reply_done(q->reply, text ? err : PD_ERR_NOMEM, text);
         break;
     }
     }
@@ -403,7 +426,9 @@ static void *sched_main(void *arg) {
         pthread_mutex_unlock(&n->mu);
         for (uint32_t i = 0; i < k; i++) run_command(n, &batch[i]);
         if (stop) break;
-        pd_engine_step(n->eng, node_now_us());
+        uint64_t now = node_now_us();
+        pd_engine_step(n->eng, now);
+        node_metrics_tick(n->metrics, now);
         if (n->cfg.strict) node_strict_check(n);
         pthread_mutex_lock(&n->mu);
         if (n->cmd_n == 0 && !atomic_load(&n->stopping)) {
@@ -447,12 +472,17 @@ static json_t *info_config(pd_node *n) {
     json_object_set_new(cfg, "host_pages", json_integer(ec->host_pages));
     json_object_set_new(cfg, "chunked_prefill_size", json_integer(ec->chunk_tokens));
     json_object_set_new(cfg, "max_prompt_tokens", json_integer(ec->prompt_tokens_max));
+    json_object_set_new(cfg, "context_length", json_integer(n->cfg.context_length));
     json_object_set_new(cfg, "max_new_tokens", json_integer(ec->new_tokens_max));
     json_object_set_new(cfg, "overlap", json_boolean(ec->overlap));
     json_object_set_new(cfg, "prefix_cache", json_boolean(ec->prefix_cache));
     json_object_set_new(cfg, "optimistic_attempts", json_integer(ec->optimistic_attempts));
     json_object_set_new(cfg, "strict", json_boolean(ec->strict));
     json_object_set_new(cfg, "model_layers", json_string(pd_model_config_get(n->model)->layers));
+    pd_exec_memory mem; /* what one hand-off moves per page and per room */
+    n->model_ex.vt->memory(n->model_ex.self, &mem);
+    json_object_set_new(cfg, "kv_page_bytes", json_integer((json_int_t)mem.kv_page_bytes));
+    json_object_set_new(cfg, "mamba_slot_bytes", json_integer((json_int_t)mem.mamba_slot_bytes));
     const char *backend = n->cfg.role == PD_NODE_SERVE ? "none" : n->cfg.transfer_backend;
     json_object_set_new(cfg, "transfer_backend", json_string(backend));
     return cfg;
@@ -498,19 +528,6 @@ static char *info_json(pd_node *n) {
     char *out = json_dumps(root, JSON_COMPACT);
     json_decref(root);
     return out;
-}
-
-static void hist_text(pd_strbuf *t, const char *name, const char *help, const hist *h) {
-    pd_strbuf_printf(t, "# HELP %s %s\n# TYPE %s histogram\n", name, help, name);
-    uint64_t cum = 0;
-    for (int b = 0; b < HIST_BUCKETS - 1; b++) {
-        cum += h->counts[b];
-        pd_strbuf_printf(t, "%s_bucket{le=\"%g\"} %llu\n", name, h->bounds[b],
-                         (unsigned long long)cum);
-    }
-    cum += h->counts[HIST_BUCKETS - 1];
-    pd_strbuf_printf(t, "%s_bucket{le=\"+Inf\"} %llu\n%s_sum %.6f\n%s_count %llu\n", name,
-                     (unsigned long long)cum, name, h->sum, name, (unsigned long long)h->n);
 }
 
 /* Requests by state and by outcome, and the rooms still draining. */
@@ -604,12 +621,7 @@ static char *metrics_text(pd_node *n) {
     metrics_requests(&t, &c, pd_node_role_name(n->cfg.role));
     metrics_work(&t, &c);
     metrics_pools(&t, pd_engine_ledger(n->eng));
-    hist_text(&t, "pdserve_time_to_first_token_seconds",
-              "From submit to the first token on this node.", &n->ttft);
-    hist_text(&t, "pdserve_inter_token_latency_seconds",
-              "Between consecutive tokens of a request.", &n->itl);
-    hist_text(&t, "pdserve_e2e_latency_seconds",
-              "From submit to the terminal event on this node.", &n->e2e);
+    node_metrics_text(n->metrics, &t, &c, pd_engine_ledger(n->eng), node_now_us());
     pd_strbuf_printf(&t,
                      "# HELP pdserve_ownership_violations_total "
                      "Failed ownership checks (strict mode).\n"
@@ -645,6 +657,7 @@ static void own_config_strings(pd_node *n) {
     c->bootstrap_host = own(n, 6, c->bootstrap_host);
     c->bootstrap_token = own(n, 7, c->bootstrap_token);
     c->prefill_peers = own(n, 8, c->prefill_peers);
+    c->api_key = own(n, 9, c->api_key);
     /* The bootstrap channel listens where the HTTP port does unless told. */
     if (!c->bootstrap_host) c->bootstrap_host = c->host;
 }
@@ -727,6 +740,10 @@ static void engine_config_from(const pd_node_config *c, const pd_model_shape *sh
     ec->batch_max = PD_MIN(PD_MAX(ec->rows, 8u), 256u);
     ec->prompt_tokens_max = c->max_prompt_tokens;
     ec->new_tokens_max = c->max_new_tokens_limit;
+    if (c->context_length > 1) { /* no request holds more (http.c refuses it) */
+        ec->prompt_tokens_max = PD_MIN(ec->prompt_tokens_max, c->context_length - 1);
+        ec->new_tokens_max = PD_MIN(ec->new_tokens_max, c->context_length - 1);
+    }
     ec->overlap = !c->disable_overlap;
     ec->optimistic_attempts = c->optimistic_attempts;
     ec->prefix_cache = !c->disable_prefix_cache;
@@ -828,10 +845,9 @@ pd_err pd_node_create(pd_node **out, const pd_node_config *cfg_in, char *msg, si
     pthread_cond_init(&n->cv, NULL);
     atomic_init(&n->stopping, false);
     atomic_init(&n->rid_counter, 0);
-    n->ttft.bounds = ttft_bounds;
-    n->itl.bounds = itl_bounds;
-    n->e2e.bounds = ttft_bounds;
-    pd_err err = create_model(n, msg, cap);
+    n->metrics = node_metrics_new(n->cfg.role, n->cfg.served_model_name);
+    pd_err err = n->metrics ? create_model(n, msg, cap)
+                            : pd_errorf(msg, cap, PD_ERR_NOMEM, "out of memory");
     if (!err) err = check_sizes(&n->cfg, msg, cap);
     if (err) goto fail;
     pd_role role = engine_role(n->cfg.role);
@@ -925,6 +941,7 @@ void pd_node_destroy(pd_node *n) {
     free(n->meta);
     free(n->cmds);
     free(n->strict_report);
+    node_metrics_free(n->metrics);
     for (int i = 0; i < NODE_STRINGS; i++) free(n->strings[i]);
     pthread_mutex_destroy(&n->mu);
     pthread_cond_destroy(&n->cv);

@@ -17,6 +17,7 @@
 #include <stdatomic.h>
 
 #include "pdserve/engine.h"
+#include "pdserve/http_server.h"
 #include "pdserve/node.h"
 
 /* The /metrics text: some 8 KiB with every pool and histogram; a text that
@@ -44,6 +45,11 @@ typedef struct call {
     /* Outputs (guarded by mu). */
     int32_t *tokens;
     float *logprobs;
+    /* top_logprobs: spec.sampling.top_logprobs entries per token (NULL when
+     * not asked), n_top[i] of them filled for token i */
+    int32_t *top;
+    float *top_lp;
+    uint8_t *n_top;
     uint32_t n_tokens;
     bool done;
     pd_terminal_kind kind;
@@ -52,7 +58,8 @@ typedef struct call {
     char message[160];
     uint32_t cached_tokens;
     uint64_t t_submit_us, t_first_us, t_done_us;
-    bool aborting;                   /* an abort was sent for it */
+    bool aborting; /* an abort was sent for it */
+    bool hung_up;  /* ...because its client hung up */
     /* Called under mu after each change above (submit outcome, a token, the
      * end): must not block. Set before the submit, cleared (under mu) by
      * whoever frees wake_ctx. NULL: nobody listens but cv. */
@@ -76,7 +83,8 @@ typedef enum cmd_kind {
     CMD_ABORT_ALL,
     CMD_INFO,
     CMD_METRICS,
-    CMD_CANCEL_ROOM
+    CMD_CANCEL_ROOM,
+    CMD_FLUSH /* pd_engine_flush_cache: value is its pd_err, text its message */
 } cmd_kind;
 
 /* A command with an answer: node_command_wait waits on cv; the responder
@@ -123,11 +131,47 @@ uint64_t node_now_us(void);
 uint64_t node_next_rid(struct pd_node *n);
 bool node_stopping(const struct pd_node *n);
 
+/* metrics.c: the node's measurements of its requests, for GET /metrics and
+ * the request log (scheduler thread only). */
+typedef struct node_metrics node_metrics;
+node_metrics *node_metrics_new(pd_node_role role, const char *model_name);
+void node_metrics_free(node_metrics *m);
+/* A token reached its call: the first (seconds since the submit) or a later
+ * one (seconds since the previous token). */
+void node_metrics_token(node_metrics *m, bool first, double seconds);
+/* A request's terminal event on this node, at now_us. */
+void node_metrics_end(node_metrics *m, const pd_terminal_event *ev, uint64_t now_us);
+/* Samples the totals behind the windowed gauges; call it every step. */
+void node_metrics_tick(node_metrics *m, uint64_t now_us);
+/* Appends the latency, transfer and SGLang-named families. */
+void node_metrics_text(const node_metrics *m, pd_strbuf *t, const pd_engine_counters *c,
+                       pd_ledger *l, uint64_t now_us);
+/* The request's log line (one JSON object, no newline; malloc'd, NULL when
+ * out of memory): ev is its terminal event, or NULL when submit refused it
+ * (c->reject). Read c under c->mu. */
+char *node_request_line(pd_node_role role, const call *c, const pd_terminal_event *ev,
+                        uint64_t now_us);
+
 /* http.c: the node's HTTP API on pd_http_server; http_stop after the
  * scheduler has stopped and every call has ended (pd_node_destroy). */
 typedef struct http_server http_server;
 pd_err http_start(struct pd_node *n, http_server **out, uint16_t *bound_port, char *msg,
                   size_t cap);
 void http_stop(http_server *h);
+
+/* sglang_api.c: SGLang's native utility endpoints (docs/http-api.md). */
+/* GET /get_model_info, answered at once (the loop thread). */
+void sgl_model_info(struct pd_node *n, pd_http_req *r);
+/* POST /tokenize and /detokenize (the responder): parses, answers. */
+void sgl_tokenize_answer(struct pd_node *n, pd_http_req *r);
+/* /flush_cache once CMD_FLUSH has replied: 200, or 400 naming why not. */
+void sgl_flush_answer(pd_http_req *r, const cmd_reply *q);
+/* GET /health_generate: each probe on a thread of its own (the loop thread
+ * only starts it); sgl_health_destroy joins them, after the HTTP server has
+ * stopped. */
+typedef struct sgl_health sgl_health;
+pd_err sgl_health_create(struct pd_node *n, sgl_health **out);
+void sgl_health_generate(sgl_health *s, pd_http_req *r);
+void sgl_health_destroy(sgl_health *s);
 
 #endif

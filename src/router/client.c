@@ -65,7 +65,7 @@ pd_err rt_client_global_init(char *msg, size_t msg_cap) {
     return PD_OK;
 }
 
-void rt_client_setup(CURL *easy, uint32_t connect_timeout_ms) {
+void rt_client_setup(CURL *easy, uint32_t connect_timeout_ms, const char *api_key) {
     curl_easy_setopt(easy, CURLOPT_NOSIGNAL, 1L);
     /* Workers are addressed directly; an http_proxy in the environment must
      * not reroute them. */
@@ -74,6 +74,12 @@ void rt_client_setup(CURL *easy, uint32_t connect_timeout_ms) {
     curl_easy_setopt(easy, CURLOPT_CONNECTTIMEOUT_MS, (long)connect_timeout_ms);
     curl_easy_setopt(easy, CURLOPT_TCP_NODELAY, 1L);
     if (curl_global.share) curl_easy_setopt(easy, CURLOPT_SHARE, curl_global.share);
+    /* The workers' --api-key: with Bearer the only method, libcurl sends it
+     * on the first request, not after a 401. */
+    if (api_key && api_key[0]) {
+        curl_easy_setopt(easy, CURLOPT_HTTPAUTH, (long)CURLAUTH_BEARER);
+        curl_easy_setopt(easy, CURLOPT_XOAUTH2_BEARER, api_key);
+    }
 }
 
 CURLM *rt_client_multi(void) {
@@ -109,7 +115,7 @@ static size_t small_body_write(char *ptr, size_t size, size_t nmemb, void *userd
 }
 
 void rt_fanout_post(rt_post *posts, size_t n, const char *body, uint32_t timeout_ms,
-                    uint32_t connect_timeout_ms) {
+                    uint32_t connect_timeout_ms, const char *api_key) {
     PD_ASSERT(n <= 2 * PD_ROUTER_WORKERS_MAX);
     CURL *easy[2 * PD_ROUTER_WORKERS_MAX] = {0};
     small_body *bodies = calloc(n ? n : 1, sizeof *bodies);
@@ -123,10 +129,11 @@ void rt_fanout_post(rt_post *posts, size_t n, const char *body, uint32_t timeout
     for (size_t i = 0; i < n; i++) {
         posts[i].status = 0;
         posts[i].aborted = -1;
+        posts[i].message[0] = '\0';
         if (!multi || !hdrs || !bodies) continue;
         easy[i] = curl_easy_init();
         if (!easy[i]) continue;
-        rt_client_setup(easy[i], connect_timeout_ms);
+        rt_client_setup(easy[i], connect_timeout_ms, api_key);
         curl_easy_setopt(easy[i], CURLOPT_URL, posts[i].url);
         curl_easy_setopt(easy[i], CURLOPT_HTTPHEADER, hdrs);
         curl_easy_setopt(easy[i], CURLOPT_POSTFIELDS, body);
@@ -157,6 +164,9 @@ void rt_fanout_post(rt_post *posts, size_t n, const char *body, uint32_t timeout
         json_t *root = json_loadb(bodies[i].data, bodies[i].len, 0, NULL);
         json_t *aborted = root ? json_object_get(root, "aborted") : NULL;
         if (json_is_integer(aborted)) posts[i].aborted = (long long)json_integer_value(aborted);
+        const char *m =
+            json_string_value(json_object_get(json_object_get(root, "error"), "message"));
+        snprintf(posts[i].message, sizeof posts[i].message, "%s", m ? m : "");
         json_decref(root);
         curl_multi_remove_handle(multi, easy[i]);
         curl_easy_cleanup(easy[i]);
@@ -166,14 +176,14 @@ void rt_fanout_post(rt_post *posts, size_t n, const char *body, uint32_t timeout
     free(bodies);
 }
 
-long rt_get(const char *url, uint32_t timeout_ms, uint32_t connect_timeout_ms, char *body,
-            size_t cap) {
+long rt_get(const char *url, uint32_t timeout_ms, uint32_t connect_timeout_ms,
+            const char *api_key, char *body, size_t cap) {
     PD_ASSERT(cap > 0);
     body[0] = '\0';
     CURL *easy = curl_easy_init();
     if (!easy) return 0;
     small_body b = {.len = 0};
-    rt_client_setup(easy, connect_timeout_ms);
+    rt_client_setup(easy, connect_timeout_ms, api_key);
     curl_easy_setopt(easy, CURLOPT_URL, url);
     curl_easy_setopt(easy, CURLOPT_TIMEOUT_MS, (long)timeout_ms);
     curl_easy_setopt(easy, CURLOPT_WRITEFUNCTION, small_body_write);
@@ -184,4 +194,64 @@ long rt_get(const char *url, uint32_t timeout_ms, uint32_t connect_timeout_ms, c
     curl_easy_cleanup(easy);
     snprintf(body, cap, "%s", b.data);
     return status;
+}
+
+/* A growing answer body, cut (and flagged) at cap. */
+typedef struct grow_body {
+    char *data;
+    size_t len, size, cap;
+    bool cut;
+} grow_body;
+
+static size_t grow_body_write(char *ptr, size_t size, size_t nmemb, void *userdata) {
+    grow_body *b = userdata;
+    size_t n = size * nmemb;
+    size_t take = PD_MIN(n, b->cap - b->len);
+    if (take < n) b->cut = true;
+    if (b->len + take + 1 > b->size) {
+        size_t want = PD_MAX(b->size * 2, b->len + take + 1);
+        char *grown = realloc(b->data, PD_MIN(want, b->cap + 1));
+        if (!grown) {
+            b->cut = true;
+            return 0; /* ends the transfer: an answer we cannot hold is not relayed */
+        }
+        b->data = grown;
+        b->size = PD_MIN(want, b->cap + 1);
+    }
+    memcpy(b->data + b->len, ptr, take);
+    b->len += take;
+    b->data[b->len] = '\0';
+    return n;
+}
+
+void rt_fetch(const char *url, const char *body, size_t body_len, uint32_t timeout_ms,
+              uint32_t connect_timeout_ms, const char *api_key, size_t cap, rt_fetched *out) {
+    PD_ASSERT(url != NULL && cap > 0);
+    *out = (rt_fetched){0};
+    grow_body b = {.cap = cap};
+    CURL *easy = curl_easy_init();
+    struct curl_slist *hdrs = body ? curl_slist_append(NULL, "Content-Type: application/json")
+                                   : NULL;
+    struct curl_slist *more = hdrs ? curl_slist_append(hdrs, "Expect:") : NULL;
+    if (!easy || (body && !more)) {
+        curl_slist_free_all(hdrs);
+        if (easy) curl_easy_cleanup(easy);
+        return;
+    }
+    rt_client_setup(easy, connect_timeout_ms, api_key);
+    curl_easy_setopt(easy, CURLOPT_URL, url);
+    curl_easy_setopt(easy, CURLOPT_TIMEOUT_MS, (long)timeout_ms);
+    curl_easy_setopt(easy, CURLOPT_WRITEFUNCTION, grow_body_write);
+    curl_easy_setopt(easy, CURLOPT_WRITEDATA, &b);
+    if (body) {
+        curl_easy_setopt(easy, CURLOPT_HTTPHEADER, hdrs);
+        curl_easy_setopt(easy, CURLOPT_POSTFIELDS, body);
+        curl_easy_setopt(easy, CURLOPT_POSTFIELDSIZE, (long)body_len);
+    }
+    if (curl_easy_perform(easy) == CURLE_OK)
+        curl_easy_getinfo(easy, CURLINFO_RESPONSE_CODE, &out->status);
+    curl_easy_cleanup(easy);
+    curl_slist_free_all(hdrs);
+    PD_ASSERT(b.len <= cap);
+    *out = (rt_fetched){.status = out->status, .body = b.data, .len = b.len, .cut = b.cut};
 }

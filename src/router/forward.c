@@ -71,6 +71,7 @@ struct rt_fwd {
     size_t body_len;
     int client_fd;
     uint32_t timeout_ms, connect_timeout_ms, abort_timeout_ms, abort_grace_ms;
+    const char *api_key; /* the router's, which outlives every forward */
 
     CURLM *multi;
     struct curl_slist *hdrs;
@@ -285,7 +286,7 @@ static void send_aborts(rt_fwd *f, bool prefill, bool decode) {
     char *body = o ? json_dumps(o, JSON_COMPACT) : NULL;
     json_decref(o);
     if (!body) return;
-    rt_fanout_post(posts, n, body, f->abort_timeout_ms, f->connect_timeout_ms);
+    rt_fanout_post(posts, n, body, f->abort_timeout_ms, f->connect_timeout_ms, f->api_key);
     free(body);
     f->aborts_sent += (unsigned)n;
 }
@@ -437,7 +438,7 @@ static pd_err half_init(rt_fwd *f, int role, const char *base, const char *path,
     h->cap_max = role == PREFILL ? PREFILL_BODY_MAX : 0;
     h->easy = curl_easy_init();
     if (!h->easy) return pd_errorf(msg, msg_cap, PD_ERR_NOMEM, "curl_easy_init failed");
-    rt_client_setup(h->easy, f->connect_timeout_ms);
+    rt_client_setup(h->easy, f->connect_timeout_ms, f->api_key);
     curl_easy_setopt(h->easy, CURLOPT_URL, h->url);
     curl_easy_setopt(h->easy, CURLOPT_HTTPHEADER, f->hdrs);
     curl_easy_setopt(h->easy, CURLOPT_POSTFIELDS, f->body);
@@ -472,6 +473,7 @@ pd_err rt_fwd_create(rt_fwd **out, const rt_fwd_params *p, char *msg, size_t msg
     f->connect_timeout_ms = PD_MIN(p->connect_timeout_ms, p->timeout_ms);
     f->abort_timeout_ms = p->abort_timeout_ms;
     f->abort_grace_ms = p->abort_grace_ms;
+    f->api_key = p->api_key;
     atomic_init(&f->abort_requested, false);
     atomic_init(&f->shutdown_requested, false);
     atomic_init(&f->client_gone_told, false);

@@ -49,6 +49,7 @@
 #include "health.h"
 #include "pdserve/http.h"
 #include "pdserve/http_server.h"
+#include "sglang.h"
 #include "stats.h"
 #include "workers.h"
 
@@ -64,6 +65,7 @@ typedef struct slot {
 struct pd_router {
     pd_router_config cfg;
     char host[256];
+    char api_key[PD_HTTP_API_KEY_MAX]; /* cfg.api_key points here ("" = none) */
     rt_workers workers;
     rt_health health;
     rt_stats stats;
@@ -124,11 +126,17 @@ pd_err pd_router_create(pd_router **out, const pd_router_config *cfg, char *msg,
         return pd_errorf(msg, msg_cap, PD_ERR_INVALID, "client_timeout_s must be 1..86400");
     if (cfg->policy > PD_ROUTER_POWER_OF_TWO)
         return pd_errorf(msg, msg_cap, PD_ERR_INVALID, "unknown policy");
+    if (cfg->api_key && cfg->api_key[0] && !pd_http_api_key_valid(cfg->api_key))
+        return pd_errorf(msg, msg_cap, PD_ERR_INVALID,
+                         "the API key must be 1 to %u bytes of visible ASCII",
+                         PD_HTTP_API_KEY_MAX - 1);
     pd_router *r = calloc(1, sizeof *r);
     if (!r) return pd_errorf(msg, msg_cap, PD_ERR_NOMEM, "out of memory");
     r->cfg = *cfg;
     snprintf(r->host, sizeof r->host, "%s", cfg->host);
     r->cfg.host = r->host;
+    snprintf(r->api_key, sizeof r->api_key, "%s", cfg->api_key ? cfg->api_key : "");
+    r->cfg.api_key = r->api_key;
     /* The worker specs are parsed now; the table does not keep the strings. */
     for (size_t i = 0; i < PD_ROUTER_WORKERS_MAX; i++) r->cfg.prefill[i] = r->cfg.decode[i] = NULL;
     err = rt_workers_init(&r->workers, cfg, msg, msg_cap);
@@ -257,7 +265,13 @@ typedef enum route {
     ROUTE_HEALTH,
     ROUTE_SERVER_INFO,
     ROUTE_METRICS,
-    ROUTE_MODELS, /* /v1/models and /v1/models/{id}: a decode node's answer */
+    ROUTE_MODELS,     /* /v1/models and /v1/models/{id}: a decode node's answer */
+    ROUTE_MODEL_INFO, /* SGLang's utility endpoints (sglang.c) */
+    ROUTE_GET_SERVER_INFO,
+    ROUTE_TOKENIZE,
+    ROUTE_DETOKENIZE,
+    ROUTE_FLUSH,
+    ROUTE_HEALTH_GENERATE, /* a real generation: the generate path */
     ROUTE_NONE,
 } route;
 
@@ -273,7 +287,26 @@ static const struct {
     [ROUTE_SERVER_INFO] = {"/server_info", "GET"},
     [ROUTE_METRICS] = {"/metrics", "GET"},
     [ROUTE_MODELS] = {"/v1/models", "GET"},
+    [ROUTE_MODEL_INFO] = {"/get_model_info", "GET"},
+    [ROUTE_GET_SERVER_INFO] = {"/get_server_info", "GET"},
+    [ROUTE_TOKENIZE] = {"/tokenize", "POST"},
+    [ROUTE_DETOKENIZE] = {"/detokenize", "POST"},
+    [ROUTE_FLUSH] = {"/flush_cache", "GET, POST"},
+    [ROUTE_HEALTH_GENERATE] = {"/health_generate", "GET"},
 };
+
+/* A route's method: one, or a list as the Allow header writes it ("GET, POST"). */
+static bool method_allowed(route rt, const char *method) {
+    const char *allowed = routes[rt].method;
+    size_t n = strlen(method);
+    for (const char *p = allowed; n > 0 && (p = strstr(p, method)); p += n)
+        if ((p == allowed || p[-1] == ' ') && (p[n] == ',' || p[n] == '\0')) return true;
+    return false;
+}
+
+/* The router's own /health_generate: one greedy token of a fixed prompt
+ * through a prefill and decode pair, within HEALTH_GENERATE_TIMEOUT_MS. */
+#define HEALTH_GENERATE_TIMEOUT_MS 5000u
 
 typedef struct req {
     pd_router *r;
@@ -424,15 +457,42 @@ static void answer_head(req *q, const rt_fwd_head *head) {
     if (n == 0) pd_http_req_stream_end(q->h);
 }
 
+/* /health_generate: the pair's answer to the probe, judged: 200 when its
+ * token came (finish_reason length or stop), else 503 quoting why not. */
+static bool answer_probe(req *q, const rt_fwd_head *head) {
+    release_workers(q); /* a probe's answer is never streamed: both halves are over */
+    if (head->kind == RT_FWD_GONE) {
+        q->answered = true; /* nobody to answer */
+        return true;
+    }
+    json_t *o = head->kind == RT_FWD_FULL ? json_loadb(head->body, head->body_len, 0, NULL) : NULL;
+    json_t *fin = json_object_get(json_object_get(o, "meta_info"), "finish_reason");
+    const char *type = json_string_value(json_object_get(fin, "type"));
+    const char *why = json_string_value(json_object_get(json_object_get(o, "error"), "message"));
+    if (!why) why = json_string_value(json_object_get(fin, "message"));
+    bool ok = head->status == 200 && type && (!strcmp(type, "length") || !strcmp(type, "stop"));
+    const rt_worker *pw = &q->r->workers.w[q->prefill], *dw = &q->r->workers.w[q->decode];
+    if (ok)
+        answer_json(q, 200,
+                    json_pack("{s:s, s:s, s:s}", "status", "ok", "prefill", pw->url.base, "decode",
+                              dw->url.base));
+    else
+        answer_error(q, 503, NULL, "the health generation through %s and %s failed (%u, %s): %s",
+                     pw->url.base, dw->url.base, head->status, type ? type : "no finish_reason",
+                     why ? why : "no message");
+    json_decref(o);
+    return true;
+}
+
 /* Hands body (ownership included) to a new forward to the picked pair and
  * answers with whatever head the forward decides. */
 static bool forward_generation(req *q, char *body, const char *rid, const char *model,
                                bool stream) {
     pd_router *r = q->r;
     rt_fwd_params p = {
-        .api = q->route == ROUTE_GENERATE ? RT_FWD_GENERATE
-            : q->route == ROUTE_CHAT      ? RT_FWD_CHAT
-                                          : RT_FWD_COMPLETIONS,
+        .api = q->route == ROUTE_GENERATE || q->route == ROUTE_HEALTH_GENERATE ? RT_FWD_GENERATE
+            : q->route == ROUTE_CHAT                                           ? RT_FWD_CHAT
+                                                                               : RT_FWD_COMPLETIONS,
         .rid = rid,
         .model = model,
         .stream = stream,
@@ -441,11 +501,14 @@ static bool forward_generation(req *q, char *body, const char *rid, const char *
         .prefill_base = r->workers.w[q->prefill].url.base, /* url fields are immutable */
         .decode_base = r->workers.w[q->decode].url.base,
         .client_fd = -1, /* the server reports a hang-up (on_event) */
-        .timeout_ms = r->cfg.request_timeout_ms,
+        .timeout_ms = q->route == ROUTE_HEALTH_GENERATE
+            ? PD_MIN(r->cfg.request_timeout_ms, HEALTH_GENERATE_TIMEOUT_MS)
+            : r->cfg.request_timeout_ms,
         .connect_timeout_ms = r->cfg.connect_timeout_ms,
         .abort_timeout_ms = r->cfg.abort_timeout_ms,
         .abort_grace_ms = r->cfg.abort_grace_ms,
         .max_response_bytes = r->cfg.max_response_bytes,
+        .api_key = r->cfg.api_key,
     };
     char msg[256];
     rt_fwd *fwd;
@@ -460,21 +523,28 @@ static bool forward_generation(req *q, char *body, const char *rid, const char *
 
     rt_fwd_head head;
     rt_fwd_head_wait(fwd, &head);
+    if (q->route == ROUTE_HEALTH_GENERATE) return answer_probe(q, &head);
     answer_head(q, &head);
     return true;
 }
 
 static bool handle_generation(req *q) {
     pd_router *r = q->r;
-    rt_stats_begin(&r->stats);
-    q->generation = true;
-    json_t *o;
+    bool probe = q->route == ROUTE_HEALTH_GENERATE; /* not a client's generation: no stats */
+    if (!probe) rt_stats_begin(&r->stats);
+    q->generation = !probe;
+    json_t *o = NULL;
     char why[256];
-    unsigned refused = rt_body_parse(q->route == ROUTE_GENERATE   ? RT_BODY_GENERATE
-                                         : q->route == ROUTE_CHAT ? RT_BODY_CHAT
-                                                                  : RT_BODY_COMPLETIONS,
-                                     q->body, q->len, &o, why, sizeof why);
+    unsigned refused = probe ? 0
+                             : rt_body_parse(q->route == ROUTE_GENERATE   ? RT_BODY_GENERATE
+                                                 : q->route == ROUTE_CHAT ? RT_BODY_CHAT
+                                                                          : RT_BODY_COMPLETIONS,
+                                             q->body, q->len, &o, why, sizeof why);
     if (refused) return answer_error(q, refused, NULL, "%s", why);
+    if (probe)
+        o = json_pack("{s:s, s:{s:i, s:f}}", "text", "health", "sampling_params", "max_new_tokens",
+                      1, "temperature", 0.0);
+    if (!o) return answer_error(q, 503, NULL, "out of memory");
     char rid[PD_RID_MAX];
     if (!request_rid(o, rid, sizeof rid)) {
         json_decref(o);
@@ -551,9 +621,10 @@ static bool handle_abort(req *q) {
                  r->workers.w[order[k]].url.base);
         nd += r->workers.w[order[k]].role == RT_DECODE;
     }
-    rt_fanout_post(posts, nd, fwd_body, r->cfg.abort_timeout_ms, r->cfg.connect_timeout_ms);
+    rt_fanout_post(posts, nd, fwd_body, r->cfg.abort_timeout_ms, r->cfg.connect_timeout_ms,
+                   r->cfg.api_key);
     rt_fanout_post(posts + nd, n - nd, fwd_body, r->cfg.abort_timeout_ms,
-                   r->cfg.connect_timeout_ms);
+                   r->cfg.connect_timeout_ms, r->cfg.api_key);
     free(fwd_body);
     rt_stats_aborts_sent(&r->stats, n);
 
@@ -623,7 +694,7 @@ static bool handle_models(req *q) {
     free(snap);
     if (!base) return answer_error(q, 503, NULL, "no healthy decode node to ask");
     long st = rt_get(url, r->cfg.connect_timeout_ms + r->cfg.abort_timeout_ms,
-                     r->cfg.connect_timeout_ms, body, sizeof body);
+                     r->cfg.connect_timeout_ms, r->cfg.api_key, body, sizeof body);
     if (st < 200 || st > 599)
         return answer_error(q, 502, NULL, "the decode node did not answer %s", url);
     json_t *check = json_loads(body, 0, NULL); /* rt_get keeps 1 KiB: never relay a cut answer */
@@ -633,6 +704,24 @@ static bool handle_models(req *q) {
     q->status = (unsigned)st;
     q->answered = true;
     pd_http_req_respond_json(q->h, (unsigned)st, body, strlen(body));
+    return true;
+}
+
+/* SGLang's utility endpoints but /health_generate: relayed, or a fan-out. */
+static bool handle_sglang(req *q) {
+    pd_router *r = q->r;
+    rt_sgl_answer a;
+    bool post = !strcmp(pd_http_req_method(q->h), "POST");
+    if (q->route == ROUTE_FLUSH) rt_sgl_flush(&r->workers, &r->cfg, &a);
+    else
+        rt_sgl_relay(&r->workers, &r->cfg,
+                     q->route == ROUTE_MODEL_INFO || q->route == ROUTE_GET_SERVER_INFO,
+                     routes[q->route].path, post ? q->body : NULL, q->len, &a);
+    if (!a.body) return answer_error(q, a.status, NULL, "%s", a.message);
+    q->status = a.status;
+    q->answered = true;
+    pd_http_req_respond_json(q->h, a.status, a.body, a.len);
+    free(a.body);
     return true;
 }
 
@@ -725,6 +814,25 @@ static void on_event(pd_http_req *h, pd_http_req_event ev, void *user) {
     pthread_mutex_unlock(&q->mu);
 }
 
+/* A client that hung up before its answer is logged as a hang-up, with the
+ * rid the workers know its halves by. */
+static void log_hang_up(req *q) {
+    pd_router *r = q->r;
+    if (!r->cfg.on_log) return;
+    char rid[PD_RID_MAX] = "";
+    pthread_mutex_lock(&r->table_mu);
+    if (q->slot >= 0) snprintf(rid, sizeof rid, "%s", r->slots[q->slot].rid);
+    pthread_mutex_unlock(&r->table_mu);
+    json_t *o = json_pack("{s:s?, s:s, s:s, s:i, s:f, s:b, s:s}", "rid", rid[0] ? rid : NULL,
+                          "role", "router", "outcome", "aborted", "status", 499, "e2e_ms",
+                          (double)(rt_now_ms() - q->start_ms), "client_hung_up", 1, "message",
+                          "the client hung up");
+    char *line = o ? json_dumps(o, JSON_COMPACT | JSON_PRESERVE_ORDER) : NULL;
+    json_decref(o);
+    if (line) r->cfg.on_log(r->cfg.on_log_ctx, line);
+    free(line);
+}
+
 /* The single end of every request. */
 static void finish(req *q) {
     pd_router *r = q->r;
@@ -738,6 +846,7 @@ static void finish(req *q) {
         status = RT_STATUS_CLIENT_GONE;
     }
     release_workers(q);
+    if (q->generation && status == RT_STATUS_CLIENT_GONE) log_hang_up(q);
     /* Off the table before the forward goes: an abort may hold a pointer. */
     if (q->slot >= 0) table_remove(r, q->slot);
     rt_fwd_destroy(q->fwd);
@@ -755,7 +864,8 @@ static void *request_main(void *arg) {
     pd_http_req_watch(q->h, on_event, q);
     if (q->route == ROUTE_ABORT) handle_abort(q);
     else if (q->route == ROUTE_MODELS) handle_models(q);
-    else handle_generation(q);
+    else if (q->route >= ROUTE_MODEL_INFO && q->route < ROUTE_HEALTH_GENERATE) handle_sglang(q);
+    else handle_generation(q); /* and /health_generate */
     finish(q);
     pthread_mutex_lock(&r->table_mu);
     if (--r->threads_live == 0) pthread_cond_broadcast(&r->threads_cv);
@@ -789,7 +899,7 @@ static void answer_here(req *q) {
     pd_router *r = q->r;
     const char *path = pd_http_req_path(q->h), *method = pd_http_req_method(q->h);
     if (q->route == ROUTE_NONE) answer_error(q, 404, NULL, "unknown path %.200s", path);
-    else if (strcmp(method, routes[q->route].method))
+    else if (!method_allowed(q->route, method))
         answer_error(q, 405, routes[q->route].method, "%s takes %s, not %.16s",
                      routes[q->route].path, routes[q->route].method, method);
     else if (q->route == ROUTE_SERVER_INFO) handle_server_info(q);
@@ -801,6 +911,7 @@ static void answer_here(req *q) {
 
 static void on_request(pd_http_req *h, void *user) {
     pd_router *r = user;
+    if (!pd_http_req_authorize(h, r->cfg.api_key)) return; /* 401 answered */
     req *q = calloc(1, sizeof *q);
     if (!q) {
         pd_http_req_respond_error(h, 503, "out of memory");
@@ -817,8 +928,8 @@ static void on_request(pd_http_req *h, void *user) {
     pd_http_req_retain(h);
     bool threaded = (q->route == ROUTE_GENERATE || q->route == ROUTE_COMPLETIONS ||
                      q->route == ROUTE_CHAT || q->route == ROUTE_ABORT ||
-                     q->route == ROUTE_MODELS) &&
-        !strcmp(pd_http_req_method(h), routes[q->route].method);
+                     q->route == ROUTE_MODELS || q->route >= ROUTE_MODEL_INFO) &&
+        q->route != ROUTE_NONE && method_allowed(q->route, pd_http_req_method(h));
     if (!threaded) answer_here(q);
     else if (spawn(q)) return;
     else answer_error(q, 503, NULL, "the router cannot start a thread for the request");

@@ -241,8 +241,8 @@ def test_chat_completions():
             assert chunks[-1]["usage"]["completion_tokens"] == 6, chunks[-1]
         for body, words in (({"messages": [{"role": "robot", "content": "x"}]}, "role"),
                             ({"messages": msgs, "tools": [{"type": "function"}]}, "'tools'"),
-                            ({"messages": msgs, "n": 2}, "'n'"),
-                            ({"messages": msgs, "logprobs": True}, "'logprobs'"),
+                            ({"messages": msgs, "n": 0}, "'n'"),
+                            ({"messages": msgs, "logprobs": 3}, "'logprobs'"),
                             ({"messages": msgs, "stream_options": {"x": 1}}, "stream_options")):
             st, obj = run.router.post("/v1/chat/completions", body)
             assert st == 400 and words in obj["error"]["message"], (body, st, obj)

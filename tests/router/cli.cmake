@@ -42,7 +42,7 @@ expect_fail(2 "bootstrap port" --prefill http://127.0.0.1:1@x ${D})
 expect_fail(2 "prefill nodes only" ${P} --decode http://127.0.0.1:2@9)
 expect_fail(2 "--policy: bad value 'fastest'" ${P} ${D} --policy fastest)
 expect_fail(2 "--port: bad value" ${P} ${D} --port 70000)
-expect_fail(2 "unknown option --bogus" ${P} ${D} --bogus 1)
+expect_fail(2 "unknown option '--bogus'" ${P} ${D} --bogus 1)
 expect_fail(2 "needs a value" ${P} ${D} --host)
 expect_fail(2 "listed twice" ${P} ${D} --decode http://127.0.0.1:2)
 

@@ -70,8 +70,61 @@ try {
 check(!finished && seen >= 3 && seen < 50 && (error === null || /Abort/.test(error)),
       "abort mid-stream", { seen, finished, error });
 
-for (const [extra, name] of [[{ n: 2 }, "'n'"], [{ logprobs: true }, "'logprobs'"],
-                             [{ stop: ["\n"] }, "'stop'"]]) {
+// n = 2 with a seed: two choices, numbered, drawn from their own streams
+// (they differ), and the same again when streamed.
+const two = await client.chat.completions.create({
+  model, messages, max_completion_tokens: 8, n: 2, temperature: 1.0, seed: 7,
+});
+const texts = two.choices.map((c) => c.message.content);
+check(two.choices.length === 2 && two.choices[0].index === 0 && two.choices[1].index === 1 &&
+      texts[0] !== texts[1] && two.usage.completion_tokens === 16, "n=2", two);
+const twoStream = await client.chat.completions.create({
+  model, messages, max_completion_tokens: 8, n: 2, temperature: 1.0, seed: 7, stream: true,
+});
+const parts = ["", ""];
+for await (const chunk of twoStream)
+  for (const c of chunk.choices) parts[c.index] += c.delta?.content ?? "";
+check(parts[0] === texts[0] && parts[1] === texts[1], "n=2 streamed equals plain", { parts, texts });
+
+// stop: a piece of the greedy answer; the answer ends just before its first
+// occurrence, with finish_reason "stop", plain and streamed.
+const full = await client.completions.create({ model, prompt: "Once upon", max_tokens: 24 });
+const whole = full.choices[0].text;
+const cps = Array.from(whole);
+const stop = cps.slice(6, 8).join("");
+const cut = whole.slice(0, whole.indexOf(stop));
+const stopped = await client.completions.create({ model, prompt: "Once upon", max_tokens: 24, stop: [stop] });
+check(stopped.choices[0].text === cut && stopped.choices[0].finish_reason === "stop" &&
+      stopped.usage.completion_tokens < 24, "stop", { stop, cut, got: stopped.choices[0] });
+const stopStream = await client.completions.create({
+  model, prompt: "Once upon", max_tokens: 24, stop: stop, stream: true,
+});
+let stext = "", sfin = null;
+for await (const chunk of stopStream) {
+  stext += chunk.choices[0]?.text ?? "";
+  sfin = chunk.choices[0]?.finish_reason ?? sfin;
+}
+check(stext === cut && sfin === "stop", "stop, streamed: never shows the stop string", { stext, cut, sfin });
+
+// logprobs: one entry per token; greedy picks the likeliest, so the chosen
+// token is the first alternative, with the same logprob.
+const lp = await client.chat.completions.create({
+  model, messages, max_completion_tokens: 5, logprobs: true, top_logprobs: 3,
+});
+const content5 = lp.choices[0].logprobs?.content ?? [];
+check(content5.length === 5 && content5.every((t) => t.top_logprobs.length === 3 &&
+      t.logprob <= 0 && t.top_logprobs[0].logprob === t.logprob &&
+      t.top_logprobs[0].logprob >= t.top_logprobs[2].logprob &&
+      t.token === t.top_logprobs[0].token), "chat logprobs", lp.choices[0].logprobs);
+const clp = await client.completions.create({ model, prompt: "Once upon", max_tokens: 4, logprobs: 2 });
+const L = clp.choices[0].logprobs;
+check(L && L.tokens.length === 4 && L.token_logprobs.length === 4 && L.top_logprobs.length === 4 &&
+      L.text_offset[0] === 0 && L.tokens.join("") === clp.choices[0].text,
+      "completions logprobs", L);
+
+for (const [extra, name] of [[{ logit_bias: { 5: 1 } }, "'logit_bias'"],
+                             [{ tools: [{ type: "function", function: { name: "f" } }] }, "'tools'"],
+                             [{ response_format: { type: "json_object" } }, "'response_format'"]]) {
   let status = 0, message = "";
   try {
     await client.chat.completions.create({ model, messages, max_completion_tokens: 2, ...extra });
