@@ -20,6 +20,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "gen.h"
 #include "node_internal.h"
 #include "pdserve/model.h"
 #include "pdserve/stream.h"
@@ -262,6 +263,19 @@ static void sink_terminal(void *self, const pd_terminal_event *ev) {
 static const pd_sink_vtable node_sink_vt = {
     .token = sink_token, .terminal = sink_terminal, .top_logprobs = sink_top};
 
+/* A client's /abort_request of rid also ends the other choices of its
+ * request, rid#1 .. rid#63 (src/node/gen.h); returns how many ended, with
+ * the first (already aborted: found). */
+static int64_t abort_choices(pd_node *n, const char *rid, bool found) {
+    int64_t k = found;
+    char sub[PD_RID_MAX + 8];
+    for (uint32_t i = 1; i < GEN_CHOICES_MAX && strlen(rid) + 4 < PD_RID_MAX; i++) {
+        snprintf(sub, sizeof sub, "%s#%u", rid, i);
+        k += pd_engine_abort(n->eng, sub) == PD_OK;
+    }
+    return k;
+}
+
 /* ---- commands ------------------------------------------------------------------ */
 
 pd_err node_command(pd_node *n, cmd_kind kind, call *c, const char *rid, cmd_reply *reply) {
@@ -363,7 +377,7 @@ static void run_command(pd_node *n, cmd *q) {
     }
     case CMD_ABORT: {
         pd_err err = pd_engine_abort(n->eng, q->rid);
-        if (q->reply) reply_done(q->reply, err == PD_OK, NULL);
+        if (q->reply) reply_done(q->reply, abort_choices(n, q->rid, err == PD_OK), NULL);
         break;
     }
     case CMD_ABORT_ALL: {

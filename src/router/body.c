@@ -39,7 +39,7 @@ typedef struct field_rule {
 } field_rule;
 
 static const field_rule generate_rules[] = {
-    {"text", K_STRING}, {"input_ids", K_ARRAY}, {"sampling_params", K_OBJECT},
+    {"text", K_PROMPT}, {"input_ids", K_ARRAY}, {"sampling_params", K_OBJECT},
     {"stream", K_BOOL}, {"rid", K_STRING},
 };
 static const field_rule sampling_rules[] = {

@@ -512,7 +512,9 @@ static void finish_full(rt_fwd *f, rt_fwd_head *head) {
         return;
     }
     json_t *root = json_loadb(d->body ? d->body : "", d->len, 0, NULL);
-    bool is_object = json_is_object(root);
+    /* An object, or (a /generate batch or n > 1) an array of them. */
+    bool is_object = json_is_object(root) ||
+        (d->status < 400 && json_is_array(root) && json_is_object(json_array_get(root, 0)));
     json_decref(root);
     if (d->status >= 400) {
         abort_half(f, PREFILL);

@@ -170,13 +170,14 @@ static bool random_bytes(void *buf, size_t n) {
     return ok;
 }
 
-/* A fresh room: random, non-zero, below 2^63 so that every JSON parser that
- * reads signed 64-bit integers (jansson among them) takes it whole. */
+/* A fresh room: random, non-zero, below 2^62: every JSON parser that reads
+ * signed 64-bit integers (jansson among them) takes it whole, and so do the
+ * rooms room + i of a request's other choices (src/node/gen.h). */
 static bool new_room(uint64_t *room) {
     for (int tries = 0; tries < 8; tries++) {
         uint64_t v;
         if (!random_bytes(&v, sizeof v)) return false;
-        v &= INT64_MAX;
+        v &= INT64_MAX >> 1;
         if (v) {
             *room = v;
             return true;
@@ -621,10 +622,9 @@ static bool handle_abort(req *q) {
                  r->workers.w[order[k]].url.base);
         nd += r->workers.w[order[k]].role == RT_DECODE;
     }
-    rt_fanout_post(posts, nd, fwd_body, r->cfg.abort_timeout_ms, r->cfg.connect_timeout_ms,
-                   r->cfg.api_key);
-    rt_fanout_post(posts + nd, n - nd, fwd_body, r->cfg.abort_timeout_ms,
-                   r->cfg.connect_timeout_ms, r->cfg.api_key);
+    for (int pass = 0; pass < 2; pass++) /* decode nodes, then prefill nodes */
+        rt_fanout_post(posts + (pass ? nd : 0), pass ? n - nd : nd, fwd_body,
+                       r->cfg.abort_timeout_ms, r->cfg.connect_timeout_ms, r->cfg.api_key);
     free(fwd_body);
     rt_stats_aborts_sent(&r->stats, n);
 
