@@ -341,7 +341,9 @@ static json_t *generate_object(const exchange *e, const gen_choice *ch, const ch
     json_t *o = json_object();
     json_object_set_new(o, "text", json_stringn(text, len));
     json_object_set_new(o, "output_ids", ids_array(ch->c->tokens, from, to));
+    pthread_mutex_lock(&ch->c->mu); /* the terminal event may be arriving */
     json_object_set_new(o, "meta_info", meta_info(e, ch, final, from, to));
+    pthread_mutex_unlock(&ch->c->mu);
     if (e->n_ch > 1) json_object_set_new(o, "index", json_integer(ch->index));
     return o;
 }

@@ -67,11 +67,11 @@ typedef struct call {
     void *wake_ctx;
 } call;
 
-/* The request-body parser alone, as POST /generate (openai: /v1/completions)
- * runs it: 0 if the body would be submitted, else the HTTP status, with the
- * message in err. For the fuzz target (tests/fuzz/fuzz_request.c). */
-int node_http_check_body(pd_node *n, const char *body, size_t len, bool openai, char *err,
-                         size_t cap);
+/* The request-body parser alone, as POST /generate (api 0),
+ * /v1/completions (1) or /v1/chat/completions (2) runs it: 0 if the body
+ * would be submitted, else the HTTP status, with the message in err. For the
+ * fuzz target (tests/fuzz/fuzz_request.c). */
+int node_http_check_body(pd_node *n, const char *body, size_t len, int api, char *err, size_t cap);
 
 call *call_new(void);
 void call_ref(call *c);

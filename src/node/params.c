@@ -683,14 +683,13 @@ uint64_t gen_seed(const gen_params *p, uint32_t i) {
     return i == 0 ? s : s ^ pd_hash_u64(0xC401CEull + i);
 }
 
-int node_http_check_body(pd_node *n, const char *body, size_t len, bool openai, char *err,
-                         size_t cap) {
+int node_http_check_body(pd_node *n, const char *body, size_t len, int api, char *err, size_t cap) {
     json_error_t jerr;
     json_t *root = json_loadb(body, len, 0, &jerr);
     if (!root) return refuse(err, cap, 400, "malformed JSON: %s", jerr.text);
+    static const gen_api apis[] = {GEN_API_GENERATE, GEN_API_COMPLETIONS, GEN_API_CHAT};
     gen_params p;
-    int status =
-        gen_params_parse(n, root, openai ? GEN_API_COMPLETIONS : GEN_API_GENERATE, &p, err, cap);
+    int status = gen_params_parse(n, root, apis[api >= 0 && api < 3 ? api : 0], &p, err, cap);
     json_decref(root);
     gen_params_free(&p);
     return status;

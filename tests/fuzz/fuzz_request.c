@@ -1,5 +1,6 @@
 /* A node's request body from the outside world: the first byte picks the
- * route (even: POST /generate, odd: POST /v1/completions), the rest is the
+ * route (high bit: POST /v1/chat/completions; else even: POST /generate,
+ * odd: POST /v1/completions), the rest is the
  * body, parsed as the node's HTTP handler parses it (tokenizer, sampling
  * parameters, bootstrap fields, rid). Every body is either accepted or
  * refused with a 4xx/5xx status and a message; nothing crashes or leaks. */
@@ -41,7 +42,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     if (size < 1 || !node_for_fuzzing) return 0;
     char err[512] = "";
     int status = node_http_check_body(node_for_fuzzing, (const char *)data + 1, size - 1,
-                                      data[0] & 1, err, sizeof(err));
+                                      (data[0] & 0x80) ? 2 : (data[0] & 1), err, sizeof(err));
     PD_ASSERT(status == 0 || (status >= 400 && status <= 599));
     PD_ASSERT(status == 0 || err[0] != '\0');
     return 0;
