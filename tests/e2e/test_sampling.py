@@ -2,7 +2,8 @@
 logprobs that real clients send.
 
 - Identity: with a seed, top_k, min_p, the three penalties and top
-  logprobs, `pdserve serve` at two page and chunk sizes and `pdserve run`
+  logprobs, `pdserve serve` at two page and chunk sizes (and one or two
+  executor threads) and `pdserve run`
   (prefill and decode apart) answer token for token and logprob for
   logprob the same; the parameters change the answer.
 - Choices: n and a batch of prompts are numbered as OpenAI numbers them;
@@ -55,7 +56,7 @@ def answers(server, path="/generate"):
 def test_sampling_is_identical_across_page_chunk_and_placement():
     runs = []
     for extra in (["--page-size", "16", "--chunked-prefill-size", "512"],
-                  ["--page-size", "1", "--chunked-prefill-size", "3"]):
+                  ["--page-size", "1", "--chunked-prefill-size", "3", "--threads", "2"]):
         srv = Server(["serve", "--strict"] + extra)
         try:
             runs.append(answers(srv))
@@ -68,7 +69,7 @@ def test_sampling_is_identical_across_page_chunk_and_placement():
         run.nodes_idle_clean()
     finally:
         run.stop()
-    assert runs[0] == runs[1], "serve differs across page/chunk size"
+    assert runs[0] == runs[1], "serve differs across page/chunk size and threads"
     assert runs[0] == runs[2], "pdserve run differs from serve"
     greedy = pdtest.generate_reference(PROMPT, 24)
     changed = [ids != greedy for ids, _, _ in runs[0][:7]]
