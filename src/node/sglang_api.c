@@ -57,13 +57,14 @@ void sgl_model_info(pd_node *n, pd_http_req *r) {
     const pd_node_config *cfg = node_config(n);
     PD_ASSERT(cfg->served_model_name != NULL);
     const char *path = cfg->model_dir ? cfg->model_dir : cfg->served_model_name;
-    json_t *o = json_pack("{s:s, s:s, s:s, s:b, s:n, s:s, s:I, s:I, s:I, s:s}", "model_path", path,
-                          "tokenizer_path", path, "served_model_name", cfg->served_model_name,
-                          "is_generation", 1, "preferred_sampling_params", "weight_version",
-                          "default", "max_context_length",
-                          (json_int_t)cfg->max_prompt_tokens + cfg->max_new_tokens_limit,
-                          "max_prompt_tokens", (json_int_t)cfg->max_prompt_tokens, "vocab_size",
-                          (json_int_t)node_vocab(n), "role", pd_node_role_name(cfg->role));
+    json_t *o = json_pack(
+        "{s:s, s:s, s:s, s:b, s:n, s:s, s:I, s:I, s:I, s:s}", "model_path", path, "tokenizer_path",
+        path, "served_model_name", cfg->served_model_name, "is_generation", 1,
+        "preferred_sampling_params", "weight_version", "default", "max_context_length",
+        cfg->context_length ? (json_int_t)cfg->context_length
+                            : (json_int_t)cfg->max_prompt_tokens + cfg->max_new_tokens_limit,
+        "max_prompt_tokens", (json_int_t)cfg->max_prompt_tokens, "vocab_size",
+        (json_int_t)node_vocab(n), "role", pd_node_role_name(cfg->role));
     answer_json(r, 200, o);
 }
 
