@@ -156,6 +156,12 @@ def test_model_info_and_server_info_on_serve():
         assert st == 405, (st, obj)
     finally:
         srv.stop()
+    srv = Server(["serve", "--context-length", "100"])
+    try:
+        st, info = srv.get("/get_model_info")
+        assert st == 200 and info["max_context_length"] == 100, info
+    finally:
+        srv.stop()
 
 
 def test_flush_cache_on_serve():
