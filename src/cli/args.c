@@ -158,8 +158,10 @@ bool cli_log_level_set(const char *name) {
     static const struct {
         const char *name;
         cli_log_level level;
-    } names[] = {{"debug", CLI_LOG_DEBUG},     {"info", CLI_LOG_INFO},
-                 {"warning", CLI_LOG_WARNING}, {"warn", CLI_LOG_WARNING},
+    } names[] = {{"debug", CLI_LOG_DEBUG},
+                 {"info", CLI_LOG_INFO},
+                 {"warning", CLI_LOG_WARNING},
+                 {"warn", CLI_LOG_WARNING},
                  {"error", CLI_LOG_ERROR}};
     for (size_t i = 0; name && i < sizeof names / sizeof names[0]; i++)
         if (!strcasecmp(name, names[i].name)) {

@@ -105,7 +105,6 @@ static int parse_args(int argc, char **argv, gen_opts *o, bool *help) {
         char name[64];
         const char *val = cli_option(argc, argv, &i, name, sizeof(name));
         bool known = true, ok = true;
-        if (!val) return usage_error("%s needs a value%s", name, "");
         if (!strcmp(name, "--prompt")) o->prompt = val;
         else if (!strcmp(name, "--model")) o->model_dir = val;
         else if (!strcmp(name, "--config")) {
@@ -132,7 +131,8 @@ static int parse_args(int argc, char **argv, gen_opts *o, bool *help) {
             ok = cli_float(val, 0.0f, 1000.0f, &o->temperature);
         else if (!strcmp(name, "--top-p")) ok = cli_float(val, 1e-6f, 1.0f, &o->top_p);
         else known = false;
-        if (!known) return usage_error("unknown option '%s'%s", name, "");
+        if (!known) return cli_unknown_option_usage("generate", name, usage, NULL);
+        if (!val) return usage_error("%s needs a value%s", name, "");
         if (!ok) return usage_error("%s: bad value '%s'", name, val);
     }
     if (!o->prompt) return usage_error("--prompt is required%s%s", "", "");

@@ -67,12 +67,13 @@ static int parse_args(const char *sub, int argc, char **argv, model_opts *o, boo
         char name[64];
         const char *val = cli_option(argc, argv, &i, name, sizeof(name));
         bool ok = true;
-        bool init_only = false;
+        bool init_only = false, info_only = false;
         if (!strcmp(name, "--out")) {
             o->out = val;
             init_only = true;
         } else if (!strcmp(name, "--model")) {
             o->model_dir = val;
+            info_only = true;
         } else if (!strcmp(name, "--config")) {
             o->config = val;
             o->builtin_option = true;
@@ -90,13 +91,18 @@ static int parse_args(const char *sub, int argc, char **argv, model_opts *o, boo
             init_only = true;
         } else if (!strcmp(name, "--page-size")) {
             ok = cli_u64(val, 1, PD_MODEL_PAGE_SIZE_MAX, &o->page_size);
+            info_only = true;
         } else {
-            return usage_error(sub, "unknown option ", name);
+            char cmd[32];
+            snprintf(cmd, sizeof cmd, "model %s", sub);
+            return cli_unknown_option_usage(cmd, name, usage, NULL);
         }
         if (!val) return usage_error(sub, "missing value for ", name);
         if (!ok) return usage_error(sub, "bad number for ", name);
         if (init_only && strcmp(sub, "init"))
             return usage_error(sub, "option only for init: ", name);
+        if (info_only && strcmp(sub, "info"))
+            return usage_error(sub, "option only for info: ", name);
     }
     if (!strcmp(sub, "init") && !o->out) return usage_error(sub, "--out DIR is required", "");
     if (!strcmp(sub, "info") && o->model_dir && o->builtin_option)

@@ -44,8 +44,7 @@ static const struct {
      "host-memory tier of the prefix cache, in tokens (default 0: off)"},
     {"--optimistic-attempts", "N",
      "prefill: start computing before the bootstrap completes (default 0)"},
-    {"--disable-overlap", "",
-     "wait for each prompt forward's result before launching the next"},
+    {"--disable-overlap", "", "wait for each prompt forward's result before launching the next"},
     {"--disable-prefix-cache", "", "never reuse KV across requests"},
     {"--strict", "", "keep the per-unit owner map and check ownership after every step"},
     {"--bootstrap-timeout-ms", "N", "fail a request whose bootstrap takes longer (default 30000)"},
@@ -187,7 +186,8 @@ static void print_violation(void *ctx, pd_node_role role, const char *report) {
 /* A request's log line (--log-requests, and every client hang-up). */
 static void print_request(void *ctx, const char *line) {
     (void)ctx;
-    fprintf(stderr, "%s\n", line);
+    /* Info, as SGLang logs requests: on stderr, hidden by --log-level warning. */
+    if (cli_log_level_get() <= CLI_LOG_INFO) fprintf(stderr, "%s\n", line);
 }
 
 static bool parse_num(const char *v, uint64_t max, uint64_t *out) {
@@ -292,7 +292,6 @@ static bool set_option(pd_node_config *c, const char *a, const char *v, bool *ok
     return true;
 }
 
-
 static bool set_flag(pd_node_config *c, const char *a) {
     if (!strcmp(a, "--disable-overlap")) c->disable_overlap = true;
     else if (!strcmp(a, "--disable-prefix-cache")) c->disable_prefix_cache = true;
@@ -319,10 +318,10 @@ static uint16_t default_port(pd_node_role role) {
 /* An option given to a command it does not apply to. Returns 2. */
 static int refuse_here(const char *cmd, cli_node_cmd which, const char *name, int k) {
     const unsigned on = restricted[k].on;
-    const char *mode = (on & ON_PD) == ON_PD  ? "prefill or decode"
-        : (on & ON(CLI_NODE_PREFILL))         ? "prefill"
-        : (on & ON(CLI_NODE_DECODE))          ? "decode"
-                                              : NULL;
+    const char *mode = (on & ON_PD) == ON_PD ? "prefill or decode"
+        : (on & ON(CLI_NODE_PREFILL))        ? "prefill"
+        : (on & ON(CLI_NODE_DECODE))         ? "decode"
+                                             : NULL;
     fprintf(stderr, "pdserve %s: %s does not apply here: it applies only to %s", cmd, name,
             restricted[k].who);
     if (which == CLI_NODE_SERVE && mode)
@@ -378,8 +377,7 @@ static int take_mode(int argc, char **argv, pd_node_config *c) {
     fprintf(stderr,
             "pdserve %s: --disaggregation-mode %s contradicts the command: use pdserve %s, or "
             "pdserve serve --disaggregation-mode %s\n",
-            argv[0], mode, r == PD_NODE_SERVE ? "serve" : mode,
-            r == PD_NODE_SERVE ? "null" : mode);
+            argv[0], mode, r == PD_NODE_SERVE ? "serve" : mode, r == PD_NODE_SERVE ? "null" : mode);
     return 2;
 }
 

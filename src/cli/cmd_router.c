@@ -202,8 +202,7 @@ static int take_option(int argc, char **argv, int *i, pd_router_config *cfg) {
     if (!strcmp(name, "--api-key"))
         return usage_error("--api-key: 1 to 255 bytes of visible ASCII", "");
     if (!strcmp(name, "--log-level"))
-        fprintf(stderr, "pdserve router: --log-level: bad value '%s' (%s)\n", val,
-                CLI_LOG_LEVELS);
+        fprintf(stderr, "pdserve router: --log-level: bad value '%s' (%s)\n", val, CLI_LOG_LEVELS);
     else
         fprintf(stderr, "pdserve router: %s: bad value '%s' (see pdserve router --help)\n", typed,
                 val);
@@ -229,7 +228,8 @@ static int parse_args(int argc, char **argv, pd_router_config *cfg, bool *help) 
 /* The router's log: clients that hung up, one JSON line each. */
 static void print_hang_up(void *ctx, const char *line) {
     (void)ctx;
-    fprintf(stderr, "%s\n", line);
+    /* Info, as SGLang logs requests: on stderr, hidden by --log-level warning. */
+    if (cli_log_level_get() <= CLI_LOG_INFO) fprintf(stderr, "%s\n", line);
 }
 
 int cli_cmd_router(int argc, char **argv) {
@@ -277,8 +277,8 @@ int cli_cmd_router(int argc, char **argv) {
     cli_log(CLI_LOG_DEBUG,
             "pdserve router: health every %u ms, request timeout %u ms, body up to %zu bytes, "
             "%u connections (%u per client), api key %s",
-            cfg.health_interval_ms, cfg.request_timeout_ms, cfg.max_body_bytes,
-            cfg.connections_max, cfg.connections_per_ip, cfg.api_key ? "set" : "none");
+            cfg.health_interval_ms, cfg.request_timeout_ms, cfg.max_body_bytes, cfg.connections_max,
+            cfg.connections_per_ip, cfg.api_key ? "set" : "none");
     cli_log(CLI_LOG_INFO,
             "pdserve router listening on http://%s:%u (%zu prefill, %zu decode, policy %s)",
             cfg.host, (unsigned)pd_router_port(r), cfg.prefill_count, cfg.decode_count,

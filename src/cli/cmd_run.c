@@ -44,8 +44,8 @@ static int take_run_option(int argc, char **argv, int *i, run_opts *o) {
     const char *v = cli_option(argc, argv, i, name, sizeof name);
     uint64_t p = 0;
     if (!cli_u64(v, 0, 65535, &p)) {
-        fprintf(stderr, "pdserve run: option %s needs a port number%s%s\n", name,
-                v ? ", got " : "", v ? v : "");
+        fprintf(stderr, "pdserve run: option %s needs a port number%s%s\n", name, v ? ", got " : "",
+                v ? v : "");
         return 2;
     }
     *(prefill ? &o->prefill_port : &o->decode_port) = (uint16_t)p;
@@ -78,8 +78,9 @@ static int parse_args(int argc, char **argv, run_opts *o) {
     }
     if (rc) return rc;
     if (strcmp(o->base.transfer_backend, "loopback") != 0) {
-        fprintf(stderr, "pdserve run: --transfer-backend %s: the nodes share one process, and "
-                        "loopback is the only transport there (see pdserve run --help)\n",
+        fprintf(stderr,
+                "pdserve run: --transfer-backend %s: the nodes share one process, and "
+                "loopback is the only transport there (see pdserve run --help)\n",
                 o->base.transfer_backend);
         return 2;
     }

@@ -176,11 +176,7 @@ static bool is_valued(const char *name) {
 static int parse_valued(sim_args *a, int argc, char **argv, int *i) {
     char name[64];
     const char *v = cli_option(argc, argv, i, name, sizeof(name));
-    if (!is_valued(name)) {
-        fprintf(stderr, "pdserve sim: unknown option '%s'\n", name);
-        usage(stderr);
-        return 2;
-    }
+    if (!is_valued(name)) return cli_unknown_option_usage("sim", name, usage, NULL);
     if (!strcmp(name, "--seed") && set_mode(a, MODE_SEED)) return 2;
     if (!strcmp(name, "--seeds") && set_mode(a, MODE_SEEDS)) return 2;
     note_given(a, name);

@@ -3,6 +3,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "args.h"
 #include "pdserve/router.h"
 #include "run_router.h"
 
@@ -14,7 +15,8 @@ struct pd_run_router {
 /* The router's log: clients that hung up, one JSON line each. */
 static void print_hang_up(void *ctx, const char *line) {
     (void)ctx;
-    fprintf(stderr, "%s\n", line);
+    /* Info, as SGLang logs requests: on stderr, hidden by --log-level warning. */
+    if (cli_log_level_get() <= CLI_LOG_INFO) fprintf(stderr, "%s\n", line);
 }
 
 pd_err cli_run_router_start(pd_run_router **out, const char *host, uint16_t port,

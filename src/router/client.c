@@ -176,8 +176,8 @@ void rt_fanout_post(rt_post *posts, size_t n, const char *body, uint32_t timeout
     free(bodies);
 }
 
-long rt_get(const char *url, uint32_t timeout_ms, uint32_t connect_timeout_ms,
-            const char *api_key, char *body, size_t cap) {
+long rt_get(const char *url, uint32_t timeout_ms, uint32_t connect_timeout_ms, const char *api_key,
+            char *body, size_t cap) {
     PD_ASSERT(cap > 0);
     body[0] = '\0';
     CURL *easy = curl_easy_init();

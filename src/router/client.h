@@ -48,8 +48,8 @@ void rt_fanout_post(rt_post *posts, size_t n, const char *body, uint32_t timeout
 
 /* GET url (blocking, this thread); the answer's first bytes (up to 1 KiB)
  * into body[0, cap). Returns the HTTP status, 0 when there was none. */
-long rt_get(const char *url, uint32_t timeout_ms, uint32_t connect_timeout_ms,
-            const char *api_key, char *body, size_t cap);
+long rt_get(const char *url, uint32_t timeout_ms, uint32_t connect_timeout_ms, const char *api_key,
+            char *body, size_t cap);
 
 /* A worker's whole answer, to relay: the status (0 when there was none),
  * the body (malloc'd and NUL-terminated, NULL when empty) and whether it was

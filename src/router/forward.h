@@ -59,7 +59,7 @@ typedef struct rt_fwd_params {
     uint32_t abort_timeout_ms;
     uint32_t abort_grace_ms;
     size_t max_response_bytes;
-    const char *api_key;            /* the workers' --api-key, NULL: none; outlives the forward */
+    const char *api_key; /* the workers' --api-key, NULL: none; outlives the forward */
 } rt_fwd_params;
 
 typedef enum rt_fwd_head_kind {

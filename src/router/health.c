@@ -30,7 +30,7 @@ static bool probe_round(rt_health *h) {
     for (size_t i = 0; i < t->count; i++) {
         easy[i] = curl_easy_init();
         if (!easy[i]) continue;
-        rt_client_setup(easy[i], h->connect_timeout_ms, NULL); /* /health needs no key */
+        rt_client_setup(easy[i], h->connect_timeout_ms, NULL);    /* /health needs no key */
         snprintf(url, sizeof url, "%s/health", t->w[i].url.base); /* base is immutable */
         curl_easy_setopt(easy[i], CURLOPT_URL, url);
         curl_easy_setopt(easy[i], CURLOPT_TIMEOUT_MS, (long)h->timeout_ms);

@@ -75,7 +75,7 @@ def verdict(ctx, flag, arg):
         return "took more than its help says: " + err[-300:]
     if "--zzz-a" in err:
         return "accepted"
-    if word(flag).search(err) and ("unknown option" in err or "does not apply" in err):
+    if word(flag).search(err) and re.search(r"unknown option|does not apply|only for", err):
         return "refused"
     if word(flag).search(err):
         return "accepted"  # its value was refused: the name is known
@@ -167,6 +167,9 @@ def test_unknown_and_inapplicable_options_are_refused_with_a_hint():
     refused(["serve", "--tp-size", "2"], "no tensor parallelism")
     refused(["serve", "--mem-fraction-static", "0.8"], "--max-total-tokens")
     refused(["generate", "--prompt", "x", "--bogus"], "pdserve generate: unknown option '--bogus'")
+    refused(["generate", "--promt", "x"], "did you mean --prompt?")
+    refused(["sim", "--sedd", "1"], "pdserve sim: unknown option '--sedd'", "did you mean --seed?")
+    refused(["model", "init", "--out", "x", "--page-size", "4"], "option only for info")
     # Options of another role are refused by name, with the role they belong to.
     refused(["decode", "--optimistic-attempts", "2"], "pdserve decode: --optimistic-attempts",
             "does not apply", "prefill")
@@ -281,7 +284,6 @@ def test_api_key_on_a_node():
         st, obj, _ = call(srv.port, "POST", "/v1/completions",
                           {"prompt": "hi", "max_tokens": 2}, key=key)
         assert st == 200 and obj["usage"]["completion_tokens"] == 2, (st, obj)
-        srv.wait_idle_clean = None  # /server_info needs the key now; checked below instead
         st, info, _ = call(srv.port, "GET", "/server_info", key=key)
         assert st == 200 and info["idle"], info
         assert key not in json.dumps(info)
@@ -310,8 +312,45 @@ def test_api_key_through_the_router_of_run():
             st, obj, _ = call(port, "GET", "/health")
             assert st == 200
         assert "-H 'Authorization: Bearer KEY'" in run.output() and key not in run.output()
+        # What the router sends the nodes besides generations carries the key
+        # too: the model list it relays, the aborts it fans out.
+        st, obj, _ = call(run.port, "GET", "/v1/models", key=key)
+        assert st == 200 and obj["data"][0]["id"], (st, obj)
+        check_aborts_reach_the_nodes(run.port, ports, key)
     finally:
         run.stop()
+
+
+def check_aborts_reach_the_nodes(port, node_ports, key):
+    """A stream under way, aborted through the router: the router's
+    /abort_request to the nodes carries the key (not 401), the stream ends
+    aborted, and the nodes end idle and clean."""
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    c.request("POST", "/generate", body=json.dumps({
+        "text": "abort me", "rid": "keyed-abort", "stream": True,
+        "sampling_params": {"max_new_tokens": 4000, "ignore_eos": True}}),
+        headers={"Authorization": "Bearer " + key})
+    r = c.getresponse()
+    assert r.status == 200, r.status
+    first = r.readline()
+    assert first.startswith(b"data: "), first  # the decode node is generating
+    st, obj, _ = call(port, "POST", "/abort_request", {"rid": "keyed-abort"}, key=key)
+    assert st == 200 and obj["aborted"] >= 1, (st, obj)
+    # Not 401: the key went along (a prefill node done with the request says 404).
+    assert all(w["status"] in (200, 404) for w in obj["workers"]), obj
+    assert [w["status"] for w in obj["workers"] if w["role"] == "decode"] == [200], obj
+    events = [json.loads(line[6:]) for line in r.read().split(b"\n")
+              if line.startswith(b"data: {")]
+    c.close()
+    assert events[-1]["meta_info"]["finish_reason"]["type"] == "abort", events[-1]
+    for p in node_ports:
+        deadline = time.time() + 30
+        while True:
+            st, info, _ = call(p, "GET", "/server_info", key=key)
+            if st == 200 and info["idle"] and info["idle_clean"]:
+                break
+            assert time.time() < deadline, (p, st, info)
+            time.sleep(0.05)
 
 
 # ---- --context-length ---------------------------------------------------------------------
@@ -359,12 +398,37 @@ def test_log_level_filters_what_is_printed():
     out = quiet_then_stop(["serve", "--log-level=DEBUG", "--context-length", "64"])
     assert "listening on" in out and "context length 64" in out and "api key none" in out, out
     out = quiet_then_stop(["serve", "--api-key", "k1", "--log-level", "debug"])
-    assert "api key set" in out and "k1" not in out.replace("pdserve", ""), out
+    assert "api key set" in out and "k1" not in out, out
     out = quiet_then_stop(["run", "--log-level", "error"], name="run")
     assert "send requests" not in out and "listening" not in out, out
-    out = quiet_then_stop(["router", "--log-level", "warn", "--prefill", "http://127.0.0.1:1",
-                           "--decode", "http://127.0.0.1:2"], wait=False)
-    assert "listening" not in out, out
+    # A router with no healthy pair answers /health 503: listening, nothing said.
+    r = Server(["router", "--log-level", "warn", "--prefill", "http://127.0.0.1:1",
+                "--decode", "http://127.0.0.1:2"], wait=False)
+    try:
+        deadline = time.time() + 30
+        while True:
+            try:
+                if call(r.port, "GET", "/health")[0] == 503:
+                    break
+            except OSError:
+                pass
+            assert time.time() < deadline, r.output()
+            time.sleep(0.05)
+    finally:
+        r.stop()
+    with open(r.log_path) as f:
+        out = f.read()
+    assert "listening" not in out and "stopping" not in out, out
+    # The request log is info, as SGLang's --log-requests is.
+    for level, shown in (("info", True), ("warning", False)):
+        s = Server(["serve", "--log-requests", "--log-level", level])
+        try:
+            assert s.post("/generate", GEN)[0] == 200
+        finally:
+            s.stop()
+        with open(s.log_path) as f:
+            out = f.read()
+        assert ('"outcome":"finished"' in out) == shown, (level, out)
     for cmd in (["serve"], ["decode"], ["run"], ["router", "--prefill", "http://127.0.0.1:1",
                                                    "--decode", "http://127.0.0.1:2"]):
         r = pdserve(cmd + ["--log-level", "verbose"])

@@ -18,9 +18,10 @@ static void probes_and_scrapes_need_no_key(void **state) {
 
 static void everything_else_needs_the_key(void **state) {
     (void)state;
-    const char *paths[] = {"/generate",   "/v1/completions", "/v1/chat/completions", "/v1/models",
-                           "/server_info", "/abort_request",  "/",                    "/nope",
-                           "/heal",        "/metric"};
+    const char *paths[] = {"/generate",  "/v1/completions", "/v1/chat/completions",
+                           "/v1/models", "/server_info",    "/abort_request",
+                           "/",          "/nope",           "/heal",
+                           "/metric"};
     for (size_t i = 0; i < PD_ARRAY_LEN(paths); i++) {
         assert_false(pd_http_api_key_exempt("GET", paths[i]));
         assert_false(pd_http_api_key_exempt("POST", paths[i]));
@@ -33,8 +34,14 @@ static void only_the_exact_bearer_token_matches(void **state) {
     assert_true(pd_http_bearer_matches("Bearer sk-secret", key));
     assert_true(pd_http_bearer_matches("bearer sk-secret", key)); /* the scheme in any case */
     assert_true(pd_http_bearer_matches("Bearer   sk-secret", key));
-    const char *wrong[] = {"Bearer sk-secre", "Bearer sk-secretx", "Bearer SK-SECRET", "Bearer ",
-                           "Bearer",          "sk-secret",         "Basic sk-secret",  "",
+    const char *wrong[] = {"Bearer sk-secre",
+                           "Bearer sk-secretx",
+                           "Bearer SK-SECRET",
+                           "Bearer ",
+                           "Bearer",
+                           "sk-secret",
+                           "Basic sk-secret",
+                           "",
                            "Bearer sk-secret extra"};
     for (size_t i = 0; i < PD_ARRAY_LEN(wrong); i++)
         assert_false(pd_http_bearer_matches(wrong[i], key));
