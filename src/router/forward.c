@@ -62,6 +62,10 @@ typedef struct half {
     size_t len, cap, cap_max;
 } half;
 
+/* How long a prefill failure waits for the decode node's answer before it
+ * decides the response (see rt_fwd_head_wait). */
+#define PREFILL_FAIL_GRACE_MS 250u
+
 struct rt_fwd {
     rt_fwd_api api;
     char rid[PD_RID_MAX];
@@ -78,7 +82,8 @@ struct rt_fwd {
     half h[2];
     bool started;
     uint64_t deadline_ms;
-    uint64_t grace_deadline_ms;   /* 0 until an abort was requested and seen */
+    uint64_t grace_deadline_ms; /* 0 until an abort was requested and seen */
+    uint64_t prefill_failed_ms; /* 0 until the prefill half was seen failed */
     atomic_bool abort_requested;
     atomic_bool shutdown_requested;
     atomic_bool client_gone_told; /* rt_fwd_client_gone: the server saw the hang-up */
@@ -501,10 +506,35 @@ pd_err rt_fwd_create(rt_fwd **out, const rt_fwd_params *p, char *msg, size_t msg
 
 /* ---- head ------------------------------------------------------------------- */
 
-/* The decode node's complete (non-streamed) answer decides the response. */
+/* The answer of a request aborted through the router's /abort_request: a
+ * final event with finish_reason abort (streams), or the API's abort answer. */
+static void answer_aborted(rt_fwd *f, rt_fwd_head *head) {
+    if (!head) {
+        set_abort_tail(f);
+    } else if (f->stream) {
+        head->kind = RT_FWD_STREAM;
+        head->status = 200;
+        copy_str(f->content_type, sizeof f->content_type, "text/event-stream");
+        head->content_type = f->content_type;
+        set_abort_tail(f);
+    } else {
+        set_full(f, head, 200, abort_answer(f, false));
+        f->outcome = 499;
+    }
+}
+
+/* The decode node's complete (non-streamed) answer decides the response.
+ * After an /abort_request, a failure is the abort's doing (it reached the
+ * prefill half first, or the decode node before the request did, and the
+ * room failed): the client gets the abort answer. */
 static void finish_full(rt_fwd *f, rt_fwd_head *head) {
     half *d = &f->h[DECODE];
     char why[256];
+    if (atomic_load(&f->abort_requested) && (d->rc != CURLE_OK || d->status >= 500)) {
+        abort_half(f, PREFILL);
+        answer_aborted(f, head);
+        return;
+    }
     if (d->rc != CURLE_OK) {
         unsigned status = transport_status(d, why, sizeof why);
         abort_half(f, PREFILL);
@@ -591,20 +621,7 @@ static bool check_exits(rt_fwd *f, rt_fwd_head *head, uint64_t *wait_ms) {
         if (f->grace_deadline_ms == 0) f->grace_deadline_ms = now + f->abort_grace_ms;
         if (now >= f->grace_deadline_ms) {
             abandon_all(f, false);
-            if (head) {
-                if (f->stream) {
-                    head->kind = RT_FWD_STREAM;
-                    head->status = 200;
-                    copy_str(f->content_type, sizeof f->content_type, "text/event-stream");
-                    head->content_type = f->content_type;
-                    set_abort_tail(f);
-                } else {
-                    set_full(f, head, 200, abort_answer(f, false));
-                    f->outcome = 499;
-                }
-            } else {
-                set_abort_tail(f);
-            }
+            answer_aborted(f, head);
             return true;
         }
         until = PD_MIN(until, f->grace_deadline_ms);
@@ -652,14 +669,24 @@ void rt_fwd_head_wait(rt_fwd *f, rt_fwd_head *head) {
         }
         /* After an abort was asked for, a prefill failure (the abort
          * reached it, its room failed) does not decide: the decode node's
-         * answer, or the abort answer at the grace deadline, does. */
+         * answer, or the abort answer at the grace deadline, does. Nor does
+         * it decide at once: a decode node that refused the request cancels
+         * the room, which fails the prefill half, and the decode node's own
+         * answer (naming the real reason) comes at about the same time. */
+        uint64_t wait_ms = 0;
         if ((half_transport_failed(p) || half_http_failed(p)) &&
             !atomic_load(&f->abort_requested)) {
-            prefill_failed(f, head);
+            uint64_t now = rt_now_ms();
+            if (!f->prefill_failed_ms) f->prefill_failed_ms = now;
+            if (now >= f->prefill_failed_ms + PREFILL_FAIL_GRACE_MS) {
+                prefill_failed(f, head);
+                return;
+            }
+            if (check_exits(f, head, &wait_ms)) return;
+            wait_ms = PD_MIN(wait_ms, f->prefill_failed_ms + PREFILL_FAIL_GRACE_MS - now);
+        } else if (check_exits(f, head, &wait_ms)) {
             return;
         }
-        uint64_t wait_ms = 0;
-        if (check_exits(f, head, &wait_ms)) return;
         pump(f, wait_ms);
     }
 }

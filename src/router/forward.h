@@ -19,8 +19,11 @@
  *
  * While it waits it polls the client's socket too: a hang-up (recv with
  * MSG_PEEK reads end-of-file) ends the forward at once. Decisions, in
- * order: client gone → abort both; the decode node answered → its answer;
- * the prefill node failed first → abort the decode half, its error; past
+ * order: client gone → abort both; the decode node answered → its answer
+ * (a failure after an /abort_request → the abort answer); the prefill node
+ * failed first and the decode node has not answered within 250 ms (a decode
+ * node that refused a request fails the prefill half through the room, and
+ * its own answer says why) → abort the decode half, the prefill's error; past
  * the request timeout → abort both, 504; asked to abort (router-level
  * /abort_request) → the decode node gets abort_grace_ms to end the answer
  * itself (it normally does: it was told too), then abort both and answer

@@ -154,6 +154,35 @@ static void an_abort_is_answered_as_an_abort_even_if_the_prefill_fails(void **st
     fw_stop(d);
 }
 
+/* An /abort_request that reaches the decode node before the request does
+ * (404 there) fails the room; the decode node then answers 500 ("transfer
+ * failed"). That failure is the abort's doing: the client gets the abort
+ * answer, not a 500. */
+static void an_abort_before_the_decode_node_has_the_request_is_an_abort(void **state) {
+    (void)state;
+    fake_worker *p = fw_start("prefill"), *d = fw_start("decode");
+    pd_router *r = tk_router(&p, 1, &d, 1, NULL);
+    fw_set(p, &(fw_behaviour){.delay_ms = 20000, .fail_on_abort = true});
+    fw_set(d, &(fw_behaviour){.generate_status = 500, .delay_ms = 300, .deaf = true});
+    bg a;
+    bg_start(&a, r, "/generate", "{\"text\": \"x\", \"rid\": \"early\"}");
+    assert_true(fw_wait_got_generate(d, "early", WAIT_MS));
+    tc_response resp;
+    post(r, "/abort_request", "{\"rid\": \"early\"}", &resp);
+    tc_free(&resp);
+    pthread_join(a.t, NULL);
+    if (a.resp.status != 200) fail_msg("answered %ld: %s", a.resp.status, a.resp.body);
+    json_t *o = tc_json(&a.resp);
+    json_t *fr = json_object_get(json_object_get(o, "meta_info"), "finish_reason");
+    assert_string_equal(json_string_value(json_object_get(fr, "type")), "abort");
+    json_decref(o);
+    tc_free(&a.resp);
+    assert_true(tk_wait_idle(r, WAIT_MS));
+    pd_router_destroy(r);
+    fw_stop(p);
+    fw_stop(d);
+}
+
 /* Nobody has it: 404 with the error body, every worker was asked. */
 static void abort_of_an_unknown_rid(pd_router *r, fake_worker **d) {
     tc_response resp;
@@ -329,6 +358,7 @@ int main(void) {
         cmocka_unit_test(client_hangup_mid_stream_aborts_both_halves),
         cmocka_unit_test(abort_request_reaches_every_worker_and_counts),
         cmocka_unit_test(an_abort_is_answered_as_an_abort_even_if_the_prefill_fails),
+        cmocka_unit_test(an_abort_before_the_decode_node_has_the_request_is_an_abort),
         cmocka_unit_test(abort_the_worker_missed_is_ended_by_the_router),
         cmocka_unit_test(stopping_the_router_ends_requests_in_flight),
     };

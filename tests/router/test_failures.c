@@ -65,6 +65,27 @@ static void prefill_error_aborts_the_decode_half(void **state) {
     fw_stop(d);
 }
 
+/* A decode node that refuses a request (413: it cannot fit) cancels the
+ * room, which fails the prefill half first; the client must get the real
+ * reason, the decode node's, not the prefill's 500 (e2e_request_log saw the
+ * 500 under load). */
+static void a_decode_refusal_beats_the_prefill_failure_it_caused(void **state) {
+    (void)state;
+    fake_worker *p = fw_start("prefill"), *d = fw_start("decode");
+    pd_router *r = tk_router(&p, 1, &d, 1, NULL);
+    fw_set(p, &(fw_behaviour){.generate_status = 500});
+    fw_set(d, &(fw_behaviour){.generate_status = 413, .delay_ms = 100});
+    for (int i = 0; i < 3; i++) {
+        tc_response resp;
+        post(r, "/generate", "{\"text\": \"x\"}", &resp);
+        expect_error(&resp, 413);
+        tc_free(&resp);
+    }
+    pd_router_destroy(r);
+    fw_stop(p);
+    fw_stop(d);
+}
+
 /* Issue 10, finding 11: a worker's status 999 was passed on to the client.
  * A status outside 100..599 is not HTTP: 502, naming it. */
 static void a_status_that_is_not_http_is_502(void **state) {
@@ -246,6 +267,7 @@ int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(prefill_error_aborts_the_decode_half),
         cmocka_unit_test(a_status_that_is_not_http_is_502),
+        cmocka_unit_test(a_decode_refusal_beats_the_prefill_failure_it_caused),
         cmocka_unit_test(refused_connection_is_502_and_the_other_half_is_aborted),
         cmocka_unit_test(garbage_and_closed_connections_are_502),
         cmocka_unit_test(hang_past_the_timeout_is_504_with_both_halves_aborted),
