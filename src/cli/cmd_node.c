@@ -6,6 +6,7 @@
  */
 #include <errno.h>
 #include <signal.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -413,11 +414,16 @@ int cli_node_parse(int argc, char **argv, pd_node_config *c) {
     return 0;
 }
 
-static volatile sig_atomic_t stop_flag;
+/* Set by the handler, which may run on any of the process's threads (the
+ * node's own threads do not block the signals): a lock-free atomic, which is
+ * safe in a handler and across threads, where volatile sig_atomic_t is only
+ * the former (ThreadSanitizer saw the race from a /health_generate probe's
+ * thread). */
+static atomic_int stop_flag;
 
 static void on_signal(int sig) {
     (void)sig;
-    stop_flag = 1;
+    atomic_store(&stop_flag, 1);
 }
 
 void cli_wait_for_signal(void) {
@@ -427,7 +433,7 @@ void cli_wait_for_signal(void) {
     sigaction(SIGINT, &sa, NULL);
     sigaction(SIGTERM, &sa, NULL);
     signal(SIGPIPE, SIG_IGN);
-    while (!stop_flag) {
+    while (!atomic_load(&stop_flag)) {
         struct timespec ts = {0, 100 * 1000000L};
         nanosleep(&ts, NULL);
     }
