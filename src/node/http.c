@@ -511,7 +511,6 @@ static call *choice_call(exchange *e, uint32_t i, const char *base_rid) {
     snprintf(c->peer, sizeof(c->peer), "%s", p->peer);
     c->prompt = malloc(pr->len * sizeof(int32_t));
     c->prompt_len = pr->len;
-    c->stream = p->stream;
     c->tokens = calloc(p->max_new + 1, sizeof(int32_t));
     c->logprobs = calloc(p->max_new + 1, sizeof(float));
     uint32_t k = p->sampling.top_logprobs;

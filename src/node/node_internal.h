@@ -34,10 +34,6 @@ typedef struct call {
     int32_t *prompt;
     uint32_t prompt_len;
     pd_request_spec spec;
-    bool stream;
-    bool openai;        /* /v1/completions shape */
-    bool chat;          /* /v1/chat/completions shape (openai too) */
-    bool include_usage; /* stream_options.include_usage */
     /* Submit outcome. */
     bool submitted;
     pd_err submit_err;
