@@ -18,6 +18,7 @@ packages=(
   libsodium-dev     # the bootstrap handshake's HMAC proofs and nonces
   prometheus        # promtool: e2e_metrics lints every /metrics text
   python3           # end-to-end tests (standard library only)
+  python3-torch     # e2e_reference: an independent forward pass to check the model's logits
   iproute2          # tests/chaos: ip netns, veth pairs, tc (tbf, netem)
   iptables          # tests/chaos: random loss (the statistic match) inside a namespace
   clang-format      # tools/tidy's format rule (docs/tidy.md; Debian 12's is version 14)

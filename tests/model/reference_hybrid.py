@@ -1,0 +1,126 @@
+"""An independent forward pass of pdserve's hybrid model (docs/model.md,
+"Equations") in PyTorch, in float64, from the checkpoint directory alone:
+config.json and model.safetensors, read here without pdserve's code.
+
+    logits = forward(model_dir, ids, drop_conv_at=None)
+
+returns a [len(ids), vocab] float64 tensor: the logits after each position.
+Written from the equations, not from src/model: attention with rotate-half
+RoPE and grouped KV heads over the whole sequence at once; Mamba2 as its
+recurrence, token by token, with the depthwise causal conv window; gated
+group RMSNorm; SwiGLU MLP; pre-norm residuals.
+
+drop_conv_at: a negative control. From that position on, the Mamba conv
+window restarts from zeros (the SSM state is kept), as a hand-off that lost
+the conv state would; a comparison against pdserve must then fail.
+"""
+import json
+import struct
+
+import torch
+
+DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+
+
+def load_safetensors(path):
+    raw = open(path, "rb").read()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8:8 + n])
+    data = raw[8 + n:]
+    out = {}
+    for name, e in header.items():
+        if name == "__metadata__":
+            continue
+        begin, end = e["data_offsets"]
+        t = torch.frombuffer(bytearray(data[begin:end]), dtype=DTYPES[e["dtype"]])
+        out[name] = t.reshape(e["shape"]).to(torch.float64)
+    return out
+
+
+def rms_norm(v, w, eps):
+    return v / torch.sqrt((v * v).mean(-1, keepdim=True) + eps) * w
+
+
+def silu(v):
+    return v * torch.sigmoid(v)
+
+
+def rope(x, positions, base):
+    """x: [T, heads, D]; rotate pairs (i, i + D/2) by pos * base^(-2i/D)."""
+    d = x.shape[-1]
+    half = d // 2
+    inv = base ** (-2.0 * torch.arange(half, dtype=torch.float64) / d)
+    ang = positions[:, None].to(torch.float64) * inv[None, :]  # [T, half]
+    cos, sin = torch.cos(ang)[:, None, :], torch.sin(ang)[:, None, :]
+    a, b = x[..., :half], x[..., half:]
+    return torch.cat([a * cos - b * sin, b * cos + a * sin], dim=-1)
+
+
+def attention(u, w, pre, cfg):
+    T = u.shape[0]
+    H, KV, D = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
+    q = (u @ w[pre + "q_proj.weight"].T).reshape(T, H, D)
+    k = (u @ w[pre + "k_proj.weight"].T).reshape(T, KV, D)
+    v = (u @ w[pre + "v_proj.weight"].T).reshape(T, KV, D)
+    pos = torch.arange(T)
+    q, k = rope(q, pos, cfg["rope_theta"]), rope(k, pos, cfg["rope_theta"])
+    group = H // KV
+    k = k.repeat_interleave(group, dim=1)  # head h uses KV head h // group
+    v = v.repeat_interleave(group, dim=1)
+    scores = torch.einsum("thd,shd->hts", q, k) / (D ** 0.5)
+    mask = torch.triu(torch.ones(T, T, dtype=torch.bool), diagonal=1)
+    scores = scores.masked_fill(mask[None], float("-inf"))
+    out = torch.einsum("hts,shd->thd", torch.softmax(scores, dim=-1), v).reshape(T, H * D)
+    return out @ w[pre + "o_proj.weight"].T
+
+
+def mamba(u, w, pre, cfg, drop_conv_at):
+    T, dim = u.shape
+    d_inner = cfg["mamba_expand"] * dim
+    heads, G, N = cfg["mamba_n_heads"], cfg["mamba_n_groups"], cfg["mamba_d_state"]
+    P, d_conv = d_inner // heads, cfg["mamba_d_conv"]
+    conv_dim = d_inner + 2 * G * N
+    proj = u @ w[pre + "in_proj.weight"].T
+    z, xbc, dt = proj[:, :d_inner], proj[:, d_inner:d_inner + conv_dim], proj[:, d_inner + conv_dim:]
+    conv_w = w[pre + "conv1d.weight"].reshape(conv_dim, d_conv)
+    conv_b = w[pre + "conv1d.bias"]
+    dt_bias, A = w[pre + "dt_bias"], -torch.exp(w[pre + "A_log"])
+    Dskip = w[pre + "D"]
+    window = torch.zeros(conv_dim, d_conv, dtype=torch.float64)  # oldest first
+    S = torch.zeros(heads, P, N, dtype=torch.float64)
+    ys = []
+    for t in range(T):
+        if drop_conv_at is not None and t == drop_conv_at:
+            window = torch.zeros_like(window)
+        window = torch.cat([window[:, 1:], xbc[t][:, None]], dim=1)
+        c = silu((window * conv_w).sum(-1) + conv_b)
+        x = c[:d_inner].reshape(heads, P)
+        B = c[d_inner:d_inner + G * N].reshape(G, N)
+        C = c[d_inner + G * N:].reshape(G, N)
+        g = torch.arange(heads) // (heads // G)
+        d = torch.nn.functional.softplus(dt[t] + dt_bias)  # [heads]
+        S = S * torch.exp(d * A)[:, None, None] + (d[:, None, None] * B[g][:, None, :]) * x[:, :, None]
+        y = (S * C[g][:, None, :]).sum(-1) + Dskip[:, None] * x
+        gated = (y.reshape(d_inner) * silu(z[t])).reshape(G, d_inner // G)
+        normed = gated / torch.sqrt((gated * gated).mean(-1, keepdim=True) + cfg["rms_norm_eps"])
+        ys.append(normed.reshape(d_inner) * w[pre + "norm.weight"])
+    return torch.stack(ys) @ w[pre + "out_proj.weight"].T
+
+
+def forward(model_dir, ids, drop_conv_at=None):
+    cfg = json.load(open(model_dir + "/config.json"))
+    w = load_safetensors(model_dir + "/model.safetensors")
+    eps = cfg["rms_norm_eps"]
+    x = w["model.embed_tokens.weight"][torch.tensor(ids)]
+    for layer, kind in enumerate(cfg["layer_pattern"]):
+        pre = "model.layers.%d." % layer
+        u = rms_norm(x, w[pre + "input_layernorm.weight"], eps)
+        if kind == "A":
+            h = x + attention(u, w, pre + "self_attn.", cfg)
+        else:
+            h = x + mamba(u, w, pre + "mamba.", cfg, drop_conv_at)
+        u = rms_norm(h, w[pre + "pre_ff_layernorm.weight"], eps)
+        mlp = (silu(u @ w[pre + "mlp.gate_proj.weight"].T) * (u @ w[pre + "mlp.up_proj.weight"].T))
+        x = h + mlp @ w[pre + "mlp.down_proj.weight"].T
+    head = w.get("lm_head.weight", w["model.embed_tokens.weight"])
+    return rms_norm(x, w["model.norm.weight"], eps) @ head.T
