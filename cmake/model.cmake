@@ -4,6 +4,7 @@ find_package(Threads REQUIRED)
 
 add_library(pd_model STATIC
   src/model/config.c
+  src/model/hf_config.c
   src/model/weights.c
   src/model/safetensors.c
   src/model/tokenizer.c

@@ -64,7 +64,16 @@ extern "C" {
 /* model.safetensors files larger than this are refused (16 GiB). */
 #define PD_MODEL_FILE_BYTES_MAX (UINT64_C(16) << 30)
 
+/* The checkpoint family: which config.json and tensor names, and the few
+ * places the forward pass differs (docs/model.md). */
+typedef enum pd_model_arch {
+    PD_ARCH_HYBRID = 0, /* pdserve's own hybrid ("pdserve_hybrid"; M and A layers) */
+    PD_ARCH_LLAMA,      /* LlamaForCausalLM: attention layers only */
+    PD_ARCH_QWEN3,      /* Qwen3ForCausalLM: Llama + RMSNorm of each q and k head */
+} pd_model_arch;
+
 typedef struct pd_model_config {
+    pd_model_arch arch;
     uint32_t vocab;
     uint32_t dim;                       /* model (residual stream) width */
     char layers[PD_MODEL_LAYERS_MAX + 1]; /* 'M' and 'A', one per layer */
@@ -79,9 +88,13 @@ typedef struct pd_model_config {
     uint32_t mlp_hidden;
     float norm_eps;
     float rope_base;
-    bool tie_embeddings;                /* lm_head shares embed_tokens */
-    int32_t bos_token;                  /* -1: none */
-    int32_t eos_token;                  /* -1: none */
+    /* rope_scaling of type "llama3" (Llama 3.1+); rope_factor 0: none. */
+    float rope_factor;
+    float rope_low_freq_factor, rope_high_freq_factor;
+    uint32_t rope_original_max; /* original_max_position_embeddings */
+    bool tie_embeddings;        /* lm_head shares embed_tokens */
+    int32_t bos_token;          /* -1: none */
+    int32_t eos_token;          /* -1: none */
 } pd_model_config;
 
 /* Sizes derived from a valid config. */
@@ -100,7 +113,8 @@ typedef struct pd_model_shape {
     uint64_t matmul_flops_per_token;
 } pd_model_shape;
 
-/* "tiny" (fast on one core; the default) or "small" (for benchmarks). */
+/* "tiny" (fast on one core; the default) or "small" (for benchmarks), both
+ * hybrid; "llama" and "qwen3": tiny checkpoints of those families. */
 pd_err pd_model_config_preset(pd_model_config *out, const char *name, char *msg, size_t msg_cap);
 /* Every field in range and consistent; the message names the first problem. */
 pd_err pd_model_config_check(const pd_model_config *cfg, char *msg, size_t msg_cap);

@@ -19,16 +19,18 @@
 
 static void usage(FILE *to) {
     fprintf(to,
-            "usage: pdserve model init --out DIR [--config tiny|small] [--layers PATTERN]\n"
+            "usage: pdserve model init --out DIR [--config NAME] [--layers PATTERN]\n"
             "                          [--dim N] [--seed N] [--dtype f32|f16|bf16]\n"
-            "       pdserve model info [--model DIR | --config tiny|small [--layers PATTERN] "
+            "       pdserve model info [--model DIR | --config NAME [--layers PATTERN] "
             "[--dim N]]\n"
             "                          [--page-size N]\n"
             "\n"
             "init writes DIR/config.json and DIR/model.safetensors (DIR is created if needed;\n"
             "existing files are replaced):\n"
             "  --out DIR          the model directory (required)\n"
-            "  --config NAME      built-in configuration: tiny (default) or small\n"
+            "  --config NAME      built-in configuration: tiny (default) or small (hybrids),\n"
+            "                     llama or qwen3 (a Hugging Face LlamaForCausalLM or\n"
+            "                     Qwen3ForCausalLM checkpoint of a tiny shape)\n"
             "  --layers PATTERN   layer pattern, M = Mamba2 mixer, A = attention (e.g. MAMA)\n"
             "  --dim N            model width; the MLP hidden size follows as 3 x N (the\n"
             "                     Mamba2 width is expand x N and must split into its heads)\n"
@@ -173,6 +175,8 @@ static int cmd_info(const model_opts *o) {
     pd_model_shape s;
     pd_model_config_shape(&cfg, &s);
     uint32_t ps = (uint32_t)o->page_size;
+    static const char *const arch[] = {"pdserve hybrid", "LlamaForCausalLM", "Qwen3ForCausalLM"};
+    printf("architecture      %s\n", arch[cfg.arch]);
     printf("layers            %s (%u attention, %u Mamba2)\n", cfg.layers, s.n_attn, s.n_mamba);
     printf("dim               %u, vocab %u, mlp hidden %u\n", cfg.dim, cfg.vocab, cfg.mlp_hidden);
     if (s.n_attn)

@@ -34,13 +34,34 @@ float *mdl_kv_at(float *kv, const pd_attn_dims *d, uint32_t page, uint32_t slot,
     return kv + (size_t)page * d->page_floats + block * d->kv_dim;
 }
 
-void mdl_rope_angles(uint32_t pos, uint32_t head_dim, float base, float *cos_out, float *sin_out) {
-    uint32_t half = head_dim / 2;
-    double log_base = mdl_log((double)base);
+void mdl_rope_inv_freq(const pd_model_config *cfg, double *inv_freq) {
+    const uint32_t head_dim = cfg->attn_head_dim, half = head_dim / 2;
+    const double log_base = mdl_log((double)cfg->rope_base);
+    for (uint32_t i = 0; i < half; i++)
+        inv_freq[i] = mdl_exp(-2.0 * (double)i / (double)head_dim * log_base);
+    if (cfg->rope_factor == 0.0f) return;
+    /* llama3: wavelengths longer than original / low_freq_factor are slowed
+     * by factor, shorter than original / high_freq_factor kept, and those
+     * between blended linearly in original / wavelength. */
+    const double factor = cfg->rope_factor, low = cfg->rope_low_freq_factor,
+                 high = cfg->rope_high_freq_factor, orig = cfg->rope_original_max;
+    const double two_pi = 6.283185307179586;
     for (uint32_t i = 0; i < half; i++) {
-        double inv_freq = mdl_exp(-2.0 * (double)i / (double)head_dim * log_base);
+        double wavelen = two_pi / inv_freq[i];
+        if (wavelen > orig / low) {
+            inv_freq[i] /= factor;
+        } else if (!(wavelen < orig / high)) {
+            double smooth = (orig / wavelen - low) / (high - low);
+            inv_freq[i] = (1.0 - smooth) * inv_freq[i] / factor + smooth * inv_freq[i];
+        }
+    }
+}
+
+void mdl_rope_angles(uint32_t pos, uint32_t half, const double *inv_freq, float *cos_out,
+                     float *sin_out) {
+    for (uint32_t i = 0; i < half; i++) {
         double s, c;
-        mdl_sincos((double)pos * inv_freq, &s, &c);
+        mdl_sincos((double)pos * inv_freq[i], &s, &c);
         cos_out[i] = (float)c;
         sin_out[i] = (float)s;
     }
@@ -126,6 +147,10 @@ uint64_t mdl_attention_forward(const pd_par *par, const pd_attn_dims *d, const p
         const float *c = r->rope_cos + (size_t)t * half, *sn = r->rope_sin + (size_t)t * half;
         float *q = s->q + (size_t)t * d->q_dim, *k = s->k + (size_t)t * d->kv_dim;
         const float *v = s->v + (size_t)t * d->kv_dim;
+        for (uint32_t h = 0; w->q_norm && h < d->heads; h++)
+            mdl_rmsnorm(q + (size_t)h * D, q + (size_t)h * D, w->q_norm, D, d->norm_eps);
+        for (uint32_t h = 0; w->k_norm && h < d->kv_heads; h++)
+            mdl_rmsnorm(k + (size_t)h * D, k + (size_t)h * D, w->k_norm, D, d->norm_eps);
         for (uint32_t h = 0; h < d->heads; h++) rope(q + (size_t)h * D, c, sn, D);
         for (uint32_t h = 0; h < d->kv_heads; h++) rope(k + (size_t)h * D, c, sn, D);
         uint32_t pos = r->pos[t];

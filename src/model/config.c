@@ -46,6 +46,26 @@ pd_err pd_model_config_preset(pd_model_config *out, const char *name, char *msg,
         out->mamba_heads = 4;
         out->mamba_groups = 1;
         out->mlp_hidden = 192;
+    } else if (!strcmp(name, "llama") || !strcmp(name, "qwen3")) {
+        /* Attention only; llama exercises the llama3 RoPE scaling, qwen3 an
+         * explicit head_dim (not dim / heads), q/k norms and tied embeddings. */
+        bool qwen = !strcmp(name, "qwen3");
+        out->arch = qwen ? PD_ARCH_QWEN3 : PD_ARCH_LLAMA;
+        out->dim = 64;
+        snprintf(out->layers, sizeof(out->layers), "AAAA");
+        out->attn_heads = 4;
+        out->attn_head_dim = qwen ? 32 : 16;
+        out->mlp_hidden = 192;
+        out->norm_eps = 1e-6f;
+        out->rope_base = qwen ? 1000000.0f : 500000.0f;
+        if (!qwen) {
+            out->rope_factor = 8.0f;
+            out->rope_low_freq_factor = 1.0f;
+            out->rope_high_freq_factor = 4.0f;
+            out->rope_original_max = 64;
+        }
+        out->tie_embeddings = qwen;
+        out->mamba_d_conv = out->mamba_expand = 0; /* no Mamba layers */
     } else if (!strcmp(name, "small")) {
         out->dim = 256;
         snprintf(out->layers, sizeof(out->layers), "MMAMMAMM");
@@ -56,8 +76,8 @@ pd_err pd_model_config_preset(pd_model_config *out, const char *name, char *msg,
         out->mamba_groups = 2;
         out->mlp_hidden = 768;
     } else {
-        return pd_errorf(msg, cap, PD_ERR_INVALID, "unknown model config '%s' (tiny or small)",
-                         name);
+        return pd_errorf(msg, cap, PD_ERR_INVALID,
+                         "unknown model config '%s' (tiny, small, llama or qwen3)", name);
     }
     return PD_OK;
 }
@@ -66,6 +86,22 @@ static uint32_t count_kind(const char *layers, char kind) {
     uint32_t n = 0;
     for (const char *p = layers; *p; p++) n += *p == kind;
     return n;
+}
+
+/* llama3 rope_scaling: factor >= 1, 0 < low < high, an original context. */
+static pd_err check_rope_scaling(const pd_model_config *cfg, char *msg, size_t cap) {
+    if (cfg->rope_factor == 0.0f) return PD_OK;
+    if (!(cfg->rope_factor >= 1.0f && cfg->rope_factor <= 1024.0f) ||
+        !(cfg->rope_low_freq_factor > 0.0f) ||
+        !(cfg->rope_high_freq_factor > cfg->rope_low_freq_factor) ||
+        !isfinite(cfg->rope_high_freq_factor) || cfg->rope_original_max == 0)
+        return pd_errorf(msg, cap, PD_ERR_INVALID,
+                         "rope_scaling (llama3): factor %g must be in [1, 1024], 0 < "
+                         "low_freq_factor %g < high_freq_factor %g, "
+                         "original_max_position_embeddings %u > 0",
+                         (double)cfg->rope_factor, (double)cfg->rope_low_freq_factor,
+                         (double)cfg->rope_high_freq_factor, cfg->rope_original_max);
+    return PD_OK;
 }
 
 #define RANGE(field, lo, hi)                                                                  \
@@ -110,7 +146,13 @@ pd_err pd_model_config_check(const pd_model_config *cfg, char *msg, size_t cap) 
         if (!(cfg->rope_base > 1.0f) || !isfinite(cfg->rope_base))
             return pd_errorf(msg, cap, PD_ERR_INVALID, "rope_base = %g must be finite and > 1",
                              (double)cfg->rope_base);
+        pd_err err = check_rope_scaling(cfg, msg, cap);
+        if (err != PD_OK) return err;
     }
+    if (cfg->arch != PD_ARCH_HYBRID && count_kind(cfg->layers, 'M') > 0)
+        return pd_errorf(msg, cap, PD_ERR_INVALID,
+                         "layer pattern '%s': a Llama or Qwen3 model has attention layers only",
+                         cfg->layers);
     if (count_kind(cfg->layers, 'M') > 0) {
         RANGE(mamba_d_state, 1u, D_STATE_MAX);
         RANGE(mamba_d_conv, 2u, D_CONV_MAX);
@@ -167,9 +209,10 @@ void pd_model_config_shape(const pd_model_config *cfg, pd_model_shape *s) {
             3ull * cfg->mamba_heads + s->mamba_d_inner;
     }
     uint64_t lm = vocab * dim;
+    uint64_t qk_norms = cfg->arch == PD_ARCH_QWEN3 ? 2ull * cfg->attn_head_dim : 0;
     s->params = vocab * dim + (cfg->tie_embeddings ? 0 : lm) + dim /* final norm */ +
-                s->n_layers * (2 * dim + per_layer_mlp) + s->n_attn * attn_w +
-                s->n_mamba * (mamba_w + mamba_small);
+        s->n_layers * (2 * dim + per_layer_mlp) + s->n_attn * (attn_w + qk_norms) +
+        s->n_mamba * (mamba_w + mamba_small);
     s->matmul_flops_per_token =
         2 * (s->n_layers * per_layer_mlp + s->n_attn * attn_w + s->n_mamba * mamba_w + lm);
 }
@@ -283,6 +326,10 @@ pd_err pd_model_config_parse(pd_model_config *cfg, const char *json, size_t len,
         err = pd_errorf(msg, cap, PD_ERR_PARSE, "%s: not a JSON object", path);
         goto out;
     }
+    if (json_object_get(root, "architectures")) {
+        err = mdl_hf_config_parse(cfg, root, path, msg, cap);
+        goto out;
+    }
     const json_t *type = json_object_get(root, "model_type");
     if (!json_is_string(type) || strcmp(json_string_value(type), MODEL_TYPE)) {
         err = pd_errorf(msg, cap, PD_ERR_PARSE, "%s: model_type must be \"" MODEL_TYPE "\"", path);
@@ -321,9 +368,10 @@ static double short_real(float f) {
 }
 
 pd_err mdl_config_write(const pd_model_config *cfg, const char *path, char *msg, size_t cap) {
-    json_t *root = json_object();
-    json_object_set_new(root, "model_type", json_string(MODEL_TYPE));
-    for (size_t i = 0; i < PD_ARRAY_LEN(fields); i++) {
+    json_t *root = cfg->arch != PD_ARCH_HYBRID ? mdl_hf_config_json(cfg) : json_object();
+    if (cfg->arch == PD_ARCH_HYBRID)
+        json_object_set_new(root, "model_type", json_string(MODEL_TYPE));
+    for (size_t i = 0; cfg->arch == PD_ARCH_HYBRID && i < PD_ARRAY_LEN(fields); i++) {
         const char *base = (const char *)cfg + fields[i].offset;
         json_t *v = NULL;
         switch (fields[i].kind) {

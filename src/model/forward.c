@@ -87,8 +87,8 @@ static void run_pass(pd_runner *r, const pd_batch_item *items, pd_item_result *r
         memcpy(r->x + (size_t)t * c->dim, m->embed + (size_t)r->row_token[t] * c->dim,
                sizeof(float) * c->dim);
         if (m->shape.n_attn)
-            mdl_rope_angles(r->row_pos[t], c->attn_head_dim, c->rope_base,
-                            r->rope_cos + (size_t)t * half, r->rope_sin + (size_t)t * half);
+            mdl_rope_angles(r->row_pos[t], half, r->rope_inv, r->rope_cos + (size_t)t * half,
+                            r->rope_sin + (size_t)t * half);
     }
 
     for (uint32_t l = 0; l < m->shape.n_layers; l++) block(r, &m->blocks[l]);
@@ -273,6 +273,7 @@ static void set_dims(pd_runner *r) {
                                   .heads = c->attn_heads,
                                   .kv_heads = c->attn_kv_heads,
                                   .head_dim = c->attn_head_dim,
+                                  .norm_eps = c->norm_eps,
                                   .q_dim = s->q_dim,
                                   .kv_dim = s->kv_dim,
                                   .page_size = r->page_size,
@@ -281,6 +282,10 @@ static void set_dims(pd_runner *r) {
                                   .layer = 0,
                                   .page_floats = r->kv_page_bytes / sizeof(float)};
     PD_ASSERT(r->mamba_slot_bytes == s->n_mamba * r->mamba_layer_floats * sizeof(float));
+    if (s->n_attn) {
+        PD_ASSERT(c->attn_head_dim / 2 <= PD_ARRAY_LEN(r->rope_inv));
+        mdl_rope_inv_freq(c, r->rope_inv);
+    }
 }
 
 /* The node's memory: KV pages, Mamba slots and host pages, zeroed. */

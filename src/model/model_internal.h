@@ -7,6 +7,8 @@
 #ifndef PDSERVE_MODEL_INTERNAL_H
 #define PDSERVE_MODEL_INTERNAL_H
 
+#include <jansson.h>
+
 #include "kernels.h"
 #include "pdserve/executor.h"
 #include "pdserve/model.h"
@@ -18,11 +20,12 @@
 
 /* How seeded dummy weights are drawn (weights.c, docs/model.md). */
 typedef enum pd_init {
-    PD_INIT_ONES,               /* norm weights, the D skip */
-    PD_INIT_NORMAL,             /* N(0, 1): token embeddings */
-    PD_INIT_UNIFORM,            /* U(-scale, scale) */
-    PD_INIT_DT_BIAS,            /* softplus^-1 of dt, log-uniform in [1e-3, 1e-1] */
-    PD_INIT_A_LOG,              /* log of U[1, 16] */
+    PD_INIT_ONES,     /* norm weights, the D skip */
+    PD_INIT_NEAR_ONE, /* 1 + U(+-scale): norm weights of Llama and Qwen3 */
+    PD_INIT_NORMAL,   /* N(0, 1): token embeddings */
+    PD_INIT_UNIFORM,  /* U(-scale, scale) */
+    PD_INIT_DT_BIAS,  /* softplus^-1 of dt, log-uniform in [1e-3, 1e-1] */
+    PD_INIT_A_LOG,    /* log of U[1, 16] */
 } pd_init;
 
 typedef struct pd_tensor_entry {
@@ -36,7 +39,8 @@ typedef struct pd_tensor_entry {
 } pd_tensor_entry;
 
 typedef struct pd_attn_weights {
-    const float *wq, *wk, *wv, *wo;  /* [q_dim][dim], [kv_dim][dim] x2, [dim][q_dim] */
+    const float *wq, *wk, *wv, *wo; /* [q_dim][dim], [kv_dim][dim] x2, [dim][q_dim] */
+    const float *q_norm, *k_norm;   /* [head_dim] (Qwen3), or NULL: no q/k norm */
 } pd_attn_weights;
 
 typedef struct pd_mamba2_weights {
@@ -77,6 +81,11 @@ struct pd_model {
 /* config.json: read and check, or write (config.c). */
 pd_err mdl_config_read(pd_model_config *cfg, const char *path, char *msg, size_t msg_cap);
 pd_err mdl_config_write(const pd_model_config *cfg, const char *path, char *msg, size_t msg_cap);
+/* hf_config.c: a Hugging Face config.json (one with "architectures") into
+ * *cfg, checked; and the config.json of a Llama or Qwen3 config. */
+pd_err mdl_hf_config_parse(pd_model_config *cfg, const json_t *root, const char *path, char *msg,
+                           size_t msg_cap);
+json_t *mdl_hf_config_json(const pd_model_config *cfg);
 
 /* ---- Mamba2 mixer ---------------------------------------------------------- */
 
@@ -116,6 +125,7 @@ void mdl_mamba2_forward(const pd_par *par, const pd_mamba2_dims *d, const pd_mam
 typedef struct pd_attn_dims {
     uint32_t dim, heads, kv_heads, head_dim;
     uint32_t q_dim, kv_dim;
+    float norm_eps; /* the q/k norms' */
     uint32_t page_size;
     uint32_t kv_pages;          /* pages in the pool */
     uint32_t n_attn;            /* attention layers in a page */
@@ -149,9 +159,12 @@ uint64_t mdl_attention_forward(const pd_par *par, const pd_attn_dims *d, const p
                                const float *in, float *out, uint32_t rows, const pd_attn_rows *r,
                                float *kv, const pd_attn_scratch *s);
 
-/* cos/sin of position pos for the head_dim / 2 rotation frequencies
- * base^(-2i / head_dim), computed in double and rounded once. */
-void mdl_rope_angles(uint32_t pos, uint32_t head_dim, float base, float *cos_out, float *sin_out);
+/* The head_dim / 2 rotation frequencies base^(-2i / head_dim), in double,
+ * adjusted by the config's llama3 rope_scaling when it has one. */
+void mdl_rope_inv_freq(const pd_model_config *cfg, double *inv_freq);
+/* cos/sin of position pos for those frequencies, rounded once. */
+void mdl_rope_angles(uint32_t pos, uint32_t half, const double *inv_freq, float *cos_out,
+                     float *sin_out);
 
 /* ---- sampling ---------------------------------------------------------------- */
 

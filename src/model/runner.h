@@ -38,6 +38,7 @@ typedef struct pd_runner {
     float *xo;                  /* [rows][dim] output of a sublayer */
     float *gate, *up;           /* [rows][mlp_hidden] */
     float *rope_cos, *rope_sin; /* [rows][head_dim / 2] */
+    double rope_inv[512];       /* the rotation frequencies (head_dim <= 1024) */
     float *logits;              /* [rows][vocab] */
     float *probs;               /* [vocab] */
     uint64_t *keys;             /* [vocab] */

@@ -55,17 +55,28 @@ static void add(pd_model *m, pd_init init, double scale, uint32_t ndim, uint64_t
     m->n_floats += t->elems;
 }
 
+/* The norm before the MLP: Llama and Qwen3 call it post_attention_layernorm. */
+static const char *norm_mlp_name(const pd_model_config *c) {
+    return c->arch == PD_ARCH_HYBRID ? "model.layers.%d.pre_ff_layernorm.weight"
+                                     : "model.layers.%d.post_attention_layernorm.weight";
+}
+
 static void build_table(pd_model *m) {
     const pd_model_config *c = &m->cfg;
     const pd_model_shape *s = &m->shape;
     double res = 1.0 / sqrt(2.0 * s->n_layers); /* residual-output scaling */
     double in_dim = 1.0 / sqrt((double)c->dim);
+    /* Norm weights: ones in the hybrid (as always: its seeds keep their
+     * weights); 1 +- 0.2 in Llama and Qwen3, so that a test against another
+     * implementation sees every norm weight applied. */
+    pd_init norm = c->arch == PD_ARCH_HYBRID ? PD_INIT_ONES : PD_INIT_NEAR_ONE;
+    double norm_scale = c->arch == PD_ARCH_HYBRID ? 0.0 : 0.2;
     m->n_tensors = 0;
     m->n_floats = 0;
     add(m, PD_INIT_NORMAL, 0, 2, c->vocab, c->dim, 0, "model.embed_tokens.weight", 0);
     for (uint32_t l = 0; l < s->n_layers; l++) {
         int i = (int)l;
-        add(m, PD_INIT_ONES, 0, 1, c->dim, 0, 0, "model.layers.%d.input_layernorm.weight", i);
+        add(m, norm, norm_scale, 1, c->dim, 0, 0, "model.layers.%d.input_layernorm.weight", i);
         if (c->layers[l] == 'A') {
             add(m, PD_INIT_UNIFORM, in_dim, 2, s->q_dim, c->dim, 0,
                 "model.layers.%d.self_attn.q_proj.weight", i);
@@ -75,6 +86,12 @@ static void build_table(pd_model *m) {
                 "model.layers.%d.self_attn.v_proj.weight", i);
             add(m, PD_INIT_UNIFORM, res / sqrt((double)s->q_dim), 2, c->dim, s->q_dim, 0,
                 "model.layers.%d.self_attn.o_proj.weight", i);
+            if (c->arch == PD_ARCH_QWEN3) {
+                add(m, norm, norm_scale, 1, c->attn_head_dim, 0, 0,
+                    "model.layers.%d.self_attn.q_norm.weight", i);
+                add(m, norm, norm_scale, 1, c->attn_head_dim, 0, 0,
+                    "model.layers.%d.self_attn.k_norm.weight", i);
+            }
         } else {
             double conv = 1.0 / sqrt((double)c->mamba_d_conv);
             add(m, PD_INIT_UNIFORM, in_dim, 2, s->mamba_in_proj, c->dim, 0,
@@ -91,7 +108,7 @@ static void build_table(pd_model *m) {
             add(m, PD_INIT_UNIFORM, res / sqrt((double)s->mamba_d_inner), 2, c->dim,
                 s->mamba_d_inner, 0, "model.layers.%d.mamba.out_proj.weight", i);
         }
-        add(m, PD_INIT_ONES, 0, 1, c->dim, 0, 0, "model.layers.%d.pre_ff_layernorm.weight", i);
+        add(m, norm, norm_scale, 1, c->dim, 0, 0, norm_mlp_name(c), i);
         add(m, PD_INIT_UNIFORM, in_dim, 2, c->mlp_hidden, c->dim, 0,
             "model.layers.%d.mlp.gate_proj.weight", i);
         add(m, PD_INIT_UNIFORM, in_dim, 2, c->mlp_hidden, c->dim, 0,
@@ -99,7 +116,7 @@ static void build_table(pd_model *m) {
         add(m, PD_INIT_UNIFORM, res / sqrt((double)c->mlp_hidden), 2, c->dim, c->mlp_hidden, 0,
             "model.layers.%d.mlp.down_proj.weight", i);
     }
-    add(m, PD_INIT_ONES, 0, 1, c->dim, 0, 0, "model.norm.weight", 0);
+    add(m, norm, norm_scale, 1, c->dim, 0, 0, "model.norm.weight", 0);
     if (!c->tie_embeddings)
         add(m, PD_INIT_UNIFORM, in_dim, 2, c->vocab, c->dim, 0, "lm_head.weight", 0);
     PD_ASSERT(m->n_floats == s->params);
@@ -129,7 +146,7 @@ static void bind(pd_model *m) {
         pd_block_weights *b = &m->blocks[l];
         b->kind = m->cfg.layers[l];
         b->norm_mixer = ptr(m, "model.layers.%d.input_layernorm.weight", l);
-        b->norm_mlp = ptr(m, "model.layers.%d.pre_ff_layernorm.weight", l);
+        b->norm_mlp = ptr(m, norm_mlp_name(&m->cfg), l);
         b->gate = ptr(m, "model.layers.%d.mlp.gate_proj.weight", l);
         b->up = ptr(m, "model.layers.%d.mlp.up_proj.weight", l);
         b->down = ptr(m, "model.layers.%d.mlp.down_proj.weight", l);
@@ -139,6 +156,10 @@ static void bind(pd_model *m) {
             b->attn.wk = ptr(m, "model.layers.%d.self_attn.k_proj.weight", l);
             b->attn.wv = ptr(m, "model.layers.%d.self_attn.v_proj.weight", l);
             b->attn.wo = ptr(m, "model.layers.%d.self_attn.o_proj.weight", l);
+            if (m->cfg.arch == PD_ARCH_QWEN3) {
+                b->attn.q_norm = ptr(m, "model.layers.%d.self_attn.q_norm.weight", l);
+                b->attn.k_norm = ptr(m, "model.layers.%d.self_attn.k_norm.weight", l);
+            }
         } else {
             b->kind_index = n_mamba++;
             b->mamba.in_proj = ptr(m, "model.layers.%d.mamba.in_proj.weight", l);
@@ -193,6 +214,7 @@ static void fill(float *v, const pd_tensor_entry *t, uint64_t seed) {
         double x = 0;
         switch (t->init) {
         case PD_INIT_ONES: x = 1.0; break;
+        case PD_INIT_NEAR_ONE: x = 1.0 + (2.0 * pd_rng_unit(&rng) - 1.0) * t->scale; break;
         case PD_INIT_NORMAL: x = normal(&rng); break;
         case PD_INIT_UNIFORM: x = (2.0 * pd_rng_unit(&rng) - 1.0) * t->scale; break;
         case PD_INIT_DT_BIAS: {

@@ -1,5 +1,5 @@
 """End-to-end (issue 12, forward reference): pdserve's logits against an
-independent PyTorch forward pass (tests/model/reference_hybrid.py, float64,
+independent PyTorch forward pass (tests/model/reference_forward.py, float64,
 written from docs/model.md's equations), over prompt and decode steps, on
 `pdserve serve` and on `pdserve run` (prefill and decode apart: the KV and
 Mamba hand-off included).
@@ -33,7 +33,7 @@ import pdtest
 from pdtest import Server
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "model"))
-import reference_hybrid  # noqa: E402
+import reference_forward  # noqa: E402
 
 TOL = 1e-4
 PROMPTS = [[256, 72, 105], [256] + [(i * 37 + 11) % 256 for i in range(22)],
@@ -75,77 +75,118 @@ def worst_error(answer, ids, ref_logits):
 
 
 def reference(model_dir, ids, out_ids, **kw):
-    return reference_hybrid.forward(model_dir, ids + out_ids, **kw)
+    return reference_forward.forward(model_dir, ids + out_ids, **kw)
 
 
-def perturbed_copy(model_dir, tmp):
-    """A copy of the checkpoint with one Mamba conv weight changed by 0.05."""
-    dst = os.path.join(tmp, "perturbed")
+def edited_copy(model_dir, tmp, label, tensor_suffix=None, config_edit=None):
+    """A copy of the checkpoint with the first tensor whose name ends with
+    tensor_suffix moved by 0.5 in its first value, or config.json edited."""
+    dst = os.path.join(tmp, label)
     shutil.copytree(model_dir, dst)
-    path = os.path.join(dst, "model.safetensors")
-    raw = bytearray(open(path, "rb").read())
-    (n,) = struct.unpack("<Q", raw[:8])
-    header = json.loads(raw[8:8 + n])
-    name = next(k for k in header if k.endswith("mamba.conv1d.weight"))
-    begin = 8 + n + header[name]["data_offsets"][0]
-    (v,) = struct.unpack("<f", raw[begin:begin + 4])
-    raw[begin:begin + 4] = struct.pack("<f", v + 0.05)
-    open(path, "wb").write(bytes(raw))
+    if config_edit:
+        path = os.path.join(dst, "config.json")
+        cfg = json.load(open(path))
+        config_edit(cfg)
+        json.dump(cfg, open(path, "w"))
+    if tensor_suffix:
+        path = os.path.join(dst, "model.safetensors")
+        raw = bytearray(open(path, "rb").read())
+        (n,) = struct.unpack("<Q", raw[:8])
+        header = json.loads(raw[8:8 + n])
+        name = next(k for k in header if k.endswith(tensor_suffix))
+        assert header[name]["dtype"] == "F32", header[name]
+        begin = 8 + n + header[name]["data_offsets"][0]
+        (v,) = struct.unpack("<f", raw[begin:begin + 4])
+        raw[begin:begin + 4] = struct.pack("<f", v + 0.5)
+        open(path, "wb").write(bytes(raw))
     return dst
 
 
-def check_checkpoint(layers, dtype):
+def serve_and_run(model):
+    srv = Server(["serve", "--model", model, "--page-size", "4", "--chunked-prefill-size", "5"])
+    try:
+        served = answers(srv)
+        srv.wait_idle_clean()
+    finally:
+        srv.stop()
+    from test_run import Run
+    run = Run(["--model", model, "--page-size", "16"])
+    try:
+        pd = answers(run.router)
+        run.nodes_idle_clean()
+    finally:
+        run.stop()
+    for a, b in zip(served, pd):
+        assert a["output_ids"] == b["output_ids"], (a, b)
+        assert a["meta_info"]["output_top_logprobs"] == b["meta_info"]["output_top_logprobs"]
+    return pd
+
+
+def check_checkpoint(label, init_args, controls):
+    """controls: (what, make(model, tmp) -> reference kwargs or a model dir)."""
     tmp = tempfile.mkdtemp(prefix="pdref-")
     try:
         model = os.path.join(tmp, "m")
-        r = subprocess.run([pdtest.PDSERVE, "model", "init", "--out", model, "--layers", layers,
-                            "--seed", "7", "--dtype", dtype], capture_output=True, text=True)
+        r = subprocess.run([pdtest.PDSERVE, "model", "init", "--out", model, "--seed", "7"]
+                           + init_args, capture_output=True, text=True)
         assert r.returncode == 0, r.stderr
-        srv = Server(["serve", "--model", model, "--page-size", "4", "--chunked-prefill-size", "5"])
-        try:
-            served = answers(srv)
-            srv.wait_idle_clean()
-        finally:
-            srv.stop()
-        from test_run import Run
-        run = Run(["--model", model, "--page-size", "16"])
-        try:
-            pd = answers(run.router)
-            run.nodes_idle_clean()
-        finally:
-            run.stop()
-        for a, b in zip(served, pd):
-            assert a["output_ids"] == b["output_ids"], (a, b)
-            assert a["meta_info"]["output_top_logprobs"] == b["meta_info"]["output_top_logprobs"]
+        pd = serve_and_run(model)
         worst_all = 0.0
         for ids, ans in zip(PROMPTS, pd):
             worst, argmax_ok = worst_error(ans, ids, reference(model, ids, ans["output_ids"]))
-            assert argmax_ok and worst <= TOL, (layers, dtype, worst)
+            assert argmax_ok and worst <= TOL, (label, worst)
             worst_all = max(worst_all, worst)
         # Negative controls: each must break the agreement.
-        bad = perturbed_copy(model, tmp) if dtype == "f32" else None
-        least_dropped = least_bad = float("inf")
-        for ids, ans in zip(PROMPTS[1:], pd[1:]):
-            dropped = reference(model, ids, ans["output_ids"], drop_conv_at=len(ids))
-            worst, _ = worst_error(ans, ids, dropped)
-            assert worst > 100 * TOL, ("dropping the conv state went unnoticed", worst)
-            least_dropped = min(least_dropped, worst)
-            if bad:
-                worst, _ = worst_error(ans, ids, reference(bad, ids, ans["output_ids"]))
-                assert worst > 10 * TOL, ("a perturbed weight went unnoticed", worst)
-                least_bad = min(least_bad, worst)
-        print("  %s %s: worst |logprob - reference| %.2e over %d steps (tolerance %.0e); "
-              "negative controls off by >= %.2e (conv state dropped), %s (one weight +0.05)"
-              % (layers, dtype, worst_all, NEW * len(PROMPTS), TOL, least_dropped,
-                 "%.2e" % least_bad if bad else "not run"), flush=True)
+        said = []
+        for what, make in controls:
+            least = float("inf")
+            for ids, ans in zip(PROMPTS[1:], pd[1:]):
+                kw = make(model, tmp, ids)
+                src = kw.pop("model", model)
+                worst, _ = worst_error(ans, ids, reference(src, ids, ans["output_ids"], **kw))
+                least = min(least, worst)
+            assert least > 10 * TOL, ("negative control went unnoticed", label, what, least)
+            said.append("%s: off by >= %.2e" % (what, least))
+        print("  %s: worst |logprob - reference| %.2e over %d steps (tolerance %.0e); "
+              "negative controls: %s" % (label, worst_all, NEW * len(PROMPTS), TOL,
+                                         "; ".join(said)), flush=True)
     finally:
         shutil.rmtree(tmp)
 
 
+def drop_conv(model, tmp, ids):
+    return {"drop_conv_at": len(ids)}
+
+
+def weight(suffix):
+    def make(model, tmp, ids):
+        return {"model": edited_copy(model, tmp, "w" + str(len(ids)), tensor_suffix=suffix)}
+    return make
+
+
+def no_rope_scaling(model, tmp, ids):
+    def edit(cfg):
+        cfg["rope_scaling"] = None
+    return {"model": edited_copy(model, tmp, "r" + str(len(ids)), config_edit=edit)}
+
+
 def test_hybrid_logits_match_the_pytorch_reference():
-    check_checkpoint("MAMA", "f32")
-    check_checkpoint("AMMA", "bf16")
+    check_checkpoint("hybrid MAMA f32", ["--layers", "MAMA"],
+                     [("conv state dropped at the hand-off", drop_conv),
+                      ("one conv weight +0.5", weight("mamba.conv1d.weight"))])
+    check_checkpoint("hybrid AMMA bf16", ["--layers", "AMMA", "--dtype", "bf16"],
+                     [("conv state dropped at the hand-off", drop_conv)])
+
+
+def test_llama_and_qwen3_logits_match_the_pytorch_reference():
+    check_checkpoint("LlamaForCausalLM f32", ["--config", "llama"],
+                     [("rope_scaling ignored", no_rope_scaling),
+                      ("one k_proj weight +0.5", weight("self_attn.k_proj.weight"))])
+    check_checkpoint("Qwen3ForCausalLM f32", ["--config", "qwen3"],
+                     [("one q_norm weight +0.5", weight("self_attn.q_norm.weight"))])
+    check_checkpoint("Qwen3ForCausalLM bf16", ["--config", "qwen3", "--dtype", "bf16"], [])
 
 
 if __name__ == "__main__":
-    pdtest.run_tests([test_hybrid_logits_match_the_pytorch_reference])
+    pdtest.run_tests([test_hybrid_logits_match_the_pytorch_reference,
+                      test_llama_and_qwen3_logits_match_the_pytorch_reference])

@@ -508,8 +508,74 @@ static void config_check_names_the_inconsistency(void **state) {
     }
 }
 
+/* Hugging Face config.json: the defaults transformers applies, an eos list's
+ * first entry, llama3 rope_scaling; what the forward pass lacks is refused
+ * by name. */
+#define HF_BASE                                                              \
+    "\"vocab_size\": 300, \"hidden_size\": 64, \"intermediate_size\": 128, " \
+    "\"num_hidden_layers\": 3, \"num_attention_heads\": 4"
+
+static void hf_config_defaults_and_refusals(void **state) {
+    (void)state;
+    char msg[256];
+    pd_model_config c;
+    const char *ok =
+        "{\"architectures\": [\"LlamaForCausalLM\"], " HF_BASE
+        ", \"eos_token_id\": [299, 298], \"rope_scaling\": {\"rope_type\": \"llama3\", "
+        "\"factor\": 8, \"original_max_position_embeddings\": 8192}}";
+    assert_ok(pd_model_config_parse(&c, ok, strlen(ok), "c.json", msg, sizeof(msg)));
+    assert_int_equal(c.arch, PD_ARCH_LLAMA);
+    assert_string_equal(c.layers, "AAA");
+    assert_int_equal(c.attn_kv_heads, 4);  /* default: the heads */
+    assert_int_equal(c.attn_head_dim, 16); /* default: hidden / heads */
+    assert_int_equal(c.eos_token, 299);    /* a list's first */
+    assert_int_equal(c.bos_token, -1);
+    assert_true(c.rope_base == 10000.0f && c.norm_eps == 1e-6f);
+    assert_true(c.rope_factor == 8.0f && c.rope_low_freq_factor == 1.0f &&
+                c.rope_high_freq_factor == 4.0f && c.rope_original_max == 8192);
+    assert_false(c.tie_embeddings);
+    static const struct {
+        const char *extra, *what;
+    } bad[] = {
+        {", \"hidden_act\": \"gelu\"", "'hidden_act' other than silu"},
+        {", \"attention_bias\": true", "'attention_bias'"},
+        {", \"mlp_bias\": true", "'mlp_bias'"},
+        {", \"use_sliding_window\": true", "'use_sliding_window'"},
+        {", \"rope_scaling\": {\"type\": \"dynamic\", \"factor\": 2}", "rope_scaling other"},
+        {", \"rope_scaling\": {\"rope_type\": \"llama3\", \"factor\": 0.5, "
+         "\"original_max_position_embeddings\": 10}",
+         "factor 0.5"},
+        {", \"num_key_value_heads\": 3", "multiple of attn_kv_heads"},
+        {", \"head_dim\": 7", "must be even"},
+        {", \"eos_token_id\": \"x\"", "'eos_token_id' must be a token id"},
+    };
+    for (size_t i = 0; i < PD_ARRAY_LEN(bad); i++) {
+        char text[512];
+        snprintf(text, sizeof text, "{\"architectures\": [\"Qwen3ForCausalLM\"], %s%s}", HF_BASE,
+                 bad[i].extra);
+        msg[0] = '\0';
+        assert_true(pd_model_config_parse(&c, text, strlen(text), "c.json", msg, sizeof(msg)) !=
+                    PD_OK);
+        if (!strstr(msg, bad[i].what)) fail_msg("case %zu: '%s' lacks '%s'", i, msg, bad[i].what);
+    }
+    const char *other = "{\"architectures\": [\"MistralForCausalLM\"], " HF_BASE "}";
+    assert_true(pd_model_config_parse(&c, other, strlen(other), "c.json", msg, sizeof(msg)) !=
+                PD_OK);
+    assert_non_null(strstr(msg, "MistralForCausalLM is not supported"));
+    /* what pdserve writes reads back the same */
+    pd_model_config q, back;
+    assert_ok(pd_model_config_preset(&q, "qwen3", msg, sizeof(msg)));
+    json_t *j = mdl_hf_config_json(&q);
+    char *text = json_dumps(j, 0);
+    assert_ok(pd_model_config_parse(&back, text, strlen(text), "q.json", msg, sizeof(msg)));
+    assert_memory_equal(&q, &back, sizeof(q));
+    free(text);
+    json_decref(j);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
+        cmocka_unit_test(hf_config_defaults_and_refusals),
         cmocka_unit_test(matmul_rows_equal_single_dot_products_bitwise),
         cmocka_unit_test(dot_product_is_accurate),
         cmocka_unit_test(thread_pool_covers_every_unit_exactly_once),

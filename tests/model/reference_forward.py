@@ -1,6 +1,9 @@
-"""An independent forward pass of pdserve's hybrid model (docs/model.md,
+"""An independent forward pass of pdserve's models (docs/model.md,
 "Equations") in PyTorch, in float64, from the checkpoint directory alone:
-config.json and model.safetensors, read here without pdserve's code.
+config.json and model.safetensors, read here without pdserve's code. The
+hybrid (model_type pdserve_hybrid), and the Hugging Face families
+LlamaForCausalLM (with llama3 rope_scaling) and Qwen3ForCausalLM (per-head
+q/k RMSNorm, explicit head_dim), as the transformers library defines them.
 
     logits = forward(model_dir, ids, drop_conv_at=None)
 
@@ -45,14 +48,29 @@ def silu(v):
     return v * torch.sigmoid(v)
 
 
-def rope(x, positions, base):
-    """x: [T, heads, D]; rotate pairs (i, i + D/2) by pos * base^(-2i/D)."""
+def inv_freq(d, base, scaling):
+    """base^(-2i/d), with the llama3 rope_scaling of transformers'
+    _compute_llama3_parameters when given."""
+    inv = base ** (-2.0 * torch.arange(d // 2, dtype=torch.float64) / d)
+    if not scaling:
+        return inv
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    orig = scaling["original_max_position_embeddings"]
+    wavelen = 2 * torch.pi / inv
+    scaled = torch.where(wavelen > orig / low, inv / factor, inv)
+    smooth = (orig / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < orig / high) & ~(wavelen > orig / low)
+    return torch.where(medium, smoothed, scaled)
+
+
+def rope(x, positions, base, scaling=None):
+    """x: [T, heads, D]; rotate pairs (i, i + D/2) by pos * inv_freq[i]."""
     d = x.shape[-1]
-    half = d // 2
-    inv = base ** (-2.0 * torch.arange(half, dtype=torch.float64) / d)
+    inv = inv_freq(d, base, scaling)
     ang = positions[:, None].to(torch.float64) * inv[None, :]  # [T, half]
     cos, sin = torch.cos(ang)[:, None, :], torch.sin(ang)[:, None, :]
-    a, b = x[..., :half], x[..., half:]
+    a, b = x[..., :d // 2], x[..., d // 2:]
     return torch.cat([a * cos - b * sin, b * cos + a * sin], dim=-1)
 
 
@@ -62,8 +80,12 @@ def attention(u, w, pre, cfg):
     q = (u @ w[pre + "q_proj.weight"].T).reshape(T, H, D)
     k = (u @ w[pre + "k_proj.weight"].T).reshape(T, KV, D)
     v = (u @ w[pre + "v_proj.weight"].T).reshape(T, KV, D)
+    if pre + "q_norm.weight" in w:  # Qwen3: each head of q and k, before RoPE
+        q = rms_norm(q, w[pre + "q_norm.weight"], cfg["rms_norm_eps"])
+        k = rms_norm(k, w[pre + "k_norm.weight"], cfg["rms_norm_eps"])
     pos = torch.arange(T)
-    q, k = rope(q, pos, cfg["rope_theta"]), rope(k, pos, cfg["rope_theta"])
+    scaling = cfg.get("rope_scaling")
+    q, k = rope(q, pos, cfg["rope_theta"], scaling), rope(k, pos, cfg["rope_theta"], scaling)
     group = H // KV
     k = k.repeat_interleave(group, dim=1)  # head h uses KV head h // group
     v = v.repeat_interleave(group, dim=1)
@@ -110,7 +132,14 @@ def mamba(u, w, pre, cfg, drop_conv_at):
 def forward(model_dir, ids, drop_conv_at=None):
     cfg = json.load(open(model_dir + "/config.json"))
     w = load_safetensors(model_dir + "/model.safetensors")
+    hf = "architectures" in cfg
+    if hf:  # transformers' defaults for what a config may leave out
+        cfg.setdefault("num_key_value_heads", cfg["num_attention_heads"])
+        cfg.setdefault("head_dim", cfg["hidden_size"] // cfg["num_attention_heads"])
+        cfg.setdefault("rope_theta", 10000.0)
+        cfg["layer_pattern"] = "A" * cfg["num_hidden_layers"]
     eps = cfg["rms_norm_eps"]
+    ff_norm = "post_attention_layernorm" if hf else "pre_ff_layernorm"
     x = w["model.embed_tokens.weight"][torch.tensor(ids)]
     for layer, kind in enumerate(cfg["layer_pattern"]):
         pre = "model.layers.%d." % layer
@@ -119,7 +148,7 @@ def forward(model_dir, ids, drop_conv_at=None):
             h = x + attention(u, w, pre + "self_attn.", cfg)
         else:
             h = x + mamba(u, w, pre + "mamba.", cfg, drop_conv_at)
-        u = rms_norm(h, w[pre + "pre_ff_layernorm.weight"], eps)
+        u = rms_norm(h, w[pre + ff_norm + ".weight"], eps)
         mlp = (silu(u @ w[pre + "mlp.gate_proj.weight"].T) * (u @ w[pre + "mlp.up_proj.weight"].T))
         x = h + mlp @ w[pre + "mlp.down_proj.weight"].T
     head = w.get("lm_head.weight", w["model.embed_tokens.weight"])
