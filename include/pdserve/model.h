@@ -135,12 +135,19 @@ typedef struct pd_model pd_model;
  * usually are (see docs/model.md), so activations stay in range. */
 pd_err pd_model_create_random(pd_model **out, const pd_model_config *cfg, uint64_t seed,
                               char *msg, size_t msg_cap);
-/* Reads dir/config.json and dir/model.safetensors (F32, F16 or BF16), checks
- * every tensor's presence, shape, dtype and finiteness. */
+/* Reads dir/config.json and dir/model.safetensors, or the shards that
+ * dir/model.safetensors.index.json maps each tensor to (F32, F16 or BF16);
+ * checks every tensor's presence, shape, dtype and finiteness, and that each
+ * shard holds exactly what the index says. */
 pd_err pd_model_load(pd_model **out, const char *dir, char *msg, size_t msg_cap);
 /* Writes dir/config.json and dir/model.safetensors (creates dir if needed). */
 pd_err pd_model_save(const pd_model *m, const char *dir, pd_dtype dtype, char *msg,
                      size_t msg_cap);
+/* The same in `shards` files (model-0000K-of-0000N.safetensors, tensors in
+ * table order) with model.safetensors.index.json, as Hugging Face shards a
+ * checkpoint; shards = 1 is pd_model_save. pd_model_load reads either. */
+pd_err pd_model_save_sharded(const pd_model *m, const char *dir, pd_dtype dtype, uint32_t shards,
+                             char *msg, size_t msg_cap);
 void pd_model_destroy(pd_model *m);
 
 const pd_model_config *pd_model_config_get(const pd_model *m);

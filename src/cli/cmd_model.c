@@ -20,7 +20,7 @@
 static void usage(FILE *to) {
     fprintf(to,
             "usage: pdserve model init --out DIR [--config NAME] [--layers PATTERN]\n"
-            "                          [--dim N] [--seed N] [--dtype f32|f16|bf16]\n"
+            "                          [--dim N] [--seed N] [--dtype f32|f16|bf16] [--shards N]\n"
             "       pdserve model info [--model DIR | --config NAME [--layers PATTERN] "
             "[--dim N]]\n"
             "                          [--page-size N]\n"
@@ -36,6 +36,9 @@ static void usage(FILE *to) {
             "                     Mamba2 width is expand x N and must split into its heads)\n"
             "  --seed N           seed of the dummy weights (default 0)\n"
             "  --dtype T          tensor dtype in the file: f32 (default, exact), f16 or bf16\n"
+            "  --shards N         write N files model-0000K-of-0000N.safetensors and\n"
+            "                     model.safetensors.index.json, as large Hugging Face\n"
+            "                     checkpoints are (default 1: model.safetensors)\n"
             "\n"
             "info prints the shape, the parameter count, and the bytes of KV per token and\n"
             "per page and of one Mamba state slot (what a prefill node transfers):\n"
@@ -47,7 +50,7 @@ static void usage(FILE *to) {
 
 typedef struct model_opts {
     const char *out, *model_dir, *config, *layers, *dtype;
-    uint64_t dim, seed, page_size;
+    uint64_t dim, seed, page_size, shards;
     bool have_dim, builtin_option;
 } model_opts;
 
@@ -58,7 +61,7 @@ static int usage_error(const char *sub, const char *what, const char *arg) {
 
 /* 0 on success (or --help, with *help set), else exit code 2. */
 static int parse_args(const char *sub, int argc, char **argv, model_opts *o, bool *help) {
-    *o = (model_opts){.config = "tiny", .dtype = "f32", .page_size = 16};
+    *o = (model_opts){.config = "tiny", .dtype = "f32", .page_size = 16, .shards = 1};
     *help = false;
     for (int i = 2; i < argc; i++) {
         const char *a = argv[i];
@@ -88,6 +91,9 @@ static int parse_args(const char *sub, int argc, char **argv, model_opts *o, boo
         } else if (!strcmp(name, "--dim")) {
             ok = cli_u64(val, 1, 65536, &o->dim);
             o->have_dim = o->builtin_option = true;
+        } else if (!strcmp(name, "--shards")) {
+            ok = cli_u64(val, 1, 256, &o->shards);
+            init_only = true;
         } else if (!strcmp(name, "--seed")) {
             ok = cli_u64(val, 0, UINT64_MAX, &o->seed);
             init_only = true;
@@ -144,7 +150,7 @@ static int cmd_init(const model_opts *o) {
     else if (!strcmp(o->dtype, "bf16")) dtype = PD_DTYPE_BF16;
     pd_model *m = NULL;
     if (pd_model_create_random(&m, &cfg, o->seed, msg, sizeof(msg)) != PD_OK ||
-        pd_model_save(m, o->out, dtype, msg, sizeof(msg)) != PD_OK) {
+        pd_model_save_sharded(m, o->out, dtype, (uint32_t)o->shards, msg, sizeof(msg)) != PD_OK) {
         fprintf(stderr, "pdserve model init: %s\n", msg);
         pd_model_destroy(m);
         return 1;

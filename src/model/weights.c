@@ -32,6 +32,9 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <unistd.h>
+
+#include <jansson.h>
 
 #include "detmath.h"
 #include "model_internal.h"
@@ -260,33 +263,163 @@ static void shape_text(char *out, size_t cap, uint32_t ndim, const uint64_t *sha
 
 /* Every table tensor present with its shape and an accepted dtype, and no
  * tensor the model does not have. */
-static pd_err match_file(const pd_model *m, const pd_safetensors *st, char *msg, size_t cap) {
-    for (uint32_t i = 0; i < m->n_tensors; i++) {
-        const pd_tensor_entry *e = &m->tensors[i];
-        const pd_st_tensor *t = pd_safetensors_find(st, e->name);
-        if (!t) return pd_errorf(msg, cap, PD_ERR_PARSE, "tensor '%s' is missing", e->name);
-        if (t->dtype != PD_DTYPE_F32 && t->dtype != PD_DTYPE_F16 && t->dtype != PD_DTYPE_BF16)
-            return pd_errorf(msg, cap, PD_ERR_PARSE,
-                             "tensor '%s': dtype %s not accepted (F32, F16 or BF16)", e->name,
-                             pd_dtype_name(t->dtype));
-        bool same = t->ndim == e->ndim;
-        for (uint32_t d = 0; same && d < e->ndim; d++) same = t->shape[d] == e->shape[d];
-        if (!same) {
-            char got[96], want[96];
-            shape_text(got, sizeof(got), t->ndim, t->shape);
-            shape_text(want, sizeof(want), e->ndim, e->shape);
-            return pd_errorf(msg, cap, PD_ERR_PARSE,
-                             "tensor '%s': shape %s but the config needs %s", e->name, got, want);
-        }
+/* ---- the checkpoint's files ------------------------------------------------------ */
+
+/* The weights of a model directory: model.safetensors, or the shards that
+ * model.safetensors.index.json names ("weight_map": tensor -> file). */
+#define SHARDS_MAX 256u
+#define INDEX_BYTES_MAX (16u << 20)
+
+typedef struct shard_set {
+    pd_safetensors st[SHARDS_MAX];
+    char file[SHARDS_MAX][128];
+    uint32_t n;
+    json_t *map; /* the index's weight_map; NULL for a single file */
+} shard_set;
+
+/* The tensor `name` and the shard holding it, or NULL. */
+static const pd_st_tensor *find_tensor(const shard_set *set, const char *name, uint32_t *which) {
+    uint32_t k = 0;
+    if (set->map) {
+        const char *file = json_string_value(json_object_get(set->map, name));
+        if (!file) return NULL;
+        while (k < set->n && strcmp(set->file[k], file)) k++;
+        if (k == set->n) return NULL;
     }
-    for (uint32_t i = 0; i < st->n_tensors; i++)
-        if (!entry(m, st->tensors[i].name))
-            return pd_errorf(msg, cap, PD_ERR_PARSE, "tensor '%s' is not part of this model (%s)",
-                             st->tensors[i].name,
-                             m->cfg.tie_embeddings && !strcmp(st->tensors[i].name, "lm_head.weight")
-                                 ? "tie_word_embeddings is true"
-                                 : "unexpected name");
+    *which = k;
+    return pd_safetensors_find(&set->st[k], name);
+}
+
+static pd_err match_tensor(const pd_tensor_entry *e, const pd_st_tensor *t, char *msg, size_t cap) {
+    if (!t) return pd_errorf(msg, cap, PD_ERR_PARSE, "tensor '%s' is missing", e->name);
+    if (t->dtype != PD_DTYPE_F32 && t->dtype != PD_DTYPE_F16 && t->dtype != PD_DTYPE_BF16)
+        return pd_errorf(msg, cap, PD_ERR_PARSE,
+                         "tensor '%s': dtype %s not accepted (F32, F16 or BF16)", e->name,
+                         pd_dtype_name(t->dtype));
+    bool same = t->ndim == e->ndim;
+    for (uint32_t d = 0; same && d < e->ndim; d++) same = t->shape[d] == e->shape[d];
+    if (same) return PD_OK;
+    char got[96], want[96];
+    shape_text(got, sizeof(got), t->ndim, t->shape);
+    shape_text(want, sizeof(want), e->ndim, e->shape);
+    return pd_errorf(msg, cap, PD_ERR_PARSE, "tensor '%s': shape %s but the config needs %s",
+                     e->name, got, want);
+}
+
+/* Every tensor of the model in the files, with its shape and a dtype we
+ * read; every tensor of the files part of the model and (sharded) in the
+ * shard the index names for it. */
+static pd_err match_files(const pd_model *m, const shard_set *set, char *msg, size_t cap) {
+    for (uint32_t i = 0; i < m->n_tensors; i++) {
+        uint32_t k;
+        pd_err err =
+            match_tensor(&m->tensors[i], find_tensor(set, m->tensors[i].name, &k), msg, cap);
+        if (err != PD_OK) return err;
+    }
+    for (uint32_t k = 0; k < set->n; k++)
+        for (uint32_t i = 0; i < set->st[k].n_tensors; i++) {
+            const char *name = set->st[k].tensors[i].name;
+            const char *mapped = set->map ? json_string_value(json_object_get(set->map, name)) : "";
+            if (set->map && (!mapped || strcmp(mapped, set->file[k])))
+                return pd_errorf(msg, cap, PD_ERR_PARSE,
+                                 "tensor '%s' is in %s, but the index says %s", name, set->file[k],
+                                 mapped ? mapped : "nothing of it");
+            if (!entry(m, name))
+                return pd_errorf(msg, cap, PD_ERR_PARSE,
+                                 "tensor '%s' is not part of this model (%s)", name,
+                                 m->cfg.tie_embeddings && !strcmp(name, "lm_head.weight")
+                                     ? "tie_word_embeddings is true"
+                                     : "unexpected name");
+        }
     return PD_OK;
+}
+
+/* A shard's file name from the index: a plain name in the directory. */
+static bool shard_name_ok(const char *f) {
+    size_t n = strlen(f);
+    return n > 12 && n < 128 && !strchr(f, '/') && f[0] != '.' &&
+        !strcmp(f + n - 12, ".safetensors");
+}
+
+/* The index's weight_map and the distinct files it names (set->file). */
+static pd_err read_index(shard_set *set, const char *path, char *msg, size_t cap) {
+    json_error_t jerr;
+    json_t *root = json_load_file(path, JSON_REJECT_DUPLICATES, &jerr);
+    if (!root)
+        return pd_errorf(msg, cap, PD_ERR_PARSE, "%s: not valid JSON: %s (line %d)", path,
+                         jerr.text, jerr.line);
+    json_t *map = json_object_get(root, "weight_map");
+    if (!json_is_object(map) || json_object_size(map) == 0) {
+        json_decref(root);
+        return pd_errorf(msg, cap, PD_ERR_PARSE, "%s: 'weight_map' must be a non-empty object",
+                         path);
+    }
+    set->map = json_incref(map);
+    json_decref(root);
+    const char *name;
+    json_t *v;
+    json_object_foreach(map, name, v) {
+        const char *f = json_string_value(v);
+        if (!f || !shard_name_ok(f))
+            return pd_errorf(msg, cap, PD_ERR_PARSE,
+                             "%s: tensor '%s' maps to %s, not a .safetensors file in the "
+                             "directory",
+                             path, name, f ? f : "a non-string");
+        uint32_t k = 0;
+        while (k < set->n && strcmp(set->file[k], f)) k++;
+        if (k < set->n) continue;
+        if (set->n == SHARDS_MAX)
+            return pd_errorf(msg, cap, PD_ERR_TOOBIG, "%s: more than %u shards", path, SHARDS_MAX);
+        snprintf(set->file[set->n++], sizeof(set->file[0]), "%s", f);
+    }
+    return PD_OK;
+}
+
+/* Opens the directory's weight files into set; msg names the file at fault. */
+static pd_err open_files(shard_set *set, const char *dir, char *msg, size_t cap) {
+    char path[4096], why[512];
+    pd_err err = join(path, sizeof(path), dir, "model.safetensors.index.json", msg, cap);
+    if (err != PD_OK) return err;
+    struct stat sb;
+    if (stat(path, &sb) == 0) {
+        if (sb.st_size > (off_t)INDEX_BYTES_MAX)
+            return pd_errorf(msg, cap, PD_ERR_TOOBIG, "%s: larger than %u bytes", path,
+                             INDEX_BYTES_MAX);
+        err = read_index(set, path, msg, cap);
+        if (err != PD_OK) return err;
+    } else {
+        set->n = 1;
+        snprintf(set->file[0], sizeof(set->file[0]), "model.safetensors");
+    }
+    for (uint32_t k = 0; k < set->n; k++) {
+        err = join(path, sizeof(path), dir, set->file[k], msg, cap);
+        if (err == PD_OK)
+            err = pd_safetensors_open(&set->st[k], path, PD_MODEL_FILE_BYTES_MAX, why, sizeof(why));
+        if (err != PD_OK) return pd_errorf(msg, cap, err, "%s: %s", path, why);
+    }
+    return PD_OK;
+}
+
+static void close_files(shard_set *set) {
+    for (uint32_t k = 0; k < set->n; k++) pd_safetensors_close(&set->st[k]);
+    json_decref(set->map);
+}
+
+/* Every tensor's values, converted to fp32 and checked finite. */
+static pd_err read_values(pd_model *m, const shard_set *set, char *msg, size_t cap) {
+    pd_err err = PD_OK;
+    for (uint32_t i = 0; err == PD_OK && i < m->n_tensors; i++) {
+        const pd_tensor_entry *e = &m->tensors[i];
+        float *v = m->data + e->offset;
+        uint32_t k = 0;
+        err = pd_safetensors_read_f32(&set->st[k], find_tensor(set, e->name, &k), v, e->elems, msg,
+                                      cap);
+        for (uint64_t j = 0; err == PD_OK && j < e->elems; j++)
+            if (!isfinite(v[j]))
+                err = pd_errorf(msg, cap, PD_ERR_PARSE, "tensor '%s': element %llu is not finite",
+                                e->name, (unsigned long long)j);
+    }
+    return err;
 }
 
 pd_err pd_model_load(pd_model **out, const char *dir, char *msg, size_t cap) {
@@ -301,26 +434,18 @@ pd_err pd_model_load(pd_model **out, const char *dir, char *msg, size_t cap) {
     pd_model *m;
     err = model_alloc(&m, &cfg, msg, cap);
     if (err != PD_OK) return err;
-    err = join(path, sizeof(path), dir, "model.safetensors", msg, cap);
-    pd_safetensors st;
-    memset(&st, 0, sizeof(st));
+    shard_set *set = calloc(1, sizeof(*set));
+    if (!set) err = pd_errorf(msg, cap, PD_ERR_NOMEM, "out of memory");
+    if (err == PD_OK) err = open_files(set, dir, msg, cap);
     if (err == PD_OK) {
-        err = pd_safetensors_open(&st, path, PD_MODEL_FILE_BYTES_MAX, why, sizeof(why));
-        if (err == PD_OK) err = match_file(m, &st, why, sizeof(why));
-        for (uint32_t i = 0; err == PD_OK && i < m->n_tensors; i++) {
-            const pd_tensor_entry *e = &m->tensors[i];
-            float *v = m->data + e->offset;
-            err = pd_safetensors_read_f32(&st, pd_safetensors_find(&st, e->name), v, e->elems, why,
-                                          sizeof(why));
-            for (uint64_t k = 0; err == PD_OK && k < e->elems; k++)
-                if (!isfinite(v[k]))
-                    err = pd_errorf(why, sizeof(why), PD_ERR_PARSE,
-                                    "tensor '%s': element %llu is not finite", e->name,
-                                    (unsigned long long)k);
-        }
-        if (err != PD_OK) pd_errorf(msg, cap, err, "%s: %s", path, why);
+        err = match_files(m, set, why, sizeof(why));
+        if (err == PD_OK) err = read_values(m, set, why, sizeof(why));
+        if (err != PD_OK)
+            pd_errorf(msg, cap, err, "%s/%s: %s", dir,
+                      set->map ? "model.safetensors.index.json" : "model.safetensors", why);
     }
-    pd_safetensors_close(&st);
+    if (set) close_files(set);
+    free(set);
     if (err != PD_OK) {
         pd_model_destroy(m);
         return err;
@@ -329,7 +454,38 @@ pd_err pd_model_load(pd_model **out, const char *dir, char *msg, size_t cap) {
     return PD_OK;
 }
 
+/* Shards of a sharded save: tensors [first, first + n) each, in table order,
+ * in files model-0000K-of-0000N.safetensors, and the index naming them. */
+static pd_err save_shards(const pd_model *m, const char *dir, const pd_st_input *in, pd_dtype dtype,
+                          uint32_t shards, char *msg, size_t cap) {
+    json_t *map = json_object();
+    pd_err err = PD_OK;
+    char path[4096], file[64];
+    for (uint32_t k = 0; err == PD_OK && k < shards; k++) {
+        uint32_t first = (uint32_t)((uint64_t)m->n_tensors * k / shards);
+        uint32_t end = (uint32_t)((uint64_t)m->n_tensors * (k + 1) / shards);
+        snprintf(file, sizeof file, "model-%05u-of-%05u.safetensors", k + 1, shards);
+        for (uint32_t i = first; i < end; i++) json_object_set_new(map, in[i].name, json_string(file));
+        err = join(path, sizeof(path), dir, file, msg, cap);
+        if (err == PD_OK) err = pd_safetensors_write(path, in + first, end - first, dtype, msg, cap);
+    }
+    if (err == PD_OK) err = join(path, sizeof(path), dir, "model.safetensors.index.json", msg, cap);
+    json_t *index = json_pack("{s:{s:s},s:o}", "metadata", "format", "pt", "weight_map", map);
+    if (err == PD_OK && json_dump_file(index, path, JSON_INDENT(2) | JSON_PRESERVE_ORDER) != 0)
+        err = pd_errorf(msg, cap, PD_ERR_IO, "%s: cannot write", path);
+    json_decref(index);
+    return err;
+}
+
 pd_err pd_model_save(const pd_model *m, const char *dir, pd_dtype dtype, char *msg, size_t cap) {
+    return pd_model_save_sharded(m, dir, dtype, 1, msg, cap);
+}
+
+pd_err pd_model_save_sharded(const pd_model *m, const char *dir, pd_dtype dtype, uint32_t shards,
+                             char *msg, size_t cap) {
+    if (shards < 1 || shards > m->n_tensors || shards > SHARDS_MAX)
+        return pd_errorf(msg, cap, PD_ERR_INVALID, "%u shards: 1 to %u for this model", shards,
+                         PD_MIN(m->n_tensors, SHARDS_MAX));
     if (mkdir(dir, 0755) != 0 && errno != EEXIST)
         return pd_errorf(msg, cap, PD_ERR_IO, "%s: %s", dir, strerror(errno));
     struct stat sb;
@@ -348,8 +504,15 @@ pd_err pd_model_save(const pd_model *m, const char *dir, pd_dtype dtype, char *m
         for (uint32_t d = 0; d < e->ndim; d++) in[i].shape[d] = e->shape[d];
         in[i].data = m->data + e->offset;
     }
-    err = join(path, sizeof(path), dir, "model.safetensors", msg, cap);
-    if (err == PD_OK) err = pd_safetensors_write(path, in, m->n_tensors, dtype, msg, cap);
+    /* The other layout's files would confuse a loader: one of them goes. */
+    const char *stale = shards > 1 ? "model.safetensors" : "model.safetensors.index.json";
+    if (join(path, sizeof(path), dir, stale, msg, cap) == PD_OK) unlink(path);
+    if (shards > 1) {
+        err = save_shards(m, dir, in, dtype, shards, msg, cap);
+    } else {
+        err = join(path, sizeof(path), dir, "model.safetensors", msg, cap);
+        if (err == PD_OK) err = pd_safetensors_write(path, in, m->n_tensors, dtype, msg, cap);
+    }
     free(in);
     return err;
 }

@@ -184,7 +184,8 @@ def test_llama_and_qwen3_logits_match_the_pytorch_reference():
                       ("one k_proj weight +0.5", weight("self_attn.k_proj.weight"))])
     check_checkpoint("Qwen3ForCausalLM f32", ["--config", "qwen3"],
                      [("one q_norm weight +0.5", weight("self_attn.q_norm.weight"))])
-    check_checkpoint("Qwen3ForCausalLM bf16", ["--config", "qwen3", "--dtype", "bf16"], [])
+    check_checkpoint("Qwen3ForCausalLM bf16, 3 shards",
+                     ["--config", "qwen3", "--dtype", "bf16", "--shards", "3"], [])
 
 
 if __name__ == "__main__":

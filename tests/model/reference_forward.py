@@ -18,6 +18,7 @@ window restarts from zeros (the SSM state is kept), as a hand-off that lost
 the conv state would; a comparison against pdserve must then fail.
 """
 import json
+import os
 import struct
 
 import torch
@@ -37,6 +38,17 @@ def load_safetensors(path):
         begin, end = e["data_offsets"]
         t = torch.frombuffer(bytearray(data[begin:end]), dtype=DTYPES[e["dtype"]])
         out[name] = t.reshape(e["shape"]).to(torch.float64)
+    return out
+
+
+def load_checkpoint(model_dir):
+    """model.safetensors, or every shard model.safetensors.index.json names."""
+    index = os.path.join(model_dir, "model.safetensors.index.json")
+    if not os.path.exists(index):
+        return load_safetensors(os.path.join(model_dir, "model.safetensors"))
+    out = {}
+    for shard in sorted(set(json.load(open(index))["weight_map"].values())):
+        out.update(load_safetensors(os.path.join(model_dir, shard)))
     return out
 
 
@@ -131,7 +143,7 @@ def mamba(u, w, pre, cfg, drop_conv_at):
 
 def forward(model_dir, ids, drop_conv_at=None):
     cfg = json.load(open(model_dir + "/config.json"))
-    w = load_safetensors(model_dir + "/model.safetensors")
+    w = load_checkpoint(model_dir)
     hf = "architectures" in cfg
     if hf:  # transformers' defaults for what a config may leave out
         cfg.setdefault("num_key_value_heads", cfg["num_attention_heads"])

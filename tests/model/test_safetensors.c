@@ -29,6 +29,13 @@ static void rm_model_dir(const char *dir) {
     unlink(p);
     snprintf(p, sizeof(p), "%s/model.safetensors", dir);
     unlink(p);
+    snprintf(p, sizeof(p), "%s/model.safetensors.index.json", dir);
+    unlink(p);
+    for (int k = 1; k <= 9; k++)
+        for (int n = 1; n <= 9; n++) {
+            snprintf(p, sizeof(p), "%s/model-%05d-of-%05d.safetensors", dir, k, n);
+            unlink(p);
+        }
     rmdir(dir);
 }
 
@@ -241,6 +248,81 @@ static void bad_framing_is_refused_with_its_message(void **state) {
     assert_int_equal(st.n_tensors, 0);
     pd_safetensors_close(&st);
     free(b);
+}
+
+/* ---- sharded checkpoints ------------------------------------------------------------- */
+
+static void expect_load_error(const char *dir, const char *message);
+
+static void write_text(const char *dir, const char *file, const char *text) {
+    char p[256];
+    snprintf(p, sizeof(p), "%s/%s", dir, file);
+    FILE *f = fopen(p, "w");
+    assert_non_null(f);
+    fputs(text, f);
+    fclose(f);
+}
+
+/* The index with one tensor's entry replaced by value (a JSON text). */
+static void edit_index(const char *dir, const char *tensor, const char *value) {
+    char p[256], msg[200];
+    snprintf(p, sizeof(p), "%s/model.safetensors.index.json", dir);
+    json_error_t jerr;
+    json_t *root = json_load_file(p, 0, &jerr);
+    assert_non_null(root);
+    json_t *map = json_object_get(root, "weight_map");
+    if (value) json_object_set_new(map, tensor, json_loads(value, JSON_DECODE_ANY, &jerr));
+    else json_object_del(map, tensor);
+    char *text = json_dumps(root, 0);
+    snprintf(msg, sizeof msg, "%s", "");
+    write_text(dir, "model.safetensors.index.json", text);
+    free(text);
+    json_decref(root);
+}
+
+static void sharded_checkpoints_load_and_are_checked(void **state) {
+    (void)state;
+    pd_model *m = tiny_model("MAMA", 33);
+    char dir[128], msg[300];
+    dir_path(dir, sizeof(dir), "sharded");
+    if (pd_model_save_sharded(m, dir, PD_DTYPE_BF16, 3, msg, sizeof(msg)) != PD_OK)
+        fail_msg("save: %s", msg);
+    pd_model *back = NULL;
+    if (pd_model_load(&back, dir, msg, sizeof(msg)) != PD_OK) fail_msg("load: %s", msg);
+    /* the same weights as the single-file bf16 checkpoint */
+    char one[128];
+    save(m, "sharded_one", PD_DTYPE_BF16, one, sizeof(one));
+    pd_model *single = NULL;
+    if (pd_model_load(&single, one, msg, sizeof(msg)) != PD_OK) fail_msg("load: %s", msg);
+    for (uint32_t i = 0; i < pd_model_tensor_count(m); i++) {
+        uint64_t n;
+        const char *name = pd_model_tensor_name(m, i);
+        assert_memory_equal(pd_model_tensor(back, name, &n), pd_model_tensor(single, name, NULL),
+                            n * sizeof(float));
+    }
+    pd_model_destroy(single);
+    pd_model_destroy(back);
+    rm_model_dir(one);
+    const char *first = "model.embed_tokens.weight";
+    /* a tensor the index puts in another shard than the one holding it */
+    edit_index(dir, first, "\"model-00002-of-00003.safetensors\"");
+    expect_load_error(dir, "tensor 'model.embed_tokens.weight' is missing");
+    /* a shard outside the directory, a missing shard */
+    edit_index(dir, first, "\"../model-00001-of-00003.safetensors\"");
+    expect_load_error(dir, "not a .safetensors file in the directory");
+    edit_index(dir, first, "\"model-00009-of-00009.safetensors\"");
+    expect_load_error(dir, "model-00009-of-00009.safetensors");
+    /* a tensor the index does not list */
+    edit_index(dir, first, NULL);
+    expect_load_error(dir,
+                      "model.safetensors.index.json: tensor 'model.embed_tokens.weight' is "
+                      "missing");
+    write_text(dir, "model.safetensors.index.json", "{\"weight_map\": []}");
+    expect_load_error(dir, "'weight_map' must be a non-empty object");
+    write_text(dir, "model.safetensors.index.json", "{\"weight_map\": {\"a\": 1}");
+    expect_load_error(dir, "not valid JSON");
+    pd_model_destroy(m);
+    rm_model_dir(dir);
 }
 
 /* ---- malformed model directories ------------------------------------------------------- */
@@ -479,6 +561,7 @@ int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(f32_round_trip_gives_identical_weights_and_tokens),
         cmocka_unit_test(half_precision_files_load_rounded_weights),
+        cmocka_unit_test(sharded_checkpoints_load_and_are_checked),
         cmocka_unit_test(malformed_headers_are_refused_with_their_message),
         cmocka_unit_test(bad_framing_is_refused_with_its_message),
         cmocka_unit_test(malformed_model_directories_are_refused_with_their_message),
