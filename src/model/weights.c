@@ -465,9 +465,11 @@ static pd_err save_shards(const pd_model *m, const char *dir, const pd_st_input 
         uint32_t first = (uint32_t)((uint64_t)m->n_tensors * k / shards);
         uint32_t end = (uint32_t)((uint64_t)m->n_tensors * (k + 1) / shards);
         snprintf(file, sizeof file, "model-%05u-of-%05u.safetensors", k + 1, shards);
-        for (uint32_t i = first; i < end; i++) json_object_set_new(map, in[i].name, json_string(file));
+        for (uint32_t i = first; i < end; i++)
+            json_object_set_new(map, in[i].name, json_string(file));
         err = join(path, sizeof(path), dir, file, msg, cap);
-        if (err == PD_OK) err = pd_safetensors_write(path, in + first, end - first, dtype, msg, cap);
+        if (err == PD_OK)
+            err = pd_safetensors_write(path, in + first, end - first, dtype, msg, cap);
     }
     if (err == PD_OK) err = join(path, sizeof(path), dir, "model.safetensors.index.json", msg, cap);
     json_t *index = json_pack("{s:{s:s},s:o}", "metadata", "format", "pt", "weight_map", map);
