@@ -294,6 +294,7 @@ static const hf_added *added_at(const pd_hf_tokenizer *tok, const uint8_t *s, si
 static bool next_added(const pd_hf_tokenizer *tok, const uint8_t *s, size_t n, size_t from,
                        added_match *m) {
     for (size_t i = from; i < n; i++) {
+        if (!tok->added_first[s[i]]) continue;
         const hf_added *a = added_at(tok, s, n, i);
         if (!a) continue;
         m->start = i, m->end = i + a->len, m->id = a->id;

