@@ -1,5 +1,7 @@
 // Renders each real chat template with each conversation of
-// conversations.json through @huggingface/jinja (the reference), and writes
+// conversations.json, and each small template of snippets.json (one per
+// construct of the subset) with its context, through @huggingface/jinja (the
+// reference), and writes
 // for every pair: NAME.template (the template), NAME.json (the context the C
 // renderer gets), NAME.ref (the reference's bytes) or NAME.err (its error).
 // Usage: node render_ref.mjs OUTDIR; prints the names, one a line.
@@ -38,3 +40,16 @@ for (const model of models) {
     console.log(name);
   }
 }
+
+const snippets = JSON.parse(readFileSync(join(here, "snippets.json"), "utf8"));
+snippets.templates.forEach((source, i) => {
+  const name = `snippet_${String(i).padStart(2, "0")}`;
+  writeFileSync(join(out, `${name}.template`), source);
+  writeFileSync(join(out, `${name}.json`), JSON.stringify(snippets.context));
+  try {
+    writeFileSync(join(out, `${name}.ref`), new Template(source).render(snippets.context));
+  } catch (e) {
+    writeFileSync(join(out, `${name}.err`), String(e.message));
+  }
+  console.log(name);
+});
