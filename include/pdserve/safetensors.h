@@ -70,7 +70,8 @@ typedef struct pd_st_tensor {
 } pd_st_tensor;
 
 typedef struct pd_safetensors {
-    uint8_t *owned;            /* the file's bytes when opened from a path */
+    void *mapped; /* the file's mapping when opened from a path */
+    size_t mapped_bytes;
     const uint8_t *data;       /* start of the data buffer */
     uint64_t data_bytes;
     pd_st_tensor *tensors;     /* in header order */
@@ -82,7 +83,7 @@ typedef struct pd_safetensors {
 pd_err pd_safetensors_parse(pd_safetensors *st, const uint8_t *bytes, size_t size,
                             char *msg, size_t msg_cap);
 
-/* Reads a whole file (at most file_bytes_max bytes) and parses it. */
+/* Maps a file (at most file_bytes_max bytes, read-only) and parses it. */
 pd_err pd_safetensors_open(pd_safetensors *st, const char *path, uint64_t file_bytes_max,
                            char *msg, size_t msg_cap);
 

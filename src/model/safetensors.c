@@ -14,10 +14,14 @@
 #include "pdserve/safetensors.h"
 
 #include <errno.h>
+#include <fcntl.h>
 #include <jansson.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 static const struct {
     const char *name;
@@ -327,49 +331,49 @@ out:
     return err;
 }
 
+/* The file is mapped, not read: a checkpoint's bytes are paged in as the
+ * loader converts them, and never held twice. (The mapping is private and
+ * read-only; a file truncated by someone else while mapped would fault, so
+ * the loader converts and closes at once.) */
 pd_err pd_safetensors_open(pd_safetensors *st, const char *path, uint64_t file_bytes_max,
                            char *msg, size_t cap) {
     PD_ASSERT(st != NULL && path != NULL);
     memset(st, 0, sizeof(*st));
-    FILE *f = fopen(path, "rb");
-    if (!f) return pd_errorf(msg, cap, PD_ERR_IO, "%s: %s", path, strerror(errno));
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return pd_errorf(msg, cap, PD_ERR_IO, "%s: %s", path, strerror(errno));
+    struct stat sb;
     pd_err err = PD_OK;
-    uint8_t *buf = NULL;
-    long len = -1;
-    if (fseek(f, 0, SEEK_END) == 0) len = ftell(f);
-    if (len < 0 || fseek(f, 0, SEEK_SET) != 0) {
-        err = pd_errorf(msg, cap, PD_ERR_IO, "%s: cannot determine the file size", path);
-        goto out;
+    if (fstat(fd, &sb) != 0 || !S_ISREG(sb.st_mode)) {
+        err = pd_errorf(msg, cap, PD_ERR_IO, "%s: not a regular file", path);
+    } else if ((uint64_t)sb.st_size > file_bytes_max) {
+        err = pd_errorf(msg, cap, PD_ERR_TOOBIG, "%s: %lld bytes, more than the limit of %llu",
+                        path, (long long)sb.st_size, (unsigned long long)file_bytes_max);
+    } else if (sb.st_size == 0) {
+        static const uint8_t empty[1];
+        err = pd_safetensors_parse(st, empty, 0, msg, cap);
+    } else {
+        void *map = mmap(NULL, (size_t)sb.st_size, PROT_READ, MAP_PRIVATE, fd, 0);
+        if (map == MAP_FAILED) {
+            err = pd_errorf(msg, cap, PD_ERR_IO, "%s: cannot map %lld bytes: %s", path,
+                            (long long)sb.st_size, strerror(errno));
+        } else {
+            err = pd_safetensors_parse(st, map, (size_t)sb.st_size, msg, cap);
+            if (err == PD_OK) {
+                st->mapped = map;
+                st->mapped_bytes = (size_t)sb.st_size;
+            } else {
+                munmap(map, (size_t)sb.st_size);
+            }
+        }
     }
-    if ((uint64_t)len > file_bytes_max) {
-        err = pd_errorf(msg, cap, PD_ERR_TOOBIG, "%s: %ld bytes, more than the limit of %llu", path,
-                        len, (unsigned long long)file_bytes_max);
-        goto out;
-    }
-    buf = malloc(len > 0 ? (size_t)len : 1);
-    if (!buf) {
-        err = pd_errorf(msg, cap, PD_ERR_NOMEM, "%s: cannot allocate %ld bytes", path, len);
-        goto out;
-    }
-    if (len > 0 && fread(buf, 1, (size_t)len, f) != (size_t)len) {
-        err = pd_errorf(msg, cap, PD_ERR_IO, "%s: short read", path);
-        goto out;
-    }
-    err = pd_safetensors_parse(st, buf, (size_t)len, msg, cap);
-    if (err == PD_OK) {
-        st->owned = buf;
-        buf = NULL;
-    }
-out:
-    free(buf);
-    fclose(f);
+    close(fd);
     return err;
 }
 
 void pd_safetensors_close(pd_safetensors *st) {
     if (!st) return;
     free(st->tensors);
-    free(st->owned);
+    if (st->mapped) munmap(st->mapped, st->mapped_bytes);
     memset(st, 0, sizeof(*st));
 }
 
