@@ -35,7 +35,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define STEPS_MAX 50000000u
+#define STEPS_MAX 20000000u
 #define DATA_DEPTH_MAX 128u
 #define ARENA_CHUNK_BYTES (64u << 10)
 

@@ -248,6 +248,23 @@ static void long_output_is_fine(void **state) {
     json_decref(ctx);
 }
 
+/* Nested loops multiply: work is bounded by the memory and step budgets
+ * (whichever runs out first), never by time. */
+static void runaway_work_is_refused(void **state) {
+    (void)state;
+    char tpl[512];
+    size_t k = 0;
+    for (int i = 0; i < 9; i++)
+        k += (size_t)snprintf(tpl + k, sizeof(tpl) - k, "{%%for a%d in l%%}", i);
+    for (int i = 0; i < 9; i++) k += (size_t)snprintf(tpl + k, sizeof(tpl) - k, "{%%endfor%%}");
+    char msg[128];
+    pd_err err;
+    char *out = try_render(tpl, "{\"l\": [0,1,2,3,4,5,6,7,8,9]}", &err, msg, sizeof(msg));
+    assert_null(out);
+    assert_err(err, PD_ERR_TOOBIG);
+    assert_true(strstr(msg, "evaluation steps") || strstr(msg, "MiB"));
+}
+
 /* Random bytes and random splices of template syntax: compile and render
  * either succeed or fail with a message; never crash (ASan/UBSan watch). */
 static void garbage_never_crashes(void **state) {
@@ -304,6 +321,7 @@ int main(void) {
         cmocka_unit_test(runtime_type_errors_name_the_line),
         cmocka_unit_test(nesting_is_bounded),
         cmocka_unit_test(long_output_is_fine),
+        cmocka_unit_test(runaway_work_is_refused),
         cmocka_unit_test(garbage_never_crashes),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
