@@ -1634,9 +1634,11 @@ static size_t cp_len(const char *s, size_t n, size_t i) {
     return k;
 }
 
+/* Counts as cp_len walks, so that a stray continuation byte (a template's
+ * literal need not be valid UTF-8) is one code point here as there. */
 static size_t cp_count(const char *s, size_t n) {
     size_t count = 0;
-    for (size_t i = 0; i < n; i++) count += ((unsigned char)s[i] & 0xC0) != 0x80;
+    for (size_t i = 0; i < n; i += cp_len(s, n, i)) count++;
     return count;
 }
 

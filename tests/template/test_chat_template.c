@@ -157,6 +157,12 @@ static void string_methods(void **state) {
     expect_render("{{ 'aXbXc'.replace('X', '-') }} {{ 'aXbXc'.replace('X', '', 1) }}",
                   "a-b-c abXc");
     expect_render("{{ 'MiXed'.upper() }}{{ 'MiXed'.lower() }}", "MIXEDmixed");
+    /* a literal that is not UTF-8: a run of stray continuation bytes is one character */
+    expect_render("{{ '\x9a\x9a"
+                  "ab'|length }} {{ '\x9a"
+                  "ab'[1:] }} {{ '\x9a"
+                  "ab'[::-1]|length }}",
+                  "3 ab 2");
     expect_render("{{ d.get('b') }} {{ d.get('zz', 'no') }} {{ d.keys()|join }}", "1 no ba");
 }
 
