@@ -107,12 +107,20 @@ pd_err hf_compile_split(pd_hf_tokenizer *tok, const char *pattern, char *msg, si
 
 /* ---- the output and the scratch of one encode call -------------------------------- */
 
+/* A candidate merge of the symbol at pos with the one after it. */
+typedef struct bpe_pair {
+    uint32_t rank, pos;
+} bpe_pair;
+
 typedef struct enc {
     const pd_hf_tokenizer *tok;
     int32_t *ids;
     size_t n_ids, cap_ids;
-    int32_t *sym;   /* one pre-token's symbols during BPE */
-    uint32_t *rank; /* rank[i]: the merge rank of (sym[i], sym[i + 1]) */
+    int32_t *sym;   /* one pre-token's symbols during BPE; -1: merged away */
+    uint32_t *next; /* the symbol after i, PD_NONE at the end */
+    uint32_t *prev; /* the symbol before i, PD_NONE at the start */
+    bpe_pair *heap; /* candidate merges, lowest (rank, pos) on top */
+    size_t n_heap;
     size_t cap_sym;
     text_buf mapped; /* a pre-token in the byte-level alphabet (ignore_merges) */
     pcre2_match_data *md;
@@ -132,13 +140,17 @@ static pd_err push_id(enc *e, int32_t id) {
     return PD_OK;
 }
 
+/* Room for a pre-token of n bytes: n symbols and at most 3n heap entries
+ * (n - 1 pairs to start with, two new ones per merge). */
 static pd_err reserve_sym(enc *e, size_t n) {
     if (n <= e->cap_sym) return PD_OK;
-    int32_t *s = realloc(e->sym, n * sizeof(*s));
-    if (s) e->sym = s;
-    uint32_t *r = s ? realloc(e->rank, n * sizeof(*r)) : NULL;
-    if (!r) return pd_errorf(e->msg, e->msg_cap, PD_ERR_NOMEM, "out of memory");
-    e->rank = r, e->cap_sym = n;
+    free(e->sym), free(e->next), free(e->prev), free(e->heap);
+    e->sym = malloc(n * sizeof(*e->sym));
+    e->next = malloc(n * sizeof(*e->next));
+    e->prev = malloc(n * sizeof(*e->prev));
+    e->heap = malloc(3 * n * sizeof(*e->heap));
+    e->cap_sym = e->sym && e->next && e->prev && e->heap ? n : 0;
+    if (!e->cap_sym) return pd_errorf(e->msg, e->msg_cap, PD_ERR_NOMEM, "out of memory");
     return PD_OK;
 }
 
@@ -158,9 +170,58 @@ static int32_t whole_token(enc *e, const uint8_t *b, size_t n) {
     return e->mapped.oom ? -1 : hf_vocab_find(e->tok, e->mapped.s);
 }
 
+static bool pair_less(bpe_pair a, bpe_pair b) {
+    return a.rank < b.rank || (a.rank == b.rank && a.pos < b.pos);
+}
+
+static void heap_push(enc *e, uint32_t pos) {
+    uint32_t nx = e->next[pos];
+    if (nx == PD_NONE) return;
+    uint32_t rank = rank_of(e->tok, e->sym[pos], e->sym[nx]);
+    if (rank == UINT32_MAX) return;
+    PD_ASSERT(e->n_heap < 3 * e->cap_sym);
+    size_t i = e->n_heap++;
+    bpe_pair p = {rank, pos};
+    for (; i > 0 && pair_less(p, e->heap[(i - 1) / 2]); i = (i - 1) / 2)
+        e->heap[i] = e->heap[(i - 1) / 2];
+    e->heap[i] = p;
+}
+
+static bpe_pair heap_pop(enc *e) {
+    PD_ASSERT(e->n_heap > 0);
+    bpe_pair top = e->heap[0], last = e->heap[--e->n_heap];
+    size_t i = 0, n = e->n_heap;
+    for (;;) {
+        size_t c = 2 * i + 1;
+        if (c >= n) break;
+        if (c + 1 < n && pair_less(e->heap[c + 1], e->heap[c])) c++;
+        if (!pair_less(e->heap[c], last)) break;
+        e->heap[i] = e->heap[c];
+        i = c;
+    }
+    if (n > 0) e->heap[i] = last;
+    return top;
+}
+
+/* Merges the symbol at pos with its successor if the candidate is still
+ * current: both alive and still the pair that had this rank (a pair's rank
+ * is unique and symbols only grow, so an equal rank means the same pair). */
+static void bpe_apply(enc *e, bpe_pair p) {
+    uint32_t nx = e->next[p.pos];
+    if (e->sym[p.pos] < 0 || nx == PD_NONE) return;
+    const hf_merge *m = hf_merge_find(e->tok, e->sym[p.pos], e->sym[nx]);
+    if (!m || m->rank != p.rank) return;
+    e->sym[p.pos] = m->merged;
+    e->sym[nx] = -1;
+    e->next[p.pos] = e->next[nx];
+    if (e->next[nx] != PD_NONE) e->prev[e->next[nx]] = p.pos;
+    if (e->prev[p.pos] != PD_NONE) heap_push(e, e->prev[p.pos]);
+    heap_push(e, p.pos);
+}
+
 /* The lowest-ranked adjacent pair is merged first, the leftmost among equal
- * ranks: the order of the references' priority queues. rank[] caches each
- * pair's rank so that a merge looks up only its two new neighbours. */
+ * ranks: the order of the references' priority queues, and the same kind of
+ * heap (O(n log n) in the pre-token's length; stale candidates are skipped). */
 static pd_err bpe_piece(enc *e, const uint8_t *b, size_t n) {
     const pd_hf_tokenizer *tok = e->tok;
     if (n == 0) return PD_OK;
@@ -168,25 +229,19 @@ static pd_err bpe_piece(enc *e, const uint8_t *b, size_t n) {
         int32_t id = whole_token(e, b, n);
         if (id >= 0) return push_id(e, id);
     }
+    if (n >= UINT32_MAX / 3)
+        return pd_errorf(e->msg, e->msg_cap, PD_ERR_TOOBIG, "a pre-token of %zu bytes", n);
     pd_err err = reserve_sym(e, n);
     if (err) return err;
-    for (size_t i = 0; i < n; i++) e->sym[i] = tok->byte_id[b[i]];
-    for (size_t i = 0; i + 1 < n; i++) e->rank[i] = rank_of(tok, e->sym[i], e->sym[i + 1]);
-    while (n > 1) {
-        size_t best = 0;
-        for (size_t i = 1; i + 1 < n; i++)
-            if (e->rank[i] < e->rank[best]) best = i;
-        if (e->rank[best] == UINT32_MAX) break;
-        const hf_merge *m = hf_merge_find(tok, e->sym[best], e->sym[best + 1]);
-        PD_ASSERT(m != NULL && m->rank == e->rank[best]);
-        e->sym[best] = m->merged;
-        memmove(e->sym + best + 1, e->sym + best + 2, (n - best - 2) * sizeof(*e->sym));
-        memmove(e->rank + best + 1, e->rank + best + 2, (n - best - 2) * sizeof(*e->rank));
-        n--;
-        if (best > 0) e->rank[best - 1] = rank_of(tok, e->sym[best - 1], e->sym[best]);
-        if (best + 1 < n) e->rank[best] = rank_of(tok, e->sym[best], e->sym[best + 1]);
+    for (size_t i = 0; i < n; i++) {
+        e->sym[i] = tok->byte_id[b[i]];
+        e->next[i] = i + 1 < n ? (uint32_t)i + 1 : PD_NONE;
+        e->prev[i] = i > 0 ? (uint32_t)i - 1 : PD_NONE;
     }
-    for (size_t i = 0; i < n && !err; i++) err = push_id(e, e->sym[i]);
+    e->n_heap = 0;
+    for (size_t i = 0; i + 1 < n; i++) heap_push(e, (uint32_t)i);
+    while (e->n_heap > 0) bpe_apply(e, heap_pop(e));
+    for (uint32_t i = 0; i != PD_NONE && !err; i = e->next[i]) err = push_id(e, e->sym[i]);
     return err;
 }
 
@@ -337,8 +392,7 @@ pd_err pd_hf_tokenizer_encode(const pd_hf_tokenizer *tok, const char *text, size
     e.n_ids = 0; /* the array exists even for no ids: callers may memcmp or free it */
     if (!err) err = encode_text(&e, (const uint8_t *)text, len, add_special);
     pcre2_match_data_free(e.md);
-    free(e.sym);
-    free(e.rank);
+    free(e.sym), free(e.next), free(e.prev), free(e.heap);
     free(e.mapped.s);
     if (err) {
         free(e.ids);

@@ -18,10 +18,9 @@
 #include "pdserve/hf_tokenizer.h"
 #include "pdserve/index.h"
 
-#define HF_IDS_MAX (1u << 24)       /* ids above this are refused */
-#define HF_TEMPLATE_MAX 8u          /* post-processor ids before / after the text */
-#define HF_ADDED_MAX 65536u         /* added tokens */
-#define HF_PIECE_SYMBOLS_MAX 65536u /* bytes of one pre-token merged at once */
+#define HF_IDS_MAX (1u << 24) /* ids above this are refused */
+#define HF_TEMPLATE_MAX 8u    /* post-processor ids before / after the text */
+#define HF_ADDED_MAX 65536u   /* added tokens */
 
 typedef struct hf_token {
     char *text;     /* tokenizer.json spelling, NUL-terminated; NULL: a hole */

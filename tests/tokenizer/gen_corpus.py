@@ -138,8 +138,9 @@ def main():
         d = "".join(piece(r, family) for _ in range(r.randint(5, 160)))
         docs.append(d)
         total += len(d.encode("utf-8"))
+    # Long pre-tokens: BPE must stay O(n log n) in their length.
     docs += ["", " ", "a", "\n", "  \n\t ", "<|im_start|>", "<|im_start|><|im_end|>", "x" * 3000,
-             " " * 700 + "z", "😀" * 50]
+             " " * 700 + "z", "😀" * 50, "ab" * 10000, " " * 20000 + "z", "7" * 5000]
     with open(out, "w", encoding="utf-8") as f:
         json.dump(docs, f, ensure_ascii=False)
 

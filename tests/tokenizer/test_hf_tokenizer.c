@@ -166,6 +166,71 @@ static void stream_holds_back_a_split_character(void **state) {
     pd_hf_tokenizer_free(t);
 }
 
+static pd_hf_tokenizer *tiny_with(const char *key, json_t *value, const char *flag) {
+    json_t *j = tiny_json(gpt_like, tiny_merges, 8);
+    if (key) json_object_set_new(j, key, value);
+    if (flag)
+        json_object_set_new(json_array_get(json_object_get(j, "added_tokens"), 0), flag,
+                            json_true());
+    char msg[256] = "";
+    pd_hf_tokenizer *t = NULL;
+    if (load_json(j, &t, msg, sizeof(msg))) fail_msg("%s", msg);
+    return t;
+}
+
+static void template_processing_adds_its_special_ids(void **state) {
+    (void)state;
+    json_t *post = json_pack("{s:s, s:[{s:{s:s}}, {s:{s:s}}], s:{s:{s:[i]}}}", "type",
+                             "TemplateProcessing", "single", "SpecialToken", "id", "<|im_start|>",
+                             "Sequence", "id", "A", "special_tokens", "<|im_start|>", "ids", 300);
+    pd_hf_tokenizer *t = tiny_with("post_processor", post, NULL);
+    int32_t *ids;
+    size_t n;
+    char msg[128];
+    assert_int_equal(pd_hf_tokenizer_encode(t, "hello", 5, true, &ids, &n, msg, sizeof(msg)), 0);
+    assert_int_equal(n, 2);
+    assert_int_equal(ids[0], 300);
+    assert_int_equal(ids[1], 259);
+    free(ids);
+    assert_int_equal(pd_hf_tokenizer_encode(t, "hello", 5, false, &ids, &n, msg, sizeof(msg)), 0);
+    assert_int_equal(n, 1);
+    free(ids);
+    pd_hf_tokenizer_free(t);
+}
+
+static void added_token_flags_take_spaces_and_words(void **state) {
+    (void)state;
+    int32_t ids[32];
+    pd_hf_tokenizer *t = tiny_with(NULL, NULL, "rstrip");
+    assert_int_equal(encode(t, "<|im_start|>  hello", ids, 32), 2); /* the spaces go with it */
+    pd_hf_tokenizer_free(t);
+    t = tiny_with(NULL, NULL, "lstrip");
+    assert_int_equal(encode(t, "hello  <|im_start|>", ids, 32), 2);
+    pd_hf_tokenizer_free(t);
+    t = tiny_with(NULL, NULL, "single_word");
+    assert_int_equal(encode(t, "a<|im_start|>", ids, 32), 13); /* inside a word: plain text */
+    assert_int_equal(encode(t, "a <|im_start|> a", ids, 32), 5);
+    pd_hf_tokenizer_free(t);
+}
+
+/* A pre-token of 100,000 bytes merges in O(n log n), not O(n^2). */
+static void long_pre_token_merges(void **state) {
+    (void)state;
+    pd_hf_tokenizer *t = tiny();
+    size_t n = 100000;
+    char *s = malloc(n);
+    for (size_t i = 0; i < n; i++) s[i] = "hello"[i % 5];
+    int32_t *ids;
+    size_t n_ids;
+    char msg[128];
+    assert_int_equal(pd_hf_tokenizer_encode(t, s, n, false, &ids, &n_ids, msg, sizeof(msg)), 0);
+    assert_int_equal(n_ids, n / 5);
+    for (size_t i = 0; i < n_ids; i++) assert_int_equal(ids[i], 259);
+    free(ids);
+    free(s);
+    pd_hf_tokenizer_free(t);
+}
+
 /* ---- refusals ------------------------------------------------------------------------ */
 
 static void expect_refusal(json_t *j, pd_err want, const char *needle) {
@@ -262,6 +327,9 @@ int main(void) {
         cmocka_unit_test(white_space_is_unicode_white_space),
         cmocka_unit_test(invalid_bytes_are_byte_tokens),
         cmocka_unit_test(stream_holds_back_a_split_character),
+        cmocka_unit_test(template_processing_adds_its_special_ids),
+        cmocka_unit_test(added_token_flags_take_spaces_and_words),
+        cmocka_unit_test(long_pre_token_merges),
         cmocka_unit_test(malformed_json_is_a_parse_error),
         cmocka_unit_test(unigram_model_is_refused_by_name),
         cmocka_unit_test(missing_merges_is_refused),
