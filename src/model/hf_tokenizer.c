@@ -239,8 +239,8 @@ static pd_err merge_parts(const json_t *m, size_t i, const char **l, size_t *ll,
 }
 
 static pd_err load_merge(pd_hf_tokenizer *tok, const json_t *m, size_t i, char *msg, size_t cap) {
-    const char *l, *r;
-    size_t ll;
+    const char *l = NULL, *r = NULL;
+    size_t ll = 0;
     pd_err err = merge_parts(m, i, &l, &ll, &r, msg, cap);
     if (err) return err;
     size_t rl = strlen(r);
