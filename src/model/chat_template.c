@@ -233,7 +233,8 @@ static _Noreturn void vfail_at(failer *f, pd_err err, uint32_t line, uint32_t co
                                va_list ap) {
     if (f->msg && f->msg_cap) {
         int k = col ? snprintf(f->msg, f->msg_cap, "chat template line %u col %u: ", line, col)
-                    : snprintf(f->msg, f->msg_cap, "chat template line %u: ", line);
+            : line  ? snprintf(f->msg, f->msg_cap, "chat template line %u: ", line)
+                    : snprintf(f->msg, f->msg_cap, "chat template: ");
         if (k >= 0 && (size_t)k < f->msg_cap)
             vsnprintf(f->msg + k, f->msg_cap - (size_t)k, fmt, ap);
     }
@@ -601,6 +602,7 @@ static size_t lex_text(cc *c, size_t i) {
 
 static void lex(cc *c) {
     for (size_t i = 0; i < c->len;) {
+        PD_ASSERT(c->ntok == 0 || c->tok[c->ntok - 1].off <= i);
         tkind last = last_kind(c);
         if (last == T_CLOSE_STMT || last == T_CLOSE_EXPR || last == T_COMMENT) {
             size_t j = lex_text(c, i);
@@ -1175,7 +1177,9 @@ static void parse_body(cc *c, node ***body, size_t *n, const char *const *ends, 
         if (t->k == T_OPEN_STMT && c->at + 1 < c->ntok && c->tok[c->at + 1].k == T_NAME &&
             in_set(ends, nends, c->tok[c->at + 1].s, c->tok[c->at + 1].n))
             return;
+        size_t before = c->at;
         append(c, body, n, &cap, parse_one(c));
+        PD_ASSERT(c->at > before); /* every statement consumes a token: the loop ends */
     }
 }
 
@@ -1183,6 +1187,7 @@ static void compile_guarded(cc *c, pd_chat_template *t) {
     preprocess(c);
     lex(c);
     parse_body(c, &t->body, &t->nbody, NULL, 0, NULL);
+    PD_ASSERT(c->at == c->ntok && c->depth == 0);
 }
 
 pd_err pd_chat_template_compile(const char *src, size_t len, pd_chat_template **out, char *msg,
@@ -1281,6 +1286,7 @@ static void out_append(rt *r, const char *s, size_t n) {
     }
     if (n) memcpy(r->out + r->out_len, s, n);
     r->out_len += n;
+    PD_ASSERT(r->out_len <= r->out_cap);
 }
 
 /* A string being built in the arena (tojson, join, concatenation). */
@@ -2114,9 +2120,11 @@ static val arith(rt *r, const node *e, val a, val b) {
     case OP_FLOORDIV:
     case OP_MOD:
         if (y == 0) rfail(r, e, "division by zero");
-        if (ints && a.u.i != INT64_MIN)
-            return v_int(e->op == OP_MOD ? a.u.i % b.u.i
-                                         : (int64_t)floor((double)a.u.i / (double)b.u.i));
+        if (ints && a.u.i != INT64_MIN) {
+            /* JavaScript's % truncates, as C's does; // floors */
+            int64_t q = a.u.i / b.u.i, m = a.u.i % b.u.i;
+            return v_int(e->op == OP_MOD ? m : q - (m != 0 && ((m < 0) != (b.u.i < 0))));
+        }
         return v_float(e->op == OP_MOD ? fmod(x, y) : floor(x / y));
     default: rfail(r, e, "this operator does not apply to numbers");
     }
@@ -2268,6 +2276,7 @@ static void exec_for(rt *r, const node *s) {
         exec_body(r, s->kid, s->nkid);
     }
     if (items->n == 0) exec_body(r, s->alt, s->nalt);
+    PD_ASSERT(r->sc == &sc); /* bodies restore the scopes they push */
     r->sc = sc.parent;
 }
 
@@ -2324,6 +2333,7 @@ static void render_guarded(rt *r, const pd_chat_template *t, const json_t *ctx, 
         }
     }
     exec_body(r, t->body, t->nbody);
+    PD_ASSERT(r->sc == root);
     out_append(r, "", 1); /* the NUL, not counted in out_len */
     r->out_len--;
 }
@@ -2351,6 +2361,7 @@ pd_err pd_chat_template_render(const pd_chat_template *t, const json_t *ctx, cha
     if (err) {
         free(r->out);
     } else {
+        PD_ASSERT(r->out[r->out_len] == 0);
         *out = r->out;
         *out_len = r->out_len;
     }
