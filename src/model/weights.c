@@ -412,8 +412,8 @@ static pd_err read_values(pd_model *m, const shard_set *set, char *msg, size_t c
         const pd_tensor_entry *e = &m->tensors[i];
         float *v = m->data + e->offset;
         uint32_t k = 0;
-        err = pd_safetensors_read_f32(&set->st[k], find_tensor(set, e->name, &k), v, e->elems, msg,
-                                      cap);
+        const pd_st_tensor *t = find_tensor(set, e->name, &k); /* sets k: not in the call */
+        err = pd_safetensors_read_f32(&set->st[k], t, v, e->elems, msg, cap);
         for (uint64_t j = 0; err == PD_OK && j < e->elems; j++)
             if (!isfinite(v[j]))
                 err = pd_errorf(msg, cap, PD_ERR_PARSE, "tensor '%s': element %llu is not finite",
