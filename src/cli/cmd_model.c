@@ -20,9 +20,11 @@
 static void usage(FILE *to) {
     fprintf(to,
             "usage: pdserve model init --out DIR [--config NAME] [--layers PATTERN]\n"
-            "                          [--dim N] [--seed N] [--dtype f32|f16|bf16] [--shards N]\n"
+            "                          [--dim N] [--vocab N] [--seed N] [--dtype f32|f16|bf16]\n"
+            "                          [--shards N]\n"
             "       pdserve model info [--model DIR | --config NAME [--layers PATTERN] "
-            "[--dim N]]\n"
+            "[--dim N]\n"
+            "                          [--vocab N]]\n"
             "                          [--page-size N]\n"
             "\n"
             "init writes DIR/config.json and DIR/model.safetensors (DIR is created if needed;\n"
@@ -34,6 +36,9 @@ static void usage(FILE *to) {
             "  --layers PATTERN   layer pattern, M = Mamba2 mixer, A = attention (e.g. MAMA)\n"
             "  --dim N            model width; the MLP hidden size follows as 3 x N (the\n"
             "                     Mamba2 width is expand x N and must split into its heads)\n"
+            "  --vocab N          vocabulary size (default the config's, 258 for the byte\n"
+            "                     tokenizer); to pair the checkpoint with a real tokenizer.json\n"
+            "                     put in DIR, give its number of ids\n"
             "  --seed N           seed of the dummy weights (default 0)\n"
             "  --dtype T          tensor dtype in the file: f32 (default, exact), f16 or bf16\n"
             "  --shards N         write N files model-0000K-of-0000N.safetensors and\n"
@@ -50,7 +55,7 @@ static void usage(FILE *to) {
 
 typedef struct model_opts {
     const char *out, *model_dir, *config, *layers, *dtype;
-    uint64_t dim, seed, page_size, shards;
+    uint64_t dim, seed, page_size, shards, vocab;
     bool have_dim, builtin_option;
 } model_opts;
 
@@ -88,6 +93,9 @@ static int parse_args(const char *sub, int argc, char **argv, model_opts *o, boo
         } else if (!strcmp(name, "--dtype")) {
             o->dtype = val;
             init_only = true;
+        } else if (!strcmp(name, "--vocab")) {
+            ok = cli_u64(val, 2, 1u << 22, &o->vocab);
+            o->builtin_option = true;
         } else if (!strcmp(name, "--dim")) {
             ok = cli_u64(val, 1, 65536, &o->dim);
             o->have_dim = o->builtin_option = true;
@@ -134,6 +142,12 @@ static pd_err builtin_config(const model_opts *o, pd_model_config *cfg, char *ms
     if (o->have_dim) {
         cfg->dim = (uint32_t)o->dim;
         cfg->mlp_hidden = 3 * (uint32_t)o->dim;
+    }
+    if (o->vocab) {
+        /* A real tokenizer's ids: the byte tokenizer's begin and end ids
+         * mean nothing there (the tokenizer's files say which they are). */
+        cfg->vocab = (uint32_t)o->vocab;
+        cfg->bos_token = cfg->eos_token = -1;
     }
     return pd_model_config_check(cfg, msg, cap);
 }

@@ -108,13 +108,12 @@ bool gen_choice_init(gen_choice *ch, call *c, uint32_t index, const gen_params *
         if (!ch->offset) return false;
     }
     if (p->echo) {
-        size_t n = pd_tokenizer_decode(c->prompt, c->prompt_len, NULL, 0);
-        char *raw = malloc(n + 1);
-        if (!raw) return false;
-        pd_tokenizer_decode(c->prompt, c->prompt_len, raw, n + 1);
-        bool ok = add_bytes(ch, raw, n, true);
-        free(raw);
-        if (!ok) return false;
+        char raw[NODE_TOKEN_BYTES_MAX];
+        for (uint32_t i = 0; i < c->prompt_len; i++) {
+            size_t n = node_token_bytes(p->node, c->prompt[i], true, raw, sizeof raw);
+            if (!add_bytes(ch, raw, n, false)) return false;
+        }
+        if (!add_bytes(ch, "", 0, true)) return false;
         ch->base = ch->len;
     }
     return true;
@@ -130,10 +129,8 @@ void gen_choice_free(gen_choice *ch) {
 bool gen_choice_feed(gen_choice *ch, const gen_params *p, uint32_t have, bool done) {
     const call *c = ch->c;
     while (!ch->stopped && ch->fed < have) {
-        int32_t t = c->tokens[ch->fed];
-        char raw[16];
-        size_t n = pd_tokenizer_decode(&t, 1, raw, sizeof raw);
-        if (n >= sizeof raw) return false; /* no token of the byte tokenizer is this long */
+        char raw[NODE_TOKEN_BYTES_MAX];
+        size_t n = node_token_bytes(p->node, c->tokens[ch->fed], true, raw, sizeof raw);
         size_t before = ch->len;
         if (ch->offset) ch->offset[ch->fed] = (uint32_t)ch->len;
         if (!add_bytes(ch, raw, n, false)) return false;
@@ -173,20 +170,18 @@ const char *gen_choice_finish(const gen_choice *ch) {
 /* ---- logprobs ------------------------------------------------------------------------ */
 
 /* Token t as text (sanitised: a token may be part of a character). */
-static json_t *token_string(int32_t t) {
-    char raw[16], clean[64];
-    size_t n = pd_tokenizer_decode(&t, 1, raw, sizeof raw);
-    if (n >= sizeof raw) n = 0;
+static json_t *token_string(const pd_node *node, int32_t t) {
+    char raw[NODE_TOKEN_BYTES_MAX], clean[3 * NODE_TOKEN_BYTES_MAX + 1];
+    size_t n = node_token_bytes(node, t, false, raw, sizeof raw);
     pd_utf8_sanitize(raw, n, clean, sizeof clean);
     return json_string(clean);
 }
 
-static json_t *token_bytes(int32_t t) {
-    char raw[16];
-    size_t n = pd_tokenizer_decode(&t, 1, raw, sizeof raw);
+static json_t *token_bytes(const pd_node *node, int32_t t) {
+    char raw[NODE_TOKEN_BYTES_MAX];
+    size_t n = node_token_bytes(node, t, false, raw, sizeof raw);
     json_t *a = json_array();
-    for (size_t i = 0; i < n && i < sizeof raw; i++)
-        json_array_append_new(a, json_integer((unsigned char)raw[i]));
+    for (size_t i = 0; i < n; i++) json_array_append_new(a, json_integer((unsigned char)raw[i]));
     return a;
 }
 
@@ -199,35 +194,38 @@ static float top_lp(const call *c, uint32_t i, uint32_t r) {
 }
 
 /* Chat: {"content": [{token, logprob, bytes, top_logprobs: [...]}]}. */
-static json_t *chat_logprobs(const gen_choice *ch, uint32_t from, uint32_t to) {
+static json_t *chat_logprobs(const gen_choice *ch, const gen_params *p, uint32_t from,
+                             uint32_t to) {
     const call *c = ch->c;
     json_t *content = json_array();
     for (uint32_t i = from; i < to; i++) {
         json_t *top = json_array();
         for (uint32_t r = 0; r < tops(c, i); r++)
-            json_array_append_new(
-                top,
-                json_pack("{s:o,s:f,s:o}", "token", token_string(top_token(c, i, r)), "logprob",
-                          (double)top_lp(c, i, r), "bytes", token_bytes(top_token(c, i, r))));
+            json_array_append_new(top,
+                                  json_pack("{s:o,s:f,s:o}", "token",
+                                            token_string(p->node, top_token(c, i, r)), "logprob",
+                                            (double)top_lp(c, i, r), "bytes",
+                                            token_bytes(p->node, top_token(c, i, r))));
         json_array_append_new(content,
-                              json_pack("{s:o,s:f,s:o,s:o}", "token", token_string(c->tokens[i]),
-                                        "logprob", (double)c->logprobs[i], "bytes",
-                                        token_bytes(c->tokens[i]), "top_logprobs", top));
+                              json_pack("{s:o,s:f,s:o,s:o}", "token",
+                                        token_string(p->node, c->tokens[i]), "logprob",
+                                        (double)c->logprobs[i], "bytes",
+                                        token_bytes(p->node, c->tokens[i]), "top_logprobs", top));
     }
     return json_pack("{s:o}", "content", content);
 }
 
 json_t *gen_logprobs_openai(const gen_choice *ch, const gen_params *p, uint32_t from, uint32_t to) {
     if (!p->logprobs) return json_null();
-    if (p->api == GEN_API_CHAT) return chat_logprobs(ch, from, to);
+    if (p->api == GEN_API_CHAT) return chat_logprobs(ch, p, from, to);
     const call *c = ch->c;
     json_t *tokens = json_array(), *lps = json_array(), *top = json_array(), *off = json_array();
     for (uint32_t i = from; i < to; i++) {
-        json_array_append_new(tokens, token_string(c->tokens[i]));
+        json_array_append_new(tokens, token_string(p->node, c->tokens[i]));
         json_array_append_new(lps, json_real(c->logprobs[i]));
         json_t *alts = json_object();
         for (uint32_t r = 0; r < tops(c, i); r++) {
-            json_t *s = token_string(top_token(c, i, r));
+            json_t *s = token_string(p->node, top_token(c, i, r));
             /* equal strings (two ids of one text) keep the likelier */
             if (!json_object_get(alts, json_string_value(s)))
                 json_object_set_new(alts, json_string_value(s), json_real(top_lp(c, i, r)));
@@ -242,7 +240,7 @@ json_t *gen_logprobs_openai(const gen_choice *ch, const gen_params *p, uint32_t 
 
 /* SGLang's [logprob, id, text or null]. */
 static json_t *lp_triple(const gen_params *p, float lp, int32_t t) {
-    return json_pack("[f,i,o]", (double)lp, t, p->text_in_logprobs ? token_string(t) : json_null());
+    return json_pack("[f,i,o]", (double)lp, t, p->text_in_logprobs ? token_string(p->node, t) : json_null());
 }
 
 void gen_logprobs_generate(const gen_choice *ch, const gen_params *p, uint32_t from, uint32_t to,

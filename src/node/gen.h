@@ -40,6 +40,7 @@ typedef struct gen_prompt {
 } gen_prompt;
 
 typedef struct gen_params {
+    const pd_node *node; /* its tokenizer (NULL: the byte tokenizer) */
     gen_api api;
     gen_prompt *prompts; /* n_prompts, each malloc'd */
     uint32_t n_prompts;

@@ -19,6 +19,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <unistd.h>
 
 #include "gen.h"
 #include "node_internal.h"
@@ -49,6 +50,7 @@ struct pd_node {
     pd_node_config cfg;
     char *strings[NODE_STRINGS]; /* owned copies of the config's strings */
     pd_model *model;
+    pd_hf_tokenizer *tok; /* the model directory's tokenizer.json; NULL: the byte tokenizer */
     pd_executor model_ex;
     pd_stream *stream;
     pd_engine *eng;
@@ -101,7 +103,41 @@ uint64_t node_now_us(void) {
 
 const pd_node_config *node_config(const pd_node *n) { return &n->cfg; }
 uint32_t node_vocab(const pd_node *n) { return pd_model_config_get(n->model)->vocab; }
-int32_t node_bos(const pd_node *n) { return pd_model_config_get(n->model)->bos_token; }
+
+pd_err node_encode(const pd_node *n, const char *text, size_t len, bool add_special, int32_t **ids,
+                   size_t *n_ids, char *msg, size_t cap) {
+    if (n && n->tok)
+        return pd_hf_tokenizer_encode(n->tok, text, len, add_special, ids, n_ids, msg, cap);
+    bool bos = add_special && n && node_bos(n) >= 0;
+    size_t need = pd_tokenizer_encode(text, len, bos, NULL, 0);
+    *ids = malloc((need ? need : 1) * sizeof(int32_t));
+    if (!*ids) return pd_errorf(msg, cap, PD_ERR_NOMEM, "out of memory for %zu tokens", need);
+    *n_ids = pd_tokenizer_encode(text, len, bos, *ids, need);
+    return PD_OK;
+}
+
+size_t node_token_bytes(const pd_node *n, int32_t id, bool skip_special, char *out, size_t cap) {
+    PD_ASSERT(cap >= NODE_TOKEN_BYTES_MAX);
+    if (!n || !n->tok) {
+        size_t k = pd_tokenizer_decode(&id, 1, out, cap);
+        return PD_MIN(k, cap - 1);
+    }
+    char *bytes = NULL, msg[64];
+    size_t len = 0;
+    if (id < 0 || (uint32_t)id >= pd_hf_tokenizer_vocab_size(n->tok) ||
+        pd_hf_tokenizer_decode(n->tok, &id, 1, skip_special, &bytes, &len, msg, sizeof msg))
+        len = 0; /* an id the model has and the tokenizer not: no text */
+    len = PD_MIN(len, cap - 1);
+    if (len) memcpy(out, bytes, len);
+    out[len] = '\0';
+    free(bytes);
+    return len;
+}
+
+const pd_hf_tokenizer *node_tokenizer(const pd_node *n) { return n->tok; }
+int32_t node_bos(const pd_node *n) {
+    return n->tok ? pd_hf_tokenizer_bos(n->tok) : pd_model_config_get(n->model)->bos_token;
+}
 uint64_t node_next_rid(pd_node *n) { return atomic_fetch_add(&n->rid_counter, 1) + 1; }
 bool node_stopping(const pd_node *n) { return atomic_load(&n->stopping); }
 
@@ -696,9 +732,30 @@ static pd_err check_bootstrap_exposure(const pd_node_config *c, char *msg, size_
 
 /* The model: loaded from --model, or a built-in configuration with dummy
  * weights, its layer pattern optionally replaced by --layers. */
+/* The model directory's tokenizer.json (and tokenizer_config.json's begin
+ * and end tokens), when it has one; its ids must be the model's. */
+static pd_err load_tokenizer(pd_node *n, char *msg, size_t cap) {
+    char path[4096];
+    snprintf(path, sizeof path, "%s/tokenizer.json", n->cfg.model_dir);
+    if (access(path, F_OK) != 0) return PD_OK; /* the byte tokenizer */
+    pd_err err = pd_hf_tokenizer_load(path, &n->tok, msg, cap);
+    if (err) return err;
+    snprintf(path, sizeof path, "%s/tokenizer_config.json", n->cfg.model_dir);
+    if (access(path, F_OK) == 0) err = pd_hf_tokenizer_load_config(n->tok, path, msg, cap);
+    uint32_t tv = pd_hf_tokenizer_vocab_size(n->tok), mv = node_vocab(n);
+    if (!err && tv > mv)
+        err = pd_errorf(msg, cap, PD_ERR_INVALID,
+                        "%s/tokenizer.json has ids up to %u, more than the model's vocab_size %u",
+                        n->cfg.model_dir, tv, mv);
+    return err;
+}
+
 static pd_err create_model(pd_node *n, char *msg, size_t cap) {
     const pd_node_config *c = &n->cfg;
-    if (c->model_dir) return pd_model_load(&n->model, c->model_dir, msg, cap);
+    if (c->model_dir) {
+        pd_err err = pd_model_load(&n->model, c->model_dir, msg, cap);
+        return err ? err : load_tokenizer(n, msg, cap);
+    }
     pd_model_config mc;
     pd_err err = pd_model_config_preset(&mc, c->model_preset ? c->model_preset : "tiny", msg, cap);
     if (!err && c->layers) {
@@ -950,6 +1007,7 @@ void pd_node_destroy(pd_node *n) {
     pd_stream_destroy(n->stream);
     if (n->model_ex.vt) pd_model_executor_destroy(&n->model_ex);
     pd_model_destroy(n->model);
+    pd_hf_tokenizer_free(n->tok);
     free(n->calls);
     free(n->free_slots);
     free(n->meta);

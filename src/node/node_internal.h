@@ -17,6 +17,7 @@
 #include <stdatomic.h>
 
 #include "pdserve/engine.h"
+#include "pdserve/hf_tokenizer.h"
 #include "pdserve/http_server.h"
 #include "pdserve/node.h"
 
@@ -123,6 +124,21 @@ pd_engine *node_engine(struct pd_node *n);
 const pd_node_config *node_config(const struct pd_node *n);
 uint32_t node_vocab(const struct pd_node *n);
 int32_t node_bos(const struct pd_node *n);
+
+/* The node's tokenizer: the model directory's tokenizer.json when it has
+ * one (pd_hf_tokenizer), else the built-in byte tokenizer. n may be NULL
+ * (the byte tokenizer; unit tests). */
+#define NODE_TOKEN_BYTES_MAX 1024u /* PD_HF_TOKEN_BYTES_MAX */
+/* text[0..len) into malloc'd ids, with what the tokenizer adds (a begin
+ * token) when add_special. */
+pd_err node_encode(const struct pd_node *n, const char *text, size_t len, bool add_special,
+                   int32_t **ids, size_t *n_ids, char *msg, size_t cap);
+/* The bytes of one token into out (cap >= NODE_TOKEN_BYTES_MAX; NUL-
+ * terminated); special tokens give none when skip_special. Need not be
+ * valid UTF-8: a character may span tokens. */
+size_t node_token_bytes(const struct pd_node *n, int32_t id, bool skip_special, char *out,
+                        size_t cap);
+const pd_hf_tokenizer *node_tokenizer(const struct pd_node *n);
 uint64_t node_now_us(void);
 uint64_t node_next_rid(struct pd_node *n);
 bool node_stopping(const struct pd_node *n);

@@ -80,15 +80,16 @@ static int prompt_text(pd_node *n, json_t *v, const char *name, gen_prompt *out,
                        size_t cap) {
     const pd_node_config *cfg = node_config(n);
     const char *t = json_string_value(v);
-    size_t len = json_string_length(v);
+    size_t len = json_string_length(v), k = 0;
     if (len == 0) return refuse(err, cap, 400, "'%s' is empty", name);
-    size_t need = pd_tokenizer_encode(t, len, node_bos(n) >= 0, NULL, 0);
-    if (need > cfg->max_prompt_tokens)
-        return refuse(err, cap, 413, "the prompt %s is %zu tokens, the limit is %u", name, need,
+    char why[160];
+    if (node_encode(n, t, len, true, &out->ids, &k, why, sizeof why) != PD_OK)
+        return refuse(err, cap, 503, "the prompt %s could not be tokenized: %s", name, why);
+    if (k > cfg->max_prompt_tokens)
+        return refuse(err, cap, 413, "the prompt %s is %zu tokens, the limit is %u", name, k,
                       cfg->max_prompt_tokens);
-    out->ids = malloc(need * sizeof(int32_t));
-    if (!out->ids) return refuse(err, cap, 503, "out of memory for a %zu-token prompt", need);
-    out->len = (uint32_t)pd_tokenizer_encode(t, len, node_bos(n) >= 0, out->ids, need);
+    if (k == 0) return refuse(err, cap, 400, "'%s' has no tokens", name);
+    out->len = (uint32_t)k;
     return 0;
 }
 
@@ -634,6 +635,7 @@ static int parse_flags(json_t *root, gen_params *p, char *err, size_t cap) {
 int gen_params_parse(pd_node *n, json_t *root, gen_api api, gen_params *p, char *err, size_t cap) {
     const pd_node_config *cfg = node_config(n);
     memset(p, 0, sizeof(*p));
+    p->node = n;
     p->api = api;
     p->max_new = api != GEN_API_GENERATE ? 16 : 128;
     p->n = 1;

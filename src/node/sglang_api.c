@@ -85,19 +85,17 @@ refuse(char *err, size_t cap, int status, const char *fmt, ...) {
 
 /* One text's token ids, a JSON array, in *ids; where names it for the
  * messages ("'text'", "'text'[2]"). 0, or the status with err. */
-static int tokenize_one(json_t *text, const char *where, bool add_bos, json_t **ids, char *err,
-                        size_t cap) {
+static int tokenize_one(pd_node *n, json_t *text, const char *where, bool add_special, json_t **ids,
+                        char *err, size_t cap) {
     if (!json_is_string(text)) return refuse(err, cap, 400, "%s must be a string", where);
-    const char *t = json_string_value(text);
-    size_t len = json_string_length(text);
-    size_t need = pd_tokenizer_encode(t, len, add_bos, NULL, 0);
-    int32_t *buf = malloc((need ? need : 1) * sizeof(int32_t));
-    *ids = buf ? json_array() : NULL;
-    if (*ids) {
-        size_t got = pd_tokenizer_encode(t, len, add_bos, buf, need);
-        PD_ASSERT(got == need);
-        for (size_t i = 0; i < need; i++) json_array_append_new(*ids, json_integer(buf[i]));
-    }
+    int32_t *buf = NULL;
+    size_t need = 0;
+    char why[160];
+    if (node_encode(n, json_string_value(text), json_string_length(text), add_special, &buf, &need,
+                    why, sizeof why) != PD_OK)
+        return refuse(err, cap, 503, "%s could not be tokenized: %s", where, why);
+    *ids = json_array();
+    for (size_t i = 0; *ids && i < need; i++) json_array_append_new(*ids, json_integer(buf[i]));
     free(buf);
     return *ids ? 0 : refuse(err, cap, 503, "out of memory for %zu tokens", need);
 }
@@ -115,14 +113,14 @@ static int tokenize(pd_node *n, json_t *root, json_t **out, char *err, size_t ca
         return refuse(err, cap, 400, "'add_special_tokens' must be a boolean");
     if (!json_is_string(text) && !json_is_array(text))
         return refuse(err, cap, 400, "'%s' must be a string or an array of strings", name);
-    bool add_bos = (!special || json_is_true(special)) && node_bos(n) >= 0;
+    bool add_special = !special || json_is_true(special);
     json_int_t max_len = node_config(n)->max_prompt_tokens;
     char where[48];
     json_t *ids;
     int st;
     if (!json_is_array(text)) {
         snprintf(where, sizeof(where), "'%s'", name);
-        if ((st = tokenize_one(text, where, add_bos, &ids, err, cap))) return st;
+        if ((st = tokenize_one(n, text, where, add_special, &ids, err, cap))) return st;
         *out = json_pack("{s:o, s:I, s:I}", "tokens", ids, "count",
                          (json_int_t)json_array_size(ids), "max_model_len", max_len);
         return *out ? 0 : refuse(err, cap, 503, "out of memory");
@@ -130,7 +128,7 @@ static int tokenize(pd_node *n, json_t *root, json_t **out, char *err, size_t ca
     json_t *tokens = json_array(), *count = json_array();
     for (size_t i = 0; i < json_array_size(text); i++) {
         snprintf(where, sizeof(where), "'%s'[%zu]", name, i);
-        if ((st = tokenize_one(json_array_get(text, i), where, add_bos, &ids, err, cap))) {
+        if ((st = tokenize_one(n, json_array_get(text, i), where, add_special, &ids, err, cap))) {
             json_decref(tokens);
             json_decref(count);
             return st;
@@ -163,11 +161,11 @@ static int detokenize_one(pd_node *n, json_t *ids, const char *where, json_t **t
         }
         t[i] = (int32_t)x;
     }
-    size_t raw_len = pd_tokenizer_decode(t, k, NULL, 0);
-    char *raw = malloc(raw_len + 1), *clean = NULL;
-    size_t need = 0;
+    char *raw = malloc(k * NODE_TOKEN_BYTES_MAX + 1), *clean = NULL;
+    size_t need = 0, raw_len = 0;
     if (raw) {
-        pd_tokenizer_decode(t, k, raw, raw_len + 1);
+        for (size_t i = 0; i < k; i++)
+            raw_len += node_token_bytes(n, t[i], true, raw + raw_len, NODE_TOKEN_BYTES_MAX + 1);
         need = pd_utf8_sanitize(raw, raw_len, NULL, 0);
         clean = malloc(need + 1);
     }
@@ -278,17 +276,18 @@ static struct timespec deadline_after(uint32_t ms) {
 static call *probe_call(pd_node *n) {
     call *c = call_new();
     if (!c) return NULL;
-    bool bos = node_bos(n) >= 0;
-    size_t need = pd_tokenizer_encode(health_prompt, sizeof(health_prompt) - 1, bos, NULL, 0);
-    c->prompt = malloc(need * sizeof(int32_t));
+    size_t need = 0;
+    char why[160];
+    if (node_encode(n, health_prompt, sizeof(health_prompt) - 1, true, &c->prompt, &need, why,
+                    sizeof why) != PD_OK)
+        c->prompt = NULL;
     c->tokens = calloc(1, sizeof(int32_t));
     c->logprobs = calloc(1, sizeof(float));
     if (!c->prompt || !c->tokens || !c->logprobs) {
         call_unref(c);
         return NULL;
     }
-    c->prompt_len = (uint32_t)pd_tokenizer_encode(health_prompt, sizeof(health_prompt) - 1, bos,
-                                                  c->prompt, need);
+    c->prompt_len = (uint32_t)need;
     snprintf(c->rid, sizeof(c->rid), "health_generate-%llu", (unsigned long long)node_next_rid(n));
     c->spec = (pd_request_spec){.rid = c->rid,
                                 .prompt = c->prompt,
