@@ -240,7 +240,8 @@ json_t *gen_logprobs_openai(const gen_choice *ch, const gen_params *p, uint32_t 
 
 /* SGLang's [logprob, id, text or null]. */
 static json_t *lp_triple(const gen_params *p, float lp, int32_t t) {
-    return json_pack("[f,i,o]", (double)lp, t, p->text_in_logprobs ? token_string(p->node, t) : json_null());
+    return json_pack("[f,i,o]", (double)lp, t,
+                     p->text_in_logprobs ? token_string(p->node, t) : json_null());
 }
 
 void gen_logprobs_generate(const gen_choice *ch, const gen_params *p, uint32_t from, uint32_t to,
