@@ -34,6 +34,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #define STEPS_MAX 20000000u
 #define DATA_DEPTH_MAX 128u
@@ -139,6 +140,8 @@ static val v_str(const char *s, size_t n) { return (val){.k = V_STR, .u.str = {s
 
 typedef enum nkind {
     N_TEXT,
+    N_BREAK,
+    N_CONTINUE,
     N_OUT,
     N_IF,
     N_FOR,
@@ -309,6 +312,7 @@ typedef struct cc {
     size_t ntok, tok_cap;
     size_t at;      /* the parser's cursor into tok */
     unsigned depth; /* the parser's nesting */
+    unsigned loops; /* for bodies open around the parser (break, continue) */
     int curly;      /* the lexer's { } depth inside {{ }} */
 } cc;
 
@@ -642,7 +646,7 @@ static const char *const TESTS[] = {
 static const char *const METHODS[] = {"startswith", "endswith", "split", "strip", "lstrip",
                                       "rstrip",     "replace",  "upper", "lower", "get",
                                       "items",      "keys",     "values"};
-static const char *const FUNCTIONS[] = {"raise_exception", "namespace"};
+static const char *const FUNCTIONS[] = {"raise_exception", "namespace", "range", "strftime_now"};
 
 static bool in_set(const char *const *set, size_t n, const char *s, size_t len) {
     for (size_t k = 0; k < n; k++)
@@ -906,11 +910,11 @@ static node *parse_filter(cc *c) {
             cc_fail(c, t->off, "the filter '%.*s' is not supported", (int)t->n, t->s);
         node *m = mk(c, N_FILTER, t->off);
         m->a = n, m->s = t->s, m->n = t->n;
-        if (next_punct(c, "(")) {
-            if (tok_is(t, T_NAME, "tojson"))
-                cc_fail(c, t->off, "the filter 'tojson' with arguments is not supported");
-            parse_args(c, m);
-        }
+        if (next_punct(c, "(")) parse_args(c, m);
+        for (size_t i = 0; tok_is(t, T_NAME, "tojson") && i < m->nkid; i++)
+            if (m->kid[i]->kind != N_KWARG || m->kid[i]->n != 6 ||
+                memcmp(m->kid[i]->s, "indent", 6) != 0)
+                cc_fail(c, t->off, "the filter 'tojson' takes no argument but indent=N");
         n = m;
     }
     return n;
@@ -1030,9 +1034,9 @@ static void parse_body(cc *c, node ***body, size_t *n, const char *const *ends, 
                        const char *opener);
 
 static const char *const TAGS_REFUSED[] = {
-    "macro",      "call", "filter",   "block",   "extends",   "include",    "import",
-    "from",       "raw",  "with",     "break",   "continue",  "generation", "endgeneration",
-    "autoescape", "do",   "endmacro", "endcall", "endfilter", "endset"};
+    "macro",      "call", "filter",   "block",   "extends",    "include",
+    "import",     "from", "raw",      "with",    "generation", "endgeneration",
+    "autoescape", "do",   "endmacro", "endcall", "endfilter",  "endset"};
 
 static void close_tag(cc *c) { expect(c, T_CLOSE_STMT, NULL, "'%}'"); }
 
@@ -1094,7 +1098,9 @@ static node *parse_for(cc *c, size_t off) {
     if (next_name(c, "if")) cc_fail(c, cc_off(c), "a loop filter ('for ... if') is not supported");
     if (next_name(c, "recursive")) cc_fail(c, cc_off(c), "recursive loops are not supported");
     close_tag(c);
+    c->loops++;
     parse_body(c, &n->kid, &n->nkid, ENDS, 2, "for");
+    c->loops--;
     if (tok_is(take_tag(c), T_NAME, "else")) {
         close_tag(c);
         parse_body(c, &n->alt, &n->nalt, ENDS + 1, 1, "for");
@@ -1133,6 +1139,12 @@ static node *parse_statement(cc *c) {
     if (tok_is(t, T_NAME, "if")) return parse_if(c, off);
     if (tok_is(t, T_NAME, "for")) return parse_for(c, off);
     if (tok_is(t, T_NAME, "set")) return parse_set(c, off);
+    if (tok_is(t, T_NAME, "break") || tok_is(t, T_NAME, "continue")) {
+        if (c->loops == 0) cc_fail(c, t->off, "'%.*s' outside a loop", (int)t->n, t->s);
+        node *n = mk(c, t->s[0] == 'b' ? N_BREAK : N_CONTINUE, off);
+        close_tag(c);
+        return n;
+    }
     if (in_set(TAGS_REFUSED, PD_ARRAY_LEN(TAGS_REFUSED), t->s, t->n) ||
         !(tok_is(t, T_NAME, "elif") || tok_is(t, T_NAME, "else") || tok_is(t, T_NAME, "endif") ||
           tok_is(t, T_NAME, "endfor")))
@@ -1247,6 +1259,7 @@ typedef struct rt {
     size_t out_len, out_cap;
     scope *sc;
     uint64_t steps;
+    nkind ctl; /* N_BREAK or N_CONTINUE while one unwinds to its loop, else N_TEXT */
 } rt;
 
 #if defined(__GNUC__)
@@ -1493,12 +1506,45 @@ static void sb_json_string(rt *r, sbuf *b, const char *s, size_t n) {
     sb_put(r, b, "\"", 1);
 }
 
-/* The reference's toJSON with its default separators ", " and ": ". */
-static void to_json(rt *r, sbuf *b, val v, bool undef_null, unsigned depth) {
+/* How tojson lays a container out: the reference's separators (", " and
+ * ": ", or "," before a new line when indenting), as Python's json.dumps. */
+typedef struct json_style {
+    bool undef_null; /* undefined as null (tojson) or as undefined (printing) */
+    unsigned indent; /* spaces per level; 0 for one line */
+} json_style;
+
+static void to_json(rt *r, sbuf *b, val v, json_style st, unsigned depth);
+
+/* Before item i of a container at depth (i == count: before the closer). */
+static void json_gap(rt *r, sbuf *b, json_style st, size_t i, size_t count, unsigned depth) {
+    if (i > 0 && i < count) sb_put(r, b, st.indent ? "," : ", ", st.indent ? 1 : 2);
+    if (!st.indent || count == 0) return;
+    sb_put(r, b, "\n", 1);
+    for (size_t k = 0; k < (size_t)st.indent * (depth + (i < count)); k++) sb_put(r, b, " ", 1);
+}
+
+static void to_json_container(rt *r, sbuf *b, val v, json_style st, unsigned depth) {
+    bool is_list = v.k == V_LIST;
+    size_t count = is_list ? v.u.l->n : v.u.d->n;
+    sb_put(r, b, is_list ? "[" : "{", 1);
+    for (size_t i = 0; i < count; i++) {
+        json_gap(r, b, st, i, count, depth);
+        if (!is_list) {
+            sb_json_string(r, b, v.u.d->key[i], v.u.d->key_len[i]);
+            sb_put(r, b, ": ", 2);
+        }
+        to_json(r, b, is_list ? v.u.l->v[i] : v.u.d->v[i], st, depth + 1);
+    }
+    json_gap(r, b, st, count, count, depth);
+    sb_put(r, b, is_list ? "]" : "}", 1);
+}
+
+/* The reference's toJSON. */
+static void to_json(rt *r, sbuf *b, val v, json_style st, unsigned depth) {
     char num[40];
     if (depth > DATA_DEPTH_MAX) rfail(r, NULL, "tojson: nesting deeper than %u", DATA_DEPTH_MAX);
     switch (v.k) {
-    case V_UNDEF: sb_puts(r, b, undef_null ? "null" : "undefined"); return;
+    case V_UNDEF: sb_puts(r, b, st.undef_null ? "null" : "undefined"); return;
     case V_NONE: sb_puts(r, b, "null"); return;
     case V_BOOL: sb_puts(r, b, v.u.b ? "true" : "false"); return;
     case V_INT: sb_int(r, b, v.u.i); return;
@@ -1508,24 +1554,8 @@ static void to_json(rt *r, sbuf *b, val v, bool undef_null, unsigned depth) {
         return;
     case V_STR: sb_json_string(r, b, v.u.str.s, v.u.str.n); return;
     case V_LIST:
-        sb_put(r, b, "[", 1);
-        for (size_t i = 0; i < v.u.l->n; i++) {
-            if (i) sb_put(r, b, ", ", 2);
-            to_json(r, b, v.u.l->v[i], undef_null, depth + 1);
-        }
-        sb_put(r, b, "]", 1);
-        return;
     case V_DICT:
-    case V_NS:
-        sb_put(r, b, "{", 1);
-        for (size_t i = 0; i < v.u.d->n; i++) {
-            if (i) sb_put(r, b, ", ", 2);
-            sb_json_string(r, b, v.u.d->key[i], v.u.d->key_len[i]);
-            sb_put(r, b, ": ", 2);
-            to_json(r, b, v.u.d->v[i], undef_null, depth + 1);
-        }
-        sb_put(r, b, "}", 1);
-        return;
+    case V_NS: to_json_container(r, b, v, st, depth); return;
     case V_FUNC: rfail(r, NULL, "cannot convert a function to JSON");
     }
 }
@@ -1559,7 +1589,7 @@ static void display(rt *r, const node *at, sbuf *b, val v) {
     case V_STR: sb_put(r, b, v.u.str.s, v.u.str.n); return;
     case V_LIST:
     case V_DICT:
-    case V_NS: to_json(r, b, v, false, 0); return;
+    case V_NS: to_json(r, b, v, (json_style){.undef_null = false}, 0); return;
     case V_FUNC: rfail(r, at, "cannot print a function");
     }
 }
@@ -1944,7 +1974,61 @@ static val call_method(rt *r, const node *e, val obj, const args *a) {
     return dict_items(r, obj.u.d, name_eq(m, n, "items") ? 0 : name_eq(m, n, "keys") ? 1 : 2);
 }
 
+#define RANGE_MAX (1u << 20)
+
+/* range(stop) or range(start, stop[, step]), as a list. */
+static val fn_range(rt *r, const node *e, const args *a) {
+    int64_t v[3] = {0, 0, 1};
+    if (a->npos < 1 || a->npos > 3 || a->nkw) rfail(r, e, "range() takes 1 to 3 integers");
+    for (size_t i = 0; i < a->npos; i++) {
+        if (a->pos[i].k != V_INT) rfail(r, e, "range() takes integers");
+        v[a->npos == 1 ? 1 : i] = a->pos[i].u.i;
+    }
+    if (v[2] == 0) rfail(r, e, "range() step must not be zero");
+    double count = ceil(((double)v[1] - (double)v[0]) / (double)v[2]);
+    if (count > RANGE_MAX) rfail(r, e, "range() of more than %u numbers", RANGE_MAX);
+    list *l = list_new(r, count > 0 ? (size_t)count : 0);
+    for (int64_t x = v[0]; v[2] > 0 ? x < v[1] : x > v[1]; x += v[2]) list_push(r, l, v_int(x));
+    return v_list(l);
+}
+
+/* strftime_now(format) in UTC, with the reference's directives: %Y %m %d
+ * %b %B %H %M %%; any other is kept as written. */
+static val fn_strftime_now(rt *r, const node *e, const args *a) {
+    static const char *const MONTH[] = {"January",   "February", "March",    "April",
+                                        "May",       "June",     "July",     "August",
+                                        "September", "October",  "November", "December"};
+    if (a->npos != 1 || a->pos[0].k != V_STR) rfail(r, e, "strftime_now() takes a format string");
+    time_t now = time(NULL);
+    struct tm tm;
+    if (!gmtime_r(&now, &tm)) rfail(r, e, "strftime_now(): no clock");
+    val f = a->pos[0];
+    sbuf b = {0};
+    for (size_t i = 0; i < f.u.str.n; i++) {
+        char d = i + 1 < f.u.str.n && f.u.str.s[i] == '%' ? f.u.str.s[i + 1] : 0;
+        char buf[16];
+        int n = d == 'Y' ? snprintf(buf, sizeof(buf), "%d", tm.tm_year + 1900)
+            : d == 'm'   ? snprintf(buf, sizeof(buf), "%02d", tm.tm_mon + 1)
+            : d == 'd'   ? snprintf(buf, sizeof(buf), "%02d", tm.tm_mday)
+            : d == 'b'   ? snprintf(buf, sizeof(buf), "%.3s", MONTH[tm.tm_mon])
+            : d == 'B'   ? snprintf(buf, sizeof(buf), "%s", MONTH[tm.tm_mon])
+            : d == 'H'   ? snprintf(buf, sizeof(buf), "%02d", tm.tm_hour)
+            : d == 'M'   ? snprintf(buf, sizeof(buf), "%02d", tm.tm_min)
+            : d == '%'   ? snprintf(buf, sizeof(buf), "%%")
+                         : -1;
+        if (n < 0) {
+            sb_put(r, &b, f.u.str.s + i, 1);
+            continue;
+        }
+        sb_put(r, &b, buf, (size_t)n);
+        i++;
+    }
+    return sb_val(&b);
+}
+
 static val call_function(rt *r, const node *e, const args *a) {
+    if (name_eq(e->a->s, e->a->n, "range")) return fn_range(r, e, a);
+    if (name_eq(e->a->s, e->a->n, "strftime_now")) return fn_strftime_now(r, e, a);
     if (name_eq(e->a->s, e->a->n, "raise_exception")) {
         sbuf b = {0};
         if (a->npos) display(r, e, &b, a->pos[0]);
@@ -2021,7 +2105,7 @@ static val filter_list(rt *r, const node *e, val v) {
     }
     if (name_eq(f, n, "string")) {
         sbuf b = {0};
-        to_json(r, &b, v, false, 0);
+        to_json(r, &b, v, (json_style){.undef_null = false}, 0);
         return sb_val(&b);
     }
     rfail(r, e, "the filter '%.*s' does not apply to a list", (int)n, f);
@@ -2053,7 +2137,14 @@ static val eval_filter(rt *r, const node *e) {
     if (name_eq(e->s, e->n, "safe")) return v;
     if (name_eq(e->s, e->n, "tojson")) {
         sbuf b = {0};
-        to_json(r, &b, v, true, 0);
+        const val *indent = arg(&a, 99, "indent");
+        if (indent && indent->k != V_INT && indent->k != V_NONE)
+            rfail(r, e, "tojson: indent must be an integer");
+        if (indent && indent->k == V_INT && (indent->u.i < 0 || indent->u.i > 64))
+            rfail(r, e, "tojson: indent must be 0 to 64");
+        json_style st = {.undef_null = true};
+        if (indent && indent->k == V_INT) st.indent = (unsigned)indent->u.i;
+        to_json(r, &b, v, st, 0);
         return sb_val(&b);
     }
     if (name_eq(e->s, e->n, "default")) {
@@ -2270,12 +2361,18 @@ static void exec_for(rt *r, const node *s) {
     } else {
         rfail(r, s, "cannot loop over %s", kind_name(it.k));
     }
+    bool completed = false; /* an iteration ran to its end: the reference's else rule */
     for (size_t i = 0; i < items->n; i++) {
         scope_set(r, &sc, "loop", 4, loop_object(r, items, i));
         bind_target(r, s->a, items->v[i]);
         exec_body(r, s->kid, s->nkid);
+        nkind ctl = r->ctl;
+        r->ctl = N_TEXT;
+        if (ctl == N_BREAK) break;
+        if (ctl == N_CONTINUE) continue;
+        completed = true;
     }
-    if (items->n == 0) exec_body(r, s->alt, s->nalt);
+    if (!completed) exec_body(r, s->alt, s->nalt);
     PD_ASSERT(r->sc == &sc); /* bodies restore the scopes they push */
     r->sc = sc.parent;
 }
@@ -2316,12 +2413,15 @@ static void exec(rt *r, const node *s) {
         return;
     case N_FOR: exec_for(r, s); return;
     case N_SET: exec_set(r, s); return;
+    case N_BREAK:
+    case N_CONTINUE: r->ctl = s->kind; return;
     default: rfail(r, s, "internal: node %d is not a statement", (int)s->kind);
     }
 }
 
+/* Stops at a break or continue, which the enclosing loop takes. */
 static void exec_body(rt *r, node *const *body, size_t n) {
-    for (size_t i = 0; i < n; i++) exec(r, body[i]);
+    for (size_t i = 0; i < n && r->ctl == N_TEXT; i++) exec(r, body[i]);
 }
 
 static void render_guarded(rt *r, const pd_chat_template *t, const json_t *ctx, scope *root) {

@@ -79,6 +79,11 @@ static void loops_and_loop_variables(void **state) {
                   "{% endfor %}",
                   "b=1;a=4;");
     expect_render("{% for m in messages[::-1] %}{{ m.role[0] }}{% endfor %}", "aus");
+    expect_render("{% for i in range(10) %}{% if i == 1 %}{% continue %}{% endif %}"
+                  "{% if i > 3 %}{% break %}{% endif %}{{ i }}{% endfor %}",
+                  "023");
+    expect_render("{{ range(3) }} {{ range(1, 7, 2) }} {{ range(3, 0, -1) }} {{ range(0) }}",
+                  "[0, 1, 2] [1, 3, 5] [3, 2, 1] []");
 }
 
 static void conditions_and_assignment(void **state) {
@@ -101,6 +106,8 @@ static void filters_of_the_subset(void **state) {
     expect_render("[{{ '  a b \\n'|trim }}]", "[a b]");
     expect_render("{{ messages|length }} {{ 'héllo'|length }} {{ d|length }}", "3 5 2");
     expect_render("{{ d|tojson }}", "{\"b\": 1, \"a\": [1, \"two\", null, true]}");
+    expect_render("{{ {'k': [1, {}], 'e': []}|tojson(indent=2) }}",
+                  "{\n  \"k\": [\n    1,\n    {}\n  ],\n  \"e\": []\n}");
     expect_render("{{ 'a\"\\\\\\n'|tojson }}", "\"a\\\"\\\\\\n\"");
     expect_render("{{ n|string ~ x|string }}", "32.5");
     expect_render("{{ missing|default('dflt') }} {{ ''|default('e', true) }}", "dflt e");
@@ -166,6 +173,20 @@ static void string_methods(void **state) {
     expect_render("{{ d.get('b') }} {{ d.get('zz', 'no') }} {{ d.keys()|join }}", "1 no ba");
 }
 
+/* The clock's value varies; its shape does not. */
+static void strftime_now_formats_the_utc_date(void **state) {
+    (void)state;
+    char msg[128];
+    pd_err err;
+    char *out = try_render("{{ strftime_now('%Y-%m-%d %H:%M %% %q') }}|{{ strftime_now('%b') }}",
+                           CONV, &err, msg, sizeof(msg));
+    assert_ok(err);
+    assert_int_equal(strlen(out), strlen("2026-11-30 22:40 % %q|Nov"));
+    assert_true(out[4] == '-' && out[7] == '-' && out[13] == ':');
+    assert_memory_equal(out + 17, "% %q|", 5);
+    free(out);
+}
+
 static void raise_exception_message_is_the_error(void **state) {
     (void)state;
     expect_error("a{% if n == 3 %}{{ raise_exception('Conversation roles must alternate') }}"
@@ -182,9 +203,13 @@ static void constructs_outside_the_subset_are_named(void **state) {
     expect_error("ok\n{{ x|wordcount }}", PD_ERR_PARSE, "line 2 col 6", "filter 'wordcount'");
     expect_error("{% macro m() %}{% endmacro %}", PD_ERR_PARSE, "the tag 'macro'", NULL);
     expect_error("{{ x is divisibleby }}", PD_ERR_PARSE, "the test 'divisibleby'", NULL);
-    expect_error("{% for i in range(3) %}{% endfor %}", PD_ERR_PARSE, "function 'range'", NULL);
+    expect_error("{{ cycler(1, 2) }}", PD_ERR_PARSE, "function 'cycler'", NULL);
     expect_error("{{ 'a'.title() }}", PD_ERR_PARSE, "method 'title'", NULL);
-    expect_error("{{ d|tojson(indent=2) }}", PD_ERR_PARSE, "'tojson' with arguments", NULL);
+    expect_error("{{ d|tojson(sort_keys=true) }}", PD_ERR_PARSE, "'tojson' takes no argument",
+                 NULL);
+    expect_error("{% break %}", PD_ERR_PARSE, "'break' outside a loop", NULL);
+    expect_error("{% for m in messages %}{% else %}{% continue %}{% endfor %}", PD_ERR_PARSE,
+                 "'continue' outside a loop", NULL);
     expect_error("{{ 2 ** 3 }}", PD_ERR_PARSE, "'**'", NULL);
     expect_error("{{ 'a' if n }}", PD_ERR_PARSE, "without 'else'", NULL);
 }
@@ -321,6 +346,7 @@ int main(void) {
         cmocka_unit_test(operators),
         cmocka_unit_test(access_slicing_and_literals),
         cmocka_unit_test(string_methods),
+        cmocka_unit_test(strftime_now_formats_the_utc_date),
         cmocka_unit_test(raise_exception_message_is_the_error),
         cmocka_unit_test(constructs_outside_the_subset_are_named),
         cmocka_unit_test(malformed_templates_fail_cleanly),
