@@ -590,7 +590,9 @@ static pd_err config_token(const pd_hf_tokenizer *tok, const json_t *root, const
 pd_err pd_hf_tokenizer_load_config(pd_hf_tokenizer *tok, const char *path, char *msg,
                                    size_t msg_cap) {
     json_error_t jerr;
-    json_t *root = json_load_file(path, 0, &jerr);
+    /* Integers as reals: Llama-3's model_max_length is 1e30 written out,
+     * which no 64-bit integer holds, and only the strings matter here. */
+    json_t *root = json_load_file(path, JSON_DECODE_INT_AS_REAL, &jerr);
     if (!root)
         return pd_errorf(msg, msg_cap, PD_ERR_PARSE, "%s: line %d: %s", path, jerr.line, jerr.text);
     pd_err err = json_is_object(root)

@@ -11,6 +11,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include <cmocka.h>
 
@@ -231,6 +232,40 @@ static void long_pre_token_merges(void **state) {
     pd_hf_tokenizer_free(t);
 }
 
+static pd_err config_from(pd_hf_tokenizer *t, const char *text, char *msg, size_t cap) {
+    char path[] = "/tmp/pd_hf_config_XXXXXX";
+    int fd = mkstemp(path);
+    assert_true(fd >= 0);
+    FILE *f = fdopen(fd, "w");
+    fputs(text, f);
+    fclose(f);
+    pd_err err = pd_hf_tokenizer_load_config(t, path, msg, cap);
+    unlink(path);
+    return err;
+}
+
+/* bos_token / eos_token: a string, an {"content": ...} object or null; a
+ * huge integer elsewhere in the file (Llama-3's model_max_length) is fine. */
+static void config_names_bos_and_eos(void **state) {
+    (void)state;
+    pd_hf_tokenizer *t = tiny();
+    char msg[256];
+    assert_int_equal(pd_hf_tokenizer_bos(t), -1);
+    assert_int_equal(config_from(t,
+                                 "{\"bos_token\": {\"content\": \"<|im_start|>\"}, \"eos_token\":"
+                                 " \"hello\", \"model_max_length\": "
+                                 "1000000000000000019884624838656}",
+                                 msg, sizeof(msg)),
+                     PD_OK);
+    assert_int_equal(pd_hf_tokenizer_bos(t), 300);
+    assert_int_equal(pd_hf_tokenizer_eos(t), 259);
+    assert_int_equal(config_from(t, "{\"eos_token\": \"<nope>\"}", msg, sizeof(msg)),
+                     PD_ERR_INVALID);
+    assert_non_null(strstr(msg, "<nope>"));
+    assert_int_equal(config_from(t, "{\"eos_token\": 3", msg, sizeof(msg)), PD_ERR_PARSE);
+    pd_hf_tokenizer_free(t);
+}
+
 /* ---- refusals ------------------------------------------------------------------------ */
 
 static void expect_refusal(json_t *j, pd_err want, const char *needle) {
@@ -330,6 +365,7 @@ int main(void) {
         cmocka_unit_test(template_processing_adds_its_special_ids),
         cmocka_unit_test(added_token_flags_take_spaces_and_words),
         cmocka_unit_test(long_pre_token_merges),
+        cmocka_unit_test(config_names_bos_and_eos),
         cmocka_unit_test(malformed_json_is_a_parse_error),
         cmocka_unit_test(unigram_model_is_refused_by_name),
         cmocka_unit_test(missing_merges_is_refused),

