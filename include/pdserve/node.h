@@ -59,11 +59,12 @@ typedef struct pd_node_config {
     bool incremental_streaming_output;
     const char *served_model_name; /* "model" in /v1/completions (default "pdserve-tiny") */
     /* model */
-    const char *model_dir;            /* NULL: built-in config with dummy weights */
-    const char *model_preset;         /* "tiny" (default) or "small" */
-    const char *layers;               /* layer pattern override, e.g. "MAMA" */
-    uint64_t seed;                    /* dummy weights seed */
-    uint32_t threads;                 /* executor threads (default 1) */
+    const char *model_dir;          /* NULL: built-in config with dummy weights */
+    const char *chat_template_path; /* --chat-template FILE: instead of the model's */
+    const char *model_preset;       /* "tiny" (default) or "small" */
+    const char *layers;             /* layer pattern override, e.g. "MAMA" */
+    uint64_t seed;                  /* dummy weights seed */
+    uint32_t threads;               /* executor threads (default 1) */
     /* engine */
     uint32_t page_size;               /* default 16 */
     uint32_t max_total_tokens;        /* KV pool in tokens (default 65536) */

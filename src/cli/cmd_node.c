@@ -28,6 +28,9 @@ static const struct {
     {"--port", "N", "HTTP port (default 30000 serve, 30001 prefill, 30002 decode; 0 = any free)"},
     {"--model", "DIR",
      "model directory (config.json + model.safetensors, see `pdserve model init`)"},
+    {"--chat-template", "FILE",
+     "the chat template (Jinja) for /v1/chat/completions instead of the model directory's "
+     "tokenizer_config.json chat_template"},
     {"--model-config", "NAME",
      "built-in model when --model is not given: tiny (default), small, llama or qwen3"},
     {"--layers", "PATTERN", "layer pattern of the built-in model, M = Mamba2, A = attention"},
@@ -253,6 +256,7 @@ static bool set_option(pd_node_config *c, const char *a, const char *v, bool *ok
     else if (!strcmp(a, "--port")) ok = ok && parse_num(v, 65535, &x), c->port = (uint16_t)x;
     else if (!strcmp(a, "--model")) c->model_dir = v;
     else if (!strcmp(a, "--model-config")) c->model_preset = v;
+    else if (!strcmp(a, "--chat-template")) c->chat_template_path = v;
     else if (!strcmp(a, "--layers")) c->layers = v;
     else if (!strcmp(a, "--seed")) ok = ok && parse_num(v, UINT64_MAX, &x), c->seed = x;
     else if (!strcmp(a, "--threads"))

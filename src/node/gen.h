@@ -44,8 +44,9 @@ typedef struct gen_params {
     gen_api api;
     gen_prompt *prompts; /* n_prompts, each malloc'd */
     uint32_t n_prompts;
-    bool batch; /* the prompt was a list: /generate answers a list */
-    uint32_t n; /* choices per prompt */
+    bool batch;     /* the prompt was a list: /generate answers a list */
+    bool templated; /* the prompt is the model chat template's output */
+    uint32_t n;     /* choices per prompt */
     uint32_t max_new;
     pd_sampling sampling; /* seed: see gen_seed */
     bool seeded;          /* the client gave a seed */

@@ -14,6 +14,7 @@
  * it. The call is found through the engine's request id, whose low half
  * indexes the engine's record table.
  */
+#include <errno.h>
 #include <jansson.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -28,7 +29,7 @@
 #include "pdserve/net.h"
 #include "pdserve/tokenizer.h"
 
-#define NODE_STRINGS 10 /* own_config_strings's slots */
+#define NODE_STRINGS 11 /* own_config_strings's slots */
 
 #define CMDS_MAX 4096
 /* One strict-mode report: the violations and the attribution of every pool;
@@ -50,7 +51,8 @@ struct pd_node {
     pd_node_config cfg;
     char *strings[NODE_STRINGS]; /* owned copies of the config's strings */
     pd_model *model;
-    pd_hf_tokenizer *tok; /* the model directory's tokenizer.json; NULL: the byte tokenizer */
+    pd_hf_tokenizer *tok;   /* the model directory's tokenizer.json; NULL: the byte tokenizer */
+    pd_chat_template *chat; /* the model's chat template; NULL: the built-in one */
     pd_executor model_ex;
     pd_stream *stream;
     pd_engine *eng;
@@ -135,6 +137,13 @@ size_t node_token_bytes(const pd_node *n, int32_t id, bool skip_special, char *o
 }
 
 const pd_hf_tokenizer *node_tokenizer(const pd_node *n) { return n->tok; }
+const pd_chat_template *node_chat_template(const pd_node *n) { return n ? n->chat : NULL; }
+
+const char *node_special_text(const pd_node *n, bool eos) {
+    if (!n || !n->tok) return NULL;
+    int32_t id = eos ? pd_hf_tokenizer_eos(n->tok) : pd_hf_tokenizer_bos(n->tok);
+    return id >= 0 ? pd_hf_tokenizer_token(n->tok, id) : NULL;
+}
 int32_t node_bos(const pd_node *n) {
     return n->tok ? pd_hf_tokenizer_bos(n->tok) : pd_model_config_get(n->model)->bos_token;
 }
@@ -708,6 +717,7 @@ static void own_config_strings(pd_node *n) {
     c->bootstrap_token = own(n, 7, c->bootstrap_token);
     c->prefill_peers = own(n, 8, c->prefill_peers);
     c->api_key = own(n, 9, c->api_key);
+    c->chat_template_path = own(n, 10, c->chat_template_path);
     /* The bootstrap channel listens where the HTTP port does unless told. */
     if (!c->bootstrap_host) c->bootstrap_host = c->host;
 }
@@ -750,7 +760,60 @@ static pd_err load_tokenizer(pd_node *n, char *msg, size_t cap) {
     return err;
 }
 
-static pd_err create_model(pd_node *n, char *msg, size_t cap) {
+/* A file's text, malloc'd (NUL-terminated), at most max bytes. */
+static char *read_text(const char *path, size_t max, size_t *len, char *msg, size_t cap) {
+    FILE *f = fopen(path, "rb");
+    char *buf = f ? malloc(max + 1) : NULL;
+    *len = buf ? fread(buf, 1, max + 1, f) : 0;
+    if (f) fclose(f);
+    if (!buf || *len > max) {
+        pd_errorf(msg, cap, !f ? PD_ERR_IO : PD_ERR_TOOBIG, "%s: %s", path,
+                  !f ? strerror(errno) : "too large");
+        free(buf);
+        return NULL;
+    }
+    buf[*len] = '\0';
+    return buf;
+}
+
+/* The chat template: --chat-template FILE, else tokenizer_config.json's
+ * "chat_template" (a string, or a list of {name, template}: "default"). */
+static pd_err load_chat_template(pd_node *n, char *msg, size_t cap) {
+    const pd_node_config *c = &n->cfg;
+    char path[4096], why[256];
+    size_t len = 0;
+    char *src = NULL;
+    json_t *cfg = NULL;
+    if (c->chat_template_path) {
+        snprintf(path, sizeof path, "%s", c->chat_template_path);
+        src = read_text(path, PD_CHAT_TEMPLATE_SOURCE_MAX, &len, msg, cap);
+        if (!src) return PD_ERR_IO;
+    } else {
+        if (!c->model_dir) return PD_OK;
+        snprintf(path, sizeof path, "%s/tokenizer_config.json", c->model_dir);
+        json_error_t jerr;
+        cfg = access(path, F_OK) == 0 ? json_load_file(path, 0, &jerr) : NULL;
+        json_t *t = json_object_get(cfg, "chat_template");
+        for (size_t i = 0; json_is_array(t) && i < json_array_size(t); i++) {
+            json_t *e = json_array_get(t, i);
+            const char *name = json_string_value(json_object_get(e, "name"));
+            if (name && !strcmp(name, "default")) t = json_object_get(e, "template");
+        }
+        if (!json_is_string(t)) {
+            json_decref(cfg);
+            return PD_OK; /* none: chat requests use the built-in template */
+        }
+        src = strdup(json_string_value(t));
+        len = src ? strlen(src) : 0;
+    }
+    json_decref(cfg);
+    pd_err err = src ? pd_chat_template_compile(src, len, &n->chat, why, sizeof why) : PD_ERR_NOMEM;
+    if (err) pd_errorf(msg, cap, err, "%s: %s", path, src ? why : "out of memory");
+    free(src);
+    return err;
+}
+
+static pd_err create_weights(pd_node *n, char *msg, size_t cap) {
     const pd_node_config *c = &n->cfg;
     if (c->model_dir) {
         pd_err err = pd_model_load(&n->model, c->model_dir, msg, cap);
@@ -769,6 +832,12 @@ static pd_err create_model(pd_node *n, char *msg, size_t cap) {
     }
     if (!err) err = pd_model_create_random(&n->model, &mc, c->seed, msg, cap);
     return err;
+}
+
+/* The model, its tokenizer and its chat template. */
+static pd_err create_model(pd_node *n, char *msg, size_t cap) {
+    pd_err err = create_weights(n, msg, cap);
+    return err ? err : load_chat_template(n, msg, cap);
 }
 
 /* The flags that size the pools and queues. */
@@ -1008,6 +1077,7 @@ void pd_node_destroy(pd_node *n) {
     if (n->model_ex.vt) pd_model_executor_destroy(&n->model_ex);
     pd_model_destroy(n->model);
     pd_hf_tokenizer_free(n->tok);
+    pd_chat_template_free(n->chat);
     free(n->calls);
     free(n->free_slots);
     free(n->meta);

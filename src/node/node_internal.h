@@ -16,6 +16,7 @@
 #include <pthread.h>
 #include <stdatomic.h>
 
+#include "pdserve/chat_template.h"
 #include "pdserve/engine.h"
 #include "pdserve/hf_tokenizer.h"
 #include "pdserve/http_server.h"
@@ -139,6 +140,10 @@ pd_err node_encode(const struct pd_node *n, const char *text, size_t len, bool a
 size_t node_token_bytes(const struct pd_node *n, int32_t id, bool skip_special, char *out,
                         size_t cap);
 const pd_hf_tokenizer *node_tokenizer(const struct pd_node *n);
+/* The model's chat template (or --chat-template's); NULL: the built-in one. */
+const pd_chat_template *node_chat_template(const struct pd_node *n);
+/* The tokenizer's begin (eos false) or end token as text, or NULL. */
+const char *node_special_text(const struct pd_node *n, bool eos);
 uint64_t node_now_us(void);
 uint64_t node_next_rid(struct pd_node *n);
 bool node_stopping(const struct pd_node *n);

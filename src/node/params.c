@@ -76,14 +76,17 @@ static int parse_shape(json_t *root, gen_api api, prompt_field *f, json_t **src,
     return 0;
 }
 
-static int prompt_text(pd_node *n, json_t *v, const char *name, gen_prompt *out, char *err,
-                       size_t cap) {
+/* A text prompt's ids. A prompt a model's chat template rendered has its
+ * special tokens written out already: nothing is added (as transformers'
+ * apply_chat_template tokenizes). */
+static int prompt_text(pd_node *n, json_t *v, const char *name, bool add_special, gen_prompt *out,
+                       char *err, size_t cap) {
     const pd_node_config *cfg = node_config(n);
     const char *t = json_string_value(v);
     size_t len = json_string_length(v), k = 0;
     if (len == 0) return refuse(err, cap, 400, "'%s' is empty", name);
     char why[160];
-    if (node_encode(n, t, len, true, &out->ids, &k, why, sizeof why) != PD_OK)
+    if (node_encode(n, t, len, add_special, &out->ids, &k, why, sizeof why) != PD_OK)
         return refuse(err, cap, 503, "the prompt %s could not be tokenized: %s", name, why);
     if (k > cfg->max_prompt_tokens)
         return refuse(err, cap, 413, "the prompt %s is %zu tokens, the limit is %u", name, k,
@@ -119,8 +122,8 @@ static int prompt_ids(pd_node *n, json_t *v, const char *name, gen_prompt *out, 
 
 /* One prompt: a string, or (ids_ok) an array of token ids. */
 static int prompt_one(pd_node *n, json_t *v, const char *name, bool text_ok, bool ids_ok,
-                      gen_prompt *out, char *err, size_t cap) {
-    if (text_ok && json_is_string(v)) return prompt_text(n, v, name, out, err, cap);
+                      bool add_special, gen_prompt *out, char *err, size_t cap) {
+    if (text_ok && json_is_string(v)) return prompt_text(n, v, name, add_special, out, err, cap);
     if (ids_ok && json_is_array(v)) return prompt_ids(n, v, name, out, err, cap);
     return refuse(err, cap, 400, "'%s' must be %s", name,
                   text_ok && ids_ok ? "a string or an array of token ids"
@@ -152,7 +155,8 @@ static int parse_prompts(pd_node *n, gen_api api, const prompt_field *f, gen_par
         if (batch) snprintf(name, sizeof name, "%s[%zu]", f->name, i);
         else snprintf(name, sizeof name, "%s", f->name);
         json_t *one = batch ? json_array_get(v, i) : v;
-        int status = prompt_one(n, one, name, !is_ids, !is_text, &p->prompts[i], err, cap);
+        int status =
+            prompt_one(n, one, name, !is_ids, !is_text, !p->templated, &p->prompts[i], err, cap);
         p->n_prompts = (uint32_t)i + 1;
         if (status) return status;
     }
@@ -567,9 +571,44 @@ static int parse_stream_options(json_t *root, gen_params *p, char *err, size_t c
     return 0;
 }
 
+/* The messages through the model's own chat template: the context has the
+ * messages as given, add_generation_prompt true, the tokenizer's bos_token
+ * and eos_token, and the request's chat_template_kwargs (enable_thinking,
+ * ...). NULL with the status when refused. */
+static char *render_model_chat(const pd_node *n, json_t *root, int *status, char *err, size_t cap) {
+    json_t *messages = json_object_get(root, "messages");
+    json_t *kwargs = given(root, "chat_template_kwargs");
+    if (!json_is_array(messages) || json_array_size(messages) == 0) {
+        *status = refuse(err, cap, 400, "'messages' must be a non-empty array of messages");
+        return NULL;
+    }
+    if (kwargs && !json_is_object(kwargs)) {
+        *status = refuse(err, cap, 400, "'chat_template_kwargs' must be an object");
+        return NULL;
+    }
+    json_t *ctx = kwargs ? json_deep_copy(kwargs) : json_object();
+    const char *bos = node_special_text(n, false), *eos = node_special_text(n, true);
+    json_object_set(ctx, "messages", messages);
+    json_object_set_new(ctx, "add_generation_prompt", json_true());
+    json_object_set_new(ctx, "bos_token", json_string(bos ? bos : ""));
+    json_object_set_new(ctx, "eos_token", json_string(eos ? eos : ""));
+    char *out = NULL, why[200];
+    size_t len = 0;
+    pd_err e = pd_chat_template_render(node_chat_template(n), ctx, &out, &len, why, sizeof why);
+    json_decref(ctx);
+    if (e != PD_OK) {
+        *status = refuse(err, cap, e == PD_ERR_NOMEM ? 503 : 400,
+                         "the model's chat template refused the messages: %s", why);
+        return NULL;
+    }
+    return out;
+}
+
 /* Turns a chat body into the completions body it means: the messages
- * rendered into "prompt", max_completion_tokens as max_tokens. */
-static int chat_to_completions(json_t *root, char *err, size_t cap) {
+ * rendered into "prompt" (by the model's chat template, or the built-in
+ * one), max_completion_tokens as max_tokens. */
+static int chat_to_completions(const pd_node *n, json_t *root, gen_params *p, char *err,
+                               size_t cap) {
     json_t *mct = given(root, "max_completion_tokens");
     if (mct) {
         if (given(root, "max_tokens"))
@@ -580,7 +619,9 @@ static int chat_to_completions(json_t *root, char *err, size_t cap) {
     if (json_object_get(root, "prompt"))
         return refuse(err, cap, 400, "a chat request has 'messages', not 'prompt'");
     int status = 0;
-    char *text = render_chat(json_object_get(root, "messages"), &status, err, cap);
+    p->templated = node_chat_template(n) != NULL;
+    char *text = p->templated ? render_model_chat(n, root, &status, err, cap)
+                              : render_chat(json_object_get(root, "messages"), &status, err, cap);
     if (!text) return status;
     json_object_set_new(root, "prompt", json_string(text));
     free(text);
@@ -643,7 +684,7 @@ int gen_params_parse(pd_node *n, json_t *root, gen_api api, gen_params *p, char 
         return refuse(err, cap, 400, "the request body must be a JSON object");
     int status = 0;
     if (api != GEN_API_GENERATE) status = parse_stream_options(root, p, err, cap);
-    if (!status && api == GEN_API_CHAT) status = chat_to_completions(root, err, cap);
+    if (!status && api == GEN_API_CHAT) status = chat_to_completions(n, root, p, err, cap);
     prompt_field prompt = {0};
     json_t *src = NULL;
     if (!status) status = parse_shape(root, api, &prompt, &src, err, cap);

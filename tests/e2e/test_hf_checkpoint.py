@@ -9,7 +9,13 @@ installed by scripts/deps.sh in tests/tokenizer) go beside it. Then:
   code, CJK, emoji and a special token, and /detokenize gives the text back;
 - /generate on text runs, its text is the detokenized output ids, and
   `pdserve serve` and `pdserve run` (prefill and decode apart) agree token
-  for token.
+  for token;
+- /v1/chat/completions renders the messages with the checkpoint's own chat
+  template (tokenizer_config.json): its prompt is exactly as many tokens as
+  @huggingface/jinja's rendering of the same template and messages
+  (tests/template/render_one.mjs), tokenized without additions, for a
+  system + user conversation, a multi-turn one, and with enable_thinking
+  false through chat_template_kwargs.
 
 Exits 77 (ctest: skipped) without node or the npm packages.
 """
@@ -57,6 +63,41 @@ def make_checkpoint(tmp):
     return model, vocab
 
 
+TEMPLATE_DIR = os.path.join(HERE, "..", "template")
+CHATS = [
+    ([{"role": "system", "content": "You are brief."}, {"role": "user", "content": "Hi there"}],
+     None),
+    ([{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"},
+      {"role": "user", "content": "and 3+3?"}], None),
+    ([{"role": "user", "content": "think less"}], {"enable_thinking": False}),
+]
+
+
+def reference_render(messages, kwargs):
+    cfg = json.load(open(os.path.join(QWEN, "tokenizer_config.json")))
+    ctx = dict(kwargs or {}, messages=messages, add_generation_prompt=True,
+               bos_token=cfg.get("bos_token") or "", eos_token=cfg.get("eos_token") or "")
+    r = subprocess.run(["node", os.path.join(TEMPLATE_DIR, "render_one.mjs")],
+                       input=json.dumps({"template": cfg["chat_template"], "context": ctx}),
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    return r.stdout
+
+
+def check_chat(server):
+    for messages, kwargs in CHATS:
+        want_text = reference_render(messages, kwargs)
+        st, tok = server.post("/tokenize", {"text": want_text, "add_special_tokens": False})
+        assert st == 200, tok
+        body = {"messages": messages, "max_tokens": 3, "ignore_eos": True}
+        if kwargs:
+            body["chat_template_kwargs"] = kwargs
+        st, obj = server.post("/v1/chat/completions", body)
+        assert st == 200, (st, obj)
+        assert obj["usage"]["prompt_tokens"] == tok["count"], (obj["usage"], tok["count"],
+                                                                want_text)
+
+
 def generate(server, text):
     st, obj = server.post("/generate", {"text": text, "sampling_params": {
         "max_new_tokens": 16, "ignore_eos": True}})
@@ -85,7 +126,24 @@ def test_a_qwen3_checkpoint_with_its_real_tokenizer():
                 assert back["text"] == obj["text"], (back, obj["text"])
             st, info = srv.get("/get_model_info")
             assert info["vocab_size"] == vocab, info
+            if os.path.isdir(os.path.join(TEMPLATE_DIR, "node_modules", "@huggingface", "jinja")):
+                check_chat(srv)
+                print("  %d conversations rendered by the model's chat template as "
+                      "@huggingface/jinja renders them" % len(CHATS), flush=True)
             srv.wait_idle_clean()
+        finally:
+            srv.stop()
+        # --chat-template FILE replaces the model's template.
+        plain = os.path.join(tmp, "plain.jinja")
+        open(plain, "w").write("{% for m in messages %}[{{ m.role }}] {{ m.content }}\n"
+                               "{% endfor %}")
+        srv = Server(["serve", "--model-path", model, "--chat-template", plain])
+        try:
+            msgs = CHATS[0][0]
+            text = "".join("[%s] %s\n" % (m["role"], m["content"]) for m in msgs)
+            st, tok = srv.post("/tokenize", {"text": text, "add_special_tokens": False})
+            st, obj = srv.post("/v1/chat/completions", {"messages": msgs, "max_tokens": 2})
+            assert st == 200 and obj["usage"]["prompt_tokens"] == tok["count"], (obj, tok)
         finally:
             srv.stop()
         from test_run import Run
