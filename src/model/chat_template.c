@@ -637,9 +637,10 @@ static void lex(cc *c) {
 
 /* ---- parser ----------------------------------------------------------------------- */
 
-static const char *const FILTERS[] = {"trim",  "length", "tojson",  "string", "default",
-                                      "upper", "lower",  "items",   "join",   "first",
-                                      "last",  "list",   "reverse", "safe"};
+static const char *const FILTERS[] = {"trim",  "length",     "tojson",    "string", "default",
+                                      "upper", "lower",      "items",     "join",   "first",
+                                      "last",  "list",       "reverse",   "safe",   "replace",
+                                      "map",   "selectattr", "rejectattr"};
 static const char *const TESTS[] = {
     "defined", "undefined", "none",     "string",   "number", "integer", "boolean", "true", "false",
     "mapping", "sequence",  "iterable", "callable", "odd",    "even",    "lower",   "upper"};
@@ -901,6 +902,20 @@ static node *parse_unary(cc *c) {
     return parse_postfix(c);
 }
 
+/* selectattr/rejectattr(attr[, test[, value]]): string literals, as in the
+ * reference, and a test of the subset (or equalto/eq, which take the value). */
+static void check_select_args(cc *c, const node *m, size_t off) {
+    if (m->nkid < 1 || m->nkid > 3)
+        cc_fail(c, off, "'%.*s' takes an attribute, a test and a value", (int)m->n, m->s);
+    for (size_t i = 0; i < m->nkid; i++)
+        if (m->kid[i]->kind != N_STR)
+            cc_fail(c, off, "the arguments of '%.*s' must be string literals", (int)m->n, m->s);
+    const node *t = m->nkid > 1 ? m->kid[1] : NULL;
+    if (t && !in_set(TESTS, PD_ARRAY_LEN(TESTS), t->s, t->n) &&
+        !((t->n == 7 && !memcmp(t->s, "equalto", 7)) || (t->n == 2 && !memcmp(t->s, "eq", 2))))
+        cc_fail(c, off, "the test '%.*s' is not supported", (int)t->n, t->s);
+}
+
 static node *parse_filter(cc *c) {
     node *n = parse_unary(c);
     while (next_punct(c, "|")) {
@@ -911,6 +926,8 @@ static node *parse_filter(cc *c) {
         node *m = mk(c, N_FILTER, t->off);
         m->a = n, m->s = t->s, m->n = t->n;
         if (next_punct(c, "(")) parse_args(c, m);
+        if (tok_is(t, T_NAME, "selectattr") || tok_is(t, T_NAME, "rejectattr"))
+            check_select_args(c, m, t->off);
         for (size_t i = 0; tok_is(t, T_NAME, "tojson") && i < m->nkid; i++)
             if (m->kid[i]->kind != N_KWARG || m->kid[i]->n != 6 ||
                 memcmp(m->kid[i]->s, "indent", 6) != 0)
@@ -2130,6 +2147,50 @@ static val filter_scalar(rt *r, const node *e, val v) {
     rfail(r, e, "the filter '%.*s' does not apply to %s", (int)n, f, kind_name(v.k));
 }
 
+static bool apply_test(rt *r, const node *e, const char *t, size_t n, val v, const val *arg);
+
+static bool is_container(val v) { return v.k == V_DICT || v.k == V_NS; }
+
+/* selectattr/rejectattr: items whose attribute exists and passes the test
+ * (its truth without one); rejectattr keeps the others. */
+static val filter_select(rt *r, const node *e, val v, const args *a) {
+    bool select = e->s[0] == 's';
+    if (v.k != V_LIST) rfail(r, e, "'%.*s' applies to a list", (int)e->n, e->s);
+    const val *attr = arg(a, 0, NULL), *test = arg(a, 1, NULL), *value = arg(a, 2, NULL);
+    list *l = list_new(r, v.u.l->n);
+    for (size_t i = 0; i < v.u.l->n; i++) {
+        val item = v.u.l->v[i];
+        if (!is_container(item)) rfail(r, e, "'%.*s' applies to a list of dicts", (int)e->n, e->s);
+        const val *x = dict_get(item.u.d, attr->u.str.s, attr->u.str.n);
+        bool hit = x &&
+            (test ? apply_test(r, e, test->u.str.s, test->u.str.n, *x, value) : truthy(*x));
+        if (hit == select) list_push(r, l, item);
+    }
+    return v_list(l);
+}
+
+/* map(attribute='a.b'[, default=x]): each item's attribute, by dotted path. */
+static val filter_map(rt *r, const node *e, val v, const args *a) {
+    const val *attr = arg(a, 99, "attribute"), *dflt = arg(a, 99, "default");
+    if (v.k != V_LIST || !attr || attr->k != V_STR || a->npos)
+        rfail(r, e, "only map(attribute='name') on a list is supported");
+    list *l = list_new(r, v.u.l->n);
+    for (size_t i = 0; i < v.u.l->n; i++) {
+        val x = v.u.l->v[i];
+        if (!is_container(x)) rfail(r, e, "map: the items must be dicts");
+        const char *p = attr->u.str.s, *end = p + attr->u.str.n;
+        for (const char *dot; x.k != V_UNDEF; p = dot + 1) {
+            dot = memchr(p, '.', (size_t)(end - p));
+            if (!dot) dot = end;
+            val *got = is_container(x) ? dict_get(x.u.d, p, (size_t)(dot - p)) : NULL;
+            x = got ? *got : UNDEF;
+            if (dot == end) break;
+        }
+        list_push(r, l, x.k == V_UNDEF && dflt ? *dflt : x);
+    }
+    return v_list(l);
+}
+
 static val eval_filter(rt *r, const node *e) {
     val v = eval(r, e->a);
     args a;
@@ -2153,6 +2214,16 @@ static val eval_filter(rt *r, const node *e) {
         return use ? (dflt ? *dflt : v_str("", 0)) : v;
     }
     if (name_eq(e->s, e->n, "join")) return filter_join(r, e, v, &a);
+    if (name_eq(e->s, e->n, "selectattr") || name_eq(e->s, e->n, "rejectattr"))
+        return filter_select(r, e, v, &a);
+    if (name_eq(e->s, e->n, "map")) return filter_map(r, e, v, &a);
+    if (name_eq(e->s, e->n, "replace")) {
+        const val *from = arg(&a, 0, NULL), *to = arg(&a, 1, NULL);
+        if (v.k != V_STR || !from || !to || from->k != V_STR || to->k != V_STR)
+            rfail(r, e, "replace: a string and two strings");
+        const val *count = arg(&a, 2, "count");
+        return str_replace(r, e, v, *from, *to, count && count->k == V_INT ? count->u.i : -1);
+    }
     if (v.k == V_LIST) return filter_list(r, e, v);
     return filter_scalar(r, e, v);
 }
@@ -2165,10 +2236,9 @@ static bool is_lower_or_upper(val v, bool upper) {
     return v.k == V_STR;
 }
 
-static bool eval_test(rt *r, const node *e) {
-    val v = eval(r, e->a);
-    const char *t = e->s;
-    size_t n = e->n;
+/* Test t on v; arg is the value equalto/eq compare with (selectattr only). */
+static bool apply_test(rt *r, const node *e, const char *t, size_t n, val v, const val *arg) {
+    if (name_eq(t, n, "equalto") || name_eq(t, n, "eq")) return arg && strict_eq(v, *arg);
     if (name_eq(t, n, "defined")) return v.k != V_UNDEF;
     if (name_eq(t, n, "undefined")) return v.k == V_UNDEF;
     if (name_eq(t, n, "none")) return v.k == V_NONE;
@@ -2185,6 +2255,10 @@ static bool eval_test(rt *r, const node *e) {
     if (name_eq(t, n, "lower") || name_eq(t, n, "upper")) return is_lower_or_upper(v, t[0] == 'u');
     if (v.k != V_INT) rfail(r, e, "the test '%.*s' needs an integer", (int)n, t);
     return (v.u.i % 2 != 0) == name_eq(t, n, "odd");
+}
+
+static bool eval_test(rt *r, const node *e) {
+    return apply_test(r, e, e->s, e->n, eval(r, e->a), NULL);
 }
 
 /* ---- runtime: operators ----------------------------------------------------------------- */

@@ -115,6 +115,11 @@ static void filters_of_the_subset(void **state) {
     expect_render("{{ ['a', 'b', 3]|join(', ') }} {{ d.a|first }} {{ d.a|last }}",
                   "a, b, 3 1 true");
     expect_render("{{ [1, 2]|reverse|list }} {{ {'k': 'v'}|items }}", "[2, 1] [[\"k\", \"v\"]]");
+    expect_render(
+        "{{ messages|selectattr('role', 'equalto', 'user')|map(attribute='content')|list }}"
+        " {{ messages|rejectattr('role', 'eq', 'user')|map(attribute='role')|join(',') }}",
+        "[\"Hi\"] system,assistant");
+    expect_render("{{ 'a-b-c'|replace('-', '+') }}", "a+b+c");
 }
 
 static void tests_of_the_subset(void **state) {
@@ -208,6 +213,10 @@ static void constructs_outside_the_subset_are_named(void **state) {
     expect_error("{{ d|tojson(sort_keys=true) }}", PD_ERR_PARSE, "'tojson' takes no argument",
                  NULL);
     expect_error("{% break %}", PD_ERR_PARSE, "'break' outside a loop", NULL);
+    expect_error("{{ messages|selectattr('role', 'divisibleby', 3) }}", PD_ERR_PARSE,
+                 "must be string literals", NULL);
+    expect_error("{{ messages|selectattr('role', 'divisibleby') }}", PD_ERR_PARSE,
+                 "the test 'divisibleby'", NULL);
     expect_error("{% for m in messages %}{% else %}{% continue %}{% endfor %}", PD_ERR_PARSE,
                  "'continue' outside a loop", NULL);
     expect_error("{{ 2 ** 3 }}", PD_ERR_PARSE, "'**'", NULL);
@@ -233,6 +242,7 @@ static void runtime_type_errors_name_the_line(void **state) {
                  NULL);
     expect_error("{% set n.x = 1 %}", PD_ERR_INVALID, "only of a namespace", NULL);
     expect_error("{{ n // 0 }}", PD_ERR_INVALID, "division by zero", NULL);
+    expect_error("{{ messages|map('upper') }}", PD_ERR_INVALID, "map(attribute=", NULL);
 }
 
 static void nesting_is_bounded(void **state) {
