@@ -59,7 +59,8 @@ pd_err pd_hf_tokenizer_encode(const pd_hf_tokenizer *tok, const char *text, size
                               size_t msg_cap);
 
 /* The text as the model sees it: text[0..len) normalized (NFC where the
- * file says so) piece by piece exactly as encode does, into a malloc'd,
+ * file says so) piece by piece exactly as encode does, added tokens as they
+ * decode (without the spaces lstrip/rstrip take), into a malloc'd,
  * NUL-terminated string. decode(encode(x)) == normalize(x) for every x. */
 pd_err pd_hf_tokenizer_normalize(const pd_hf_tokenizer *tok, const char *text, size_t len,
                                  char **out, size_t *out_len, char *msg, size_t msg_cap);

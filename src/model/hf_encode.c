@@ -371,7 +371,8 @@ static pd_err encode_text(enc *e, const uint8_t *s, size_t n, bool add_special) 
         bool found = next_added(tok, s, n, pos, &m);
         size_t stop = found ? m.start : n;
         err = encode_plain(e, s + pos, stop - pos);
-        if (!err && found && e->norm) err = normalized(e, s + m.start, m.end - m.start);
+        if (!err && found && e->norm) /* the token as decoded: lstrip/rstrip ate spaces */
+            err = normalized(e, tok->tokens[m.id].bytes, tok->tokens[m.id].n_bytes);
         if (!err && found && !e->norm) err = push_id(e, m.id);
         pos = found ? m.end : n;
     }
