@@ -31,10 +31,12 @@
 extern "C" {
 #endif
 
-/* Limits: a template's source, the nesting of blocks and expressions, and the
- * memory one render may use (its values and its output together). */
+/* Limits: a template's source, the depth of its syntax tree (blocks and
+ * expressions nested, each link of a chain such as a + b + c or x|f|g
+ * counting as a level), and the memory one render may use (its values and
+ * its output together). */
 #define PD_CHAT_TEMPLATE_SOURCE_MAX (1u << 20)
-#define PD_CHAT_TEMPLATE_DEPTH_MAX 64u
+#define PD_CHAT_TEMPLATE_DEPTH_MAX 128u
 #define PD_CHAT_TEMPLATE_MEMORY_MAX ((size_t)256 << 20)
 
 typedef struct pd_chat_template pd_chat_template;

@@ -854,9 +854,18 @@ static void check_call(cc *c, const node *callee, size_t off) {
     }
 }
 
+/* Each link of a chain (a.b[c](d), x|f|g, a + b + c) deepens the tree the
+ * evaluator recurses over without nesting in the parser: it counts towards
+ * the depth limit as nesting does, and is given back after the chain. */
+static void enter_link(cc *c, unsigned *links) {
+    enter(c);
+    ++*links;
+}
+
 static node *parse_postfix(cc *c) {
     node *n = parse_primary(c);
-    for (;;) {
+    unsigned links = 0;
+    for (;; enter_link(c, &links)) {
         size_t off = cc_off(c);
         if (next_punct(c, ".")) {
             c->at++;
@@ -885,6 +894,7 @@ static node *parse_postfix(cc *c) {
             parse_args(c, m);
             n = m;
         } else {
+            c->depth -= links;
             return n;
         }
     }
@@ -918,7 +928,9 @@ static void check_select_args(cc *c, const node *m, size_t off) {
 
 static node *parse_filter(cc *c) {
     node *n = parse_unary(c);
+    unsigned links = 0;
     while (next_punct(c, "|")) {
+        enter_link(c, &links);
         c->at++;
         const token *t = expect(c, T_NAME, NULL, "a filter name after '|'");
         if (!in_set(FILTERS, PD_ARRAY_LEN(FILTERS), t->s, t->n))
@@ -934,12 +946,15 @@ static node *parse_filter(cc *c) {
                 cc_fail(c, t->off, "the filter 'tojson' takes no argument but indent=N");
         n = m;
     }
+    c->depth -= links;
     return n;
 }
 
 static node *parse_test(cc *c) {
     node *n = parse_filter(c);
+    unsigned links = 0;
     while (next_name(c, "is")) {
+        enter_link(c, &links);
         c->at++;
         bool negate = next_name(c, "not");
         if (negate) c->at++;
@@ -953,6 +968,7 @@ static node *parse_test(cc *c) {
         n = m;
     }
     if (next_punct(c, "**")) cc_fail(c, cc_off(c), "the operator '**' is not supported");
+    c->depth -= links;
     return n;
 }
 
@@ -1017,13 +1033,16 @@ static node *parse_operand(cc *c, unsigned level) {
 static node *parse_binary_level(cc *c, unsigned level) {
     node *left = parse_operand(c, level);
     binop op;
+    unsigned links = 0;
     for (size_t off = cc_off(c); match_op(c, level, &op); off = cc_off(c)) {
+        enter_link(c, &links);
         node *n = mk(c, N_BIN, off);
         n->op = op;
         n->a = left;
         n->b = parse_operand(c, level);
         left = n;
     }
+    c->depth -= links;
     return left;
 }
 
@@ -1395,12 +1414,8 @@ static val *dict_get(const dict *d, const char *k, size_t n) {
     return NULL;
 }
 
-static void dict_set(rt *r, dict *d, const char *k, size_t n, val v) {
-    val *slot = dict_get(d, k, n);
-    if (slot) {
-        *slot = v;
-        return;
-    }
+/* Adds a key the dict does not have. */
+static void dict_append(rt *r, dict *d, const char *k, size_t n, val v) {
     if (d->n == d->cap) {
         size_t cap = d->cap ? 2 * d->cap : 8;
         const char **key = ralloc(r, cap * sizeof(*key));
@@ -1416,6 +1431,15 @@ static void dict_set(rt *r, dict *d, const char *k, size_t n, val v) {
     d->key[d->n] = k, d->key_len[d->n] = n, d->v[d->n++] = v;
 }
 
+static void dict_set(rt *r, dict *d, const char *k, size_t n, val v) {
+    val *slot = dict_get(d, k, n);
+    if (slot) {
+        *slot = v;
+        return;
+    }
+    dict_append(r, d, k, n, v);
+}
+
 static val from_json(rt *r, const json_t *j, unsigned depth);
 
 static val from_json_container(rt *r, const json_t *j, unsigned depth) {
@@ -1429,8 +1453,8 @@ static val from_json_container(rt *r, const json_t *j, unsigned depth) {
     dict *d = dict_new(r);
     const char *key;
     const json_t *v;
-    json_object_foreach((json_t *)j, key, v) {
-        dict_set(r, d, key, strlen(key), from_json(r, v, depth + 1));
+    json_object_foreach((json_t *)j, key, v) { /* keys are unique: no lookup, O(n) */
+        dict_append(r, d, key, strlen(key), from_json(r, v, depth + 1));
     }
     return (val){.k = V_DICT, .u.d = d};
 }

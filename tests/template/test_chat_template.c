@@ -250,15 +250,27 @@ static void nesting_is_bounded(void **state) {
     char tpl[2048];
     size_t k = 0;
     k += (size_t)snprintf(tpl + k, sizeof(tpl) - k, "{{ ");
-    for (int i = 0; i < 100; i++) tpl[k++] = '(';
+    for (int i = 0; i < 200; i++) tpl[k++] = '(';
     tpl[k++] = '1';
-    for (int i = 0; i < 100; i++) tpl[k++] = ')';
+    for (int i = 0; i < 200; i++) tpl[k++] = ')';
     snprintf(tpl + k, sizeof(tpl) - k, " }}");
-    expect_error(tpl, PD_ERR_PARSE, "nesting deeper than 64", NULL);
+    expect_error(tpl, PD_ERR_PARSE, "nesting deeper than 128", NULL);
     k = 0;
-    for (int i = 0; i < 100; i++) k += (size_t)snprintf(tpl + k, sizeof(tpl) - k, "{%%if 1%%}");
-    expect_error(tpl, PD_ERR_PARSE, "nesting deeper than 64", NULL);
-    /* 60 levels are fine */
+    for (int i = 0; i < 200; i++) k += (size_t)snprintf(tpl + k, sizeof(tpl) - k, "{%%if 1%%}");
+    expect_error(tpl, PD_ERR_PARSE, "nesting deeper than 128", NULL);
+    /* a chain of 10,000 additions is a 10,000-deep tree: refused, not a stack overflow */
+    char *chain = malloc(30010);
+    k = (size_t)snprintf(chain, 30010, "{{ 0");
+    for (int i = 0; i < 10000; i++) k += (size_t)snprintf(chain + k, 30010 - k, "+1");
+    snprintf(chain + k, 30010 - k, " }}");
+    expect_error(chain, PD_ERR_PARSE, "nesting deeper than 128", NULL);
+    free(chain);
+    /* 30 levels of blocks, 40 additions and a 20-link chain are fine */
+    expect_render(
+        "{{ 1+1+1+1+1+1+1+1+1+1+1+1+1+1+1+1+1+1+1+1+1+1+1+1+1+1+1+1+1+1+1+1+1+1+1+1+1+1+1+1 }}"
+        "{{ ' x '|trim|upper|lower|trim|upper|lower|trim|upper|lower|trim|upper|lower|trim"
+        "|upper|lower|trim|upper|lower|trim|upper }}",
+        "40X");
     k = 0;
     for (int i = 0; i < 30; i++) k += (size_t)snprintf(tpl + k, sizeof(tpl) - k, "{%%if 1%%}");
     k += (size_t)snprintf(tpl + k, sizeof(tpl) - k, "deep");
