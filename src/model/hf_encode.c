@@ -252,6 +252,9 @@ static pd_err split_run(enc *e, const uint8_t *s, size_t n) {
     size_t off = 0, from = 0; /* from: where the next search starts */
     while (off < n) {
         int rc = pcre2_match(e->tok->re, s, n, from, PCRE2_NO_UTF_CHECK, e->md, NULL);
+        if (rc == PCRE2_ERROR_JIT_STACKLIMIT) /* the interpreter keeps its stack on the heap */
+            rc =
+                pcre2_match(e->tok->re, s, n, from, PCRE2_NO_UTF_CHECK | PCRE2_NO_JIT, e->md, NULL);
         if (rc == PCRE2_ERROR_NOMATCH) break;
         if (rc < 0)
             return pd_errorf(e->msg, e->msg_cap, PD_ERR_INTERNAL, "pre-tokenizer regex: error %d",
