@@ -164,6 +164,10 @@ static void stream_holds_back_a_split_character(void **state) {
     assert_int_equal(pd_hf_stream_push(&s, 'a', out, 1028), 2); /* can never complete */
     assert_int_equal(pd_hf_stream_push(&s, 0xf0, out, 1028), 0);
     assert_int_equal(pd_hf_stream_flush(&s, out, 1028), 1);
+    assert_int_equal(pd_hf_stream_push(&s, 300, out, 1028), 12);    /* <|im_start|> */
+    assert_int_equal(pd_hf_stream_push(&s, 1 << 30, out, 1028), 0); /* no such id */
+    pd_hf_stream_init(&s, t, true);
+    assert_int_equal(pd_hf_stream_push(&s, 300, out, 1028), 0); /* special, skipped */
     pd_hf_tokenizer_free(t);
 }
 
