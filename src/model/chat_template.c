@@ -20,11 +20,14 @@
  * a compile or a render lives in one arena owned by the caller of setjmp (or
  * in the output buffer it also owns), so unwinding leaks nothing and the
  * hundreds of places that can fail need no error plumbing. setjmp is called
- * in exactly two functions, compile_guarded and render_guarded.
+ * in exactly two functions, pd_chat_template_compile and _render, around
+ * compile_guarded and render_guarded; nothing between them and a longjmp
+ * holds a resource of its own.
  *
- * Bounds: source size, nesting depth (parser), arena bytes and output bytes
- * together (PD_CHAT_TEMPLATE_MEMORY_MAX) and evaluation steps (STEPS_MAX);
- * recursion depth is bounded by the AST depth and by DATA_DEPTH_MAX.
+ * Bounds: source size, the syntax tree's depth (the parser counts nesting
+ * and chain links, so the evaluator's recursion is bounded too), arena bytes
+ * and output bytes together (PD_CHAT_TEMPLATE_MEMORY_MAX), evaluation steps
+ * (STEPS_MAX) and the context's nesting (DATA_DEPTH_MAX).
  */
 #include "pdserve/chat_template.h"
 
