@@ -431,13 +431,17 @@ static void on_signal(int sig) {
     atomic_store(&stop_flag, 1);
 }
 
-void cli_wait_for_signal(void) {
+void cli_catch_stop_signals(void) {
     struct sigaction sa;
     memset(&sa, 0, sizeof(sa));
     sa.sa_handler = on_signal;
     sigaction(SIGINT, &sa, NULL);
     sigaction(SIGTERM, &sa, NULL);
     signal(SIGPIPE, SIG_IGN);
+}
+
+void cli_wait_for_signal(void) {
+    cli_catch_stop_signals();
     while (!atomic_load(&stop_flag)) {
         struct timespec ts = {0, 100 * 1000000L};
         nanosleep(&ts, NULL);
@@ -508,7 +512,9 @@ static int run_node(int argc, char **argv, pd_node_role role) {
         return 0;
     }
     if (rc) return rc;
-    signal(SIGPIPE, SIG_IGN);
+    /* Before the node answers anything: a SIGTERM right after /health said
+     * ok must still stop it gracefully (e2e_flags saw one kill it). */
+    cli_catch_stop_signals();
     cli_node_log_config(argv[0], &c);
     warn_exposure(argv[0], &c);
     char msg[512];

@@ -130,7 +130,7 @@ int cli_cmd_run(int argc, char **argv) {
     run_opts o;
     int rc = parse_args(argc, argv, &o);
     if (rc >= 0) return rc;
-    signal(SIGPIPE, SIG_IGN);
+    cli_catch_stop_signals(); /* before anything answers (cmd_node.c) */
     cli_node_log_config("run", &o.base);
     pd_loopback_mt *lb;
     const uint32_t rooms_max = o.base.max_queued_requests * 4 + 64;

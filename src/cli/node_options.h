@@ -27,6 +27,11 @@ bool cli_node_option_known(const char *name);
 /* At --log-level debug: one line with the configuration a node starts with. */
 void cli_node_log_config(const char *cmd, const pd_node_config *c);
 /* Returns when SIGINT or SIGTERM arrives. */
+/* SIGINT and SIGTERM set the stop flag, SIGPIPE is ignored: installed
+ * before a server starts, so a signal that comes early still stops it
+ * gracefully. */
+void cli_catch_stop_signals(void);
+/* Installs them (again) and waits for the flag. */
 void cli_wait_for_signal(void);
 
 #endif
