@@ -358,7 +358,7 @@ out:
 
 /* The double nearest to the shortest decimal that reads back as f, so that
  * config.json says 1e-05 rather than 9.9999997473787516e-06. */
-static double short_real(float f) {
+double mdl_short_real(float f) {
     char text[32];
     for (int digits = 1; digits <= 9; digits++) {
         snprintf(text, sizeof(text), "%.*g", digits, (double)f);
@@ -377,7 +377,7 @@ pd_err mdl_config_write(const pd_model_config *cfg, const char *path, char *msg,
         switch (fields[i].kind) {
         case F_U32: v = json_integer(*(const uint32_t *)base); break;
         case F_I32: v = json_integer(*(const int32_t *)base); break;
-        case F_F32: v = json_real(short_real(*(const float *)base)); break;
+        case F_F32: v = json_real(mdl_short_real(*(const float *)base)); break;
         case F_BOOL: v = json_boolean(*(const bool *)base); break;
         case F_PATTERN: v = json_string(cfg->layers); break;
         }

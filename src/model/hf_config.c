@@ -162,15 +162,6 @@ pd_err mdl_hf_config_parse(pd_model_config *cfg, const json_t *root, const char 
     return err;
 }
 
-static double short_real(float f) {
-    char text[32];
-    for (int digits = 1; digits <= 9; digits++) {
-        snprintf(text, sizeof(text), "%.*g", digits, (double)f);
-        if (strtof(text, NULL) == f) break;
-    }
-    return strtod(text, NULL);
-}
-
 json_t *mdl_hf_config_json(const pd_model_config *cfg) {
     size_t f = cfg->arch == PD_ARCH_QWEN3 ? 1 : 0;
     json_t *root = json_pack(
@@ -179,21 +170,21 @@ json_t *mdl_hf_config_json(const pd_model_config *cfg) {
         "hidden_size", cfg->dim, "intermediate_size", cfg->mlp_hidden, "num_hidden_layers",
         (int)strlen(cfg->layers), "num_attention_heads", cfg->attn_heads, "num_key_value_heads",
         cfg->attn_kv_heads, "head_dim", cfg->attn_head_dim, "rms_norm_eps",
-        short_real(cfg->norm_eps), "rope_theta", short_real(cfg->rope_base), "hidden_act", "silu",
-        "tie_word_embeddings", cfg->tie_embeddings, "attention_bias", 0, "mlp_bias", 0);
+        mdl_short_real(cfg->norm_eps), "rope_theta", mdl_short_real(cfg->rope_base), "hidden_act",
+        "silu", "tie_word_embeddings", cfg->tie_embeddings, "attention_bias", 0, "mlp_bias", 0);
     json_object_set_new(root, "bos_token_id",
                         cfg->bos_token >= 0 ? json_integer(cfg->bos_token) : json_null());
     json_object_set_new(root, "eos_token_id",
                         cfg->eos_token >= 0 ? json_integer(cfg->eos_token) : json_null());
-    json_object_set_new(root, "rope_scaling",
-                        cfg->rope_factor == 0.0f
-                            ? json_null()
-                            : json_pack("{s:s,s:f,s:f,s:f,s:i}", "rope_type", "llama3", "factor",
-                                        short_real(cfg->rope_factor), "low_freq_factor",
-                                        short_real(cfg->rope_low_freq_factor), "high_freq_factor",
-                                        short_real(cfg->rope_high_freq_factor),
-                                        "original_max_position_embeddings",
-                                        cfg->rope_original_max));
+    json_object_set_new(
+        root, "rope_scaling",
+        cfg->rope_factor == 0.0f
+            ? json_null()
+            : json_pack("{s:s,s:f,s:f,s:f,s:i}", "rope_type", "llama3", "factor",
+                        mdl_short_real(cfg->rope_factor), "low_freq_factor",
+                        mdl_short_real(cfg->rope_low_freq_factor), "high_freq_factor",
+                        mdl_short_real(cfg->rope_high_freq_factor),
+                        "original_max_position_embeddings", cfg->rope_original_max));
     json_object_set_new(root, "torch_dtype", json_string("float32"));
     return root;
 }

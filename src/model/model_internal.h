@@ -86,6 +86,9 @@ pd_err mdl_config_write(const pd_model_config *cfg, const char *path, char *msg,
 pd_err mdl_hf_config_parse(pd_model_config *cfg, const json_t *root, const char *path, char *msg,
                            size_t msg_cap);
 json_t *mdl_hf_config_json(const pd_model_config *cfg);
+/* The double nearest to the shortest decimal that reads back as f (config.json
+ * says 1e-05, not 9.9999997473787516e-06). */
+double mdl_short_real(float f);
 
 /* ---- Mamba2 mixer ---------------------------------------------------------- */
 

@@ -229,9 +229,7 @@ ex_fail(exchange *e, unsigned status, const char *fmt, ...) {
     ex_retire(e);
 }
 
-/* o as compact JSON (o is released; NULL, as a failed json_pack returns, is
- * out of memory). */
-static void respond_value(pd_http_req *r, unsigned status, json_t *o) {
+void node_respond_json(pd_http_req *r, unsigned status, json_t *o) {
     char *text = o ? json_dumps(o, JSON_COMPACT) : NULL;
     json_decref(o);
     if (!text) {
@@ -572,7 +570,7 @@ static void answer_done(exchange *e) {
     } else {
         body = all;
     }
-    respond_value(e->r, http, body);
+    node_respond_json(e->r, http, body);
 }
 
 /* EX_WAITING: the whole answer once every choice is done. */
@@ -752,7 +750,7 @@ static void answer_abort(exchange *e) {
         pd_http_req_respond_error(e->r, 404, "no live request has rid '%s'", e->rid);
         return;
     }
-    respond_value(e->r, 200, json_pack("{s:I}", "aborted", (json_int_t)e->reply.value));
+    node_respond_json(e->r, 200, json_pack("{s:I}", "aborted", (json_int_t)e->reply.value));
 }
 
 static void answer_text(exchange *e) {
@@ -880,9 +878,9 @@ static void answer_models(http_server *h, pd_http_req *r, const char *path) {
     json_t *model = json_pack("{s:s, s:s, s:I, s:s}", "id", name, "object", "model", "created",
                               (json_int_t)h->started, "owned_by", "pdserve");
     if (!strcmp(path, "/v1/models")) {
-        respond_value(r, 200, json_pack("{s:s, s:[o]}", "object", "list", "data", model));
+        node_respond_json(r, 200, json_pack("{s:s, s:[o]}", "object", "list", "data", model));
     } else if (!strcmp(path + 11, name)) {
-        respond_value(r, 200, model);
+        node_respond_json(r, 200, model);
     } else {
         json_decref(model);
         pd_http_req_respond_error(r, 404, "the model '%s' does not exist; this server serves '%s'",
@@ -907,8 +905,8 @@ static void on_request(pd_http_req *r, void *user) {
     } else if (node_stopping(h->n)) {
         pd_http_req_respond_error(r, 503, "the server is shutting down");
     } else if (rt->kind == EX_HEALTH) {
-        respond_value(r, 200,
-                      json_pack("{s:s,s:s}", "status", "ok", "role", pd_node_role_name(cfg->role)));
+        node_respond_json(
+            r, 200, json_pack("{s:s,s:s}", "status", "ok", "role", pd_node_role_name(cfg->role)));
     } else if (rt->kind == EX_MODELS) {
         answer_models(h, r, path);
     } else if (rt->kind == EX_MODEL_INFO) {

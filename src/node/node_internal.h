@@ -13,6 +13,7 @@
 #ifndef PDSERVE_NODE_INTERNAL_H
 #define PDSERVE_NODE_INTERNAL_H
 
+#include <jansson.h>
 #include <pthread.h>
 #include <stdatomic.h>
 
@@ -142,6 +143,15 @@ size_t node_token_bytes(const struct pd_node *n, int32_t id, bool skip_special, 
 const pd_hf_tokenizer *node_tokenizer(const struct pd_node *n);
 /* The model's chat template (or --chat-template's); NULL: the built-in one. */
 const pd_chat_template *node_chat_template(const struct pd_node *n);
+
+/* Puts the message for a refused request in err and returns its HTTP
+ * status: `return node_refuse(err, cap, 400, ...)` (params.c). */
+#if defined(__GNUC__)
+__attribute__((format(printf, 4, 5)))
+#endif
+int node_refuse(char *err, size_t cap, int status, const char *fmt, ...);
+/* o as compact JSON, released; NULL (a failed json_pack) is a 503 (http.c). */
+void node_respond_json(pd_http_req *r, unsigned status, json_t *o);
 /* The tokenizer's begin (eos false) or end token as text, or NULL. */
 const char *node_special_text(const struct pd_node *n, bool eos);
 uint64_t node_now_us(void);

@@ -28,13 +28,7 @@ bool gen_rid_acceptable(json_t *v) {
     return json_is_string(v) && n > 0 && n < PD_RID_MAX && strlen(json_string_value(v)) == n;
 }
 
-/* Puts the message for a refused request in err and returns its HTTP
- * status: `return refuse(err, cap, 400, ...)`. */
-#if defined(__GNUC__)
-__attribute__((format(printf, 4, 5)))
-#endif
-static int
-refuse(char *err, size_t cap, int status, const char *fmt, ...) {
+int node_refuse(char *err, size_t cap, int status, const char *fmt, ...) {
     va_list ap;
     va_start(ap, fmt);
     vsnprintf(err, cap, fmt, ap);
@@ -63,16 +57,17 @@ static int parse_shape(json_t *root, gen_api api, prompt_field *f, json_t **src,
     *src = root;
     if (api != GEN_API_GENERATE) {
         *f = (prompt_field){json_object_get(root, "prompt"), "prompt"};
-        if (!f->v) return refuse(err, cap, 400, "'prompt' is required");
+        if (!f->v) return node_refuse(err, cap, 400, "'prompt' is required");
         return 0;
     }
     json_t *text = json_object_get(root, "text"), *ids = json_object_get(root, "input_ids");
-    if (text && ids) return refuse(err, cap, 400, "give either 'text' or 'input_ids', not both");
+    if (text && ids)
+        return node_refuse(err, cap, 400, "give either 'text' or 'input_ids', not both");
     *f = text ? (prompt_field){text, "text"} : (prompt_field){ids, "input_ids"};
-    if (!f->v) return refuse(err, cap, 400, "'text' or 'input_ids' is required");
+    if (!f->v) return node_refuse(err, cap, 400, "'text' or 'input_ids' is required");
     *src = json_object_get(root, "sampling_params");
     if (*src && !json_is_object(*src))
-        return refuse(err, cap, 400, "'sampling_params' must be an object");
+        return node_refuse(err, cap, 400, "'sampling_params' must be an object");
     return 0;
 }
 
@@ -84,14 +79,14 @@ static int prompt_text(pd_node *n, json_t *v, const char *name, bool add_special
     const pd_node_config *cfg = node_config(n);
     const char *t = json_string_value(v);
     size_t len = json_string_length(v), k = 0;
-    if (len == 0) return refuse(err, cap, 400, "'%s' is empty", name);
+    if (len == 0) return node_refuse(err, cap, 400, "'%s' is empty", name);
     char why[160];
     if (node_encode(n, t, len, add_special, &out->ids, &k, why, sizeof why) != PD_OK)
-        return refuse(err, cap, 503, "the prompt %s could not be tokenized: %s", name, why);
+        return node_refuse(err, cap, 503, "the prompt %s could not be tokenized: %s", name, why);
     if (k > cfg->max_prompt_tokens)
-        return refuse(err, cap, 413, "the prompt %s is %zu tokens, the limit is %u", name, k,
-                      cfg->max_prompt_tokens);
-    if (k == 0) return refuse(err, cap, 400, "'%s' has no tokens", name);
+        return node_refuse(err, cap, 413, "the prompt %s is %zu tokens, the limit is %u", name, k,
+                           cfg->max_prompt_tokens);
+    if (k == 0) return node_refuse(err, cap, 400, "'%s' has no tokens", name);
     out->len = (uint32_t)k;
     return 0;
 }
@@ -100,20 +95,21 @@ static int prompt_ids(pd_node *n, json_t *v, const char *name, gen_prompt *out, 
                       size_t cap) {
     const pd_node_config *cfg = node_config(n);
     size_t k = json_array_size(v);
-    if (k == 0) return refuse(err, cap, 400, "'%s' is empty", name);
+    if (k == 0) return node_refuse(err, cap, 400, "'%s' is empty", name);
     if (k > cfg->max_prompt_tokens)
-        return refuse(err, cap, 413, "the prompt %s is %zu tokens, the limit is %u", name, k,
-                      cfg->max_prompt_tokens);
+        return node_refuse(err, cap, 413, "the prompt %s is %zu tokens, the limit is %u", name, k,
+                           cfg->max_prompt_tokens);
     out->ids = malloc(k * sizeof(int32_t));
-    if (!out->ids) return refuse(err, cap, 503, "out of memory for a %zu-token prompt", k);
+    if (!out->ids) return node_refuse(err, cap, 503, "out of memory for a %zu-token prompt", k);
     for (size_t i = 0; i < k; i++) {
         json_t *e = json_array_get(v, i);
         if (!json_is_integer(e))
-            return refuse(err, cap, 400, "'%s'[%zu] is not an integer", name, i);
+            return node_refuse(err, cap, 400, "'%s'[%zu] is not an integer", name, i);
         json_int_t x = json_integer_value(e);
         if (x < 0 || x >= (json_int_t)node_vocab(n))
-            return refuse(err, cap, 400, "'%s'[%zu] = %lld is outside the vocabulary (size %u)",
-                          name, i, (long long)x, node_vocab(n));
+            return node_refuse(err, cap, 400,
+                               "'%s'[%zu] = %lld is outside the vocabulary (size %u)", name, i,
+                               (long long)x, node_vocab(n));
         out->ids[i] = (int32_t)x;
     }
     out->len = (uint32_t)k;
@@ -125,10 +121,10 @@ static int prompt_one(pd_node *n, json_t *v, const char *name, bool text_ok, boo
                       bool add_special, gen_prompt *out, char *err, size_t cap) {
     if (text_ok && json_is_string(v)) return prompt_text(n, v, name, add_special, out, err, cap);
     if (ids_ok && json_is_array(v)) return prompt_ids(n, v, name, out, err, cap);
-    return refuse(err, cap, 400, "'%s' must be %s", name,
-                  text_ok && ids_ok ? "a string or an array of token ids"
-                      : text_ok     ? "a string"
-                                    : "an array of token ids");
+    return node_refuse(err, cap, 400, "'%s' must be %s", name,
+                       text_ok && ids_ok ? "a string or an array of token ids"
+                           : text_ok     ? "a string"
+                                         : "an array of token ids");
 }
 
 /* The prompt, or the batch of them: a string, an array of token ids, or an
@@ -142,13 +138,13 @@ static int parse_prompts(pd_node *n, gen_api api, const prompt_field *f, gen_par
     json_t *first = json_is_array(v) ? json_array_get(v, 0) : NULL;
     bool batch = json_is_array(v) && json_array_size(v) > 0 && !json_is_integer(first);
     if (!batch && json_is_array(v) && is_text)
-        return refuse(err, cap, 400, "'text' must be a string or an array of strings");
+        return node_refuse(err, cap, 400, "'text' must be a string or an array of strings");
     size_t k = batch ? json_array_size(v) : 1;
     if (k > GEN_CHOICES_MAX)
-        return refuse(err, cap, 400, "'%s' has %zu prompts; at most %u", f->name, k,
-                      GEN_CHOICES_MAX);
+        return node_refuse(err, cap, 400, "'%s' has %zu prompts; at most %u", f->name, k,
+                           GEN_CHOICES_MAX);
     p->prompts = calloc(k, sizeof(gen_prompt));
-    if (!p->prompts) return refuse(err, cap, 503, "out of memory");
+    if (!p->prompts) return node_refuse(err, cap, 503, "out of memory");
     p->batch = batch;
     for (size_t i = 0; i < k; i++) {
         char name[48];
@@ -167,18 +163,18 @@ static int parse_prompts(pd_node *n, gen_api api, const prompt_field *f, gen_par
 
 static int parse_stop_tokens(json_t *v, uint32_t vocab, gen_params *p, char *err, size_t cap) {
     if (!json_is_array(v))
-        return refuse(err, cap, 400, "'stop_token_ids' must be an array of integers");
+        return node_refuse(err, cap, 400, "'stop_token_ids' must be an array of integers");
     if (json_array_size(v) > PD_STOP_TOKENS_MAX)
-        return refuse(err, cap, 400, "'stop_token_ids': at most %d", PD_STOP_TOKENS_MAX);
+        return node_refuse(err, cap, 400, "'stop_token_ids': at most %d", PD_STOP_TOKENS_MAX);
     for (size_t i = 0; i < json_array_size(v); i++) {
         json_t *e = json_array_get(v, i);
         if (!json_is_integer(e))
-            return refuse(err, cap, 400, "'stop_token_ids'[%zu] is not an integer", i);
+            return node_refuse(err, cap, 400, "'stop_token_ids'[%zu] is not an integer", i);
         json_int_t x = json_integer_value(e);
         if (x < 0 || x >= (json_int_t)vocab) /* checked before the cast: never wraps */
-            return refuse(err, cap, 400,
-                          "'stop_token_ids'[%zu] = %lld is outside the vocabulary (size %u)", i,
-                          (long long)x, vocab);
+            return node_refuse(err, cap, 400,
+                               "'stop_token_ids'[%zu] = %lld is outside the vocabulary (size %u)",
+                               i, (long long)x, vocab);
         p->stop[p->n_stop++] = (int32_t)x;
     }
     return 0;
@@ -187,13 +183,13 @@ static int parse_stop_tokens(json_t *v, uint32_t vocab, gen_params *p, char *err
 static int add_stop(json_t *s, const char *name, gen_params *p, char *err, size_t cap) {
     size_t len = json_string_length(s);
     if (len > GEN_STOP_BYTES_MAX)
-        return refuse(err, cap, 400, "'%s' is %zu bytes; at most %d", name, len,
-                      GEN_STOP_BYTES_MAX);
+        return node_refuse(err, cap, 400, "'%s' is %zu bytes; at most %d", name, len,
+                           GEN_STOP_BYTES_MAX);
     if (len == 0 || strlen(json_string_value(s)) != len) return 0; /* "" stops nothing */
     if (p->n_stops == GEN_STOPS_MAX)
-        return refuse(err, cap, 400, "'stop': at most %u strings", GEN_STOPS_MAX);
+        return node_refuse(err, cap, 400, "'stop': at most %u strings", GEN_STOPS_MAX);
     p->stops[p->n_stops] = strdup(json_string_value(s));
-    if (!p->stops[p->n_stops]) return refuse(err, cap, 503, "out of memory");
+    if (!p->stops[p->n_stops]) return node_refuse(err, cap, 503, "out of memory");
     p->n_stops++;
     if (len > p->stop_longest) p->stop_longest = len;
     return 0;
@@ -202,12 +198,12 @@ static int add_stop(json_t *s, const char *name, gen_params *p, char *err, size_
 /* stop: a string or an array of strings. */
 static int parse_stop_strings(json_t *v, gen_params *p, char *err, size_t cap) {
     if (json_is_string(v)) return add_stop(v, "stop", p, err, cap);
-    if (!json_is_array(v)) return refuse(err, cap, 400, "'stop' must be a string or strings");
+    if (!json_is_array(v)) return node_refuse(err, cap, 400, "'stop' must be a string or strings");
     for (size_t i = 0; i < json_array_size(v); i++) {
         json_t *s = json_array_get(v, i);
         char name[32];
         snprintf(name, sizeof name, "stop[%zu]", i);
-        if (!json_is_string(s)) return refuse(err, cap, 400, "'%s' is not a string", name);
+        if (!json_is_string(s)) return node_refuse(err, cap, 400, "'%s' is not a string", name);
         int status = add_stop(s, name, p, err, cap);
         if (status) return status;
     }
@@ -219,10 +215,10 @@ static int number_in(json_t *src, const char *name, double lo, double hi, double
                      size_t cap) {
     json_t *v = given(src, name);
     if (!v) return 0;
-    if (!json_is_number(v)) return refuse(err, cap, 400, "'%s' must be a number", name);
+    if (!json_is_number(v)) return node_refuse(err, cap, 400, "'%s' must be a number", name);
     double x = json_number_value(v);
     if (!(x >= lo && x <= hi))
-        return refuse(err, cap, 400, "'%s' must be in [%g, %g], not %g", name, lo, hi, x);
+        return node_refuse(err, cap, 400, "'%s' must be in [%g, %g], not %g", name, lo, hi, x);
     *out = x;
     return 0;
 }
@@ -232,11 +228,11 @@ static int integer_in(json_t *src, const char *name, json_int_t lo, json_int_t h
                       char *err, size_t cap) {
     json_t *v = given(src, name);
     if (!v) return 0;
-    if (!json_is_integer(v)) return refuse(err, cap, 400, "'%s' must be an integer", name);
+    if (!json_is_integer(v)) return node_refuse(err, cap, 400, "'%s' must be an integer", name);
     json_int_t x = json_integer_value(v);
     if (x < lo || x > hi)
-        return refuse(err, cap, 400, "'%s' must be in [%lld, %lld], not %lld", name, (long long)lo,
-                      (long long)hi, (long long)x);
+        return node_refuse(err, cap, 400, "'%s' must be in [%lld, %lld], not %lld", name,
+                           (long long)lo, (long long)hi, (long long)x);
     *out = x;
     return 0;
 }
@@ -248,7 +244,8 @@ static int parse_seed(json_t *src, gen_params *p, char *err, size_t cap) {
     for (size_t i = 0; i < PD_ARRAY_LEN(names); i++) {
         json_t *v = given(src, names[i]);
         if (!v) continue;
-        if (!json_is_integer(v)) return refuse(err, cap, 400, "'%s' must be an integer", names[i]);
+        if (!json_is_integer(v))
+            return node_refuse(err, cap, 400, "'%s' must be an integer", names[i]);
         p->seeded = true;
         p->seed = (uint64_t)json_integer_value(v);
     }
@@ -265,15 +262,15 @@ static int parse_sampling(const pd_node_config *cfg, uint32_t vocab, json_t *src
     int s;
     json_t *v;
     if ((v = given(src, mname)) && json_is_integer(v) && json_integer_value(v) < 1)
-        return refuse(err, cap, 400, "'%s' must be at least 1", mname);
+        return node_refuse(err, cap, 400, "'%s' must be at least 1", mname);
     if ((s = integer_in(src, mname, 1, INT32_MAX, &x, err, cap))) return s;
     if (x > (json_int_t)cfg->max_new_tokens_limit)
-        return refuse(err, cap, 400, "'%s' = %lld is above the limit %u", mname, (long long)x,
-                      cfg->max_new_tokens_limit);
+        return node_refuse(err, cap, 400, "'%s' = %lld is above the limit %u", mname, (long long)x,
+                           cfg->max_new_tokens_limit);
     if ((s = integer_in(src, "n", 1, GEN_CHOICES_MAX, &n, err, cap))) return s;
     if ((s = number_in(src, "temperature", 0.0, 1e6, &t, err, cap))) return s;
     if ((v = given(src, "top_p")) && json_is_number(v) && !(json_number_value(v) > 0.0))
-        return refuse(err, cap, 400, "'top_p' must be in (0, 1]");
+        return node_refuse(err, cap, 400, "'top_p' must be in (0, 1]");
     if ((s = number_in(src, "top_p", 0.0, 1.0, &top_p, err, cap))) return s;
     if ((v = given(src, "top_k")) && json_is_integer(v) && json_integer_value(v) == -1)
         top_k = 0; /* SGLang's "off" */
@@ -296,7 +293,8 @@ static int parse_sampling(const pd_node_config *cfg, uint32_t vocab, json_t *src
     if ((v = given(src, "stop_token_ids")) && (s = parse_stop_tokens(v, vocab, p, err, cap)))
         return s;
     if ((v = given(src, "ignore_eos"))) {
-        if (!json_is_boolean(v)) return refuse(err, cap, 400, "'ignore_eos' must be a boolean");
+        if (!json_is_boolean(v))
+            return node_refuse(err, cap, 400, "'ignore_eos' must be a boolean");
         p->ignore_eos = json_is_true(v);
     }
     return 0;
@@ -314,26 +312,27 @@ static int parse_logprobs(json_t *root, gen_api api, gen_params *p, char *err, s
         p->logprobs = given(root, "logprobs") != NULL;
     } else if (api == GEN_API_CHAT) {
         if ((v = given(root, "logprobs")) && !json_is_boolean(v))
-            return refuse(err, cap, 400, "'logprobs' must be a boolean");
+            return node_refuse(err, cap, 400, "'logprobs' must be a boolean");
         p->logprobs = v && json_is_true(v);
         if ((s = integer_in(root, "top_logprobs", 0, PD_TOP_LOGPROBS_MAX, &k, err, cap))) return s;
         if (given(root, "top_logprobs") && !p->logprobs)
-            return refuse(err, cap, 400, "'top_logprobs' needs 'logprobs': true");
+            return node_refuse(err, cap, 400, "'top_logprobs' needs 'logprobs': true");
     } else {
         if ((v = given(root, "return_logprob")) && !json_is_boolean(v))
-            return refuse(err, cap, 400, "'return_logprob' must be a boolean");
+            return node_refuse(err, cap, 400, "'return_logprob' must be a boolean");
         p->logprobs = v && json_is_true(v);
         if ((s = integer_in(root, "top_logprobs_num", 0, PD_TOP_LOGPROBS_MAX, &k, err, cap)))
             return s;
         if ((v = given(root, "return_text_in_logprobs")) && !json_is_boolean(v))
-            return refuse(err, cap, 400, "'return_text_in_logprobs' must be a boolean");
+            return node_refuse(err, cap, 400, "'return_text_in_logprobs' must be a boolean");
         p->text_in_logprobs = v && json_is_true(v);
         json_int_t start = -1;
         if ((s = integer_in(root, "logprob_start_len", -1, INT32_MAX, &start, err, cap))) return s;
         if (start != -1)
-            return refuse(err, cap, 400,
-                          "'logprob_start_len' other than -1 (prompt logprobs) is not supported "
-                          "by pdserve yet; leave it out");
+            return node_refuse(
+                err, cap, 400,
+                "'logprob_start_len' other than -1 (prompt logprobs) is not supported "
+                "by pdserve yet; leave it out");
     }
     p->sampling.top_logprobs = p->logprobs ? (uint32_t)k : 0;
     return 0;
@@ -344,12 +343,12 @@ static int parse_logprobs(json_t *root, gen_api api, gen_params *p, char *err, s
 static int parse_echo(json_t *root, gen_api api, gen_params *p, char *err, size_t cap) {
     json_t *v = api == GEN_API_COMPLETIONS ? given(root, "echo") : NULL;
     if (!v) return 0;
-    if (!json_is_boolean(v)) return refuse(err, cap, 400, "'echo' must be a boolean");
+    if (!json_is_boolean(v)) return node_refuse(err, cap, 400, "'echo' must be a boolean");
     p->echo = json_is_true(v);
     if (p->echo && p->logprobs)
-        return refuse(err, cap, 400,
-                      "'echo' with 'logprobs' needs the prompt's logprobs, which pdserve does "
-                      "not compute yet; leave one out");
+        return node_refuse(err, cap, 400,
+                           "'echo' with 'logprobs' needs the prompt's logprobs, which pdserve does "
+                           "not compute yet; leave one out");
     return 0;
 }
 
@@ -399,10 +398,10 @@ static int refuse_unsupported(json_t *src, const unsupported *u, size_t n, const
     for (size_t i = 0; i < n; i++) {
         json_t *v = given(src, u[i].name);
         if (v && !is_neutral(v, u[i].off))
-            return refuse(err, cap, 400,
-                          "'%s%s' is not supported by pdserve yet (docs/http-api.md lists "
-                          "what is); leave it out",
-                          where, u[i].name);
+            return node_refuse(err, cap, 400,
+                               "'%s%s' is not supported by pdserve yet (docs/http-api.md lists "
+                               "what is); leave it out",
+                               where, u[i].name);
     }
     return 0;
 }
@@ -411,7 +410,7 @@ static int parse_unsupported(json_t *root, json_t *src, gen_api api, char *err, 
     if (api == GEN_API_CHAT) {
         json_t *tc = given(root, "tool_choice");
         if (tc && !(json_is_string(tc) && !strcmp(json_string_value(tc), "none")))
-            return refuse(err, cap, 400, "'tool_choice' is not supported by pdserve yet");
+            return node_refuse(err, cap, 400, "'tool_choice' is not supported by pdserve yet");
         return refuse_unsupported(root, chat_unsupported, PD_ARRAY_LEN(chat_unsupported), "", err,
                                   cap);
     }
@@ -452,33 +451,34 @@ static int parse_bootstrap(const pd_node_config *cfg, json_t *root, gen_params *
     json_t *port = json_object_get(root, "bootstrap_port");
     if (room && !json_is_null(room)) {
         if (!json_is_integer(room) || json_integer_value(room) <= 0)
-            return refuse(err, cap, 400, "'bootstrap_room' must be a positive integer");
+            return node_refuse(err, cap, 400, "'bootstrap_room' must be a positive integer");
         p->room = (uint64_t)json_integer_value(room);
         if (p->room > (uint64_t)INT64_MAX - GEN_CHOICES_MAX)
-            return refuse(err, cap, 400, "'bootstrap_room' must be below 2^63 - %u",
-                          GEN_CHOICES_MAX);
+            return node_refuse(err, cap, 400, "'bootstrap_room' must be below 2^63 - %u",
+                               GEN_CHOICES_MAX);
     }
     if (host && !json_is_null(host) && !json_is_string(host))
-        return refuse(err, cap, 400, "'bootstrap_host' must be a string");
+        return node_refuse(err, cap, 400, "'bootstrap_host' must be a string");
     if (port && !json_is_null(port) &&
         (!json_is_integer(port) || json_integer_value(port) < 1 ||
          json_integer_value(port) > 65535))
-        return refuse(err, cap, 400, "'bootstrap_port' must be an integer in [1, 65535]");
+        return node_refuse(err, cap, 400, "'bootstrap_port' must be an integer in [1, 65535]");
     if (cfg->role == PD_NODE_SERVE) return 0;
     if (!p->room)
-        return refuse(err, cap, 400,
-                      "'bootstrap_room' is required on a %s node "
-                      "(send requests through the router)",
-                      pd_node_role_name(cfg->role));
+        return node_refuse(err, cap, 400,
+                           "'bootstrap_room' is required on a %s node "
+                           "(send requests through the router)",
+                           pd_node_role_name(cfg->role));
     if (cfg->role == PD_NODE_DECODE && strcmp(cfg->transfer_backend, "loopback") != 0 &&
         (!json_is_string(host) || !json_is_integer(port)))
-        return refuse(err, cap, 400,
-                      "'bootstrap_host' and 'bootstrap_port' are required on a decode node");
+        return node_refuse(err, cap, 400,
+                           "'bootstrap_host' and 'bootstrap_port' are required on a decode node");
     if (json_is_string(host) && json_is_integer(port))
         snprintf(p->peer, sizeof(p->peer), "%s:%lld", json_string_value(host),
                  (long long)json_integer_value(port));
     if (!peer_allowed(cfg, p->peer))
-        return refuse(err, cap, 403, "bootstrap peer '%s' is not one of --prefill-peers", p->peer);
+        return node_refuse(err, cap, 403, "bootstrap peer '%s' is not one of --prefill-peers",
+                           p->peer);
     return 0;
 }
 
@@ -523,7 +523,7 @@ void gen_cancel_refused(pd_node *n, json_t *root) {
  * answer. A model that ships its own template will bring it (issue 12). */
 static char *render_chat(json_t *messages, int *status, char *err, size_t cap) {
     if (!json_is_array(messages) || json_array_size(messages) == 0) {
-        *status = refuse(err, cap, 400, "'messages' must be a non-empty array of messages");
+        *status = node_refuse(err, cap, 400, "'messages' must be a non-empty array of messages");
         return NULL;
     }
     size_t need = 16, i;
@@ -532,19 +532,19 @@ static char *render_chat(json_t *messages, int *status, char *err, size_t cap) {
         json_t *role = json_object_get(m, "role"), *content = json_object_get(m, "content");
         const char *r = json_string_value(role);
         if (!r || (strcmp(r, "system") && strcmp(r, "user") && strcmp(r, "assistant"))) {
-            *status =
-                refuse(err, cap, 400, "'messages'[%zu].role must be system, user or assistant", i);
+            *status = node_refuse(err, cap, 400,
+                                  "'messages'[%zu].role must be system, user or assistant", i);
             return NULL;
         }
         if (!json_is_string(content)) {
-            *status = refuse(err, cap, 400, "'messages'[%zu].content must be a string", i);
+            *status = node_refuse(err, cap, 400, "'messages'[%zu].content must be a string", i);
             return NULL;
         }
         need += strlen(r) + json_string_length(content) + 8;
     }
     char *out = malloc(need), *w = out;
     if (!out) {
-        *status = refuse(err, cap, 503, "out of memory for the prompt");
+        *status = node_refuse(err, cap, 503, "out of memory for the prompt");
         return NULL;
     }
     json_array_foreach(messages, i, m) {
@@ -566,7 +566,8 @@ static int parse_stream_options(json_t *root, gen_params *p, char *err, size_t c
     json_t *iu = json_object_get(so, "include_usage");
     if (!json_is_object(so) || json_object_size(so) != (iu ? 1u : 0u) ||
         (iu && !json_is_boolean(iu)))
-        return refuse(err, cap, 400, "'stream_options' supports only {\"include_usage\": bool}");
+        return node_refuse(err, cap, 400,
+                           "'stream_options' supports only {\"include_usage\": bool}");
     p->include_usage = json_is_true(iu);
     return 0;
 }
@@ -579,11 +580,11 @@ static char *render_model_chat(const pd_node *n, json_t *root, int *status, char
     json_t *messages = json_object_get(root, "messages");
     json_t *kwargs = given(root, "chat_template_kwargs");
     if (!json_is_array(messages) || json_array_size(messages) == 0) {
-        *status = refuse(err, cap, 400, "'messages' must be a non-empty array of messages");
+        *status = node_refuse(err, cap, 400, "'messages' must be a non-empty array of messages");
         return NULL;
     }
     if (kwargs && !json_is_object(kwargs)) {
-        *status = refuse(err, cap, 400, "'chat_template_kwargs' must be an object");
+        *status = node_refuse(err, cap, 400, "'chat_template_kwargs' must be an object");
         return NULL;
     }
     json_t *ctx = kwargs ? json_deep_copy(kwargs) : json_object();
@@ -597,8 +598,8 @@ static char *render_model_chat(const pd_node *n, json_t *root, int *status, char
     pd_err e = pd_chat_template_render(node_chat_template(n), ctx, &out, &len, why, sizeof why);
     json_decref(ctx);
     if (e != PD_OK) {
-        *status = refuse(err, cap, e == PD_ERR_NOMEM ? 503 : 400,
-                         "the model's chat template refused the messages: %s", why);
+        *status = node_refuse(err, cap, e == PD_ERR_NOMEM ? 503 : 400,
+                              "the model's chat template refused the messages: %s", why);
         return NULL;
     }
     return out;
@@ -612,12 +613,13 @@ static int chat_to_completions(const pd_node *n, json_t *root, gen_params *p, ch
     json_t *mct = given(root, "max_completion_tokens");
     if (mct) {
         if (given(root, "max_tokens"))
-            return refuse(err, cap, 400, "give 'max_completion_tokens' or 'max_tokens', not both");
+            return node_refuse(err, cap, 400,
+                               "give 'max_completion_tokens' or 'max_tokens', not both");
         json_object_set(root, "max_tokens", mct);
         json_object_del(root, "max_completion_tokens");
     }
     if (json_object_get(root, "prompt"))
-        return refuse(err, cap, 400, "a chat request has 'messages', not 'prompt'");
+        return node_refuse(err, cap, 400, "a chat request has 'messages', not 'prompt'");
     int status = 0;
     p->templated = node_chat_template(n) != NULL;
     char *text = p->templated ? render_model_chat(n, root, &status, err, cap)
@@ -625,7 +627,8 @@ static int chat_to_completions(const pd_node *n, json_t *root, gen_params *p, ch
     if (!text) return status;
     json_object_set_new(root, "prompt", json_string(text));
     free(text);
-    return json_object_get(root, "prompt") ? 0 : refuse(err, cap, 400, "messages are not UTF-8");
+    return json_object_get(root, "prompt") ? 0
+                                           : node_refuse(err, cap, 400, "messages are not UTF-8");
 }
 
 /* ---- the whole body ------------------------------------------------------------------ */
@@ -641,33 +644,35 @@ static int fit_context(const pd_node_config *cfg, json_t *root, gen_params *p, c
         if (p->prompts[i].len > longest) longest = p->prompts[i].len;
     if (ctx == 0 || (uint64_t)longest + p->max_new <= ctx) return 0;
     if (longest >= ctx)
-        return refuse(err, cap, 400,
-                      "the prompt is %u tokens, the context length %u (--context-length) leaves "
-                      "no room for output",
-                      longest, ctx);
+        return node_refuse(
+            err, cap, 400,
+            "the prompt is %u tokens, the context length %u (--context-length) leaves "
+            "no room for output",
+            longest, ctx);
     const char *mname = p->api != GEN_API_GENERATE ? "max_tokens" : "max_new_tokens";
     json_t *src = p->api != GEN_API_GENERATE ? root : json_object_get(root, "sampling_params");
     if (!given(src, mname)) {
         p->max_new = ctx - longest;
         return 0;
     }
-    return refuse(err, cap, 400,
-                  "the prompt (%u tokens) and '%s' = %u exceed the context length of %u tokens "
-                  "(--context-length)",
-                  longest, mname, p->max_new, ctx);
+    return node_refuse(
+        err, cap, 400,
+        "the prompt (%u tokens) and '%s' = %u exceed the context length of %u tokens "
+        "(--context-length)",
+        longest, mname, p->max_new, ctx);
 }
 
 static int parse_flags(json_t *root, gen_params *p, char *err, size_t cap) {
     json_t *v;
     if ((v = given(root, "stream"))) {
-        if (!json_is_boolean(v)) return refuse(err, cap, 400, "'stream' must be a boolean");
+        if (!json_is_boolean(v)) return node_refuse(err, cap, 400, "'stream' must be a boolean");
         p->stream = json_is_true(v);
     }
     if ((v = given(root, "user")) && !json_is_string(v))
-        return refuse(err, cap, 400, "'user' must be a string");
+        return node_refuse(err, cap, 400, "'user' must be a string");
     if ((v = given(root, "rid"))) {
-        if (!json_is_string(v)) return refuse(err, cap, 400, "'rid' must be a string");
-        if (!gen_rid_acceptable(v)) return refuse(err, cap, 400, GEN_RID_RULE, PD_RID_MAX - 1);
+        if (!json_is_string(v)) return node_refuse(err, cap, 400, "'rid' must be a string");
+        if (!gen_rid_acceptable(v)) return node_refuse(err, cap, 400, GEN_RID_RULE, PD_RID_MAX - 1);
         snprintf(p->rid, sizeof(p->rid), "%s", json_string_value(v));
     }
     return 0;
@@ -681,7 +686,7 @@ int gen_params_parse(pd_node *n, json_t *root, gen_api api, gen_params *p, char 
     p->max_new = api != GEN_API_GENERATE ? 16 : 128;
     p->n = 1;
     if (!json_is_object(root))
-        return refuse(err, cap, 400, "the request body must be a JSON object");
+        return node_refuse(err, cap, 400, "the request body must be a JSON object");
     int status = 0;
     if (api != GEN_API_GENERATE) status = parse_stream_options(root, p, err, cap);
     if (!status && api == GEN_API_CHAT) status = chat_to_completions(n, root, p, err, cap);
@@ -697,11 +702,11 @@ int gen_params_parse(pd_node *n, json_t *root, gen_api api, gen_params *p, char 
     if (!status) status = fit_context(cfg, root, p, err, cap);
     if (status) return status;
     if (p->n_prompts * p->n > GEN_CHOICES_MAX)
-        return refuse(err, cap, 400, "%u prompts times n = %u is %u choices; at most %u",
-                      p->n_prompts, p->n, p->n_prompts * p->n, GEN_CHOICES_MAX);
+        return node_refuse(err, cap, 400, "%u prompts times n = %u is %u choices; at most %u",
+                           p->n_prompts, p->n, p->n_prompts * p->n, GEN_CHOICES_MAX);
     if (p->rid[0] && gen_choices(p) > 1 && strlen(p->rid) + 4 >= PD_RID_MAX)
-        return refuse(err, cap, 400, "'rid' must be at most %d bytes with several choices",
-                      PD_RID_MAX - 5);
+        return node_refuse(err, cap, 400, "'rid' must be at most %d bytes with several choices",
+                           PD_RID_MAX - 5);
     return parse_bootstrap(cfg, root, p, err, cap);
 }
 
@@ -729,7 +734,7 @@ uint64_t gen_seed(const gen_params *p, uint32_t i) {
 int node_http_check_body(pd_node *n, const char *body, size_t len, int api, char *err, size_t cap) {
     json_error_t jerr;
     json_t *root = json_loadb(body, len, 0, &jerr);
-    if (!root) return refuse(err, cap, 400, "malformed JSON: %s", jerr.text);
+    if (!root) return node_refuse(err, cap, 400, "malformed JSON: %s", jerr.text);
     static const gen_api apis[] = {GEN_API_GENERATE, GEN_API_COMPLETIONS, GEN_API_CHAT};
     gen_params p;
     int status = gen_params_parse(n, root, apis[api >= 0 && api < 3 ? api : 0], &p, err, cap);

@@ -39,18 +39,6 @@
 #define HEALTH_TIMEOUT_MS 5000u
 static const char health_prompt[] = "health";
 
-/* o as compact JSON (o is released; NULL is out of memory). */
-static void answer_json(pd_http_req *r, unsigned status, json_t *o) {
-    char *text = o ? json_dumps(o, JSON_COMPACT) : NULL;
-    json_decref(o);
-    if (!text) {
-        pd_http_req_respond_error(r, 503, "out of memory for the answer");
-        return;
-    }
-    pd_http_req_respond_json(r, status, text, strlen(text));
-    free(text);
-}
-
 /* ---- /get_model_info ------------------------------------------------------------------ */
 
 void sgl_model_info(pd_node *n, pd_http_req *r) {
@@ -65,39 +53,26 @@ void sgl_model_info(pd_node *n, pd_http_req *r) {
                             : (json_int_t)cfg->max_prompt_tokens + cfg->max_new_tokens_limit,
         "max_prompt_tokens", (json_int_t)cfg->max_prompt_tokens, "vocab_size",
         (json_int_t)node_vocab(n), "role", pd_node_role_name(cfg->role));
-    answer_json(r, 200, o);
+    node_respond_json(r, 200, o);
 }
 
 /* ---- /tokenize and /detokenize ---------------------------------------------------------- */
-
-/* Puts the message for a refused request in err and returns its HTTP status. */
-#if defined(__GNUC__)
-__attribute__((format(printf, 4, 5)))
-#endif
-static int
-refuse(char *err, size_t cap, int status, const char *fmt, ...) {
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(err, cap, fmt, ap);
-    va_end(ap);
-    return status;
-}
 
 /* One text's token ids, a JSON array, in *ids; where names it for the
  * messages ("'text'", "'text'[2]"). 0, or the status with err. */
 static int tokenize_one(pd_node *n, json_t *text, const char *where, bool add_special, json_t **ids,
                         char *err, size_t cap) {
-    if (!json_is_string(text)) return refuse(err, cap, 400, "%s must be a string", where);
+    if (!json_is_string(text)) return node_refuse(err, cap, 400, "%s must be a string", where);
     int32_t *buf = NULL;
     size_t need = 0;
     char why[160];
     if (node_encode(n, json_string_value(text), json_string_length(text), add_special, &buf, &need,
                     why, sizeof why) != PD_OK)
-        return refuse(err, cap, 503, "%s could not be tokenized: %s", where, why);
+        return node_refuse(err, cap, 503, "%s could not be tokenized: %s", where, why);
     *ids = json_array();
     for (size_t i = 0; *ids && i < need; i++) json_array_append_new(*ids, json_integer(buf[i]));
     free(buf);
-    return *ids ? 0 : refuse(err, cap, 503, "out of memory for %zu tokens", need);
+    return *ids ? 0 : node_refuse(err, cap, 503, "out of memory for %zu tokens", need);
 }
 
 /* {"text" (or SGLang's "prompt"): a string or an array of strings,
@@ -106,13 +81,14 @@ static int tokenize_one(pd_node *n, json_t *text, const char *where, bool add_sp
 static int tokenize(pd_node *n, json_t *root, json_t **out, char *err, size_t cap) {
     json_t *text = json_object_get(root, "text"), *prompt = json_object_get(root, "prompt");
     const char *name = text ? "text" : "prompt";
-    if (text && prompt) return refuse(err, cap, 400, "give either 'text' or 'prompt', not both");
-    if (!text && !(text = prompt)) return refuse(err, cap, 400, "'text' is required");
+    if (text && prompt)
+        return node_refuse(err, cap, 400, "give either 'text' or 'prompt', not both");
+    if (!text && !(text = prompt)) return node_refuse(err, cap, 400, "'text' is required");
     json_t *special = json_object_get(root, "add_special_tokens");
     if (special && !json_is_boolean(special))
-        return refuse(err, cap, 400, "'add_special_tokens' must be a boolean");
+        return node_refuse(err, cap, 400, "'add_special_tokens' must be a boolean");
     if (!json_is_string(text) && !json_is_array(text))
-        return refuse(err, cap, 400, "'%s' must be a string or an array of strings", name);
+        return node_refuse(err, cap, 400, "'%s' must be a string or an array of strings", name);
     bool add_special = !special || json_is_true(special);
     json_int_t max_len = node_config(n)->max_prompt_tokens;
     char where[48];
@@ -123,7 +99,7 @@ static int tokenize(pd_node *n, json_t *root, json_t **out, char *err, size_t ca
         if ((st = tokenize_one(n, text, where, add_special, &ids, err, cap))) return st;
         *out = json_pack("{s:o, s:I, s:I}", "tokens", ids, "count",
                          (json_int_t)json_array_size(ids), "max_model_len", max_len);
-        return *out ? 0 : refuse(err, cap, 503, "out of memory");
+        return *out ? 0 : node_refuse(err, cap, 503, "out of memory");
     }
     json_t *tokens = json_array(), *count = json_array();
     for (size_t i = 0; i < json_array_size(text); i++) {
@@ -137,7 +113,7 @@ static int tokenize(pd_node *n, json_t *root, json_t **out, char *err, size_t ca
         json_array_append_new(tokens, ids);
     }
     *out = json_pack("{s:o, s:o, s:I}", "tokens", tokens, "count", count, "max_model_len", max_len);
-    return *out ? 0 : refuse(err, cap, 503, "out of memory");
+    return *out ? 0 : node_refuse(err, cap, 503, "out of memory");
 }
 
 /* The text of one array of token ids (sanitised UTF-8) in *text. 0, or the
@@ -145,19 +121,19 @@ static int tokenize(pd_node *n, json_t *root, json_t **out, char *err, size_t ca
 static int detokenize_one(pd_node *n, json_t *ids, const char *where, json_t **text, char *err,
                           size_t cap) {
     if (!json_is_array(ids))
-        return refuse(err, cap, 400, "%s must be an array of token ids", where);
+        return node_refuse(err, cap, 400, "%s must be an array of token ids", where);
     size_t k = json_array_size(ids);
     int32_t *t = malloc((k ? k : 1) * sizeof(int32_t));
-    if (!t) return refuse(err, cap, 503, "out of memory for %zu tokens", k);
+    if (!t) return node_refuse(err, cap, 503, "out of memory for %zu tokens", k);
     for (size_t i = 0; i < k; i++) {
         json_t *v = json_array_get(ids, i);
         json_int_t x = json_is_integer(v) ? json_integer_value(v) : -1;
         if (!json_is_integer(v) || x < 0 || x >= (json_int_t)node_vocab(n)) {
             free(t);
             if (!json_is_integer(v))
-                return refuse(err, cap, 400, "%s[%zu] is not an integer", where, i);
-            return refuse(err, cap, 400, "%s[%zu] = %lld is outside the vocabulary (size %u)",
-                          where, i, (long long)x, node_vocab(n));
+                return node_refuse(err, cap, 400, "%s[%zu] is not an integer", where, i);
+            return node_refuse(err, cap, 400, "%s[%zu] = %lld is outside the vocabulary (size %u)",
+                               where, i, (long long)x, node_vocab(n));
         }
         t[i] = (int32_t)x;
     }
@@ -174,7 +150,7 @@ static int detokenize_one(pd_node *n, json_t *ids, const char *where, json_t **t
     free(t);
     free(raw);
     free(clean);
-    return *text ? 0 : refuse(err, cap, 503, "out of memory for the text");
+    return *text ? 0 : node_refuse(err, cap, 503, "out of memory for the text");
 }
 
 /* {"tokens": [ids] or [[ids], ...], "skip_special_tokens": true} ->
@@ -182,19 +158,20 @@ static int detokenize_one(pd_node *n, json_t *ids, const char *where, json_t **t
 static int detokenize(pd_node *n, json_t *root, json_t **out, char *err, size_t cap) {
     json_t *tokens = json_object_get(root, "tokens");
     json_t *skip = json_object_get(root, "skip_special_tokens");
-    if (!tokens) return refuse(err, cap, 400, "'tokens' is required");
+    if (!tokens) return node_refuse(err, cap, 400, "'tokens' is required");
     if (skip && !json_is_boolean(skip))
-        return refuse(err, cap, 400, "'skip_special_tokens' must be a boolean");
+        return node_refuse(err, cap, 400, "'skip_special_tokens' must be a boolean");
     if (skip && json_is_false(skip))
-        return refuse(err, cap, 400,
-                      "'skip_special_tokens': false is not supported (the byte-level tokenizer "
-                      "has no text for its special tokens)");
+        return node_refuse(
+            err, cap, 400,
+            "'skip_special_tokens': false is not supported (the byte-level tokenizer "
+            "has no text for its special tokens)");
     json_t *text;
     int st;
     if (!json_is_array(json_array_get(tokens, 0))) {
         if ((st = detokenize_one(n, tokens, "'tokens'", &text, err, cap))) return st;
         *out = json_pack("{s:o}", "text", text);
-        return *out ? 0 : refuse(err, cap, 503, "out of memory");
+        return *out ? 0 : node_refuse(err, cap, 503, "out of memory");
     }
     json_t *texts = json_array();
     char where[48];
@@ -207,7 +184,7 @@ static int detokenize(pd_node *n, json_t *root, json_t **out, char *err, size_t 
         json_array_append_new(texts, text);
     }
     *out = json_pack("{s:o}", "text", texts);
-    return *out ? 0 : refuse(err, cap, 503, "out of memory");
+    return *out ? 0 : node_refuse(err, cap, 503, "out of memory");
 }
 
 void sgl_tokenize_answer(pd_node *n, pd_http_req *r) {
@@ -220,16 +197,16 @@ void sgl_tokenize_answer(pd_node *n, pd_http_req *r) {
     char err[256];
     int st;
     if (!root)
-        st = refuse(err, sizeof(err), 400, "malformed JSON: %s (line %d, column %d)", jerr.text,
-                    jerr.line, jerr.column);
+        st = node_refuse(err, sizeof(err), 400, "malformed JSON: %s (line %d, column %d)",
+                         jerr.text, jerr.line, jerr.column);
     else if (!json_is_object(root))
-        st = refuse(err, sizeof(err), 400, "the request body must be a JSON object");
+        st = node_refuse(err, sizeof(err), 400, "the request body must be a JSON object");
     else
         st = detok ? detokenize(n, root, &out, err, sizeof(err))
                    : tokenize(n, root, &out, err, sizeof(err));
     json_decref(root);
     if (st) pd_http_req_respond_error(r, (unsigned)st, "%s", err);
-    else answer_json(r, 200, out);
+    else node_respond_json(r, 200, out);
 }
 
 /* ---- /flush_cache ----------------------------------------------------------------------- */
@@ -241,7 +218,7 @@ void sgl_flush_answer(pd_http_req *r, const cmd_reply *q) {
                                   q->value ? "out of memory for the answer"
                                            : "the server is shutting down");
     else if (q->value != PD_OK) pd_http_req_respond_error(r, 400, "%s", q->text);
-    else answer_json(r, 200, json_pack("{s:s, s:s}", "status", "ok", "message", q->text));
+    else node_respond_json(r, 200, json_pack("{s:s, s:s}", "status", "ok", "message", q->text));
 }
 
 /* ---- /health_generate --------------------------------------------------------------------- */
@@ -346,9 +323,9 @@ static void probe_round_trip(pd_node *n, pd_http_req *r) {
         bool in_time = q.ready && q.text;
         pthread_mutex_unlock(&q.mu);
         if (in_time)
-            answer_json(r, 200,
-                        json_pack("{s:s, s:s}", "status", "ok", "role",
-                                  pd_node_role_name(node_config(n)->role)));
+            node_respond_json(r, 200,
+                              json_pack("{s:s, s:s}", "status", "ok", "role",
+                                        pd_node_role_name(node_config(n)->role)));
         else
             pd_http_req_respond_error(r, 503, "the scheduler did not answer within %u ms",
                                       HEALTH_TIMEOUT_MS);
@@ -367,7 +344,7 @@ static void *probe_main(void *arg) {
     char msg[256];
     if (node_config(n)->role != PD_NODE_SERVE) probe_round_trip(n, p->r);
     else if (probe_generate(n, msg, sizeof(msg)))
-        answer_json(p->r, 200, json_pack("{s:s, s:s}", "status", "ok", "role", "serve"));
+        node_respond_json(p->r, 200, json_pack("{s:s, s:s}", "status", "ok", "role", "serve"));
     else pd_http_req_respond_error(p->r, 503, "%s", msg);
     pd_http_req_release(p->r);
     pthread_mutex_lock(&p->s->mu);
