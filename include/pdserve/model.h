@@ -70,6 +70,8 @@ typedef enum pd_model_arch {
     PD_ARCH_HYBRID = 0, /* pdserve's own hybrid ("pdserve_hybrid"; M and A layers) */
     PD_ARCH_LLAMA,      /* LlamaForCausalLM: attention layers only */
     PD_ARCH_QWEN3,      /* Qwen3ForCausalLM: Llama + RMSNorm of each q and k head */
+    PD_ARCH_GRANITE,    /* GraniteMoeHybridForCausalLM without experts (granite-4.0-h):
+                         * M and A layers, muP multipliers, gated norm over all of d_inner */
 } pd_model_arch;
 
 typedef struct pd_model_config {
@@ -93,9 +95,18 @@ typedef struct pd_model_config {
     float rope_low_freq_factor, rope_high_freq_factor;
     uint32_t rope_original_max; /* original_max_position_embeddings */
     bool tie_embeddings;        /* lm_head shares embed_tokens */
-    int32_t bos_token;          /* -1: none */
-    int32_t eos_token;          /* -1: none */
+    bool no_rope;               /* attention without positions (Granite's "nope") */
+    /* Granite's multipliers; 0 means the plain model (1, 1, 1 and 1/sqrt(head_dim)):
+     * x0 = embedding * embed_mult, x += sublayer(x) * residual_mult,
+     * logits = head(x) / logits_div, attention scores = q.k * attn_scale. */
+    float embed_mult, residual_mult, logits_div, attn_scale;
+    int32_t bos_token; /* -1: none */
+    int32_t eos_token; /* -1: none */
 } pd_model_config;
+
+/* "pdserve_hybrid", or the Hugging Face architecture name
+ * ("LlamaForCausalLM", "Qwen3ForCausalLM", "GraniteMoeHybridForCausalLM"). */
+const char *pd_model_arch_name(pd_model_arch arch);
 
 /* Sizes derived from a valid config. */
 typedef struct pd_model_shape {

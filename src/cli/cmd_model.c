@@ -31,8 +31,11 @@ static void usage(FILE *to) {
             "existing files are replaced):\n"
             "  --out DIR          the model directory (required)\n"
             "  --config NAME      built-in configuration: tiny (default) or small (hybrids),\n"
-            "                     llama or qwen3 (a Hugging Face LlamaForCausalLM or\n"
-            "                     Qwen3ForCausalLM checkpoint of a tiny shape)\n"
+            "                     llama, qwen3 or granite (a Hugging Face LlamaForCausalLM,\n"
+            "                     Qwen3ForCausalLM or GraniteMoeHybridForCausalLM checkpoint\n"
+            "                     of a tiny shape), qwen3-0.6b or granite-4.0-h-350m (those\n"
+            "                     real models' shapes, random weights: 0.6 and 0.34 billion\n"
+            "                     parameters)\n"
             "  --layers PATTERN   layer pattern, M = Mamba2 mixer, A = attention (e.g. MAMA)\n"
             "  --dim N            model width; the MLP hidden size follows as 3 x N (the\n"
             "                     Mamba2 width is expand x N and must split into its heads)\n"
@@ -195,8 +198,7 @@ static int cmd_info(const model_opts *o) {
     pd_model_shape s;
     pd_model_config_shape(&cfg, &s);
     uint32_t ps = (uint32_t)o->page_size;
-    static const char *const arch[] = {"pdserve hybrid", "LlamaForCausalLM", "Qwen3ForCausalLM"};
-    printf("architecture      %s\n", arch[cfg.arch]);
+    printf("architecture      %s\n", pd_model_arch_name(cfg.arch));
     printf("layers            %s (%u attention, %u Mamba2)\n", cfg.layers, s.n_attn, s.n_mamba);
     printf("dim               %u, vocab %u, mlp hidden %u\n", cfg.dim, cfg.vocab, cfg.mlp_hidden);
     if (s.n_attn)

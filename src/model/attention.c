@@ -10,7 +10,9 @@
  *   k, v stored in the request's page pages[pos / page_size], slot
  *        pos % page_size
  *   for head h (kv head h / (heads / kv_heads)):
- *       s_j = q_h . k_j / sqrt(D)  for j = 0 .. pos
+ *       s_j = q_h . k_j / sqrt(D)  for j = 0 .. pos  (Granite: times
+ *             attention_multiplier instead; and no rotation when its
+ *             position_embedding_type is not "rope")
  *       a_h = sum_j softmax(s)_j v_j
  *   out = W_o a
  *
@@ -105,7 +107,8 @@ static void attend(void *ctx, uint32_t begin, uint32_t end, uint32_t worker) {
             const float *k = mdl_kv_at(j->kv, d, pages[p0 / d->page_size], 0, 0) + (size_t)kvh * D;
             const uint32_t m = PD_MIN(d->page_size, n - p0);
             for (uint32_t s = 0; s < m; s++) {
-                float sc = mdl_dot(q, k + (size_t)s * d->kv_dim, D) / scale;
+                float dot = mdl_dot(q, k + (size_t)s * d->kv_dim, D);
+                float sc = d->score_mult != 0.0f ? dot * d->score_mult : dot / scale;
                 scores[p0 + s] = sc;
                 if (sc > max) max = sc;
             }
@@ -151,8 +154,8 @@ uint64_t mdl_attention_forward(const pd_par *par, const pd_attn_dims *d, const p
             mdl_rmsnorm(q + (size_t)h * D, q + (size_t)h * D, w->q_norm, D, d->norm_eps);
         for (uint32_t h = 0; w->k_norm && h < d->kv_heads; h++)
             mdl_rmsnorm(k + (size_t)h * D, k + (size_t)h * D, w->k_norm, D, d->norm_eps);
-        for (uint32_t h = 0; h < d->heads; h++) rope(q + (size_t)h * D, c, sn, D);
-        for (uint32_t h = 0; h < d->kv_heads; h++) rope(k + (size_t)h * D, c, sn, D);
+        for (uint32_t h = 0; !d->no_rope && h < d->heads; h++) rope(q + (size_t)h * D, c, sn, D);
+        for (uint32_t h = 0; !d->no_rope && h < d->kv_heads; h++) rope(k + (size_t)h * D, c, sn, D);
         uint32_t pos = r->pos[t];
         uint32_t page = r->pages[t][pos / d->page_size], slot = pos % d->page_size;
         PD_ASSERT(page < d->kv_pages); /* page tables are checked at launch */

@@ -27,6 +27,63 @@
 #define MAMBA_HEADS_MAX 65536u
 #define PARAMS_MAX (UINT64_C(1) << 33) /* 32 GiB of fp32 weights */
 
+/* GraniteMoeHybridForCausalLM, dense. tiny: two B/C groups so that the
+ * full-width gated norm differs from the hybrid's per-group one, and every
+ * multiplier away from 1. Otherwise the shape of
+ * ibm-granite/granite-4.0-h-350m (its config.json): attention at layers 10,
+ * 13, 17 and 27 of 32. */
+static void preset_granite(pd_model_config *out, bool tiny) {
+    out->arch = PD_ARCH_GRANITE;
+    out->no_rope = true;
+    out->embed_mult = 12.0f;
+    out->residual_mult = 0.246f;
+    out->logits_div = 3.0f;
+    if (tiny) {
+        out->dim = 64;
+        snprintf(out->layers, sizeof(out->layers), "MMAMA");
+        out->attn_heads = 4;
+        out->attn_head_dim = 16;
+        out->mamba_d_state = 16;
+        out->mamba_heads = 4;
+        out->mamba_groups = 2;
+        out->mlp_hidden = 192;
+        out->attn_scale = 0.125f;
+        return;
+    }
+    out->vocab = 100352;
+    out->dim = 768;
+    snprintf(out->layers, sizeof(out->layers), "%s", "MMMMMMMMMMAMMAMMMAMMMMMMMMMAMMMM");
+    out->attn_heads = 12;
+    out->attn_kv_heads = 4;
+    out->attn_head_dim = 64;
+    out->mamba_d_state = 128;
+    out->mamba_heads = 48;
+    out->mamba_groups = 1;
+    out->mlp_hidden = 2048;
+    out->tie_embeddings = true;
+    out->attn_scale = 0.015625f;
+    out->bos_token = out->eos_token = 100257;
+}
+
+/* The shape of Qwen/Qwen3-0.6B (its config.json). */
+static void preset_qwen3_06b(pd_model_config *out) {
+    out->arch = PD_ARCH_QWEN3;
+    out->vocab = 151936;
+    out->dim = 1024;
+    memset(out->layers, 'A', 28);
+    out->layers[28] = '\0';
+    out->attn_heads = 16;
+    out->attn_kv_heads = 8;
+    out->attn_head_dim = 128;
+    out->mlp_hidden = 3072;
+    out->norm_eps = 1e-6f;
+    out->rope_base = 1000000.0f;
+    out->tie_embeddings = true;
+    out->mamba_d_conv = out->mamba_expand = 0;
+    out->bos_token = 151643;
+    out->eos_token = 151645;
+}
+
 pd_err pd_model_config_preset(pd_model_config *out, const char *name, char *msg, size_t cap) {
     memset(out, 0, sizeof(*out));
     out->vocab = 258;
@@ -75,9 +132,15 @@ pd_err pd_model_config_preset(pd_model_config *out, const char *name, char *msg,
         out->mamba_heads = 8;
         out->mamba_groups = 2;
         out->mlp_hidden = 768;
+    } else if (!strcmp(name, "granite") || !strcmp(name, "granite-4.0-h-350m")) {
+        preset_granite(out, !strcmp(name, "granite"));
+    } else if (!strcmp(name, "qwen3-0.6b")) {
+        preset_qwen3_06b(out);
     } else {
         return pd_errorf(msg, cap, PD_ERR_INVALID,
-                         "unknown model config '%s' (tiny, small, llama or qwen3)", name);
+                         "unknown model config '%s' (tiny, small, llama, qwen3, granite, "
+                         "qwen3-0.6b or granite-4.0-h-350m)",
+                         name);
     }
     return PD_OK;
 }
@@ -104,6 +167,16 @@ static pd_err check_rope_scaling(const pd_model_config *cfg, char *msg, size_t c
     return PD_OK;
 }
 
+/* Granite's multipliers: finite, >= 0 (0: not used). */
+static pd_err check_multipliers(const pd_model_config *cfg, char *msg, size_t cap) {
+    const float mults[4] = {cfg->embed_mult, cfg->residual_mult, cfg->logits_div, cfg->attn_scale};
+    for (int i = 0; i < 4; i++)
+        if (!(mults[i] >= 0.0f) || !isfinite(mults[i]))
+            return pd_errorf(msg, cap, PD_ERR_INVALID,
+                             "multiplier %g must be finite and >= 0 (0: none)", (double)mults[i]);
+    return PD_OK;
+}
+
 #define RANGE(field, lo, hi)                                                                  \
     do {                                                                                      \
         if (cfg->field < (lo) || cfg->field > (hi))                                           \
@@ -124,6 +197,8 @@ pd_err pd_model_config_check(const pd_model_config *cfg, char *msg, size_t cap) 
     RANGE(vocab, 2u, VOCAB_MAX);
     RANGE(dim, 1u, DIM_MAX);
     RANGE(mlp_hidden, 1u, MLP_HIDDEN_MAX);
+    pd_err err = check_multipliers(cfg, msg, cap);
+    if (err != PD_OK) return err;
     if (!(cfg->norm_eps > 0.0f) || !isfinite(cfg->norm_eps) || cfg->norm_eps > 1.0f)
         return pd_errorf(msg, cap, PD_ERR_INVALID, "norm_eps = %g must be in (0, 1]",
                          (double)cfg->norm_eps);
@@ -146,10 +221,11 @@ pd_err pd_model_config_check(const pd_model_config *cfg, char *msg, size_t cap) 
         if (!(cfg->rope_base > 1.0f) || !isfinite(cfg->rope_base))
             return pd_errorf(msg, cap, PD_ERR_INVALID, "rope_base = %g must be finite and > 1",
                              (double)cfg->rope_base);
-        pd_err err = check_rope_scaling(cfg, msg, cap);
+        err = check_rope_scaling(cfg, msg, cap);
         if (err != PD_OK) return err;
     }
-    if (cfg->arch != PD_ARCH_HYBRID && count_kind(cfg->layers, 'M') > 0)
+    if (cfg->arch != PD_ARCH_HYBRID && cfg->arch != PD_ARCH_GRANITE &&
+        count_kind(cfg->layers, 'M') > 0)
         return pd_errorf(msg, cap, PD_ERR_INVALID,
                          "layer pattern '%s': a Llama or Qwen3 model has attention layers only",
                          cfg->layers);

@@ -9,6 +9,9 @@
  *   block             x += mixer(RMSNorm(x));  x += MLP(RMSNorm(x))
  *                     mixer = Mamba2 (mamba2.c) or attention (attention.c)
  *                     MLP = W_down (SiLU(W_gate h) * W_up h)   (SwiGLU)
+ *                     (Granite: each addition scaled by residual_multiplier,
+ *                     the embedding by embedding_multiplier, the logits
+ *                     divided by logits_scaling)
  *
  * The node's memory is allocated once in mdl_runner_create and so is every
  * scratch buffer; nothing on the per-token path allocates.
@@ -27,8 +30,12 @@ float *mdl_runner_slot(const pd_runner *r, uint32_t slot) {
 
 /* ---- one block ----------------------------------------------------------------- */
 
-static void add_into(float *x, const float *y, size_t n) {
-    for (size_t i = 0; i < n; i++) x[i] += y[i];
+/* x += y, or x += y * mult (Granite's residual_multiplier; 0: none). */
+static void add_into(float *x, const float *y, size_t n, float mult) {
+    if (mult == 0.0f)
+        for (size_t i = 0; i < n; i++) x[i] += y[i];
+    else
+        for (size_t i = 0; i < n; i++) x[i] += y[i] * mult;
 }
 
 static void norm_rows(const pd_runner *r, float *out, const float *in, const float *w) {
@@ -65,10 +72,10 @@ static void block(pd_runner *r, const pd_block_weights *b) {
     const size_t n = (size_t)r->rows * r->model->cfg.dim;
     norm_rows(r, r->xb, r->x, b->norm_mixer);
     mixer(r, b);
-    add_into(r->x, r->xo, n);
+    add_into(r->x, r->xo, n, r->model->cfg.residual_mult);
     norm_rows(r, r->xb, r->x, b->norm_mlp);
     mlp(r, b);
-    add_into(r->x, r->xo, n);
+    add_into(r->x, r->xo, n, r->model->cfg.residual_mult);
 }
 
 /* ---- one pass ----------------------------------------------------------------- */
@@ -84,9 +91,10 @@ static void run_pass(pd_runner *r, const pd_batch_item *items, pd_item_result *r
     for (uint32_t t = 0; t < r->rows; t++) {
         /* checked at launch */
         PD_ASSERT(r->row_token[t] >= 0 && (uint32_t)r->row_token[t] < c->vocab);
-        memcpy(r->x + (size_t)t * c->dim, m->embed + (size_t)r->row_token[t] * c->dim,
-               sizeof(float) * c->dim);
-        if (m->shape.n_attn)
+        float *x = r->x + (size_t)t * c->dim;
+        memcpy(x, m->embed + (size_t)r->row_token[t] * c->dim, sizeof(float) * c->dim);
+        for (uint32_t i = 0; c->embed_mult != 0.0f && i < c->dim; i++) x[i] *= c->embed_mult;
+        if (m->shape.n_attn && !c->no_rope)
             mdl_rope_angles(r->row_pos[t], half, r->rope_inv, r->rope_cos + (size_t)t * half,
                             r->rope_sin + (size_t)t * half);
     }
@@ -110,7 +118,8 @@ static void run_pass(pd_runner *r, const pd_batch_item *items, pd_item_result *r
     }
     for (uint32_t s = 0; s < n_sample; s++) {
         const uint32_t i = r->row_item[sample_row[s]];
-        const float *lg = r->logits + (size_t)s * c->vocab;
+        float *lg = r->logits + (size_t)s * c->vocab;
+        for (uint32_t v = 0; c->logits_div != 0.0f && v < c->vocab; v++) lg[v] /= c->logits_div;
         mdl_sample(lg, c->vocab, &items[i].sampling, items[i].sample_index, items[i].history,
                    r->probs, r->keys, &results[i]);
         if (logits_out) memcpy(logits_out + (size_t)i * c->vocab, lg, sizeof(float) * c->vocab);
@@ -274,6 +283,8 @@ static void set_dims(pd_runner *r) {
                                   .kv_heads = c->attn_kv_heads,
                                   .head_dim = c->attn_head_dim,
                                   .norm_eps = c->norm_eps,
+                                  .score_mult = c->attn_scale,
+                                  .no_rope = c->no_rope,
                                   .q_dim = s->q_dim,
                                   .kv_dim = s->kv_dim,
                                   .page_size = r->page_size,

@@ -15,7 +15,8 @@
  *       S[h,p,n] = S[h,p,n] * exp(dt_h A_h) + (dt_h B[g,n]) x[h,p]
  *       y[h,p]   = sum_n S[h,p,n] C[g,n] + D_h x[h,p]
  *   y = RMSNorm_G(y * SiLU(z)) * w_norm        normalised per group of
- *                                              d_inner / G channels
+ *                                              d_inner / G channels (all
+ *                                              d_inner at once in Granite)
  *   out = W_out y
  *
  * This is the recurrent form the reference implementation uses for decode
@@ -39,6 +40,9 @@ void mdl_mamba2_dims_from_config(const pd_model_config *cfg, pd_mamba2_dims *d) 
     d->heads = cfg->mamba_heads;
     d->head_dim = cfg->mamba_heads ? d->d_inner / cfg->mamba_heads : 0;
     d->groups = cfg->mamba_groups;
+    /* Granite normalises the gated output over all of d_inner (transformers'
+     * RMSNormGated without groups); mamba_ssm's grouped norm otherwise. */
+    d->norm_groups = cfg->arch == PD_ARCH_GRANITE ? 1 : cfg->mamba_groups;
     d->conv_dim = d->d_inner + 2 * d->groups * d->d_state;
     d->in_proj = 2 * d->d_inner + 2 * d->groups * d->d_state + d->heads;
     d->eps = cfg->norm_eps;
@@ -144,13 +148,13 @@ void mdl_mamba2_forward(const pd_par *par, const pd_mamba2_dims *d, const pd_mam
     /* 4. the selective scan, advancing each row's ssm state */
     mdl_par_run(par, d->heads, 5ull * rows * d->d_inner * d->d_state, scan_heads, &job);
 
-    /* 5. gate with SiLU(z), then RMSNorm per group */
-    const uint32_t group = d->d_inner / d->groups;
+    /* 5. gate with SiLU(z), then RMSNorm per group (norm_groups) */
+    const uint32_t group = d->d_inner / d->norm_groups;
     for (uint32_t t = 0; t < rows; t++) {
         float *y = s->y + (size_t)t * d->d_inner;
         const float *z = s->zxbcdt + (size_t)t * d->in_proj;
         for (uint32_t i = 0; i < d->d_inner; i++) y[i] = y[i] * mdl_silu(z[i]);
-        for (uint32_t g = 0; g < d->groups; g++)
+        for (uint32_t g = 0; g < d->norm_groups; g++)
             mdl_rmsnorm(y + (size_t)g * group, y + (size_t)g * group, w->norm + (size_t)g * group,
                         group, d->eps);
     }

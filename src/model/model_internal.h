@@ -22,7 +22,7 @@
 typedef enum pd_init {
     PD_INIT_ONES,     /* norm weights, the D skip */
     PD_INIT_NEAR_ONE, /* 1 + U(+-scale): norm weights of Llama and Qwen3 */
-    PD_INIT_NORMAL,   /* N(0, 1): token embeddings */
+    PD_INIT_NORMAL,   /* N(0, scale^2), scale 0: N(0, 1): token embeddings */
     PD_INIT_UNIFORM,  /* U(-scale, scale) */
     PD_INIT_DT_BIAS,  /* softplus^-1 of dt, log-uniform in [1e-3, 1e-1] */
     PD_INIT_A_LOG,    /* log of U[1, 16] */
@@ -94,8 +94,9 @@ double mdl_short_real(float f);
 
 typedef struct pd_mamba2_dims {
     uint32_t dim, d_inner, d_state, d_conv, heads, head_dim, groups;
-    uint32_t conv_dim;          /* d_inner + 2 * groups * d_state */
-    uint32_t in_proj;           /* 2 * d_inner + 2 * groups * d_state + heads */
+    uint32_t norm_groups; /* groups of the gated RMSNorm: groups, or 1 (Granite) */
+    uint32_t conv_dim;    /* d_inner + 2 * groups * d_state */
+    uint32_t in_proj;     /* 2 * d_inner + 2 * groups * d_state + heads */
     float eps;
 } pd_mamba2_dims;
 
@@ -128,7 +129,9 @@ void mdl_mamba2_forward(const pd_par *par, const pd_mamba2_dims *d, const pd_mam
 typedef struct pd_attn_dims {
     uint32_t dim, heads, kv_heads, head_dim;
     uint32_t q_dim, kv_dim;
-    float norm_eps; /* the q/k norms' */
+    float norm_eps;   /* the q/k norms' */
+    float score_mult; /* scores = q.k * score_mult; 0: q.k / sqrt(head_dim) */
+    bool no_rope;     /* positions are not rotated in (Granite's "nope") */
     uint32_t page_size;
     uint32_t kv_pages;          /* pages in the pool */
     uint32_t n_attn;            /* attention layers in a page */

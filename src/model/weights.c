@@ -64,11 +64,39 @@ static const char *norm_mlp_name(const pd_model_config *c) {
                                      : "model.layers.%d.post_attention_layernorm.weight";
 }
 
+/* Layer i's MLP: gate, up and down (Granite: gate and up as one matrix). */
+static void add_mlp(pd_model *m, int i, double in_scale, double out_scale) {
+    const pd_model_config *c = &m->cfg;
+    if (c->arch == PD_ARCH_GRANITE) {
+        /* the gate's rows, then the up projection's */
+        add(m, PD_INIT_UNIFORM, in_scale, 2, 2ull * c->mlp_hidden, c->dim, 0,
+            "model.layers.%d.shared_mlp.input_linear.weight", i);
+        add(m, PD_INIT_UNIFORM, out_scale, 2, c->dim, c->mlp_hidden, 0,
+            "model.layers.%d.shared_mlp.output_linear.weight", i);
+        return;
+    }
+    add(m, PD_INIT_UNIFORM, in_scale, 2, c->mlp_hidden, c->dim, 0,
+        "model.layers.%d.mlp.gate_proj.weight", i);
+    add(m, PD_INIT_UNIFORM, in_scale, 2, c->mlp_hidden, c->dim, 0,
+        "model.layers.%d.mlp.up_proj.weight", i);
+    add(m, PD_INIT_UNIFORM, out_scale, 2, c->dim, c->mlp_hidden, 0,
+        "model.layers.%d.mlp.down_proj.weight", i);
+}
+
 static void build_table(pd_model *m) {
     const pd_model_config *c = &m->cfg;
     const pd_model_shape *s = &m->shape;
+    /* Granite's multipliers are undone in its dummy weights (embeddings
+     * divided by embedding_multiplier, sublayer outputs by
+     * residual_multiplier, lm_head times logits_scaling), so that every
+     * sublayer moves the logits as much as in the hybrid and a test against
+     * another implementation sees each one. */
+    const bool granite = c->arch == PD_ARCH_GRANITE;
     double res = 1.0 / sqrt(2.0 * s->n_layers); /* residual-output scaling */
+    if (granite && c->residual_mult > 0) res /= c->residual_mult;
     double in_dim = 1.0 / sqrt((double)c->dim);
+    double embed = granite && c->embed_mult > 0 ? 1.0 / c->embed_mult : 0.0;
+    double head = granite && c->logits_div > 0 ? in_dim * c->logits_div : in_dim;
     /* Norm weights: ones in the hybrid (as always: its seeds keep their
      * weights); 1 +- 0.2 in Llama and Qwen3, so that a test against another
      * implementation sees every norm weight applied. */
@@ -76,7 +104,7 @@ static void build_table(pd_model *m) {
     double norm_scale = c->arch == PD_ARCH_HYBRID ? 0.0 : 0.2;
     m->n_tensors = 0;
     m->n_floats = 0;
-    add(m, PD_INIT_NORMAL, 0, 2, c->vocab, c->dim, 0, "model.embed_tokens.weight", 0);
+    add(m, PD_INIT_NORMAL, embed, 2, c->vocab, c->dim, 0, "model.embed_tokens.weight", 0);
     for (uint32_t l = 0; l < s->n_layers; l++) {
         int i = (int)l;
         add(m, norm, norm_scale, 1, c->dim, 0, 0, "model.layers.%d.input_layernorm.weight", i);
@@ -105,23 +133,18 @@ static void build_table(pd_model *m) {
                 "model.layers.%d.mamba.conv1d.bias", i);
             add(m, PD_INIT_DT_BIAS, 0, 1, c->mamba_heads, 0, 0, "model.layers.%d.mamba.dt_bias", i);
             add(m, PD_INIT_A_LOG, 0, 1, c->mamba_heads, 0, 0, "model.layers.%d.mamba.A_log", i);
-            add(m, PD_INIT_ONES, 0, 1, c->mamba_heads, 0, 0, "model.layers.%d.mamba.D", i);
-            add(m, PD_INIT_ONES, 0, 1, s->mamba_d_inner, 0, 0, "model.layers.%d.mamba.norm.weight",
+            add(m, norm, norm_scale, 1, c->mamba_heads, 0, 0, "model.layers.%d.mamba.D", i);
+            add(m, norm, norm_scale, 1, s->mamba_d_inner, 0, 0, "model.layers.%d.mamba.norm.weight",
                 i);
             add(m, PD_INIT_UNIFORM, res / sqrt((double)s->mamba_d_inner), 2, c->dim,
                 s->mamba_d_inner, 0, "model.layers.%d.mamba.out_proj.weight", i);
         }
         add(m, norm, norm_scale, 1, c->dim, 0, 0, norm_mlp_name(c), i);
-        add(m, PD_INIT_UNIFORM, in_dim, 2, c->mlp_hidden, c->dim, 0,
-            "model.layers.%d.mlp.gate_proj.weight", i);
-        add(m, PD_INIT_UNIFORM, in_dim, 2, c->mlp_hidden, c->dim, 0,
-            "model.layers.%d.mlp.up_proj.weight", i);
-        add(m, PD_INIT_UNIFORM, res / sqrt((double)c->mlp_hidden), 2, c->dim, c->mlp_hidden, 0,
-            "model.layers.%d.mlp.down_proj.weight", i);
+        add_mlp(m, i, in_dim, res / sqrt((double)c->mlp_hidden));
     }
     add(m, norm, norm_scale, 1, c->dim, 0, 0, "model.norm.weight", 0);
     if (!c->tie_embeddings)
-        add(m, PD_INIT_UNIFORM, in_dim, 2, c->vocab, c->dim, 0, "lm_head.weight", 0);
+        add(m, PD_INIT_UNIFORM, head, 2, c->vocab, c->dim, 0, "lm_head.weight", 0);
     PD_ASSERT(m->n_floats == s->params);
 }
 
@@ -150,9 +173,15 @@ static void bind(pd_model *m) {
         b->kind = m->cfg.layers[l];
         b->norm_mixer = ptr(m, "model.layers.%d.input_layernorm.weight", l);
         b->norm_mlp = ptr(m, norm_mlp_name(&m->cfg), l);
-        b->gate = ptr(m, "model.layers.%d.mlp.gate_proj.weight", l);
-        b->up = ptr(m, "model.layers.%d.mlp.up_proj.weight", l);
-        b->down = ptr(m, "model.layers.%d.mlp.down_proj.weight", l);
+        if (m->cfg.arch == PD_ARCH_GRANITE) {
+            b->gate = ptr(m, "model.layers.%d.shared_mlp.input_linear.weight", l);
+            b->up = b->gate + (size_t)m->cfg.mlp_hidden * m->cfg.dim;
+            b->down = ptr(m, "model.layers.%d.shared_mlp.output_linear.weight", l);
+        } else {
+            b->gate = ptr(m, "model.layers.%d.mlp.gate_proj.weight", l);
+            b->up = ptr(m, "model.layers.%d.mlp.up_proj.weight", l);
+            b->down = ptr(m, "model.layers.%d.mlp.down_proj.weight", l);
+        }
         if (b->kind == 'A') {
             b->kind_index = n_attn++;
             b->attn.wq = ptr(m, "model.layers.%d.self_attn.q_proj.weight", l);
@@ -218,7 +247,7 @@ static void fill(float *v, const pd_tensor_entry *t, uint64_t seed) {
         switch (t->init) {
         case PD_INIT_ONES: x = 1.0; break;
         case PD_INIT_NEAR_ONE: x = 1.0 + (2.0 * pd_rng_unit(&rng) - 1.0) * t->scale; break;
-        case PD_INIT_NORMAL: x = normal(&rng); break;
+        case PD_INIT_NORMAL: x = normal(&rng) * (t->scale > 0 ? t->scale : 1.0); break;
         case PD_INIT_UNIFORM: x = (2.0 * pd_rng_unit(&rng) - 1.0) * t->scale; break;
         case PD_INIT_DT_BIAS: {
             double lo = mdl_log(1e-3), hi = mdl_log(1e-1);

@@ -188,6 +188,27 @@ def test_llama_and_qwen3_logits_match_the_pytorch_reference():
                      ["--config", "qwen3", "--dtype", "bf16", "--shards", "3"], [])
 
 
+def config_set(key, value, label):
+    def make(model, tmp, ids):
+        def edit(cfg):
+            cfg[key] = value
+        return {"model": edited_copy(model, tmp, label + str(len(ids)), config_edit=edit)}
+    return make
+
+
+def test_granite_hybrid_logits_match_the_pytorch_reference():
+    check_checkpoint("GraniteMoeHybridForCausalLM f32", ["--config", "granite"],
+                     [("conv state dropped at the hand-off", drop_conv),
+                      ("residual_multiplier ignored", config_set("residual_multiplier", 1.0, "m")),
+                      ("logits_scaling ignored", config_set("logits_scaling", 1.0, "s")),
+                      ("RoPE applied", config_set("position_embedding_type", "rope", "p")),
+                      ("one A_log +0.5", weight("mamba.A_log"))])
+    check_checkpoint("GraniteMoeHybridForCausalLM bf16, 2 shards",
+                     ["--config", "granite", "--dtype", "bf16", "--shards", "2"],
+                     [("conv state dropped at the hand-off", drop_conv)])
+
+
 if __name__ == "__main__":
     pdtest.run_tests([test_hybrid_logits_match_the_pytorch_reference,
-                      test_llama_and_qwen3_logits_match_the_pytorch_reference])
+                      test_llama_and_qwen3_logits_match_the_pytorch_reference,
+                      test_granite_hybrid_logits_match_the_pytorch_reference])

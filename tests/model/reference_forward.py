@@ -2,8 +2,11 @@
 "Equations") in PyTorch, in float64, from the checkpoint directory alone:
 config.json and model.safetensors, read here without pdserve's code. The
 hybrid (model_type pdserve_hybrid), and the Hugging Face families
-LlamaForCausalLM (with llama3 rope_scaling) and Qwen3ForCausalLM (per-head
-q/k RMSNorm, explicit head_dim), as the transformers library defines them.
+LlamaForCausalLM (with llama3 rope_scaling), Qwen3ForCausalLM (per-head
+q/k RMSNorm, explicit head_dim) and GraniteMoeHybridForCausalLM without
+experts (layer_types, shared_mlp, the four multipliers, attention without
+RoPE unless position_embedding_type is "rope", the Mamba2 gated RMSNorm
+over the whole inner width), as the transformers library defines them.
 
     logits = forward(model_dir, ids, drop_conv_at=None)
 
@@ -97,11 +100,15 @@ def attention(u, w, pre, cfg):
         k = rms_norm(k, w[pre + "k_norm.weight"], cfg["rms_norm_eps"])
     pos = torch.arange(T)
     scaling = cfg.get("rope_scaling")
-    q, k = rope(q, pos, cfg["rope_theta"], scaling), rope(k, pos, cfg["rope_theta"], scaling)
+    if cfg.get("position_embedding_type", "rope") == "rope":
+        q, k = rope(q, pos, cfg["rope_theta"], scaling), rope(k, pos, cfg["rope_theta"], scaling)
     group = H // KV
     k = k.repeat_interleave(group, dim=1)  # head h uses KV head h // group
     v = v.repeat_interleave(group, dim=1)
-    scores = torch.einsum("thd,shd->hts", q, k) / (D ** 0.5)
+    if "attention_multiplier" in cfg:  # Granite: the multiplier replaces 1/sqrt(D)
+        scores = torch.einsum("thd,shd->hts", q, k) * cfg["attention_multiplier"]
+    else:
+        scores = torch.einsum("thd,shd->hts", q, k) / (D ** 0.5)
     mask = torch.triu(torch.ones(T, T, dtype=torch.bool), diagonal=1)
     scores = scores.masked_fill(mask[None], float("-inf"))
     out = torch.einsum("hts,shd->thd", torch.softmax(scores, dim=-1), v).reshape(T, H * D)
@@ -135,7 +142,8 @@ def mamba(u, w, pre, cfg, drop_conv_at):
         d = torch.nn.functional.softplus(dt[t] + dt_bias)  # [heads]
         S = S * torch.exp(d * A)[:, None, None] + (d[:, None, None] * B[g][:, None, :]) * x[:, :, None]
         y = (S * C[g][:, None, :]).sum(-1) + Dskip[:, None] * x
-        gated = (y.reshape(d_inner) * silu(z[t])).reshape(G, d_inner // G)
+        norm_groups = 1 if cfg.get("model_type") == "granitemoehybrid" else G
+        gated = (y.reshape(d_inner) * silu(z[t])).reshape(norm_groups, d_inner // norm_groups)
         normed = gated / torch.sqrt((gated * gated).mean(-1, keepdim=True) + cfg["rms_norm_eps"])
         ys.append(normed.reshape(d_inner) * w[pre + "norm.weight"])
     return torch.stack(ys) @ w[pre + "out_proj.weight"].T
@@ -145,23 +153,39 @@ def forward(model_dir, ids, drop_conv_at=None):
     cfg = json.load(open(model_dir + "/config.json"))
     w = load_checkpoint(model_dir)
     hf = "architectures" in cfg
+    granite = cfg.get("model_type") == "granitemoehybrid"
     if hf:  # transformers' defaults for what a config may leave out
         cfg.setdefault("num_key_value_heads", cfg["num_attention_heads"])
         cfg.setdefault("head_dim", cfg["hidden_size"] // cfg["num_attention_heads"])
         cfg.setdefault("rope_theta", 10000.0)
         cfg["layer_pattern"] = "A" * cfg["num_hidden_layers"]
+    if granite:
+        types = cfg.get("layer_types") or ["mamba"] * cfg["num_hidden_layers"]
+        cfg["layer_pattern"] = "".join("M" if t == "mamba" else "A" for t in types)
+        if cfg.get("position_embedding_type") is None:
+            cfg["position_embedding_type"] = "nope"
     eps = cfg["rms_norm_eps"]
     ff_norm = "post_attention_layernorm" if hf else "pre_ff_layernorm"
+    res_mult = cfg.get("residual_multiplier", 1.0) if granite else 1.0
     x = w["model.embed_tokens.weight"][torch.tensor(ids)]
+    if granite:
+        x = x * cfg.get("embedding_multiplier", 1.0)
     for layer, kind in enumerate(cfg["layer_pattern"]):
         pre = "model.layers.%d." % layer
         u = rms_norm(x, w[pre + "input_layernorm.weight"], eps)
         if kind == "A":
-            h = x + attention(u, w, pre + "self_attn.", cfg)
+            h = x + attention(u, w, pre + "self_attn.", cfg) * res_mult
         else:
-            h = x + mamba(u, w, pre + "mamba.", cfg, drop_conv_at)
+            h = x + mamba(u, w, pre + "mamba.", cfg, drop_conv_at) * res_mult
         u = rms_norm(h, w[pre + ff_norm + ".weight"], eps)
-        mlp = (silu(u @ w[pre + "mlp.gate_proj.weight"].T) * (u @ w[pre + "mlp.up_proj.weight"].T))
-        x = h + mlp @ w[pre + "mlp.down_proj.weight"].T
+        if granite:  # shared_mlp: input_linear's first half is the gate
+            gate, up = (u @ w[pre + "shared_mlp.input_linear.weight"].T).chunk(2, dim=-1)
+            x = h + (silu(gate) * up) @ w[pre + "shared_mlp.output_linear.weight"].T * res_mult
+        else:
+            mlp = (silu(u @ w[pre + "mlp.gate_proj.weight"].T) * (u @ w[pre + "mlp.up_proj.weight"].T))
+            x = h + mlp @ w[pre + "mlp.down_proj.weight"].T
     head = w.get("lm_head.weight", w["model.embed_tokens.weight"])
-    return rms_norm(x, w["model.norm.weight"], eps) @ head.T
+    logits = rms_norm(x, w["model.norm.weight"], eps) @ head.T
+    if granite:
+        logits = logits / cfg.get("logits_scaling", 1.0)
+    return logits

@@ -573,9 +573,79 @@ static void hf_config_defaults_and_refusals(void **state) {
     json_decref(j);
 }
 
+/* GraniteMoeHybridForCausalLM: layer_types, shared_intermediate_size, the
+ * Mamba2 fields and multipliers; the MoE variants and what the forward pass
+ * lacks refused by name; the presets read back as written. */
+#define GRANITE_BASE                                                                    \
+    "\"architectures\": [\"GraniteMoeHybridForCausalLM\"], " HF_BASE                    \
+    ", \"shared_intermediate_size\": 96, \"mamba_n_heads\": 8, \"mamba_d_state\": 16, " \
+    "\"mamba_n_groups\": 2"
+#define DENSE ", \"num_local_experts\": 0"
+
+static void granite_config_fields_and_refusals(void **state) {
+    (void)state;
+    char msg[256];
+    pd_model_config c;
+    const char *ok = "{" GRANITE_BASE DENSE
+                     ", \"layer_types\": [\"mamba\", \"attention\", \"mamba\"], "
+                     "\"embedding_multiplier\": 12, \"residual_multiplier\": 0.22, "
+                     "\"logits_scaling\": 8, \"attention_multiplier\": 0.0078125, "
+                     "\"mamba_d_head\": 16, \"position_embedding_type\": \"nope\"}";
+    assert_ok(pd_model_config_parse(&c, ok, strlen(ok), "g.json", msg, sizeof(msg)));
+    assert_int_equal(c.arch, PD_ARCH_GRANITE);
+    assert_string_equal(c.layers, "MAM");
+    assert_int_equal(c.mlp_hidden, 96); /* shared_intermediate_size, not intermediate_size */
+    assert_int_equal(c.mamba_heads, 8);
+    assert_int_equal(c.mamba_expand, 2); /* default */
+    assert_int_equal(c.mamba_d_conv, 4); /* default */
+    assert_true(c.embed_mult == 12.0f && c.residual_mult == 0.22f && c.logits_div == 8.0f &&
+                c.attn_scale == 0.0078125f && c.no_rope);
+    const char *all_mamba = "{" GRANITE_BASE DENSE ", \"position_embedding_type\": \"rope\"}";
+    assert_ok(pd_model_config_parse(&c, all_mamba, strlen(all_mamba), "g.json", msg, sizeof(msg)));
+    assert_string_equal(c.layers, "MMM"); /* no layer_types: all Mamba */
+    assert_false(c.no_rope);
+    assert_true(c.embed_mult == 1.0f && c.logits_div == 1.0f);
+    static const struct {
+        const char *extra, *what;
+    } bad[] = {
+        {", \"num_local_experts\": 4", "num_local_experts 4: mixture-of-experts"},
+        {"", "num_local_experts 8"}, /* absent: transformers' default, 8 experts */
+        {", \"mamba_proj_bias\": true", "'mamba_proj_bias' true"},
+        {", \"mamba_conv_bias\": false", "'mamba_conv_bias' false"},
+        {", \"layer_types\": [\"mamba\"]", "'layer_types' must be a list of num_hidden_layers"},
+        {", \"layer_types\": [\"mamba\", \"moe\", \"mamba\"]", "layer_types[1]"},
+        {", \"mamba_d_head\": 8", "mamba_d_head 8 x mamba_n_heads 8"},
+        {", \"position_embedding_type\": \"alibi\"", "position_embedding_type"},
+        {", \"residual_multiplier\": 0", "must be finite and > 0"},
+        {", \"logits_scaling\": -1", "must be finite and > 0"},
+        {", \"mamba_d_conv\": 1", "mamba_d_conv = 1 is outside"},
+    };
+    for (size_t i = 0; i < PD_ARRAY_LEN(bad); i++) {
+        char text[768];
+        snprintf(text, sizeof text, "{%s%s%s}", GRANITE_BASE, bad[i].extra,
+                 strstr(bad[i].extra, "experts") || !bad[i].extra[0] ? "" : DENSE);
+        msg[0] = '\0';
+        assert_true(pd_model_config_parse(&c, text, strlen(text), "g.json", msg, sizeof(msg)) !=
+                    PD_OK);
+        if (!strstr(msg, bad[i].what)) fail_msg("case %zu: '%s' lacks '%s'", i, msg, bad[i].what);
+    }
+    static const char *const presets[] = {"granite", "granite-4.0-h-350m", "qwen3-0.6b"};
+    for (size_t i = 0; i < PD_ARRAY_LEN(presets); i++) {
+        pd_model_config g, back;
+        assert_ok(pd_model_config_preset(&g, presets[i], msg, sizeof(msg)));
+        json_t *j = mdl_hf_config_json(&g);
+        char *text = json_dumps(j, 0);
+        assert_ok(pd_model_config_parse(&back, text, strlen(text), "g.json", msg, sizeof(msg)));
+        assert_memory_equal(&g, &back, sizeof(g));
+        free(text);
+        json_decref(j);
+    }
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(hf_config_defaults_and_refusals),
+        cmocka_unit_test(granite_config_fields_and_refusals),
         cmocka_unit_test(matmul_rows_equal_single_dot_products_bitwise),
         cmocka_unit_test(dot_product_is_accurate),
         cmocka_unit_test(thread_pool_covers_every_unit_exactly_once),
