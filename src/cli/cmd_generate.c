@@ -21,6 +21,7 @@
 
 #include "args.h"
 #include "commands.h"
+#include "pdserve/hf_tokenizer.h"
 #include "pdserve/model.h"
 #include "pdserve/pool.h"
 #include "pdserve/tokenizer.h"
@@ -33,13 +34,17 @@ static void usage(FILE *to) {
             "usage: pdserve generate --prompt TEXT [options]\n"
             "\n"
             "Generates text offline with the tiny hybrid attention + Mamba2 model (byte-level\n"
-            "tokenizer: the prompt's bytes, preceded by a begin token).\n"
+            "tokenizer: the prompt's bytes, preceded by a begin token), or with a checkpoint\n"
+            "directory's model and its tokenizer.json when it has one.\n"
             "\n"
             "model (default: the built-in tiny config with seeded dummy weights):\n"
-            "  --model DIR                 load DIR/config.json and DIR/model.safetensors\n"
-            "                              (written by `pdserve model init`)\n"
-            "  --config NAME               built-in configuration: tiny (default), small, llama\n"
-            "                              or qwen3\n"
+            "  --model DIR                 a checkpoint directory:\n"
+            "                              config.json, model.safetensors or its shards, and\n"
+            "                              tokenizer.json (+ tokenizer_config.json) if present;\n"
+            "                              a Hugging Face checkpoint or `pdserve model init`'s\n"
+            "  --model-path DIR            = --model\n"
+            "  --config NAME               built-in configuration: tiny (default), small, llama,\n"
+            "                              qwen3, granite, qwen3-0.6b or granite-4.0-h-350m\n"
             "  --layers PATTERN            layer pattern of the built-in config, M = Mamba2,\n"
             "                              A = attention, e.g. MAMA (default: the config's)\n"
             "  --seed N                    seed of the dummy weights (default 0)\n"
@@ -107,7 +112,7 @@ static int parse_args(int argc, char **argv, gen_opts *o, bool *help) {
         const char *val = cli_option(argc, argv, &i, name, sizeof(name));
         bool known = true, ok = true;
         if (!strcmp(name, "--prompt")) o->prompt = val;
-        else if (!strcmp(name, "--model")) o->model_dir = val;
+        else if (!strcmp(name, "--model") || !strcmp(name, "--model-path")) o->model_dir = val;
         else if (!strcmp(name, "--config")) {
             o->config = val;
             o->builtin_option = true;
@@ -254,6 +259,47 @@ static void print_json(const gen_result *res, uint32_t n_prompt, const char *tex
     json_decref(root);
 }
 
+/* The prompt's ids: through DIR/tokenizer.json when the model directory has
+ * one (with the special additions its post-processor makes, as /generate's
+ * text does), else the byte tokenizer after the model's begin token. */
+static pd_err encode_prompt(const pd_hf_tokenizer *tok, const pd_model_config *cfg,
+                            const char *text, int32_t **ids, size_t *n, char *msg, size_t cap) {
+    size_t len = strlen(text);
+    if (tok) return pd_hf_tokenizer_encode(tok, text, len, true, ids, n, msg, cap);
+    if (cfg->vocab < PD_TOKENIZER_VOCAB)
+        return pd_errorf(msg, cap, PD_ERR_INVALID,
+                         "the model's vocabulary (%u) is smaller than the byte tokenizer's (%u) "
+                         "and its directory has no tokenizer.json",
+                         cfg->vocab, PD_TOKENIZER_VOCAB);
+    bool bos = cfg->bos_token >= 0;
+    *n = len + (bos ? 1 : 0);
+    *ids = malloc(sizeof(int32_t) * (*n ? *n : 1));
+    if (!*ids) return pd_errorf(msg, cap, PD_ERR_NOMEM, "out of memory");
+    pd_tokenizer_encode(text, len, false, *ids + (bos ? 1 : 0), len);
+    if (bos) (*ids)[0] = cfg->bos_token;
+    return PD_OK;
+}
+
+/* The output ids as text (special tokens left out), invalid UTF-8 replaced. */
+static char *decode_text(const pd_hf_tokenizer *tok, const int32_t *ids, uint32_t n) {
+    char *raw = NULL, msg[128];
+    size_t raw_len = 0;
+    if (tok) {
+        if (pd_hf_tokenizer_decode(tok, ids, n, true, &raw, &raw_len, msg, sizeof msg) != PD_OK)
+            raw = NULL; /* an id the model has and the tokenizer not: no text */
+    } else {
+        raw_len = pd_tokenizer_decode(ids, n, NULL, 0);
+        raw = malloc(raw_len + 1);
+        if (raw) pd_tokenizer_decode(ids, n, raw, raw_len + 1);
+    }
+    if (!raw) raw = calloc(1, 1), raw_len = 0;
+    size_t text_len = raw ? pd_utf8_sanitize(raw, raw_len, NULL, 0) : 0;
+    char *text = raw ? malloc(text_len + 1) : NULL;
+    if (text) pd_utf8_sanitize(raw, raw_len, text, text_len + 1);
+    free(raw);
+    return text;
+}
+
 int cli_cmd_generate(int argc, char **argv) {
     gen_opts o;
     bool help;
@@ -265,60 +311,53 @@ int cli_cmd_generate(int argc, char **argv) {
     }
     char msg[512] = "";
     pd_model *m = NULL;
-    if (make_model(&o, &m, msg, sizeof(msg)) != PD_OK) {
+    pd_hf_tokenizer *tok = NULL;
+    if (make_model(&o, &m, msg, sizeof(msg)) != PD_OK ||
+        (o.model_dir &&
+         pd_hf_tokenizer_load_dir(o.model_dir, pd_model_config_get(m)->vocab, &tok, msg,
+                                  sizeof msg) != PD_OK)) {
         fprintf(stderr, "pdserve generate: %s\n", msg);
+        pd_model_destroy(m);
         return o.model_dir ? 1 : 2;
     }
-    const pd_model_config *cfg = pd_model_config_get(m);
-    size_t len = strlen(o.prompt);
-    bool bos = cfg->bos_token >= 0;
-    size_t n_prompt = len + (bos ? 1 : 0);
-    int32_t *prompt = malloc(sizeof(int32_t) * (n_prompt ? n_prompt : 1));
+    int32_t *prompt = NULL;
+    size_t n_prompt = 0;
     gen_result res = {.ids = malloc(sizeof(int32_t) * o.max_new),
                       .logprobs = malloc(sizeof(float) * o.max_new)};
-    char *raw = NULL, *text = NULL;
+    char *text = NULL;
     rc = 1;
-    if (!prompt || !res.ids || !res.logprobs) {
+    if (!res.ids || !res.logprobs) {
         fprintf(stderr, "pdserve generate: out of memory\n");
         goto out;
     }
-    if (cfg->vocab < PD_TOKENIZER_VOCAB) {
-        fprintf(stderr,
-                "pdserve generate: the model's vocabulary (%u) is smaller than the byte "
-                "tokenizer's (%u)\n",
-                cfg->vocab, PD_TOKENIZER_VOCAB);
+    if (encode_prompt(tok, pd_model_config_get(m), o.prompt, &prompt, &n_prompt, msg, sizeof msg) !=
+        PD_OK) {
+        fprintf(stderr, "pdserve generate: %s\n", msg);
         goto out;
     }
     if (n_prompt == 0) {
-        fprintf(stderr, "pdserve generate: empty prompt and the model has no begin token\n");
+        fprintf(stderr, "pdserve generate: the prompt has no tokens (empty, and no begin token)\n");
         rc = 2;
         goto out;
     }
-    pd_tokenizer_encode(o.prompt, len, false, prompt + (bos ? 1 : 0), len);
-    if (bos) prompt[0] = cfg->bos_token;
     if (run(&o, m, prompt, (uint32_t)n_prompt, &res, msg, sizeof(msg)) != PD_OK) {
         fprintf(stderr, "pdserve generate: %s\n", msg[0] ? msg : "forward failed");
         goto out;
     }
-    size_t raw_len = pd_tokenizer_decode(res.ids, res.n, NULL, 0);
-    raw = malloc(raw_len + 1);
-    if (raw) pd_tokenizer_decode(res.ids, res.n, raw, raw_len + 1);
-    size_t text_len = raw ? pd_utf8_sanitize(raw, raw_len, NULL, 0) : 0;
-    text = malloc(text_len + 1);
-    if (!raw || !text) {
+    text = decode_text(tok, res.ids, res.n);
+    if (!text) {
         fprintf(stderr, "pdserve generate: out of memory\n");
         goto out;
     }
-    pd_utf8_sanitize(raw, raw_len, text, text_len + 1);
     if (o.json) print_json(&res, (uint32_t)n_prompt, text);
     else printf("%s\n", text);
     rc = 0;
 out:
     free(text);
-    free(raw);
     free(res.logprobs);
     free(res.ids);
     free(prompt);
+    pd_hf_tokenizer_free(tok);
     pd_model_destroy(m);
     return rc;
 }

@@ -51,6 +51,7 @@ static void usage(FILE *to) {
             "info prints the shape, the parameter count, and the bytes of KV per token and\n"
             "per page and of one Mamba state slot (what a prefill node transfers):\n"
             "  --model DIR        a model directory instead of a built-in config\n"
+            "  --model-path DIR   = --model\n"
             "  --page-size N      page size for the per-page figures (default 16)\n"
             "\n"
             "  --help             this text\n");
@@ -84,7 +85,7 @@ static int parse_args(const char *sub, int argc, char **argv, model_opts *o, boo
         if (!strcmp(name, "--out")) {
             o->out = val;
             init_only = true;
-        } else if (!strcmp(name, "--model")) {
+        } else if (!strcmp(name, "--model") || !strcmp(name, "--model-path")) {
             o->model_dir = val;
             info_only = true;
         } else if (!strcmp(name, "--config")) {

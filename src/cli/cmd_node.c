@@ -32,7 +32,8 @@ static const struct {
      "the chat template (Jinja) for /v1/chat/completions instead of the model directory's "
      "tokenizer_config.json chat_template"},
     {"--model-config", "NAME",
-     "built-in model when --model is not given: tiny (default), small, llama or qwen3"},
+     "built-in model when --model is not given: tiny (default), small, llama, qwen3, granite, "
+     "qwen3-0.6b or granite-4.0-h-350m"},
     {"--layers", "PATTERN", "layer pattern of the built-in model, M = Mamba2, A = attention"},
     {"--seed", "N", "seed of the built-in model's dummy weights (default 0)"},
     {"--threads", "N", "executor threads (default 1)"},

@@ -587,6 +587,37 @@ static pd_err config_token(const pd_hf_tokenizer *tok, const json_t *root, const
     return PD_OK;
 }
 
+pd_err pd_hf_tokenizer_load_dir(const char *dir, uint32_t model_vocab, pd_hf_tokenizer **out,
+                                char *msg, size_t cap) {
+    char path[4096];
+    *out = NULL;
+    int n = snprintf(path, sizeof path, "%s/tokenizer_config.json", dir);
+    if (n < 0 || (size_t)n >= sizeof path)
+        return pd_errorf(msg, cap, PD_ERR_INVALID, "model directory path too long");
+    snprintf(path, sizeof path, "%s/tokenizer.json", dir);
+    FILE *f = fopen(path, "rb");
+    if (!f) return PD_OK; /* the byte tokenizer */
+    fclose(f);
+    pd_hf_tokenizer *tok = NULL;
+    pd_err err = pd_hf_tokenizer_load(path, &tok, msg, cap);
+    snprintf(path, sizeof path, "%s/tokenizer_config.json", dir);
+    f = err ? NULL : fopen(path, "rb");
+    if (f) {
+        fclose(f);
+        err = pd_hf_tokenizer_load_config(tok, path, msg, cap);
+    }
+    if (!err && pd_hf_tokenizer_vocab_size(tok) > model_vocab)
+        err = pd_errorf(msg, cap, PD_ERR_INVALID,
+                        "%s/tokenizer.json has ids up to %u, more than the model's vocab_size %u",
+                        dir, pd_hf_tokenizer_vocab_size(tok), model_vocab);
+    if (err) {
+        pd_hf_tokenizer_free(tok);
+        return err;
+    }
+    *out = tok;
+    return PD_OK;
+}
+
 pd_err pd_hf_tokenizer_load_config(pd_hf_tokenizer *tok, const char *path, char *msg,
                                    size_t msg_cap) {
     json_error_t jerr;

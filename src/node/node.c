@@ -745,19 +745,7 @@ static pd_err check_bootstrap_exposure(const pd_node_config *c, char *msg, size_
 /* The model directory's tokenizer.json (and tokenizer_config.json's begin
  * and end tokens), when it has one; its ids must be the model's. */
 static pd_err load_tokenizer(pd_node *n, char *msg, size_t cap) {
-    char path[4096];
-    snprintf(path, sizeof path, "%s/tokenizer.json", n->cfg.model_dir);
-    if (access(path, F_OK) != 0) return PD_OK; /* the byte tokenizer */
-    pd_err err = pd_hf_tokenizer_load(path, &n->tok, msg, cap);
-    if (err) return err;
-    snprintf(path, sizeof path, "%s/tokenizer_config.json", n->cfg.model_dir);
-    if (access(path, F_OK) == 0) err = pd_hf_tokenizer_load_config(n->tok, path, msg, cap);
-    uint32_t tv = pd_hf_tokenizer_vocab_size(n->tok), mv = node_vocab(n);
-    if (!err && tv > mv)
-        err = pd_errorf(msg, cap, PD_ERR_INVALID,
-                        "%s/tokenizer.json has ids up to %u, more than the model's vocab_size %u",
-                        n->cfg.model_dir, tv, mv);
-    return err;
+    return pd_hf_tokenizer_load_dir(n->cfg.model_dir, node_vocab(n), &n->tok, msg, cap);
 }
 
 /* A file's text, malloc'd (NUL-terminated), at most max bytes. */
