@@ -43,7 +43,9 @@ if(PD_BUILD_TESTS)
   pd_add_test(test_model_safetensors tests/model/test_safetensors.c pd_model)
   pd_add_test(test_model_executor tests/model/test_executor.c pd_model)
   pd_add_test(test_model_parts tests/model/test_parts.c pd_model)
-  foreach(t test_model_forward test_model_mamba2 test_model_safetensors test_model_executor test_model_parts)
+  pd_add_test(test_model_kernels tests/model/test_kernels.c pd_model)
+  foreach(t test_model_forward test_model_mamba2 test_model_safetensors test_model_executor test_model_parts
+            test_model_kernels)
     target_include_directories(${t} PRIVATE ${CMAKE_SOURCE_DIR}/src/model)
   endforeach()
 

@@ -1,14 +1,31 @@
 /*
- * kernels.c — the fixed-order numeric kernels. See kernels.h for why the
- * order is fixed.
+ * kernels.c — the fixed-order numeric kernels. kernels.h defines the order
+ * (8 lanes, one FMA per term, a fixed fold) and says why it is fixed.
  *
- * mdl_matmul works on tiles: two weight rows against four input rows at a
- * time (eight running sums, each a 4-lane vector; every weight and input
- * vector loaded is used two or four times), four weight rows against one
- * input row for the rows left over (the decode case), and mdl_dot for the
- * rest. Each output is produced by the same lane assignment and reduction
- * as mdl_dot, so it does not depend on which tile it fell in; the test suite
- * checks that equality bit for bit.
+ * mdl_matmul, AVX2 path. A tile is up to 4 weight rows (outputs) against up
+ * to 3 input rows: 12 running sums, each one 8-lane register, fed per step of
+ * 8 terms by 3 input loads and 4 weight loads (7 loads for 12 FMAs; the 4x3
+ * shape is what fits the 16 registers: 12 sums, 3 inputs, 1 weight). The
+ * loop nest, outermost first:
+ *
+ *   input rows in blocks of ROWS_BLOCK (64, the most a forward pass sends)
+ *   outputs in groups of 4 (within the thread's piece of [0, n_out))
+ *   terms in blocks of K_BLOCK: the group's 4 weight rows (8 KiB of f32)
+ *     stay in L1 while every 3-row tile of the row block uses them, and the
+ *     row block's inputs (128 KiB) stay in L2 from one group to the next.
+ *     Between term blocks a tile's 12 sums wait in a small buffer, so each
+ *     lane's chain continues in order: blocking changes no bits.
+ *   input rows in tiles of 3
+ *
+ * Decode (one row) runs the same nest with 4x1 tiles: the weights stream
+ * from memory once, four rows in flight, the input row stays in L1.
+ * Leftovers (fewer than 4 outputs or 3 rows) take the smaller tiles; all 12
+ * shapes, f32 and bf16, are instances of one inline function. A vector's
+ * tail (n_in mod 8 terms) is loaded zero-filled and blended in only where a
+ * lane owns a term. Each output is therefore computed exactly as mdl_dot
+ * defines it whatever tile, block or thread it fell in; the tests check it
+ * bit for bit against mdl_dot, a term-by-term transcription of the
+ * definition, and the portable code.
  */
 #include "kernels.h"
 #include "detmath.h"
@@ -16,131 +33,311 @@
 #include <math.h>
 #include <string.h>
 
-typedef float v4 __attribute__((vector_size(16)));
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
 
-static inline v4 load4(const float *p) {
-    v4 v;
-    memcpy(&v, p, sizeof(v)); /* unaligned load */
-    return v;
+#define LANES PD_DOT_LANES
+#define TILE_W 4      /* outputs (weight rows) per tile */
+#define TILE_X 3      /* input rows per tile */
+#define ROWS_BLOCK 64 /* input rows per pass over the weights */
+#define K_BLOCK 512   /* terms per block; a multiple of LANES */
+
+_Static_assert(K_BLOCK % LANES == 0, "term blocks hold whole lane steps");
+
+/* Set by tests only (mdl_kernels_force_portable), read by every kernel. */
+static bool force_portable;
+
+void mdl_kernels_force_portable(bool on) {
+    __atomic_store_n(&force_portable, on, __ATOMIC_RELAXED);
 }
 
-/* The one reduction of the four lanes. */
-static inline float fold(v4 a) { return (a[0] + a[2]) + (a[1] + a[3]); }
+/* The CPU's answer is read from the table libgcc fills once at start-up. */
+static bool use_avx2(void) {
+#if defined(__x86_64__)
+    return !__atomic_load_n(&force_portable, __ATOMIC_RELAXED) && __builtin_cpu_supports("avx2") &&
+        __builtin_cpu_supports("fma");
+#else
+    return false;
+#endif
+}
+
+const char *mdl_kernels_path(void) { return use_avx2() ? "avx2" : "portable"; }
 
 void mdl_par_run(const pd_par *par, uint32_t units, uint64_t flops, pd_task_fn fn, void *ctx) {
     if (par->tp && mdl_threads_count(par->tp) > 1 && flops >= par->min_flops)
         mdl_threads_run(par->tp, units, fn, ctx);
-    else if (units > 0)
-        fn(ctx, 0, units, 0);
+    else if (units > 0) fn(ctx, 0, units, 0);
 }
 
-float mdl_dot(const float *a, const float *b, uint32_t n) {
-    v4 acc = {0, 0, 0, 0};
-    uint32_t i = 0;
-    for (; i + 4 <= n; i += 4) acc += load4(a + i) * load4(b + i);
-    for (; i < n; i++) acc[i % 4] += a[i] * b[i];
-    return fold(acc);
+/* ---- portable code: the definition, term by term ------------------------------- */
+
+static inline float bf16_widen(uint16_t b) {
+    uint32_t u = (uint32_t)b << 16;
+    float f;
+    memcpy(&f, &u, sizeof(f));
+    return f;
 }
 
-/* w0, w1 against x0..x3: out0[r] = mdl_dot(w0, xr), out1[r] = mdl_dot(w1, xr). */
-static void tile_2x4(const float *w0, const float *w1, const float *x0, const float *x1,
-                     const float *x2, const float *x3, uint32_t n, float *out0, float *out1) {
-    v4 a0 = {0, 0, 0, 0}, a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
-    uint32_t i = 0;
-    for (; i + 4 <= n; i += 4) {
-        v4 u = load4(w0 + i), v = load4(w1 + i);
-        v4 p = load4(x0 + i), q = load4(x1 + i), r = load4(x2 + i), s = load4(x3 + i);
-        a0 += u * p;
-        a1 += u * q;
-        a2 += u * r;
-        a3 += u * s;
-        b0 += v * p;
-        b1 += v * q;
-        b2 += v * r;
-        b3 += v * s;
-    }
-    for (; i < n; i++) {
-        uint32_t j = i % 4;
-        a0[j] += w0[i] * x0[i];
-        a1[j] += w0[i] * x1[i];
-        a2[j] += w0[i] * x2[i];
-        a3[j] += w0[i] * x3[i];
-        b0[j] += w1[i] * x0[i];
-        b1[j] += w1[i] * x1[i];
-        b2[j] += w1[i] * x2[i];
-        b3[j] += w1[i] * x3[i];
-    }
-    out0[0] = fold(a0), out0[1] = fold(a1), out0[2] = fold(a2), out0[3] = fold(a3);
-    out1[0] = fold(b0), out1[1] = fold(b1), out1[2] = fold(b2), out1[3] = fold(b3);
+/* The one fold of the eight lanes. */
+static float fold_lanes(const float l[LANES]) {
+    return ((l[0] + l[4]) + (l[2] + l[6])) + ((l[1] + l[5]) + (l[3] + l[7]));
 }
 
-/* w0..w3 against x: out[k] = mdl_dot(wk, x). */
-static void tile_4x1(const float *w0, const float *w1, const float *w2, const float *w3,
-                     const float *x, uint32_t n, float *out) {
-    v4 a0 = {0, 0, 0, 0}, a1 = a0, a2 = a0, a3 = a0;
-    uint32_t i = 0;
-    for (; i + 4 <= n; i += 4) {
-        v4 p = load4(x + i);
-        a0 += load4(w0 + i) * p;
-        a1 += load4(w1 + i) * p;
-        a2 += load4(w2 + i) * p;
-        a3 += load4(w3 + i) * p;
-    }
-    for (; i < n; i++) {
-        a0[i % 4] += w0[i] * x[i];
-        a1[i % 4] += w1[i] * x[i];
-        a2[i % 4] += w2[i] * x[i];
-        a3[i % 4] += w3[i] * x[i];
-    }
-    out[0] = fold(a0), out[1] = fold(a1), out[2] = fold(a2), out[3] = fold(a3);
+/* Weight i of a row held as f32 (w) or as bf16 (w16, when not NULL). */
+static inline float weight_at(const float *w, const uint16_t *w16, uint32_t i) {
+    return w16 ? bf16_widen(w16[i]) : w[i];
 }
+
+static float dot_portable(const float *w, const uint16_t *w16, const float *x, uint32_t n) {
+    float l[LANES] = {0};
+    uint32_t i = 0;
+    for (; i + LANES <= n; i += LANES)
+        for (uint32_t j = 0; j < LANES; j++) l[j] = fmaf(weight_at(w, w16, i + j), x[i + j], l[j]);
+    for (uint32_t j = 0; i + j < n; j++) l[j] = fmaf(weight_at(w, w16, i + j), x[i + j], l[j]);
+    return fold_lanes(l);
+}
+
+/* ---- AVX2 + FMA ---------------------------------------------------------------- */
+
+#if defined(__x86_64__)
+#define AVX2 __attribute__((target("avx2,fma")))
+#define AVX2_INLINE static inline __attribute__((target("avx2,fma"), always_inline))
+
+/* fold_lanes on a register: high half onto low, then pairs, then lane 1. */
+AVX2_INLINE float fold8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps(t, t, 1)));
+}
+
+/* All ones in lanes [0, rem): the lanes that own one of rem tail terms. */
+AVX2_INLINE __m256 tail_mask(uint32_t rem) {
+    __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    return _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32((int)rem), lane));
+}
+
+/* Eight weights from element i of w, f32 or bf16 (exactly widened). */
+AVX2_INLINE __m256 load_w(const void *w, size_t i, bool bf16) {
+    if (!bf16) return _mm256_loadu_ps((const float *)w + i);
+    __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)w + i));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+/* The rem < 8 weights from element i, zero-filled. */
+AVX2_INLINE __m256 load_w_tail(const void *w, size_t i, uint32_t rem, __m256 mask, bool bf16) {
+    if (!bf16) return _mm256_maskload_ps((const float *)w + i, _mm256_castps_si256(mask));
+    float buf[LANES] = {0};
+    for (uint32_t j = 0; j < rem; j++) buf[j] = bf16_widen(((const uint16_t *)w)[i + j]);
+    return _mm256_loadu_ps(buf);
+}
+
+/* s + w * x in the lanes of mask, s elsewhere (a tail step). */
+AVX2_INLINE __m256 fma_masked(__m256 w, __m256 x, __m256 s, __m256 mask) {
+    return _mm256_blendv_ps(s, _mm256_fmadd_ps(w, x, s), mask);
+}
+
+AVX2 static float dot_avx2(const float *a, const float *b, uint32_t n) {
+    __m256 s = _mm256_setzero_ps();
+    uint32_t i = 0;
+    for (; i + LANES <= n; i += LANES)
+        s = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), s);
+    if (i < n) {
+        __m256 m = tail_mask(n - i);
+        __m256i mi = _mm256_castps_si256(m);
+        s = fma_masked(_mm256_maskload_ps(a + i, mi), _mm256_maskload_ps(b + i, mi), s, m);
+    }
+    return fold8(s);
+}
+
+/* One tile over the term block [k0, k1). */
+typedef struct tile {
+    const void *w;    /* the weight row of the tile's first output */
+    const float *x;   /* the input row of the tile's first row */
+    size_t n_in;      /* the stride of both */
+    uint32_t k0, k1;  /* the term block */
+    bool first, last; /* k0 == 0 (sums start at +0); k1 == n_in (tail, then fold) */
+    __m256 *sums;     /* [row][TILE_W]: the running sums between term blocks */
+    float *out;       /* out[row * n_out + output] */
+    size_t n_out;
+} tile;
+
+/* The tail terms of a tile's last block. */
+AVX2_INLINE void tile_tail(const tile *a, uint32_t i, __m256 s[TILE_W][TILE_X], int nw, int nx,
+                           bool bf16) {
+    const uint32_t rem = a->k1 - i;
+    const __m256 m = tail_mask(rem);
+    __m256 xv[TILE_X];
+#pragma GCC unroll 4
+    for (int k = 0; k < nx; k++)
+        xv[k] = _mm256_maskload_ps(a->x + k * a->n_in + i, _mm256_castps_si256(m));
+#pragma GCC unroll 4
+    for (int r = 0; r < nw; r++) {
+        __m256 wv = load_w_tail(a->w, r * a->n_in + i, rem, m, bf16);
+#pragma GCC unroll 4
+        for (int k = 0; k < nx; k++) s[r][k] = fma_masked(wv, xv[k], s[r][k], m);
+    }
+}
+
+/* nw outputs x nx rows; nw, nx and bf16 are constants in every instance. */
+AVX2_INLINE void tile_run(const tile *a, int nw, int nx, bool bf16) {
+    __m256 s[TILE_W][TILE_X];
+#pragma GCC unroll 4
+    for (int r = 0; r < nw; r++)
+#pragma GCC unroll 4
+        for (int k = 0; k < nx; k++)
+            s[r][k] = a->first ? _mm256_setzero_ps() : a->sums[k * TILE_W + r];
+    const size_t n_in = a->n_in;
+    const uint32_t full = a->k0 + (a->k1 - a->k0) / LANES * LANES;
+    uint32_t i = a->k0;
+    for (; i < full; i += LANES) {
+        __m256 xv[TILE_X];
+#pragma GCC unroll 4
+        for (int k = 0; k < nx; k++) xv[k] = _mm256_loadu_ps(a->x + k * n_in + i);
+#pragma GCC unroll 4
+        for (int r = 0; r < nw; r++) {
+            __m256 wv = load_w(a->w, r * n_in + i, bf16);
+#pragma GCC unroll 4
+            for (int k = 0; k < nx; k++) s[r][k] = _mm256_fmadd_ps(wv, xv[k], s[r][k]);
+        }
+    }
+    if (i < a->k1) tile_tail(a, i, s, nw, nx, bf16);
+    float *out = a->out;
+    __m256 *sums = a->sums;
+    const size_t n_out = a->n_out;
+    if (a->last) {
+#pragma GCC unroll 4
+        for (int r = 0; r < nw; r++)
+#pragma GCC unroll 4
+            for (int k = 0; k < nx; k++) out[k * n_out + r] = fold8(s[r][k]);
+    } else {
+#pragma GCC unroll 4
+        for (int r = 0; r < nw; r++)
+#pragma GCC unroll 4
+            for (int k = 0; k < nx; k++) sums[k * TILE_W + r] = s[r][k];
+    }
+}
+
+#define TILE_FNS(nw, nx)                                                                 \
+    AVX2 static void tile_f32_##nw##x##nx(const tile *a) { tile_run(a, nw, nx, false); } \
+    AVX2 static void tile_b16_##nw##x##nx(const tile *a) { tile_run(a, nw, nx, true); }
+TILE_FNS(1, 1)
+TILE_FNS(1, 2)
+TILE_FNS(1, 3)
+TILE_FNS(2, 1)
+TILE_FNS(2, 2)
+TILE_FNS(2, 3)
+TILE_FNS(3, 1)
+TILE_FNS(3, 2)
+TILE_FNS(3, 3)
+TILE_FNS(4, 1)
+TILE_FNS(4, 2)
+TILE_FNS(4, 3)
+
+typedef void (*tile_fn)(const tile *);
+/* [bf16][outputs - 1][rows - 1] */
+static const tile_fn tile_fns[2][TILE_W][TILE_X] = {
+    {{tile_f32_1x1, tile_f32_1x2, tile_f32_1x3},
+     {tile_f32_2x1, tile_f32_2x2, tile_f32_2x3},
+     {tile_f32_3x1, tile_f32_3x2, tile_f32_3x3},
+     {tile_f32_4x1, tile_f32_4x2, tile_f32_4x3}},
+    {{tile_b16_1x1, tile_b16_1x2, tile_b16_1x3},
+     {tile_b16_2x1, tile_b16_2x2, tile_b16_2x3},
+     {tile_b16_3x1, tile_b16_3x2, tile_b16_3x3},
+     {tile_b16_4x1, tile_b16_4x2, tile_b16_4x3}},
+};
+#endif
+
+/* ---- matrix products ----------------------------------------------------------- */
 
 typedef struct matmul_job {
     float *out;
-    const float *x, *w;
+    const float *x;
+    const float *w;      /* f32 weights, or NULL */
+    const uint16_t *w16; /* bf16 weights, or NULL */
     uint32_t rows, n_in, n_out;
+    bool avx2; /* chosen once per product, so every thread runs the same code */
 } matmul_job;
 
-/* Outputs [begin, end) for every row. */
+static void matmul_portable(const matmul_job *j, uint32_t begin, uint32_t end) {
+    const size_t in = j->n_in, on = j->n_out;
+    for (uint32_t o = begin; o < end; o++) {
+        const float *w = j->w ? j->w + o * in : NULL;
+        const uint16_t *w16 = j->w16 ? j->w16 + o * in : NULL;
+        for (uint32_t t = 0; t < j->rows; t++)
+            j->out[t * on + o] = dot_portable(w, w16, j->x + t * in, j->n_in);
+    }
+}
+
+#if defined(__x86_64__)
+/* Outputs [begin, end) for every row: the loop nest of the header comment. */
+AVX2 static void matmul_avx2(const matmul_job *j, uint32_t begin, uint32_t end) {
+    __m256 sums[ROWS_BLOCK * TILE_W];
+    const size_t in = j->n_in;
+    const bool bf16 = j->w16 != NULL;
+    const uint32_t blocks = j->n_in > K_BLOCK ? PD_DIV_CEIL(j->n_in, K_BLOCK) : 1;
+    for (uint32_t t0 = 0; t0 < j->rows; t0 += ROWS_BLOCK) {
+        const uint32_t t1 = PD_MIN(j->rows, t0 + ROWS_BLOCK);
+        for (uint32_t o = begin; o < end; o += TILE_W) {
+            const uint32_t nw = PD_MIN(TILE_W, end - o);
+            tile a = {.w = bf16 ? (const void *)(j->w16 + o * in) : (const void *)(j->w + o * in),
+                      .n_in = in,
+                      .n_out = j->n_out};
+            for (uint32_t b = 0; b < blocks; b++) {
+                a.k0 = b * K_BLOCK;
+                a.k1 = PD_MIN(j->n_in, a.k0 + K_BLOCK);
+                a.first = b == 0;
+                a.last = b + 1 == blocks;
+                for (uint32_t t = t0; t < t1; t += TILE_X) {
+                    const uint32_t nx = PD_MIN(TILE_X, t1 - t);
+                    a.x = j->x + t * in;
+                    a.sums = sums + (t - t0) * TILE_W;
+                    a.out = j->out + t * a.n_out + o;
+                    tile_fns[bf16][nw - 1][nx - 1](&a);
+                }
+            }
+        }
+    }
+}
+#endif
+
 static void matmul_range(void *ctx, uint32_t begin, uint32_t end, uint32_t worker) {
     (void)worker;
     const matmul_job *j = ctx;
-    const size_t in = j->n_in, on = j->n_out;
-    const uint32_t full = j->rows / 4 * 4;
-    /* rows in groups of four, outputs in pairs */
-    for (uint32_t t = 0; t < full; t += 4) {
-        const float *x = j->x + t * in;
-        float *out = j->out + t * on;
-        uint32_t o = begin;
-        for (; o + 2 <= end; o += 2) {
-            float r0[4], r1[4];
-            tile_2x4(j->w + o * in, j->w + (o + 1) * in, x, x + in, x + 2 * in, x + 3 * in, j->n_in,
-                     r0, r1);
-            for (uint32_t q = 0; q < 4; q++) {
-                out[q * on + o] = r0[q];
-                out[q * on + o + 1] = r1[q];
-            }
-        }
-        for (; o < end; o++)
-            for (uint32_t q = 0; q < 4; q++)
-                out[q * on + o] = mdl_dot(j->w + o * in, x + q * in, j->n_in);
+#if defined(__x86_64__)
+    if (j->avx2) {
+        matmul_avx2(j, begin, end);
+        return;
     }
-    /* the remaining rows, outputs in fours */
-    for (uint32_t t = full; t < j->rows; t++) {
-        const float *x = j->x + t * in;
-        float *out = j->out + t * on;
-        uint32_t o = begin;
-        for (; o + 4 <= end; o += 4)
-            tile_4x1(j->w + o * in, j->w + (o + 1) * in, j->w + (o + 2) * in, j->w + (o + 3) * in,
-                     x, j->n_in, out + o);
-        for (; o < end; o++) out[o] = mdl_dot(j->w + o * in, x, j->n_in);
-    }
+#endif
+    matmul_portable(j, begin, end);
+}
+
+static void matmul_run(const pd_par *par, matmul_job *job) {
+    PD_ASSERT((job->w == NULL) != (job->w16 == NULL));
+    job->avx2 = use_avx2();
+    mdl_par_run(par, job->n_out, 2ull * job->rows * job->n_in * job->n_out, matmul_range, job);
 }
 
 void mdl_matmul(const pd_par *par, float *out, const float *x, const float *w, uint32_t rows,
                 uint32_t n_in, uint32_t n_out) {
-    matmul_job job = {out, x, w, rows, n_in, n_out};
-    mdl_par_run(par, n_out, 2ull * rows * n_in * n_out, matmul_range, &job);
+    matmul_job job = {.out = out, .x = x, .w = w, .rows = rows, .n_in = n_in, .n_out = n_out};
+    matmul_run(par, &job);
+}
+
+void mdl_matmul_bf16(const pd_par *par, float *out, const float *x, const uint16_t *w,
+                     uint32_t rows, uint32_t n_in, uint32_t n_out) {
+    matmul_job job = {.out = out, .x = x, .w16 = w, .rows = rows, .n_in = n_in, .n_out = n_out};
+    matmul_run(par, &job);
+}
+
+/* ---- the rest ------------------------------------------------------------------ */
+
+float mdl_dot(const float *a, const float *b, uint32_t n) {
+#if defined(__x86_64__)
+    if (use_avx2()) return dot_avx2(a, b, n);
+#endif
+    return dot_portable(a, NULL, b, n);
 }
 
 void mdl_rmsnorm(float *out, const float *x, const float *w, uint32_t n, float eps) {
