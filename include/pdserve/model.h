@@ -163,8 +163,15 @@ void pd_model_destroy(pd_model *m);
 
 const pd_model_config *pd_model_config_get(const pd_model *m);
 const pd_model_shape *pd_model_shape_get(const pd_model *m);
-/* The fp32 values of a named tensor and their count; NULL if no such tensor. */
+/* The fp32 values of a named tensor and their count; NULL if no such tensor
+ * or if it is kept as bf16 (the matrices of a BF16 checkpoint are:
+ * pd_model_tensor_values widens them). */
 const float *pd_model_tensor(const pd_model *m, const char *name, uint64_t *n_out);
+/* Copies up to cap of the tensor's values as fp32 (bf16 widened exactly)
+ * and returns its element count; 0 if no such tensor. */
+uint64_t pd_model_tensor_values(const pd_model *m, const char *name, float *out, uint64_t cap);
+/* True when the tensor is kept in memory as bf16. */
+bool pd_model_tensor_is_bf16(const pd_model *m, const char *name);
 uint32_t pd_model_tensor_count(const pd_model *m);
 const char *pd_model_tensor_name(const pd_model *m, uint32_t i);
 

@@ -140,9 +140,9 @@ uint64_t mdl_attention_forward(const pd_par *par, const pd_attn_dims *d, const p
     const uint32_t D = d->head_dim, half = D / 2;
 
     /* 1. projections */
-    mdl_matmul(par, s->q, in, w->wq, rows, d->dim, d->q_dim);
-    mdl_matmul(par, s->k, in, w->wk, rows, d->dim, d->kv_dim);
-    mdl_matmul(par, s->v, in, w->wv, rows, d->dim, d->kv_dim);
+    mdl_matmul_w(par, s->q, in, w->wq, rows, d->dim, d->q_dim);
+    mdl_matmul_w(par, s->k, in, w->wk, rows, d->dim, d->kv_dim);
+    mdl_matmul_w(par, s->v, in, w->wv, rows, d->dim, d->kv_dim);
 
     /* 2. rotate q and k by each row's position; 3. store k and v in the page */
     uint64_t context = 0;
@@ -170,6 +170,6 @@ uint64_t mdl_attention_forward(const pd_par *par, const pd_attn_dims *d, const p
     mdl_par_run(par, rows * d->heads, flops, attend, &job);
 
     /* 5. output projection */
-    mdl_matmul(par, out, s->att, w->wo, rows, d->q_dim, d->dim);
+    mdl_matmul_w(par, out, s->att, w->wo, rows, d->q_dim, d->dim);
     return flops;
 }

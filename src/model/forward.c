@@ -61,11 +61,11 @@ static void mixer(pd_runner *r, const pd_block_weights *b) {
 
 static void mlp(pd_runner *r, const pd_block_weights *b) {
     const pd_model_config *c = &r->model->cfg;
-    mdl_matmul(&r->par, r->gate, r->xb, b->gate, r->rows, c->dim, c->mlp_hidden);
-    mdl_matmul(&r->par, r->up, r->xb, b->up, r->rows, c->dim, c->mlp_hidden);
+    mdl_matmul_w(&r->par, r->gate, r->xb, b->gate, r->rows, c->dim, c->mlp_hidden);
+    mdl_matmul_w(&r->par, r->up, r->xb, b->up, r->rows, c->dim, c->mlp_hidden);
     for (size_t i = 0; i < (size_t)r->rows * c->mlp_hidden; i++)
         r->gate[i] = mdl_silu(r->gate[i]) * r->up[i];
-    mdl_matmul(&r->par, r->xo, r->gate, b->down, r->rows, c->mlp_hidden, c->dim);
+    mdl_matmul_w(&r->par, r->xo, r->gate, b->down, r->rows, c->mlp_hidden, c->dim);
 }
 
 static void block(pd_runner *r, const pd_block_weights *b) {
@@ -92,7 +92,7 @@ static void run_pass(pd_runner *r, const pd_batch_item *items, pd_item_result *r
         /* checked at launch */
         PD_ASSERT(r->row_token[t] >= 0 && (uint32_t)r->row_token[t] < c->vocab);
         float *x = r->x + (size_t)t * c->dim;
-        memcpy(x, m->embed + (size_t)r->row_token[t] * c->dim, sizeof(float) * c->dim);
+        mdl_wmat_row(m->embed, (uint64_t)r->row_token[t], c->dim, x);
         for (uint32_t i = 0; c->embed_mult != 0.0f && i < c->dim; i++) x[i] *= c->embed_mult;
         if (m->shape.n_attn && !c->no_rope)
             mdl_rope_angles(r->row_pos[t], half, r->rope_inv, r->rope_cos + (size_t)t * half,
@@ -113,7 +113,7 @@ static void run_pass(pd_runner *r, const pd_batch_item *items, pd_item_result *r
         sample_row[n_sample++] = t;
     }
     if (n_sample) {
-        mdl_matmul(&r->par, r->logits, r->xb, m->lm_head, n_sample, c->dim, c->vocab);
+        mdl_matmul_w(&r->par, r->logits, r->xb, m->lm_head, n_sample, c->dim, c->vocab);
         r->flops += 2ull * n_sample * c->vocab * c->dim;
     }
     for (uint32_t s = 0; s < n_sample; s++) {

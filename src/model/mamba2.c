@@ -133,7 +133,7 @@ void mdl_mamba2_forward(const pd_par *par, const pd_mamba2_dims *d, const pd_mam
     mamba_job job = {d, w, s, state, rows};
 
     /* 1. input projection: z, xBC and dt for every row */
-    mdl_matmul(par, s->zxbcdt, in, w->in_proj, rows, d->dim, d->in_proj);
+    mdl_matmul_w(par, s->zxbcdt, in, w->in_proj, rows, d->dim, d->in_proj);
 
     /* 2. causal conv + SiLU, advancing each row's conv state */
     mdl_par_run(par, d->conv_dim, 2ull * rows * d->conv_dim * d->d_conv, conv_channels, &job);
@@ -160,5 +160,5 @@ void mdl_mamba2_forward(const pd_par *par, const pd_mamba2_dims *d, const pd_mam
     }
 
     /* 6. output projection */
-    mdl_matmul(par, out, s->y, w->out_proj, rows, d->d_inner, d->dim);
+    mdl_matmul_w(par, out, s->y, w->out_proj, rows, d->d_inner, d->dim);
 }

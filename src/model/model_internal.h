@@ -7,6 +7,8 @@
 #ifndef PDSERVE_MODEL_INTERNAL_H
 #define PDSERVE_MODEL_INTERNAL_H
 
+#include <string.h>
+
 #include <jansson.h>
 
 #include "kernels.h"
@@ -33,25 +35,53 @@ typedef struct pd_tensor_entry {
     uint32_t ndim;
     uint64_t shape[3];
     uint64_t elems;
-    uint64_t offset;            /* in floats, inside pd_model.data */
+    bool bf16;       /* kept as bf16 (a matrix of a bf16 checkpoint) */
+    uint64_t offset; /* in floats inside pd_model.data, or in halves
+                                 * inside pd_model.data16 when bf16 */
     pd_init init;
     double scale;               /* PD_INIT_UNIFORM bound */
 } pd_tensor_entry;
 
+/* A weight matrix [n_out][n_in]: fp32, or the bf16 of a bf16 checkpoint,
+ * widened as the kernel reads it (exact, so the result is the same bits as
+ * the fp32 product of the widened values). Exactly one pointer is set. */
+typedef struct pd_wmat {
+    const float *f32;
+    const uint16_t *bf16;
+} pd_wmat;
+
+static inline void mdl_matmul_w(const pd_par *par, float *out, const float *x, pd_wmat w,
+                                uint32_t rows, uint32_t n_in, uint32_t n_out) {
+    if (w.bf16) mdl_matmul_bf16(par, out, x, w.bf16, rows, n_in, n_out);
+    else mdl_matmul(par, out, x, w.f32, rows, n_in, n_out);
+}
+
+/* Row r of w (n columns) widened into out. */
+static inline void mdl_wmat_row(pd_wmat w, uint64_t r, uint32_t n, float *out) {
+    if (w.f32) {
+        for (uint32_t i = 0; i < n; i++) out[i] = w.f32[r * n + i];
+        return;
+    }
+    for (uint32_t i = 0; i < n; i++) {
+        uint32_t bits = (uint32_t)w.bf16[r * n + i] << 16;
+        memcpy(&out[i], &bits, sizeof bits);
+    }
+}
+
 typedef struct pd_attn_weights {
-    const float *wq, *wk, *wv, *wo; /* [q_dim][dim], [kv_dim][dim] x2, [dim][q_dim] */
-    const float *q_norm, *k_norm;   /* [head_dim] (Qwen3), or NULL: no q/k norm */
+    pd_wmat wq, wk, wv, wo;       /* [q_dim][dim], [kv_dim][dim] x2, [dim][q_dim] */
+    const float *q_norm, *k_norm; /* [head_dim] (Qwen3), or NULL: no q/k norm */
 } pd_attn_weights;
 
 typedef struct pd_mamba2_weights {
-    const float *in_proj;       /* [in_proj][dim]: rows z | x | B | C | dt */
-    const float *conv_w;        /* [conv_dim][1][d_conv], tap d_conv-1 = newest */
-    const float *conv_b;        /* [conv_dim] */
-    const float *dt_bias;       /* [heads] */
-    const float *a_log;         /* [heads]; A = -exp(A_log) */
-    const float *d;             /* [heads] skip */
-    const float *norm;          /* [d_inner] gated RMSNorm weight */
-    const float *out_proj;      /* [dim][d_inner] */
+    pd_wmat in_proj;      /* [in_proj][dim]: rows z | x | B | C | dt */
+    const float *conv_w;  /* [conv_dim][1][d_conv], tap d_conv-1 = newest */
+    const float *conv_b;  /* [conv_dim] */
+    const float *dt_bias; /* [heads] */
+    const float *a_log;   /* [heads]; A = -exp(A_log) */
+    const float *d;       /* [heads] skip */
+    const float *norm;    /* [d_inner] gated RMSNorm weight */
+    pd_wmat out_proj;     /* [dim][d_inner] */
 } pd_mamba2_weights;
 
 typedef struct pd_block_weights {
@@ -61,20 +91,22 @@ typedef struct pd_block_weights {
     const float *norm_mlp;      /* [dim] */
     pd_attn_weights attn;
     pd_mamba2_weights mamba;
-    const float *gate, *up;     /* [mlp_hidden][dim] */
-    const float *down;          /* [dim][mlp_hidden] */
+    pd_wmat gate, up; /* [mlp_hidden][dim] */
+    pd_wmat down;     /* [dim][mlp_hidden] */
 } pd_block_weights;
 
 struct pd_model {
     pd_model_config cfg;
     pd_model_shape shape;
-    float *data;                /* every tensor, one allocation */
+    float *data; /* every fp32 tensor, one allocation */
     uint64_t n_floats;
+    uint16_t *data16; /* every bf16 one (NULL when none) */
+    uint64_t n_halves;
     pd_tensor_entry tensors[PD_MODEL_TENSORS_MAX];
     uint32_t n_tensors;
-    const float *embed;         /* [vocab][dim] */
-    const float *final_norm;    /* [dim] */
-    const float *lm_head;       /* [vocab][dim]; == embed when tied */
+    pd_wmat embed;           /* [vocab][dim] */
+    const float *final_norm; /* [dim] */
+    pd_wmat lm_head;         /* [vocab][dim]; == embed when tied */
     pd_block_weights blocks[PD_MODEL_LAYERS_MAX];
 };
 

@@ -154,60 +154,76 @@ static const pd_tensor_entry *entry(const pd_model *m, const char *name) {
     return NULL;
 }
 
-static const float *ptr(const pd_model *m, const char *fmt, uint32_t layer) {
+static const pd_tensor_entry *named(const pd_model *m, const char *fmt, uint32_t layer) {
     char name[PD_TENSOR_NAME_BYTES];
     snprintf(name, sizeof(name), fmt, (int)layer);
     const pd_tensor_entry *t = entry(m, name);
     PD_ASSERTF(t != NULL, "no tensor %s", name);
+    return t;
+}
+
+/* An fp32 tensor (vectors and the conv kernel are never kept as bf16). */
+static const float *ptr(const pd_model *m, const char *fmt, uint32_t layer) {
+    const pd_tensor_entry *t = named(m, fmt, layer);
+    PD_ASSERT(!t->bf16);
     return m->data + t->offset;
 }
 
-/* Points the per-layer weight structs into data. */
+/* A matrix, fp32 or bf16, from row `from` on. */
+static pd_wmat wmat(const pd_model *m, const char *fmt, uint32_t layer, uint64_t from) {
+    const pd_tensor_entry *t = named(m, fmt, layer);
+    const uint64_t at = t->offset + from * t->shape[1];
+    return t->bf16 ? (pd_wmat){NULL, m->data16 + at} : (pd_wmat){m->data + at, NULL};
+}
+
+/* Points the per-layer weight structs into data and data16. */
 static void bind(pd_model *m) {
     uint32_t n_attn = 0, n_mamba = 0;
-    m->embed = ptr(m, "model.embed_tokens.weight", 0);
+    const bool granite = m->cfg.arch == PD_ARCH_GRANITE;
+    m->embed = wmat(m, "model.embed_tokens.weight", 0, 0);
     m->final_norm = ptr(m, "model.norm.weight", 0);
-    m->lm_head = m->cfg.tie_embeddings ? m->embed : ptr(m, "lm_head.weight", 0);
+    m->lm_head = m->cfg.tie_embeddings ? m->embed : wmat(m, "lm_head.weight", 0, 0);
     for (uint32_t l = 0; l < m->shape.n_layers; l++) {
         pd_block_weights *b = &m->blocks[l];
         b->kind = m->cfg.layers[l];
         b->norm_mixer = ptr(m, "model.layers.%d.input_layernorm.weight", l);
         b->norm_mlp = ptr(m, norm_mlp_name(&m->cfg), l);
-        if (m->cfg.arch == PD_ARCH_GRANITE) {
-            b->gate = ptr(m, "model.layers.%d.shared_mlp.input_linear.weight", l);
-            b->up = b->gate + (size_t)m->cfg.mlp_hidden * m->cfg.dim;
-            b->down = ptr(m, "model.layers.%d.shared_mlp.output_linear.weight", l);
-        } else {
-            b->gate = ptr(m, "model.layers.%d.mlp.gate_proj.weight", l);
-            b->up = ptr(m, "model.layers.%d.mlp.up_proj.weight", l);
-            b->down = ptr(m, "model.layers.%d.mlp.down_proj.weight", l);
-        }
+        const char *in = granite ? "model.layers.%d.shared_mlp.input_linear.weight"
+                                 : "model.layers.%d.mlp.gate_proj.weight";
+        b->gate = wmat(m, in, l, 0);
+        b->up = granite ? wmat(m, in, l, m->cfg.mlp_hidden)
+                        : wmat(m, "model.layers.%d.mlp.up_proj.weight", l, 0);
+        b->down = wmat(m,
+                       granite ? "model.layers.%d.shared_mlp.output_linear.weight"
+                               : "model.layers.%d.mlp.down_proj.weight",
+                       l, 0);
         if (b->kind == 'A') {
             b->kind_index = n_attn++;
-            b->attn.wq = ptr(m, "model.layers.%d.self_attn.q_proj.weight", l);
-            b->attn.wk = ptr(m, "model.layers.%d.self_attn.k_proj.weight", l);
-            b->attn.wv = ptr(m, "model.layers.%d.self_attn.v_proj.weight", l);
-            b->attn.wo = ptr(m, "model.layers.%d.self_attn.o_proj.weight", l);
+            b->attn.wq = wmat(m, "model.layers.%d.self_attn.q_proj.weight", l, 0);
+            b->attn.wk = wmat(m, "model.layers.%d.self_attn.k_proj.weight", l, 0);
+            b->attn.wv = wmat(m, "model.layers.%d.self_attn.v_proj.weight", l, 0);
+            b->attn.wo = wmat(m, "model.layers.%d.self_attn.o_proj.weight", l, 0);
             if (m->cfg.arch == PD_ARCH_QWEN3) {
                 b->attn.q_norm = ptr(m, "model.layers.%d.self_attn.q_norm.weight", l);
                 b->attn.k_norm = ptr(m, "model.layers.%d.self_attn.k_norm.weight", l);
             }
         } else {
             b->kind_index = n_mamba++;
-            b->mamba.in_proj = ptr(m, "model.layers.%d.mamba.in_proj.weight", l);
+            b->mamba.in_proj = wmat(m, "model.layers.%d.mamba.in_proj.weight", l, 0);
             b->mamba.conv_w = ptr(m, "model.layers.%d.mamba.conv1d.weight", l);
             b->mamba.conv_b = ptr(m, "model.layers.%d.mamba.conv1d.bias", l);
             b->mamba.dt_bias = ptr(m, "model.layers.%d.mamba.dt_bias", l);
             b->mamba.a_log = ptr(m, "model.layers.%d.mamba.A_log", l);
             b->mamba.d = ptr(m, "model.layers.%d.mamba.D", l);
             b->mamba.norm = ptr(m, "model.layers.%d.mamba.norm.weight", l);
-            b->mamba.out_proj = ptr(m, "model.layers.%d.mamba.out_proj.weight", l);
+            b->mamba.out_proj = wmat(m, "model.layers.%d.mamba.out_proj.weight", l, 0);
         }
     }
 }
 
-/* A model with its table and (zeroed) storage, ready to be filled. */
-static pd_err model_alloc(pd_model **out, const pd_model_config *cfg, char *msg, size_t cap) {
+/* A model with its table (every tensor fp32 until a loader says otherwise)
+ * and no storage yet. */
+static pd_err model_table(pd_model **out, const pd_model_config *cfg, char *msg, size_t cap) {
     *out = NULL;
     pd_err err = pd_model_config_check(cfg, msg, cap);
     if (err != PD_OK) return err;
@@ -216,14 +232,25 @@ static pd_err model_alloc(pd_model **out, const pd_model_config *cfg, char *msg,
     m->cfg = *cfg;
     pd_model_config_shape(cfg, &m->shape);
     build_table(m);
-    m->data = calloc(m->n_floats ? m->n_floats : 1, sizeof(float));
-    if (!m->data) {
-        unsigned long long n = (unsigned long long)m->n_floats;
-        free(m);
-        return pd_errorf(msg, cap, PD_ERR_NOMEM, "cannot allocate %llu weights", n);
-    }
-    bind(m);
     *out = m;
+    return PD_OK;
+}
+
+/* Offsets from the tensors' bf16 flags, zeroed storage, and the pointers. */
+static pd_err model_storage(pd_model *m, char *msg, size_t cap) {
+    m->n_floats = m->n_halves = 0;
+    for (uint32_t i = 0; i < m->n_tensors; i++) {
+        pd_tensor_entry *t = &m->tensors[i];
+        uint64_t *n = t->bf16 ? &m->n_halves : &m->n_floats;
+        t->offset = *n;
+        *n += t->elems;
+    }
+    m->data = calloc(m->n_floats ? m->n_floats : 1, sizeof(float));
+    m->data16 = m->n_halves ? calloc(m->n_halves, sizeof(uint16_t)) : NULL;
+    if (!m->data || (m->n_halves && !m->data16))
+        return pd_errorf(msg, cap, PD_ERR_NOMEM, "cannot allocate %llu + %llu weights",
+                         (unsigned long long)m->n_floats, (unsigned long long)m->n_halves);
+    bind(m);
     return PD_OK;
 }
 
@@ -263,11 +290,16 @@ static void fill(float *v, const pd_tensor_entry *t, uint64_t seed) {
 
 pd_err pd_model_create_random(pd_model **out, const pd_model_config *cfg, uint64_t seed, char *msg,
                               size_t cap) {
-    pd_err err = model_alloc(out, cfg, msg, cap);
-    if (err != PD_OK) return err;
-    pd_model *m = *out;
+    pd_model *m = NULL;
+    pd_err err = model_table(&m, cfg, msg, cap);
+    if (err == PD_OK) err = model_storage(m, msg, cap);
+    if (err != PD_OK) {
+        pd_model_destroy(m);
+        return err;
+    }
     for (uint32_t i = 0; i < m->n_tensors; i++)
         fill(m->data + m->tensors[i].offset, &m->tensors[i], seed);
+    *out = m;
     return PD_OK;
 }
 
@@ -434,19 +466,42 @@ static void close_files(shard_set *set) {
     json_decref(set->map);
 }
 
-/* Every tensor's values, converted to fp32 and checked finite. */
+/* The matrices stored as BF16 in the files stay bf16 in memory (half the
+ * bytes every decode step reads; the kernels widen them exactly). Vectors
+ * and the conv kernel are widened to fp32 once. */
+static void keep_bf16(pd_model *m, const shard_set *set) {
+    for (uint32_t i = 0; i < m->n_tensors; i++) {
+        pd_tensor_entry *e = &m->tensors[i];
+        uint32_t k = 0;
+        const pd_st_tensor *t = find_tensor(set, e->name, &k);
+        e->bf16 = e->ndim == 2 && t && t->dtype == PD_DTYPE_BF16;
+    }
+}
+
+static pd_err not_finite(const pd_tensor_entry *e, uint64_t j, char *msg, size_t cap) {
+    return pd_errorf(msg, cap, PD_ERR_PARSE, "tensor '%s': element %llu is not finite", e->name,
+                     (unsigned long long)j);
+}
+
+/* Every tensor's values, as stored (fp32, or bf16 bits), checked finite. */
 static pd_err read_values(pd_model *m, const shard_set *set, char *msg, size_t cap) {
     pd_err err = PD_OK;
     for (uint32_t i = 0; err == PD_OK && i < m->n_tensors; i++) {
         const pd_tensor_entry *e = &m->tensors[i];
-        float *v = m->data + e->offset;
         uint32_t k = 0;
         const pd_st_tensor *t = find_tensor(set, e->name, &k); /* sets k: not in the call */
+        if (e->bf16) {
+            uint16_t *h = m->data16 + e->offset;
+            PD_ASSERT(t->end - t->begin == e->elems * sizeof(uint16_t)); /* the parser's check */
+            memcpy(h, set->st[k].data + t->begin, e->elems * sizeof(uint16_t));
+            for (uint64_t j = 0; err == PD_OK && j < e->elems; j++)
+                if ((h[j] & 0x7f80u) == 0x7f80u) err = not_finite(e, j, msg, cap);
+            continue;
+        }
+        float *v = m->data + e->offset;
         err = pd_safetensors_read_f32(&set->st[k], t, v, e->elems, msg, cap);
         for (uint64_t j = 0; err == PD_OK && j < e->elems; j++)
-            if (!isfinite(v[j]))
-                err = pd_errorf(msg, cap, PD_ERR_PARSE, "tensor '%s': element %llu is not finite",
-                                e->name, (unsigned long long)j);
+            if (!isfinite(v[j])) err = not_finite(e, j, msg, cap);
     }
     return err;
 }
@@ -461,13 +516,15 @@ pd_err pd_model_load(pd_model **out, const char *dir, char *msg, size_t cap) {
     err = mdl_config_read(&cfg, path, msg, cap);
     if (err != PD_OK) return err;
     pd_model *m;
-    err = model_alloc(&m, &cfg, msg, cap);
+    err = model_table(&m, &cfg, msg, cap);
     if (err != PD_OK) return err;
     shard_set *set = calloc(1, sizeof(*set));
     if (!set) err = pd_errorf(msg, cap, PD_ERR_NOMEM, "out of memory");
     if (err == PD_OK) err = open_files(set, dir, msg, cap);
     if (err == PD_OK) {
         err = match_files(m, set, why, sizeof(why));
+        if (err == PD_OK) keep_bf16(m, set);
+        if (err == PD_OK && model_storage(m, why, sizeof(why)) != PD_OK) err = PD_ERR_NOMEM;
         if (err == PD_OK) err = read_values(m, set, why, sizeof(why));
         if (err != PD_OK)
             pd_errorf(msg, cap, err, "%s/%s: %s", dir,
@@ -527,14 +584,21 @@ pd_err pd_model_save_sharded(const pd_model *m, const char *dir, pd_dtype dtype,
     if (err == PD_OK) err = mdl_config_write(&m->cfg, path, msg, cap);
     if (err != PD_OK) return err;
     pd_st_input *in = calloc(m->n_tensors, sizeof(*in));
-    if (!in) return pd_errorf(msg, cap, PD_ERR_NOMEM, "out of memory");
-    for (uint32_t i = 0; i < m->n_tensors; i++) {
+    float **wide = calloc(m->n_tensors, sizeof(*wide)); /* bf16 tensors, widened */
+    if (!in || !wide) err = pd_errorf(msg, cap, PD_ERR_NOMEM, "out of memory");
+    for (uint32_t i = 0; err == PD_OK && i < m->n_tensors; i++) {
         const pd_tensor_entry *e = &m->tensors[i];
         in[i].name = e->name;
         in[i].ndim = e->ndim;
         for (uint32_t d = 0; d < e->ndim; d++) in[i].shape[d] = e->shape[d];
         in[i].data = m->data + e->offset;
+        if (!e->bf16) continue;
+        wide[i] = malloc(e->elems * sizeof(float));
+        if (!wide[i]) err = pd_errorf(msg, cap, PD_ERR_NOMEM, "out of memory");
+        else pd_model_tensor_values(m, e->name, wide[i], e->elems);
+        in[i].data = wide[i];
     }
+    if (err != PD_OK) goto out;
     /* The other layout's files would confuse a loader: one of them goes. */
     const char *stale = shards > 1 ? "model.safetensors" : "model.safetensors.index.json";
     if (join(path, sizeof(path), dir, stale, msg, cap) == PD_OK) unlink(path);
@@ -544,12 +608,16 @@ pd_err pd_model_save_sharded(const pd_model *m, const char *dir, pd_dtype dtype,
         err = join(path, sizeof(path), dir, "model.safetensors", msg, cap);
         if (err == PD_OK) err = pd_safetensors_write(path, in, m->n_tensors, dtype, msg, cap);
     }
+out:
+    for (uint32_t i = 0; wide && i < m->n_tensors; i++) free(wide[i]);
+    free(wide);
     free(in);
     return err;
 }
 
 void pd_model_destroy(pd_model *m) {
     if (!m) return;
+    free(m->data16);
     free(m->data);
     free(m);
 }
@@ -564,7 +632,26 @@ const char *pd_model_tensor_name(const pd_model *m, uint32_t i) {
 
 const float *pd_model_tensor(const pd_model *m, const char *name, uint64_t *n_out) {
     const pd_tensor_entry *t = entry(m, name);
-    if (!t) return NULL;
+    if (!t || t->bf16) return NULL;
     if (n_out) *n_out = t->elems;
     return m->data + t->offset;
+}
+
+uint64_t pd_model_tensor_values(const pd_model *m, const char *name, float *out, uint64_t cap) {
+    const pd_tensor_entry *t = entry(m, name);
+    if (!t) return 0;
+    for (uint64_t j = 0; j < t->elems && j < cap; j++) {
+        if (!t->bf16) {
+            out[j] = m->data[t->offset + j];
+            continue;
+        }
+        uint32_t bits = (uint32_t)m->data16[t->offset + j] << 16;
+        memcpy(&out[j], &bits, sizeof bits);
+    }
+    return t->elems;
+}
+
+bool pd_model_tensor_is_bf16(const pd_model *m, const char *name) {
+    const pd_tensor_entry *t = entry(m, name);
+    return t && t->bf16;
 }

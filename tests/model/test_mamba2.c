@@ -53,8 +53,8 @@ static layer make_layer(uint32_t dim, uint32_t expand, uint32_t heads, uint32_t 
     L.norm = rand_vec(&rng, d->d_inner, 0.5, 1.5);
     L.out_proj = rand_vec(&rng, (size_t)dim * d->d_inner, -1.0 / sqrt(d->d_inner),
                           1.0 / sqrt(d->d_inner));
-    L.w = (pd_mamba2_weights){L.in_proj, L.conv_w, L.conv_b, L.dt_bias,
-                              L.a_log, L.dskip, L.norm, L.out_proj};
+    L.w = (pd_mamba2_weights){{L.in_proj, NULL}, L.conv_w, L.conv_b, L.dt_bias,
+                              L.a_log,           L.dskip,  L.norm,   {L.out_proj, NULL}};
     return L;
 }
 
