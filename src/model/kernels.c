@@ -10,22 +10,29 @@
  *
  *   input rows in blocks of ROWS_BLOCK (64, the most a forward pass sends)
  *   outputs in groups of 4 (within the thread's piece of [0, n_out))
- *   terms in blocks of K_BLOCK: the group's 4 weight rows (8 KiB of f32)
- *     stay in L1 while every 3-row tile of the row block uses them, and the
- *     row block's inputs (128 KiB) stay in L2 from one group to the next.
- *     Between term blocks a tile's 12 sums wait in a small buffer, so each
- *     lane's chain continues in order: blocking changes no bits.
- *   input rows in tiles of 3
+ *   terms in blocks of K_BLOCK (512): with 10 rows or more the group's block
+ *     of weights is first copied (bf16 widened) into an 8 KiB buffer, which
+ *     every 3-row tile then reads from L1. The copy is contiguous, where the
+ *     weight rows themselves are n_in apart and, for n_in a multiple of 1024,
+ *     fall in the same L1 sets as each other and as the input rows, and
+ *     evict each other between tiles; bf16 is widened once, not once per
+ *     tile. While the tiles run, the next block is prefetched. Between term
+ *     blocks a tile's sums wait in a small buffer, so each lane's chain
+ *     continues in order: blocking changes no bits.
+ *   input rows in tiles of 3 (the last 4 as 2 + 2)
  *
- * Decode (one row) runs the same nest with 4x1 tiles: the weights stream
- * from memory once, four rows in flight, the input row stays in L1.
- * Leftovers (fewer than 4 outputs or 3 rows) take the smaller tiles; all 12
- * shapes, f32 and bf16, are instances of one inline function. A vector's
- * tail (n_in mod 8 terms) is loaded zero-filled and blended in only where a
- * lane owns a term. Each output is therefore computed exactly as mdl_dot
- * defines it whatever tile, block or thread it fell in; the tests check it
- * bit for bit against mdl_dot, a term-by-term transcription of the
- * definition, and the portable code.
+ * Decode (a row block of one row) takes 8 outputs at a time, whole rows
+ * without term blocks: no input row shares a weight, so what counts is the
+ * number of independent FMA chains and of weight rows streaming at once
+ * (1 output: about 12 GB/s of bf16 weights, bound by the FMA latency; 4: 19;
+ * 8: 22, on a Zen 4 core that reads 30 GB/s). The input row stays in L1.
+ * Leftovers (fewer outputs or rows) take the smaller tiles; all 16 shapes,
+ * f32 and bf16, are instances of one inline function. A vector's tail
+ * (n_in mod 8 terms) is loaded zero-filled and blended in only where a lane
+ * owns a term. Each output is therefore computed exactly as mdl_dot defines
+ * it whatever tile, block or thread it fell in; the tests check it bit for
+ * bit against a term-by-term transcription of the definition and against
+ * the portable code.
  */
 #include "kernels.h"
 #include "detmath.h"
@@ -38,7 +45,9 @@
 #endif
 
 #define LANES PD_DOT_LANES
-#define TILE_W 4      /* outputs (weight rows) per tile */
+#define TILE_W 4  /* outputs (weight rows) per tile */
+#define TILE_W1 8 /* outputs per tile when the row block is one row (decode) */
+#define TILE_W_MAX 8
 #define TILE_X 3      /* input rows per tile */
 #define ROWS_BLOCK 64 /* input rows per pass over the weights */
 #define K_BLOCK 512   /* terms per block; a multiple of LANES */
@@ -152,52 +161,74 @@ AVX2 static float dot_avx2(const float *a, const float *b, uint32_t n) {
 
 /* One tile over the term block [k0, k1). */
 typedef struct tile {
-    const void *w;    /* the weight row of the tile's first output */
+    const void *w;    /* the weight row of the tile's first output, from term w_k0 */
+    size_t w_stride;  /* from one weight row to the next */
+    uint32_t w_k0;    /* 0, or k0 when w is a widened copy of the block */
     const float *x;   /* the input row of the tile's first row */
-    size_t n_in;      /* the stride of both */
+    size_t n_in;      /* the stride of the input rows */
     uint32_t k0, k1;  /* the term block */
     bool first, last; /* k0 == 0 (sums start at +0); k1 == n_in (tail, then fold) */
-    __m256 *sums;     /* [row][TILE_W]: the running sums between term blocks */
+    bool prefetch;    /* one row, TILE_W1 outputs, short weight rows, another group next */
+    __m256 *sums;     /* [row][TILE_W_MAX]: the running sums between term blocks */
     float *out;       /* out[row * n_out + output] */
     size_t n_out;
 } tile;
 
 /* The tail terms of a tile's last block. */
-AVX2_INLINE void tile_tail(const tile *a, uint32_t i, __m256 s[TILE_W][TILE_X], int nw, int nx,
+AVX2_INLINE void tile_tail(const tile *a, uint32_t i, __m256 s[TILE_W_MAX][TILE_X], int nw, int nx,
                            bool bf16) {
     const uint32_t rem = a->k1 - i;
     const __m256 m = tail_mask(rem);
     __m256 xv[TILE_X];
-#pragma GCC unroll 4
+#pragma GCC unroll 8
     for (int k = 0; k < nx; k++)
         xv[k] = _mm256_maskload_ps(a->x + k * a->n_in + i, _mm256_castps_si256(m));
-#pragma GCC unroll 4
+#pragma GCC unroll 8
     for (int r = 0; r < nw; r++) {
-        __m256 wv = load_w_tail(a->w, r * a->n_in + i, rem, m, bf16);
-#pragma GCC unroll 4
+        __m256 wv = load_w_tail(a->w, r * a->w_stride + (i - a->w_k0), rem, m, bf16);
+#pragma GCC unroll 8
         for (int k = 0; k < nx; k++) s[r][k] = fma_masked(wv, xv[k], s[r][k], m);
+    }
+}
+
+/* Decode over short weight rows (under 4 KiB): 8 rows read side by side are 8
+ * streams of a few cache lines each, which the hardware prefetcher follows
+ * badly (bf16 rows of 2 KiB read at 11 GB/s where a single stream reads 30).
+ * So each step also asks for the next 8 rows, a contiguous block, in order:
+ * the next group's bytes spread evenly over this group's steps, into L2
+ * (17-18 GB/s then; prefetching longer rows, or into L1, was slower). */
+AVX2_INLINE void prefetch_step(const tile *a, uint32_t i, bool bf16) {
+    const size_t esz = bf16 ? 2 : 4;
+    const char *next = (const char *)a->w + TILE_W1 * a->w_stride * esz;
+    const char *p = next + (size_t)(i - a->w_k0) * TILE_W1 * esz; /* 64 * esz bytes per step */
+    _mm_prefetch(p, _MM_HINT_T1);
+    _mm_prefetch(p + 64, _MM_HINT_T1);
+    if (!bf16) {
+        _mm_prefetch(p + 128, _MM_HINT_T1);
+        _mm_prefetch(p + 192, _MM_HINT_T1);
     }
 }
 
 /* nw outputs x nx rows; nw, nx and bf16 are constants in every instance. */
 AVX2_INLINE void tile_run(const tile *a, int nw, int nx, bool bf16) {
-    __m256 s[TILE_W][TILE_X];
-#pragma GCC unroll 4
+    __m256 s[TILE_W_MAX][TILE_X];
+#pragma GCC unroll 8
     for (int r = 0; r < nw; r++)
-#pragma GCC unroll 4
+#pragma GCC unroll 8
         for (int k = 0; k < nx; k++)
-            s[r][k] = a->first ? _mm256_setzero_ps() : a->sums[k * TILE_W + r];
-    const size_t n_in = a->n_in;
+            s[r][k] = a->first ? _mm256_setzero_ps() : a->sums[k * TILE_W_MAX + r];
+    const size_t n_in = a->n_in, w_stride = a->w_stride, w_k0 = a->w_k0;
     const uint32_t full = a->k0 + (a->k1 - a->k0) / LANES * LANES;
     uint32_t i = a->k0;
     for (; i < full; i += LANES) {
         __m256 xv[TILE_X];
-#pragma GCC unroll 4
+        if (nx == 1 && a->prefetch) prefetch_step(a, i, bf16);
+#pragma GCC unroll 8
         for (int k = 0; k < nx; k++) xv[k] = _mm256_loadu_ps(a->x + k * n_in + i);
-#pragma GCC unroll 4
+#pragma GCC unroll 8
         for (int r = 0; r < nw; r++) {
-            __m256 wv = load_w(a->w, r * n_in + i, bf16);
-#pragma GCC unroll 4
+            __m256 wv = load_w(a->w, r * w_stride + (i - w_k0), bf16);
+#pragma GCC unroll 8
             for (int k = 0; k < nx; k++) s[r][k] = _mm256_fmadd_ps(wv, xv[k], s[r][k]);
         }
     }
@@ -206,15 +237,15 @@ AVX2_INLINE void tile_run(const tile *a, int nw, int nx, bool bf16) {
     __m256 *sums = a->sums;
     const size_t n_out = a->n_out;
     if (a->last) {
-#pragma GCC unroll 4
+#pragma GCC unroll 8
         for (int r = 0; r < nw; r++)
-#pragma GCC unroll 4
+#pragma GCC unroll 8
             for (int k = 0; k < nx; k++) out[k * n_out + r] = fold8(s[r][k]);
     } else {
-#pragma GCC unroll 4
+#pragma GCC unroll 8
         for (int r = 0; r < nw; r++)
-#pragma GCC unroll 4
-            for (int k = 0; k < nx; k++) sums[k * TILE_W + r] = s[r][k];
+#pragma GCC unroll 8
+            for (int k = 0; k < nx; k++) sums[k * TILE_W_MAX + r] = s[r][k];
     }
 }
 
@@ -233,18 +264,30 @@ TILE_FNS(3, 3)
 TILE_FNS(4, 1)
 TILE_FNS(4, 2)
 TILE_FNS(4, 3)
+TILE_FNS(5, 1)
+TILE_FNS(6, 1)
+TILE_FNS(7, 1)
+TILE_FNS(8, 1)
 
 typedef void (*tile_fn)(const tile *);
-/* [bf16][outputs - 1][rows - 1] */
-static const tile_fn tile_fns[2][TILE_W][TILE_X] = {
+/* [bf16][outputs - 1][rows - 1]; more than 4 outputs only with 1 row */
+static const tile_fn tile_fns[2][TILE_W_MAX][TILE_X] = {
     {{tile_f32_1x1, tile_f32_1x2, tile_f32_1x3},
      {tile_f32_2x1, tile_f32_2x2, tile_f32_2x3},
      {tile_f32_3x1, tile_f32_3x2, tile_f32_3x3},
-     {tile_f32_4x1, tile_f32_4x2, tile_f32_4x3}},
+     {tile_f32_4x1, tile_f32_4x2, tile_f32_4x3},
+     {tile_f32_5x1},
+     {tile_f32_6x1},
+     {tile_f32_7x1},
+     {tile_f32_8x1}},
     {{tile_b16_1x1, tile_b16_1x2, tile_b16_1x3},
      {tile_b16_2x1, tile_b16_2x2, tile_b16_2x3},
      {tile_b16_3x1, tile_b16_3x2, tile_b16_3x3},
-     {tile_b16_4x1, tile_b16_4x2, tile_b16_4x3}},
+     {tile_b16_4x1, tile_b16_4x2, tile_b16_4x3},
+     {tile_b16_5x1},
+     {tile_b16_6x1},
+     {tile_b16_7x1},
+     {tile_b16_8x1}},
 };
 #endif
 
@@ -270,34 +313,115 @@ static void matmul_portable(const matmul_job *j, uint32_t begin, uint32_t end) {
 }
 
 #if defined(__x86_64__)
-/* Outputs [begin, end) for every row: the loop nest of the header comment. */
-AVX2 static void matmul_avx2(const matmul_job *j, uint32_t begin, uint32_t end) {
-    __m256 sums[ROWS_BLOCK * TILE_W];
-    const size_t in = j->n_in;
-    const bool bf16 = j->w16 != NULL;
-    const uint32_t blocks = j->n_in > K_BLOCK ? PD_DIV_CEIL(j->n_in, K_BLOCK) : 1;
-    for (uint32_t t0 = 0; t0 < j->rows; t0 += ROWS_BLOCK) {
-        const uint32_t t1 = PD_MIN(j->rows, t0 + ROWS_BLOCK);
-        for (uint32_t o = begin; o < end; o += TILE_W) {
-            const uint32_t nw = PD_MIN(TILE_W, end - o);
-            tile a = {.w = bf16 ? (const void *)(j->w16 + o * in) : (const void *)(j->w + o * in),
-                      .n_in = in,
-                      .n_out = j->n_out};
-            for (uint32_t b = 0; b < blocks; b++) {
-                a.k0 = b * K_BLOCK;
-                a.k1 = PD_MIN(j->n_in, a.k0 + K_BLOCK);
-                a.first = b == 0;
-                a.last = b + 1 == blocks;
-                for (uint32_t t = t0; t < t1; t += TILE_X) {
-                    const uint32_t nx = PD_MIN(TILE_X, t1 - t);
-                    a.x = j->x + t * in;
-                    a.sums = sums + (t - t0) * TILE_W;
-                    a.out = j->out + t * a.n_out + o;
-                    tile_fns[bf16][nw - 1][nx - 1](&a);
-                }
+/* dst[r][i - k0] = w[r][i] (widened if bf16) for r < nw, k0 <= i < k1. */
+AVX2 static void pack_block(float dst[TILE_W][K_BLOCK], const void *w, bool bf16, size_t n_in,
+                            uint32_t nw, uint32_t k0, uint32_t k1) {
+    for (uint32_t r = 0; r < nw; r++) {
+        if (!bf16) {
+            memcpy(dst[r], (const float *)w + r * n_in + k0, sizeof(float) * (k1 - k0));
+            continue;
+        }
+        const uint16_t *src = (const uint16_t *)w + r * n_in;
+        uint32_t i = k0;
+        for (; i + LANES <= k1; i += LANES) _mm256_storeu_ps(&dst[r][i - k0], load_w(src, i, true));
+        for (; i < k1; i++) dst[r][i - k0] = bf16_widen(src[i]);
+    }
+}
+
+/* The weight block a row block's tiles will need next: rows of seg_bytes,
+ * stride_bytes apart. */
+typedef struct next_block {
+    const char *p;
+    size_t seg_bytes, stride_bytes;
+    uint32_t rows;
+} next_block;
+
+/* Part `part` of `parts` of the next block's cache lines. Spread over the
+ * current block's tiles, the next block arrives while they compute instead
+ * of stalling the copy that packs it (a 64-row product of 4096 x 4096 f32
+ * weights: 82 GFLOP/s with, 61 without, on one Zen 4 core). */
+static inline void prefetch_part(const next_block *n, uint32_t part, uint32_t parts) {
+    const size_t per_row = PD_DIV_CEIL(n->seg_bytes, 64), lines = per_row * n->rows;
+    for (size_t l = lines * part / parts; l < lines * (part + 1) / parts; l++)
+        _mm_prefetch(n->p + l / per_row * n->stride_bytes + l % per_row * 64, _MM_HINT_T0);
+}
+
+/* Where the weights of the block after (group at o, block b) start. */
+static next_block following_block(const matmul_job *j, uint32_t o, uint32_t b, uint32_t blocks,
+                                  uint32_t group, uint32_t end) {
+    const size_t esz = j->w16 ? 2 : 4;
+    const char *base = j->w16 ? (const char *)j->w16 : (const char *)j->w;
+    if (b + 1 == blocks) o += group, b = 0;
+    else b++;
+    if (o >= end) return (next_block){.rows = 0};
+    const uint32_t k0 = b * K_BLOCK, k1 = PD_MIN(j->n_in, k0 + K_BLOCK);
+    return (next_block){.p = base + ((size_t)o * j->n_in + k0) * esz,
+                        .seg_bytes = (k1 - k0) * esz,
+                        .stride_bytes = j->n_in * esz,
+                        .rows = PD_MIN(group, end - o)};
+}
+
+/* The tiles of rows [t0, t1) for the group and term block a describes,
+ * asking for the next block's weights (if next.rows) as they go. */
+AVX2 static void run_tiles(tile *a, const matmul_job *j, uint32_t t0, uint32_t t1, uint32_t o,
+                           const tile_fn fns[TILE_W_MAX][TILE_X], uint32_t nw, __m256 *sums,
+                           const next_block *next) {
+    const uint32_t tiles = PD_DIV_CEIL(t1 - t0, TILE_X);
+    for (uint32_t t = t0, ti = 0, nx; t < t1; t += nx, ti++) {
+        if (next->rows) prefetch_part(next, ti, tiles);
+        /* the last 4 rows as 2 + 2, not 3 + 1 (as many tiles, and a 4x1 tile
+         * loads 5 vectors per 4 FMAs) */
+        nx = t1 - t == 4 ? 2 : PD_MIN(TILE_X, t1 - t);
+        a->x = j->x + t * a->n_in;
+        a->sums = sums + (t - t0) * TILE_W_MAX;
+        a->out = j->out + t * a->n_out + o;
+        fns[nw - 1][nx - 1](a);
+    }
+}
+
+/* Rows [t0, t1) (at most ROWS_BLOCK) x outputs [begin, end). */
+AVX2 static void row_block(const matmul_job *j, uint32_t t0, uint32_t t1, uint32_t begin,
+                           uint32_t end) {
+    __m256 sums[ROWS_BLOCK * TILE_W_MAX];
+    float packed[TILE_W][K_BLOCK];
+    const size_t in = j->n_in, esz = j->w16 ? 2 : 4;
+    const bool bf16 = j->w16 != NULL, one_row = t1 - t0 == 1;
+    const uint32_t group = one_row ? TILE_W1 : TILE_W;
+    /* one row reuses no weight: its weight rows stream whole */
+    const uint32_t k_block = one_row ? j->n_in : K_BLOCK;
+    const uint32_t blocks = j->n_in > k_block ? PD_DIV_CEIL(j->n_in, k_block) : 1;
+    /* four tiles or more share each block: copy it (widened) to a buffer */
+    const bool pack = t1 - t0 > 3 * TILE_X;
+    const tile_fn(*fns)[TILE_X] = tile_fns[bf16 && !pack];
+    for (uint32_t o = begin; o < end; o += group) {
+        const uint32_t nw = PD_MIN(group, end - o);
+        const void *w =
+            (const char *)(bf16 ? (const void *)j->w16 : (const void *)j->w) + o * in * esz;
+        tile a = {.w = pack ? (const void *)packed : w,
+                  .w_stride = pack ? K_BLOCK : in,
+                  .n_in = in,
+                  .n_out = j->n_out,
+                  .prefetch = one_row && o + 2 * group <= end && in * esz < 4096};
+        for (uint32_t b = 0; b < blocks; b++) {
+            a.k0 = b * k_block;
+            a.k1 = PD_MIN(j->n_in, a.k0 + k_block);
+            a.first = b == 0;
+            a.last = b + 1 == blocks;
+            next_block next = {.rows = 0};
+            if (pack) {
+                pack_block(packed, w, bf16, in, nw, a.k0, a.k1);
+                a.w_k0 = a.k0;
             }
+            if (!one_row) next = following_block(j, o, b, blocks, group, end);
+            run_tiles(&a, j, t0, t1, o, fns, nw, sums, &next);
         }
     }
+}
+
+/* Outputs [begin, end) for every row: the loop nest of the header comment. */
+AVX2 static void matmul_avx2(const matmul_job *j, uint32_t begin, uint32_t end) {
+    for (uint32_t t0 = 0; t0 < j->rows; t0 += ROWS_BLOCK)
+        row_block(j, t0, PD_MIN(j->rows, t0 + ROWS_BLOCK), begin, end);
 }
 #endif
 

@@ -141,15 +141,16 @@ static void matmul_is_every_output_in_the_fixed_order(void **state) {
     assert_ok(mdl_threads_create(&tp, 2));
     /* n_in under, at and around the lane count, and across term blocks */
     const uint32_t small_in[] = {1, 3, 7, 8, 9, 17, 64, 100};
-    const uint32_t n_out[] = {1, 5, 13};
+    /* odd counts, and enough 8-output decode groups to prefetch the next */
+    const uint32_t n_out[] = {1, 5, 13, 41};
     for (size_t i = 0; i < PD_ARRAY_LEN(small_in); i++)
         for (uint32_t rows = 1; rows <= 70; rows++)
-            check_product(&rng, tp, (shape){rows, small_in[i], n_out[rows % 3]});
+            check_product(&rng, tp, (shape){rows, small_in[i], n_out[rows % 4]});
     const uint32_t big_in[] = {511, 513, 1100};
-    const uint32_t some_rows[] = {1, 2, 3, 4, 5, 7, 63, 64, 65, 70};
+    const uint32_t some_rows[] = {1, 2, 3, 4, 5, 7, 10, 16, 63, 64, 65, 70};
     for (size_t i = 0; i < PD_ARRAY_LEN(big_in); i++)
         for (size_t r = 0; r < PD_ARRAY_LEN(some_rows); r++)
-            check_product(&rng, tp, (shape){some_rows[r], big_in[i], n_out[r % 3] + 2});
+            check_product(&rng, tp, (shape){some_rows[r], big_in[i], n_out[r % 4] + 2});
     mdl_threads_destroy(tp);
 }
 
