@@ -512,17 +512,22 @@ static pd_model *load_target(const target *t) {
     return err == PD_OK ? m : NULL;
 }
 
-/* One line per thread count for t, then its kernels line. */
-static bool run_target(const target *t, const opts *o, const machine *mc) {
+/* What the tables call t: a directory by its last component. */
+static const char *display_name(const target *t) {
+    const char *slash = t->is_dir ? strrchr(t->name, '/') : NULL;
+    return slash && slash[1] ? slash + 1 : t->name;
+}
+
+/* One line per thread count for t, then its kernels line; names in a
+ * column `width` wide. */
+static bool run_target(const target *t, const opts *o, const machine *mc, int width) {
     pd_model *m = load_target(t);
     if (!m) return false;
-    const char *name = t->is_dir && strrchr(t->name, '/') && strrchr(t->name, '/')[1]
-        ? strrchr(t->name, '/') + 1
-        : t->name;
+    const char *name = display_name(t);
     for (uint32_t th = 1; th <= o->max_threads; th++) {
         figures f = measure(m, th, o);
         const double peak = mc->peak_gflops[th - 1] / 100.0, bw = mc->read_gbs[th - 1] / 100.0;
-        printf("%-12s %3u %9.0f %9.2f %6.1f%% %9.0f %9.2f %6.1f%% %9.2f %6.1f%%\n", name, th,
+        printf("%-*s %3u %9.0f %9.2f %6.1f%% %9.0f %9.2f %6.1f%% %9.2f %6.1f%%\n", width, name, th,
                f.prefill_tps, f.prefill_gflops, f.prefill_gflops / peak, f.decode_tps,
                f.decode_gflops, f.decode_gflops / peak, f.decode_weight_gbs,
                f.decode_weight_gbs / bw);
@@ -540,12 +545,15 @@ int main(int argc, char **argv) {
     machine mc;
     measure_machine(&mc, &o);
     decode_kernels_line(&mc, &o);
-    printf("%-12s %3s %9s %9s %7s %9s %9s %7s %9s %7s   (median of %d; prompt %u tokens; "
+    int width = 12;
+    for (uint32_t i = 0; i < o.n_targets; i++)
+        width = PD_MAX(width, (int)strlen(display_name(&o.targets[i])));
+    printf("%-*s %3s %9s %9s %7s %9s %9s %7s %9s %7s   (median of %d; prompt %u tokens; "
            "decode %u requests x %u steps)\n",
-           "model", "thr", "pre tok/s", "GFLOP/s", "%peak", "dec tok/s", "GFLOP/s", "%peak",
+           width, "model", "thr", "pre tok/s", "GFLOP/s", "%peak", "dec tok/s", "GFLOP/s", "%peak",
            "wts GB/s", "%bw", o.runs, o.prompt_len, o.decode_batch, o.decode_steps);
     fflush(stdout);
     for (uint32_t i = 0; i < o.n_targets; i++)
-        if (!run_target(&o.targets[i], &o, &mc)) return 2;
+        if (!run_target(&o.targets[i], &o, &mc, width)) return 2;
     return 0;
 }
