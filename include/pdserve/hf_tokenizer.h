@@ -50,9 +50,10 @@ pd_err pd_hf_tokenizer_load_config(pd_hf_tokenizer *tok, const char *path, char 
 void pd_hf_tokenizer_free(pd_hf_tokenizer *tok);
 /* A checkpoint directory's tokenizer: dir/tokenizer.json with
  * dir/tokenizer_config.json when present. PD_OK and *out NULL when the
- * directory has no tokenizer.json (the caller falls back to the byte
- * tokenizer); PD_ERR_INVALID when the tokenizer has more ids than the
- * model's model_vocab. */
+ * directory has neither tokenizer.json nor tokenizer.model (the caller
+ * falls back to the byte tokenizer); PD_ERR_INVALID, naming what is
+ * missing, for a tokenizer.model (SentencePiece) without tokenizer.json,
+ * and when the tokenizer has more ids than the model's model_vocab. */
 pd_err pd_hf_tokenizer_load_dir(const char *dir, uint32_t model_vocab, pd_hf_tokenizer **out,
                                 char *msg, size_t msg_cap);
 

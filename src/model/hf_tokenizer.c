@@ -596,7 +596,18 @@ pd_err pd_hf_tokenizer_load_dir(const char *dir, uint32_t model_vocab, pd_hf_tok
         return pd_errorf(msg, cap, PD_ERR_INVALID, "model directory path too long");
     snprintf(path, sizeof path, "%s/tokenizer.json", dir);
     FILE *f = fopen(path, "rb");
-    if (!f) return PD_OK; /* the byte tokenizer */
+    if (!f) {
+        /* A SentencePiece-only checkpoint must not fall back to bytes. */
+        snprintf(path, sizeof path, "%s/tokenizer.model", dir);
+        f = fopen(path, "rb");
+        if (!f) return PD_OK; /* no tokenizer: the byte tokenizer */
+        fclose(f);
+        return pd_errorf(msg, cap, PD_ERR_INVALID,
+                         "%s has tokenizer.model (SentencePiece), which pdserve does not read; "
+                         "it needs tokenizer.json (a byte-level BPE tokenizer, as transformers' "
+                         "save_pretrained writes for a fast tokenizer)",
+                         dir);
+    }
     fclose(f);
     pd_hf_tokenizer *tok = NULL;
     pd_err err = pd_hf_tokenizer_load(path, &tok, msg, cap);

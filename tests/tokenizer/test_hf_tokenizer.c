@@ -248,6 +248,58 @@ static pd_err config_from(pd_hf_tokenizer *t, const char *text, char *msg, size_
     return err;
 }
 
+static void write_file(const char *dir, const char *name, const char *text) {
+    char path[256];
+    snprintf(path, sizeof path, "%s/%s", dir, name);
+    FILE *f = fopen(path, "w");
+    assert_non_null(f);
+    fputs(text, f);
+    fclose(f);
+}
+
+static void remove_file(const char *dir, const char *name) {
+    char path[256];
+    snprintf(path, sizeof path, "%s/%s", dir, name);
+    unlink(path);
+}
+
+/* A checkpoint directory: no tokenizer at all is the byte tokenizer (NULL);
+ * a SentencePiece tokenizer.model alone is refused by name rather than
+ * silently replaced by bytes; tokenizer.json with its config loads, and a
+ * tokenizer with more ids than the model is refused. */
+static void checkpoint_directory_tokenizer(void **state) {
+    (void)state;
+    char dir[] = "/tmp/pd_hf_dir_XXXXXX";
+    assert_non_null(mkdtemp(dir));
+    char msg[512] = "";
+    pd_hf_tokenizer *t = (pd_hf_tokenizer *)1;
+    assert_int_equal(pd_hf_tokenizer_load_dir(dir, 1000, &t, msg, sizeof msg), PD_OK);
+    assert_null(t);
+    write_file(dir, "tokenizer.model", "sentencepiece bytes");
+    assert_int_equal(pd_hf_tokenizer_load_dir(dir, 1000, &t, msg, sizeof msg), PD_ERR_INVALID);
+    assert_null(t);
+    assert_non_null(strstr(msg, "tokenizer.model (SentencePiece)"));
+    assert_non_null(strstr(msg, "needs tokenizer.json"));
+    json_t *j = tiny_json(gpt_like, tiny_merges, 8);
+    char *text = json_dumps(j, JSON_COMPACT);
+    json_decref(j);
+    write_file(dir, "tokenizer.json", text);
+    free(text);
+    write_file(dir, "tokenizer_config.json", "{\"eos_token\": \"hello\"}");
+    assert_int_equal(pd_hf_tokenizer_load_dir(dir, 1000, &t, msg, sizeof msg), PD_OK);
+    assert_non_null(t);
+    assert_int_equal(pd_hf_tokenizer_eos(t), 259); /* the config was read */
+    uint32_t ids = pd_hf_tokenizer_vocab_size(t);
+    pd_hf_tokenizer_free(t);
+    assert_int_equal(pd_hf_tokenizer_load_dir(dir, ids - 1, &t, msg, sizeof msg), PD_ERR_INVALID);
+    assert_null(t);
+    assert_non_null(strstr(msg, "more than the model's vocab_size"));
+    remove_file(dir, "tokenizer.json");
+    remove_file(dir, "tokenizer_config.json");
+    remove_file(dir, "tokenizer.model");
+    rmdir(dir);
+}
+
 /* bos_token / eos_token: a string, an {"content": ...} object or null; a
  * huge integer elsewhere in the file (Llama-3's model_max_length) is fine. */
 static void config_names_bos_and_eos(void **state) {
@@ -370,6 +422,7 @@ int main(void) {
         cmocka_unit_test(added_token_flags_take_spaces_and_words),
         cmocka_unit_test(long_pre_token_merges),
         cmocka_unit_test(config_names_bos_and_eos),
+        cmocka_unit_test(checkpoint_directory_tokenizer),
         cmocka_unit_test(malformed_json_is_a_parse_error),
         cmocka_unit_test(unigram_model_is_refused_by_name),
         cmocka_unit_test(missing_merges_is_refused),
