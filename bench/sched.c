@@ -7,9 +7,18 @@
  *   sched [--live N[,N...]] [--steps N] [--runs R] [--strict]
  *
  * For each live count it reports the median and p99 microseconds per step of
- * the prefill node and of the decode node, and end-to-end requests/s. The
- * counting ledger is the production setting; --strict measures the per-unit
- * owner map that tests and the simulator use, for comparison.
+ * the prefill node and of the decode node, end-to-end requests/s, and the
+ * heap allocations of the steady state (the second half of the steps): per
+ * engine step, which must be 0, and per request at submit (admission copies
+ * the prompt). The counting ledger is the production setting; --strict
+ * measures the per-unit owner map that tests and the simulator use, for
+ * comparison.
+ *
+ * Allocations are counted by wrapping malloc, calloc and realloc at link time
+ * (-Wl,--wrap, CMakeLists.txt): every call from pdserve's own code goes
+ * through the counters below; calls libc makes internally do not. Calls the
+ * loopback transport makes while the engine posts a send are counted apart:
+ * the loopback stands in for the network and is not part of the scheduler.
  */
 #include <stdio.h>
 #include <string.h>
@@ -17,6 +26,94 @@
 #include "bench_util.h"
 #include "pdserve/engine.h"
 #include "pdserve/loopback.h"
+
+/* ---- counting allocations ------------------------------------------------------ */
+
+typedef enum alloc_scope {
+    SCOPE_OTHER,
+    SCOPE_ENGINE,
+    SCOPE_TRANSPORT,
+    SCOPE_SUBMIT,
+    SCOPE__N
+} alloc_scope;
+
+static alloc_scope g_scope = SCOPE_OTHER;
+static uint64_t g_allocs[SCOPE__N];
+
+void *__real_malloc(size_t n);
+void *__real_calloc(size_t k, size_t n);
+void *__real_realloc(void *p, size_t n);
+void *__wrap_malloc(size_t n);
+void *__wrap_calloc(size_t k, size_t n);
+void *__wrap_realloc(void *p, size_t n);
+
+void *__wrap_malloc(size_t n) {
+    g_allocs[g_scope]++;
+    return __real_malloc(n);
+}
+void *__wrap_calloc(size_t k, size_t n) {
+    g_allocs[g_scope]++;
+    return __real_calloc(k, n);
+}
+void *__wrap_realloc(void *p, size_t n) {
+    g_allocs[g_scope]++;
+    return __real_realloc(p, n);
+}
+
+/* The transport as the engine sees it: the loopback's own vtable, but for the
+ * calls that hand it a page list (it keeps a copy: the sends on prefill, the
+ * destination on decode), which count their allocations as the transport's. */
+static pd_xfer g_lb[2];
+static pd_xfer_vtable g_vt[2];
+
+static pd_err counted_send_pages(int side, uint64_t room, uint32_t first, const uint32_t *src,
+                                 uint32_t n) {
+    alloc_scope was = g_scope;
+    g_scope = SCOPE_TRANSPORT;
+    pd_err err = g_lb[side].vt->send_pages(g_lb[side].self, room, first, src, n);
+    g_scope = was;
+    return err;
+}
+static pd_err counted_send_final(int side, uint64_t room, uint32_t first, const uint32_t *src,
+                                 uint32_t n, uint32_t mamba_slot, uint32_t meta_row) {
+    alloc_scope was = g_scope;
+    g_scope = SCOPE_TRANSPORT;
+    pd_err err =
+        g_lb[side].vt->send_final(g_lb[side].self, room, first, src, n, mamba_slot, meta_row);
+    g_scope = was;
+    return err;
+}
+/* Only the prefill side (0) sends; only the decode side (1) opens a receiver. */
+static pd_err sp0(void *self, uint64_t room, uint32_t first, const uint32_t *src, uint32_t n) {
+    (void)self;
+    return counted_send_pages(0, room, first, src, n);
+}
+static pd_err sf0(void *self, uint64_t room, uint32_t first, const uint32_t *src, uint32_t n,
+                  uint32_t mamba_slot, uint32_t meta_row) {
+    (void)self;
+    return counted_send_final(0, room, first, src, n, mamba_slot, meta_row);
+}
+
+static pd_err ro1(void *self, uint64_t room, const char *peer, const pd_xfer_dest *dest) {
+    (void)self;
+    alloc_scope was = g_scope;
+    g_scope = SCOPE_TRANSPORT;
+    pd_err err = g_lb[1].vt->receiver_open(g_lb[1].self, room, peer, dest);
+    g_scope = was;
+    return err;
+}
+
+static pd_xfer counted_transport(pd_xfer lb, int side) {
+    g_lb[side] = lb;
+    g_vt[side] = *lb.vt;
+    if (side == 0) {
+        g_vt[side].send_pages = sp0;
+        g_vt[side].send_final = sf0;
+    } else {
+        g_vt[side].receiver_open = ro1;
+    }
+    return (pd_xfer){.vt = &g_vt[side], .self = lb.self};
+}
 
 /* ---- a zero-cost executor ---------------------------------------------------- */
 
@@ -43,8 +140,14 @@ static pd_err z_launch(void *self, const pd_batch *b) {
 static bool z_poll(void *self, uint64_t id, pd_item_result *res) {
     zexec *z = self;
     PD_ASSERT(z->count > 0 && z->ids[z->head] == id);
-    for (uint32_t i = 0; i < z->n[z->head]; i++)
-        res[i] = (pd_item_result){.req = z->reqs[z->head][i], .token = 7, .logprob = -0.5f};
+    /* What an executor must write: the request, its token and logprob, and
+     * how many top logprobs follow (none asked). The arrays stay unwritten. */
+    for (uint32_t i = 0; i < z->n[z->head]; i++) {
+        res[i].req = z->reqs[z->head][i];
+        res[i].token = 7;
+        res[i].logprob = -0.5f;
+        res[i].n_top = 0;
+    }
     z->head = (z->head + 1) % 4;
     z->count--;
     return true;
@@ -97,6 +200,10 @@ static const pd_sink_vtable cvt = {.token = c_token, .terminal = c_term};
 
 typedef struct figures {
     double p_med, p_p99, d_med, d_p99, req_s;
+    /* steady state (the second half of the steps): heap allocations per
+     * engine step (both nodes), the transport's per step while the engine
+     * posted sends, and per request submitted (to both nodes) */
+    double allocs_step, allocs_xfer_step, allocs_submit_req;
 } figures;
 
 #define PAGE_TOKENS 16u
@@ -136,8 +243,8 @@ static void side_open(engines *en, int side, uint32_t live, uint32_t pages, bool
     pd_executor ex = {.vt = &zvt, .self = z};
     pd_sink sk = {.vt = &cvt, .self = &en->cnt[side]};
     pd_lb_side lb_side = side == 0 ? PD_LB_PREFILL : PD_LB_DECODE;
-    pd_err err = pd_engine_create(&en->eng[side], &c, ex, pd_loopback_endpoint(en->lb, lb_side),
-                                  sk, msg, sizeof(msg));
+    pd_xfer xf = counted_transport(pd_loopback_endpoint(en->lb, lb_side), side);
+    pd_err err = pd_engine_create(&en->eng[side], &c, ex, xf, sk, msg, sizeof(msg));
     PD_ASSERTF(err == PD_OK, "%s", msg);
     pd_exec_memory m;
     z_mem(z, &m);
@@ -207,24 +314,42 @@ static figures run(uint32_t live, uint32_t steps, bool strict, uint64_t seed) {
     static requests rq;
     requests_init(&rq, seed);
     double *tp = malloc(steps * sizeof(double)), *td = malloc(steps * sizeof(double));
+    uint64_t a0[SCOPE__N] = {0}, submitted0 = 0;
+    uint32_t steady_from = steps / 2;
     uint64_t t_start = bench_now_ns();
     for (uint32_t step = 0; step < steps; step++) {
         uint64_t now = step + 1;
+        if (step == steady_from) {
+            memcpy(a0, g_allocs, sizeof(a0));
+            submitted0 = rq.submitted;
+        }
+        g_scope = SCOPE_SUBMIT;
         top_up(&en, &rq, live, now);
+        g_scope = SCOPE_OTHER;
         pd_loopback_advance(en.lb, now);
+        g_scope = SCOPE_ENGINE;
         uint64_t t0 = bench_now_ns();
         pd_engine_step(en.eng[0], now);
         uint64_t t1 = bench_now_ns();
         pd_engine_step(en.eng[1], now);
         uint64_t t2 = bench_now_ns();
+        g_scope = SCOPE_OTHER;
         tp[step] = (double)(t1 - t0) / 1e3;
         td[step] = (double)(t2 - t1) / 1e3;
     }
     double secs = (double)(bench_now_ns() - t_start) / 1e9;
+    double steady_steps = (double)(steps - steady_from);
+    uint64_t steady_reqs = rq.submitted - submitted0;
     figures f = {
         .p_med = bench_median(tp, steps), .d_med = bench_median(td, steps),
         .p_p99 = bench_percentile(tp, steps, 99), .d_p99 = bench_percentile(td, steps, 99),
         .req_s = (double)en.cnt[1].ended / secs,
+        .allocs_step = (double)(g_allocs[SCOPE_ENGINE] - a0[SCOPE_ENGINE]) / steady_steps,
+        .allocs_xfer_step =
+            (double)(g_allocs[SCOPE_TRANSPORT] - a0[SCOPE_TRANSPORT]) / steady_steps,
+        .allocs_submit_req = steady_reqs
+            ? (double)(g_allocs[SCOPE_SUBMIT] - a0[SCOPE_SUBMIT]) / (double)steady_reqs
+            : 0.0,
     };
     engines_close(&en);
     free(tp);
@@ -261,8 +386,9 @@ int main(int argc, char **argv) {
     printf("zero-cost executor, loopback transport, page 16, prompts 64..512 "
            "(shared system prompts), %u steps per run, %s ledger, median of %d runs\n",
            steps, strict ? "strict" : "counting", runs);
-    double *v[5];
-    for (int k = 0; k < 5; k++) v[k] = malloc(sizeof(double) * (size_t)runs);
+    enum { NV = 8 };
+    double *v[NV];
+    for (int k = 0; k < NV; k++) v[k] = malloc(sizeof(double) * (size_t)runs);
     for (uint32_t li = 0; li < n_lives; li++) {
         for (int r = 0; r < runs; r++) {
             figures f = run(lives[li], steps, strict, 42 + (uint64_t)r);
@@ -271,13 +397,20 @@ int main(int argc, char **argv) {
             v[2][r] = f.d_med;
             v[3][r] = f.d_p99;
             v[4][r] = f.req_s;
+            v[5][r] = f.allocs_step;
+            v[6][r] = f.allocs_xfer_step;
+            v[7][r] = f.allocs_submit_req;
         }
         printf("live %4u: prefill step median %.2f us p99 %.2f us | "
                "decode step median %.2f us p99 %.2f us | %.0f requests/s\n",
                lives[li], bench_median(v[0], (size_t)runs), bench_median(v[1], (size_t)runs),
                bench_median(v[2], (size_t)runs), bench_median(v[3], (size_t)runs),
                bench_median(v[4], (size_t)runs));
+        printf("           steady-state allocations: %.2f per engine step | "
+               "%.2f per request at submit | loopback transport %.2f per step\n",
+               bench_median(v[5], (size_t)runs), bench_median(v[7], (size_t)runs),
+               bench_median(v[6], (size_t)runs));
     }
-    for (int k = 0; k < 5; k++) free(v[k]);
+    for (int k = 0; k < NV; k++) free(v[k]);
     return 0;
 }
