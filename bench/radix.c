@@ -8,16 +8,24 @@
  *         [--host-pages N] [--runs R] [--strict]
  *
  * Every run replays the whole trace on a fresh cache; figures are medians
- * over the runs. For comparison the same run also measures a baseline with
- * no prefix cache (allocate every page, free it) so the cost of matching and
- * inserting can be read against plain allocation on the same machine state.
- * The last four lines are: requests/s, tokens/s, mean us, p99 us.
+ * over the runs. Each run replays it three times: with no prefix cache
+ * (allocate every page, free it), so the cost of matching and inserting can
+ * be read against plain allocation on the same machine state; through the
+ * cache as it was before issue 13 (bench/radix_v0.c, a renamed copy); and
+ * through the tree's cache. The two caches alternate which goes first. Each
+ * request's hit tokens, and the pages evicted, must be the same for both:
+ * any difference is printed and the benchmark exits 1.
+ * The last four lines are the tree's cache: requests/s, tokens/s, mean us,
+ * p99 us.
  */
 #include <stdio.h>
 #include <string.h>
 
 #include "bench_util.h"
 #include "pdserve/cache.h"
+#include "radix_impl.h"
+
+RADIX_IMPL_DEFINE(radix_impl_new, "after (this tree)")
 
 typedef struct trace {
     int32_t **req;
@@ -91,7 +99,7 @@ typedef struct opts {
 
 typedef struct result {
     double req_s, tok_s, mean_us, p99_us, hit_rate, host_rate;
-    uint64_t evicted, skipped;
+    uint64_t evicted, skipped, hit_tokens;
 } result;
 
 /* One replay's node: the ledger, its pools, the cache, and page buffers
@@ -100,13 +108,14 @@ typedef struct node {
     pd_ledger *l;
     pd_pool *kv, *mamba, *host;
     int kv_id, mamba_id, host_id;
-    pd_cache *c;
+    const radix_impl *api;
+    void *c;
     uint32_t max_pages;
     uint32_t *pages, *dups;
 } node;
 
-static void node_open(node *n, const opts *o, uint32_t max_len) {
-    *n = (node){.mamba_id = -1, .host_id = -1};
+static void node_open(node *n, const opts *o, const radix_impl *api, uint32_t max_len) {
+    *n = (node){.mamba_id = -1, .host_id = -1, .api = api};
     PD_MUST(pd_ledger_create(&n->l, o->strict));
     PD_MUST(pd_pool_create(&n->kv, "kv", PD_POOL_KV, o->pages, o->page_size));
     PD_MUST(pd_ledger_add_pool(n->l, n->kv, &n->kv_id));
@@ -120,7 +129,7 @@ static void node_open(node *n, const opts *o, uint32_t max_len) {
     }
     pd_cache_config cfg = {.ledger = n->l, .kv_pool = n->kv_id, .mamba_pool = n->mamba_id,
                            .host_pool = n->host_id, .write_back = n->host != NULL};
-    PD_MUST(pd_cache_create(&n->c, &cfg));
+    PD_MUST(api->create(&n->c, &cfg));
     n->max_pages = max_len / o->page_size + 2;
     n->pages = malloc(n->max_pages * sizeof(uint32_t));
     n->dups = malloc(n->max_pages * sizeof(uint32_t));
@@ -128,9 +137,9 @@ static void node_open(node *n, const opts *o, uint32_t max_len) {
 
 /* The replay must leave the node clean once the cache is emptied. */
 static void node_check_clean(node *n) {
-    pd_cache_clear(n->c);
+    n->api->clear(n->c);
     pd_cache_sums sums = {0};
-    pd_cache_sums_get(n->c, &sums);
+    n->api->sums_get(n->c, &sums);
     char buf[2048];
     pd_strbuf sb;
     pd_strbuf_init(&sb, buf, sizeof(buf));
@@ -144,7 +153,7 @@ static void node_check_clean(node *n) {
 static void node_close(node *n) {
     free(n->pages);
     free(n->dups);
-    pd_cache_destroy(n->c);
+    n->api->destroy(n->c);
     pd_ledger_destroy(n->l);
     pd_pool_destroy(n->kv);
     pd_pool_destroy(n->mamba);
@@ -154,7 +163,7 @@ static void node_close(node *n) {
 static pd_err alloc_pages(node *n, uint32_t count, pd_owner owner, uint32_t *out) {
     pd_pool *kv = n->kv;
     if (pd_pool_free_count(kv) < count)
-        PD_MUST(pd_cache_evict(n->c, count - pd_pool_free_count(kv), NULL));
+        PD_MUST(n->api->evict(n->c, count - pd_pool_free_count(kv), NULL));
     if (pd_pool_free_count(kv) < count) return PD_ERR_NOMEM;
     return pd_ledger_alloc(n->l, n->kv_id, count, owner, out);
 }
@@ -175,21 +184,21 @@ static uint32_t match_and_lock(node *n, const opts *o, const int32_t *q, uint32_
                                uint64_t *host_tokens) {
     /* Match all but the last token: a request always computes at least one. */
     pd_cache_match_result m;
-    PD_MUST(pd_cache_match(n->c, q, len - 1, n->pages, n->max_pages, &m));
+    PD_MUST(n->api->match(n->c, q, len - 1, n->pages, n->max_pages, &m));
     uint32_t cached_tokens = o->hybrid ? m.mamba_tokens : m.dev_tokens;
     *lock_node = o->hybrid ? m.mamba_node : m.dev_node;
     bool load = !o->hybrid && m.host_tokens > 0;
     if (load) *lock_node = m.host_node;
-    PD_MUST(pd_cache_lock(n->c, *lock_node));
+    PD_MUST(n->api->lock(n->c, *lock_node));
     if (load) {
         /* Bring the host-only part back (the copy itself is not timed
          * here: it is a memcpy or DMA of the same size as the pages). */
         uint32_t n_loaded;
         pd_cache_ticket tk;
         uint32_t first = m.dev_tokens / o->page_size;
-        if (pd_cache_load_begin(n->c, m.host_node, owner, n->pages + first, n->dups,
-                                n->max_pages, &n_loaded, &tk) == PD_OK) {
-            PD_MUST(pd_cache_load_done(n->c, tk));
+        if (n->api->load_begin(n->c, m.host_node, owner, n->pages + first, n->dups, n->max_pages,
+                               &n_loaded, &tk) == PD_OK) {
+            PD_MUST(n->api->load_done(n->c, tk));
             cached_tokens += m.host_tokens;
             *host_tokens += m.host_tokens;
         }
@@ -210,18 +219,18 @@ static bool replay_cached(node *n, const opts *o, const int32_t *q, uint32_t len
         match_and_lock(n, o, q, len, owner, &lock_node, hit_tokens, host_tokens);
     uint32_t cached = cached_tokens / o->page_size;
     if (alloc_pages(n, need_pages - cached, owner, n->pages + cached) != PD_OK) {
-        PD_MUST(pd_cache_unlock(n->c, lock_node));
+        PD_MUST(n->api->unlock(n->c, lock_node));
         return false;
     }
     uint32_t slot = PD_POOL_NONE;
     if (o->hybrid) {
-        if (pd_pool_free_count(n->mamba) == 0) PD_MUST(pd_cache_evict_snapshots(n->c, 1, NULL));
+        if (pd_pool_free_count(n->mamba) == 0) PD_MUST(n->api->evict_snapshots(n->c, 1, NULL));
         if (pd_pool_free_count(n->mamba) > 0)
             PD_MUST(pd_ledger_alloc(n->l, n->mamba_id, 1, owner, &slot));
     }
     /* (the forward pass would run here) */
     pd_cache_insert_result ins;
-    PD_MUST(pd_cache_insert(n->c, q, full * o->page_size, n->pages, owner, slot, n->dups, &ins));
+    PD_MUST(n->api->insert(n->c, q, full * o->page_size, n->pages, owner, slot, n->dups, &ins));
     if (ins.dup_pages)
         PD_MUST(pd_ledger_free(n->l, n->kv_id, n->dups, ins.dup_pages, PD_UNIT_REQ, owner));
     uint32_t covered = ins.covered_tokens / o->page_size;
@@ -230,27 +239,34 @@ static bool replay_cached(node *n, const opts *o, const int32_t *q, uint32_t len
                                PD_UNIT_REQ, owner));
     if (slot != PD_POOL_NONE && !ins.mamba_taken)
         PD_MUST(pd_ledger_free(n->l, n->mamba_id, &slot, 1, PD_UNIT_REQ, owner));
-    PD_MUST(pd_cache_unlock(n->c, lock_node));
+    PD_MUST(n->api->unlock(n->c, lock_node));
     return true;
 }
 
-static result run(const trace *t, const opts *o, bool use_cache, double *lat) {
+/* Replays the whole trace once on a fresh node: through the cache api, or
+ * with api NULL the plain baseline. lat[i] receives request i's time (left
+ * at -1 when skipped), hits[i] its cached tokens (UINT32_MAX when skipped). */
+static result run(const trace *t, const opts *o, const radix_impl *api, double *lat,
+                  uint32_t *hits) {
     node n;
-    node_open(&n, o, t->max_len);
+    node_open(&n, o, api ? api : &radix_impl_new, t->max_len);
     result r = {0};
     uint64_t hit_tokens = 0, host_tokens = 0;
     uint64_t t_start = bench_now_ns();
     for (uint32_t i = 0; i < t->n; i++) {
         pd_owner owner = i + 1;
+        uint64_t before = hit_tokens;
         uint64_t t0 = bench_now_ns();
-        bool done = use_cache ? replay_cached(&n, o, t->req[i], t->len[i], owner, &hit_tokens,
-                                              &host_tokens)
-                              : replay_plain(&n, PD_DIV_CEIL(t->len[i], o->page_size), owner);
+        bool done = api
+            ? replay_cached(&n, o, t->req[i], t->len[i], owner, &hit_tokens, &host_tokens)
+            : replay_plain(&n, PD_DIV_CEIL(t->len[i], o->page_size), owner);
+        uint64_t t1 = bench_now_ns();
+        hits[i] = done ? (uint32_t)(hit_tokens - before) : UINT32_MAX;
         if (!done) {
             r.skipped++;
             continue;
         }
-        lat[i] = (double)(bench_now_ns() - t0) / 1e3;
+        lat[i] = (double)(t1 - t0) / 1e3;
     }
     double secs = (double)(bench_now_ns() - t_start) / 1e9;
     uint32_t done = t->n - (uint32_t)r.skipped;
@@ -261,10 +277,11 @@ static result run(const trace *t, const opts *o, bool use_cache, double *lat) {
     r.tok_s = (double)t->tokens / secs;
     r.mean_us = k ? sum / (double)k : 0;
     r.p99_us = bench_percentile(lat, k, 99.0);
+    r.hit_tokens = hit_tokens;
     r.hit_rate = t->tokens ? (double)hit_tokens / (double)t->tokens : 0;
     r.host_rate = t->tokens ? (double)host_tokens / (double)t->tokens : 0;
     pd_cache_stats st;
-    pd_cache_stats_get(n.c, &st);
+    n.api->stats_get(n.c, &st);
     r.evicted = st.evicted_dev_pages;
     node_check_clean(&n);
     node_close(&n);
@@ -314,48 +331,101 @@ static int parse_args(int argc, char **argv, opts *o, const char **path) {
     return -1;
 }
 
-/* The baseline pass, then the cached pass, each the median of o->runs
- * replays, and their figures. */
+/* Medians over the runs of one contender's figures. */
+typedef struct series {
+    double *req_s, *tok_s, *mean_us, *p99_us;
+    result last;
+} series;
+
+static void series_add(series *s, int r, result res) {
+    s->req_s[r] = res.req_s;
+    s->tok_s[r] = res.tok_s;
+    s->mean_us[r] = res.mean_us;
+    s->p99_us[r] = res.p99_us;
+    s->last = res;
+}
+
+/* The new cache must hit exactly the tokens the baseline hit, request by
+ * request, and evict as many pages: anything else is a behaviour change. */
+static void hits_compare(const trace *t, const uint32_t *v0, const uint32_t *now, const result *r0,
+                         const result *r1) {
+    for (uint32_t i = 0; i < t->n; i++) {
+        if (v0[i] == now[i]) continue;
+        fprintf(stderr,
+                "radix: FAIL: request %u (%u tokens) hits %u tokens %s but %u before "
+                "(dfc8558): the new cache changed which tokens hit\n",
+                i, t->len[i], now[i], radix_impl_new.label, v0[i]);
+        exit(1);
+    }
+    if (r0->hit_tokens != r1->hit_tokens || r0->evicted != r1->evicted) {
+        fprintf(stderr,
+                "radix: FAIL: totals differ: hit tokens %llu vs %llu, evicted pages "
+                "%llu vs %llu\n",
+                (unsigned long long)r0->hit_tokens, (unsigned long long)r1->hit_tokens,
+                (unsigned long long)r0->evicted, (unsigned long long)r1->evicted);
+        exit(1);
+    }
+}
+
+static void series_print(const char *label, series *s, size_t runs) {
+    printf("%-26s %10.2f %10.2f %12.0f %14llu %10llu\n", label, bench_median(s->mean_us, runs),
+           bench_median(s->p99_us, runs), bench_median(s->req_s, runs),
+           (unsigned long long)s->last.hit_tokens, (unsigned long long)s->last.evicted);
+}
+
+/* The plain baseline, then the old and the new cache alternately (which goes
+ * first swaps every run), each the median of o->runs replays; every run's
+ * hits are compared request by request. */
 static void measure(const trace *t, const opts *o) {
     double *lat = malloc(t->n * sizeof(double));
-    double *v[5];
-    for (int k = 0; k < 5; k++) v[k] = malloc(sizeof(double) * (size_t)o->runs);
-    double base_req = 0, base_mean = 0;
-    for (int pass = 0; pass < 2; pass++) {
-        bool use_cache = pass == 1;
-        result last = {0};
-        for (int r = 0; r < o->runs; r++) {
+    uint32_t *hits_v0 = malloc(t->n * sizeof(uint32_t)), *hits = malloc(t->n * sizeof(uint32_t));
+    size_t runs = (size_t)o->runs;
+    double *mem = malloc(sizeof(double) * runs * 12);
+    series sp = {
+        .req_s = mem, .tok_s = mem + runs, .mean_us = mem + 2 * runs, .p99_us = mem + 3 * runs};
+    series s0 = {.req_s = mem + 4 * runs,
+                 .tok_s = mem + 5 * runs,
+                 .mean_us = mem + 6 * runs,
+                 .p99_us = mem + 7 * runs};
+    series s1 = {.req_s = mem + 8 * runs,
+                 .tok_s = mem + 9 * runs,
+                 .mean_us = mem + 10 * runs,
+                 .p99_us = mem + 11 * runs};
+    for (int r = 0; r < o->runs; r++) {
+        for (uint32_t i = 0; i < t->n; i++) lat[i] = -1;
+        series_add(&sp, r, run(t, o, NULL, lat, hits));
+        for (int k = 0; k < 2; k++) {
+            bool v0 = (k == 0) == (r % 2 == 0);
             for (uint32_t i = 0; i < t->n; i++) lat[i] = -1;
-            last = run(t, o, use_cache, lat);
-            v[0][r] = last.req_s;
-            v[1][r] = last.tok_s;
-            v[2][r] = last.mean_us;
-            v[3][r] = last.p99_us;
+            series_add(v0 ? &s0 : &s1, r,
+                       run(t, o, v0 ? &radix_impl_v0 : &radix_impl_new, lat, v0 ? hits_v0 : hits));
         }
-        size_t runs = (size_t)o->runs;
-        double req = bench_median(v[0], runs), tok = bench_median(v[1], runs);
-        double mean = bench_median(v[2], runs), p99 = bench_median(v[3], runs);
-        if (!use_cache) {
-            base_req = req;
-            base_mean = mean;
-            printf("baseline (allocate and free every page, no cache): "
-                   "%.0f requests/s, mean %.2f us\n",
-                   req, mean);
-            continue;
-        }
-        printf("prefix cache: hit rate %.1f%% of prompt tokens (%.1f%% loaded back from host), "
-               "%llu pages evicted, %llu requests skipped (pool too small)\n",
-               100.0 * last.hit_rate, 100.0 * last.host_rate, (unsigned long long)last.evicted,
-               (unsigned long long)last.skipped);
-        printf("cache bookkeeping over plain allocation: "
-               "%+.2f us per request (baseline %.0f requests/s)\n",
-               mean - base_mean, base_req);
-        printf("requests/s: %.0f\n", req);
-        printf("tokens/s: %.0f\n", tok);
-        printf("mean us per request: %.2f\n", mean);
-        printf("p99 us per request: %.2f\n", p99);
+        hits_compare(t, hits_v0, hits, &s0.last, &s1.last);
     }
-    for (int k = 0; k < 5; k++) free(v[k]);
+    double base_mean = bench_median(sp.mean_us, runs), mean = bench_median(s1.mean_us, runs);
+    printf("baseline (allocate and free every page, no cache): %.0f requests/s, mean %.2f us\n",
+           bench_median(sp.req_s, runs), base_mean);
+    printf("prefix cache: hit rate %.1f%% of prompt tokens (%.1f%% loaded back from host), "
+           "%llu pages evicted, %llu requests skipped (pool too small)\n",
+           100.0 * s1.last.hit_rate, 100.0 * s1.last.host_rate, (unsigned long long)s1.last.evicted,
+           (unsigned long long)s1.last.skipped);
+    printf("whole request (match, lock, allocate, insert, unlock), medians of %zu runs "
+           "alternating:\n",
+           runs);
+    printf("%-26s %10s %10s %12s %14s %10s\n", "cache", "mean us", "p99 us", "requests/s",
+           "hit tokens", "evicted");
+    series_print(radix_impl_v0.label, &s0, runs);
+    series_print(radix_impl_new.label, &s1, runs);
+    printf("hits identical request by request in all %zu runs; after/before mean %.2fx\n", runs,
+           mean / bench_median(s0.mean_us, runs));
+    printf("cache bookkeeping over plain allocation: %+.2f us per request\n", mean - base_mean);
+    printf("requests/s: %.0f\n", bench_median(s1.req_s, runs));
+    printf("tokens/s: %.0f\n", bench_median(s1.tok_s, runs));
+    printf("mean us per request: %.2f\n", mean);
+    printf("p99 us per request: %.2f\n", bench_median(s1.p99_us, runs));
+    free(mem);
+    free(hits_v0);
+    free(hits);
     free(lat);
 }
 

@@ -1,0 +1,1292 @@
+/*
+ * bench/radix_v0.c — the prefix cache as it was before issue 13's work
+ * (src/cache/cache.c at commit dfc8558), kept as bench/radix's
+ * baseline so that both implementations are measured alternately in one run
+ * and their hits compared request by request. Built only into the benchmark.
+ *
+ * Its public symbols are renamed v0_pd_cache_* (and the handle type
+ * v0_pd_cache) by the macros below, which also rename the declarations that
+ * pdserve/cache.h makes when included here. Do not edit the copied code: it
+ * is the reference the new cache is measured and judged against.
+ */
+#define pd_cache v0_pd_cache
+#define pd_cache_create v0_pd_cache_create
+#define pd_cache_destroy v0_pd_cache_destroy
+#define pd_cache_match v0_pd_cache_match
+#define pd_cache_lock v0_pd_cache_lock
+#define pd_cache_unlock v0_pd_cache_unlock
+#define pd_cache_mamba_lock v0_pd_cache_mamba_lock
+#define pd_cache_mamba_unlock v0_pd_cache_mamba_unlock
+#define pd_cache_insert v0_pd_cache_insert
+#define pd_cache_evict v0_pd_cache_evict
+#define pd_cache_evict_host v0_pd_cache_evict_host
+#define pd_cache_evict_snapshots v0_pd_cache_evict_snapshots
+#define pd_cache_load_begin v0_pd_cache_load_begin
+#define pd_cache_load_done v0_pd_cache_load_done
+#define pd_cache_load_cancel v0_pd_cache_load_cancel
+#define pd_cache_loads_in_flight v0_pd_cache_loads_in_flight
+#define pd_cache_clear v0_pd_cache_clear
+#define pd_cache_sums_get v0_pd_cache_sums_get
+#define pd_cache_stats_get v0_pd_cache_stats_get
+#define pd_cache_clock v0_pd_cache_clock
+#define pd_cache_node_prefix v0_pd_cache_node_prefix
+#define pd_cache_walk v0_pd_cache_walk
+#define pd_cache_verify v0_pd_cache_verify
+
+/* ---- src/cache/cache.c at dfc8558, only clang-formatted ---------------------- */
+
+/*
+ * cache.c — the radix prefix cache. The model and its invariants (C1..C4,
+ * ownership, recency) are described in include/pdserve/cache.h; this file
+ * adds the representation:
+ *
+ *   nodes    a fixed arena; node 0 is the root (no pages, never evicted).
+ *            Free nodes are a pd_list through their sibling link.
+ *   entries  one per cached page position: the page's tokens, its device
+ *            page, its host page, and the next entry of the same node. A
+ *            node's pages are a chain of entries, so a split is a pointer
+ *            cut and never copies tokens.
+ *   children the base's pd_index keyed by (parent, first page's tokens) ->
+ *            child, plus a list of children per node (pd_list through the
+ *            sibling link) for iteration.
+ *   lists    three LRU lists (device, host, snapshot), pd_lists threaded
+ *            through the nodes; see the header for their ordering rule.
+ *
+ * Sizes: entries_max = kv pages + host pages (every entry holds at least one
+ * of them), nodes_max = entries_max + 1, the child index for nodes_max
+ * entries. Only the inspection functions (walk) allocate.
+ *
+ * Ledger transitions inside the cache are asserted: a refusal means the
+ * caller handed over a unit it did not own, or the cache's own bookkeeping is
+ * broken — both corrupt ownership, so the process stops with the ledger's
+ * message rather than continue.
+ */
+#include "pdserve/cache.h"
+#include "pdserve/index.h"
+#include "pdserve/list.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+enum { L_DEV = 0, L_HOST = 1, L_MAMBA = 2, L__COUNT = 3 };
+enum { R_KV = 0, R_HOST = 1, R_MAMBA = 2, R__COUNT = 3 };
+
+typedef struct cnode {
+    uint32_t parent;
+    pd_list kids; /* its children, newest first */
+    pd_link sib;  /* in its parent's kids, or in the free nodes */
+    uint32_t first_ent, last_ent, n_pages;
+    uint32_t end_pages; /* depth in pages at the node's end */
+    uint32_t n_dev_children;
+    uint32_t lock_ref, mamba_lock;
+    uint32_t mamba_slot;
+    uint32_t loading; /* ticket index, or PD_NONE */
+    pd_link lru[L__COUNT];
+    uint64_t lstamp[L__COUNT];
+    uint64_t key_hash;
+    bool live, on_dev, on_host;
+    bool in_list[L__COUNT];
+} cnode;
+
+typedef struct ticket {
+    bool used;
+    pd_owner owner;
+    uint32_t node; /* deepest node being loaded */
+    uint32_t n_pages;
+} ticket;
+
+struct pd_cache {
+    pd_cache_config cfg;
+    pd_ledger *ledger;
+    int pool_id[R__COUNT]; /* -1 when absent */
+    uint32_t page_size;
+
+    cnode *nodes;
+    pd_list node_free;
+    uint32_t nodes_max, nodes_live;
+
+    int32_t *ent_tokens; /* entries_max * page_size */
+    uint32_t *ent_dev, *ent_host, *ent_next;
+    uint32_t entries_max, ent_free, ents_live;
+
+    pd_index children; /* child_key(parent, first page) -> node */
+
+    pd_list lists[L__COUNT];
+    ticket *tickets;
+    uint32_t loads_max, loads_live;
+
+    uint64_t sum_evict[R__COUNT], sum_prot[R__COUNT];
+    uint64_t clock;
+    pd_cache_stats stats;
+
+    uint32_t *scratch_a, *scratch_b; /* entries_max each */
+    uint32_t *stack;                 /* nodes_max */
+    uint32_t *pos_of;                /* nodes_max, pd_cache_verify only */
+};
+
+/* ---- small helpers ------------------------------------------------------- */
+
+#define LEDGER_MUST(c, expr)                                                \
+    do {                                                                    \
+        pd_err e_ = (expr);                                                 \
+        PD_ASSERTF(e_ == PD_OK, "ledger refused (%s): %s", pd_err_name(e_), \
+                   pd_ledger_last_error((c)->ledger));                      \
+    } while (0)
+
+static inline cnode *N(pd_cache *c, uint32_t id) {
+    PD_ASSERT(id < c->nodes_max);
+    return &c->nodes[id];
+}
+
+/* The records of list l (an LRU list), and of the sibling lists. */
+static inline pd_links lru_links(pd_cache *c, int l) {
+    return (pd_links){.base = c->nodes,
+                      .stride = sizeof(cnode),
+                      .offset = offsetof(cnode, lru) + (size_t)l * sizeof(pd_link)};
+}
+
+static inline pd_links sib_links(pd_cache *c) { return PD_LINKS(c->nodes, cnode, sib); }
+
+static inline const int32_t *ent_tok(const pd_cache *c, uint32_t e) {
+    return c->ent_tokens + (size_t)e * c->page_size;
+}
+
+static inline bool page_eq(const pd_cache *c, uint32_t e, const int32_t *tokens) {
+    return memcmp(ent_tok(c, e), tokens, c->page_size * sizeof(int32_t)) == 0;
+}
+
+static inline uint64_t child_key(const pd_cache *c, uint32_t parent, const int32_t *first_page) {
+    return pd_hash_tokens(first_page, c->page_size, 0x5EEDull + parent);
+}
+
+static pd_unit_state lock_state(uint32_t lock) {
+    return lock > 0 ? PD_UNIT_CACHE_PROTECTED : PD_UNIT_CACHE_EVICTABLE;
+}
+
+static void sums_add(pd_cache *c, int r, pd_unit_state st, int64_t n) {
+    if (st == PD_UNIT_CACHE_EVICTABLE) c->sum_evict[r] = (uint64_t)((int64_t)c->sum_evict[r] + n);
+    else if (st == PD_UNIT_CACHE_PROTECTED)
+        c->sum_prot[r] = (uint64_t)((int64_t)c->sum_prot[r] + n);
+}
+
+/* Ledger move of n units of resource r, keeping the cache's sums. */
+static void units_move(pd_cache *c, int r, const uint32_t *u, uint32_t n, pd_unit_state from,
+                       pd_owner from_owner, pd_unit_state to, pd_owner to_owner) {
+    if (n == 0 || (from == to && from_owner == to_owner)) return;
+    LEDGER_MUST(c, pd_ledger_move(c->ledger, c->pool_id[r], u, n, from, from_owner, to, to_owner));
+    sums_add(c, r, from, -(int64_t)n);
+    sums_add(c, r, to, (int64_t)n);
+}
+
+static void units_free(pd_cache *c, int r, const uint32_t *u, uint32_t n, pd_unit_state from,
+                       pd_owner from_owner) {
+    if (n == 0) return;
+    LEDGER_MUST(c, pd_ledger_free(c->ledger, c->pool_id[r], u, n, from, from_owner));
+    sums_add(c, r, from, -(int64_t)n);
+}
+
+/* Gathers a node's device (or host) pages into buf, in position order. */
+static uint32_t node_pages(pd_cache *c, uint32_t id, bool host, uint32_t *buf) {
+    uint32_t n = 0;
+    for (uint32_t e = N(c, id)->first_ent; e != PD_NONE; e = c->ent_next[e])
+        buf[n++] = host ? c->ent_host[e] : c->ent_dev[e];
+    PD_ASSERT(n == N(c, id)->n_pages);
+    return n;
+}
+
+static void node_set_pages(pd_cache *c, uint32_t id, bool host, const uint32_t *buf) {
+    uint32_t i = 0;
+    for (uint32_t e = N(c, id)->first_ent; e != PD_NONE; e = c->ent_next[e], i++) {
+        if (host) c->ent_host[e] = buf ? buf[i] : PD_NONE;
+        else c->ent_dev[e] = buf ? buf[i] : PD_NONE;
+    }
+}
+
+/* ---- LRU lists ----------------------------------------------------------- */
+
+static void list_remove(pd_cache *c, int l, uint32_t id) {
+    cnode *n = N(c, id);
+    PD_ASSERT(n->in_list[l]);
+    pd_list_remove(&c->lists[l], lru_links(c, l), id);
+    n->in_list[l] = false;
+}
+
+static void list_push_tail(pd_cache *c, int l, uint32_t id) {
+    cnode *n = N(c, id);
+    PD_ASSERT(!n->in_list[l]);
+    pd_list_push_back(&c->lists[l], lru_links(c, l), id);
+    n->in_list[l] = true;
+    n->lstamp[l] = c->clock;
+}
+
+static void list_insert_after(pd_cache *c, int l, uint32_t after, uint32_t id) {
+    cnode *a = N(c, after), *n = N(c, id);
+    PD_ASSERT(a->in_list[l] && !n->in_list[l]);
+    pd_list_insert_after(&c->lists[l], lru_links(c, l), after, id);
+    n->in_list[l] = true;
+    n->lstamp[l] = a->lstamp[l];
+}
+
+/* Brings list membership in line with the node's state. */
+static void relist(pd_cache *c, uint32_t id) {
+    cnode *n = N(c, id);
+    bool want[L__COUNT] = {
+        [L_DEV] = n->on_dev && n->lock_ref == 0,
+        [L_HOST] = n->on_host && n->lock_ref == 0,
+        [L_MAMBA] = n->mamba_slot != PD_NONE && n->mamba_lock == 0,
+    };
+    for (int l = 0; l < L__COUNT; l++) {
+        if (want[l] && !n->in_list[l]) list_push_tail(c, l, id);
+        else if (!want[l] && n->in_list[l]) list_remove(c, l, id);
+    }
+}
+
+/* Moves the path node..root to the list tails, deepest first, so that every
+ * node stays behind its descendants. */
+static void touch_path(pd_cache *c, uint32_t id) {
+    for (; id != PD_CNODE_ROOT && id != PD_NONE; id = N(c, id)->parent) {
+        for (int l = 0; l < L__COUNT; l++) {
+            if (!N(c, id)->in_list[l]) continue;
+            list_remove(c, l, id);
+            list_push_tail(c, l, id);
+        }
+    }
+}
+
+/* ---- hash table of children ---------------------------------------------- */
+
+/* The children index's hash of node id (the key it was inserted under). */
+static uint64_t child_hash_of(const void *ctx, uint32_t id) {
+    return ((const pd_cache *)ctx)->nodes[id].key_hash;
+}
+
+static uint32_t ht_lookup(const pd_cache *c, uint32_t parent, const int32_t *first_page) {
+    uint64_t h = child_key(c, parent, first_page);
+    pd_index_probe p;
+    for (uint32_t id = pd_index_first(&c->children, h, &p); id != PD_NONE;
+         id = pd_index_next(&c->children, &p)) {
+        const cnode *n = &c->nodes[id];
+        if (n->key_hash == h && n->parent == parent && page_eq(c, n->first_ent, first_page))
+            return id;
+    }
+    return PD_NONE;
+}
+
+static void ht_insert(pd_cache *c, uint32_t id) {
+    cnode *n = N(c, id);
+    n->key_hash = child_key(c, n->parent, ent_tok(c, n->first_ent));
+    pd_index_insert(&c->children, n->key_hash, id);
+}
+
+static void ht_remove(pd_cache *c, uint32_t id) {
+    pd_index_remove(&c->children, N(c, id)->key_hash, id);
+}
+
+/* ---- node and entry arenas ----------------------------------------------- */
+
+static uint32_t node_alloc(pd_cache *c) {
+    uint32_t id = c->node_free.head;
+    PD_ASSERTF(id != PD_NONE, "node arena exhausted (%u nodes)", c->nodes_max);
+    pd_list_remove(&c->node_free, sib_links(c), id);
+    cnode *n = N(c, id);
+    memset(n, 0, sizeof(*n));
+    n->parent = PD_NONE;
+    pd_list_init(&n->kids);
+    pd_link_init(&n->sib);
+    n->first_ent = n->last_ent = PD_NONE;
+    n->mamba_slot = PD_NONE;
+    n->loading = PD_NONE;
+    for (int l = 0; l < L__COUNT; l++) pd_link_init(&n->lru[l]);
+    n->live = true;
+    c->nodes_live++;
+    return id;
+}
+
+static void node_release(pd_cache *c, uint32_t id) {
+    cnode *n = N(c, id);
+    PD_ASSERT(n->live && id != PD_CNODE_ROOT);
+    /* Give the entries back. */
+    uint32_t e = n->first_ent;
+    while (e != PD_NONE) {
+        uint32_t next = c->ent_next[e];
+        c->ent_next[e] = c->ent_free;
+        c->ent_free = e;
+        c->ents_live--;
+        e = next;
+    }
+    n->live = false;
+    pd_list_push_front(&c->node_free, sib_links(c), id);
+    c->nodes_live--;
+}
+
+static uint32_t entry_alloc(pd_cache *c, const int32_t *tokens) {
+    uint32_t e = c->ent_free;
+    PD_ASSERTF(e != PD_NONE, "entry arena exhausted (%u entries)", c->entries_max);
+    c->ent_free = c->ent_next[e];
+    c->ent_next[e] = PD_NONE;
+    c->ent_dev[e] = c->ent_host[e] = PD_NONE;
+    memcpy(c->ent_tokens + (size_t)e * c->page_size, tokens, c->page_size * sizeof(int32_t));
+    c->ents_live++;
+    return e;
+}
+
+static void child_link(pd_cache *c, uint32_t parent, uint32_t id) {
+    cnode *p = N(c, parent), *n = N(c, id);
+    n->parent = parent;
+    pd_list_push_front(&p->kids, sib_links(c), id);
+    if (n->on_dev) p->n_dev_children++;
+}
+
+static void child_unlink(pd_cache *c, uint32_t id) {
+    cnode *n = N(c, id), *p = N(c, n->parent);
+    pd_list_remove(&p->kids, sib_links(c), id);
+    if (n->on_dev) {
+        PD_ASSERT(p->n_dev_children > 0);
+        p->n_dev_children--;
+    }
+}
+
+/* Splits node id after k pages: a new node P takes the first k pages and
+ * takes id's place under its parent; id keeps the rest (and its identity,
+ * its snapshot and its children), so handles held by requests stay valid. */
+static uint32_t split(pd_cache *c, uint32_t id, uint32_t k) {
+    cnode *n = N(c, id);
+    PD_ASSERT(k >= 1 && k < n->n_pages);
+    uint32_t pid = node_alloc(c);
+    cnode *p = N(c, pid);
+    n = N(c, id);
+
+    uint32_t e = n->first_ent;
+    for (uint32_t i = 1; i < k; i++) e = c->ent_next[e];
+    p->first_ent = n->first_ent;
+    p->last_ent = e;
+    n->first_ent = c->ent_next[e];
+    c->ent_next[e] = PD_NONE;
+    p->n_pages = k;
+    n->n_pages -= k;
+    p->end_pages = n->end_pages - n->n_pages;
+
+    p->on_dev = n->on_dev;
+    p->on_host = n->on_host;
+    p->loading = n->loading;
+    p->lock_ref = n->lock_ref;
+    for (int l = 0; l < L__COUNT; l++) p->lstamp[l] = n->lstamp[l];
+
+    /* P takes id's key in the child table (same parent, same first page). */
+    ht_remove(c, id);
+    p->key_hash = n->key_hash;
+    p->parent = n->parent;
+    pd_index_insert(&c->children, p->key_hash, pid);
+
+    /* Among its parent's children, P takes id's place; id is P's one child. */
+    pd_list *siblings = &N(c, n->parent)->kids;
+    pd_list_insert_after(siblings, sib_links(c), n->sib.prev, pid);
+    pd_list_remove(siblings, sib_links(c), id);
+    n->parent = pid;
+    pd_list_push_back(&p->kids, sib_links(c), id);
+    p->n_dev_children = n->on_dev ? 1 : 0;
+    ht_insert(c, id);
+
+    /* Right after id in every list id is in: behind its descendant. */
+    for (int l = 0; l < L__COUNT; l++)
+        if (l != L_MAMBA && n->in_list[l]) list_insert_after(c, l, id, pid);
+    return pid;
+}
+
+/* Number of leading pages of node id equal to tokens[0..avail pages). */
+static uint32_t match_pages(pd_cache *c, uint32_t id, const int32_t *tokens, uint32_t avail) {
+    uint32_t k = 0;
+    for (uint32_t e = N(c, id)->first_ent; e != PD_NONE && k < avail; e = c->ent_next[e]) {
+        if (!page_eq(c, e, tokens + (size_t)k * c->page_size)) break;
+        k++;
+    }
+    return k;
+}
+
+/* ---- create / destroy ---------------------------------------------------- */
+
+/* The pools cfg names exist and are of the right kinds; the page size and
+ * entries_max (kv pages + host pages) they imply. */
+static pd_err config_check(const pd_cache_config *cfg, uint32_t *page_size, uint64_t *entries) {
+    pd_ledger *l = cfg->ledger;
+    int npools = pd_ledger_pool_count(l);
+    if (cfg->kv_pool < 0 || cfg->kv_pool >= npools) return PD_ERR_INVALID;
+    if (cfg->mamba_pool >= npools || cfg->host_pool >= npools) return PD_ERR_INVALID;
+    pd_pool *kv = pd_ledger_pool(l, cfg->kv_pool);
+    if (pd_pool_kind_of(kv) != PD_POOL_KV) return PD_ERR_INVALID;
+    *page_size = pd_pool_unit_tokens(kv);
+    *entries = pd_pool_total(kv);
+    if (cfg->host_pool >= 0) {
+        pd_pool *hp = pd_ledger_pool(l, cfg->host_pool);
+        if (pd_pool_kind_of(hp) != PD_POOL_HOST || pd_pool_unit_tokens(hp) != *page_size)
+            return PD_ERR_INVALID;
+        *entries += pd_pool_total(hp);
+    }
+    if (cfg->mamba_pool >= 0 &&
+        pd_pool_kind_of(pd_ledger_pool(l, cfg->mamba_pool)) != PD_POOL_MAMBA)
+        return PD_ERR_INVALID;
+    if (*entries + 1 >= UINT32_MAX / 4) return PD_ERR_INVALID;
+    return PD_OK;
+}
+
+/* Every array, sized once from entries_max and nodes_max; false if any
+ * allocation failed (pd_cache_destroy frees the rest). */
+static bool arrays_alloc(pd_cache *c) {
+    c->nodes = calloc(c->nodes_max, sizeof(cnode));
+    c->ent_tokens = calloc((size_t)c->entries_max * c->page_size, sizeof(int32_t));
+    c->ent_dev = calloc(c->entries_max, sizeof(uint32_t));
+    c->ent_host = calloc(c->entries_max, sizeof(uint32_t));
+    c->ent_next = calloc(c->entries_max, sizeof(uint32_t));
+    c->tickets = calloc(c->loads_max, sizeof(ticket));
+    c->scratch_a = calloc(c->entries_max, sizeof(uint32_t));
+    c->scratch_b = calloc(c->entries_max, sizeof(uint32_t));
+    c->stack = calloc(c->nodes_max, sizeof(uint32_t));
+    c->pos_of = calloc(c->nodes_max, sizeof(uint32_t));
+    return c->pos_of && c->nodes && c->ent_tokens && c->ent_dev && c->ent_host && c->ent_next &&
+        c->tickets && c->scratch_a && c->scratch_b && c->stack;
+}
+
+/* An empty cache: the hash table empty, every entry and node on its free
+ * chain, the lists empty, and the root alone. */
+static void empty_init(pd_cache *c) {
+    for (uint32_t e = 0; e < c->entries_max; e++)
+        c->ent_next[e] = e + 1 < c->entries_max ? e + 1 : PD_NONE;
+    c->ent_free = 0;
+    pd_list_init(&c->node_free);
+    for (uint32_t i = 1; i < c->nodes_max; i++) pd_list_push_back(&c->node_free, sib_links(c), i);
+    for (int li = 0; li < L__COUNT; li++) pd_list_init(&c->lists[li]);
+
+    cnode *root = &c->nodes[PD_CNODE_ROOT];
+    root->parent = PD_NONE;
+    pd_list_init(&root->kids);
+    pd_link_init(&root->sib);
+    root->first_ent = root->last_ent = PD_NONE;
+    root->mamba_slot = PD_NONE;
+    root->loading = PD_NONE;
+    for (int li = 0; li < L__COUNT; li++) pd_link_init(&root->lru[li]);
+    root->live = true;
+    root->on_dev = true; /* the empty prefix is always usable */
+}
+
+pd_err pd_cache_create(pd_cache **out, const pd_cache_config *cfg) {
+    if (!out || !cfg || !cfg->ledger) return PD_ERR_INVALID;
+    *out = NULL;
+    uint32_t page_size;
+    uint64_t entries;
+    pd_err err = config_check(cfg, &page_size, &entries);
+    if (err) return err;
+
+    pd_cache *c = calloc(1, sizeof(*c));
+    if (!c) return PD_ERR_NOMEM;
+    c->cfg = *cfg;
+    c->ledger = cfg->ledger;
+    c->pool_id[R_KV] = cfg->kv_pool;
+    c->pool_id[R_HOST] = cfg->host_pool;
+    c->pool_id[R_MAMBA] = cfg->mamba_pool;
+    c->page_size = page_size;
+    c->entries_max = (uint32_t)entries;
+    c->nodes_max = (uint32_t)entries + 1;
+    c->loads_max = cfg->loads_max ? cfg->loads_max : 64;
+    if (!arrays_alloc(c) || pd_index_init(&c->children, c->nodes_max, child_hash_of, c) != PD_OK) {
+        pd_cache_destroy(c);
+        return PD_ERR_NOMEM;
+    }
+    empty_init(c);
+    *out = c;
+    return PD_OK;
+}
+
+void pd_cache_destroy(pd_cache *c) {
+    if (!c) return;
+    free(c->nodes);
+    free(c->ent_tokens);
+    free(c->ent_dev);
+    free(c->ent_host);
+    free(c->ent_next);
+    pd_index_free(&c->children);
+    free(c->tickets);
+    free(c->scratch_a);
+    free(c->scratch_b);
+    free(c->stack);
+    free(c->pos_of);
+    free(c);
+}
+
+uint64_t pd_cache_clock(const pd_cache *c) { return c->clock; }
+
+/* ---- match ---------------------------------------------------------------- */
+
+pd_err pd_cache_match(pd_cache *c, const int32_t *tokens, uint32_t n_tokens, uint32_t *pages,
+                      uint32_t pages_cap, pd_cache_match_result *out) {
+    if (!c || !out || (n_tokens > 0 && !tokens)) return PD_ERR_INVALID;
+    uint32_t q_pages = n_tokens / c->page_size;
+    if (q_pages > 0 && (!pages || pages_cap < q_pages)) return PD_ERR_INVALID;
+    c->clock++;
+
+    pd_cache_match_result m = {
+        .dev_node = PD_CNODE_ROOT,
+        .host_node = PD_CNODE_ROOT,
+        .mamba_node = PD_CNODE_ROOT,
+        .mamba_slot = PD_POOL_NONE,
+    };
+    uint32_t node = PD_CNODE_ROOT, pos = 0, dev_pages = 0;
+    while (pos < q_pages) {
+        const int32_t *q = tokens + (size_t)pos * c->page_size;
+        uint32_t child = ht_lookup(c, node, q);
+        if (child == PD_NONE) break;
+        uint32_t k = match_pages(c, child, q, q_pages - pos);
+        PD_ASSERT(k >= 1);
+        bool diverged = k < N(c, child)->n_pages;
+        if (diverged) child = split(c, child, k);
+        cnode *ch = N(c, child);
+        if (ch->on_dev) {
+            PD_ASSERT(pos == dev_pages); /* C1: no device node below host-only */
+            dev_pages += node_pages(c, child, false, pages + pos);
+            m.dev_node = child;
+            if (ch->mamba_slot != PD_NONE) {
+                m.mamba_node = child;
+                m.mamba_slot = ch->mamba_slot;
+                m.mamba_tokens = ch->end_pages * c->page_size;
+            }
+        } else {
+            m.host_node = child;
+        }
+        pos += k;
+        node = child;
+        if (diverged) break;
+    }
+    m.dev_tokens = dev_pages * c->page_size;
+    if (m.host_node == PD_CNODE_ROOT) m.host_node = m.dev_node;
+    m.host_tokens = pos * c->page_size - m.dev_tokens;
+    touch_path(c, node);
+    *out = m;
+    return PD_OK;
+}
+
+/* ---- locks ----------------------------------------------------------------- */
+
+static void node_lock_changed(pd_cache *c, uint32_t id, uint32_t old_ref) {
+    cnode *n = N(c, id);
+    pd_unit_state from = lock_state(old_ref), to = lock_state(n->lock_ref);
+    if (from == to) return;
+    if (n->on_dev) {
+        uint32_t k = node_pages(c, id, false, c->scratch_a);
+        units_move(c, R_KV, c->scratch_a, k, from, PD_OWNER_CACHE, to, PD_OWNER_CACHE);
+    }
+    if (n->on_host) {
+        uint32_t k = node_pages(c, id, true, c->scratch_a);
+        units_move(c, R_HOST, c->scratch_a, k, from, PD_OWNER_CACHE, to, PD_OWNER_CACHE);
+    }
+    relist(c, id);
+}
+
+pd_err pd_cache_lock(pd_cache *c, pd_cnode node) {
+    if (!c || node >= c->nodes_max || !N(c, node)->live) return PD_ERR_NOTFOUND;
+    c->clock++;
+    for (uint32_t id = node; id != PD_CNODE_ROOT; id = N(c, id)->parent) {
+        cnode *n = N(c, id);
+        n->lock_ref++;
+        node_lock_changed(c, id, n->lock_ref - 1);
+    }
+    N(c, PD_CNODE_ROOT)->lock_ref++;
+    return PD_OK;
+}
+
+pd_err pd_cache_unlock(pd_cache *c, pd_cnode node) {
+    if (!c || node >= c->nodes_max || !N(c, node)->live) return PD_ERR_NOTFOUND;
+    /* Validate the whole path first: all or nothing. */
+    for (uint32_t id = node; id != PD_CNODE_ROOT; id = N(c, id)->parent) {
+        cnode *n = N(c, id);
+        if (n->lock_ref == 0) return PD_ERR_STATE;
+        if (n->lock_ref == 1 && (n->mamba_lock > 0 || n->loading != PD_NONE)) return PD_ERR_STATE;
+    }
+    if (N(c, PD_CNODE_ROOT)->lock_ref == 0) return PD_ERR_STATE;
+    c->clock++;
+    for (uint32_t id = node; id != PD_CNODE_ROOT; id = N(c, id)->parent) {
+        cnode *n = N(c, id);
+        n->lock_ref--;
+        node_lock_changed(c, id, n->lock_ref + 1);
+        /* Releasing the last lock counts as a use: the node joins the tail. */
+        if (n->lock_ref == 0) {
+            for (int l = 0; l < L__COUNT; l++) {
+                if (!n->in_list[l]) continue;
+                list_remove(c, l, id);
+                list_push_tail(c, l, id);
+            }
+        }
+    }
+    N(c, PD_CNODE_ROOT)->lock_ref--;
+    return PD_OK;
+}
+
+static pd_err mamba_lock_change(pd_cache *c, pd_cnode node, int delta) {
+    if (!c || node >= c->nodes_max || !N(c, node)->live || node == PD_CNODE_ROOT)
+        return PD_ERR_NOTFOUND;
+    cnode *n = N(c, node);
+    if (n->mamba_slot == PD_NONE) return PD_ERR_NOTFOUND;
+    if (delta > 0 && n->lock_ref == 0) return PD_ERR_STATE;
+    if (delta < 0 && n->mamba_lock == 0) return PD_ERR_STATE;
+    c->clock++;
+    uint32_t old = n->mamba_lock;
+    n->mamba_lock = (uint32_t)((int64_t)n->mamba_lock + delta);
+    pd_unit_state from = lock_state(old), to = lock_state(n->mamba_lock);
+    units_move(c, R_MAMBA, &n->mamba_slot, 1, from, PD_OWNER_CACHE, to, PD_OWNER_CACHE);
+    relist(c, node);
+    return PD_OK;
+}
+
+pd_err pd_cache_mamba_lock(pd_cache *c, pd_cnode node) { return mamba_lock_change(c, node, +1); }
+
+pd_err pd_cache_mamba_unlock(pd_cache *c, pd_cnode node) { return mamba_lock_change(c, node, -1); }
+
+/* ---- insert ---------------------------------------------------------------- */
+
+/* The rest of the prompt, pages [pos, n_pages), is new: one child of parent
+ * holding the caller's pages, which move from the request to the cache. */
+static uint32_t insert_new_node(pd_cache *c, uint32_t parent, const int32_t *tokens,
+                                const uint32_t *pages, uint32_t pos, uint32_t n_pages,
+                                pd_owner owner) {
+    uint32_t id = node_alloc(c);
+    cnode *n = N(c, id);
+    uint32_t prev = PD_NONE;
+    for (uint32_t i = pos; i < n_pages; i++) {
+        uint32_t e = entry_alloc(c, tokens + (size_t)i * c->page_size);
+        c->ent_dev[e] = pages[i];
+        if (prev == PD_NONE) n->first_ent = e;
+        else c->ent_next[prev] = e;
+        prev = e;
+    }
+    n->last_ent = prev;
+    n->n_pages = n_pages - pos;
+    n->end_pages = n_pages;
+    n->on_dev = true;
+    units_move(c, R_KV, pages + pos, n->n_pages, PD_UNIT_REQ, owner, PD_UNIT_CACHE_EVICTABLE,
+               PD_OWNER_CACHE);
+    child_link(c, parent, id);
+    ht_insert(c, id);
+    relist(c, id);
+    return id;
+}
+
+/* The caller's k pages for child, a cached node of exactly k pages. On
+ * device, the cache's copy wins: the caller's duplicates go to dup_out and
+ * its page table is rewritten. Host-only, the caller's freshly computed pages
+ * become the node's device copy (its parent is on device: C1 holds). */
+static void insert_matched(pd_cache *c, uint32_t parent, uint32_t child, uint32_t *pages,
+                           uint32_t k, pd_owner owner, uint32_t *dup_out, uint32_t *dup_pages) {
+    cnode *ch = N(c, child);
+    PD_ASSERT(ch->n_pages == k);
+    if (ch->on_dev) {
+        uint32_t i = 0;
+        for (uint32_t e = ch->first_ent; e != PD_NONE; e = c->ent_next[e], i++) {
+            if (pages[i] != c->ent_dev[e]) {
+                dup_out[(*dup_pages)++] = pages[i];
+                pages[i] = c->ent_dev[e];
+            }
+        }
+        return;
+    }
+    PD_ASSERT(N(c, parent)->on_dev);
+    units_move(c, R_KV, pages, k, PD_UNIT_REQ, owner, lock_state(ch->lock_ref), PD_OWNER_CACHE);
+    node_set_pages(c, child, false, pages);
+    ch->on_dev = true;
+    N(c, parent)->n_dev_children++;
+    relist(c, child);
+}
+
+pd_err pd_cache_insert(pd_cache *c, const int32_t *tokens, uint32_t n_tokens, uint32_t *pages,
+                       pd_owner owner, uint32_t mamba_slot, uint32_t *dup_out,
+                       pd_cache_insert_result *res) {
+    if (!c || !res || n_tokens % c->page_size != 0) return PD_ERR_INVALID;
+    if (n_tokens > 0 && (!tokens || !pages || !dup_out)) return PD_ERR_INVALID;
+    if (mamba_slot != PD_POOL_NONE && c->pool_id[R_MAMBA] < 0) return PD_ERR_INVALID;
+    uint32_t n_pages = n_tokens / c->page_size;
+    c->clock++;
+
+    pd_cache_insert_result r = {.node = PD_CNODE_ROOT};
+    uint32_t node = PD_CNODE_ROOT, pos = 0;
+    while (pos < n_pages) {
+        const int32_t *q = tokens + (size_t)pos * c->page_size;
+        uint32_t child = ht_lookup(c, node, q);
+        if (child == PD_NONE) {
+            node = insert_new_node(c, node, tokens, pages, pos, n_pages, owner);
+            pos = n_pages;
+            break;
+        }
+        uint32_t k = match_pages(c, child, q, n_pages - pos);
+        PD_ASSERT(k >= 1);
+        if (k < N(c, child)->n_pages) child = split(c, child, k);
+        if (N(c, child)->loading != PD_NONE) break; /* a host load owns these positions */
+        insert_matched(c, node, child, pages + pos, k, owner, dup_out, &r.dup_pages);
+        pos += k;
+        node = child;
+    }
+    r.node = node;
+    r.covered_tokens = pos * c->page_size;
+    if (mamba_slot != PD_POOL_NONE && pos == n_pages && node != PD_CNODE_ROOT &&
+        N(c, node)->mamba_slot == PD_NONE) {
+        cnode *n = N(c, node);
+        PD_ASSERT(n->mamba_lock == 0);
+        units_move(c, R_MAMBA, &mamba_slot, 1, PD_UNIT_REQ, owner, PD_UNIT_CACHE_EVICTABLE,
+                   PD_OWNER_CACHE);
+        n->mamba_slot = mamba_slot;
+        relist(c, node);
+        r.mamba_taken = true;
+    }
+    touch_path(c, node);
+    *res = r;
+    return PD_OK;
+}
+
+/* ---- eviction -------------------------------------------------------------- */
+
+static void emit(pd_cache *c, pd_evict_kind kind, uint32_t id, uint64_t stamp, bool written_back,
+                 bool deleted) {
+    if (!c->cfg.on_evict) return;
+    pd_evict_event ev = {
+        .kind = kind,
+        .node = id,
+        .end_tokens = N(c, id)->end_pages * c->page_size,
+        .pages = N(c, id)->n_pages,
+        .stamp = stamp,
+        .written_back = written_back,
+        .node_deleted = deleted,
+    };
+    c->cfg.on_evict(c->cfg.on_evict_ctx, &ev);
+}
+
+static void free_snapshot(pd_cache *c, uint32_t id) {
+    cnode *n = N(c, id);
+    PD_ASSERT(n->mamba_slot != PD_NONE && n->mamba_lock == 0);
+    units_free(c, R_MAMBA, &n->mamba_slot, 1, PD_UNIT_CACHE_EVICTABLE, PD_OWNER_CACHE);
+    n->mamba_slot = PD_NONE;
+    relist(c, id);
+}
+
+static void free_host_copy(pd_cache *c, uint32_t id) {
+    cnode *n = N(c, id);
+    PD_ASSERT(n->on_host && n->lock_ref == 0 && n->loading == PD_NONE);
+    uint32_t k = node_pages(c, id, true, c->scratch_a);
+    units_free(c, R_HOST, c->scratch_a, k, PD_UNIT_CACHE_EVICTABLE, PD_OWNER_CACHE);
+    node_set_pages(c, id, true, NULL);
+    n->on_host = false;
+    relist(c, id);
+}
+
+/* Removes a node that holds nothing any more (C2) and has no children. */
+static void delete_node(pd_cache *c, uint32_t id) {
+    cnode *n = N(c, id);
+    PD_ASSERT(!n->on_dev && !n->on_host && n->kids.len == 0 && n->lock_ref == 0);
+    PD_ASSERT(n->mamba_slot == PD_NONE && n->loading == PD_NONE);
+    for (int l = 0; l < L__COUNT; l++) PD_ASSERT(!n->in_list[l]);
+    ht_remove(c, id);
+    child_unlink(c, id);
+    node_release(c, id);
+}
+
+/* Deletes the host-only subtree below id (id itself included), children
+ * first. Every node in it is unlocked because id is. */
+static void delete_subtree(pd_cache *c, uint32_t id) {
+    uint32_t sp = 0;
+    c->stack[sp++] = id;
+    while (sp > 0) {
+        uint32_t top = c->stack[sp - 1];
+        cnode *n = N(c, top);
+        if (n->kids.head != PD_NONE) {
+            PD_ASSERT(sp < c->nodes_max);
+            c->stack[sp++] = n->kids.head;
+            continue;
+        }
+        sp--;
+        if (n->on_host) {
+            uint64_t stamp = n->lstamp[L_HOST];
+            free_host_copy(c, top);
+            emit(c, PD_EVICT_HOST, top, stamp, false, true);
+        }
+        delete_node(c, top);
+    }
+}
+
+static uint32_t first_eligible(pd_cache *c, int l) {
+    for (uint32_t id = c->lists[l].head; id != PD_NONE; id = N(c, id)->lru[l].next) {
+        cnode *n = N(c, id);
+        if (l == L_DEV && n->n_dev_children == 0) return id;
+        if (l == L_HOST && (n->on_dev || n->kids.len == 0)) return id;
+        if (l == L_MAMBA) return id;
+    }
+    return PD_NONE;
+}
+
+static uint32_t evict_host_pages(pd_cache *c, uint32_t need) {
+    uint32_t freed = 0;
+    while (freed < need) {
+        uint32_t id = first_eligible(c, L_HOST);
+        if (id == PD_NONE) break;
+        cnode *n = N(c, id);
+        uint64_t stamp = n->lstamp[L_HOST];
+        freed += n->n_pages;
+        free_host_copy(c, id);
+        bool deleted = !n->on_dev;
+        emit(c, PD_EVICT_HOST, id, stamp, false, deleted);
+        if (deleted) delete_node(c, id);
+    }
+    return freed;
+}
+
+/* Evicts the device copy of one unlocked device leaf. Returns pages freed. */
+static uint32_t evict_device_node(pd_cache *c, uint32_t id) {
+    cnode *n = N(c, id);
+    PD_ASSERT(n->on_dev && n->lock_ref == 0 && n->n_dev_children == 0);
+    PD_ASSERT(n->loading == PD_NONE && id != PD_CNODE_ROOT);
+    uint64_t stamp = n->lstamp[L_DEV];
+    if (n->mamba_slot != PD_NONE) free_snapshot(c, id); /* C3 */
+
+    bool written_back = false;
+    int hp = c->pool_id[R_HOST];
+    if (c->cfg.write_back && hp >= 0 && !n->on_host) {
+        pd_pool *host = pd_ledger_pool(c->ledger, hp);
+        if (pd_pool_free_count(host) < n->n_pages && pd_pool_total(host) >= n->n_pages)
+            evict_host_pages(c, n->n_pages - pd_pool_free_count(host));
+        if (pd_pool_free_count(host) >= n->n_pages) {
+            uint32_t *hpages = c->scratch_b;
+            LEDGER_MUST(c,
+                        pd_ledger_alloc_as(c->ledger, hp, n->n_pages, PD_UNIT_CACHE_EVICTABLE,
+                                           PD_OWNER_CACHE, hpages));
+            sums_add(c, R_HOST, PD_UNIT_CACHE_EVICTABLE, n->n_pages);
+            uint32_t k = node_pages(c, id, false, c->scratch_a);
+            if (c->cfg.copy)
+                c->cfg.copy(c->cfg.copy_ctx, PD_COPY_DEV_TO_HOST, c->scratch_a, hpages, k);
+            node_set_pages(c, id, true, hpages);
+            n->on_host = true;
+            written_back = true;
+            c->stats.written_back_pages += k;
+        }
+    }
+    uint32_t k = node_pages(c, id, false, c->scratch_a);
+    units_free(c, R_KV, c->scratch_a, k, PD_UNIT_CACHE_EVICTABLE, PD_OWNER_CACHE);
+    node_set_pages(c, id, false, NULL);
+    n->on_dev = false;
+    PD_ASSERT(N(c, n->parent)->n_dev_children > 0);
+    N(c, n->parent)->n_dev_children--;
+    relist(c, id);
+    c->stats.evicted_dev_pages += k;
+    emit(c, PD_EVICT_DEVICE, id, stamp, written_back, !n->on_host);
+    if (!n->on_host) delete_subtree(c, id);
+    return k;
+}
+
+pd_err pd_cache_evict(pd_cache *c, uint32_t pages_needed, uint32_t *pages_freed) {
+    if (!c) return PD_ERR_INVALID;
+    c->clock++;
+    uint32_t freed = 0;
+    while (freed < pages_needed) {
+        uint32_t id = first_eligible(c, L_DEV);
+        if (id == PD_NONE) break;
+        freed += evict_device_node(c, id);
+    }
+    if (pages_freed) *pages_freed = freed;
+    return PD_OK;
+}
+
+pd_err pd_cache_evict_host(pd_cache *c, uint32_t host_pages_needed, uint32_t *pages_freed) {
+    if (!c) return PD_ERR_INVALID;
+    c->clock++;
+    uint32_t freed = evict_host_pages(c, host_pages_needed);
+    if (pages_freed) *pages_freed = freed;
+    return PD_OK;
+}
+
+pd_err pd_cache_evict_snapshots(pd_cache *c, uint32_t slots_needed, uint32_t *slots_freed) {
+    if (!c) return PD_ERR_INVALID;
+    c->clock++;
+    uint32_t freed = 0;
+    while (freed < slots_needed) {
+        uint32_t id = first_eligible(c, L_MAMBA);
+        if (id == PD_NONE) break;
+        uint64_t stamp = N(c, id)->lstamp[L_MAMBA];
+        free_snapshot(c, id);
+        emit(c, PD_EVICT_SNAPSHOT, id, stamp, false, false);
+        freed++;
+    }
+    if (slots_freed) *slots_freed = freed;
+    return PD_OK;
+}
+
+void pd_cache_clear(pd_cache *c) {
+    pd_cache_evict_snapshots(c, UINT32_MAX, NULL);
+    pd_cache_evict(c, UINT32_MAX, NULL);
+    pd_cache_evict_host(c, UINT32_MAX, NULL);
+}
+
+/* ---- host loads ------------------------------------------------------------ */
+
+pd_err pd_cache_load_begin(pd_cache *c, pd_cnode host_node, pd_owner owner, uint32_t *dev_out,
+                           uint32_t *host_out, uint32_t cap, uint32_t *n_pages,
+                           pd_cache_ticket *ticket_out) {
+    if (!c || !n_pages || !ticket_out) return PD_ERR_INVALID;
+    if (host_node >= c->nodes_max || !N(c, host_node)->live || host_node == PD_CNODE_ROOT)
+        return PD_ERR_NOTFOUND;
+    if (N(c, host_node)->on_dev) return PD_ERR_STATE;
+    if (N(c, host_node)->lock_ref == 0) return PD_ERR_STATE;
+    /* The host-only run from host_node up to the first device ancestor. */
+    uint32_t total = 0, depth = 0;
+    uint32_t id = host_node;
+    for (; !N(c, id)->on_dev; id = N(c, id)->parent) {
+        if (N(c, id)->loading != PD_NONE) return PD_ERR_STATE;
+        PD_ASSERT(N(c, id)->on_host);
+        total += N(c, id)->n_pages;
+        c->stack[depth++] = id;
+    }
+    if (total > cap || !dev_out || !host_out) return PD_ERR_INVALID;
+    uint32_t t = 0;
+    while (t < c->loads_max && c->tickets[t].used) t++;
+    if (t == c->loads_max) return PD_ERR_NOMEM;
+
+    c->clock++;
+    pd_pool *kv = pd_ledger_pool(c->ledger, c->pool_id[R_KV]);
+    while (pd_pool_free_count(kv) < total) {
+        uint32_t v = first_eligible(c, L_DEV);
+        if (v == PD_NONE) break;
+        evict_device_node(c, v); /* never the locked path being loaded */
+    }
+    if (pd_pool_free_count(kv) < total) return PD_ERR_NOMEM;
+    /* stack holds the path deepest-first; eviction cannot have touched it
+     * (it is locked), but the stack buffer may have been reused: rebuild. */
+    depth = 0;
+    for (id = host_node; !N(c, id)->on_dev; id = N(c, id)->parent) c->stack[depth++] = id;
+
+    LEDGER_MUST(c, pd_ledger_alloc(c->ledger, c->pool_id[R_KV], total, owner, dev_out));
+    uint32_t pos = 0;
+    for (uint32_t d = depth; d-- > 0;) {
+        uint32_t nid = c->stack[d];
+        node_set_pages(c, nid, false, dev_out + pos);
+        node_pages(c, nid, true, host_out + pos);
+        N(c, nid)->loading = t;
+        pos += N(c, nid)->n_pages;
+    }
+    PD_ASSERT(pos == total);
+    c->tickets[t] = (ticket){.used = true, .owner = owner, .node = host_node, .n_pages = total};
+    c->loads_live++;
+    *n_pages = total;
+    *ticket_out = t;
+    return PD_OK;
+}
+
+static pd_err ticket_end(pd_cache *c, pd_cache_ticket t, bool done) {
+    if (!c || t >= c->loads_max || !c->tickets[t].used) return PD_ERR_NOTFOUND;
+    ticket *tk = &c->tickets[t];
+    c->clock++;
+    uint32_t moved = 0;
+    for (uint32_t id = tk->node; id != PD_CNODE_ROOT && N(c, id)->loading == t;
+         id = N(c, id)->parent) {
+        cnode *n = N(c, id);
+        uint32_t k = node_pages(c, id, false, c->scratch_a);
+        if (done) {
+            units_move(c, R_KV, c->scratch_a, k, PD_UNIT_REQ, tk->owner, lock_state(n->lock_ref),
+                       PD_OWNER_CACHE);
+            n->on_dev = true;
+            N(c, n->parent)->n_dev_children++;
+        } else {
+            LEDGER_MUST(c,
+                        pd_ledger_free(c->ledger, c->pool_id[R_KV], c->scratch_a, k, PD_UNIT_REQ,
+                                       tk->owner));
+            node_set_pages(c, id, false, NULL);
+        }
+        n->loading = PD_NONE;
+        relist(c, id);
+        moved += k;
+    }
+    PD_ASSERT(moved == tk->n_pages);
+    if (done) c->stats.loaded_pages += moved;
+    tk->used = false;
+    c->loads_live--;
+    return PD_OK;
+}
+
+pd_err pd_cache_load_done(pd_cache *c, pd_cache_ticket t) { return ticket_end(c, t, true); }
+pd_err pd_cache_load_cancel(pd_cache *c, pd_cache_ticket t) { return ticket_end(c, t, false); }
+uint32_t pd_cache_loads_in_flight(const pd_cache *c) { return c->loads_live; }
+
+/* ---- sums, stats, inspection ---------------------------------------------- */
+
+void pd_cache_sums_get(const pd_cache *c, pd_cache_sums *sums) {
+    for (int r = 0; r < R__COUNT; r++) {
+        int pid = c->pool_id[r];
+        if (pid < 0) continue;
+        sums->evictable[pid] += c->sum_evict[r];
+        sums->protected_[pid] += c->sum_prot[r];
+    }
+}
+
+void pd_cache_stats_get(const pd_cache *c, pd_cache_stats *out) {
+    pd_cache_stats s = c->stats;
+    s.nodes = c->nodes_live;
+    s.dev_pages = c->sum_evict[R_KV] + c->sum_prot[R_KV];
+    s.host_pages = c->sum_evict[R_HOST] + c->sum_prot[R_HOST];
+    s.snapshots = c->sum_evict[R_MAMBA] + c->sum_prot[R_MAMBA];
+    *out = s;
+}
+
+uint32_t pd_cache_node_prefix(const pd_cache *c, pd_cnode node, int32_t *buf, uint32_t cap) {
+    if (!c || node >= c->nodes_max || !c->nodes[node].live) return 0;
+    uint32_t len = c->nodes[node].end_pages * c->page_size;
+    if (len > cap) return 0;
+    for (uint32_t id = node; id != PD_CNODE_ROOT; id = c->nodes[id].parent) {
+        const cnode *n = &c->nodes[id];
+        uint32_t pos = (n->end_pages - n->n_pages) * c->page_size;
+        for (uint32_t e = n->first_ent; e != PD_NONE; e = c->ent_next[e]) {
+            memcpy(buf + pos, ent_tok(c, e), c->page_size * sizeof(int32_t));
+            pos += c->page_size;
+        }
+    }
+    return len;
+}
+
+void pd_cache_walk(pd_cache *c, void (*fn)(void *ctx, const pd_cnode_info *), void *ctx) {
+    size_t max_tokens = (size_t)c->entries_max * c->page_size + 1;
+    int32_t *prefix = malloc(max_tokens * sizeof(int32_t));
+    uint32_t *dev = malloc(((size_t)c->entries_max + 1) * sizeof(uint32_t));
+    uint32_t *host = malloc(((size_t)c->entries_max + 1) * sizeof(uint32_t));
+    PD_ASSERT(prefix && dev && host);
+    /* Iterative pre-order DFS; a node's prefix is rebuilt from its entries
+     * into prefix[] at its depth (parents are visited first). */
+    uint32_t sp = 0;
+    for (uint32_t ch = N(c, PD_CNODE_ROOT)->kids.head; ch != PD_NONE; ch = N(c, ch)->sib.next)
+        c->stack[sp++] = ch;
+    while (sp > 0) {
+        uint32_t id = c->stack[--sp];
+        cnode *n = N(c, id);
+        uint32_t start = (n->end_pages - n->n_pages) * c->page_size;
+        uint32_t i = 0;
+        for (uint32_t e = n->first_ent; e != PD_NONE; e = c->ent_next[e], i++) {
+            memcpy(prefix + start + (size_t)i * c->page_size, ent_tok(c, e),
+                   c->page_size * sizeof(int32_t));
+            dev[i] = c->ent_dev[e];
+            host[i] = c->ent_host[e];
+        }
+        pd_cnode_info info = {
+            .node = id,
+            .parent = n->parent,
+            .end_tokens = n->end_pages * c->page_size,
+            .pages = n->n_pages,
+            .on_dev = n->on_dev,
+            .on_host = n->on_host,
+            .loading = n->loading != PD_NONE,
+            .lock_ref = n->lock_ref,
+            .mamba_lock = n->mamba_lock,
+            .mamba_slot = n->mamba_slot == PD_NONE ? PD_POOL_NONE : n->mamba_slot,
+            .stamp_dev = n->lstamp[L_DEV],
+            .stamp_host = n->lstamp[L_HOST],
+            .stamp_mamba = n->lstamp[L_MAMBA],
+            .prefix = prefix,
+            .dev_pages = (n->on_dev || n->loading != PD_NONE) ? dev : NULL,
+            .host_pages = n->on_host ? host : NULL,
+        };
+        fn(ctx, &info);
+        for (uint32_t ch = n->kids.head; ch != PD_NONE; ch = N(c, ch)->sib.next)
+            c->stack[sp++] = ch;
+    }
+    free(prefix);
+    free(dev);
+    free(host);
+}
+
+#define VFAIL(...) return pd_errorf(msg, msg_cap, PD_ERR_INTERNAL, __VA_ARGS__)
+
+static pd_err verify_units(pd_cache *c, int r, const uint32_t *u, uint32_t n, pd_unit_state want,
+                           pd_owner owner, uint32_t id, char *msg, size_t msg_cap) {
+    for (uint32_t i = 0; i < n; i++) {
+        if (u[i] == PD_NONE)
+            VFAIL("node %u: %s unit missing at page %u", id,
+                  r == R_KV         ? "kv"
+                      : r == R_HOST ? "host"
+                                    : "mamba",
+                  i);
+        pd_unit_state st = pd_ledger_state_of(c->ledger, c->pool_id[r], u[i]);
+        if (st != want)
+            VFAIL("node %u: %s unit %u is %s in the ledger, expected %s", id,
+                  r == R_KV         ? "kv"
+                      : r == R_HOST ? "host"
+                                    : "mamba",
+                  u[i], pd_unit_state_name(st), pd_unit_state_name(want));
+        if (want == PD_UNIT_REQ && pd_ledger_strict(c->ledger) &&
+            pd_ledger_owner_of(c->ledger, c->pool_id[r], u[i]) != owner)
+            VFAIL("node %u: loading unit %u not owned by the ticket's owner", id, u[i]);
+    }
+    return PD_OK;
+}
+
+/* What pd_cache_verify recounts while it walks the tree, to hold against
+ * the recorded counters and sums afterwards. */
+typedef struct verify_tally {
+    uint64_t ev[R__COUNT], pr[R__COUNT]; /* units evictable / protected */
+    uint32_t nodes, ents;                /* reachable below the root */
+    uint32_t in_list[L__COUNT];          /* nodes flagged in each list */
+} verify_tally;
+
+/* Node id's children: their parent links, the recorded child counts, C4
+ * (a node is locked at least as often as its children together); each child
+ * is pushed on the walk's stack. */
+static pd_err verify_children(pd_cache *c, uint32_t id, uint32_t *sp, char *msg, size_t msg_cap) {
+    cnode *n = N(c, id);
+    uint32_t kids = 0, dev_kids = 0, prev = PD_NONE;
+    uint64_t kid_locks = 0;
+    for (uint32_t ch = n->kids.head; ch != PD_NONE; prev = ch, ch = N(c, ch)->sib.next) {
+        cnode *k = N(c, ch);
+        if (k->parent != id) VFAIL("node %u: child %u has parent %u", id, ch, k->parent);
+        if (k->sib.prev != prev) VFAIL("node %u: sibling list broken at child %u", id, ch);
+        kids++;
+        dev_kids += k->on_dev;
+        kid_locks += k->lock_ref;
+        if (*sp >= c->nodes_max) VFAIL("cycle below node %u", id);
+        c->stack[(*sp)++] = ch;
+    }
+    if (kids != n->kids.len || prev != n->kids.tail)
+        VFAIL("node %u: %u children counted, %u recorded", id, kids, n->kids.len);
+    if (dev_kids != n->n_dev_children)
+        VFAIL("node %u: %u device children counted, %u recorded", id, dev_kids, n->n_dev_children);
+    if (n->lock_ref < kid_locks)
+        VFAIL("node %u: lock_ref %u < children's %llu (C4)", id, n->lock_ref,
+              (unsigned long long)kid_locks);
+    return PD_OK;
+}
+
+/* One node below the root: C1-C4, its depth, its entry chain, its slot in
+ * the child table and its list flags. */
+static pd_err verify_shape(pd_cache *c, uint32_t id, verify_tally *t, char *msg, size_t msg_cap) {
+    cnode *n = N(c, id);
+    cnode *p = N(c, n->parent);
+    if (n->on_dev && !p->on_dev) VFAIL("node %u on device under a host-only parent (C1)", id);
+    if (!n->on_dev && !n->on_host) VFAIL("node %u holds nothing (C2)", id);
+    if (n->mamba_slot != PD_NONE && !n->on_dev)
+        VFAIL("node %u: snapshot on a host-only node (C3)", id);
+    if (n->mamba_lock > 0 && n->lock_ref == 0) VFAIL("node %u: snapshot locked, node not (C4)", id);
+    if (n->loading != PD_NONE && (n->on_dev || !n->on_host || n->lock_ref == 0))
+        VFAIL("node %u: loading but on_dev=%d on_host=%d lock_ref=%u", id, n->on_dev, n->on_host,
+              n->lock_ref);
+    if (n->end_pages != p->end_pages + n->n_pages && n->parent != PD_CNODE_ROOT)
+        VFAIL("node %u: ends at page %u, parent at %u, has %u", id, n->end_pages, p->end_pages,
+              n->n_pages);
+    if (n->parent == PD_CNODE_ROOT && n->end_pages != n->n_pages)
+        VFAIL("node %u: top-level node ends at page %u with %u pages", id, n->end_pages,
+              n->n_pages);
+    uint32_t cnt = 0;
+    for (uint32_t e = n->first_ent; e != PD_NONE; e = c->ent_next[e])
+        if (++cnt > c->entries_max) VFAIL("node %u: entry chain loops", id);
+    if (cnt != n->n_pages || cnt == 0)
+        VFAIL("node %u: %u entries for %u pages", id, cnt, n->n_pages);
+    t->ents += cnt;
+    if (ht_lookup(c, n->parent, ent_tok(c, n->first_ent)) != id)
+        VFAIL("node %u: child table lookup does not find it", id);
+    bool want[L__COUNT] = {n->on_dev && n->lock_ref == 0, n->on_host && n->lock_ref == 0,
+                           n->mamba_slot != PD_NONE && n->mamba_lock == 0};
+    for (int l = 0; l < L__COUNT; l++) {
+        if (want[l] != n->in_list[l])
+            VFAIL("node %u: list %d membership %d, expected %d", id, l, n->in_list[l], want[l]);
+        t->in_list[l] += n->in_list[l];
+    }
+    return PD_OK;
+}
+
+/* The units node id holds, against the ledger: device pages (or the pages a
+ * load is filling, still the loader's), host pages, the snapshot slot. */
+static pd_err verify_node_units(pd_cache *c, uint32_t id, verify_tally *t, char *msg,
+                                size_t msg_cap) {
+    cnode *n = N(c, id);
+    pd_err err;
+    uint32_t k;
+    if (n->on_dev || n->loading != PD_NONE) {
+        k = node_pages(c, id, false, c->scratch_a);
+        pd_unit_state want_st = n->loading != PD_NONE ? PD_UNIT_REQ : lock_state(n->lock_ref);
+        pd_owner own = n->loading != PD_NONE ? c->tickets[n->loading].owner : PD_OWNER_CACHE;
+        err = verify_units(c, R_KV, c->scratch_a, k, want_st, own, id, msg, msg_cap);
+        if (err) return err;
+        if (n->on_dev) (n->lock_ref ? t->pr : t->ev)[R_KV] += k;
+    }
+    if (n->on_host) {
+        k = node_pages(c, id, true, c->scratch_a);
+        err =
+            verify_units(c, R_HOST, c->scratch_a, k, lock_state(n->lock_ref), 0, id, msg, msg_cap);
+        if (err) return err;
+        (n->lock_ref ? t->pr : t->ev)[R_HOST] += k;
+    }
+    if (n->mamba_slot != PD_NONE) {
+        err = verify_units(c, R_MAMBA, &n->mamba_slot, 1, lock_state(n->mamba_lock), 0, id, msg,
+                           msg_cap);
+        if (err) return err;
+        (n->mamba_lock ? t->pr : t->ev)[R_MAMBA] += 1;
+    }
+    return PD_OK;
+}
+
+/* Lists: integrity, stamps non-decreasing, device list keeps every node
+ * behind its descendants (a node's parent in the list comes later). */
+static pd_err verify_lists(pd_cache *c, const uint32_t *in_list_n, char *msg, size_t msg_cap) {
+    for (int l = 0; l < L__COUNT; l++) {
+        uint32_t len = 0, prev = PD_NONE;
+        uint64_t last_stamp = 0;
+        for (uint32_t id = c->lists[l].head; id != PD_NONE; id = N(c, id)->lru[l].next) {
+            cnode *n = N(c, id);
+            if (!n->in_list[l] || n->lru[l].prev != prev) VFAIL("list %d broken at node %u", l, id);
+            if (n->lstamp[l] < last_stamp) VFAIL("list %d: stamps decrease at node %u", l, id);
+            last_stamp = n->lstamp[l];
+            c->stack[len] = id;
+            if (++len > c->nodes_max) VFAIL("list %d loops", l);
+            prev = id;
+        }
+        if (prev != c->lists[l].tail || len != c->lists[l].len || len != in_list_n[l])
+            VFAIL("list %d: length %u, recorded %u, flagged %u", l, len, c->lists[l].len,
+                  in_list_n[l]);
+        if (l == L_DEV) {
+            for (uint32_t i = 0; i < len; i++) c->pos_of[c->stack[i]] = i;
+            for (uint32_t i = 0; i < len; i++) {
+                uint32_t par = N(c, c->stack[i])->parent;
+                if (par == PD_CNODE_ROOT || !N(c, par)->in_list[L_DEV]) continue;
+                if (c->pos_of[par] < i)
+                    VFAIL("device list: node %u comes after its parent %u", c->stack[i], par);
+            }
+        }
+    }
+    return PD_OK;
+}
+
+pd_err pd_cache_verify(pd_cache *c, char *msg, size_t msg_cap) {
+    verify_tally seen;
+    memset(&seen, 0, sizeof(seen));
+    pd_err err;
+    uint32_t sp = 0;
+    c->stack[sp++] = PD_CNODE_ROOT;
+    while (sp > 0) {
+        uint32_t id = c->stack[--sp];
+        if (!N(c, id)->live) VFAIL("node %u reachable but not live", id);
+        if ((err = verify_children(c, id, &sp, msg, msg_cap))) return err;
+        if (id == PD_CNODE_ROOT) continue;
+        seen.nodes++;
+        if ((err = verify_shape(c, id, &seen, msg, msg_cap))) return err;
+        if ((err = verify_node_units(c, id, &seen, msg, msg_cap))) return err;
+    }
+    if (seen.nodes != c->nodes_live)
+        VFAIL("%u nodes reachable, %u live", seen.nodes, c->nodes_live);
+    if (seen.ents != c->ents_live) VFAIL("%u entries reachable, %u live", seen.ents, c->ents_live);
+    for (int r = 0; r < R__COUNT; r++)
+        if (seen.ev[r] != c->sum_evict[r] || seen.pr[r] != c->sum_prot[r])
+            VFAIL("resource %d: recount evictable %llu protected %llu, sums %llu %llu", r,
+                  (unsigned long long)seen.ev[r], (unsigned long long)seen.pr[r],
+                  (unsigned long long)c->sum_evict[r], (unsigned long long)c->sum_prot[r]);
+    if ((err = verify_lists(c, seen.in_list, msg, msg_cap))) return err;
+    uint32_t tickets = 0;
+    for (uint32_t t = 0; t < c->loads_max; t++) {
+        if (!c->tickets[t].used) continue;
+        tickets++;
+        if (N(c, c->tickets[t].node)->loading != t) VFAIL("ticket %u: node not loading", t);
+    }
+    if (tickets != c->loads_live) VFAIL("%u tickets used, %u recorded", tickets, c->loads_live);
+    return PD_OK;
+}
+
+/* ---- the benchmark's handle on this implementation ------------------------ */
+
+#include "radix_impl.h"
+
+RADIX_IMPL_DEFINE(radix_impl_v0, "before (dfc8558)")
