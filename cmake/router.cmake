@@ -9,6 +9,7 @@ add_library(pd_router STATIC
   src/router/health.c
   src/router/client.c
   src/router/forward.c
+  src/router/loop.c
   src/router/sse.c
   src/router/body.c
   src/router/stats.c

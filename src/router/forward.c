@@ -30,27 +30,28 @@
 #include <time.h>
 
 #include "client.h"
+#include "loop.h"
 #include "sse.h"
 #include "pdserve/http.h"
 #include "stats.h"
 
-#define PREFILL_BODY_MAX (64u * 1024u)     /* kept of the prefill node's answer */
-#define SETTLE_MS 500u                     /* after the decode's answer, for the prefill's */
-#define POLL_SLICE_MS 1000u                /* a wait is never longer: re-check the clock */
+#define PREFILL_BODY_MAX (64u * 1024u) /* kept of the prefill node's answer */
+#define SETTLE_MS 500u                 /* after the decode's answer, for the prefill's */
 
 enum { PREFILL = 0, DECODE = 1 };
 
 typedef struct half {
+    rt_xfer x; /* first: the loop hands it back to half_done */
     rt_fwd *f;
     int role;
     char url[PD_ROUTER_URL_MAX + 32];
     char abort_url[PD_ROUTER_URL_MAX + 32];
-    CURL *easy;
-    bool added;           /* in the multi handle */
-    bool done;            /* ended: completed, failed or closed by the router */
-    bool closed;          /* closed by the router before it completed */
-    bool aborted;         /* an /abort_request went to this worker */
-    bool failed;          /* for the worker's failure count */
+    CURL *easy;   /* x.easy */
+    bool added;   /* in the loop's multi handle */
+    bool done;    /* ended: completed, failed or closed by the router */
+    bool closed;  /* closed by the router before it completed */
+    bool aborted; /* an /abort_request went to this worker */
+    bool failed;  /* for the worker's failure count */
     CURLcode rc;
     long status;
     bool head_known;
@@ -66,30 +67,55 @@ typedef struct half {
  * decides the response (see rt_fwd_head_wait). */
 #define PREFILL_FAIL_GRACE_MS 250u
 
+/* An /abort_request to one half's worker, on the loop like the halves. */
+typedef struct abort_post {
+    rt_xfer x; /* first */
+    rt_fwd *f;
+    bool busy; /* in the multi handle */
+} abort_post;
+
+typedef enum phase {
+    PH_HEAD,   /* both halves run; the response's head is not decided */
+    PH_FULL,   /* a FULL or GONE head is decided, held until the workers were told */
+    PH_STREAM, /* the client has a 200 event stream; events go out as they come */
+    PH_END,    /* everything was handed out; ends once the aborts are back */
+} phase;
+
 struct rt_fwd {
+    rt_task task; /* first: the loop hands it back to fwd_step */
+    rt_loop *loop;
+    rt_fwd_sink sink;
+    phase phase;
+    rt_fwd_head head;
+    atomic_bool armed; /* rt_fwd_start was called: steps may run */
+
     rt_fwd_api api;
     char rid[PD_RID_MAX];
     char model[128];
     bool stream;
     char *body;
     size_t body_len;
-    int client_fd;
     uint32_t timeout_ms, connect_timeout_ms, abort_timeout_ms, abort_grace_ms;
     const char *api_key; /* the router's, which outlives every forward */
 
-    CURLM *multi;
     struct curl_slist *hdrs;
     half h[2];
+    abort_post ab[2];
+    char *abort_body;
+    unsigned aborts_in_flight;
     bool started;
     uint64_t deadline_ms;
     uint64_t grace_deadline_ms; /* 0 until an abort was requested and seen */
     uint64_t prefill_failed_ms; /* 0 until the prefill half was seen failed */
+    uint64_t settle_until_ms;   /* 0, or the prefill node's time to end by itself */
     atomic_bool abort_requested;
     atomic_bool shutdown_requested;
     atomic_bool client_gone_told; /* rt_fwd_client_gone: the server saw the hang-up */
-    bool watch_client;
+    atomic_bool writable_told;    /* rt_fwd_writable: the client took its backlog */
     bool client_gone;
-    bool ended;                   /* nothing more to produce after what is queued */
+    bool gone_handled; /* the hang-up was acted on (aborts sent, output dropped) */
+    bool blocked;      /* the client refused bytes: wait for writable_told */
+    bool ended;        /* nothing more to produce after what is queued */
     unsigned outcome;
     unsigned aborts_sent;
 
@@ -169,6 +195,7 @@ static size_t half_write(char *ptr, size_t size, size_t nmemb, void *userdata) {
     rt_fwd *f = h->f;
     size_t n = size * nmemb;
     note_head(h);
+    rt_loop_mark(f->loop, &f->task);
     if (h->sse) {
         /* Nothing after [DONE] goes out, nor anything after garbage. */
         if (f->ev.saw_done || f->ev.garbage) return n;
@@ -218,56 +245,22 @@ static size_t half_write(char *ptr, size_t size, size_t nmemb, void *userdata) {
 
 /* ---- driving the transfers ------------------------------------------------ */
 
-static void harvest(rt_fwd *f) {
-    CURLMsg *m;
-    int left;
-    while ((m = curl_multi_info_read(f->multi, &left))) {
-        if (m->msg != CURLMSG_DONE) continue;
-        half *h = NULL;
-        curl_easy_getinfo(m->easy_handle, CURLINFO_PRIVATE, (char **)&h);
-        PD_ASSERT(h != NULL && h->easy == m->easy_handle);
-        CURLcode rc = m->data.result;
-        note_head(h);
-        /* A worker's status outside 100..599 is not HTTP: never passed on. */
-        if (rc == CURLE_OK && (h->status < 100 || h->status > 599)) rc = CURLE_WEIRD_SERVER_REPLY;
-        h->rc = rc;
-        h->done = true;
-        curl_multi_remove_handle(f->multi, h->easy);
-        h->added = false;
-        if (rc != CURLE_OK || h->status >= 500) h->failed = true;
-    }
-}
-
-/* A hang-up shows as end-of-file (or an error) on a peek. Data means the
- * client pipelined its next request: from then on a hang-up cannot be told
- * from data without reading it, so the watch stops (the stream's writes
- * still notice a hang-up). */
-static void check_client(rt_fwd *f) {
-    if (atomic_load(&f->client_gone_told)) f->client_gone = true;
-    if (!f->watch_client || f->client_gone) return;
-    char c;
-    ssize_t r = recv(f->client_fd, &c, 1, MSG_PEEK | MSG_DONTWAIT);
-    if (r == 0) f->client_gone = true;
-    else if (r > 0) f->watch_client = false;
-    else if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) f->client_gone = true;
-}
-
-static void pump(rt_fwd *f, uint64_t wait_ms) {
-    if (wait_ms > POLL_SLICE_MS) wait_ms = POLL_SLICE_MS;
-    struct curl_waitfd wfd = {.fd = f->client_fd, .events = CURL_WAIT_POLLIN, .revents = 0};
-    bool watch = f->watch_client && !f->client_gone;
-    curl_multi_poll(f->multi, watch ? &wfd : NULL, watch ? 1u : 0u, (int)wait_ms, NULL);
-    /* Checked after every wait, not only when poll flags the socket: a
-     * reset can come back as POLLERR alone, which curl does not report. */
-    check_client(f);
-    int running = 0;
-    curl_multi_perform(f->multi, &running);
-    harvest(f);
+/* The loop took a half's transfer out: it completed or failed. */
+static void half_done(rt_xfer *x, CURLcode rc) {
+    half *h = (half *)x;
+    note_head(h);
+    /* A worker's status outside 100..599 is not HTTP: never passed on. */
+    if (rc == CURLE_OK && (h->status < 100 || h->status > 599)) rc = CURLE_WEIRD_SERVER_REPLY;
+    h->rc = rc;
+    h->done = true;
+    h->added = false;
+    if (rc != CURLE_OK || h->status >= 500) h->failed = true;
+    rt_loop_mark(h->f->loop, &h->f->task);
 }
 
 static void close_half(half *h) {
     if (h->added) {
-        curl_multi_remove_handle(h->f->multi, h->easy);
+        rt_loop_remove_xfer(h->f->loop, &h->x);
         h->added = false;
     }
     if (!h->done) {
@@ -276,24 +269,53 @@ static void close_half(half *h) {
     }
 }
 
+static size_t discard(char *ptr, size_t size, size_t nmemb, void *userdata) {
+    (void)ptr, (void)userdata;
+    return size * nmemb;
+}
+
+static void abort_done(rt_xfer *x, CURLcode rc) {
+    (void)rc; /* a worker that does not answer an abort cannot be told twice */
+    abort_post *a = (abort_post *)x;
+    PD_ASSERT(a->busy && a->f->aborts_in_flight > 0);
+    a->busy = false;
+    a->f->aborts_in_flight--;
+    rt_loop_mark(a->f->loop, &a->f->task);
+}
+
+/* One /abort_request {"rid"} on the loop; the answer waits for it (held). */
+static void post_abort(rt_fwd *f, int role) {
+    abort_post *a = &f->ab[role];
+    PD_ASSERT(!a->busy && a->x.easy == NULL);
+    if (!f->abort_body) {
+        json_t *o = json_pack("{s:s}", "rid", f->rid);
+        f->abort_body = o ? json_dumps(o, JSON_COMPACT) : NULL;
+        json_decref(o);
+    }
+    a->f = f;
+    a->x.done = abort_done;
+    a->x.easy = f->abort_body ? curl_easy_init() : NULL;
+    if (!a->x.easy) return;
+    rt_client_setup(a->x.easy, f->connect_timeout_ms, f->api_key);
+    curl_easy_setopt(a->x.easy, CURLOPT_URL, f->h[role].abort_url);
+    curl_easy_setopt(a->x.easy, CURLOPT_HTTPHEADER, f->hdrs);
+    curl_easy_setopt(a->x.easy, CURLOPT_POSTFIELDS, f->abort_body);
+    curl_easy_setopt(a->x.easy, CURLOPT_POSTFIELDSIZE, (long)strlen(f->abort_body));
+    curl_easy_setopt(a->x.easy, CURLOPT_TIMEOUT_MS, (long)f->abort_timeout_ms);
+    curl_easy_setopt(a->x.easy, CURLOPT_WRITEFUNCTION, discard);
+    if (!rt_loop_add_xfer(f->loop, &a->x)) return;
+    a->busy = true;
+    f->aborts_in_flight++;
+    f->aborts_sent++;
+}
+
 /* /abort_request {"rid"} to the given halves' workers at once. */
 static void send_aborts(rt_fwd *f, bool prefill, bool decode) {
-    rt_post posts[2];
-    size_t n = 0;
     for (int r = 0; r < 2; r++) {
         if (!(r == PREFILL ? prefill : decode) || f->h[r].aborted) continue;
         f->h[r].aborted = true;
-        copy_str(posts[n].url, sizeof posts[n].url, f->h[r].abort_url);
-        n++;
+        post_abort(f, r);
     }
-    if (n == 0) return;
-    json_t *o = json_pack("{s:s}", "rid", f->rid);
-    char *body = o ? json_dumps(o, JSON_COMPACT) : NULL;
-    json_decref(o);
-    if (!body) return;
-    rt_fanout_post(posts, n, body, f->abort_timeout_ms, f->connect_timeout_ms, f->api_key);
-    free(body);
-    f->aborts_sent += (unsigned)n;
 }
 
 /* Both workers are told and both connections closed. `blame`: the halves
@@ -313,18 +335,26 @@ static void abort_half(rt_fwd *f, int role) {
     close_half(&f->h[role]);
 }
 
-/* After the decode node's own final answer: give the prefill node a moment
- * to finish its (normally already finished) hand-off answer, then tell it if
- * it has not. The decode connection, if still open, is simply closed. */
-static void settle(rt_fwd *f) {
-    uint64_t until_ms = rt_now_ms() + SETTLE_MS;
-    while (half_running(&f->h[PREFILL]) && !f->client_gone) {
+/* After the decode node's own final answer, the prefill node gets SETTLE_MS
+ * to finish its (normally already finished) hand-off answer; held() tells
+ * it afterwards if it has not. */
+static void start_settle(rt_fwd *f) { f->settle_until_ms = rt_now_ms() + SETTLE_MS; }
+
+/* True while what is decided must wait: the prefill node's settling time,
+ * or aborts still on their way (a client hears the outcome only once the
+ * workers were told, as when the aborts were sent inline). */
+static bool held(rt_fwd *f) {
+    if (f->settle_until_ms) {
         uint64_t now = rt_now_ms();
-        if (now >= until_ms) break;
-        pump(f, until_ms - now);
+        if (half_running(&f->h[PREFILL]) && !f->client_gone && now < f->settle_until_ms) {
+            f->task.wake_ms = f->settle_until_ms;
+            return true;
+        }
+        f->settle_until_ms = 0;
+        abort_half(f, PREFILL);
+        close_half(&f->h[DECODE]);
     }
-    abort_half(f, PREFILL);
-    close_half(&f->h[DECODE]);
+    return f->aborts_in_flight > 0;
 }
 
 /* ---- router-made answers ---------------------------------------------------- */
@@ -431,6 +461,8 @@ static void set_abort_tail(rt_fwd *f) {
     set_tail(f, f->ev.saw_final ? NULL : abort_answer(f, true), f->ev.saw_final ? 200 : 499);
 }
 
+static void fwd_step(rt_task *t);
+
 /* ---- creation ---------------------------------------------------------------- */
 
 static pd_err half_init(rt_fwd *f, int role, const char *base, const char *path, char *msg,
@@ -441,7 +473,8 @@ static pd_err half_init(rt_fwd *f, int role, const char *base, const char *path,
     snprintf(h->url, sizeof h->url, "%s%s", base, path);
     snprintf(h->abort_url, sizeof h->abort_url, "%s/abort_request", base);
     h->cap_max = role == PREFILL ? PREFILL_BODY_MAX : 0;
-    h->easy = curl_easy_init();
+    h->easy = h->x.easy = curl_easy_init();
+    h->x.done = half_done;
     if (!h->easy) return pd_errorf(msg, msg_cap, PD_ERR_NOMEM, "curl_easy_init failed");
     rt_client_setup(h->easy, f->connect_timeout_ms, f->api_key);
     curl_easy_setopt(h->easy, CURLOPT_URL, h->url);
@@ -452,7 +485,6 @@ static pd_err half_init(rt_fwd *f, int role, const char *base, const char *path,
     curl_easy_setopt(h->easy, CURLOPT_WRITEDATA, h);
     curl_easy_setopt(h->easy, CURLOPT_HEADERFUNCTION, half_header);
     curl_easy_setopt(h->easy, CURLOPT_HEADERDATA, h);
-    curl_easy_setopt(h->easy, CURLOPT_PRIVATE, (char *)h);
     return PD_OK;
 }
 
@@ -472,8 +504,11 @@ pd_err rt_fwd_create(rt_fwd **out, const rt_fwd_params *p, char *msg, size_t msg
     f->stream = p->stream;
     f->body = p->body;
     f->body_len = p->body_len;
-    f->client_fd = p->client_fd;
-    f->watch_client = p->client_fd >= 0;
+    f->loop = p->loop;
+    f->sink = p->sink;
+    f->task.step = fwd_step;
+    atomic_init(&f->armed, false);
+    atomic_init(&f->writable_told, false);
     f->timeout_ms = p->timeout_ms;
     f->connect_timeout_ms = PD_MIN(p->connect_timeout_ms, p->timeout_ms);
     f->abort_timeout_ms = p->abort_timeout_ms;
@@ -486,11 +521,10 @@ pd_err rt_fwd_create(rt_fwd **out, const rt_fwd_params *p, char *msg, size_t msg
         : p->api == RT_FWD_CHAT                  ? "/v1/chat/completions"
                                                  : "/v1/completions";
     pd_err err = PD_OK;
-    f->multi = rt_client_multi();
     struct curl_slist *a = curl_slist_append(NULL, "Content-Type: application/json");
     struct curl_slist *b = a ? curl_slist_append(a, "Expect:") : NULL;
     f->hdrs = b ? b : a;
-    if (!f->multi || !b) err = pd_errorf(msg, msg_cap, PD_ERR_NOMEM, "out of memory");
+    if (!b) err = pd_errorf(msg, msg_cap, PD_ERR_NOMEM, "out of memory");
     if (!err) err = half_init(f, PREFILL, p->prefill_base, path, msg, msg_cap);
     if (!err) err = half_init(f, DECODE, p->decode_base, path, msg, msg_cap);
     f->h[DECODE].cap_max = p->max_response_bytes;
@@ -559,7 +593,7 @@ static void finish_full(rt_fwd *f, rt_fwd_head *head) {
                   d->status);
         return;
     } else {
-        settle(f);
+        start_settle(f);
     }
     head->kind = RT_FWD_FULL;
     head->status = (unsigned)d->status;
@@ -630,65 +664,65 @@ static bool check_exits(rt_fwd *f, rt_fwd_head *head, uint64_t *wait_ms) {
     return false;
 }
 
-void rt_fwd_head_wait(rt_fwd *f, rt_fwd_head *head) {
-    memset(head, 0, sizeof *head);
+static void start_transfers(rt_fwd *f) {
     PD_ASSERT(!f->started);
     f->started = true;
     f->deadline_ms = rt_now_ms() + f->timeout_ms;
     for (int r = 0; r < 2; r++) {
-        if (curl_multi_add_handle(f->multi, f->h[r].easy) == CURLM_OK) {
+        if (rt_loop_add_xfer(f->loop, &f->h[r].x)) {
             f->h[r].added = true;
         } else {
             f->h[r].done = true;
             f->h[r].rc = CURLE_OUT_OF_MEMORY;
         }
     }
-    int running = 0;
-    curl_multi_perform(f->multi, &running);
-    harvest(f);
+}
+
+/* One look at the head phase: true when the head got decided (f->head),
+ * else the task's wake time is set. */
+static bool head_decide(rt_fwd *f) {
+    rt_fwd_head *head = &f->head;
     half *p = &f->h[PREFILL], *d = &f->h[DECODE];
-    for (;;) {
-        if (f->client_gone) {
-            abandon_all(f, false);
-            head->kind = RT_FWD_GONE;
-            f->outcome = RT_STATUS_CLIENT_GONE;
-            f->ended = true;
-            return;
-        }
-        if (d->sse) {
-            head->kind = RT_FWD_STREAM;
-            head->status = 200;
-            copy_str(f->content_type, sizeof f->content_type, d->content_type);
-            head->content_type = f->content_type;
-            f->outcome = 200;
-            return;
-        }
-        if (d->done) {
-            finish_full(f, head);
-            return;
-        }
-        /* After an abort was asked for, a prefill failure (the abort
-         * reached it, its room failed) does not decide: the decode node's
-         * answer, or the abort answer at the grace deadline, does. Nor does
-         * it decide at once: a decode node that refused the request cancels
-         * the room, which fails the prefill half, and the decode node's own
-         * answer (naming the real reason) comes at about the same time. */
-        uint64_t wait_ms = 0;
-        if ((half_transport_failed(p) || half_http_failed(p)) &&
-            !atomic_load(&f->abort_requested)) {
-            uint64_t now = rt_now_ms();
-            if (!f->prefill_failed_ms) f->prefill_failed_ms = now;
-            if (now >= f->prefill_failed_ms + PREFILL_FAIL_GRACE_MS) {
-                prefill_failed(f, head);
-                return;
-            }
-            if (check_exits(f, head, &wait_ms)) return;
-            wait_ms = PD_MIN(wait_ms, f->prefill_failed_ms + PREFILL_FAIL_GRACE_MS - now);
-        } else if (check_exits(f, head, &wait_ms)) {
-            return;
-        }
-        pump(f, wait_ms);
+    if (f->client_gone) {
+        abandon_all(f, false);
+        head->kind = RT_FWD_GONE;
+        f->outcome = RT_STATUS_CLIENT_GONE;
+        f->ended = f->gone_handled = true;
+        return true;
     }
+    if (d->sse) {
+        head->kind = RT_FWD_STREAM;
+        head->status = 200;
+        copy_str(f->content_type, sizeof f->content_type, d->content_type);
+        head->content_type = f->content_type;
+        f->outcome = 200;
+        return true;
+    }
+    if (d->done) {
+        finish_full(f, head);
+        return true;
+    }
+    /* After an abort was asked for, a prefill failure (the abort reached
+     * it, its room failed) does not decide: the decode node's answer, or the
+     * abort answer at the grace deadline, does. Nor does it decide at once:
+     * a decode node that refused a request cancels the room, which fails the
+     * prefill half, and the decode node's own answer (naming the real
+     * reason) comes at about the same time. */
+    uint64_t wait_ms = 0;
+    if ((half_transport_failed(p) || half_http_failed(p)) && !atomic_load(&f->abort_requested)) {
+        uint64_t now = rt_now_ms();
+        if (!f->prefill_failed_ms) f->prefill_failed_ms = now;
+        if (now >= f->prefill_failed_ms + PREFILL_FAIL_GRACE_MS) {
+            prefill_failed(f, head);
+            return true;
+        }
+        if (check_exits(f, head, &wait_ms)) return true;
+        wait_ms = PD_MIN(wait_ms, f->prefill_failed_ms + PREFILL_FAIL_GRACE_MS - now);
+    } else if (check_exits(f, head, &wait_ms)) {
+        return true;
+    }
+    f->task.wake_ms = rt_now_ms() + PD_MAX(wait_ms, 1);
+    return false;
 }
 
 /* ---- stream ------------------------------------------------------------------- */
@@ -706,53 +740,91 @@ static void unpause(rt_fwd *f) {
     }
 }
 
-long rt_fwd_stream_read(rt_fwd *f, char *buf, size_t max) {
-    PD_ASSERT(f->started && max > 0);
-    half *p = &f->h[PREFILL], *d = &f->h[DECODE];
+typedef enum out_rc { OUT_TAKEN, OUT_WAIT, OUT_GONE } out_rc;
+
+/* Bytes to the client, straight from the window or the tail: the server
+ * copies them into the connection's output, or refuses all of them while
+ * the client is behind (then rt_fwd_writable wakes the forward). */
+static out_rc out(rt_fwd *f, const char *buf, size_t n) {
+    if (f->blocked) return OUT_WAIT;
+    int r = f->sink.data(f->sink.user, buf, n);
+    if (r > 0) f->blocked = true;
+    if (r < 0) f->client_gone = true;
+    return r > 0 ? OUT_WAIT : r == 0 ? OUT_TAKEN : OUT_GONE;
+}
+
+/* The client went before the stream was handed out whole: both workers
+ * are told, nothing more goes out. */
+static void stream_gone(rt_fwd *f) {
+    f->gone_handled = true;
+    if (f->ended && f->tail_off >= f->tail_len && f->ev.ready == 0) return;
+    abandon_all(f, false);
+    f->outcome = RT_STATUS_CLIENT_GONE;
+    f->ended = true;
+    f->ev.ready = f->ev.len = f->ev.scanned = 0;
+    f->tail_len = f->tail_off = 0;
+}
+
+/* The decode node's answer went bad or ended early; true when it did. */
+static bool stream_broken(rt_fwd *f) {
+    half *d = &f->h[DECODE];
+    if (f->ev.garbage || d->overflow) {
+        d->failed = true;
+        abandon_all(f, false);
+        set_error_tail(f, 502, "the decode node sent a malformed or oversized event");
+        return true;
+    }
+    if (!d->done) return false;
+    /* The decode stream ended without [DONE]. */
+    abort_half(f, PREFILL);
+    if (d->rc != CURLE_OK && !d->closed) {
+        char why[256];
+        unsigned status = transport_status(d, why, sizeof why);
+        set_error_tail(f, status, "%s", why);
+    } else {
+        set_error_tail(f, 502, "the decode node ended the stream without a final event");
+    }
+    return true;
+}
+
+/* The body of a STREAM response: relays complete events as they come and
+ * ends the stream exactly once; returns when the client or a worker must
+ * act first, or with phase PH_END. */
+static void stream_step(rt_fwd *f) {
+    half *p = &f->h[PREFILL];
     for (;;) {
+        if (f->client_gone && !f->gone_handled) stream_gone(f);
         if (f->ev.ready > 0) {
-            size_t n = PD_MIN(max, f->ev.ready);
-            memcpy(buf, f->ev.buf, n);
+            out_rc rc = out(f, f->ev.buf, f->ev.ready);
+            if (rc == OUT_WAIT) return;
+            if (rc == OUT_GONE) continue;
+            size_t n = f->ev.ready;
             memmove(f->ev.buf, f->ev.buf + n, f->ev.len - n);
             f->ev.len -= n;
-            f->ev.ready -= n;
+            f->ev.ready = 0;
             f->ev.scanned -= n;
-            return (long)n;
+            continue;
         }
-        if (f->tail_off < f->tail_len) {
-            size_t n = PD_MIN(max, f->tail_len - f->tail_off);
-            memcpy(buf, f->tail + f->tail_off, n);
-            f->tail_off += n;
-            return (long)n;
+        if (f->ended) {
+            if (held(f)) return;
+            if (f->tail_off < f->tail_len) {
+                out_rc rc = out(f, f->tail + f->tail_off, f->tail_len - f->tail_off);
+                if (rc == OUT_WAIT) return;
+                if (rc == OUT_TAKEN) f->tail_off = f->tail_len;
+                continue;
+            }
+            f->phase = PH_END;
+            return;
         }
-        if (f->ended) return 0;
         if (f->ev.saw_done) {
-            settle(f);
+            start_settle(f);
             f->outcome = 200;
             f->ended = true;
             continue;
         }
         unpause(f);
         rt_sse_scan(&f->ev);
-        if (f->ev.ready > 0 || f->ev.saw_done) continue;
-        if (f->ev.garbage || d->overflow) {
-            d->failed = true;
-            abandon_all(f, false);
-            set_error_tail(f, 502, "the decode node sent a malformed or oversized event");
-            continue;
-        }
-        if (d->done) {
-            /* The decode stream ended without [DONE]. */
-            abort_half(f, PREFILL);
-            if (d->rc != CURLE_OK && !d->closed) {
-                char why[256];
-                unsigned status = transport_status(d, why, sizeof why);
-                set_error_tail(f, status, "%s", why);
-            } else {
-                set_error_tail(f, 502, "the decode node ended the stream without a final event");
-            }
-            continue;
-        }
+        if (f->ev.ready > 0 || f->ev.saw_done || stream_broken(f)) continue;
         /* After an abort was asked for, a prefill failure (the abort
          * reached it, its room failed) does not decide: the decode node's
          * answer, or the abort answer at the grace deadline, does. */
@@ -761,48 +833,67 @@ long rt_fwd_stream_read(rt_fwd *f, char *buf, size_t max) {
             prefill_failed(f, NULL);
             continue;
         }
-        if (f->client_gone) {
-            abandon_all(f, false);
-            f->outcome = RT_STATUS_CLIENT_GONE;
-            f->ended = true;
-            return -1;
-        }
         uint64_t wait_ms = 0;
         if (check_exits(f, NULL, &wait_ms)) continue;
-        pump(f, wait_ms);
+        f->task.wake_ms = rt_now_ms() + PD_MAX(wait_ms, 1);
+        return;
     }
 }
 
-/* ---- control from other threads, end, queries ------------------------------- */
+/* ---- the forward as the loop's task ---------------------------------------- */
+
+static void fwd_step(rt_task *t) {
+    rt_fwd *f = (rt_fwd *)t;
+    if (!atomic_load(&f->armed)) return;
+    t->wake_ms = 0;
+    if (atomic_load(&f->client_gone_told)) f->client_gone = true;
+    if (atomic_exchange(&f->writable_told, false)) f->blocked = false;
+    if (!f->started) start_transfers(f);
+    if (f->phase == PH_HEAD) {
+        if (!head_decide(f)) return;
+        f->phase = f->head.kind == RT_FWD_STREAM ? PH_STREAM : PH_FULL;
+        if (f->phase == PH_STREAM) f->sink.head(f->sink.user, &f->head);
+    }
+    if (f->phase == PH_FULL) {
+        if (held(f)) return;
+        f->sink.head(f->sink.user, &f->head);
+        f->phase = PH_END;
+    }
+    if (f->phase == PH_STREAM) stream_step(f);
+    if (f->phase != PH_END || held(f)) return;
+    close_half(&f->h[PREFILL]);
+    close_half(&f->h[DECODE]);
+    PD_ASSERT(f->aborts_in_flight == 0 && !f->h[PREFILL].added && !f->h[DECODE].added);
+    rt_loop_forget(f->loop, t);
+    f->sink.end(f->sink.user); /* may destroy f */
+}
+
+/* ---- control from other threads, queries ------------------------------------ */
+
+void rt_fwd_start(rt_fwd *f) {
+    PD_ASSERT(!atomic_load(&f->armed));
+    atomic_store(&f->armed, true);
+    rt_loop_poke(f->loop, &f->task);
+}
 
 void rt_fwd_request_abort(rt_fwd *f) {
     atomic_store(&f->abort_requested, true);
-    curl_multi_wakeup(f->multi);
+    rt_loop_poke(f->loop, &f->task);
 }
 
 void rt_fwd_client_gone(rt_fwd *f) {
     atomic_store(&f->client_gone_told, true);
-    curl_multi_wakeup(f->multi);
+    rt_loop_poke(f->loop, &f->task);
+}
+
+void rt_fwd_writable(rt_fwd *f) {
+    atomic_store(&f->writable_told, true);
+    rt_loop_poke(f->loop, &f->task);
 }
 
 void rt_fwd_request_shutdown(rt_fwd *f) {
     atomic_store(&f->shutdown_requested, true);
-    curl_multi_wakeup(f->multi);
-}
-
-void rt_fwd_close(rt_fwd *f) {
-    if (!f->started) return;
-    if (!f->ended || f->tail_off < f->tail_len || f->ev.ready > 0) {
-        /* The exchange ended before the answer was fully handed out: the
-         * client went away (or the connection failed) mid-answer. */
-        abandon_all(f, false);
-        f->outcome = RT_STATUS_CLIENT_GONE;
-        f->ended = true;
-        f->ev.ready = f->tail_len = f->tail_off = 0;
-        return;
-    }
-    close_half(&f->h[PREFILL]);
-    close_half(&f->h[DECODE]);
+    rt_loop_poke(f->loop, &f->task);
 }
 
 unsigned rt_fwd_outcome(const rt_fwd *f) { return f->outcome; }
@@ -815,17 +906,18 @@ unsigned rt_fwd_aborts_sent(const rt_fwd *f) { return f->aborts_sent; }
 
 void rt_fwd_destroy(rt_fwd *f) {
     if (!f) return;
+    /* A poke that came after the end (an abort, a hang-up) is dropped. */
+    if (atomic_load(&f->armed)) rt_loop_forget(f->loop, &f->task);
     for (int r = 0; r < 2; r++) {
         half *h = &f->h[r];
-        if (h->easy) {
-            if (h->added) curl_multi_remove_handle(f->multi, h->easy);
-            curl_easy_cleanup(h->easy);
-        }
+        PD_ASSERT(!h->added && !f->ab[r].busy); /* ended, or never started */
+        if (h->easy) curl_easy_cleanup(h->easy);
+        if (f->ab[r].x.easy) curl_easy_cleanup(f->ab[r].x.easy);
         free(h->body);
     }
-    if (f->multi) curl_multi_cleanup(f->multi);
     curl_slist_free_all(f->hdrs);
     free(f->body);
+    free(f->abort_body);
     free(f->own_body);
     free(f->ev.buf);
     free(f->tail);

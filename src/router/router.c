@@ -1,31 +1,38 @@
 /*
  * The router's HTTP server: routes, request validation, the table of
  * requests in flight, and the glue between the HTTP server
- * (pd_http_server, docs/http-server.md) and a forward.
+ * (pd_http_server, docs/http-server.md), the upstream event loop (loop.h)
+ * and a forward (forward.c).
  *
- * The server's event loop parses every request and makes every answer about
- * framing, limits and deadlines itself (JSON errors; issue 10). Cheap routes
- * (/health, /server_info, /metrics, 404, 405) are answered on the loop
- * thread. A generation or an abort may block for as long as the request
- * lives, so it runs on a thread of its own, started per request and bounded
- * by the server's connection caps: it validates the body, picks a pair,
- * rewrites the body with the bootstrap fields and drives the forward
- * (forward.c) until the response's head is decided, then answers; a
- * streamed body is pumped from the forward by the same thread. The price is
- * a thread per request in flight; the gain is straight-line code and a
- * forward never shared between threads. (Issue 13 makes this event-driven.)
+ * No request has a thread of its own (issue 13). Three kinds of threads
+ * serve them all:
+ *
+ *   the server's loop  parses every request and makes every answer about
+ *            framing, limits and deadlines itself (JSON errors; issue 10);
+ *            answers the cheap routes (/health, /server_info, /metrics, 404,
+ *            405); and for a generation validates the body, picks a pair,
+ *            rewrites the body with the bootstrap fields and hands a new
+ *            forward to the upstream loop. None of it blocks.
+ *   the upstream loop  (one thread: epoll + curl_multi_socket_action) runs
+ *            every forward: both halves, their aborts, the answer through
+ *            the forward's sink (forward_head / forward_data / forward_end
+ *            below, which call the server's answering functions, which queue
+ *            bytes and wake the server's loop).
+ *   ADMIN_THREADS admin threads  run the rare routes that still block on
+ *            libcurl's easy interface: /abort_request's fan-out, /v1/models
+ *            and SGLang's utility routes. A fixed pool with a queue: a
+ *            burst of them waits its turn instead of starting threads.
  *
  * The in-flight table (one slot per possible connection, a linear scan
  * under a mutex) maps rids to forwards for the two things that reach a
- * request from outside its thread: a router-level /abort_request and
+ * request from outside the upstream loop: a router-level /abort_request and
  * shutdown. A slot is taken before the workers hear of the rid, so an
  * /abort_request can never miss a request that a worker already has;
  * a flag set before the forward exists is handed to it when it attaches.
  *
- * finish() is the single end of every request: it closes the forward
- * (which aborts whatever still runs — this is where a hang-up the server
- * reported ends up), releases the workers, frees the slot and records the
- * outcome.
+ * finish() is the single end of every request: for a generation it runs
+ * when the forward ended (forward_end: its halves closed, its aborts back);
+ * it releases the workers, frees the slot and records the outcome.
  */
 #include "pdserve/router.h"
 
@@ -39,6 +46,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/random.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <time.h>
 #include <unistd.h>
@@ -47,13 +55,17 @@
 #include "client.h"
 #include "forward.h"
 #include "health.h"
+#include "loop.h"
 #include "pdserve/http.h"
 #include "pdserve/http_server.h"
 #include "sglang.h"
 #include "stats.h"
 #include "workers.h"
 
-#define STREAM_BLOCK_BYTES (16u * 1024u)
+#define ADMIN_THREADS 4
+/* Descriptors per client connection: its own, and up to two to workers. */
+#define FDS_PER_CONNECTION 3u
+#define FDS_SPARE 64u /* listeners, epoll sets, eventfds, health probes, logs */
 
 typedef struct slot {
     bool used;
@@ -74,11 +86,19 @@ struct pd_router {
     bool started;
     bool stopped;
 
+    rt_loop *loop;
+
     pthread_mutex_t table_mu;
     slot *slots;         /* cfg.connections_max of them */
     bool stopping;       /* guarded by table_mu */
-    size_t threads_live; /* request threads running (table_mu) */
-    pthread_cond_t threads_cv;
+
+    /* The admin pool: a queue of requests (admin_mu), ADMIN_THREADS threads. */
+    pthread_mutex_t admin_mu;
+    pthread_cond_t admin_cv;
+    struct req *admin_head, *admin_tail;
+    bool admin_stop;
+    pthread_t admin[ADMIN_THREADS];
+    size_t admin_started;
 };
 
 /* ---- configuration ---------------------------------------------------------- */
@@ -151,7 +171,8 @@ pd_err pd_router_create(pd_router **out, const pd_router_config *cfg, char *msg,
         return pd_errorf(msg, msg_cap, PD_ERR_NOMEM, "out of memory");
     }
     pthread_mutex_init(&r->table_mu, NULL);
-    pthread_cond_init(&r->threads_cv, NULL);
+    pthread_mutex_init(&r->admin_mu, NULL);
+    pthread_cond_init(&r->admin_cv, NULL);
     rt_stats_init(&r->stats);
     *out = r;
     return PD_OK;
@@ -323,12 +344,9 @@ typedef struct req {
     bool picked;             /* a worker pair counts this request in flight */
     size_t prefill, decode;
     uint64_t start_ms;
-    /* Shared with the server's watch callback (the loop thread). */
-    pthread_mutex_t mu;
-    pthread_cond_t cv;
-    rt_fwd *fwd;   /* set under mu once attached; read freely by this thread */
-    bool gone;     /* the client hung up */
-    bool writable; /* the backlog fell after a refused stream write */
+    bool streaming; /* the answer is an event stream */
+    struct req *admin_next;
+    rt_fwd *fwd;
 } req;
 
 static route find_route(const char *url) {
@@ -417,22 +435,19 @@ static char *bootstrap_body(json_t *o, const rt_worker *pw, uint64_t room, const
     return body;
 }
 
-/* One block of a streamed answer; waits while the client's backlog is over
- * the watermark. False once the client is gone. */
-static bool stream_out(req *q, const char *buf, size_t n) {
-    for (;;) {
-        pd_err err = pd_http_req_stream_write(q->h, buf, n);
-        if (err != PD_ERR_NOMEM) return err == PD_OK;
-        pthread_mutex_lock(&q->mu);
-        while (!q->writable && !q->gone) pthread_cond_wait(&q->cv, &q->mu);
-        q->writable = false;
-        pthread_mutex_unlock(&q->mu);
-    }
-}
+static void finish(req *q);
+static void on_event(pd_http_req *h, pd_http_req_event ev, void *user);
+static bool answer_probe(req *q, const rt_fwd_head *head);
 
-/* Answers with the head the forward decided; a STREAM body is pumped from
- * the forward on this thread until it ends or the client goes. */
-static void answer_head(req *q, const rt_fwd_head *head) {
+/* The forward's sink (forward.h), on the upstream loop's thread. The head:
+ * a FULL or GONE answer ends both halves, so the pair is released and the
+ * outcome recorded before the client can read the answer. */
+static void forward_head(void *user, const rt_fwd_head *head) {
+    req *q = user;
+    if (q->route == ROUTE_HEALTH_GENERATE && head->kind != RT_FWD_STREAM) {
+        answer_probe(q, head);
+        return;
+    }
     q->answered = true;
     if (head->kind != RT_FWD_STREAM) {
         release_workers(q); /* both halves are over */
@@ -443,19 +458,26 @@ static void answer_head(req *q, const rt_fwd_head *head) {
         pd_http_req_respond(q->h, head->status, head->content_type, head->body, head->body_len);
         return;
     }
+    q->streaming = true;
     pd_http_req_add_header(q->h, "Cache-Control", "no-cache");
     pd_http_req_stream_begin(q->h, head->status, head->content_type);
-    char *buf = malloc(STREAM_BLOCK_BYTES);
-    long n = buf ? 1 : -1;
-    while (n > 0) {
-        n = rt_fwd_stream_read(q->fwd, buf, STREAM_BLOCK_BYTES);
-        if (n > 0 && !stream_out(q, buf, (size_t)n)) break;
+}
+
+static int forward_data(void *user, const char *buf, size_t n) {
+    req *q = user;
+    pd_err err = pd_http_req_stream_write(q->h, buf, n);
+    return err == PD_OK ? 0 : err == PD_ERR_NOMEM ? 1 : -1;
+}
+
+/* The forward is over: a stream gets its end (unless the client went). */
+static void forward_end(void *user) {
+    req *q = user;
+    if (q->streaming) {
+        release_workers(q);
+        record_outcome(q, rt_fwd_outcome(q->fwd));
+        if (rt_fwd_outcome(q->fwd) != RT_STATUS_CLIENT_GONE) pd_http_req_stream_end(q->h);
     }
-    free(buf);
-    if (n > 0) return; /* the client went while we wrote: finish() closes the forward */
-    release_workers(q);
-    record_outcome(q, rt_fwd_outcome(q->fwd));
-    if (n == 0) pd_http_req_stream_end(q->h);
+    finish(q);
 }
 
 /* /health_generate: the pair's answer to the probe, judged: 200 when its
@@ -485,8 +507,13 @@ static bool answer_probe(req *q, const rt_fwd_head *head) {
     return true;
 }
 
-/* Hands body (ownership included) to a new forward to the picked pair and
- * answers with whatever head the forward decides. */
+/* The generation path's refusals: answered at once, and q stays the
+ * caller's (false: no forward owns it). */
+#define REFUSE(...) (answer_error(__VA_ARGS__), false)
+
+/* Hands body (ownership included) to a new forward to the picked pair,
+ * which answers with whatever head it decides. True: the forward owns q
+ * from here (forward_end finishes it). */
 static bool forward_generation(req *q, char *body, const char *rid, const char *model,
                                bool stream) {
     pd_router *r = q->r;
@@ -501,7 +528,6 @@ static bool forward_generation(req *q, char *body, const char *rid, const char *
         .body_len = strlen(body),
         .prefill_base = r->workers.w[q->prefill].url.base, /* url fields are immutable */
         .decode_base = r->workers.w[q->decode].url.base,
-        .client_fd = -1, /* the server reports a hang-up (on_event) */
         .timeout_ms = q->route == ROUTE_HEALTH_GENERATE
             ? PD_MIN(r->cfg.request_timeout_ms, HEALTH_GENERATE_TIMEOUT_MS)
             : r->cfg.request_timeout_ms,
@@ -511,24 +537,19 @@ static bool forward_generation(req *q, char *body, const char *rid, const char *
         .max_response_bytes = r->cfg.max_response_bytes,
         .api_key = r->cfg.api_key,
     };
+    p.loop = r->loop;
+    p.sink = (rt_fwd_sink){forward_head, forward_data, forward_end, q};
     char msg[256];
     rt_fwd *fwd;
-    if (rt_fwd_create(&fwd, &p, msg, sizeof msg) != PD_OK)
-        return answer_error(q, 500, NULL, "%s", msg);
-    pthread_mutex_lock(&q->mu);
+    if (rt_fwd_create(&fwd, &p, msg, sizeof msg) != PD_OK) return REFUSE(q, 500, NULL, "%s", msg);
     q->fwd = fwd;
-    bool gone = q->gone;
-    pthread_mutex_unlock(&q->mu);
-    if (gone) rt_fwd_client_gone(fwd);
     table_attach(r, q->slot, fwd);
-
-    rt_fwd_head head;
-    rt_fwd_head_wait(fwd, &head);
-    if (q->route == ROUTE_HEALTH_GENERATE) return answer_probe(q, &head);
-    answer_head(q, &head);
+    pd_http_req_watch(q->h, on_event, q); /* a client already gone: reported now */
+    rt_fwd_start(fwd);                    /* q belongs to the forward from here */
     return true;
 }
 
+/* Validates, picks a pair and forwards; true when a forward owns q. */
 static bool handle_generation(req *q) {
     pd_router *r = q->r;
     bool probe = q->route == ROUTE_HEALTH_GENERATE; /* not a client's generation: no stats */
@@ -541,15 +562,15 @@ static bool handle_generation(req *q) {
                                                  : q->route == ROUTE_CHAT ? RT_BODY_CHAT
                                                                           : RT_BODY_COMPLETIONS,
                                              q->body, q->len, &o, why, sizeof why);
-    if (refused) return answer_error(q, refused, NULL, "%s", why);
+    if (refused) return REFUSE(q, refused, NULL, "%s", why);
     if (probe)
         o = json_pack("{s:s, s:{s:i, s:f}}", "text", "health", "sampling_params", "max_new_tokens",
                       1, "temperature", 0.0);
-    if (!o) return answer_error(q, 503, NULL, "out of memory");
+    if (!o) return REFUSE(q, 503, NULL, "out of memory");
     char rid[PD_RID_MAX];
     if (!request_rid(o, rid, sizeof rid)) {
         json_decref(o);
-        return answer_error(q, 500, NULL, "no randomness for a request id");
+        return REFUSE(q, 500, NULL, "no randomness for a request id");
     }
     bool stream = json_is_true(json_object_get(o, "stream"));
     const char *model = json_string_value(json_object_get(o, "model"));
@@ -560,22 +581,22 @@ static bool handle_generation(req *q) {
     if (err) {
         json_decref(o);
         if (err == PD_ERR_EXISTS)
-            return answer_error(q, 409, NULL, "a live request already has rid %s", rid);
-        if (err == PD_ERR_STATE) return answer_error(q, 503, NULL, "the router is shutting down");
-        return answer_error(q, 429, NULL, "too many requests in flight");
+            return REFUSE(q, 409, NULL, "a live request already has rid %s", rid);
+        if (err == PD_ERR_STATE) return REFUSE(q, 503, NULL, "the router is shutting down");
+        return REFUSE(q, 429, NULL, "too many requests in flight");
     }
     if (rt_workers_pick(&r->workers, &q->prefill, &q->decode) != PD_OK) {
         json_decref(o);
-        return answer_error(q, 503, NULL, "no healthy prefill/decode pair");
+        return REFUSE(q, 503, NULL, "no healthy prefill/decode pair");
     }
     q->picked = true;
     uint64_t room;
     if (!new_room(&room)) {
         json_decref(o);
-        return answer_error(q, 500, NULL, "no randomness for a bootstrap room");
+        return REFUSE(q, 500, NULL, "no randomness for a bootstrap room");
     }
     char *body = bootstrap_body(o, &r->workers.w[q->prefill], room, rid);
-    if (!body) return answer_error(q, 500, NULL, "out of memory");
+    if (!body) return REFUSE(q, 500, NULL, "out of memory");
     return forward_generation(q, body, rid, model_copy, stream);
 }
 
@@ -799,19 +820,13 @@ static bool handle_metrics(req *q) {
 
 /* ---- the server's side ------------------------------------------------------------ */
 
-/* The server's news about the client (loop thread, never blocks). */
+/* The server's news about the client (its loop thread, never blocks):
+ * handed to the forward, which acts on it on the upstream loop. */
 static void on_event(pd_http_req *h, pd_http_req_event ev, void *user) {
     (void)h;
     req *q = user;
-    pthread_mutex_lock(&q->mu);
-    if (ev == PD_HTTP_REQ_GONE) {
-        q->gone = true;
-        if (q->fwd) rt_fwd_client_gone(q->fwd);
-    } else {
-        q->writable = true;
-    }
-    pthread_cond_broadcast(&q->cv);
-    pthread_mutex_unlock(&q->mu);
+    if (ev == PD_HTTP_REQ_GONE) rt_fwd_client_gone(q->fwd);
+    else rt_fwd_writable(q->fwd);
 }
 
 /* A client that hung up before its answer is logged as a hang-up, with the
@@ -839,7 +854,6 @@ static void finish(req *q) {
     pd_http_req_watch(q->h, NULL, NULL); /* waits out a callback in flight */
     unsigned status = q->status;
     if (q->fwd) {
-        rt_fwd_close(q->fwd);
         status = rt_fwd_outcome(q->fwd);
         rt_stats_aborts_sent(&r->stats, rt_fwd_aborts_sent(q->fwd));
     } else if (q->generation && !q->answered) {
@@ -847,51 +861,67 @@ static void finish(req *q) {
     }
     release_workers(q);
     if (q->generation && status == RT_STATUS_CLIENT_GONE) log_hang_up(q);
-    /* Off the table before the forward goes: an abort may hold a pointer. */
+    /* Off the table before the forward goes: an abort may hold a pointer
+     * (and rt_fwd_destroy drops a poke that came meanwhile). */
     if (q->slot >= 0) table_remove(r, q->slot);
     rt_fwd_destroy(q->fwd);
     record_outcome(q, status);
     if (!q->answered) pd_http_req_respond_error(q->h, 500, "the router could not answer");
     pd_http_req_release(q->h);
-    pthread_cond_destroy(&q->cv);
-    pthread_mutex_destroy(&q->mu);
     free(q);
 }
 
-static void *request_main(void *arg) {
-    req *q = arg;
-    pd_router *r = q->r;
-    pd_http_req_watch(q->h, on_event, q);
+/* ---- the admin pool ----------------------------------------------------------- */
+
+static void admin_run(req *q) {
     if (q->route == ROUTE_ABORT) handle_abort(q);
     else if (q->route == ROUTE_MODELS) handle_models(q);
-    else if (q->route >= ROUTE_MODEL_INFO && q->route < ROUTE_HEALTH_GENERATE) handle_sglang(q);
-    else handle_generation(q); /* and /health_generate */
+    else handle_sglang(q);
     finish(q);
-    pthread_mutex_lock(&r->table_mu);
-    if (--r->threads_live == 0) pthread_cond_broadcast(&r->threads_cv);
-    pthread_mutex_unlock(&r->table_mu);
+}
+
+static void *admin_main(void *arg) {
+    pd_router *r = arg;
+    pthread_mutex_lock(&r->admin_mu);
+    for (;;) {
+        while (!r->admin_head && !r->admin_stop) pthread_cond_wait(&r->admin_cv, &r->admin_mu);
+        req *q = r->admin_head;
+        if (!q) break; /* stopping, and the queue is empty */
+        r->admin_head = q->admin_next;
+        if (!r->admin_head) r->admin_tail = NULL;
+        pthread_mutex_unlock(&r->admin_mu);
+        admin_run(q);
+        pthread_mutex_lock(&r->admin_mu);
+    }
+    pthread_mutex_unlock(&r->admin_mu);
     return NULL;
 }
 
-/* Starts the request's own thread; false (nothing started) when it cannot. */
-static bool spawn(req *q) {
-    pd_router *r = q->r;
-    pthread_attr_t at;
-    pthread_attr_init(&at);
-    pthread_attr_setdetachstate(&at, PTHREAD_CREATE_DETACHED);
-    pthread_attr_setstacksize(&at, 256u * 1024u);
-    pthread_mutex_lock(&r->table_mu);
-    r->threads_live++;
-    pthread_mutex_unlock(&r->table_mu);
-    pthread_t t;
-    bool ok = pthread_create(&t, &at, request_main, q) == 0;
-    pthread_attr_destroy(&at);
-    if (!ok) {
-        pthread_mutex_lock(&r->table_mu);
-        if (--r->threads_live == 0) pthread_cond_broadcast(&r->threads_cv);
-        pthread_mutex_unlock(&r->table_mu);
-    }
-    return ok;
+static void admin_submit(pd_router *r, req *q) {
+    pthread_mutex_lock(&r->admin_mu);
+    q->admin_next = NULL;
+    if (r->admin_tail) r->admin_tail->admin_next = q;
+    else r->admin_head = q;
+    r->admin_tail = q;
+    pthread_cond_signal(&r->admin_cv);
+    pthread_mutex_unlock(&r->admin_mu);
+}
+
+static pd_err admin_start(pd_router *r, char *msg, size_t msg_cap) {
+    for (; r->admin_started < ADMIN_THREADS; r->admin_started++)
+        if (pthread_create(&r->admin[r->admin_started], NULL, admin_main, r) != 0)
+            return pd_errorf(msg, msg_cap, PD_ERR_IO, "cannot start the router's admin threads");
+    return PD_OK;
+}
+
+/* Runs what is queued, then joins the threads. */
+static void admin_stop(pd_router *r) {
+    pthread_mutex_lock(&r->admin_mu);
+    r->admin_stop = true;
+    pthread_cond_broadcast(&r->admin_cv);
+    pthread_mutex_unlock(&r->admin_mu);
+    for (size_t i = 0; i < r->admin_started; i++) pthread_join(r->admin[i], NULL);
+    r->admin_started = 0;
 }
 
 /* Answers the cheap routes here, on the loop thread. */
@@ -923,20 +953,62 @@ static void on_request(pd_http_req *h, void *user) {
     q->route = find_route(pd_http_req_path(h));
     q->start_ms = rt_now_ms();
     q->body = pd_http_req_body(h, &q->len);
-    pthread_mutex_init(&q->mu, NULL);
-    pthread_cond_init(&q->cv, NULL);
     pd_http_req_retain(h);
-    bool threaded = (q->route == ROUTE_GENERATE || q->route == ROUTE_COMPLETIONS ||
-                     q->route == ROUTE_CHAT || q->route == ROUTE_ABORT ||
-                     q->route == ROUTE_MODELS || q->route >= ROUTE_MODEL_INFO) &&
-        q->route != ROUTE_NONE && method_allowed(q->route, pd_http_req_method(h));
-    if (!threaded) answer_here(q);
-    else if (spawn(q)) return;
-    else answer_error(q, 503, NULL, "the router cannot start a thread for the request");
+    bool allowed = q->route != ROUTE_NONE && method_allowed(q->route, pd_http_req_method(h));
+    bool generation = q->route == ROUTE_GENERATE || q->route == ROUTE_COMPLETIONS ||
+        q->route == ROUTE_CHAT || q->route == ROUTE_HEALTH_GENERATE;
+    bool admin = q->route == ROUTE_ABORT || q->route == ROUTE_MODELS ||
+        (q->route >= ROUTE_MODEL_INFO && q->route < ROUTE_HEALTH_GENERATE);
+    if (allowed && admin) {
+        admin_submit(r, q);
+        return;
+    }
+    if (allowed && generation) {
+        if (handle_generation(q)) return; /* q is the forward's now */
+    } else {
+        answer_here(q);
+    }
     finish(q);
 }
 
 /* ---- start / stop ------------------------------------------------------------------- */
+
+/* Raises RLIMIT_NOFILE's soft limit to the hard one (a process-wide
+ * setting: the router is what the process is for) and checks that the
+ * connections the router is configured for fit in it. */
+static pd_err raise_fd_limit(const pd_router *r, char *msg, size_t msg_cap) {
+    struct rlimit rl;
+    if (getrlimit(RLIMIT_NOFILE, &rl) != 0)
+        return pd_errorf(msg, msg_cap, PD_ERR_IO, "getrlimit(RLIMIT_NOFILE) failed");
+    if (rl.rlim_cur < rl.rlim_max) {
+        rl.rlim_cur = rl.rlim_max;
+        if (setrlimit(RLIMIT_NOFILE, &rl) != 0) getrlimit(RLIMIT_NOFILE, &rl);
+    }
+    uint64_t need = (uint64_t)r->cfg.connections_max * FDS_PER_CONNECTION + FDS_SPARE;
+    if (rl.rlim_cur != RLIM_INFINITY && rl.rlim_cur < need)
+        return pd_errorf(msg, msg_cap, PD_ERR_INVALID,
+                         "the open-file limit (RLIMIT_NOFILE) is %llu, but %u client connections "
+                         "need up to %llu descriptors (%u each: the client's and two to workers, "
+                         "plus %u); raise it (ulimit -n, or the hard limit as root) or lower "
+                         "--connections-max to %llu",
+                         (unsigned long long)rl.rlim_cur, r->cfg.connections_max,
+                         (unsigned long long)need, FDS_PER_CONNECTION, FDS_SPARE,
+                         rl.rlim_cur > FDS_SPARE
+                             ? (unsigned long long)((rl.rlim_cur - FDS_SPARE) / FDS_PER_CONNECTION)
+                             : 0ull);
+    return PD_OK;
+}
+
+static pd_err start_threads(pd_router *r, char *msg, size_t msg_cap) {
+    pd_err err = rt_loop_start(&r->loop, msg, msg_cap);
+    if (!err) err = admin_start(r, msg, msg_cap);
+    if (err) {
+        admin_stop(r);
+        rt_loop_stop(r->loop);
+        r->loop = NULL;
+    }
+    return err;
+}
 
 pd_err pd_router_start(pd_router *r, char *msg, size_t msg_cap) {
     if (r->started) return pd_errorf(msg, msg_cap, PD_ERR_STATE, "the router is already started");
@@ -954,14 +1026,21 @@ pd_err pd_router_start(pd_router *r, char *msg, size_t msg_cap) {
     hc.header_timeout_ms = hc.body_timeout_ms = hc.idle_timeout_ms = hc.write_timeout_ms = t_ms;
     hc.on_request = on_request;
     hc.user = r;
-    pd_err err = pd_http_server_start(&r->srv, &hc, msg, msg_cap);
+    pd_err err = raise_fd_limit(r, msg, msg_cap);
+    if (!err) err = start_threads(r, msg, msg_cap);
     if (err) return err;
-    r->port = pd_http_server_port(r->srv);
-    err = rt_health_start(&r->health, &r->workers, r->cfg.health_interval_ms,
-                          r->cfg.health_timeout_ms, r->cfg.connect_timeout_ms, msg, msg_cap);
+    err = pd_http_server_start(&r->srv, &hc, msg, msg_cap);
+    if (!err) {
+        r->port = pd_http_server_port(r->srv);
+        err = rt_health_start(&r->health, &r->workers, r->cfg.health_interval_ms,
+                              r->cfg.health_timeout_ms, r->cfg.connect_timeout_ms, msg, msg_cap);
+        if (err) pd_http_server_stop(r->srv);
+    }
     if (err) {
-        pd_http_server_stop(r->srv);
         r->srv = NULL;
+        admin_stop(r);
+        rt_loop_stop(r->loop);
+        r->loop = NULL;
         return err;
     }
     r->started = true;
@@ -984,13 +1063,18 @@ void pd_router_stop(pd_router *r) {
         struct timespec ts = {0, 5 * 1000000L};
         nanosleep(&ts, NULL);
     }
-    /* Ends every connection (a request thread still running sees its
-     * client gone), then waits for the request threads. */
+    /* Ends every connection (a forward still running sees its client
+     * gone), runs what the admin pool has queued, then waits for the
+     * forwards to end (each is bounded by its abort timeout). */
     pd_http_server_stop(r->srv);
     r->srv = NULL;
-    pthread_mutex_lock(&r->table_mu);
-    while (r->threads_live > 0) pthread_cond_wait(&r->threads_cv, &r->table_mu);
-    pthread_mutex_unlock(&r->table_mu);
+    admin_stop(r);
+    while (table_used(r) > 0) {
+        struct timespec ts = {0, 5 * 1000000L};
+        nanosleep(&ts, NULL);
+    }
+    rt_loop_stop(r->loop);
+    r->loop = NULL;
     rt_health_stop(&r->health);
 }
 
@@ -998,7 +1082,8 @@ void pd_router_destroy(pd_router *r) {
     if (!r) return;
     pd_router_stop(r);
     rt_stats_destroy(&r->stats);
-    pthread_cond_destroy(&r->threads_cv);
+    pthread_cond_destroy(&r->admin_cv);
+    pthread_mutex_destroy(&r->admin_mu);
     pthread_mutex_destroy(&r->table_mu);
     rt_workers_destroy(&r->workers);
     free(r->slots);
