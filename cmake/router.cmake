@@ -41,9 +41,10 @@ if(PD_BUILD_TESTS)
   pd_add_test(test_router_abort tests/router/test_abort.c pd_router_testkit)
   pd_add_test(test_router_input tests/router/test_input.c pd_router_testkit)
   pd_add_test(test_router_storm tests/router/test_storm.c pd_router_testkit)
+  pd_add_test(test_router_events tests/router/test_events.c pd_router_testkit)
   set_tests_properties(test_router_units test_router_forward test_router_health
                        test_router_failures test_router_abort test_router_input test_router_storm
-                       PROPERTIES TIMEOUT 120)
+                       test_router_events PROPERTIES TIMEOUT 120)
 
   # The command line: --help, bad usage, a router process that listens and
   # stops on SIGINT.
