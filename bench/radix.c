@@ -95,6 +95,7 @@ typedef struct opts {
     uint32_t page_size, pages, mamba_slots, host_pages;
     bool hybrid, strict;
     int runs;
+    const radix_impl *only; /* --only: that cache alone (profiling), no comparison */
 } opts;
 
 typedef struct result {
@@ -292,6 +293,7 @@ static void usage(FILE *to) {
     fprintf(to,
             "usage: radix --trace FILE [--page-size N] [--pages N] [--hybrid]\n"
             "             [--mamba-slots N] [--host-pages N] [--runs R] [--strict]\n"
+            "             [--only before|after]\n"
             "  --trace FILE     one request per line, space-separated token ids\n"
             "  --page-size N    tokens per KV page (default 16)\n"
             "  --pages N        KV pool size in pages (default 65536)\n"
@@ -300,7 +302,8 @@ static void usage(FILE *to) {
             "  --mamba-slots N  Mamba pool size with --hybrid (default 256)\n"
             "  --host-pages N   host tier size; evictions write back (default 0: off)\n"
             "  --runs R         replays; figures are medians (default 5)\n"
-            "  --strict         strict ledger (per-unit owner map) instead of counts\n");
+            "  --strict         strict ledger (per-unit owner map) instead of counts\n"
+            "  --only before|after  replay one cache alone (for a profile): no comparison\n");
 }
 
 /* Fills o and *path from the command line; returns -1 to go on, or the
@@ -321,6 +324,8 @@ static int parse_args(int argc, char **argv, opts *o, const char **path) {
         else if (!strcmp(a, "--mamba-slots")) o->mamba_slots = (uint32_t)strtoul(v, NULL, 0);
         else if (!strcmp(a, "--host-pages")) o->host_pages = (uint32_t)strtoul(v, NULL, 0);
         else if (!strcmp(a, "--runs")) o->runs = atoi(v);
+        else if (!strcmp(a, "--only") && !strcmp(v, "before")) o->only = &radix_impl_v0;
+        else if (!strcmp(a, "--only") && !strcmp(v, "after")) o->only = &radix_impl_new;
         else { fprintf(stderr, "radix: unknown option %s\n", a); usage(stderr); return 2; }
     }
     if (!*path) { fprintf(stderr, "radix: --trace FILE is required\n"); usage(stderr); return 2; }
@@ -396,12 +401,14 @@ static void measure(const trace *t, const opts *o) {
         series_add(&sp, r, run(t, o, NULL, lat, hits));
         for (int k = 0; k < 2; k++) {
             bool v0 = (k == 0) == (r % 2 == 0);
+            if (o->only && o->only != (v0 ? &radix_impl_v0 : &radix_impl_new)) continue;
             for (uint32_t i = 0; i < t->n; i++) lat[i] = -1;
             series_add(v0 ? &s0 : &s1, r,
                        run(t, o, v0 ? &radix_impl_v0 : &radix_impl_new, lat, v0 ? hits_v0 : hits));
         }
-        hits_compare(t, hits_v0, hits, &s0.last, &s1.last);
+        if (!o->only) hits_compare(t, hits_v0, hits, &s0.last, &s1.last);
     }
+    if (o->only == &radix_impl_v0) s1 = s0; /* the last lines describe the one replayed */
     double base_mean = bench_median(sp.mean_us, runs), mean = bench_median(s1.mean_us, runs);
     printf("baseline (allocate and free every page, no cache): %.0f requests/s, mean %.2f us\n",
            bench_median(sp.req_s, runs), base_mean);
@@ -414,10 +421,14 @@ static void measure(const trace *t, const opts *o) {
            runs);
     printf("%-26s %10s %10s %12s %14s %10s\n", "cache", "mean us", "p99 us", "requests/s",
            "hit tokens", "evicted");
-    series_print(radix_impl_v0.label, &s0, runs);
-    series_print(radix_impl_new.label, &s1, runs);
-    printf("hits identical request by request in all %zu runs; after/before mean %.2fx\n", runs,
-           mean / bench_median(s0.mean_us, runs));
+    if (o->only) {
+        series_print(o->only->label, &s1, runs);
+    } else {
+        series_print(radix_impl_v0.label, &s0, runs);
+        series_print(radix_impl_new.label, &s1, runs);
+        printf("hits identical request by request in all %zu runs; after/before mean %.2fx\n", runs,
+               mean / bench_median(s0.mean_us, runs));
+    }
     printf("cache bookkeeping over plain allocation: %+.2f us per request\n", mean - base_mean);
     printf("requests/s: %.0f\n", bench_median(s1.req_s, runs));
     printf("tokens/s: %.0f\n", bench_median(s1.tok_s, runs));

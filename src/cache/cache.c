@@ -32,24 +32,33 @@
 #include <stdlib.h>
 #include <string.h>
 
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
+
 enum { L_DEV = 0, L_HOST = 1, L_MAMBA = 2, L__COUNT = 3 };
 enum { R_KV = 0, R_HOST = 1, R_MAMBA = 2, R__COUNT = 3 };
 
+/* What a match or an insert reads of each node on its path comes first, in
+ * the node's first 64 bytes; list links, stamps and counts follow. */
 typedef struct cnode {
+    uint64_t key_hash;
     uint32_t parent;
-    pd_list kids; /* its children, newest first */
-    pd_link sib;  /* in its parent's kids, or in the free nodes */
-    uint32_t first_ent, last_ent, n_pages;
-    uint32_t end_pages;            /* depth in pages at the node's end */
-    uint32_t n_dev_children;
-    uint32_t lock_ref, mamba_lock;
+    uint32_t hot_child; /* a child of this node, or PD_NONE: tried before hashing */
+    uint32_t first_ent, n_pages;
+    uint32_t end_pages; /* depth in pages at the node's end */
+    uint32_t lock_ref;
     uint32_t mamba_slot;
     uint32_t loading; /* ticket index, or PD_NONE */
-    pd_link lru[L__COUNT];
-    uint64_t lstamp[L__COUNT];
-    uint64_t key_hash;
     bool live, on_dev, on_host;
     bool in_list[L__COUNT];
+    uint32_t last_ent;
+    uint32_t n_dev_children;
+    uint32_t mamba_lock;
+    pd_list kids; /* its children, newest first */
+    pd_link sib;  /* in its parent's kids, or in the free nodes */
+    pd_link lru[L__COUNT];
+    uint64_t lstamp[L__COUNT];
 } cnode;
 
 typedef struct ticket {
@@ -115,8 +124,29 @@ static inline const int32_t *ent_tok(const pd_cache *c, uint32_t e) {
     return c->ent_tokens + (size_t)e * c->page_size;
 }
 
+/* Whether n tokens at a and b are equal. A page matches whole or not at
+ * all, so it is compared 8 tokens at a time with one branch per 8 and no
+ * early exit inside: two 128-bit compares on x86-64 (SSE2 is part of its
+ * base instruction set, so the compare inlines with no run-time check and
+ * no call); elsewhere, and for a tail shorter than 8, an OR of XORs. */
+static inline bool tokens_eq(const int32_t *a, const int32_t *b, uint32_t n) {
+    uint32_t i = 0;
+#if defined(__SSE2__)
+    for (; i + 8 <= n; i += 8) {
+        __m128i lo = _mm_cmpeq_epi32(_mm_loadu_si128((const __m128i *)(const void *)(a + i)),
+                                     _mm_loadu_si128((const __m128i *)(const void *)(b + i)));
+        __m128i hi = _mm_cmpeq_epi32(_mm_loadu_si128((const __m128i *)(const void *)(a + i + 4)),
+                                     _mm_loadu_si128((const __m128i *)(const void *)(b + i + 4)));
+        if (_mm_movemask_epi8(_mm_and_si128(lo, hi)) != 0xFFFF) return false;
+    }
+#endif
+    uint32_t diff = 0;
+    for (; i < n; i++) diff |= (uint32_t)a[i] ^ (uint32_t)b[i];
+    return diff == 0;
+}
+
 static inline bool page_eq(const pd_cache *c, uint32_t e, const int32_t *tokens) {
-    return memcmp(ent_tok(c, e), tokens, c->page_size * sizeof(int32_t)) == 0;
+    return tokens_eq(ent_tok(c, e), tokens, c->page_size);
 }
 
 static inline uint64_t child_key(const pd_cache *c, uint32_t parent,
@@ -228,8 +258,7 @@ static uint64_t child_hash_of(const void *ctx, uint32_t id) {
     return ((const pd_cache *)ctx)->nodes[id].key_hash;
 }
 
-static uint32_t ht_lookup(const pd_cache *c, uint32_t parent, const int32_t *first_page) {
-    uint64_t h = child_key(c, parent, first_page);
+static uint32_t ht_find(const pd_cache *c, uint32_t parent, const int32_t *first_page, uint64_t h) {
     pd_index_probe p;
     for (uint32_t id = pd_index_first(&c->children, h, &p); id != PD_NONE;
          id = pd_index_next(&c->children, &p)) {
@@ -240,10 +269,32 @@ static uint32_t ht_lookup(const pd_cache *c, uint32_t parent, const int32_t *fir
     return PD_NONE;
 }
 
+static uint32_t ht_lookup(const pd_cache *c, uint32_t parent, const int32_t *first_page) {
+    return ht_find(c, parent, first_page, child_key(c, parent, first_page));
+}
+
+/* The child of parent whose first page is first_page, or PD_NONE. The
+ * parent's hot child (the one found last) is tried first: siblings differ in
+ * their first page, so a hit is the child the table would find, without
+ * hashing. On a miss *h receives the page's child key (for an insert). */
+static uint32_t child_find(pd_cache *c, uint32_t parent, const int32_t *first_page, uint64_t *h) {
+    cnode *p = N(c, parent);
+    uint32_t hot = p->hot_child;
+    if (hot != PD_NONE && page_eq(c, c->nodes[hot].first_ent, first_page)) return hot;
+    *h = child_key(c, parent, first_page);
+    uint32_t id = ht_find(c, parent, first_page, *h);
+    if (id != PD_NONE) p->hot_child = id;
+    return id;
+}
+
+static void ht_insert_hashed(pd_cache *c, uint32_t id, uint64_t h) {
+    N(c, id)->key_hash = h;
+    pd_index_insert(&c->children, h, id);
+}
+
 static void ht_insert(pd_cache *c, uint32_t id) {
     cnode *n = N(c, id);
-    n->key_hash = child_key(c, n->parent, ent_tok(c, n->first_ent));
-    pd_index_insert(&c->children, n->key_hash, id);
+    ht_insert_hashed(c, id, child_key(c, n->parent, ent_tok(c, n->first_ent)));
 }
 
 static void ht_remove(pd_cache *c, uint32_t id) {
@@ -264,6 +315,7 @@ static uint32_t node_alloc(pd_cache *c) {
     n->first_ent = n->last_ent = PD_NONE;
     n->mamba_slot = PD_NONE;
     n->loading = PD_NONE;
+    n->hot_child = PD_NONE;
     for (int l = 0; l < L__COUNT; l++) pd_link_init(&n->lru[l]);
     n->live = true;
     c->nodes_live++;
@@ -309,6 +361,7 @@ static void child_link(pd_cache *c, uint32_t parent, uint32_t id) {
 static void child_unlink(pd_cache *c, uint32_t id) {
     cnode *n = N(c, id), *p = N(c, n->parent);
     pd_list_remove(&p->kids, sib_links(c), id);
+    if (p->hot_child == id) p->hot_child = PD_NONE;
     if (n->on_dev) {
         PD_ASSERT(p->n_dev_children > 0);
         p->n_dev_children--;
@@ -351,6 +404,8 @@ static uint32_t split(pd_cache *c, uint32_t id, uint32_t k) {
     pd_list *siblings = &N(c, n->parent)->kids;
     pd_list_insert_after(siblings, sib_links(c), n->sib.prev, pid);
     pd_list_remove(siblings, sib_links(c), id);
+    if (N(c, p->parent)->hot_child == id) N(c, p->parent)->hot_child = pid;
+    p->hot_child = id;
     n->parent = pid;
     pd_list_push_back(&p->kids, sib_links(c), id);
     p->n_dev_children = n->on_dev ? 1 : 0;
@@ -362,12 +417,34 @@ static uint32_t split(pd_cache *c, uint32_t id, uint32_t k) {
     return pid;
 }
 
-/* Number of leading pages of node id equal to tokens[0..avail pages). */
-static uint32_t match_pages(pd_cache *c, uint32_t id, const int32_t *tokens,
-                            uint32_t avail) {
+/* Number of leading pages of node id equal to tokens[0..avail pages). With
+ * dev non-NULL the device page of each matching position is written to
+ * dev[k] on the way (a match on a device node wants them: one walk, not
+ * two). */
+static uint32_t match_pages(pd_cache *c, uint32_t id, const int32_t *tokens, uint32_t avail,
+                            uint32_t *dev) {
     uint32_t k = 0;
     for (uint32_t e = N(c, id)->first_ent; e != PD_NONE && k < avail; e = c->ent_next[e]) {
         if (!page_eq(c, e, tokens + (size_t)k * c->page_size)) break;
+        if (dev) dev[k] = c->ent_dev[e];
+        k++;
+    }
+    return k;
+}
+
+/* Like match_pages for a device node being inserted over: each matching
+ * position's caller page that differs from the cache's is a duplicate,
+ * written to dup_out, and the cache's page replaces it in pages[]. */
+static uint32_t match_dups(pd_cache *c, uint32_t id, const int32_t *tokens, uint32_t avail,
+                           uint32_t *pages, uint32_t *dup_out, uint32_t *dup_pages) {
+    uint32_t k = 0;
+    for (uint32_t e = N(c, id)->first_ent; e != PD_NONE && k < avail; e = c->ent_next[e]) {
+        if (!page_eq(c, e, tokens + (size_t)k * c->page_size)) break;
+        uint32_t mine = c->ent_dev[e];
+        if (pages[k] != mine) {
+            dup_out[(*dup_pages)++] = pages[k];
+            pages[k] = mine;
+        }
         k++;
     }
     return k;
@@ -432,6 +509,7 @@ static void empty_init(pd_cache *c) {
     pd_list_init(&root->kids);
     pd_link_init(&root->sib);
     root->first_ent = root->last_ent = PD_NONE;
+    root->hot_child = PD_NONE;
     root->mamba_slot = PD_NONE;
     root->loading = PD_NONE;
     for (int li = 0; li < L__COUNT; li++) pd_link_init(&root->lru[li]);
@@ -501,16 +579,18 @@ pd_err pd_cache_match(pd_cache *c, const int32_t *tokens, uint32_t n_tokens,
     uint32_t node = PD_CNODE_ROOT, pos = 0, dev_pages = 0;
     while (pos < q_pages) {
         const int32_t *q = tokens + (size_t)pos * c->page_size;
-        uint32_t child = ht_lookup(c, node, q);
+        uint64_t h;
+        uint32_t child = child_find(c, node, q, &h);
         if (child == PD_NONE) break;
-        uint32_t k = match_pages(c, child, q, q_pages - pos);
+        bool on_dev = N(c, child)->on_dev; /* a split keeps it */
+        uint32_t k = match_pages(c, child, q, q_pages - pos, on_dev ? pages + pos : NULL);
         PD_ASSERT(k >= 1);
         bool diverged = k < N(c, child)->n_pages;
         if (diverged) child = split(c, child, k);
         cnode *ch = N(c, child);
-        if (ch->on_dev) {
+        if (on_dev) {
             PD_ASSERT(pos == dev_pages); /* C1: no device node below host-only */
-            dev_pages += node_pages(c, child, false, pages + pos);
+            dev_pages += k;
             m.dev_node = child;
             if (ch->mamba_slot != PD_NONE) {
                 m.mamba_node = child;
@@ -618,7 +698,7 @@ pd_err pd_cache_mamba_unlock(pd_cache *c, pd_cnode node) {
  * holding the caller's pages, which move from the request to the cache. */
 static uint32_t insert_new_node(pd_cache *c, uint32_t parent, const int32_t *tokens,
                                 const uint32_t *pages, uint32_t pos, uint32_t n_pages,
-                                pd_owner owner) {
+                                pd_owner owner, uint64_t h) {
     uint32_t id = node_alloc(c);
     cnode *n = N(c, id);
     uint32_t prev = PD_NONE;
@@ -636,32 +716,21 @@ static uint32_t insert_new_node(pd_cache *c, uint32_t parent, const int32_t *tok
     units_move(c, R_KV, pages + pos, n->n_pages, PD_UNIT_REQ, owner,
                PD_UNIT_CACHE_EVICTABLE, PD_OWNER_CACHE);
     child_link(c, parent, id);
-    ht_insert(c, id);
+    ht_insert_hashed(c, id, h); /* h: the child key of its first page under parent */
     relist(c, id);
     return id;
 }
 
-/* The caller's k pages for child, a cached node of exactly k pages. On
- * device, the cache's copy wins: the caller's duplicates go to dup_out and
- * its page table is rewritten. Host-only, the caller's freshly computed pages
- * become the node's device copy (its parent is on device: C1 holds). */
-static void insert_matched(pd_cache *c, uint32_t parent, uint32_t child, uint32_t *pages,
-                           uint32_t k, pd_owner owner, uint32_t *dup_out, uint32_t *dup_pages) {
+/* The caller's k pages for child, a host-only cached node of exactly k
+ * pages: the freshly computed pages become the node's device copy (its
+ * parent is on device: C1 holds). A device node's duplicates were swapped by
+ * match_dups. */
+static void insert_adopt(pd_cache *c, uint32_t parent, uint32_t child, const uint32_t *pages,
+                         uint32_t k, pd_owner owner) {
     cnode *ch = N(c, child);
-    PD_ASSERT(ch->n_pages == k);
-    if (ch->on_dev) {
-        uint32_t i = 0;
-        for (uint32_t e = ch->first_ent; e != PD_NONE; e = c->ent_next[e], i++) {
-            if (pages[i] != c->ent_dev[e]) {
-                dup_out[(*dup_pages)++] = pages[i];
-                pages[i] = c->ent_dev[e];
-            }
-        }
-        return;
-    }
+    PD_ASSERT(ch->n_pages == k && !ch->on_dev && ch->loading == PD_NONE);
     PD_ASSERT(N(c, parent)->on_dev);
-    units_move(c, R_KV, pages, k, PD_UNIT_REQ, owner,
-               lock_state(ch->lock_ref), PD_OWNER_CACHE);
+    units_move(c, R_KV, pages, k, PD_UNIT_REQ, owner, lock_state(ch->lock_ref), PD_OWNER_CACHE);
     node_set_pages(c, child, false, pages);
     ch->on_dev = true;
     N(c, parent)->n_dev_children++;
@@ -681,17 +750,28 @@ pd_err pd_cache_insert(pd_cache *c, const int32_t *tokens, uint32_t n_tokens,
     uint32_t node = PD_CNODE_ROOT, pos = 0;
     while (pos < n_pages) {
         const int32_t *q = tokens + (size_t)pos * c->page_size;
-        uint32_t child = ht_lookup(c, node, q);
+        uint64_t h = 0;
+        uint32_t child = child_find(c, node, q, &h);
         if (child == PD_NONE) {
-            node = insert_new_node(c, node, tokens, pages, pos, n_pages, owner);
+            node = insert_new_node(c, node, tokens, pages, pos, n_pages, owner, h);
             pos = n_pages;
             break;
         }
-        uint32_t k = match_pages(c, child, q, n_pages - pos);
+        /* On device (never loading), the duplicates are swapped during the
+         * compare; the first k positions are the split child's exactly. */
+        bool on_dev = N(c, child)->on_dev;
+        uint32_t k = on_dev
+            ? match_dups(c, child, q, n_pages - pos, pages + pos, dup_out, &r.dup_pages)
+            : match_pages(c, child, q, n_pages - pos, NULL);
         PD_ASSERT(k >= 1);
         if (k < N(c, child)->n_pages) child = split(c, child, k);
+        if (on_dev) {
+            pos += k;
+            node = child;
+            continue;
+        }
         if (N(c, child)->loading != PD_NONE) break; /* a host load owns these positions */
-        insert_matched(c, node, child, pages + pos, k, owner, dup_out, &r.dup_pages);
+        insert_adopt(c, node, child, pages + pos, k, owner);
         pos += k;
         node = child;
     }
@@ -1122,6 +1202,11 @@ static pd_err verify_children(pd_cache *c, uint32_t id, uint32_t *sp, char *msg,
     if (n->lock_ref < kid_locks)
         VFAIL("node %u: lock_ref %u < children's %llu (C4)", id, n->lock_ref,
               (unsigned long long)kid_locks);
+    uint32_t hot = n->hot_child;
+    if (hot != PD_NONE &&
+        (hot >= c->nodes_max || !c->nodes[hot].live || c->nodes[hot].parent != id ||
+         hot == PD_CNODE_ROOT))
+        VFAIL("node %u: hot child %u is not one of its children", id, hot);
     return PD_OK;
 }
 
