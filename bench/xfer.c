@@ -1,5 +1,6 @@
 /*
- * bench/xfer — what a prefill -> decode hand-off costs over pd_net.
+ * bench/xfer — what a prefill -> decode hand-off costs over pd_net, next to
+ * what UCX itself reaches on the same transport.
  *
  * Two pd_net nodes (prefill + decode) in this process, connected through the
  * bootstrap port on 127.0.0.1, move one request's KV pages, Mamba state and
@@ -8,7 +9,10 @@
  * for SUCCESS on the decode side). Sizes come from the model presets
  * (pd_model_config_shape: KV bytes per token, Mamba slot bytes), page size 16.
  * Destination pages are contiguous, as the pools hand them out when they can,
- * so one request is one put of KV plus two small puts.
+ * so one request is one put of KV plus two small puts. Each node's memory is
+ * what its transport allocated (pd_net_allocator), as on a real node;
+ * --memory heap,own also measures plain heap memory registered as is (the
+ * layout before the transport allocated it).
  *
  * Figures, each the median over --runs rooms after a warm-up room:
  *   hand-off   time from send_final to the decode side seeing SUCCESS
@@ -16,15 +20,27 @@
  *              bytes / that time;
  *   memcpy     the same bytes copied page by page inside one process (what
  *              the loopback transport does): the ceiling for one host;
+ *   perftest   `ucx_perftest -t ucp_put_bw` with the hand-off's size, run as
+ *              two processes (server and client) with the same UCX_TLS, its
+ *              overall bandwidth; the ratio column is pdserve / perftest.
+ *              "perftest not found" when ucx-utils is not installed;
  *   fixed cost a 16-token request from receiver_open to SUCCESS: bootstrap
  *              round trip, three puts, flush, notice.
  * Transports: UCX_TLS=shm and UCX_TLS=tcp (UCX_NET_DEVICES=lo) unless
  * --transports says otherwise. The last lines are the summary.
  */
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <poll.h>
+#include <netinet/in.h>
 #include <sched.h>
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include "bench_util.h"
 #include "pdserve/model.h"
@@ -43,22 +59,25 @@ typedef struct opts {
     int n_transports;
     const char *net_devices;
     int32_t spin_us;
+    bool mem_heap, mem_own; /* which memory the nodes use (--memory) */
+    bool perftest;          /* false: --no-perftest */
 } opts;
 
 typedef struct node {
     pd_net *net;
     pd_xfer x;
+    pd_exec_alloc alloc; /* alloc NULL: heap memory */
     uint8_t *kv, *mamba;
-    pd_meta_row meta[4];
+    pd_meta_row *meta;
 } node;
 
-typedef struct link {
+typedef struct pair_link {
     node pre, dec;
     char peer[64];
     uint64_t room;
     uint32_t pages_max, page_size;
     size_t page_bytes, slot_bytes;
-} link;
+} pair_link;
 
 static void die(const char *what, const char *msg) {
     fprintf(stderr, "xfer: %s: %s\n", what, msg);
@@ -76,8 +95,20 @@ static void wait_status(pd_xfer x, uint64_t room, pd_xfer_status want) {
     }
 }
 
+static void *node_mem(node *n, size_t bytes) {
+    void *p = n->alloc.alloc ? n->alloc.alloc(n->alloc.self, bytes) : calloc(1, bytes);
+    if (!p) die("memory", "out of memory");
+    return p;
+}
+
+static void node_mem_free(node *n, void *p) {
+    if (n->alloc.free) n->alloc.free(n->alloc.self, p);
+    else free(p);
+}
+
+/* heap: the node's memory from the heap, else from its transport. */
 static void node_open(node *n, pd_net_role role, const opts *o, const char *tls, uint32_t pages,
-                      size_t page_bytes, size_t slot_bytes) {
+                      size_t page_bytes, size_t slot_bytes, bool heap) {
     pd_net_config c;
     pd_net_config_default(&c, role);
     c.listen_host = "127.0.0.1";
@@ -89,9 +120,10 @@ static void node_open(node *n, pd_net_role role, const opts *o, const char *tls,
     if (!strcmp(tls, "tcp")) c.ucx_net_devices = o->net_devices;
     char msg[256];
     if (pd_net_create(&n->net, &c, msg, sizeof(msg))) die("create", msg);
-    n->kv = malloc(pages * page_bytes);
-    n->mamba = malloc(slot_bytes);
-    if (!n->kv || !n->mamba) die("memory", "out of memory");
+    n->alloc = heap ? (pd_exec_alloc){0} : pd_net_allocator(n->net);
+    n->kv = node_mem(n, pages * page_bytes);
+    n->mamba = node_mem(n, slot_bytes);
+    n->meta = node_mem(n, 4 * sizeof(pd_meta_row));
     for (size_t i = 0; i < pages * page_bytes; i++)
         n->kv[i] = role == PD_NET_PREFILL ? (uint8_t)(i * 7 + i / 4093) : 0;
     memset(n->mamba, role == PD_NET_PREFILL ? 0x3C : 0, slot_bytes);
@@ -105,14 +137,15 @@ static void node_open(node *n, pd_net_role role, const opts *o, const char *tls,
 }
 
 static void node_close(node *n) {
-    pd_net_destroy(n->net);
-    free(n->kv);
-    free(n->mamba);
+    node_mem_free(n, n->kv);
+    node_mem_free(n, n->mamba);
+    node_mem_free(n, n->meta);
+    pd_net_destroy(n->net); /* after its memory's owner let go of it */
 }
 
 /* One room of `pages` pages. Returns the hand-off time; *boot_ns and
  * *total_ns get the bootstrap and the whole room's times. */
-static double one_room(link *l, uint32_t tokens, uint32_t *idx, double *boot_ns,
+static double one_room(pair_link *l, uint32_t tokens, uint32_t *idx, double *boot_ns,
                        double *total_ns) {
     uint64_t room = ++l->room;
     uint32_t pages = PD_DIV_CEIL(tokens, l->page_size);
@@ -136,13 +169,13 @@ static double one_room(link *l, uint32_t tokens, uint32_t *idx, double *boot_ns,
     return (double)(t2 - t1);
 }
 
-static bool landed(const link *l, uint32_t pages) {
+static bool landed(const pair_link *l, uint32_t pages) {
     return !memcmp(l->pre.kv, l->dec.kv, pages * l->page_bytes) &&
            !memcmp(l->pre.mamba, l->dec.mamba, l->slot_bytes) &&
            !memcmp(&l->pre.meta[2], &l->dec.meta[1], sizeof(pd_meta_row));
 }
 
-static double memcpy_ns(const link *l, uint32_t pages, int runs, uint8_t *dst_kv,
+static double memcpy_ns(const pair_link *l, uint32_t pages, int runs, uint8_t *dst_kv,
                         uint8_t *dst_mamba) {
     double t[64];
     pd_meta_row row;
@@ -187,14 +220,133 @@ static int parse_list(const char *s, char out[][16], int max) {
 static void usage(void) {
     fprintf(stderr,
             "usage: xfer [--quick] [--runs N] [--tokens 1024,16384] [--configs tiny,small]\n"
-            "            [--transports shm,tcp] [--net-devices lo] [--spin-us N]\n");
+            "            [--transports shm,tcp] [--net-devices lo] [--spin-us N]\n"
+            "            [--memory own|heap|own,heap] [--no-perftest]\n");
     exit(2);
 }
+
+/* ---- ucx_perftest, run as two processes ------------------------------------------ */
+
+/* The first ucx_perftest on PATH, or NULL (ucx-utils not installed). */
+static const char *perftest_find(char *buf, size_t cap) {
+    const char *path = getenv("PATH");
+    while (path && *path) {
+        size_t len = strcspn(path, ":");
+        snprintf(buf, cap, "%.*s/ucx_perftest", (int)len, path);
+        if (len > 0 && access(buf, X_OK) == 0) return buf;
+        path += len;
+        if (*path == ':') path++;
+    }
+    return NULL;
+}
+
+/* A TCP port nobody listens on at the moment (perftest's rendezvous). */
+static uint16_t free_port(void) {
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    struct sockaddr_in a = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+    socklen_t len = sizeof(a);
+    uint16_t port = 0;
+    if (fd >= 0 && bind(fd, (struct sockaddr *)&a, sizeof(a)) == 0 &&
+        getsockname(fd, (struct sockaddr *)&a, &len) == 0)
+        port = ntohs(a.sin_port);
+    if (fd >= 0) close(fd);
+    return port;
+}
+
+/* Starts argv[0] with UCX_TLS=tls (and the devices for tcp); its stdout goes
+ * to out_fd (-1: /dev/null), its stderr to /dev/null. */
+static pid_t spawn(char *const argv[], const char *tls, const char *devices, int out_fd) {
+    pid_t pid = fork();
+    if (pid != 0) return pid;
+    int null = open("/dev/null", O_WRONLY);
+    dup2(out_fd >= 0 ? out_fd : null, 1);
+    dup2(null, 2);
+    setenv("UCX_TLS", tls, 1);
+    if (!strcmp(tls, "tcp") && devices) setenv("UCX_NET_DEVICES", devices, 1);
+    setenv("UCX_WARN_UNUSED_ENV_VARS", "n", 1);
+    execv(argv[0], argv);
+    _exit(127);
+}
+
+/* Reads fd to EOF or until deadline_ns; false on timeout. */
+static bool read_all(int fd, char *buf, size_t cap, uint64_t deadline_ns) {
+    size_t len = 0;
+    for (;;) {
+        if (bench_now_ns() > deadline_ns) return false;
+        struct pollfd p = {.fd = fd, .events = POLLIN};
+        if (poll(&p, 1, 100) <= 0) continue;
+        ssize_t k = read(fd, buf + len, cap - 1 - len);
+        if (k <= 0) break;
+        len += (size_t)k;
+        if (len == cap - 1) break;
+    }
+    buf[len] = '\0';
+    return true;
+}
+
+/* "Final: iters p50 avg overall bw_avg bw_overall ..." -> the overall
+ * bandwidth in GB/s (perftest's MB/s are MiB/s); -1 if absent. */
+static double perftest_parse(const char *out) {
+    const char *f = strstr(out, "Final:");
+    double v[6];
+    if (!f ||
+        sscanf(f, "Final: %lf %lf %lf %lf %lf %lf", &v[0], &v[1], &v[2], &v[3], &v[4], &v[5]) != 6)
+        return -1;
+    return v[5] * 1048576.0 / 1e9;
+}
+
+static void reap(pid_t pid) {
+    if (pid <= 0) return;
+    kill(pid, SIGKILL);
+    waitpid(pid, NULL, 0);
+}
+
+/* One ucp_put_bw run of `bytes` per put over tls; GB/s, or -1 if it failed. */
+static double perftest_once(const char *exe, const char *tls, const char *devices, size_t bytes,
+                            int iters) {
+    char port[16], size[32], n[16], w[16];
+    snprintf(port, sizeof(port), "%u", free_port());
+    snprintf(size, sizeof(size), "%zu", bytes);
+    snprintf(n, sizeof(n), "%d", iters);
+    snprintf(w, sizeof(w), "%d", PD_MAX(iters / 10, 2));
+    char *srv_argv[] = {(char *)exe, "-p", port, NULL};
+    char *cli_argv[] = {(char *)exe, "127.0.0.1", "-p", port, "-t", "ucp_put_bw", "-s",
+                        size,        "-n",        n,    "-w", w,    NULL};
+    pid_t srv = spawn(srv_argv, tls, devices, -1);
+    nanosleep(&(struct timespec){.tv_nsec = 200000000}, NULL); /* until it listens */
+    int fds[2];
+    if (srv < 0 || pipe(fds) != 0) {
+        reap(srv);
+        return -1;
+    }
+    pid_t cli = spawn(cli_argv, tls, devices, fds[1]);
+    close(fds[1]);
+    static char out[16384];
+    bool done = read_all(fds[0], out, sizeof(out), bench_now_ns() + 120ull * 1000000000ull);
+    close(fds[0]);
+    reap(cli);
+    reap(srv);
+    return done ? perftest_parse(out) : -1;
+}
+
+/* perftest's put bandwidth for `bytes` (the best of a few tries: a try
+ * fails when the server was not listening yet). */
+static double perftest_gbps(const char *exe, const char *tls, const char *devices, size_t bytes) {
+    int iters = (int)PD_MIN(PD_MAX((size_t)(512u << 20) / bytes, 20u), 1000u);
+    for (int attempt = 0; attempt < 3; attempt++) {
+        double g = perftest_once(exe, tls, devices, bytes, iters);
+        if (g > 0) return g;
+    }
+    return -1;
+}
+
+/* ---- measuring ------------------------------------------------------------------ */
 
 typedef struct result {
     char config[16], transport[16];
     uint32_t tokens;
-    double bytes, ns, memcpy_ns;
+    double bytes, ns, heap_ns, memcpy_ns; /* heap_ns 0: not measured */
+    double perftest;                      /* GB/s; 0: not run; < 0: failed */
 } result;
 
 /* Everything measured: one result per (config, transport, tokens), and the
@@ -203,11 +355,19 @@ typedef struct tally {
     result res[LIST_MAX * LIST_MAX * LIST_MAX];
     int n_res;
     double fixed[LIST_MAX], fixed_boot[LIST_MAX];
+    const char *perftest; /* path, or NULL: not found */
 } tally;
 
 static void parse_args(int argc, char **argv, opts *o) {
-    *o = (opts){.runs = 5, .page_size = 16, .tokens = {1024, 16384}, .n_tokens = 2,
-                .n_configs = 2, .n_transports = 2, .net_devices = "lo"};
+    *o = (opts){.runs = 5,
+                .page_size = 16,
+                .tokens = {1024, 16384},
+                .n_tokens = 2,
+                .n_configs = 2,
+                .n_transports = 2,
+                .net_devices = "lo",
+                .mem_own = true,
+                .perftest = true};
     strcpy(o->configs[0], "tiny");
     strcpy(o->configs[1], "small");
     strcpy(o->transports[0], "shm");
@@ -232,6 +392,12 @@ static void parse_args(int argc, char **argv, opts *o) {
         } else if (!strcmp(a, "--transports") && v) {
             if ((o->n_transports = parse_list(v, o->transports, LIST_MAX)) <= 0) usage();
             i++;
+        } else if (!strcmp(a, "--memory") && v) {
+            o->mem_own = strstr(v, "own") != NULL;
+            o->mem_heap = strstr(v, "heap") != NULL, i++;
+            if (!o->mem_own && !o->mem_heap) usage();
+        } else if (!strcmp(a, "--no-perftest")) {
+            o->perftest = false;
         } else if (!strcmp(a, "--spin-us") && v) {
             o->spin_us = atoi(v), i++;
         } else if (!strcmp(a, "--net-devices") && v) {
@@ -242,30 +408,40 @@ static void parse_args(int argc, char **argv, opts *o) {
     }
 }
 
+static double median_handoff(pair_link *l, const opts *o, uint32_t tokens, uint32_t *idx) {
+    double ns[64];
+    uint32_t pages = PD_DIV_CEIL(tokens, o->page_size);
+    memset(l->dec.kv, 0, pages * l->page_bytes);
+    for (int r = 0; r < o->runs; r++) ns[r] = one_room(l, tokens, idx, NULL, NULL);
+    if (!landed(l, pages)) die("check", "the decode side's bytes differ from the prefill's");
+    return bench_median(ns, (size_t)o->runs);
+}
+
 /* Hand-offs of each request size over link l (config c, transport t), and
- * the same bytes through memcpy. */
-static void measure_sizes(link *l, const opts *o, int c, int t, uint32_t *idx,
-                          uint8_t *scratch_kv, uint8_t *scratch_mb, tally *tl) {
+ * the same bytes through memcpy; heap: l's memory is heap memory (the
+ * results exist already, this adds their heap_ns). */
+static void measure_sizes(pair_link *l, const opts *o, int c, int t, uint32_t *idx, bool heap,
+                          uint8_t *scratch_kv, uint8_t *scratch_mb, tally *tl, int first) {
     for (int k = 0; k < o->n_tokens; k++) {
         uint32_t tokens = o->tokens[k], pages = PD_DIV_CEIL(tokens, o->page_size);
-        double ns[64];
-        memset(l->dec.kv, 0, pages * l->page_bytes);
-        for (int r = 0; r < o->runs; r++) ns[r] = one_room(l, tokens, idx, NULL, NULL);
-        if (!landed(l, pages)) die("check", "the decode side's bytes differ from the prefill's");
-        result *x = &tl->res[tl->n_res++];
+        result *x = &tl->res[first + k];
+        if (heap) {
+            x->heap_ns = median_handoff(l, o, tokens, idx);
+            continue;
+        }
         snprintf(x->config, sizeof(x->config), "%s", o->configs[c]);
         snprintf(x->transport, sizeof(x->transport), "%s", o->transports[t]);
         x->tokens = tokens;
         x->bytes = (double)pages * (double)l->page_bytes + (double)l->slot_bytes +
                    sizeof(pd_meta_row);
-        x->ns = bench_median(ns, (size_t)o->runs);
+        x->ns = median_handoff(l, o, tokens, idx);
         x->memcpy_ns = memcpy_ns(l, pages, o->runs, scratch_kv, scratch_mb);
     }
 }
 
 /* Fixed cost of a room over transport t: a 16-token request, start to finish. */
-static void measure_fixed_cost(link *l, const opts *o, int t, uint32_t *idx, tally *tl) {
-    int reps = PD_MAX(o->runs, 20);
+static void measure_fixed_cost(pair_link *l, const opts *o, int t, uint32_t *idx, tally *tl) {
+    int reps = PD_MAX(o->runs, 31);
     double tot[64], boot[64];
     reps = PD_MIN(reps, 63);
     for (int r = 0; r < reps; r++) one_room(l, o->page_size, idx, &boot[r], &tot[r]);
@@ -273,7 +449,24 @@ static void measure_fixed_cost(link *l, const opts *o, int t, uint32_t *idx, tal
     tl->fixed_boot[t] = bench_median(boot, (size_t)reps);
 }
 
-/* Every transport and request size for model config c. */
+/* A prefill and a decode node over tls, warmed up (connection, UCX wire-up). */
+static void link_open(pair_link *l, const opts *o, const char *tls, bool heap) {
+    node_open(&l->pre, PD_NET_PREFILL, o, tls, l->pages_max, l->page_bytes, l->slot_bytes, heap);
+    node_open(&l->dec, PD_NET_DECODE, o, tls, l->pages_max, l->page_bytes, l->slot_bytes, heap);
+    snprintf(l->peer, sizeof(l->peer), "127.0.0.1:%u", pd_net_bootstrap_port(l->pre.net));
+    uint32_t *idx = malloc(sizeof(uint32_t));
+    idx[0] = 0;
+    one_room(l, o->page_size, idx, NULL, NULL);
+    free(idx);
+}
+
+static void link_close(pair_link *l) {
+    node_close(&l->dec);
+    node_close(&l->pre);
+}
+
+/* Every transport and request size for model config c: pdserve on its
+ * transport's memory, on heap memory (--memory heap), and perftest. */
 static void measure_config(const opts *o, int c, uint32_t pages_max, uint32_t *idx, tally *tl) {
     pd_model_config mc;
     char msg[256];
@@ -285,16 +478,27 @@ static void measure_config(const opts *o, int c, uint32_t pages_max, uint32_t *i
     uint8_t *scratch_kv = malloc(pages_max * page_bytes), *scratch_mb = malloc(slot_bytes);
     for (int t = 0; t < o->n_transports; t++) {
         const char *tls = o->transports[t];
-        link l = {.pages_max = pages_max, .page_size = o->page_size, .page_bytes = page_bytes,
-                  .slot_bytes = slot_bytes};
-        node_open(&l.pre, PD_NET_PREFILL, o, tls, pages_max, page_bytes, slot_bytes);
-        node_open(&l.dec, PD_NET_DECODE, o, tls, pages_max, page_bytes, slot_bytes);
-        snprintf(l.peer, sizeof(l.peer), "127.0.0.1:%u", pd_net_bootstrap_port(l.pre.net));
-        one_room(&l, o->page_size, idx, NULL, NULL); /* warm-up: connection and UCX wire-up */
-        measure_sizes(&l, o, c, t, idx, scratch_kv, scratch_mb, tl);
-        if (c == 0) measure_fixed_cost(&l, o, t, idx, tl);
-        node_close(&l.dec);
-        node_close(&l.pre);
+        int first = tl->n_res;
+        tl->n_res += o->n_tokens;
+        pair_link l = {.pages_max = pages_max,
+                       .page_size = o->page_size,
+                       .page_bytes = page_bytes,
+                       .slot_bytes = slot_bytes};
+        for (int heap = 0; heap < 2; heap++) {
+            if (!(heap ? o->mem_heap : true)) continue;
+            /* Results are filled by the own-memory pass; without it, the heap
+             * pass stands in (--memory heap alone). */
+            bool as_heap = heap && o->mem_own;
+            if (heap == 0 && !o->mem_own) continue;
+            link_open(&l, o, tls, heap);
+            measure_sizes(&l, o, c, t, idx, as_heap, scratch_kv, scratch_mb, tl, first);
+            if (c == 0 && !as_heap) measure_fixed_cost(&l, o, t, idx, tl);
+            link_close(&l);
+        }
+        for (int k = 0; tl->perftest && k < o->n_tokens; k++) {
+            result *x = &tl->res[first + k];
+            x->perftest = perftest_gbps(tl->perftest, tls, o->net_devices, (size_t)x->bytes);
+        }
     }
     free(scratch_kv);
     free(scratch_mb);
@@ -304,38 +508,41 @@ static bool same_request(const result *a, const result *b) {
     return !strcmp(a->config, b->config) && a->tokens == b->tokens;
 }
 
-/* The table, grouped by request: memcpy (the best of its measurements)
- * first, then each transport. */
+static void fmt_gbps(char *out, size_t cap, double gbps) {
+    if (gbps > 0) snprintf(out, cap, "%.2f GB/s", gbps);
+    else snprintf(out, cap, "%s", gbps < 0 ? "failed" : "-");
+}
+
+/* The table, one line per request and transport: pdserve's hand-off, its
+ * bandwidth, perftest's put bandwidth at the same size and the ratio, then
+ * pdserve on heap memory (--memory heap) and memcpy (the best of its
+ * measurements for that request). */
 static void print_table(tally *tl) {
+    printf("%-6s %7s %11s %-4s %10s %11s %11s %6s %11s %11s\n", "model", "tokens", "bytes", "tls",
+           "hand-off", "pdserve", "perftest", "ratio", "heap mem", "memcpy");
     result *res = tl->res;
     for (int i = 0; i < tl->n_res; i++) {
         result *x = &res[i];
-        bool seen = false;
-        for (int j = 0; j < i; j++) seen |= same_request(&res[j], x);
-        if (seen) continue;
         double best = x->memcpy_ns;
-        for (int j = i; j < tl->n_res; j++)
+        for (int j = 0; j < tl->n_res; j++)
             if (same_request(&res[j], x)) best = PD_MIN(best, res[j].memcpy_ns);
-        char b[32], tm[32];
+        char b[32], tm[32], pd[32], pt[32], hp[32], mc[32], ratio[16] = "-";
         fmt_bytes(b, sizeof(b), x->bytes);
-        fmt_time(tm, sizeof(tm), best);
-        printf("%-6s %7u %11s  %-8s %10s %8.2f GB/s %9s\n", x->config, x->tokens, b, "memcpy", tm,
-               x->bytes / best, "1.00x");
-        for (int j = i; j < tl->n_res; j++) {
-            result *y = &res[j];
-            if (!same_request(y, x)) continue;
-            y->memcpy_ns = best;
-            char rel[16];
-            snprintf(rel, sizeof(rel), "%.2fx", best / y->ns);
-            fmt_time(tm, sizeof(tm), y->ns);
-            printf("%-6s %7u %11s  ucx-%-4s %10s %8.2f GB/s %9s\n", y->config, y->tokens, b,
-                   y->transport, tm, y->bytes / y->ns, rel);
-        }
+        fmt_time(tm, sizeof(tm), x->ns);
+        fmt_gbps(pd, sizeof(pd), x->bytes / x->ns);
+        fmt_gbps(pt, sizeof(pt), x->perftest);
+        fmt_gbps(hp, sizeof(hp), x->heap_ns > 0 ? x->bytes / x->heap_ns : 0);
+        fmt_gbps(mc, sizeof(mc), x->bytes / best);
+        if (x->perftest > 0)
+            snprintf(ratio, sizeof(ratio), "%.0f%%", 100 * x->bytes / x->ns / x->perftest);
+        printf("%-6s %7u %11s %-4s %10s %11s %11s %6s %11s %11s\n", x->config, x->tokens, b,
+               x->transport, tm, pd, pt, ratio, hp, mc);
     }
+    if (!tl->perftest) printf("perftest not found (ucx_perftest, Debian package ucx-utils)\n");
 }
 
 static void print_fixed_costs(const opts *o, const tally *tl) {
-    printf("\nper-room fixed cost (one-page request, receiver_open -> SUCCESS; "
+    printf("\nper-room fixed cost (one-page request, receiver_open -> SUCCESS, median; "
            "bootstrap round trip in brackets):\n");
     for (int t = 0; t < o->n_transports; t++) {
         char a[32], b[32];
@@ -351,11 +558,15 @@ static void print_summary(const opts *o, const tally *tl) {
     int big = 0;
     for (int i = 1; i < tl->n_res; i++)
         if (res[i].bytes > res[big].bytes) big = i;
-    printf("\nsummary: %s %u-token hand-off (%.1f MiB): memcpy %.2f GB/s", res[big].config,
-           res[big].tokens, res[big].bytes / (1 << 20), res[big].bytes / res[big].memcpy_ns);
-    for (int i = 0; i < tl->n_res; i++)
-        if (same_request(&res[i], &res[big]))
-            printf(", ucx-%s %.2f GB/s", res[i].transport, res[i].bytes / res[i].ns);
+    printf("\nsummary: %s %u-token hand-off (%.1f MiB):", res[big].config, res[big].tokens,
+           res[big].bytes / (1 << 20));
+    for (int i = 0; i < tl->n_res; i++) {
+        if (!same_request(&res[i], &res[big])) continue;
+        printf(" ucx-%s %.2f GB/s", res[i].transport, res[i].bytes / res[i].ns);
+        if (res[i].perftest > 0)
+            printf(" (%.0f%% of perftest)", 100 * res[i].bytes / res[i].ns / res[i].perftest);
+        printf(";");
+    }
     printf("\nsummary: per-room fixed cost");
     for (int t = 0; t < o->n_transports; t++) {
         char a[32];
@@ -375,11 +586,11 @@ int main(int argc, char **argv) {
     for (uint32_t p = 0; p < pages_max; p++) idx[p] = p;
 
     static tally tl;
+    static char exe[4096];
+    tl.perftest = o.perftest ? perftest_find(exe, sizeof(exe)) : NULL;
     printf("== xfer: prefill -> decode hand-off over pd_net "
            "(page size %u, contiguous pages), median of %d ==\n",
            o.page_size, o.runs);
-    printf("%-6s %7s %11s  %-8s %10s %11s %9s\n", "model", "tokens", "bytes", "path", "hand-off",
-           "bandwidth", "vs memcpy");
     for (int c = 0; c < o.n_configs; c++) measure_config(&o, c, pages_max, idx, &tl);
     print_table(&tl);
     print_fixed_costs(&o, &tl);

@@ -122,6 +122,20 @@ typedef struct pd_exec_memory {
     uint32_t host_pages;
 } pd_exec_memory;
 
+/* Where an executor gets the memory a transport moves (KV pages, Mamba
+ * slots). A transport that can write some memory faster than plain heap
+ * memory hands out an allocator (pd_net_allocator: memory UCX allocated and
+ * mapped); create calls take it as an option, NULL meaning the heap. alloc
+ * returns `bytes` of zeroed memory, or NULL; free takes back what alloc gave
+ * (NULL is ignored). The allocator belongs to whoever owns the transport and
+ * outlives every executor created with it. Pools above the executor do not
+ * see the difference: the ledger does not care where the bytes live. */
+typedef struct pd_exec_alloc {
+    void *(*alloc)(void *self, size_t bytes);
+    void (*free)(void *self, void *p);
+    void *self;
+} pd_exec_alloc;
+
 typedef struct pd_model_info {
     uint32_t vocab;
     int32_t eos_token;         /* -1: none */

@@ -184,6 +184,12 @@ const char *pd_model_tensor_name(const pd_model *m, uint32_t i);
 pd_err pd_model_executor_create(pd_executor *out, const pd_model *model, uint32_t page_size,
                                 uint32_t kv_pages, uint32_t mamba_slots, uint32_t host_pages,
                                 uint32_t threads, char *msg, size_t msg_cap);
+/* The same, with the KV pages and Mamba slots from alloc (a transport's,
+ * executor.h; NULL: the heap). alloc must outlive the executor. */
+pd_err pd_model_executor_create_in(pd_executor *out, const pd_model *model, uint32_t page_size,
+                                   uint32_t kv_pages, uint32_t mamba_slots, uint32_t host_pages,
+                                   uint32_t threads, const pd_exec_alloc *alloc, char *msg,
+                                   size_t msg_cap);
 void pd_model_executor_destroy(pd_executor *ex);
 /* True when ex was made by pd_model_executor_create. */
 bool pd_model_executor_is(const pd_executor *ex);

@@ -82,6 +82,19 @@ pd_err pd_net_create(pd_net **out, const pd_net_config *cfg, char *msg, size_t m
  * metadata rows (the engine's meta_mem). Before pd_net_start. */
 pd_err pd_net_register(pd_net *n, const pd_exec_memory *mem, pd_meta_row *meta,
                        uint32_t meta_rows, char *msg, size_t msg_cap);
+/* Memory for this node's transferable regions (KV pages, Mamba slots,
+ * metadata rows), allocated by the transport in the form its fastest path
+ * wants: UCX allocates and maps it itself (ucp_mem_map with
+ * UCP_MEM_MAP_ALLOCATE), so a shared-memory put is one copy into a segment
+ * the peer attached and RDMA zero-copy uses the same registration; heap
+ * memory would make UCX emulate every shared-memory put with active
+ * messages. Zeroed; at most 8 allocations live at once; alloc returns NULL
+ * when UCX cannot allocate. Give it to the executor before pd_net_register,
+ * which then reuses the mapping. The executor frees what it got before
+ * pd_net_destroy; memory still registered is unmapped only by
+ * pd_net_destroy, once no put or peer can reach it. Valid from
+ * pd_net_create to pd_net_destroy. */
+pd_exec_alloc pd_net_allocator(pd_net *n);
 /* Starts the progress thread. */
 pd_err pd_net_start(pd_net *n, char *msg, size_t msg_cap);
 /* The endpoint for pd_engine_create. */
@@ -114,6 +127,11 @@ typedef struct pd_net_stats {
     /* Handshakes refused because the peer's proof of the token did not
      * verify (it holds another token, or none). */
     uint64_t auth_refused;
+    /* Registered regions that lie in memory pd_net_allocator gave out (the
+     * fast path); the others are the caller's memory, registered as is. */
+    uint64_t regions_own_memory;
+    /* Host names handed to the resolver threads (numeric addresses are not). */
+    uint64_t name_lookups;
 } pd_net_stats;
 void pd_net_stats_get(pd_net *n, pd_net_stats *out);
 

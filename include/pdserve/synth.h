@@ -31,6 +31,9 @@ typedef struct pd_synth_config {
     uint32_t vocab;
     int32_t eos_token;       /* -1: none */
     uint32_t batch_max;      /* items per batch */
+    /* Where the KV pages and Mamba slots come from (a transport's allocator,
+     * executor.h); NULL: the heap. Must outlive the executor. */
+    const pd_exec_alloc *alloc;
 } pd_synth_config;
 
 pd_err pd_synth_create(pd_synth **out, const pd_synth_config *cfg);

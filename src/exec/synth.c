@@ -32,6 +32,7 @@ typedef struct pending {
 struct pd_synth {
     pd_synth_config cfg;
     uint64_t *kv, *mamba, *host;
+    pd_exec_alloc alloc; /* where kv and mamba came from; alloc NULL: the heap */
     pending pend[PENDING_MAX];
 };
 
@@ -179,6 +180,17 @@ static const pd_executor_vtable synth_vt = {
 
 pd_executor pd_synth_executor(pd_synth *s) { return (pd_executor){.vt = &synth_vt, .self = s}; }
 
+/* Memory a transport may move: from the allocator the synth was created
+ * with (executor.h), else the heap. */
+static void *transferable_alloc(const pd_synth *s, size_t bytes) {
+    return s->alloc.alloc ? s->alloc.alloc(s->alloc.self, bytes) : malloc(bytes);
+}
+
+static void transferable_free(const pd_synth *s, void *p) {
+    if (s->alloc.free) s->alloc.free(s->alloc.self, p);
+    else free(p);
+}
+
 pd_err pd_synth_create(pd_synth **out, const pd_synth_config *cfg) {
     if (!out || !cfg || cfg->page_size == 0 || cfg->kv_pages == 0 || cfg->layers == 0 ||
         cfg->vocab < 2 || cfg->batch_max == 0)
@@ -186,9 +198,11 @@ pd_err pd_synth_create(pd_synth **out, const pd_synth_config *cfg) {
     pd_synth *s = calloc(1, sizeof(*s));
     if (!s) return PD_ERR_NOMEM;
     s->cfg = *cfg;
+    if (cfg->alloc) s->alloc = *cfg->alloc;
+    s->cfg.alloc = NULL; /* the copy above is what counts; cfg's may go away */
     size_t page_vals = (size_t)cfg->page_size * cfg->layers;
-    s->kv = malloc(cfg->kv_pages * page_vals * sizeof(uint64_t));
-    s->mamba = malloc((cfg->mamba_slots + 1) * sizeof(uint64_t));
+    s->kv = transferable_alloc(s, cfg->kv_pages * page_vals * sizeof(uint64_t));
+    s->mamba = transferable_alloc(s, (cfg->mamba_slots + 1) * sizeof(uint64_t));
     s->host = malloc((cfg->host_pages + 1) * page_vals * sizeof(uint64_t));
     bool ok = s->kv && s->mamba && s->host;
     for (uint32_t i = 0; ok && i < PENDING_MAX; i++)
@@ -209,8 +223,8 @@ pd_err pd_synth_create(pd_synth **out, const pd_synth_config *cfg) {
 void pd_synth_destroy(pd_synth *s) {
     if (!s) return;
     for (uint32_t i = 0; i < PENDING_MAX; i++) free(s->pend[i].results);
-    free(s->kv);
-    free(s->mamba);
+    transferable_free(s, s->kv);
+    transferable_free(s, s->mamba);
     free(s->host);
     free(s);
 }

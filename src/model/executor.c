@@ -150,13 +150,21 @@ static const pd_executor_vtable model_vtable = {
 pd_err pd_model_executor_create(pd_executor *out, const pd_model *model, uint32_t page_size,
                                 uint32_t kv_pages, uint32_t mamba_slots, uint32_t host_pages,
                                 uint32_t threads, char *msg, size_t msg_cap) {
+    return pd_model_executor_create_in(out, model, page_size, kv_pages, mamba_slots, host_pages,
+                                       threads, NULL, msg, msg_cap);
+}
+
+pd_err pd_model_executor_create_in(pd_executor *out, const pd_model *model, uint32_t page_size,
+                                   uint32_t kv_pages, uint32_t mamba_slots, uint32_t host_pages,
+                                   uint32_t threads, const pd_exec_alloc *alloc, char *msg,
+                                   size_t msg_cap) {
     PD_ASSERT(out != NULL && model != NULL);
     out->vt = NULL;
     out->self = NULL;
     model_exec *e = calloc(1, sizeof(*e));
     if (!e) return pd_errorf(msg, msg_cap, PD_ERR_NOMEM, "out of memory");
     pd_err err = mdl_runner_create(&e->runner, model, page_size, kv_pages, mamba_slots, host_pages,
-                                   threads, msg, msg_cap);
+                                   threads, alloc, msg, msg_cap);
     if (err != PD_OK) {
         free(e);
         return err;

@@ -299,13 +299,26 @@ static void set_dims(pd_runner *r) {
     }
 }
 
-/* The node's memory: KV pages, Mamba slots and host pages, zeroed. */
+/* Zeroed memory a transport may move: from the node's allocator if it has
+ * one (the transport's, executor.h), else the heap. */
+static void *transferable_alloc(const pd_runner *r, uint64_t bytes) {
+    if (r->alloc.alloc) return r->alloc.alloc(r->alloc.self, bytes);
+    return calloc(1, bytes);
+}
+
+static void transferable_free(const pd_runner *r, void *p) {
+    if (r->alloc.free) r->alloc.free(r->alloc.self, p);
+    else free(p);
+}
+
+/* The node's memory: KV pages and Mamba slots (which a transport moves, so
+ * from the allocator) and host pages (which stay on this node), zeroed. */
 static pd_err alloc_node_memory(pd_runner *r, char *msg, size_t cap) {
     uint64_t kv_bytes = (uint64_t)r->kv_pages * r->kv_page_bytes;
     uint64_t mamba_bytes = (uint64_t)r->mamba_slots * r->mamba_slot_bytes;
     uint64_t host_bytes = (uint64_t)r->host_pages * r->kv_page_bytes;
-    if (kv_bytes) r->kv = calloc(1, kv_bytes);
-    if (mamba_bytes) r->mamba = calloc(1, mamba_bytes);
+    if (kv_bytes) r->kv = transferable_alloc(r, kv_bytes);
+    if (mamba_bytes) r->mamba = transferable_alloc(r, mamba_bytes);
     if (host_bytes) r->host = calloc(1, host_bytes);
     if ((kv_bytes && !r->kv) || (mamba_bytes && !r->mamba) || (host_bytes && !r->host))
         return pd_errorf(msg, cap, PD_ERR_NOMEM,
@@ -366,8 +379,9 @@ static pd_err alloc_scratch(pd_runner *r, uint32_t threads, char *msg, size_t ca
 
 pd_err mdl_runner_create(pd_runner **out, const pd_model *model, uint32_t page_size,
                          uint32_t kv_pages, uint32_t mamba_slots, uint32_t host_pages,
-                         uint32_t threads, char *msg, size_t cap) {
+                         uint32_t threads, const pd_exec_alloc *alloc, char *msg, size_t cap) {
     *out = NULL;
+    PD_ASSERT(!alloc || (alloc->alloc && alloc->free));
     const pd_model_shape *s = &model->shape;
     if (page_size == 0 || page_size > PD_MODEL_PAGE_SIZE_MAX)
         return pd_errorf(msg, cap, PD_ERR_INVALID, "page size %u outside [1, %u]", page_size,
@@ -386,6 +400,7 @@ pd_err mdl_runner_create(pd_runner **out, const pd_model *model, uint32_t page_s
     pd_runner *r = calloc(1, sizeof(*r));
     if (!r) return pd_errorf(msg, cap, PD_ERR_NOMEM, "out of memory");
     r->model = model;
+    if (alloc) r->alloc = *alloc;
     r->page_size = page_size;
     r->kv_pages = s->n_attn ? kv_pages : 0;
     r->mamba_slots = s->n_mamba ? mamba_slots : 0;
@@ -412,7 +427,7 @@ void mdl_runner_destroy(pd_runner *r) {
     free(r->keys);
     free(r->scratch_mem);
     free(r->host);
-    free(r->mamba);
-    free(r->kv);
+    transferable_free(r, r->mamba);
+    transferable_free(r, r->kv);
     free(r);
 }

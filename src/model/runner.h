@@ -56,12 +56,13 @@ typedef struct pd_runner {
     float *row_slot[PD_RUNNER_ROWS];        /* the item's running slot */
     float *row_state[PD_RUNNER_ROWS];       /* this Mamba layer's part of it */
 
-    uint8_t *slot_seen;         /* [mamba_slots], for the batch check */
+    uint8_t *slot_seen;  /* [mamba_slots], for the batch check */
+    pd_exec_alloc alloc; /* where kv and mamba came from; alloc NULL: the heap */
 } pd_runner;
 
 pd_err mdl_runner_create(pd_runner **out, const pd_model *model, uint32_t page_size,
                          uint32_t kv_pages, uint32_t mamba_slots, uint32_t host_pages,
-                         uint32_t threads, char *msg, size_t msg_cap);
+                         uint32_t threads, const pd_exec_alloc *alloc, char *msg, size_t msg_cap);
 void mdl_runner_destroy(pd_runner *r);
 
 /* PD_OK when every item keeps the contract (model.h, executor.h); otherwise

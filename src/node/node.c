@@ -58,7 +58,8 @@ struct pd_node {
     pd_engine *eng;
     pd_meta_row *meta;
     uint32_t meta_rows;
-    pd_net *net;                     /* --transfer-backend ucx */
+    pd_net *net;             /* --transfer-backend ucx */
+    pd_exec_alloc net_alloc; /* net's allocator, once asked for (transfer_alloc) */
     uint32_t requests_max;
     /* Submitted calls by slot; a call's slot is its tag in the engine
      * (pd_request_spec.tag) until its terminal event. At most requests_max
@@ -880,11 +881,21 @@ static void engine_config_from(const pd_node_config *c, const pd_model_shape *sh
     ec->transfer_timeout_us = c->transfer_timeout_ms * 1000;
 }
 
+/* Memory a transfer moves (KV pages, Mamba slots, meta rows) comes from the
+ * transport when it allocates it in a faster form than the heap
+ * (pd_net_allocator; docs/bootstrap-protocol.md, "Memory"). NULL: the heap. */
+static const pd_exec_alloc *transfer_alloc(pd_node *n) {
+    if (n->net && !n->net_alloc.alloc) n->net_alloc = pd_net_allocator(n->net);
+    return n->net ? &n->net_alloc : NULL;
+}
+
 /* Everything the node sizes at start-up: the meta rows, the calls by slot
  * (every slot free), the command ring and (strict mode) the report buffer. */
 static pd_err alloc_tables(pd_node *n, const pd_engine_config *ec, char *msg, size_t cap) {
     n->meta_rows = ec->meta_rows;
-    n->meta = calloc(ec->meta_rows, sizeof(pd_meta_row));
+    const pd_exec_alloc *a = transfer_alloc(n);
+    n->meta = a ? a->alloc(a->self, (size_t)ec->meta_rows * sizeof(pd_meta_row))
+                : calloc(ec->meta_rows, sizeof(pd_meta_row));
     n->requests_max = ec->requests_max;
     n->calls = calloc(ec->requests_max, sizeof(call *));
     n->free_slots = calloc(ec->requests_max, sizeof(uint32_t));
@@ -900,8 +911,9 @@ static pd_err alloc_tables(pd_node *n, const pd_engine_config *ec, char *msg, si
 /* The executor: the model behind an in-order stream with its own worker. */
 static pd_err create_executor(pd_node *n, const pd_engine_config *ec, char *msg, size_t cap) {
     uint32_t threads = n->cfg.threads ? n->cfg.threads : 1;
-    pd_err err = pd_model_executor_create(&n->model_ex, n->model, ec->page_size, ec->kv_pages,
-                                          ec->mamba_slots, ec->host_pages, threads, msg, cap);
+    pd_err err = pd_model_executor_create_in(&n->model_ex, n->model, ec->page_size, ec->kv_pages,
+                                             ec->mamba_slots, ec->host_pages, threads,
+                                             transfer_alloc(n), msg, cap);
     if (err) return err;
     if ((err = pd_stream_create(&n->stream, n->model_ex, ec->batch_max)))
         pd_errorf(msg, cap, err, "executor stream: out of memory");
@@ -981,11 +993,12 @@ pd_err pd_node_create(pd_node **out, const pd_node_config *cfg_in, char *msg, si
     pd_role role = engine_role(n->cfg.role);
     pd_engine_config ec;
     engine_config_from(&n->cfg, pd_model_shape_get(n->model), &ec);
+    /* The transport first: it may allocate the memory it moves. */
+    pd_xfer xfer = {0};
+    if ((err = create_transport(n, role, &xfer, msg, cap))) goto fail;
     if ((err = alloc_tables(n, &ec, msg, cap))) goto fail;
     ec.meta_mem = n->meta;
     if ((err = create_executor(n, &ec, msg, cap))) goto fail;
-    pd_xfer xfer = {0};
-    if ((err = create_transport(n, role, &xfer, msg, cap))) goto fail;
     pd_sink sink = {.vt = &node_sink_vt, .self = n};
     err = pd_engine_create(&n->eng, &ec, pd_stream_executor(n->stream), xfer, sink, msg, cap);
     if (!err) err = register_memory(n, role, msg, cap);
@@ -1060,15 +1073,20 @@ void pd_node_destroy(pd_node *n) {
         }
     if (n->http) http_stop(n->http);
     pd_engine_destroy(n->eng);
-    pd_net_destroy(n->net); /* after the engine: it may still call the endpoint */
     pd_stream_destroy(n->stream);
     if (n->model_ex.vt) pd_model_executor_destroy(&n->model_ex);
+    const pd_exec_alloc *a = transfer_alloc(n);
+    if (a) a->free(a->self, n->meta);
+    else free(n->meta);
+    n->meta = NULL;
+    /* After the engine (it may still call the endpoint) and after everyone
+     * who holds memory the transport allocated. */
+    pd_net_destroy(n->net);
     pd_model_destroy(n->model);
     pd_hf_tokenizer_free(n->tok);
     pd_chat_template_free(n->chat);
     free(n->calls);
     free(n->free_slots);
-    free(n->meta);
     free(n->cmds);
     free(n->strict_report);
     node_metrics_free(n->metrics);

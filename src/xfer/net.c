@@ -984,8 +984,9 @@ void pd_net_destroy(pd_net *n) {
     }
     for (int r = 0; r < REG_N; r++) {
         if (n->rkey_buf[r]) ucp_rkey_buffer_release(n->rkey_buf[r]);
-        if (n->memh[r]) ucp_mem_unmap(n->ctx, n->memh[r]);
+        if (n->memh[r] && !n->memh_own[r]) ucp_mem_unmap(n->ctx, n->memh[r]);
     }
+    if (n->ctx) net_own_release_all(n);
     if (n->waddr) ucp_worker_release_address(n->worker, n->waddr);
     if (n->worker) ucp_worker_destroy(n->worker);
     if (n->ctx) ucp_cleanup(n->ctx);

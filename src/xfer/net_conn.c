@@ -962,6 +962,7 @@ static void peer_connect(pd_net *n, uint32_t pi) {
         net_peer_fail(n, pi, "cannot start the name resolver thread");
         return;
     }
+    n->stats.name_lookups++;
     p->state = PS_RESOLVING;
     p->t_state_ms = now_ms();
 }

@@ -5,10 +5,17 @@
  * getaddrinfo there (a prefill peer named by host name, a slow DNS server)
  * would stall heartbeats to every other peer (issue 10, finding 11). Numeric
  * addresses never come here (net_conn.c resolves them in place). A name is
- * handed to one resolver thread per pd_net, started on first use, through
- * a job per peer slot: the progress thread posts it and polls it; the
- * resolver runs getaddrinfo without any lock held and wakes the progress
- * thread when done.
+ * handed to a resolver thread through a job per peer slot: the progress
+ * thread posts it and polls it; a resolver runs getaddrinfo without any
+ * lock held and wakes the progress thread when done.
+ *
+ * Up to DNS_THREADS_MAX resolver threads per pd_net, started on demand: a
+ * job posted while every running resolver is inside a lookup gets a new
+ * thread. With one thread, a lookup that hangs (a DNS server that does not
+ * answer) held every later name behind it until the later peers hit their
+ * own resolution deadline (dead_after_ms from their post) and failed,
+ * though their names would have resolved at once; test_net_bad_input
+ * (a_hung_lookup_delays_no_other_name) replays it.
  *
  * A job outlives its peer: when the peer fails while the resolver is in
  * getaddrinfo, the job is marked abandoned and the resolver frees the result
@@ -37,6 +44,7 @@ static void *resolver_main(void *arg) {
         if (pi == PD_NONE) break;
         net_dns_job *j = &n->dns[pi];
         j->state = DNS_RUNNING;
+        n->dns_busy++;
         char host[PEER_ADDR_MAX], port[16];
         memcpy(host, j->host, sizeof(host));
         memcpy(port, j->port, sizeof(port));
@@ -51,6 +59,8 @@ static void *resolver_main(void *arg) {
         struct addrinfo *res = NULL;
         int gai = getaddrinfo(host, port, &hints, &res);
         pthread_mutex_lock(&n->dns_mu);
+        PD_ASSERT(n->dns_busy > 0);
+        n->dns_busy--;
         if (j->abandoned) {
             if (res) freeaddrinfo(res);
             *j = (net_dns_job){0};
@@ -81,9 +91,16 @@ bool net_dns_post(pd_net *n, uint32_t pi, const char *host, const char *port, ui
     pthread_mutex_lock(&n->dns_mu);
     net_dns_job *j = &n->dns[pi];
     PD_ASSERT(j->state == DNS_IDLE);
-    bool ok = n->dns_thread_up || pthread_create(&n->dns_thread, NULL, resolver_main, n) == 0;
+    uint32_t waiting = 0; /* jobs posted, not yet taken by a resolver */
+    for (uint32_t i = 0; i < n->cfg.peers_max; i++) waiting += n->dns[i].state == DNS_POSTED;
+    /* Idle resolvers take it; else a new one, up to the limit. */
+    bool ok = n->dns_threads_up > n->dns_busy + waiting;
+    if (!ok && n->dns_threads_up < DNS_THREADS_MAX) {
+        ok = pthread_create(&n->dns_threads[n->dns_threads_up], NULL, resolver_main, n) == 0;
+        if (ok) n->dns_threads_up++;
+    }
+    ok |= n->dns_threads_up > 0; /* all busy at the limit: it queues */
     if (ok) {
-        n->dns_thread_up = true;
         snprintf(j->host, sizeof(j->host), "%s", host);
         snprintf(j->port, sizeof(j->port), "%s", port);
         j->delay_ms = delay_ms;
@@ -127,8 +144,8 @@ bool net_dns_slot_free(pd_net *n, uint32_t pi) {
     return idle;
 }
 
-/* Joins the resolver: at most one getaddrinfo still running, bounded by the
- * system resolver's own timeouts (resolv.conf). */
+/* Joins the resolvers: each has at most one getaddrinfo still running,
+ * bounded by the system resolver's own timeouts (resolv.conf). */
 void net_dns_fini(pd_net *n) {
     if (!n->dns_ready) {
         free(n->dns);
@@ -137,10 +154,10 @@ void net_dns_fini(pd_net *n) {
     }
     pthread_mutex_lock(&n->dns_mu);
     n->dns_stopping = true;
-    pthread_cond_signal(&n->dns_cv);
-    bool up = n->dns_thread_up;
+    pthread_cond_broadcast(&n->dns_cv);
+    uint32_t up = n->dns_threads_up;
     pthread_mutex_unlock(&n->dns_mu);
-    if (up) pthread_join(n->dns_thread, NULL);
+    for (uint32_t i = 0; i < up; i++) pthread_join(n->dns_threads[i], NULL);
     for (uint32_t i = 0; i < n->cfg.peers_max; i++)
         if (n->dns[i].res) freeaddrinfo(n->dns[i].res);
     pthread_cond_destroy(&n->dns_cv);

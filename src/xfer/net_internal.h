@@ -34,6 +34,8 @@
 #define POLL_BUSY_MS 1  /* while UCX requests are outstanding */
 #define POLL_RECV_MS 10 /* decode, while a prefill peer is connected */
 #define ORPHAN_SCAN_MS 250
+#define DNS_THREADS_MAX 4 /* resolver threads: a hung lookup delays no other (net_dns.c) */
+#define OWN_MAX 8         /* allocations made through pd_net_allocator (KV, Mamba, meta rows) */
 #define ABORT_REASON_ENGINE 1u
 #define ABORT_REASON_WRITE_ERROR 2u
 #define ABORT_REASON_ORPHAN 3u
@@ -43,6 +45,15 @@ typedef struct stage {
     uint32_t reg;         /* REG_* or STAGE_FINAL */
     uint32_t src, dst, n; /* units of the region */
 } stage;
+
+/* Memory the transport allocated for its node (pd_net_allocator): UCX mapped
+ * it, so a peer's rkey for it names a segment a put can copy into directly. */
+typedef struct own_mem {
+    uint8_t *addr;
+    size_t len;
+    ucp_mem_h memh; /* NULL: slot free */
+    bool released;  /* its owner freed it; unmapped once the transport is done */
+} own_mem;
 
 typedef enum notice { N_NONE = 0, N_DONE, N_ABORT, N_ACK } notice;
 
@@ -156,6 +167,8 @@ struct pd_net {
     size_t unit[REG_N];
     uint32_t units[REG_N];
     ucp_mem_h memh[REG_N];
+    bool memh_own[REG_N]; /* memh[r] belongs to an own_mem, not to the registration */
+    own_mem own[OWN_MAX];
     void *rkey_buf[REG_N];
     size_t rkey_len[REG_N];
     /* tables, all sized at creation */
@@ -177,8 +190,9 @@ struct pd_net {
     net_dns_job *dns;
     pthread_mutex_t dns_mu;
     pthread_cond_t dns_cv;
-    pthread_t dns_thread;
-    bool dns_ready, dns_thread_up, dns_stopping;
+    pthread_t dns_threads[DNS_THREADS_MAX];
+    uint32_t dns_threads_up, dns_busy; /* started; in a lookup (or its fault's delay) */
+    bool dns_ready, dns_stopping;
 };
 
 /* ---- small helpers ---------------------------------------------------------------- */
@@ -263,5 +277,7 @@ void net_abandon_dead_writes(pd_net *n, uint64_t now);
 void net_ucx_progress(pd_net *n);
 pd_err net_ucx_init(pd_net *n, char *msg, size_t cap);
 void net_ucx_settle(pd_net *n, uint64_t budget_ms);
+/* Unmaps what pd_net_allocator gave out (destroy: every owner has freed it). */
+void net_own_release_all(pd_net *n);
 
 #endif /* PD_XFER_NET_INTERNAL_H */

@@ -10,6 +10,10 @@
 #include <stdlib.h>
 #include <string.h>
 
+/* UCX allocates pd_net_allocator's memory with UCP_MEM_MAP_ALLOCATE, trying
+ * these methods in order (see own_alloc). */
+#define OWN_ALLOC_PRIO "md:sysv,md:posix,huge,thp,md:*,mmap"
+
 static void ep_error_cb(void *arg, ucp_ep_h ep, ucs_status_t status) {
     (void)ep;
     peer *p = arg;
@@ -121,7 +125,12 @@ void net_pump_sender(pd_net *n, room *rm, uint64_t now) {
             }
             if (!rm->started) {
                 rm->started = true;
-                if (!net_send_room_msg(n, pi, BP_START, rm->slot.id, 0)) return;
+                /* START only tells the decode side that data is moving
+                 * (TRANSFERRING). A room whose last write is already staged
+                 * gets DONE as soon as its puts land: one message fewer per
+                 * room handed off in one piece. */
+                if (!rm->final_staged && !net_send_room_msg(n, pi, BP_START, rm->slot.id, 0))
+                    return;
             }
             if (!post_put(n, rm, p, &s)) {
                 write_failed(n, rm);
@@ -293,6 +302,10 @@ static pd_err ucx_config_make(const pd_net *n, ucp_config_t **out, char *msg, si
         ucp_config_release(uc);
         return pd_errorf(msg, cap, PD_ERR_INVALID, "UCX TLS '%s': %s", tls, ucs_status_string(st));
     }
+    if ((st = ucp_config_modify(uc, "ALLOC_PRIO", OWN_ALLOC_PRIO)) != UCS_OK) {
+        ucp_config_release(uc);
+        return pd_errorf(msg, cap, PD_ERR_IO, "UCX ALLOC_PRIO: %s", ucs_status_string(st));
+    }
     if (devices && (st = ucp_config_modify(uc, "NET_DEVICES", devices)) != UCS_OK) {
         ucp_config_release(uc);
         return pd_errorf(msg, cap, PD_ERR_INVALID, "UCX NET_DEVICES '%s': %s", devices,
@@ -367,6 +380,113 @@ pd_err net_ucx_init(pd_net *n, char *msg, size_t cap) {
     return PD_OK;
 }
 
+/* ---- memory the transport allocates (pd_net_allocator) ------------------------------ */
+
+/* UCX allocates with UCP_MEM_MAP_ALLOCATE, trying OWN_ALLOC_PRIO in order:
+ * a System V or POSIX shared segment first (a shared-memory peer attaches it
+ * through the rkey, so a put is one memcpy into it; RDMA registers the same
+ * pages), then huge pages and plain mmap. UCX's own default ends with
+ * "heap", which is left out: every method here hands out fresh pages the
+ * kernel zeroed, which is what the executor's contract (zeroed memory)
+ * needs, without touching gigabytes of KV at start-up. */
+
+static void *own_alloc(void *self, size_t bytes) {
+    pd_net *n = self;
+    PD_ASSERT(n && n->ctx);
+    if (bytes == 0) return NULL;
+    pthread_mutex_lock(&n->mu);
+    own_mem *m = NULL;
+    for (int i = 0; i < OWN_MAX && !m; i++)
+        if (!n->own[i].memh) m = &n->own[i];
+    ucp_mem_h memh = NULL;
+    ucp_mem_map_params_t mp = {
+        .field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH |
+            UCP_MEM_MAP_PARAM_FIELD_FLAGS,
+        .address = NULL,
+        .length = bytes,
+        .flags = UCP_MEM_MAP_ALLOCATE,
+    };
+    ucp_mem_attr_t at = {.field_mask = UCP_MEM_ATTR_FIELD_ADDRESS | UCP_MEM_ATTR_FIELD_LENGTH};
+    if (m && ucp_mem_map(n->ctx, &mp, &memh) == UCS_OK) {
+        if (ucp_mem_query(memh, &at) == UCS_OK && at.address && at.length >= bytes) {
+            *m = (own_mem){.addr = at.address, .len = at.length, .memh = memh};
+        } else {
+            ucp_mem_unmap(n->ctx, memh);
+            m = NULL;
+        }
+    } else {
+        m = NULL;
+    }
+    pthread_mutex_unlock(&n->mu);
+    return m ? m->addr : NULL;
+}
+
+/* The owner is done with p. Unmapped now unless it is registered (a put may
+ * still read it, a peer may still write it): then at pd_net_destroy, after
+ * the progress thread has stopped and the endpoints are closed. */
+static void own_free(void *self, void *p) {
+    pd_net *n = self;
+    if (!p) return;
+    pthread_mutex_lock(&n->mu);
+    own_mem *m = NULL;
+    for (int i = 0; i < OWN_MAX && !m; i++)
+        if (n->own[i].memh && n->own[i].addr == p) m = &n->own[i];
+    PD_ASSERT(m != NULL && !m->released); /* freeing what this transport never gave */
+    bool registered = false;
+    for (int r = 0; r < REG_N; r++) registered |= n->memh_own[r] && n->memh[r] == m->memh;
+    m->released = true;
+    if (!registered) {
+        ucp_mem_unmap(n->ctx, m->memh);
+        *m = (own_mem){0};
+    }
+    pthread_mutex_unlock(&n->mu);
+}
+
+pd_exec_alloc pd_net_allocator(pd_net *n) {
+    PD_ASSERT(n != NULL);
+    return (pd_exec_alloc){.alloc = own_alloc, .free = own_free, .self = n};
+}
+
+void net_own_release_all(pd_net *n) {
+    for (int i = 0; i < OWN_MAX; i++) {
+        own_mem *m = &n->own[i];
+        if (!m->memh) continue;
+        /* An owner that outlives its transport would keep a dangling pointer. */
+        PD_ASSERT(m->released);
+        ucp_mem_unmap(n->ctx, m->memh);
+        *m = (own_mem){0};
+    }
+}
+
+/* Region r's memory handle: the one of the transport's own allocation that
+ * holds it, else a registration of the caller's memory (heap memory: UCX
+ * can register it, but a shared-memory put into it is emulated with active
+ * messages through bounce buffers). */
+static pd_err region_map(pd_net *n, int r, char *msg, size_t cap) {
+    const uint8_t *lo = n->base[r];
+    size_t len = n->unit[r] * n->units[r];
+    for (int i = 0; i < OWN_MAX; i++) {
+        own_mem *m = &n->own[i];
+        if (m->memh && !m->released && lo >= m->addr && lo + len <= m->addr + m->len) {
+            n->memh[r] = m->memh;
+            n->memh_own[r] = true;
+            n->stats.regions_own_memory++;
+            return PD_OK;
+        }
+    }
+    ucp_mem_map_params_t mp = {
+        .field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH,
+        .address = n->base[r],
+        .length = len,
+    };
+    ucs_status_t st = ucp_mem_map(n->ctx, &mp, &n->memh[r]);
+    if (st != UCS_OK) {
+        n->memh[r] = NULL;
+        return pd_errorf(msg, cap, PD_ERR_IO, "UCX memory registration: %s", ucs_status_string(st));
+    }
+    return PD_OK;
+}
+
 pd_err pd_net_register(pd_net *n, const pd_exec_memory *mem, pd_meta_row *meta, uint32_t meta_rows,
                        char *msg, size_t msg_cap) {
     if (!n || !mem) return pd_errorf(msg, msg_cap, PD_ERR_INVALID, "no memory description");
@@ -389,18 +509,9 @@ pd_err pd_net_register(pd_net *n, const pd_exec_memory *mem, pd_meta_row *meta, 
     n->units[REG_META] = meta_rows;
     for (int r = 0; r < REG_N; r++) {
         if (!n->units[r]) continue;
-        ucp_mem_map_params_t mp = {
-            .field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH,
-            .address = n->base[r],
-            .length = n->unit[r] * n->units[r],
-        };
-        ucs_status_t st = ucp_mem_map(n->ctx, &mp, &n->memh[r]);
-        if (st != UCS_OK) {
-            n->memh[r] = NULL;
-            return pd_errorf(msg, msg_cap, PD_ERR_IO, "UCX memory registration: %s",
-                             ucs_status_string(st));
-        }
-        st = ucp_rkey_pack(n->ctx, n->memh[r], &n->rkey_buf[r], &n->rkey_len[r]);
+        pd_err err = region_map(n, r, msg, msg_cap);
+        if (err) return err;
+        ucs_status_t st = ucp_rkey_pack(n->ctx, n->memh[r], &n->rkey_buf[r], &n->rkey_len[r]);
         if (st != UCS_OK) {
             n->rkey_buf[r] = NULL;
             return pd_errorf(msg, msg_cap, PD_ERR_IO, "UCX remote key: %s", ucs_status_string(st));

@@ -1,7 +1,9 @@
 /*
  * Shared helpers for the pd_net tests: two nodes (prefill + decode) in one
  * process on 127.0.0.1, each with its own memory filled with a recognisable
- * pattern, and polling helpers with generous deadlines. The UCX transport is
+ * pattern, and polling helpers with generous deadlines. A node's memory is
+ * what its transport allocated (pd_net_allocator), as on a real node, unless
+ * pair_opts.heap asks for plain heap memory registered as is. The UCX transport is
  * whatever UCX_TLS says (ctest runs every test binary once with shm and once
  * with tcp).
  */
@@ -42,6 +44,7 @@ typedef struct node_mem {
     pd_exec_memory mem;
     pd_meta_row *meta;
     uint32_t meta_rows;
+    pd_exec_alloc alloc; /* alloc NULL: the heap */
 } node_mem;
 
 typedef struct pair_opts {
@@ -55,6 +58,7 @@ typedef struct pair_opts {
     const char *token;        /* prefill's */
     const char *decode_token; /* decode's; defaults to token */
     uint64_t heartbeat_ms, dead_after_ms, drain_grace_ms;
+    bool heap; /* the nodes' memory from the heap, not from their transports */
 } pair_opts;
 
 typedef struct pair {
@@ -80,16 +84,22 @@ static inline uint8_t pattern(int reg, uint32_t unit, size_t i) {
 }
 #define SENTINEL 0xEEu
 
-static inline void mem_alloc(node_mem *m, const pair_opts *o, bool fill) {
+static inline void *mem_get(const node_mem *m, size_t bytes) {
+    return m->alloc.alloc ? m->alloc.alloc(m->alloc.self, bytes) : calloc(1, bytes);
+}
+
+/* owner: the transport whose memory to use (NULL: the heap). */
+static inline void mem_alloc(node_mem *m, const pair_opts *o, bool fill, pd_net *owner) {
     memset(m, 0, sizeof(*m));
+    if (owner && !o->heap) m->alloc = pd_net_allocator(owner);
     m->mem.kv_pages = o->kv_pages;
     m->mem.kv_page_bytes = o->kv_page_bytes;
-    m->mem.kv = malloc(o->kv_pages * o->kv_page_bytes);
+    m->mem.kv = mem_get(m, o->kv_pages * o->kv_page_bytes);
     m->mem.mamba_slots = o->mamba_slots;
     m->mem.mamba_slot_bytes = o->mamba_slots ? o->mamba_slot_bytes : 0;
-    m->mem.mamba = o->mamba_slots ? malloc(o->mamba_slots * o->mamba_slot_bytes) : NULL;
+    m->mem.mamba = o->mamba_slots ? mem_get(m, o->mamba_slots * o->mamba_slot_bytes) : NULL;
     m->meta_rows = o->meta_rows;
-    m->meta = calloc(o->meta_rows, sizeof(pd_meta_row));
+    m->meta = mem_get(m, o->meta_rows * sizeof(pd_meta_row));
     assert_non_null(m->mem.kv);
     assert_non_null(m->meta);
     uint8_t *kv = m->mem.kv, *mb = m->mem.mamba;
@@ -106,10 +116,15 @@ static inline void mem_alloc(node_mem *m, const pair_opts *o, bool fill) {
         else memset(&m->meta[r], SENTINEL, sizeof(pd_meta_row));
 }
 
+/* Before the owning transport is destroyed. */
 static inline void mem_free(node_mem *m) {
-    free(m->mem.kv);
-    free(m->mem.mamba);
-    free(m->meta);
+    void *p[3] = {m->mem.kv, m->mem.mamba, m->meta};
+    for (int i = 0; i < 3; i++) {
+        if (m->alloc.free) m->alloc.free(m->alloc.self, p[i]);
+        else free(p[i]);
+    }
+    m->mem.kv = m->mem.mamba = NULL;
+    m->meta = NULL;
 }
 
 /* PD_NET_TEST_LOG=1 prints the transports' connection-level log. */
@@ -136,11 +151,13 @@ static inline pd_net_config node_config(const pair_opts *o, pd_net_role role) {
     return c;
 }
 
-static inline pd_net *node_start(const pair_opts *o, pd_net_role role, node_mem *m) {
+/* A node with fresh memory (fill: the pattern; else the sentinel). */
+static inline pd_net *node_start(const pair_opts *o, pd_net_role role, node_mem *m, bool fill) {
     pd_net_config c = node_config(o, role);
     char msg[256];
     pd_net *n = NULL;
     if (pd_net_create(&n, &c, msg, sizeof(msg)) != PD_OK) fail_msg("pd_net_create: %s", msg);
+    mem_alloc(m, o, fill, n);
     if (pd_net_register(n, &m->mem, m->meta, m->meta_rows, msg, sizeof(msg)) != PD_OK)
         fail_msg("pd_net_register: %s", msg);
     if (pd_net_start(n, msg, sizeof(msg)) != PD_OK) fail_msg("pd_net_start: %s", msg);
@@ -151,29 +168,31 @@ static inline pair *pair_new(const pair_opts *o) {
     pair *w = calloc(1, sizeof(*w));
     assert_non_null(w);
     w->o = *o;
-    mem_alloc(&w->pm, o, true);
-    mem_alloc(&w->dm, o, false);
-    w->pre = node_start(o, PD_NET_PREFILL, &w->pm);
-    w->dec = node_start(o, PD_NET_DECODE, &w->dm);
+    w->pre = node_start(o, PD_NET_PREFILL, &w->pm, true);
+    w->dec = node_start(o, PD_NET_DECODE, &w->dm, false);
     w->px = pd_net_endpoint(w->pre);
     w->dx = pd_net_endpoint(w->dec);
     snprintf(w->peer, sizeof(w->peer), "127.0.0.1:%u", pd_net_bootstrap_port(w->pre));
     return w;
 }
 
-/* A fresh decode node (after the old one was destroyed). */
+/* A node dies (its memory first, then its transport, as a node goes down). */
+static inline void pair_kill(pd_net **n, node_mem *m) {
+    mem_free(m);
+    pd_net_destroy(*n);
+    *n = NULL;
+}
+
+/* A fresh decode node (after pair_kill of the old one). */
 static inline void pair_new_decode(pair *w) {
-    mem_free(&w->dm);
-    mem_alloc(&w->dm, &w->o, false);
-    w->dec = node_start(&w->o, PD_NET_DECODE, &w->dm);
+    PD_ASSERT(w->dec == NULL);
+    w->dec = node_start(&w->o, PD_NET_DECODE, &w->dm, false);
     w->dx = pd_net_endpoint(w->dec);
 }
 
 static inline void pair_free(pair *w) {
-    pd_net_destroy(w->dec);
-    pd_net_destroy(w->pre);
-    mem_free(&w->pm);
-    mem_free(&w->dm);
+    pair_kill(&w->dec, &w->dm);
+    pair_kill(&w->pre, &w->pm);
     free(w);
 }
 

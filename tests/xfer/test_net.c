@@ -79,9 +79,11 @@ static void wait_no_rooms(pair *w) {
 
 /* ---- success paths ------------------------------------------------------------ */
 
-static void room_success_data_lands(void **state) {
-    (void)state;
+/* heap: the nodes' memory is plain heap memory registered as is, not memory
+ * their transports allocated. Either way the bytes land. */
+static void room_success_case(bool heap) {
     pair_opts o = pair_defaults();
+    o.heap = heap;
     pair *w = pair_new(&o);
     spec s;
     spec_init(&s, w, 0xABCDEF0123ull, 37, 0); /* 10 pages, the last one partial */
@@ -126,8 +128,49 @@ static void room_success_data_lands(void **state) {
     assert_int_equal(ps.rooms_failed + ds.rooms_failed, 0);
     assert_int_equal(ps.bad_messages + ds.bad_messages, 0);
     assert_int_equal(ps.peers_connected, 1);
+    /* KV, Mamba and meta rows: in the transport's own memory unless heap. */
+    assert_int_equal(ps.regions_own_memory, heap ? 0 : 3);
+    assert_int_equal(ds.regions_own_memory, heap ? 0 : 3);
     wait_no_rooms(w);
     pair_free(w);
+}
+
+static void room_success_data_lands(void **state) {
+    (void)state;
+    room_success_case(false);
+}
+
+static void room_success_on_heap_memory(void **state) {
+    (void)state;
+    room_success_case(true);
+}
+
+/* pd_net_allocator: zeroed memory, a bounded number of live allocations
+ * (NULL past it, never a crash), and a freed slot can be used again. */
+static void allocator_zeroed_and_bounded(void **state) {
+    (void)state;
+    pair_opts o = pair_defaults();
+    pd_net_config c = node_config(&o, PD_NET_DECODE);
+    char msg[256];
+    pd_net *n = NULL;
+    if (pd_net_create(&n, &c, msg, sizeof(msg)) != PD_OK) fail_msg("pd_net_create: %s", msg);
+    pd_exec_alloc a = pd_net_allocator(n);
+    assert_null(a.alloc(a.self, 0));
+    uint8_t *p[9];
+    for (int i = 0; i < 8; i++) {
+        p[i] = a.alloc(a.self, 3 * 4096 + 17);
+        assert_non_null(p[i]);
+        for (size_t k = 0; k < 3 * 4096 + 17; k++) assert_int_equal(p[i][k], 0);
+        memset(p[i], 0xA5, 3 * 4096 + 17);
+    }
+    p[8] = a.alloc(a.self, 4096);
+    assert_null(p[8]); /* eight live allocations at most */
+    a.free(a.self, p[3]);
+    p[3] = a.alloc(a.self, 4096);
+    assert_non_null(p[3]);
+    for (int i = 0; i < 8; i++) a.free(a.self, p[i]);
+    a.free(a.self, NULL);
+    pd_net_destroy(n);
 }
 
 static void sender_open_before_or_after_destination(void **state) {
@@ -412,8 +455,7 @@ static void decode_death_fails_and_drains_prefill_rooms(void **state) {
     for (int k = 0; k < 4; k++) wait_bootstrapped(w, &s[k]);
     for (int k = 0; k < 3; k++)
         assert_ok(w->px.vt->send_pages(w->px.self, s[k].room, 0, s[k].src, 20));
-    pd_net_destroy(w->dec);
-    w->dec = NULL;
+    pair_kill(&w->dec, &w->dm);
     for (int k = 0; k < 4; k++) {
         WAIT_FOR(st_of(w->px, s[k].room) == PD_XFER_FAILED);
         WAIT_FOR(drained_of(w->px, s[k].room));
@@ -471,8 +513,7 @@ static void prefill_death_fails_and_drains_decode_rooms(void **state) {
     for (int k = 0; k < 3; k++) wait_bootstrapped(w, &s[k]);
     assert_ok(w->px.vt->send_pages(w->px.self, s[0].room, 0, s[0].src, 2));
     uint64_t t0 = t_now_ms();
-    pd_net_destroy(w->pre);
-    w->pre = NULL;
+    pair_kill(&w->pre, &w->pm);
     for (int k = 0; k < 3; k++) {
         WAIT_FOR(st_of(w->dx, s[k].room) == PD_XFER_FAILED);
         WAIT_FOR(drained_of(w->dx, s[k].room));
@@ -706,6 +747,8 @@ static void create_refuses_bad_config(void **state) {
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(room_success_data_lands),
+        cmocka_unit_test(room_success_on_heap_memory),
+        cmocka_unit_test(allocator_zeroed_and_bounded),
         cmocka_unit_test(sender_open_before_or_after_destination),
         cmocka_unit_test(cached_prefix_only_later_pages_sent),
         cmocka_unit_test(sender_abort_fails_receiver_both_drain),

@@ -7,6 +7,8 @@
  * connection — and counted in bad_messages, and afterwards a well-behaved
  * decode node still completes a room with the data intact. */
 #include <netinet/in.h>
+#include <errno.h>
+#include <poll.h>
 #include <pthread.h>
 #include <stdatomic.h>
 #include <sys/socket.h>
@@ -42,6 +44,23 @@ static int listen_local(uint16_t *port) {
     socklen_t sl = sizeof(sa);
     getsockname(fd, (struct sockaddr *)&sa, &sl);
     *port = ntohs(sa.sin_port);
+    return fd;
+}
+
+/* The next connection to listening socket lfd, with a receive timeout set;
+ * fails the test after DEADLINE_MS rather than blocking for ever (a plain
+ * accept() hung test_net_bad_input_shm until ctest's timeout once, under
+ * load, when the node it waited for had already given up). */
+static int accept_within(int lfd) {
+    struct pollfd p = {.fd = lfd, .events = POLLIN};
+    int rc;
+    do rc = poll(&p, 1, (int)DEADLINE_MS);
+    while (rc < 0 && errno == EINTR);
+    if (rc <= 0) fail_msg("no connection within %u ms", DEADLINE_MS);
+    int fd = accept(lfd, NULL, NULL);
+    assert_true(fd >= 0);
+    struct timeval tv = {.tv_sec = 20};
+    setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
     return fd;
 }
 
@@ -317,10 +336,7 @@ static void a_slow_name_lookup_stalls_no_other_peer(void **state) {
     /* Without the fault the same name resolves and the decode says AUTH. */
     pd_net_set_fault(w->dec, PD_NET_FAULT_SLOW_RESOLVE, false);
     assert_ok(w->dx.vt->receiver_open(w->dx.self, 5, name, &d));
-    int fd = accept(lfd, NULL, NULL);
-    assert_true(fd >= 0);
-    struct timeval tv = {.tv_sec = 20};
-    setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+    int fd = accept_within(lfd);
     raw_msg m;
     assert_true(raw_read(fd, &m));
     assert_int_equal(m.h.type, BP_AUTH);
@@ -328,6 +344,44 @@ static void a_slow_name_lookup_stalls_no_other_peer(void **state) {
     WAIT_FOR(st_of(w->dx, 5) == PD_XFER_FAILED && drained_of(w->dx, 5));
     w->dx.vt->close(w->dx.self, 5);
     close(lfd);
+    pair_free(w);
+}
+
+/* A lookup that hangs delays no other name. With one resolver thread the
+ * second name below waited behind the first one's 2 * dead_after_ms and
+ * failed at its own deadline (dead_after_ms) without ever connecting; the
+ * test above raced the same way under load (its name was posted about
+ * dead_after_ms after the slow one) and hung in accept(). */
+static void a_hung_lookup_delays_no_other_name(void **state) {
+    (void)state;
+    pair_opts o = pair_defaults();
+    o.dead_after_ms = 2000;
+    pair *w = pair_new(&o);
+    uint16_t slow_port, port;
+    int slow_lfd = listen_local(&slow_port), lfd = listen_local(&port);
+    char slow_name[64], name[64];
+    snprintf(slow_name, sizeof(slow_name), "localhost:%u", slow_port);
+    snprintf(name, sizeof(name), "localhost:%u", port);
+    uint32_t dst[1] = {9};
+    pd_xfer_dest d = {
+        .prompt_tokens = 2, .pages = dst, .n_pages = 1, .mamba_slot = 0, .meta_row = 3};
+    pd_net_set_fault(w->dec, PD_NET_FAULT_SLOW_RESOLVE, true);
+    assert_ok(w->dx.vt->receiver_open(w->dx.self, 21, slow_name, &d));
+    WAIT_FOR(stats_of(w->dec).name_lookups == 1); /* the slow lookup is posted */
+    pd_net_set_fault(w->dec, PD_NET_FAULT_SLOW_RESOLVE, false);
+    assert_ok(w->dx.vt->receiver_open(w->dx.self, 22, name, &d));
+    int fd = accept_within(lfd);
+    raw_msg m;
+    assert_true(raw_read(fd, &m));
+    assert_int_equal(m.h.type, BP_AUTH);
+    close(fd);
+    WAIT_FOR(st_of(w->dx, 21) == PD_XFER_FAILED && drained_of(w->dx, 21));
+    WAIT_FOR(st_of(w->dx, 22) == PD_XFER_FAILED && drained_of(w->dx, 22));
+    w->dx.vt->close(w->dx.self, 21);
+    w->dx.vt->close(w->dx.self, 22);
+    assert_int_equal(stats_of(w->dec).name_lookups, 2);
+    close(lfd);
+    close(slow_lfd);
     pair_free(w);
 }
 
@@ -514,8 +568,7 @@ static void missing_or_wrong_token_is_refused(void **state) {
     pair_opts o = w->o;
     o.decode_token = "wrong";
     node_mem m;
-    mem_alloc(&m, &o, false);
-    pd_net *bad = node_start(&o, PD_NET_DECODE, &m);
+    pd_net *bad = node_start(&o, PD_NET_DECODE, &m, false);
     pd_xfer bx = pd_net_endpoint(bad);
     uint32_t dst[1] = {3};
     pd_xfer_dest d = {.prompt_tokens = 2, .pages = dst, .n_pages = 1, .mamba_slot = 0,
@@ -527,8 +580,8 @@ static void missing_or_wrong_token_is_refused(void **state) {
      * verify under its token, so its HELLO never leaves. */
     assert_int_equal(stats_of(bad).auth_refused, 1);
     bx.vt->close(bx.self, 77);
-    pd_net_destroy(bad);
     mem_free(&m);
+    pd_net_destroy(bad);
     assert_int_equal(stats_of(w->pre).bad_messages, 5);
     valid_decode_still_completes_a_room(w, 5);
     pair_free(w);
@@ -765,8 +818,7 @@ static void fake_prefill_case(fake_mode mode) {
     o.dead_after_ms = 1000;
     if (mode == FAKE_NO_TOKEN) o.token = TOKEN;
     node_mem dm;
-    mem_alloc(&dm, &o, false);
-    pd_net *dec = node_start(&o, PD_NET_DECODE, &dm);
+    pd_net *dec = node_start(&o, PD_NET_DECODE, &dm, false);
     pd_xfer dx = pd_net_endpoint(dec);
     uint16_t port;
     int lfd = listen_local(&port);
@@ -776,10 +828,7 @@ static void fake_prefill_case(fake_mode mode) {
     pd_xfer_dest d = {
         .prompt_tokens = 8, .pages = dst, .n_pages = 2, .mamba_slot = 0, .meta_row = 1};
     assert_ok(dx.vt->receiver_open(dx.self, 55, peer, &d));
-    int fd = accept(lfd, NULL, NULL);
-    assert_true(fd >= 0);
-    struct timeval tv = {.tv_sec = 20};
-    setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+    int fd = accept_within(lfd);
     fake_challenge(fd, mode == FAKE_NO_TOKEN ? "guess" : o.token);
     fd = fake_act(fd, mode, dx, &o);
     WAIT_FOR(st_of(dx, 55) == PD_XFER_FAILED);
@@ -790,8 +839,8 @@ static void fake_prefill_case(fake_mode mode) {
     dx.vt->close(dx.self, 55);
     if (fd >= 0) close(fd);
     close(lfd);
-    pd_net_destroy(dec);
     mem_free(&dm);
+    pd_net_destroy(dec);
 }
 
 static void decode_refuses_a_garbage_prefill(void **state) {
@@ -851,6 +900,7 @@ int main(void) {
         cmocka_unit_test(decode_refuses_messages_about_unknown_rooms),
         cmocka_unit_test(decode_discloses_nothing_to_a_prefill_without_the_token),
         cmocka_unit_test(a_slow_name_lookup_stalls_no_other_peer),
+        cmocka_unit_test(a_hung_lookup_delays_no_other_name),
     };
     if (getenv("PD_TEST_FILTER")) cmocka_set_test_filter(getenv("PD_TEST_FILTER"));
     return cmocka_run_group_tests(tests, setup, teardown);

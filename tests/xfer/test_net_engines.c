@@ -28,7 +28,8 @@ typedef struct side {
     pd_synth *sx;
     pd_engine *e;
     pd_net *net;
-    pd_meta_row meta[16];
+    pd_exec_alloc alloc; /* net's: the executor's memory and the meta rows */
+    pd_meta_row *meta;
     out *outs;
 } side;
 
@@ -70,11 +71,6 @@ static pd_synth_config synth_config(void) {
 static void side_open(side *s, int idx, out *outs, bool no_timeouts) {
     s->idx = idx;
     s->outs = outs;
-    pd_synth_config sc = synth_config();
-    assert_ok(pd_synth_create(&s->sx, &sc));
-    pd_executor ex = pd_synth_executor(s->sx);
-    pd_exec_memory mem;
-    ex.vt->memory(ex.self, &mem);
     pair_opts o = pair_defaults();
     o.page_size = PAGE;
     pd_net_config nc = node_config(&o, idx == 0 ? PD_NET_PREFILL : PD_NET_DECODE);
@@ -84,7 +80,18 @@ static void side_open(side *s, int idx, out *outs, bool no_timeouts) {
     nc.orphan_ms = no_timeouts ? 600000 : 1500;
     char msg[256];
     if (pd_net_create(&s->net, &nc, msg, sizeof(msg))) fail_msg("%s", msg);
+    /* As a node does it: the memory a hand-off moves comes from the transport. */
+    s->alloc = pd_net_allocator(s->net);
+    s->meta = s->alloc.alloc(s->alloc.self, 16 * sizeof(pd_meta_row));
+    assert_non_null(s->meta);
+    pd_synth_config sc = synth_config();
+    sc.alloc = &s->alloc;
+    assert_ok(pd_synth_create(&s->sx, &sc));
+    pd_executor ex = pd_synth_executor(s->sx);
+    pd_exec_memory mem;
+    ex.vt->memory(ex.self, &mem);
     if (pd_net_register(s->net, &mem, s->meta, 16, msg, sizeof(msg))) fail_msg("%s", msg);
+    assert_int_equal(stats_of(s->net).regions_own_memory, 3);
     if (pd_net_start(s->net, msg, sizeof(msg))) fail_msg("%s", msg);
     pd_engine_config ec;
     pd_engine_config_default(&ec, idx == 0 ? PD_ROLE_PREFILL : PD_ROLE_DECODE);
@@ -119,8 +126,9 @@ static void side_check_clean(side *s) {
 
 static void side_close(side *s) {
     pd_engine_destroy(s->e);
-    pd_net_destroy(s->net);
     pd_synth_destroy(s->sx);
+    s->alloc.free(s->alloc.self, s->meta);
+    pd_net_destroy(s->net); /* after everyone holding its memory */
 }
 
 /* Fails with both engines' reports, after `what`. */
