@@ -245,6 +245,16 @@ static void list_insert_after(pd_cache *c, int l, uint32_t after, uint32_t id) {
     n->lstamp[l] = a->lstamp[l];
 }
 
+/* Moves node id to the tail of list l (it is in it) with the current stamp. */
+static void list_to_tail(pd_cache *c, int l, uint32_t id) {
+    if (c->lists[l].tail == id) {
+        N(c, id)->lstamp[l] = c->clock; /* already last: the same as out and back */
+        return;
+    }
+    list_remove(c, l, id);
+    list_push_tail(c, l, id);
+}
+
 /* Brings list membership in line with the node's state. */
 static void relist(pd_cache *c, uint32_t id) {
     cnode *n = N(c, id);
@@ -263,11 +273,8 @@ static void relist(pd_cache *c, uint32_t id) {
  * node stays behind its descendants. */
 static void touch_path(pd_cache *c, uint32_t id) {
     for (; id != PD_CNODE_ROOT && id != PD_NONE; id = N(c, id)->parent) {
-        for (int l = 0; l < L__COUNT; l++) {
-            if (!N(c, id)->in_list[l]) continue;
-            list_remove(c, l, id);
-            list_push_tail(c, l, id);
-        }
+        for (int l = 0; l < L__COUNT; l++)
+            if (N(c, id)->in_list[l]) list_to_tail(c, l, id);
     }
 }
 
@@ -632,29 +639,33 @@ pd_err pd_cache_match(pd_cache *c, const int32_t *tokens, uint32_t n_tokens,
 
 /* ---- locks ----------------------------------------------------------------- */
 
-static void node_lock_changed(pd_cache *c, uint32_t id, uint32_t old_ref) {
+/* Node id's lock state just changed (its lock_ref crossed 0): its device
+ * pages are appended to scratch_a[*n_dev..] and its host pages to
+ * scratch_b[*n_host..], for one ledger move per pool over the whole path
+ * (path_units_move) instead of one per node; its list membership follows. */
+static void node_lock_changed(pd_cache *c, uint32_t id, uint32_t *n_dev, uint32_t *n_host) {
     cnode *n = N(c, id);
-    pd_unit_state from = lock_state(old_ref), to = lock_state(n->lock_ref);
-    if (from == to) return;
-    if (n->on_dev) {
-        uint32_t k = node_pages(c, id, false, c->scratch_a);
-        units_move(c, R_KV, c->scratch_a, k, from, PD_OWNER_CACHE, to, PD_OWNER_CACHE);
-    }
-    if (n->on_host) {
-        uint32_t k = node_pages(c, id, true, c->scratch_a);
-        units_move(c, R_HOST, c->scratch_a, k, from, PD_OWNER_CACHE, to, PD_OWNER_CACHE);
-    }
+    if (n->on_dev) *n_dev += node_pages(c, id, false, c->scratch_a + *n_dev);
+    if (n->on_host) *n_host += node_pages(c, id, true, c->scratch_b + *n_host);
+    PD_ASSERT(*n_dev <= c->entries_max && *n_host <= c->entries_max);
     relist(c, id);
+}
+
+static void path_units_move(pd_cache *c, uint32_t n_dev, uint32_t n_host, pd_unit_state from,
+                            pd_unit_state to) {
+    units_move(c, R_KV, c->scratch_a, n_dev, from, PD_OWNER_CACHE, to, PD_OWNER_CACHE);
+    units_move(c, R_HOST, c->scratch_b, n_host, from, PD_OWNER_CACHE, to, PD_OWNER_CACHE);
 }
 
 pd_err pd_cache_lock(pd_cache *c, pd_cnode node) {
     if (!c || node >= c->nodes_max || !N(c, node)->live) return PD_ERR_NOTFOUND;
     c->clock++;
+    uint32_t n_dev = 0, n_host = 0;
     for (uint32_t id = node; id != PD_CNODE_ROOT; id = N(c, id)->parent) {
         cnode *n = N(c, id);
-        n->lock_ref++;
-        node_lock_changed(c, id, n->lock_ref - 1);
+        if (n->lock_ref++ == 0) node_lock_changed(c, id, &n_dev, &n_host);
     }
+    path_units_move(c, n_dev, n_host, PD_UNIT_CACHE_EVICTABLE, PD_UNIT_CACHE_PROTECTED);
     N(c, PD_CNODE_ROOT)->lock_ref++;
     return PD_OK;
 }
@@ -669,19 +680,16 @@ pd_err pd_cache_unlock(pd_cache *c, pd_cnode node) {
     }
     if (N(c, PD_CNODE_ROOT)->lock_ref == 0) return PD_ERR_STATE;
     c->clock++;
+    uint32_t n_dev = 0, n_host = 0;
     for (uint32_t id = node; id != PD_CNODE_ROOT; id = N(c, id)->parent) {
         cnode *n = N(c, id);
-        n->lock_ref--;
-        node_lock_changed(c, id, n->lock_ref + 1);
+        if (--n->lock_ref > 0) continue;
+        node_lock_changed(c, id, &n_dev, &n_host);
         /* Releasing the last lock counts as a use: the node joins the tail. */
-        if (n->lock_ref == 0) {
-            for (int l = 0; l < L__COUNT; l++) {
-                if (!n->in_list[l]) continue;
-                list_remove(c, l, id);
-                list_push_tail(c, l, id);
-            }
-        }
+        for (int l = 0; l < L__COUNT; l++)
+            if (n->in_list[l]) list_to_tail(c, l, id);
     }
+    path_units_move(c, n_dev, n_host, PD_UNIT_CACHE_PROTECTED, PD_UNIT_CACHE_EVICTABLE);
     N(c, PD_CNODE_ROOT)->lock_ref--;
     return PD_OK;
 }
