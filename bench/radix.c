@@ -20,6 +20,7 @@
  */
 #include <stdio.h>
 #include <string.h>
+#include <time.h>
 
 #include "bench_util.h"
 #include "pdserve/cache.h"
@@ -100,6 +101,7 @@ typedef struct opts {
 
 typedef struct result {
     double req_s, tok_s, mean_us, p99_us, hit_rate, host_rate;
+    double cpu_us; /* the replay's thread CPU time per request */
     uint64_t evicted, skipped, hit_tokens;
 } result;
 
@@ -128,8 +130,11 @@ static void node_open(node *n, const opts *o, const radix_impl *api, uint32_t ma
         PD_MUST(pd_pool_create(&n->host, "host", PD_POOL_HOST, o->host_pages, o->page_size));
         PD_MUST(pd_ledger_add_pool(n->l, n->host, &n->host_id));
     }
-    pd_cache_config cfg = {.ledger = n->l, .kv_pool = n->kv_id, .mamba_pool = n->mamba_id,
-                           .host_pool = n->host_id, .write_back = n->host != NULL};
+    pd_cache_config cfg = {.ledger = n->l,
+                           .kv_pool = n->kv_id,
+                           .mamba_pool = n->mamba_id,
+                           .host_pool = n->host_id,
+                           .write_back = n->host != NULL};
     PD_MUST(api->create(&n->c, &cfg));
     n->max_pages = max_len / o->page_size + 2;
     n->pages = malloc(n->max_pages * sizeof(uint32_t));
@@ -244,6 +249,14 @@ static bool replay_cached(node *n, const opts *o, const int32_t *q, uint32_t len
     return true;
 }
 
+/* This thread's CPU time: unlike the wall clock, it leaves out the time other
+ * processes on a shared machine take the core away. */
+static uint64_t thread_cpu_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
 /* Replays the whole trace once on a fresh node: through the cache api, or
  * with api NULL the plain baseline. lat[i] receives request i's time (left
  * at -1 when skipped), hits[i] its cached tokens (UINT32_MAX when skipped). */
@@ -253,7 +266,7 @@ static result run(const trace *t, const opts *o, const radix_impl *api, double *
     node_open(&n, o, api ? api : &radix_impl_new, t->max_len);
     result r = {0};
     uint64_t hit_tokens = 0, host_tokens = 0;
-    uint64_t t_start = bench_now_ns();
+    uint64_t cpu_start = thread_cpu_ns(), t_start = bench_now_ns();
     for (uint32_t i = 0; i < t->n; i++) {
         pd_owner owner = i + 1;
         uint64_t before = hit_tokens;
@@ -270,10 +283,15 @@ static result run(const trace *t, const opts *o, const radix_impl *api, double *
         lat[i] = (double)(t1 - t0) / 1e3;
     }
     double secs = (double)(bench_now_ns() - t_start) / 1e9;
+    r.cpu_us = (double)(thread_cpu_ns() - cpu_start) / 1e3 / t->n;
     uint32_t done = t->n - (uint32_t)r.skipped;
     double sum = 0;
     size_t k = 0;
-    for (uint32_t i = 0; i < t->n; i++) if (lat[i] >= 0) { sum += lat[i]; lat[k++] = lat[i]; }
+    for (uint32_t i = 0; i < t->n; i++)
+        if (lat[i] >= 0) {
+            sum += lat[i];
+            lat[k++] = lat[i];
+        }
     r.req_s = done / secs;
     r.tok_s = (double)t->tokens / secs;
     r.mean_us = k ? sum / (double)k : 0;
@@ -313,10 +331,22 @@ static int parse_args(int argc, char **argv, opts *o, const char **path) {
     *path = NULL;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
-        if (!strcmp(a, "--help")) { usage(stdout); return 0; }
-        if (!strcmp(a, "--hybrid")) { o->hybrid = true; continue; }
-        if (!strcmp(a, "--strict")) { o->strict = true; continue; }
-        if (i + 1 >= argc) { usage(stderr); return 2; }
+        if (!strcmp(a, "--help")) {
+            usage(stdout);
+            return 0;
+        }
+        if (!strcmp(a, "--hybrid")) {
+            o->hybrid = true;
+            continue;
+        }
+        if (!strcmp(a, "--strict")) {
+            o->strict = true;
+            continue;
+        }
+        if (i + 1 >= argc) {
+            usage(stderr);
+            return 2;
+        }
         const char *v = argv[++i];
         if (!strcmp(a, "--trace")) *path = v;
         else if (!strcmp(a, "--page-size")) o->page_size = (uint32_t)strtoul(v, NULL, 0);
@@ -326,9 +356,17 @@ static int parse_args(int argc, char **argv, opts *o, const char **path) {
         else if (!strcmp(a, "--runs")) o->runs = atoi(v);
         else if (!strcmp(a, "--only") && !strcmp(v, "before")) o->only = &radix_impl_v0;
         else if (!strcmp(a, "--only") && !strcmp(v, "after")) o->only = &radix_impl_new;
-        else { fprintf(stderr, "radix: unknown option %s\n", a); usage(stderr); return 2; }
+        else {
+            fprintf(stderr, "radix: unknown option %s\n", a);
+            usage(stderr);
+            return 2;
+        }
     }
-    if (!*path) { fprintf(stderr, "radix: --trace FILE is required\n"); usage(stderr); return 2; }
+    if (!*path) {
+        fprintf(stderr, "radix: --trace FILE is required\n");
+        usage(stderr);
+        return 2;
+    }
     if (o->page_size == 0 || o->pages == 0 || (o->hybrid && o->mamba_slots == 0) || o->runs < 1) {
         fprintf(stderr, "radix: page size, pages, mamba slots and runs must be positive\n");
         return 2;
@@ -338,15 +376,25 @@ static int parse_args(int argc, char **argv, opts *o, const char **path) {
 
 /* Medians over the runs of one contender's figures. */
 typedef struct series {
-    double *req_s, *tok_s, *mean_us, *p99_us;
+    double *req_s, *tok_s, *mean_us, *p99_us, *cpu_us;
     result last;
 } series;
+
+/* A series whose five figures take runs doubles each from mem. */
+static series series_at(double *mem, size_t runs) {
+    return (series){.req_s = mem,
+                    .tok_s = mem + runs,
+                    .mean_us = mem + 2 * runs,
+                    .p99_us = mem + 3 * runs,
+                    .cpu_us = mem + 4 * runs};
+}
 
 static void series_add(series *s, int r, result res) {
     s->req_s[r] = res.req_s;
     s->tok_s[r] = res.tok_s;
     s->mean_us[r] = res.mean_us;
     s->p99_us[r] = res.p99_us;
+    s->cpu_us[r] = res.cpu_us;
     s->last = res;
 }
 
@@ -373,9 +421,10 @@ static void hits_compare(const trace *t, const uint32_t *v0, const uint32_t *now
 }
 
 static void series_print(const char *label, series *s, size_t runs) {
-    printf("%-26s %10.2f %10.2f %12.0f %14llu %10llu\n", label, bench_median(s->mean_us, runs),
-           bench_median(s->p99_us, runs), bench_median(s->req_s, runs),
-           (unsigned long long)s->last.hit_tokens, (unsigned long long)s->last.evicted);
+    printf("%-20s %8.2f %8.2f %8.2f %11.0f %11llu %8llu\n", label, bench_median(s->mean_us, runs),
+           bench_median(s->p99_us, runs), bench_median(s->cpu_us, runs),
+           bench_median(s->req_s, runs), (unsigned long long)s->last.hit_tokens,
+           (unsigned long long)s->last.evicted);
 }
 
 /* The plain baseline, then the old and the new cache alternately (which goes
@@ -385,17 +434,9 @@ static void measure(const trace *t, const opts *o) {
     double *lat = malloc(t->n * sizeof(double));
     uint32_t *hits_v0 = malloc(t->n * sizeof(uint32_t)), *hits = malloc(t->n * sizeof(uint32_t));
     size_t runs = (size_t)o->runs;
-    double *mem = malloc(sizeof(double) * runs * 12);
-    series sp = {
-        .req_s = mem, .tok_s = mem + runs, .mean_us = mem + 2 * runs, .p99_us = mem + 3 * runs};
-    series s0 = {.req_s = mem + 4 * runs,
-                 .tok_s = mem + 5 * runs,
-                 .mean_us = mem + 6 * runs,
-                 .p99_us = mem + 7 * runs};
-    series s1 = {.req_s = mem + 8 * runs,
-                 .tok_s = mem + 9 * runs,
-                 .mean_us = mem + 10 * runs,
-                 .p99_us = mem + 11 * runs};
+    double *mem = malloc(sizeof(double) * runs * 15);
+    series sp = series_at(mem, runs), s0 = series_at(mem + 5 * runs, runs),
+           s1 = series_at(mem + 10 * runs, runs);
     for (int r = 0; r < o->runs; r++) {
         for (uint32_t i = 0; i < t->n; i++) lat[i] = -1;
         series_add(&sp, r, run(t, o, NULL, lat, hits));
@@ -419,15 +460,17 @@ static void measure(const trace *t, const opts *o) {
     printf("whole request (match, lock, allocate, insert, unlock), medians of %zu runs "
            "alternating:\n",
            runs);
-    printf("%-26s %10s %10s %12s %14s %10s\n", "cache", "mean us", "p99 us", "requests/s",
-           "hit tokens", "evicted");
+    printf("%-20s %8s %8s %8s %11s %11s %8s\n", "cache", "mean us", "p99 us", "cpu us",
+           "requests/s", "hit tokens", "evicted");
     if (o->only) {
         series_print(o->only->label, &s1, runs);
     } else {
         series_print(radix_impl_v0.label, &s0, runs);
         series_print(radix_impl_new.label, &s1, runs);
-        printf("hits identical request by request in all %zu runs; after/before mean %.2fx\n", runs,
-               mean / bench_median(s0.mean_us, runs));
+        printf("hits identical request by request in all %zu runs; after/before: mean %.2fx, "
+               "cpu %.2fx\n",
+               runs, mean / bench_median(s0.mean_us, runs),
+               bench_median(s1.cpu_us, runs) / bench_median(s0.cpu_us, runs));
     }
     printf("cache bookkeeping over plain allocation: %+.2f us per request\n", mean - base_mean);
     printf("requests/s: %.0f\n", bench_median(s1.req_s, runs));
@@ -452,8 +495,8 @@ int main(int argc, char **argv) {
                 t.max_len, o.pages);
         return 2;
     }
-    printf("trace %s: %u requests, %llu tokens (longest %u); page size %u, %u pages%s%s\n",
-           path, t.n, (unsigned long long)t.tokens, t.max_len, o.page_size, o.pages,
+    printf("trace %s: %u requests, %llu tokens (longest %u); page size %u, %u pages%s%s\n", path,
+           t.n, (unsigned long long)t.tokens, t.max_len, o.page_size, o.pages,
            o.hybrid ? ", hybrid" : "", o.strict ? ", strict ledger" : "");
     measure(&t, &o);
     for (uint32_t i = 0; i < t.n; i++) free(t.req[i]);
