@@ -138,7 +138,7 @@ uint32_t eng_idx(pd_engine *e, const req *r) { return (uint32_t)(r - e->reqs); }
 /* The rid and room indexes (pd_index): a live rid maps to its record until
  * the terminal event, a room (not colocated) until the record is freed. */
 static uint64_t rid_hash_of(const void *ctx, uint32_t idx) {
-    return pd_hash_str(((const pd_engine *)ctx)->reqs[idx].rid);
+    return ((const pd_engine *)ctx)->reqs[idx].rid_hash;
 }
 
 static uint64_t room_hash_of(const void *ctx, uint32_t idx) {
@@ -162,7 +162,7 @@ static uint32_t room_find(const pd_engine *e, uint64_t room) {
 }
 
 static void rid_index_remove(pd_engine *e, req *r) {
-    pd_index_remove(&e->rid_ix, pd_hash_str(r->rid), eng_idx(e, r));
+    pd_index_remove(&e->rid_ix, r->rid_hash, eng_idx(e, r));
 }
 
 void q_push(pd_engine *e, req *r, uint8_t queue) {
@@ -299,7 +299,10 @@ void eng_cache_lock(pd_engine *e, req *r, pd_cnode node) {
     r->holds_kv = true;
 }
 
-void eng_cache_insert(pd_engine *e, req *r, uint32_t tokens, uint32_t snapshot_slot) {
+/* The insert of eng_cache_insert without the lock move: pages[0, tokens/ps)
+ * (+ snapshot) go into the cache, duplicates are freed, own_from follows.
+ * Returns the node the insert ended at. */
+static pd_cnode cache_insert_pages(pd_engine *e, req *r, uint32_t tokens, uint32_t snapshot_slot) {
     PD_ASSERT(e->cache);
     uint32_t ps = e->cfg.page_size;
     uint32_t n = tokens / ps;
@@ -315,22 +318,28 @@ void eng_cache_insert(pd_engine *e, req *r, uint32_t tokens, uint32_t snapshot_s
     PD_ASSERTF(covered >= r->own_from, "insert covered %u pages, below the %u already cached",
                covered, r->own_from);
     r->own_from = covered;
+    /* A track slot the cache took is the cache's now: r forgets it, and its
+     * next snapshot allocates a new one. */
+    if (res.mamba_taken) {
+        int track = r->mamba_track[0] == snapshot_slot ? 0 : 1;
+        PD_ASSERTF(snapshot_slot != PD_NONE && r->mamba_track[track] == snapshot_slot,
+                   "the cache took Mamba slot %u, not a track slot of %s", snapshot_slot, r->rid);
+        r->mamba_track[track] = PD_NONE;
+    }
+    return res.node;
+}
+
+void eng_cache_insert(pd_engine *e, req *r, uint32_t tokens, uint32_t snapshot_slot) {
+    pd_cnode node = cache_insert_pages(e, r, tokens, snapshot_slot);
     /* The request's lock moves down to the new node: lock first, then let go
      * of the old one, so the path is never unprotected. */
-    if (!r->holds_lock || res.node != r->lock_node) {
-        PD_MUST(pd_cache_lock(e->cache, res.node));
+    if (!r->holds_lock || node != r->lock_node) {
+        PD_MUST(pd_cache_lock(e->cache, node));
         if (r->holds_lock) PD_MUST(pd_cache_unlock(e->cache, r->lock_node));
-        r->lock_node = res.node;
+        r->lock_node = node;
         r->holds_lock = true;
         r->holds_kv = true;
     }
-    /* A track slot the cache took is the cache's now: r forgets it, and its
-     * next snapshot allocates a new one. */
-    if (!res.mamba_taken) return;
-    int track = r->mamba_track[0] == snapshot_slot ? 0 : 1;
-    PD_ASSERTF(snapshot_slot != PD_NONE && r->mamba_track[track] == snapshot_slot,
-               "the cache took Mamba slot %u, not a track slot of %s", snapshot_slot, r->rid);
-    r->mamba_track[track] = PD_NONE;
 }
 
 /* ---- the retire path --------------------------------------------------------- */
@@ -389,14 +398,25 @@ static uint32_t mamba_slots_of(req *r, uint32_t *out) {
 }
 
 /* Step 4, on success only: the computed prompt goes into the prefix cache,
- * with the snapshot of its end if one was taken there. */
-static void insert_finished_prompt(pd_engine *e, req *r) {
+ * with the snapshot of its end if one was taken there.
+ *
+ * Two walks of the tree are skipped, neither changing what the cache holds:
+ *  - nothing new (every whole page is the cache's already, under r's lock,
+ *    and no snapshot to give): no insert;
+ *  - not quarantined: r's lock stays where it is instead of moving down to
+ *    the inserted node, since release_kv unlocks it right after and nothing
+ *    runs in between that could evict the pages just inserted. Quarantined,
+ *    the room may still read them: the lock moves down and is kept. */
+static void insert_finished_prompt(pd_engine *e, req *r, bool quarantine) {
     if (!e->cache || !r->holds_kv || r->term != PD_TERM_FINISHED) return;
     uint32_t ps = e->cfg.page_size;
     uint32_t whole = (PD_MIN(r->done, r->prompt_len) / ps) * ps;
     uint32_t snap = (r->holds_mamba && whole == r->prompt_len) ? r->final_snap : PD_NONE;
-    if (whole > 0) eng_cache_insert(e, r, whole, snap);
     r->final_snap = PD_NONE;
+    bool nothing_new = whole <= r->own_from * ps && snap == PD_NONE && r->holds_lock;
+    if (whole == 0 || nothing_new) return;
+    if (quarantine) eng_cache_insert(e, r, whole, snap);
+    else (void)cache_insert_pages(e, r, whole, snap);
 }
 
 static void release_meta_row(pd_engine *e, req *r, bool quarantine) {
@@ -469,7 +489,7 @@ static void release_compute(pd_engine *e, req *r, bool quarantine) {
  * the room is not drained, so what it may still touch (pages, Mamba slots,
  * metadata row, and the cache lock) stays out of use until it is. */
 static void release_retired(pd_engine *e, req *r, bool quarantine) {
-    insert_finished_prompt(e, r);
+    insert_finished_prompt(e, r, quarantine);
     release_meta_row(e, r, quarantine);
     release_compute(e, r, quarantine);
 }
@@ -766,7 +786,9 @@ static pd_err arrays_alloc(pd_engine *e) {
     pd_err err = pd_index_init(&e->rid_ix, cfg->requests_max, rid_hash_of, e);
     if (!err) err = pd_index_init(&e->room_ix, cfg->requests_max, room_hash_of, e);
     if (err) return err;
-    e->reqs = calloc(cfg->requests_max, sizeof(req));
+    /* Cache-line aligned: the hot fields of a record share one line. */
+    e->reqs = aligned_alloc(_Alignof(req), cfg->requests_max * sizeof(req));
+    if (e->reqs) memset(e->reqs, 0, cfg->requests_max * sizeof(req));
     e->page_store = calloc((size_t)cfg->requests_max * e->pages_per_req, sizeof(uint32_t));
     e->scratch = calloc(e->pages_per_req, sizeof(uint32_t));
     e->dups = calloc(e->pages_per_req, sizeof(uint32_t));
@@ -1000,7 +1022,8 @@ static pd_err submit(pd_engine *e, const pd_request_spec *s, uint64_t now_us, pd
     r->t_submit = now_us;
     r->bootstrapped = e->cfg.role == PD_ROLE_COLOCATED; /* nothing to hand over */
     uint32_t idx = eng_idx(e, r);
-    pd_index_insert(&e->rid_ix, pd_hash_str(r->rid), idx);
+    r->rid_hash = pd_hash_str(r->rid);
+    pd_index_insert(&e->rid_ix, r->rid_hash, idx);
     r->rid_indexed = true;
     if (e->cfg.role != PD_ROLE_COLOCATED) pd_index_insert(&e->room_ix, pd_hash_u64(r->room), idx);
     static const uint8_t first_queue[] = {

@@ -10,6 +10,8 @@
 #ifndef PDSERVE_ENGINE_INTERNAL_H
 #define PDSERVE_ENGINE_INTERNAL_H
 
+#include <stddef.h>
+
 #include "pdserve/cache.h"
 #include "pdserve/engine.h"
 #include "pdserve/index.h"
@@ -33,45 +35,55 @@ enum {
 };
 
 typedef struct req {
-    bool live;
+    /* ---- hot: what every step reads for every request it walks (the queue
+     * links, the decode batch and its results), first, in one cache line:
+     * records are cache-line aligned (arrays_alloc) ---- */
+    _Alignas(64) bool live;
     uint8_t queue;
+    bool pending_chunk; /* launched chunks whose results are not processed */
+    bool retire_pending;
     uint32_t gen;
     pd_owner owner; /* (gen << 32) | (index + 1): never 0 */
     pd_link qlink;  /* in its queue, or (not live) in the free records */
-
-    char rid[PD_RID_MAX];
+    uint32_t forwards_in_flight;
+    uint32_t prompt_len;
+    uint32_t out_len; /* decode: tokens generated (incl. the first) */
+    uint32_t max_new;
+    int32_t last_token;
+    uint32_t n_pages;
+    uint32_t *pages;  /* page table: pages[i] holds positions [i*ps, (i+1)*ps) */
+    int32_t *history; /* the output tokens, kept when the sampling is penalised */
+    /* ---- warm: the rest of a decode item and of the finish check ---- */
+    pd_sampling sampling;
+    uint32_t mamba_run;
+    uint32_t n_stop;
+    pd_terminal_kind term;
+    bool ignore_eos;
+    bool holds_room; /* transport state of the room */
+    bool bootstrapped;
     uint64_t tag; /* the caller's (pd_request_spec.tag), in every sink event */
     uint64_t room;
-    int32_t *prompt;
-    uint32_t prompt_len;
-    int32_t *history; /* the output tokens, kept when the sampling is penalised */
-    uint32_t max_new;
-    pd_sampling sampling;
     int32_t stop[PD_STOP_TOKENS_MAX];
-    uint32_t n_stop;
-    bool ignore_eos;
+
+    char rid[PD_RID_MAX];
+    int32_t *prompt;
     char peer[PD_PEER_MAX];
     uint64_t t_submit, t_state;
     /* pd_terminal_event's stage times and transfer size (0: not reached) */
     uint64_t t_admit, t_computed, t_xfer_first, t_xfer_start, t_xfer_done;
     uint64_t xfer_bytes;
 
-    /* ---- ownership flags (DESIGN.md section 3) ---- */
+    /* ---- ownership flags (DESIGN.md section 3; holds_room above) ---- */
     bool holds_row;
-    bool holds_kv;         /* own pages and/or the lock on the matched prefix */
-    bool holds_lock;       /*   the lock part of holds_kv: lock_node is locked */
-    bool holds_mamba;      /* running slot + track slots */
+    bool holds_kv;    /* own pages and/or the lock on the matched prefix */
+    bool holds_lock;  /*   the lock part of holds_kv: lock_node is locked */
+    bool holds_mamba; /* running slot + track slots */
     bool holds_meta;
-    bool holds_host;       /* a host-tier load in flight (ticket + load id) */
-    bool holds_room;       /* transport state of the room */
-    bool pending_chunk;    /* launched chunks whose results are not processed */
+    bool holds_host; /* a host-tier load in flight (ticket + load id) */
 
     uint32_t row;
-    uint32_t *pages;       /* page table: pages[i] holds positions [i*ps, (i+1)*ps) */
-    uint32_t n_pages;
-    uint32_t own_from;     /* pages[0, own_from) are the cache's, the rest REQ(owner) */
+    uint32_t own_from; /* pages[0, own_from) are the cache's, the rest REQ(owner) */
     pd_cnode lock_node;
-    uint32_t mamba_run;
     uint32_t mamba_track[2];
     uint32_t track_next; /* which track slot the next snapshot goes to */
     uint32_t final_snap; /* track slot holding the prompt-end snapshot, or PD_NONE */
@@ -81,31 +93,29 @@ typedef struct req {
     uint32_t load_from, load_pages; /* the loading pages in pages[] */
 
     /* ---- progress ---- */
-    uint32_t cached_tokens;  /* prefix reused from this node's cache at admission */
-    uint32_t launched;       /* tokens whose forward is launched */
-    uint32_t done;           /* tokens whose forward result is processed */
-    uint32_t sent_pages;     /* prefill: sequence pages posted to the transport */
-    uint32_t peer_cached;    /* prefill: tokens the decode node already has */
-    bool bootstrapped;
-    uint32_t attempts;       /* optimistic attempts used */
-    uint32_t forwards_in_flight;
-    bool retire_pending;
-    uint32_t reserved;       /* pages reserved for future allocation */
-    uint32_t out_len;        /* decode: tokens generated (incl. the first) */
-    int32_t last_token;
+    uint32_t cached_tokens; /* prefix reused from this node's cache at admission */
+    uint32_t launched;      /* tokens whose forward is launched */
+    uint32_t done;          /* tokens whose forward result is processed */
+    uint32_t sent_pages;    /* prefill: sequence pages posted to the transport */
+    uint32_t peer_cached;   /* prefill: tokens the decode node already has */
+    uint32_t attempts;      /* optimistic attempts used */
+    uint32_t reserved;      /* pages reserved for future allocation */
+    uint64_t rid_hash;      /* pd_hash_str(rid), for the rid index */
 
     /* ---- drain state (after retire, while the room may still touch memory) ---- */
     bool q_pages, q_mamba, q_meta, q_lock;
 
     /* ---- terminal ---- */
-    pd_terminal_kind term;
     pd_finish_reason finish;
     int status;
     char msg[128];
     bool streamed;
-    bool opened_room;      /* it opened its room (sender or receiver): never cancel it */
-    bool rid_indexed;      /* in the rid index: until its terminal event is emitted */
+    bool opened_room; /* it opened its room (sender or receiver): never cancel it */
+    bool rid_indexed; /* in the rid index: until its terminal event is emitted */
 } req;
+
+/* The hot part of a record is one cache line. */
+_Static_assert(offsetof(req, sampling) <= 64, "req: the hot fields outgrew a cache line");
 
 /* One item of a batch in flight. */
 typedef struct bitem {

@@ -129,38 +129,59 @@ pd_err pd_pool_alloc(pd_pool *pool, uint32_t *out_idx) {
     return PD_OK;
 }
 
+/* The first word in [from, end) with a free unit (I2: its summary bit is
+ * set), or end. Words with no free unit are skipped 64 at a time, so a
+ * nearly full pool costs a run search little. */
+static uint32_t next_free_word(const pd_pool *p, uint32_t from, uint32_t end) {
+    if (from >= end) return end;
+    uint32_t s = from / 64;
+    uint64_t bits = p->sum[s] & (~UINT64_C(0) << (from % 64));
+    while (bits == 0) {
+        if (++s >= p->n_sum || s * 64 >= end) return end;
+        bits = p->sum[s];
+    }
+    uint32_t w = s * 64 + (uint32_t)__builtin_ctzll(bits);
+    return PD_MIN(w, end);
+}
+
+/* Bits i of the result: units i .. i+n-1 of word x are all free (n <= 64).
+ * log2(n) shift-and rounds instead of a walk over the word's runs. */
+static inline uint64_t runs_within(uint64_t x, uint32_t n) {
+    uint32_t len = 1;
+    while (len < n && x != 0) {
+        uint32_t s = PD_MIN(len, n - len);
+        x &= x >> s;
+        len += s;
+    }
+    return x;
+}
+
 /* First run of at least n free units, scanning a bounded number of words from
- * the lowest free word. Returns the run's first index or PD_POOL_NONE. */
+ * the lowest free word. Returns the run's first index or PD_POOL_NONE. Per
+ * word with a free unit, in this order (lowest start first): the run carried
+ * in from the word before (only an adjacent one) continued by the word's low
+ * free units; a run of n inside the word; the word's high free units carried
+ * on to the next word. */
 static uint32_t find_run(pd_pool *p, uint32_t n) {
     uint32_t w0 = lowest_free_word(p);
     uint32_t w_end = PD_MIN(p->n_words, w0 + RUN_SCAN_WORDS_MAX);
-    uint32_t run_start = 0, run_len = 0;
-    for (uint32_t w = w0; w < w_end; w++) {
+    uint32_t run_start = 0, run_len = 0, w_prev = w0;
+    for (uint32_t w = w0; w < w_end; w_prev = w, w = next_free_word(p, w + 1, w_end)) {
         uint64_t x = p->words[w];
-        if (x == 0) {
-            run_len = 0;
+        PD_ASSERT(x != 0);
+        if (w != w_prev + 1) run_len = 0; /* a word with no free unit lay between */
+        if (x == ~UINT64_C(0)) {
+            if (run_len == 0) run_start = w * 64;
+            run_len += 64;
+            if (run_len >= n) return run_start;
             continue;
         }
-        uint32_t b = 0;
-        while (b < 64) {
-            uint64_t y = x >> b;
-            if (y == 0) {
-                run_len = 0;
-                break;
-            }
-            uint32_t zeros = (uint32_t)__builtin_ctzll(y);
-            if (zeros > 0) {
-                run_len = 0;
-                b += zeros;
-                y >>= zeros;
-            }
-            uint32_t ones = (~y == 0) ? 64 - b : (uint32_t)__builtin_ctzll(~y);
-            if (ones > 64 - b) ones = 64 - b;
-            if (run_len == 0) run_start = w * 64 + b;
-            run_len += ones;
-            if (run_len >= n) return run_start;
-            b += ones;
-        }
+        uint32_t low = (uint32_t)__builtin_ctzll(~x); /* free units from bit 0 up */
+        if (run_len > 0 && run_len + low >= n) return run_start;
+        uint64_t inside = n <= 64 ? runs_within(x, n) : 0;
+        if (inside != 0) return w * 64 + (uint32_t)__builtin_ctzll(inside);
+        run_len = (uint32_t)__builtin_clzll(~x); /* free units from bit 63 down */
+        run_start = w * 64 + 64 - run_len;
     }
     return PD_POOL_NONE;
 }

@@ -125,6 +125,34 @@ static void alloc_n_run_spans_word_boundaries(void **state) {
     pd_pool_destroy(p);
 }
 
+/* The run search skips words with no free unit through the summary bits: a
+ * run never bridges such a word, and one far above a stretch of full words is
+ * still found. */
+static void alloc_n_run_skips_full_words_without_bridging_them(void **state) {
+    (void)state;
+    pd_pool *p = mk(64 * 200, PD_POOL_KV, 16);
+    uint32_t *all = malloc(64 * 200 * sizeof(uint32_t));
+    assert_non_null(all);
+    assert_ok(pd_pool_alloc_n(p, 64 * 200, all));
+    /* Word 1 ends with 3 free units, word 2 is full, word 3 starts with 3
+     * free: no run of 6 there. Word 190 holds units 12160..: a run of 6. */
+    for (uint32_t i = 125; i < 128; i++) assert_ok(pd_pool_free(p, i));
+    for (uint32_t i = 192; i < 195; i++) assert_ok(pd_pool_free(p, i));
+    for (uint32_t i = 190 * 64 + 10; i < 190 * 64 + 16; i++) assert_ok(pd_pool_free(p, i));
+    uint32_t got[6];
+    assert_ok(pd_pool_alloc_n(p, 6, got));
+    assert_int_equal(got[0], 190 * 64 + 10);
+    assert_int_equal(pd_index_runs(got, 6), 1);
+    /* A run across two adjacent words is still one run: 125..127 + 128..130. */
+    for (uint32_t i = 128; i < 131; i++) assert_ok(pd_pool_free(p, i));
+    assert_ok(pd_pool_alloc_n(p, 6, got));
+    assert_int_equal(got[0], 125);
+    assert_int_equal(pd_index_runs(got, 6), 1);
+    verify(p);
+    free(all);
+    pd_pool_destroy(p);
+}
+
 static void alloc_n_nomem_changes_nothing(void **state) {
     (void)state;
     pd_pool *p = mk(10, PD_POOL_MAMBA, 0);
@@ -137,16 +165,34 @@ static void alloc_n_nomem_changes_nothing(void **state) {
     pd_pool_destroy(p);
 }
 
+/* What pd_pool_alloc_n must choose, from the boolean array: the first run of
+ * k free units (the lowest-starting one), else the k lowest free units. */
+static void expected_alloc_n(const bool *used, uint32_t n, uint32_t k, uint32_t *out) {
+    uint32_t run = 0;
+    for (uint32_t i = 0; i < n && k > 1; i++) {
+        run = used[i] ? 0 : run + 1;
+        if (run == k) {
+            for (uint32_t j = 0; j < k; j++) out[j] = i + 1 - k + j;
+            return;
+        }
+    }
+    uint32_t got = 0;
+    for (uint32_t i = 0; i < n && got < k; i++)
+        if (!used[i]) out[got++] = i;
+}
+
 static void random_operations_match_a_boolean_array(void **state) {
     (void)state;
     pd_rng rng;
     pd_rng_seed(&rng, test_seed(42));
-    const uint32_t sizes[] = {1, 7, 64, 65, 200, 1000};
+    /* 5000: more than one summary word (4096 units) */
+    const uint32_t sizes[] = {1, 7, 64, 65, 200, 1000, 5000};
     for (size_t s = 0; s < PD_ARRAY_LEN(sizes); s++) {
         uint32_t n = sizes[s];
         pd_pool *p = mk(n, PD_POOL_KV, 1);
         bool *used = calloc(n, 1);
         uint32_t *buf = calloc(n, sizeof(uint32_t));
+        uint32_t *want = calloc(n, sizeof(uint32_t));
         uint32_t in_use = 0;
         for (int op = 0; op < 5000; op++) {
             uint32_t k = (uint32_t)pd_rng_range(&rng, 1, PD_MAX(1, n / 8));
@@ -172,7 +218,9 @@ static void random_operations_match_a_boolean_array(void **state) {
                     break;
                 }
                 assert_ok(e);
+                expected_alloc_n(used, n, k, want);
                 for (uint32_t j = 0; j < k; j++) {
+                    assert_int_equal(buf[j], want[j]);
                     assert_false(used[buf[j]]);
                     if (j) assert_true(buf[j] > buf[j - 1]);
                     used[buf[j]] = true;
@@ -194,6 +242,7 @@ static void random_operations_match_a_boolean_array(void **state) {
         verify(p);
         free(used);
         free(buf);
+        free(want);
         pd_pool_destroy(p);
     }
 }
@@ -214,6 +263,7 @@ int main(void) {
         cmocka_unit_test(free_n_is_all_or_nothing),
         cmocka_unit_test(alloc_n_prefers_one_contiguous_run),
         cmocka_unit_test(alloc_n_run_spans_word_boundaries),
+        cmocka_unit_test(alloc_n_run_skips_full_words_without_bridging_them),
         cmocka_unit_test(alloc_n_nomem_changes_nothing),
         cmocka_unit_test(random_operations_match_a_boolean_array),
         cmocka_unit_test(index_runs_counts_breaks),
