@@ -447,6 +447,56 @@ static void clear_returns_every_unit(void **state) {
     cfx_free(f);
 }
 
+/* A lookup tries the child its parent went to last (the hot child) before
+ * hashing. An evicted child's entries keep their tokens on the free list, so
+ * a hot link left pointing at it would match the same prompt again into
+ * freed pages. */
+static void evicted_child_is_not_matched_again(void **state) {
+    (void)state;
+    cfx *f = cfx_new(4, 32, 0, 0);
+    int32_t x[8];
+    seq(x, 8, 100);
+    cfx_insert(f, 1, x, 2, PD_POOL_NONE);
+    uint32_t pages[2], freed;
+    pd_cache_match_result m;
+    assert_ok(pd_cache_match(f->c, x, 8, pages, 2, &m));
+    assert_int_equal(m.dev_tokens, 8);
+    assert_ok(pd_cache_evict(f->c, 2, &freed));
+    assert_int_equal(freed, 2);
+    assert_ok(pd_cache_match(f->c, x, 8, pages, 2, &m));
+    assert_int_equal(m.dev_tokens, 0);
+    assert_int_equal(m.dev_node, PD_CNODE_ROOT);
+    cfx_check(f, true);
+    cfx_free(f);
+}
+
+/* A split moves a node one level down (its first part becomes a new parent
+ * in its place). A root lookup for the page the moved node now starts with
+ * must not find it at the root. */
+static void split_child_is_not_found_above_its_new_parent(void **state) {
+    (void)state;
+    cfx *f = cfx_new(4, 32, 0, 0);
+    int32_t x[4], w[8], v[8];
+    seq(x, 4, 100);
+    seq(w, 4, 500);
+    memcpy(w + 4, x, sizeof(x)); /* w = [W0, X0] */
+    memcpy(v, w, sizeof(v));
+    v[4] = -1; /* v = [W0, Y0]: diverges from w in its second page */
+    pd_cache_insert_result rw = cfx_insert(f, 1, w, 2, PD_POOL_NONE);
+    pd_cache_insert_result rv = cfx_insert(f, 2, v, 2, PD_POOL_NONE);
+    assert_int_equal(rv.covered_tokens, 8);
+    /* w's node now holds [X0] alone, below the new node holding [W0]. */
+    uint32_t pages[2];
+    pd_cache_match_result m;
+    assert_ok(pd_cache_match(f->c, x, 4, pages, 2, &m));
+    assert_int_equal(m.dev_tokens, 0);
+    assert_ok(pd_cache_match(f->c, w, 8, pages, 2, &m));
+    assert_int_equal(m.dev_tokens, 8);
+    assert_int_equal(m.dev_node, rw.node);
+    cfx_check(f, true);
+    cfx_free(f);
+}
+
 static void insert_refuses_unaligned_length(void **state) {
     (void)state;
     cfx *f = cfx_new(4, 8, 0, 0);
@@ -478,6 +528,8 @@ int main(void) {
         cmocka_unit_test(host_pool_pressure_evicts_older_host_copies),
         cmocka_unit_test(clear_returns_every_unit),
         cmocka_unit_test(insert_refuses_unaligned_length),
+        cmocka_unit_test(evicted_child_is_not_matched_again),
+        cmocka_unit_test(split_child_is_not_found_above_its_new_parent),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
