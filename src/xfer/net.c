@@ -584,6 +584,7 @@ static pd_err v_receiver_open(void *self, uint64_t id, const char *peer_addr,
     pthread_mutex_lock(&n->mu);
     pd_err err = PD_OK;
     uint32_t r = PD_NONE, pi = PD_NONE;
+    bool kick = false;
     if (net_room_find(n, id) != PD_NONE) err = PD_ERR_EXISTS;
     else if ((pi = net_peer_for_addr(n, peer_addr)) == PD_NONE) err = PD_ERR_NOMEM;
     else if ((r = net_room_new(n, id)) == PD_NONE) err = PD_ERR_NOMEM;
@@ -594,12 +595,22 @@ static pd_err v_receiver_open(void *self, uint64_t id, const char *peer_addr,
         rm->peer_gen = n->peers[pi].gen;
         PD_MUST(xr_open_receiver(&rm->h));
         n->stats.rooms_opened++;
-        net_mark_dirty(n, rm);
+        /* Over a connection that is up, the DEST leaves from this thread:
+         * waking the progress thread to send it cost a thread switch on
+         * every room's critical path. Anything left over is its job. */
+        peer *p = net_peer_of(n, rm);
+        bool sent = p && p->state == PS_READY && p->tx_len == 0;
+        if (sent) {
+            net_pump_receiver(n, rm, now_ms());
+            sent = rm->h.dest_sent && net_tx_try(n, pi);
+        }
+        if (!sent) net_mark_dirty(n, rm);
+        kick = !sent;
     } else {
         net_peer_forget_if_unused(n, pi);
     }
     pthread_mutex_unlock(&n->mu);
-    if (!err) net_wake(n);
+    if (kick) net_wake(n);
     return err;
 }
 

@@ -788,6 +788,23 @@ void net_peer_write(pd_net *n, uint32_t pi) {
     if (p->closing_after_tx) net_peer_fail(n, pi, "closed after refusing the peer");
 }
 
+/* From any thread, mutex held: sends what peer pi has queued with
+ * non-blocking writes. What does not go now, and any error, is left to the
+ * progress thread (which alone closes sockets). True if nothing is left. */
+bool net_tx_try(pd_net *n, uint32_t pi) {
+    PD_ASSERT(pi < n->cfg.peers_max);
+    peer *p = &n->peers[pi];
+    if (p->fd < 0 || p->state != PS_READY || p->closing_after_tx) return false;
+    while (p->tx_off < p->tx_len) {
+        ssize_t w =
+            send(p->fd, p->tx + p->tx_off, p->tx_len - p->tx_off, MSG_NOSIGNAL | MSG_DONTWAIT);
+        if (w <= 0) return false;
+        p->tx_off += (size_t)w;
+    }
+    p->tx_off = p->tx_len = 0;
+    return true;
+}
+
 /* Every slot is taken: the connection that has held one longest without a
  * HELLO makes way, so silent or slow strangers cannot lock the decode nodes
  * out (issue 10, finding 4). Authenticated peers are never evicted. False

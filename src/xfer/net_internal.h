@@ -248,6 +248,7 @@ void net_peer_release(pd_net *n, peer *p);
 void net_peer_fail(pd_net *n, uint32_t pi, const char *why);
 void net_pump_receiver(pd_net *n, room *rm, uint64_t now);
 void net_peer_write(pd_net *n, uint32_t pi);
+bool net_tx_try(pd_net *n, uint32_t pi);
 void net_accept_all(pd_net *n);
 void net_peer_service(pd_net *n, uint32_t pi, uint64_t now);
 uint32_t net_peer_for_addr(pd_net *n, const char *addr);
