@@ -53,3 +53,9 @@ if(PD_BUILD_TESTS)
                    -DWORK=${CMAKE_BINARY_DIR}/router_cli
                    -P ${CMAKE_SOURCE_DIR}/tests/router/cli.cmake)
 endif()
+
+# bench/router.sh's two ends of the many-streams run (a stand-in worker
+# that holds any number of streams, and the clients that open them).
+add_executable(bench_router_streams bench/router_streams.c)
+set_target_properties(bench_router_streams PROPERTIES OUTPUT_NAME router_streams
+                      RUNTIME_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/bench)

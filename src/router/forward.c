@@ -347,7 +347,7 @@ static bool held(rt_fwd *f) {
     if (f->settle_until_ms) {
         uint64_t now = rt_now_ms();
         if (half_running(&f->h[PREFILL]) && !f->client_gone && now < f->settle_until_ms) {
-            f->task.wake_ms = f->settle_until_ms;
+            rt_loop_wake_at(f->loop, &f->task, f->settle_until_ms);
             return true;
         }
         f->settle_until_ms = 0;
@@ -721,7 +721,7 @@ static bool head_decide(rt_fwd *f) {
     } else if (check_exits(f, head, &wait_ms)) {
         return true;
     }
-    f->task.wake_ms = rt_now_ms() + PD_MAX(wait_ms, 1);
+    rt_loop_wake_at(f->loop, &f->task, rt_now_ms() + PD_MAX(wait_ms, 1));
     return false;
 }
 
@@ -835,7 +835,7 @@ static void stream_step(rt_fwd *f) {
         }
         uint64_t wait_ms = 0;
         if (check_exits(f, NULL, &wait_ms)) continue;
-        f->task.wake_ms = rt_now_ms() + PD_MAX(wait_ms, 1);
+        rt_loop_wake_at(f->loop, &f->task, rt_now_ms() + PD_MAX(wait_ms, 1));
         return;
     }
 }
@@ -845,7 +845,7 @@ static void stream_step(rt_fwd *f) {
 static void fwd_step(rt_task *t) {
     rt_fwd *f = (rt_fwd *)t;
     if (!atomic_load(&f->armed)) return;
-    t->wake_ms = 0;
+    rt_loop_wake_at(f->loop, t, 0);
     if (atomic_load(&f->client_gone_told)) f->client_gone = true;
     if (atomic_exchange(&f->writable_told, false)) f->blocked = false;
     if (!f->started) start_transfers(f);

@@ -31,7 +31,8 @@ struct rt_loop {
     pthread_t thread;
     atomic_bool stop;
     uint64_t curl_due_ms; /* 0: curl wants no timer */
-    uint64_t sweep_due_ms;
+    uint64_t sweep_due_ms, full_sweep_due_ms;
+    rt_task *near;      /* due before the next full sweep (L3) */
     rt_task *marked;    /* doubly linked, loop thread only */
     rt_task *all;       /* every task started and not forgotten */
     pthread_mutex_t mu; /* guards the poked queue */
@@ -82,6 +83,30 @@ static void unmark(rt_loop *l, rt_task *t) {
     t->mark_prev = t->mark_next = NULL;
 }
 
+static void near_remove(rt_loop *l, rt_task *t) {
+    if (!t->near) return;
+    if (t->near_prev) t->near_prev->near_next = t->near_next;
+    else l->near = t->near_next;
+    if (t->near_next) t->near_next->near_prev = t->near_prev;
+    t->near = false;
+    t->near_prev = t->near_next = NULL;
+}
+
+static void near_add(rt_loop *l, rt_task *t) {
+    if (t->near) return;
+    t->near = true;
+    t->near_prev = NULL;
+    t->near_next = l->near;
+    if (l->near) l->near->near_prev = t;
+    l->near = t;
+}
+
+void rt_loop_wake_at(rt_loop *l, rt_task *t, uint64_t wake_ms) {
+    t->wake_ms = wake_ms;
+    if (wake_ms == 0) near_remove(l, t);
+    else if (wake_ms < l->full_sweep_due_ms + RT_LOOP_SWEEP_MS) near_add(l, t);
+}
+
 void rt_loop_poke(rt_loop *l, rt_task *t) {
     pthread_mutex_lock(&l->mu);
     bool first = !t->poked;
@@ -103,6 +128,7 @@ void rt_loop_poke(rt_loop *l, rt_task *t) {
 void rt_loop_forget(rt_loop *l, rt_task *t) {
     PD_ASSERT(rt_loop_is_own_thread(l));
     unmark(l, t);
+    near_remove(l, t);
     pthread_mutex_lock(&l->mu);
     if (t->poked) {
         rt_task **pp = &l->poked_head, *prev = NULL;
@@ -121,7 +147,7 @@ void rt_loop_forget(rt_loop *l, rt_task *t) {
         if (t->all_next) t->all_next->all_prev = t->all_prev;
         t->live = false;
     }
-    PD_ASSERT(!t->marked && !t->poked && !t->live);
+    PD_ASSERT(!t->marked && !t->poked && !t->live && !t->near);
 }
 
 /* The poked queue, emptied into the marked list; a task seen for the first
@@ -149,9 +175,20 @@ static void take_poked(rt_loop *l) {
     pthread_mutex_unlock(&l->mu);
 }
 
+/* Marks the tasks due; a full sweep also refills the near list (L3). */
 static void sweep(rt_loop *l, uint64_t now) {
-    for (rt_task *t = l->all; t; t = t->all_next)
+    bool full = now >= l->full_sweep_due_ms;
+    if (full) l->full_sweep_due_ms = now + RT_LOOP_FULL_SWEEP_MS;
+    rt_task *t = full ? l->all : l->near;
+    while (t) {
+        rt_task *next = full ? t->all_next : t->near_next;
         if (t->wake_ms && now >= t->wake_ms) rt_loop_mark(l, t);
+        else if (full && t->wake_ms && t->wake_ms < l->full_sweep_due_ms + RT_LOOP_SWEEP_MS)
+            near_add(l, t);
+        else if (!t->wake_ms || t->wake_ms >= l->full_sweep_due_ms + RT_LOOP_SWEEP_MS)
+            near_remove(l, t);
+        t = next;
+    }
 }
 
 static void step_marked(rt_loop *l) {
@@ -167,6 +204,10 @@ static void step_marked(rt_loop *l) {
 bool rt_loop_add_xfer(rt_loop *l, rt_xfer *x) {
     PD_ASSERT(rt_loop_is_own_thread(l) && x->easy && x->done);
     curl_easy_setopt(x->easy, CURLOPT_PRIVATE, (char *)x);
+    /* The loop's own connection cache (its multi handle's), not the
+     * process-wide share: one thread uses it, without locks, and a lookup
+     * scans only this loop's connections to the worker. */
+    curl_easy_setopt(x->easy, CURLOPT_SHARE, NULL);
     return curl_multi_add_handle(l->multi, x->easy) == CURLM_OK;
 }
 
@@ -268,6 +309,7 @@ pd_err rt_loop_start(rt_loop **out, char *msg, size_t msg_cap) {
     curl_multi_setopt(l->multi, CURLMOPT_TIMERFUNCTION, on_timer);
     curl_multi_setopt(l->multi, CURLMOPT_TIMERDATA, l);
     l->sweep_due_ms = rt_now_ms() + RT_LOOP_SWEEP_MS;
+    l->full_sweep_due_ms = l->sweep_due_ms + RT_LOOP_FULL_SWEEP_MS;
     if (pthread_create(&l->thread, NULL, loop_main, l) != 0) {
         loop_free(l);
         return pd_errorf(msg, msg_cap, PD_ERR_IO, "cannot start the router's event loop thread");

@@ -22,8 +22,12 @@
  *   L2  Only the loop thread touches the multi handle, the easy handles,
  *       the marked list and the timer list; other threads only push onto the
  *       poked queue (under mu) and write the eventfd.
- *   L3  Timers are swept every RT_LOOP_SWEEP_MS: a task's wake_ms is honoured
- *       within that much (deadlines here are hundreds of ms and more).
+ *   L3  A task's wake time (rt_loop_wake_at) is honoured within
+ *       RT_LOOP_SWEEP_MS (deadlines here are hundreds of ms and more). Every
+ *       RT_LOOP_FULL_SWEEP_MS the loop visits every task; in between it
+ *       visits only the `near` list: the tasks due before the next full
+ *       sweep. Thousands of streams whose only deadline is the request
+ *       timeout cost nothing between full sweeps.
  */
 #ifndef PD_ROUTER_LOOP_H
 #define PD_ROUTER_LOOP_H
@@ -35,6 +39,7 @@
 #include "pdserve/base.h"
 
 #define RT_LOOP_SWEEP_MS 10u
+#define RT_LOOP_FULL_SWEEP_MS 250u
 
 typedef struct rt_loop rt_loop;
 
@@ -46,8 +51,10 @@ typedef struct rt_xfer {
 typedef struct rt_task rt_task;
 struct rt_task {
     void (*step)(rt_task *t); /* loop thread */
-    uint64_t wake_ms;         /* 0: none; else step once rt_now_ms() >= wake_ms */
     /* The loop's bookkeeping. */
+    uint64_t wake_ms; /* 0: none; else step once rt_now_ms() >= wake_ms */
+    rt_task *near_prev, *near_next;
+    bool near;
     rt_task *poke_next;
     bool poked;
     rt_task *mark_prev, *mark_next;
@@ -62,6 +69,9 @@ void rt_loop_stop(rt_loop *l);
 
 /* Any thread: step t soon (the first poke of a task starts it). */
 void rt_loop_poke(rt_loop *l, rt_task *t);
+/* Loop thread: step t once rt_now_ms() >= wake_ms (0: no wake-up); a
+ * step clears it. */
+void rt_loop_wake_at(rt_loop *l, rt_task *t, uint64_t wake_ms);
 /* Loop thread: step t before the loop waits again. */
 void rt_loop_mark(rt_loop *l, rt_task *t);
 /* Loop thread: t is going away; it is in no queue afterwards (L1). */

@@ -63,8 +63,15 @@
 #include "workers.h"
 
 #define ADMIN_THREADS 4
-/* Descriptors per client connection: its own, and up to two to workers. */
-#define FDS_PER_CONNECTION 3u
+/* Upstream loops, each a thread with its own multi handle and connection
+ * cache: libcurl's cost per transfer added or removed grows with the
+ * transfers and connections one multi handle holds (a linear scan of the
+ * connections to the same worker), so thousands of streams are spread. */
+#define UPSTREAM_LOOPS 4
+/* Descriptors per client connection: its own and its decode node's. The
+ * prefill half's connection is held only until the hand-off, then goes
+ * back to the pool, so it is counted in the spare, not per connection. */
+#define FDS_PER_CONNECTION 2u
 #define FDS_SPARE 64u /* listeners, epoll sets, eventfds, health probes, logs */
 
 typedef struct slot {
@@ -86,7 +93,8 @@ struct pd_router {
     bool started;
     bool stopped;
 
-    rt_loop *loop;
+    rt_loop *loops[UPSTREAM_LOOPS];
+    atomic_uint next_loop; /* round robin over the loops */
 
     pthread_mutex_t table_mu;
     slot *slots;         /* cfg.connections_max of them */
@@ -537,7 +545,7 @@ static bool forward_generation(req *q, char *body, const char *rid, const char *
         .max_response_bytes = r->cfg.max_response_bytes,
         .api_key = r->cfg.api_key,
     };
-    p.loop = r->loop;
+    p.loop = r->loops[atomic_fetch_add(&r->next_loop, 1u) % UPSTREAM_LOOPS];
     p.sink = (rt_fwd_sink){forward_head, forward_data, forward_end, q};
     char msg[256];
     rt_fwd *fwd;
@@ -988,8 +996,8 @@ static pd_err raise_fd_limit(const pd_router *r, char *msg, size_t msg_cap) {
     if (rl.rlim_cur != RLIM_INFINITY && rl.rlim_cur < need)
         return pd_errorf(msg, msg_cap, PD_ERR_INVALID,
                          "the open-file limit (RLIMIT_NOFILE) is %llu, but %u client connections "
-                         "need up to %llu descriptors (%u each: the client's and two to workers, "
-                         "plus %u); raise it (ulimit -n, or the hard limit as root) or lower "
+                         "need %llu descriptors (%u each: the client's and the decode node's, plus "
+                         "%u); raise it (ulimit -n, or the hard limit as root) or lower "
                          "--connections-max to %llu",
                          (unsigned long long)rl.rlim_cur, r->cfg.connections_max,
                          (unsigned long long)need, FDS_PER_CONNECTION, FDS_SPARE,
@@ -999,14 +1007,20 @@ static pd_err raise_fd_limit(const pd_router *r, char *msg, size_t msg_cap) {
     return PD_OK;
 }
 
-static pd_err start_threads(pd_router *r, char *msg, size_t msg_cap) {
-    pd_err err = rt_loop_start(&r->loop, msg, msg_cap);
-    if (!err) err = admin_start(r, msg, msg_cap);
-    if (err) {
-        admin_stop(r);
-        rt_loop_stop(r->loop);
-        r->loop = NULL;
+static void stop_threads(pd_router *r) {
+    admin_stop(r);
+    for (size_t i = 0; i < UPSTREAM_LOOPS; i++) {
+        rt_loop_stop(r->loops[i]);
+        r->loops[i] = NULL;
     }
+}
+
+static pd_err start_threads(pd_router *r, char *msg, size_t msg_cap) {
+    pd_err err = PD_OK;
+    for (size_t i = 0; i < UPSTREAM_LOOPS && !err; i++)
+        err = rt_loop_start(&r->loops[i], msg, msg_cap);
+    if (!err) err = admin_start(r, msg, msg_cap);
+    if (err) stop_threads(r);
     return err;
 }
 
@@ -1038,9 +1052,7 @@ pd_err pd_router_start(pd_router *r, char *msg, size_t msg_cap) {
     }
     if (err) {
         r->srv = NULL;
-        admin_stop(r);
-        rt_loop_stop(r->loop);
-        r->loop = NULL;
+        stop_threads(r);
         return err;
     }
     r->started = true;
@@ -1073,8 +1085,7 @@ void pd_router_stop(pd_router *r) {
         struct timespec ts = {0, 5 * 1000000L};
         nanosleep(&ts, NULL);
     }
-    rt_loop_stop(r->loop);
-    r->loop = NULL;
+    stop_threads(r); /* the admin pool is idle: stopped above */
     rt_health_stop(&r->health);
 }
 

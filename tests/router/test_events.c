@@ -118,7 +118,7 @@ static void open_file_limit_too_low_is_refused_with_a_clear_message(void **state
     assert_int_equal(WEXITSTATUS(status), 0);
     assert_non_null(strstr(msg, "RLIMIT_NOFILE) is 256"));
     assert_non_null(strstr(msg, "1000 client connections"));
-    assert_non_null(strstr(msg, "--connections-max to 64"));
+    assert_non_null(strstr(msg, "--connections-max to 96"));
 }
 
 int main(void) {
