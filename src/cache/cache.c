@@ -442,6 +442,13 @@ static uint32_t split(pd_cache *c, uint32_t id, uint32_t k) {
     return pid;
 }
 
+/* A match is usually the first to read its prompt, and the cache's pages are
+ * cold too: the walk prefetches both this many pages ahead (the entry as if
+ * the chain were a run, which it almost always is; a wrong guess costs only
+ * a useless prefetch). Measured on bench/radix's realistic trace: about 5 %
+ * less CPU per request than no prefetch, 8 pages ahead about half of that. */
+enum { PREFETCH_PAGES = 32 };
+
 /* Number of leading pages of node id equal to tokens[0..avail pages). With
  * dev non-NULL the device page of each matching position is written to
  * dev[k] on the way (a match on a device node wants them: one walk, not
@@ -450,6 +457,11 @@ static uint32_t match_pages(pd_cache *c, uint32_t id, const int32_t *tokens, uin
                             uint32_t *dev) {
     uint32_t k = 0;
     for (uint32_t e = N(c, id)->first_ent; e != PD_NONE && k < avail; e = ent_step(c, e)) {
+        if (k + PREFETCH_PAGES < avail) {
+            __builtin_prefetch(tokens + (size_t)(k + PREFETCH_PAGES) * c->page_size);
+            if (e + PREFETCH_PAGES < c->entries_max)
+                __builtin_prefetch(ent_tok(c, e + PREFETCH_PAGES));
+        }
         if (!page_eq(c, e, tokens + (size_t)k * c->page_size)) break;
         if (dev) dev[k] = c->ent_dev[e];
         k++;
