@@ -11,7 +11,8 @@
  *
  * Threads. The engine's scheduler thread calls the vtable; one progress
  * thread per pd_net owns every socket and the UCX worker (created in
- * UCS_THREAD_MODE_SINGLE: no other thread ever touches it). One mutex guards
+ * UCS_THREAD_MODE_SERIALIZED: the engine thread touches it only to post a
+ * small final send inline, under the mutex). One mutex guards
  * all state. A vtable call takes the mutex, validates, updates the room,
  * queues work (staged page runs, a notice to send, a room marked dirty) and
  * wakes the progress thread through a pipe: it never waits on the network.
@@ -536,6 +537,25 @@ static pd_err v_send_pages(void *self, uint64_t id, uint32_t first, const uint32
     return err;
 }
 
+/* A small room's final send, posted from the caller's thread (mutex held):
+ * its puts, the flush and DONE often all complete at once (shared memory:
+ * the puts are copies into the peer's segment), which saves waking the
+ * progress thread on the room's critical path. Only below FINAL_INLINE_BYTES,
+ * so a large copy never runs on the engine's thread; the UCX worker is in
+ * UCS_THREAD_MODE_SERIALIZED for this (every call under the mutex). True if
+ * nothing is left for the progress thread. */
+static bool final_inline(pd_net *n, room *rm, uint32_t pages) {
+    size_t bytes = (size_t)pages * n->unit[REG_KV] + n->unit[REG_MAMBA] + n->unit[REG_META];
+    peer *p = net_peer_of(n, rm);
+    if (bytes > FINAL_INLINE_BYTES || !p || p->state != PS_READY || p->tx_len != 0 ||
+        !rm->dest.known || n->faults[PD_NET_FAULT_HOLD_NOTICES] || rm->puts_out || rm->flush_out)
+        return false;
+    net_pump_sender(n, rm, now_ms());
+    if (!rm->slot.used) return true; /* done, and released */
+    return rm->q_head == PD_NONE && !rm->puts_out && !rm->flush_out && rm->note == N_NONE &&
+        net_tx_try(n, rm->peer);
+}
+
 static pd_err v_send_final(void *self, uint64_t id, uint32_t first, const uint32_t *src,
                            uint32_t cnt, uint32_t mamba_slot, uint32_t meta_row) {
     pd_net *n = self;
@@ -561,8 +581,9 @@ static pd_err v_send_final(void *self, uint64_t id, uint32_t first, const uint32
             net_mark_dirty(n, rm);
         }
     }
+    bool kick = !err && !final_inline(n, rm, cnt);
     pthread_mutex_unlock(&n->mu);
-    if (!err) net_wake(n);
+    if (kick) net_wake(n);
     return err;
 }
 

@@ -34,6 +34,7 @@
 #define POLL_BUSY_MS 1  /* while UCX requests are outstanding */
 #define POLL_RECV_MS 10 /* decode, while a prefill peer is connected */
 #define ORPHAN_SCAN_MS 250
+#define FINAL_INLINE_BYTES (64u << 10) /* a final send this small may post inline */
 #define DNS_THREADS_MAX 4 /* resolver threads: a hung lookup delays no other (net_dns.c) */
 #define OWN_MAX 8         /* allocations made through pd_net_allocator (KV, Mamba, meta rows) */
 #define ABORT_REASON_ENGINE 1u

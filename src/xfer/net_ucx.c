@@ -361,8 +361,11 @@ pd_err net_ucx_init(pd_net *n, char *msg, size_t cap) {
         n->ctx = NULL;
         return pd_errorf(msg, cap, PD_ERR_IO, "UCX init: %s", ucs_status_string(st));
     }
+    /* Serialized, not single: the progress thread drives the worker, and a
+     * small room's final send posts from the engine's thread (net.c,
+     * final_inline); the mutex keeps the two apart. */
     ucp_worker_params_t wp = {.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE,
-                              .thread_mode = UCS_THREAD_MODE_SINGLE};
+                              .thread_mode = UCS_THREAD_MODE_SERIALIZED};
     if ((st = ucp_worker_create(n->ctx, &wp, &n->worker)) != UCS_OK) {
         n->worker = NULL;
         return pd_errorf(msg, cap, PD_ERR_IO, "UCX worker: %s", ucs_status_string(st));
