@@ -173,12 +173,14 @@ void decode_add_items(pd_engine *e, batch_rec *b) {
     while (idx != PD_NONE && b->n < e->cfg.batch_max) {
         req *r = eng_req(e, idx);
         idx = r->qlink.next;
+        /* A list walk: start loading the next record while this one is added. */
+        if (idx != PD_NONE) eng_prefetch(e, idx);
         if (r->forwards_in_flight > 0) continue;
         /* Where the last token goes: below prompt + max_new - 1, the positions
          * reserved at admission (the last sampled token is never fed back). */
         uint32_t pos = r->prompt_len + r->out_len - 1;
         PD_ASSERT(r->out_len < r->max_new);
-        if (pos / ps >= r->n_pages) eng_alloc_pages(e, r, 1);
+        if (pos >= r->n_pages * ps) eng_alloc_pages(e, r, 1);
         eng_batch_add(e, b, r, &r->last_token, pos, 1, true, r->out_len, PD_NONE, false, true);
     }
 }

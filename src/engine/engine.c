@@ -511,7 +511,10 @@ void eng_retire(pd_engine *e, req *r, pd_terminal_kind kind, pd_finish_reason fi
         r->term = kind;
         r->finish = finish;
         r->status = status;
-        snprintf(r->msg, sizeof(r->msg), "%s", msg ? msg : "");
+        /* snprintf's cut, without a format parse on every retire */
+        size_t len = msg ? strnlen(msg, sizeof(r->msg) - 1) : 0;
+        if (len) memcpy(r->msg, msg, len);
+        r->msg[len] = '\0';
         eng_act(e, r, PD_ACT_TERMINAL_REASON, false, 0);
     }
     if (r->forwards_in_flight > 0) {
@@ -678,8 +681,11 @@ bool eng_batch_poll(pd_engine *e, void (*fn)(pd_engine *, req *, const bitem *,
     if (!e->exec.vt->poll(e->exec.self, b->id, e->results)) return false;
     e->inflight_head = (e->inflight_head + 1) % INFLIGHT_MAX;
     e->inflight_n--;
+    enum { AHEAD = 4 };
+    for (uint32_t i = 0; i < b->n && i < AHEAD; i++) eng_prefetch(e, b->items[i].idx);
     for (uint32_t i = 0; i < b->n; i++) {
         const bitem *it = &b->items[i];
+        if (i + AHEAD < b->n) eng_prefetch(e, b->items[i + AHEAD].idx);
         req *r = &e->reqs[it->idx];
         if (!r->live || r->gen != it->gen) {
             /* The request was fully retired and its record reused: a delayed

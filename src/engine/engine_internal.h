@@ -182,6 +182,11 @@ static inline void eng_act(pd_engine *e, const req *r, pd_action a, bool final, 
 
 /* ---- engine.c: shared machinery ---- */
 req *eng_req(pd_engine *e, uint32_t idx);
+/* Starts loading record idx's hot line: walks over hundreds of records (the
+ * decode batch and its results) would otherwise wait for each in turn. */
+static inline void eng_prefetch(const pd_engine *e, uint32_t idx) {
+    __builtin_prefetch(&e->reqs[idx]);
+}
 uint32_t eng_idx(pd_engine *e, const req *r);
 /* The queues' (and the free records') links: pd_list over e->reqs. */
 static inline pd_links eng_qlinks(pd_engine *e) { return PD_LINKS(e->reqs, req, qlink); }

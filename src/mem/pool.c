@@ -186,22 +186,45 @@ static uint32_t find_run(pd_pool *p, uint32_t n) {
     return PD_POOL_NONE;
 }
 
+/* Takes units [start, start + n), all free: a word's share at a time. */
+static void take_run(pd_pool *p, uint32_t start, uint32_t n, uint32_t *out) {
+    for (uint32_t i = 0; i < n; i++) out[i] = start + i;
+    uint32_t end = start + n;
+    while (start < end) {
+        uint32_t w = start / 64, b = start % 64, k = PD_MIN(64 - b, end - start);
+        uint64_t m = (k == 64 ? ~UINT64_C(0) : ((UINT64_C(1) << k) - 1)) << b;
+        PD_ASSERT((p->words[w] & m) == m);
+        p->words[w] &= ~m;
+        if (p->words[w] == 0) p->sum[w / 64] &= ~(UINT64_C(1) << (w % 64));
+        start += k;
+    }
+    p->free_count -= n;
+}
+
+/* Takes the n lowest free units (free_count >= n), in increasing order. */
+static void take_lowest(pd_pool *p, uint32_t n, uint32_t *out) {
+    uint32_t got = 0;
+    for (uint32_t w = lowest_free_word(p); got < n; w = next_free_word(p, w + 1, p->n_words)) {
+        PD_ASSERT(w < p->n_words);
+        uint64_t x = p->words[w];
+        while (x != 0 && got < n) {
+            out[got++] = w * 64 + (uint32_t)__builtin_ctzll(x);
+            x &= x - 1;
+        }
+        p->words[w] = x;
+        if (x == 0) p->sum[w / 64] &= ~(UINT64_C(1) << (w % 64));
+    }
+    p->free_count -= n;
+}
+
 pd_err pd_pool_alloc_n(pd_pool *pool, uint32_t n, uint32_t *out) {
     PD_ASSERT(pool);
     if (n == 0) return PD_OK;
     PD_ASSERT(out);
     if (pool->free_count < n) return PD_ERR_NOMEM;
-    if (n > 1) {
-        uint32_t start = find_run(pool, n);
-        if (start != PD_POOL_NONE) {
-            for (uint32_t i = 0; i < n; i++) {
-                take_bit(pool, start + i);
-                out[i] = start + i;
-            }
-            return PD_OK;
-        }
-    }
-    for (uint32_t i = 0; i < n; i++) PD_MUST(pd_pool_alloc(pool, &out[i]));
+    uint32_t start = n > 1 ? find_run(pool, n) : PD_POOL_NONE;
+    if (start != PD_POOL_NONE) take_run(pool, start, n, out);
+    else take_lowest(pool, n, out);
     return PD_OK;
 }
 

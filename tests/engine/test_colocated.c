@@ -144,10 +144,72 @@ static void colocated_abort_at_every_moment_releases_everything(void **state) {
     for (int t = 1; t < 40; t += 3) run_colocated(true, true, 4, 8, t);
 }
 
+/* Runs one request (rid, the first len tokens of p) to its end; it finishes. */
+static void run_one(pd_engine *e, const char *rid, const int32_t *p, uint32_t len) {
+    memset(outs, 0, sizeof(outs));
+    snprintf(outs[0].rid, sizeof(outs[0].rid), "%s", rid);
+    pd_request_spec s = {.rid = outs[0].rid,
+                         .prompt = p,
+                         .prompt_len = len,
+                         .max_new_tokens = 2,
+                         .sampling = {.top_p = 1.0f}};
+    assert_ok(pd_engine_submit(e, &s, 0, NULL));
+    for (uint64_t t = 1; t < 100 && !pd_engine_idle(e); t++) {
+        pd_engine_step(e, t);
+        check(e);
+    }
+    assert_true(pd_engine_idle(e));
+    assert_int_equal(outs[0].terminals, 1);
+    assert_int_equal(outs[0].kind, PD_TERM_FINISHED);
+}
+
+/* KV pages the prefix cache holds (all unlocked once the engine is idle). */
+static uint64_t cached_pages(pd_engine *e) {
+    pd_ledger *l = pd_engine_ledger(e);
+    assert_int_equal(pd_ledger_count(l, 0, PD_UNIT_CACHE_PROTECTED), 0);
+    return pd_ledger_count(l, 0, PD_UNIT_CACHE_EVICTABLE);
+}
+
+/* A finished request's retire inserts only what the cache lacks (and skips
+ * the insert when that is nothing), and leaves no lock behind either way. */
+static void finished_request_caches_only_new_pages_and_keeps_no_lock(void **state) {
+    (void)state;
+    memset(outs, 0, sizeof(outs));
+    pd_synth_config sc = {
+        .page_size = 4, .kv_pages = 32, .layers = 1, .vocab = 61, .eos_token = 60, .batch_max = 4};
+    pd_synth *sx;
+    assert_ok(pd_synth_create(&sx, &sc));
+    pd_engine_config c;
+    pd_engine_config_default(&c, PD_ROLE_COLOCATED);
+    c.page_size = 4;
+    c.kv_pages = 32;
+    c.rows = 2;
+    c.chunk_tokens = 64;
+    pd_engine *e;
+    char msg[256];
+    pd_sink sink = {&sink_vt, NULL};
+    if (pd_engine_create(&e, &c, pd_synth_executor(sx), (pd_xfer){0}, sink, msg, sizeof(msg)))
+        fail_msg("%s", msg);
+    int32_t p[16];
+    for (int i = 0; i < 16; i++) p[i] = 1 + i;
+    run_one(e, "a", p, 12); /* three whole pages, all new */
+    assert_int_equal(cached_pages(e), 3);
+    run_one(e, "b", p, 9); /* two whole pages, both cached: nothing new */
+    assert_int_equal(cached_pages(e), 3);
+    run_one(e, "c", p, 16); /* four whole pages, the fourth new */
+    assert_int_equal(cached_pages(e), 4);
+    pd_cache_flush f;
+    assert_ok(pd_engine_flush_cache(e, &f, msg, sizeof(msg)));
+    assert_int_equal(f.kv_pages, 4);
+    pd_engine_destroy(e);
+    pd_synth_destroy(sx);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(colocated_answers_equal_requests_run_alone),
         cmocka_unit_test(colocated_abort_at_every_moment_releases_everything),
+        cmocka_unit_test(finished_request_caches_only_new_pages_and_keeps_no_lock),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
