@@ -8,10 +8,16 @@
  *   entries  one per cached page position: the page's tokens, its device
  *            page, its host page, and the next entry of the same node. A
  *            node's pages are a chain of entries, so a split is a pointer
- *            cut and never copies tokens.
+ *            cut and never copies tokens. Free entries are a chain too, and
+ *            a released node's chain goes back onto it whole: entries leave
+ *            and return in order, so a chain is almost always a run of
+ *            consecutive entries, which the walks bet on (ent_step).
  *   children the base's pd_index keyed by (parent, first page's tokens) ->
  *            child, plus a list of children per node (pd_list through the
- *            sibling link) for iteration.
+ *            sibling link) for iteration. Each node also keeps its hot
+ *            child, the one a lookup found last, and a lookup compares its
+ *            first page before hashing: a path walked again (an insert after
+ *            its match, the next turn of a conversation) hashes nothing.
  *   lists    three LRU lists (device, host, snapshot), pd_lists threaded
  *            through the nodes; see the header for their ordering rule.
  *
@@ -191,12 +197,12 @@ static void units_free(pd_cache *c, int r, const uint32_t *u, uint32_t n,
  * The rare jump is a call so that the compiler cannot turn the branch into a
  * conditional move, which would wait for the load again. */
 #if defined(__GNUC__)
-__attribute__((noinline, cold))
+#define COLD_CALL __attribute__((noinline, cold))
+#else
+#define COLD_CALL
 #endif
-static uint32_t
-ent_jump(const pd_cache *c, uint32_t e) {
-    return c->ent_next[e];
-}
+
+static COLD_CALL uint32_t ent_jump(const pd_cache *c, uint32_t e) { return c->ent_next[e]; }
 
 static inline uint32_t ent_step(const pd_cache *c, uint32_t e) {
     if (c->ent_next[e] != e + 1) return ent_jump(c, e);
