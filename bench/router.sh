@@ -28,7 +28,7 @@ SECONDS_TW=${SECONDS_TW:-30}
 STREAMS=${STREAMS:-9800}
 HOLD_S=${HOLD_S:-30}
 CONNS=${CONNS:-32}
-BASE=${BASE_PORT:-42000}
+BASE=${BASE_PORT:-21000} # below the ephemeral range: a client port cannot hold it
 for f in "$PD" "$RS"; do [[ -x $f ]] || { echo "bench/router.sh: $f is missing (build it)" >&2; exit 2; }; done
 command -v wrk > /dev/null || { echo "bench/router.sh: wrk is not installed" >&2; exit 2; }
 
@@ -51,8 +51,8 @@ wait_health() {
 SERVE=$BASE RUN=$((BASE + 10)) STUB_P=$((BASE + 21)) STUB_D=$((BASE + 22)) STUB_R=$((BASE + 20))
 start serve "$PD" serve --port "$SERVE"
 start run "$PD" run --port "$RUN"
-start stubp "$RS" worker "$STUB_P"
-start stubd "$RS" worker "$STUB_D"
+start stubp "$RS" worker "$STUB_P" prefill
+start stubd "$RS" worker "$STUB_D" decode
 start router "$PD" router --port "$STUB_R" --prefill "http://127.0.0.1:$STUB_P" \
     --decode "http://127.0.0.1:$STUB_D" --max-connections "$STREAMS" \
     --max-connections-per-ip "$STREAMS"

@@ -2,13 +2,14 @@
  * bench/router_streams — the two ends of the router's many-streams
  * benchmark (bench/router.sh), each one epoll loop on one thread:
  *
- *   router_streams worker PORT
- *       A stand-in prefill and decode node that holds any number of
+ *   router_streams worker PORT prefill|decode
+ *       A stand-in prefill or decode node that holds any number of
  *       connections (pdserve's nodes take 4096 each): GET /health answers
- *       200; POST /abort_request answers {"aborted":0}; POST /generate with
- *       "stream":true (a decode half) answers an event stream, one token
- *       event a second, never final; any other POST /generate (a prefill
- *       half) answers the prefill's hand-off at once. Keep-alive throughout.
+ *       200; POST /abort_request answers {"aborted":0}; a prefill node
+ *       answers POST /generate with the hand-off at once; a decode node
+ *       answers one with "stream":true with an event stream, one token event
+ *       a second, never final, and any other with a final answer at once.
+ *       Keep-alive throughout.
  *
  *   router_streams clients PORT N HOLD_S [PID]
  *       Opens N streaming /generate requests (max_new_tokens 100000,
@@ -82,6 +83,8 @@ static void answer(conn *c, const char *status, const char *body) {
 
 /* One complete request at the start of c->in: answered, and consumed.
  * False while it is incomplete. */
+static bool decode_role;
+
 static bool worker_request(conn *c) {
     c->in[c->len < BUF_BYTES ? c->len : BUF_BYTES - 1] = '\0';
     char *end = strstr(c->in, "\r\n\r\n");
@@ -91,7 +94,7 @@ static bool worker_request(conn *c) {
     size_t total = (size_t)(end + 4 - c->in) + body_len;
     if (c->len < total) return false;
     char *body = end + 4;
-    bool stream = memmem(body, body_len, "\"stream\":true", 13) != NULL;
+    bool stream = decode_role && memmem(body, body_len, "\"stream\":true", 13) != NULL;
     if (!strncmp(c->in, "GET /health", 11)) {
         answer(c, "200 OK", "{}");
     } else if (!strncmp(c->in, "POST /abort_request", 19)) {
@@ -102,8 +105,11 @@ static bool worker_request(conn *c) {
         send_all(c->fd, head, sizeof head - 1);
         c->streaming = true;
     } else if (!strncmp(c->in, "POST /generate", 14)) {
-        answer(c, "200 OK",
-               "{\"text\":\"\",\"meta_info\":{\"finish_reason\":{\"type\":\"transferred\"}}}");
+        answer(
+            c, "200 OK",
+            decode_role
+                ? "{\"text\":\"x\",\"meta_info\":{\"finish_reason\":{\"type\":\"length\"}}}"
+                : "{\"text\":\"\",\"meta_info\":{\"finish_reason\":{\"type\":\"transferred\"}}}");
     } else {
         answer(c, "404 Not Found", "{}");
     }
@@ -210,7 +216,10 @@ static void client_read(conn *c) {
     if (strstr(c->in, "data: {")) c->event_seen = true;
     if (strstr(c->in, "\"error\"") || strstr(c->in, "[DONE]")) c->failed = true;
     if (c->failed && failures_shown++ < 3)
-        printf("a stream failed (%s): %.300s\n", r < 0 ? strerror(errno) : r == 0 ? "closed" : "answer",
+        printf("a stream failed (%s): %.300s\n",
+               r < 0        ? strerror(errno)
+                   : r == 0 ? "closed"
+                            : "answer",
                c->in);
 }
 
@@ -275,6 +284,10 @@ static int clients(int port, int n, int hold_s, int pid) {
         struct epoll_event ev = {.events = EPOLLIN, .data.u32 = (uint32_t)i};
         epoll_ctl(ep, EPOLL_CTL_ADD, cs[i].fd, &ev);
         if (i % OPEN_BATCH == OPEN_BATCH - 1) pump(ep, cs, OPEN_PAUSE_MS);
+        if (i % 2000 == 1999) {
+            printf("  %d opened at %.1f s\n", i + 1, (double)(now_ms() - t0) / 1e3);
+            fflush(stdout);
+        }
     }
     printf("opened %d streams in %.1f s\n", n, (double)(now_ms() - t0) / 1e3);
     uint64_t until = now_ms() + (uint64_t)hold_s * 1000u, report = now_ms() + 5000;
@@ -297,11 +310,14 @@ static int clients(int port, int n, int hold_s, int pid) {
 
 int main(int argc, char **argv) {
     raise_nofile();
-    if (argc == 3 && !strcmp(argv[1], "worker")) worker(atoi(argv[2]));
+    if (argc == 4 && !strcmp(argv[1], "worker")) {
+        decode_role = !strcmp(argv[3], "decode");
+        worker(atoi(argv[2]));
+    }
     if ((argc == 5 || argc == 6) && !strcmp(argv[1], "clients"))
         return clients(atoi(argv[2]), atoi(argv[3]), atoi(argv[4]), argc == 6 ? atoi(argv[5]) : 0);
     fprintf(stderr,
-            "usage: router_streams worker PORT\n"
+            "usage: router_streams worker PORT prefill|decode\n"
             "       router_streams clients PORT N HOLD_S [ROUTER_PID]\n");
     return 2;
 }
