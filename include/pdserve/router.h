@@ -16,17 +16,21 @@
  * waiting for (client gone, timeout, abort, the other half failed) is told
  * so with POST /abort_request, so no worker keeps computing for nobody.
  *
- * Threads. The HTTP server (pdserve/http_server.h) runs one event loop; a
- * generation or an abort runs on a thread of its own, which drives its own
- * libcurl multi handle (both halves at once) and hears of a client's
- * hang-up from the server while it waits. A background
- * thread checks GET /health of every worker. Nothing here prints or exits;
+ * Threads: a fixed set, none per request or connection. The HTTP server
+ * (pdserve/http_server.h) runs one event loop, which also validates and
+ * pairs generations; four upstream event loops (src/router/loop.c: epoll +
+ * libcurl's multi interface) run every request's two halves and aborts;
+ * four admin threads run the routes that block (/abort_request's fan-out,
+ * /v1/models, SGLang's utility routes); a background thread checks
+ * GET /health of every worker. pd_router_start raises RLIMIT_NOFILE's soft
+ * limit to the hard one and refuses a connections_max that does not fit. Nothing here prints or exits;
  * errors come back as pd_err with a message in a caller-owned buffer.
  *
  * The pieces, one file each under src/router: policy.c (which worker),
  * workers.c (the worker table: health state and load), health.c (the
  * checker thread), client.c (libcurl settings and one POST to several
- * workers at once, used for aborts), forward.c (one request's two halves),
+ * workers at once, used for aborts), loop.c (an upstream event loop),
+ * forward.c (one request's two halves, a task of a loop),
  * stats.c (counters and the latency histogram), router.c (the server and
  * routes). Error bodies and responses come from the http layer (http.h).
  */
@@ -77,7 +81,8 @@ typedef struct pd_router_config {
     size_t max_body_bytes;            /* client request bodies; default 1 MiB */
     size_t max_response_bytes;        /* a non-streamed worker answer; default 64 MiB */
     /* Told of every client that hung up before its answer, one line each (a
-     * JSON object with its rid, docs/http-api.md), on the request's thread.
+     * JSON object with its rid, docs/http-api.md), from any of the router's
+     * threads (several at once).
      * NULL: nothing is logged; the router prints nothing itself. */
     void (*on_log)(void *ctx, const char *line);
     void *on_log_ctx;

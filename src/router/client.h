@@ -6,8 +6,9 @@
  * The fan-out is what aborts use: a client that hangs up costs one
  * /abort_request to each half, a router-level /abort_request one to every
  * worker, all in parallel so a dead worker costs one timeout, not one per
- * worker. It blocks the calling thread, which is always a request's own
- * thread (router.c), never the server's loop.
+ * worker. It blocks the calling thread, which is always one of the
+ * router's admin threads (router.c), never an event loop. A forward's own
+ * aborts do not come here: they are transfers on its loop (forward.c).
  */
 #ifndef PDSERVE_ROUTER_CLIENT_H
 #define PDSERVE_ROUTER_CLIENT_H

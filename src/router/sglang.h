@@ -4,7 +4,7 @@
  * to one healthy worker; /flush_cache goes to every worker. /health_generate
  * is a real generation and takes the router's generate path (router.c).
  *
- * Each runs on the request's own thread (router.c) and blocks it for at
+ * Each runs on one of the router's admin threads (router.c), blocking it for at
  * most the worker timeout; none keeps state between requests.
  */
 #ifndef PDSERVE_ROUTER_SGLANG_H
