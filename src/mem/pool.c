@@ -203,9 +203,8 @@ static void take_run(pd_pool *p, uint32_t start, uint32_t n, uint32_t *out) {
 
 /* Takes the n lowest free units (free_count >= n), in increasing order. */
 static void take_lowest(pd_pool *p, uint32_t n, uint32_t *out) {
-    uint32_t got = 0;
-    for (uint32_t w = lowest_free_word(p); got < n; w = next_free_word(p, w + 1, p->n_words)) {
-        PD_ASSERT(w < p->n_words);
+    uint32_t got = 0, w = lowest_free_word(p);
+    for (;;) {
         uint64_t x = p->words[w];
         while (x != 0 && got < n) {
             out[got++] = w * 64 + (uint32_t)__builtin_ctzll(x);
@@ -213,6 +212,9 @@ static void take_lowest(pd_pool *p, uint32_t n, uint32_t *out) {
         }
         p->words[w] = x;
         if (x == 0) p->sum[w / 64] &= ~(UINT64_C(1) << (w % 64));
+        if (got == n) break;
+        w = next_free_word(p, w + 1, p->n_words);
+        PD_ASSERT(w < p->n_words);
     }
     p->free_count -= n;
 }
