@@ -23,8 +23,9 @@
  * four admin threads run the routes that block (/abort_request's fan-out,
  * /v1/models, SGLang's utility routes); a background thread checks
  * GET /health of every worker. pd_router_start raises RLIMIT_NOFILE's soft
- * limit to the hard one and refuses a connections_max that does not fit. Nothing here prints or exits;
- * errors come back as pd_err with a message in a caller-owned buffer.
+ * limit to the hard one and refuses a connections_max that does not fit.
+ * Nothing here prints or exits; errors come back as pd_err with a message
+ * in a caller-owned buffer.
  *
  * The pieces, one file each under src/router: policy.c (which worker),
  * workers.c (the worker table: health state and load), health.c (the
