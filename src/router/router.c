@@ -97,8 +97,8 @@ struct pd_router {
     atomic_uint next_loop; /* round robin over the loops */
 
     pthread_mutex_t table_mu;
-    slot *slots;         /* cfg.connections_max of them */
-    bool stopping;       /* guarded by table_mu */
+    slot *slots;   /* cfg.connections_max of them */
+    bool stopping; /* guarded by table_mu */
 
     /* The admin pool: a queue of requests (admin_mu), ADMIN_THREADS threads. */
     pthread_mutex_t admin_mu;
