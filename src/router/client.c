@@ -6,10 +6,12 @@
 #include <jansson.h>
 #include <pthread.h>
 #include <stdbool.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
 
+#include "loop.h"
 #include "pdserve/router.h"
 
 /* libcurl's global state belongs to the process, not to a router: it must be
@@ -97,105 +99,6 @@ uint64_t rt_now_ms(void) {
     return (uint64_t)ts.tv_sec * 1000u + (uint64_t)ts.tv_nsec / 1000000u;
 }
 
-/* An answer body, kept up to a small bound: aborts answer a few bytes. */
-typedef struct small_body {
-    char data[1024];
-    size_t len;
-} small_body;
-
-static size_t small_body_write(char *ptr, size_t size, size_t nmemb, void *userdata) {
-    small_body *b = userdata;
-    size_t n = size * nmemb;
-    size_t room = sizeof b->data - 1 - b->len;
-    size_t take = n < room ? n : room;
-    memcpy(b->data + b->len, ptr, take);
-    b->len += take;
-    b->data[b->len] = '\0';
-    return n; /* the excess is dropped, not an error */
-}
-
-void rt_fanout_post(rt_post *posts, size_t n, const char *body, uint32_t timeout_ms,
-                    uint32_t connect_timeout_ms, const char *api_key) {
-    PD_ASSERT(n <= 2 * PD_ROUTER_WORKERS_MAX);
-    CURL *easy[2 * PD_ROUTER_WORKERS_MAX] = {0};
-    small_body *bodies = calloc(n ? n : 1, sizeof *bodies);
-    struct curl_slist *hdrs = curl_slist_append(NULL, "Content-Type: application/json");
-    struct curl_slist *more = hdrs ? curl_slist_append(hdrs, "Expect:") : NULL;
-    if (!more) {
-        curl_slist_free_all(hdrs);
-        hdrs = NULL;
-    }
-    CURLM *multi = rt_client_multi();
-    for (size_t i = 0; i < n; i++) {
-        posts[i].status = 0;
-        posts[i].aborted = -1;
-        posts[i].message[0] = '\0';
-        if (!multi || !hdrs || !bodies) continue;
-        easy[i] = curl_easy_init();
-        if (!easy[i]) continue;
-        rt_client_setup(easy[i], connect_timeout_ms, api_key);
-        curl_easy_setopt(easy[i], CURLOPT_URL, posts[i].url);
-        curl_easy_setopt(easy[i], CURLOPT_HTTPHEADER, hdrs);
-        curl_easy_setopt(easy[i], CURLOPT_POSTFIELDS, body);
-        curl_easy_setopt(easy[i], CURLOPT_POSTFIELDSIZE, (long)strlen(body));
-        curl_easy_setopt(easy[i], CURLOPT_TIMEOUT_MS, (long)timeout_ms);
-        curl_easy_setopt(easy[i], CURLOPT_WRITEFUNCTION, small_body_write);
-        curl_easy_setopt(easy[i], CURLOPT_WRITEDATA, &bodies[i]);
-        if (curl_multi_add_handle(multi, easy[i]) != CURLM_OK) {
-            curl_easy_cleanup(easy[i]);
-            easy[i] = NULL;
-        }
-    }
-    if (multi) {
-        /* Each handle ends by its own CURLOPT_TIMEOUT_MS; the loop bound is a
-         * backstop against a clock or library surprise. */
-        uint64_t give_up_ms = rt_now_ms() + (uint64_t)timeout_ms + connect_timeout_ms + 1000;
-        int running = 1;
-        while (running > 0 && rt_now_ms() < give_up_ms) {
-            if (curl_multi_perform(multi, &running) != CURLM_OK) break;
-            if (running > 0) curl_multi_poll(multi, NULL, 0, 100, NULL);
-        }
-    }
-    for (size_t i = 0; i < n; i++) {
-        if (!easy[i]) continue;
-        long status = 0;
-        curl_easy_getinfo(easy[i], CURLINFO_RESPONSE_CODE, &status);
-        posts[i].status = status;
-        json_t *root = json_loadb(bodies[i].data, bodies[i].len, 0, NULL);
-        json_t *aborted = root ? json_object_get(root, "aborted") : NULL;
-        if (json_is_integer(aborted)) posts[i].aborted = (long long)json_integer_value(aborted);
-        const char *m =
-            json_string_value(json_object_get(json_object_get(root, "error"), "message"));
-        snprintf(posts[i].message, sizeof posts[i].message, "%s", m ? m : "");
-        json_decref(root);
-        curl_multi_remove_handle(multi, easy[i]);
-        curl_easy_cleanup(easy[i]);
-    }
-    if (multi) curl_multi_cleanup(multi);
-    curl_slist_free_all(hdrs);
-    free(bodies);
-}
-
-long rt_get(const char *url, uint32_t timeout_ms, uint32_t connect_timeout_ms, const char *api_key,
-            char *body, size_t cap) {
-    PD_ASSERT(cap > 0);
-    body[0] = '\0';
-    CURL *easy = curl_easy_init();
-    if (!easy) return 0;
-    small_body b = {.len = 0};
-    rt_client_setup(easy, connect_timeout_ms, api_key);
-    curl_easy_setopt(easy, CURLOPT_URL, url);
-    curl_easy_setopt(easy, CURLOPT_TIMEOUT_MS, (long)timeout_ms);
-    curl_easy_setopt(easy, CURLOPT_WRITEFUNCTION, small_body_write);
-    curl_easy_setopt(easy, CURLOPT_WRITEDATA, &b);
-    long status = 0;
-    if (curl_easy_perform(easy) == CURLE_OK)
-        curl_easy_getinfo(easy, CURLINFO_RESPONSE_CODE, &status);
-    curl_easy_cleanup(easy);
-    snprintf(body, cap, "%s", b.data);
-    return status;
-}
-
 /* A growing answer body, cut (and flagged) at cap. */
 typedef struct grow_body {
     char *data;
@@ -224,34 +127,171 @@ static size_t grow_body_write(char *ptr, size_t size, size_t nmemb, void *userda
     return n;
 }
 
-void rt_fetch(const char *url, const char *body, size_t body_len, uint32_t timeout_ms,
-              uint32_t connect_timeout_ms, const char *api_key, size_t cap, rt_fetched *out) {
-    PD_ASSERT(url != NULL && cap > 0);
-    *out = (rt_fetched){0};
-    grow_body b = {.cap = cap};
+long long rt_call_aborted(const rt_call *c) {
+    json_t *root = c->body ? json_loadb(c->body, c->len, 0, NULL) : NULL;
+    json_t *aborted = json_object_get(root, "aborted");
+    long long v = json_is_integer(aborted) ? (long long)json_integer_value(aborted) : -1;
+    json_decref(root);
+    return v;
+}
+
+void rt_call_message(const rt_call *c, char *buf, size_t cap) {
+    json_t *root = c->body ? json_loadb(c->body, c->len, 0, NULL) : NULL;
+    const char *m = json_string_value(json_object_get(json_object_get(root, "error"), "message"));
+    snprintf(buf, cap, "%s", m ? m : "");
+    json_decref(root);
+}
+
+/* ---- the batch ------------------------------------------------------------------ */
+
+typedef struct batch_xfer {
+    rt_xfer x;
+    struct rt_batch *b;
+    grow_body answer;
+    long status;
+    bool running; /* on the loop's multi handle */
+} batch_xfer;
+
+typedef struct rt_batch {
+    rt_task task; /* first: the loop steps &task */
+    rt_batch_params p;
+    char *post; /* the copied body, NULL for GETs */
+    struct curl_slist *hdrs;
+    rt_call *calls; /* p.n of them: the batch's copy, handed to done */
+    batch_xfer *xs; /* p.n of them */
+    int stage;      /* stages started: 0, 1 or 2 */
+    size_t pending; /* transfers running */
+    uint64_t give_up_ms;
+} rt_batch;
+
+static void batch_xfer_done(rt_xfer *x, CURLcode rc) {
+    batch_xfer *bx = (batch_xfer *)x;
+    PD_ASSERT(bx->running && bx->b->pending > 0);
+    if (rc == CURLE_OK) curl_easy_getinfo(x->easy, CURLINFO_RESPONSE_CODE, &bx->status);
+    curl_easy_cleanup(x->easy);
+    x->easy = NULL;
+    bx->running = false;
+    bx->b->pending--;
+    rt_loop_mark(bx->b->p.loop, &bx->b->task);
+}
+
+/* Adds call i's transfer; a call that cannot start is over (status 0). */
+static void batch_add(rt_batch *b, size_t i) {
+    batch_xfer *bx = &b->xs[i];
     CURL *easy = curl_easy_init();
-    struct curl_slist *hdrs = body ? curl_slist_append(NULL, "Content-Type: application/json")
-                                   : NULL;
-    struct curl_slist *more = hdrs ? curl_slist_append(hdrs, "Expect:") : NULL;
-    if (!easy || (body && !more)) {
-        curl_slist_free_all(hdrs);
-        if (easy) curl_easy_cleanup(easy);
+    if (!easy) return;
+    rt_client_setup(easy, b->p.connect_timeout_ms, b->p.api_key);
+    curl_easy_setopt(easy, CURLOPT_URL, b->calls[i].url);
+    curl_easy_setopt(easy, CURLOPT_TIMEOUT_MS, (long)b->p.timeout_ms);
+    curl_easy_setopt(easy, CURLOPT_WRITEFUNCTION, grow_body_write);
+    curl_easy_setopt(easy, CURLOPT_WRITEDATA, &bx->answer);
+    if (b->post) {
+        curl_easy_setopt(easy, CURLOPT_HTTPHEADER, b->hdrs);
+        curl_easy_setopt(easy, CURLOPT_POSTFIELDS, b->post);
+        curl_easy_setopt(easy, CURLOPT_POSTFIELDSIZE, (long)b->p.body_len);
+    }
+    bx->x = (rt_xfer){.easy = easy, .done = batch_xfer_done};
+    bx->b = b;
+    if (!rt_loop_add_xfer(b->p.loop, &bx->x)) {
+        curl_easy_cleanup(easy);
+        bx->x.easy = NULL;
         return;
     }
-    rt_client_setup(easy, connect_timeout_ms, api_key);
-    curl_easy_setopt(easy, CURLOPT_URL, url);
-    curl_easy_setopt(easy, CURLOPT_TIMEOUT_MS, (long)timeout_ms);
-    curl_easy_setopt(easy, CURLOPT_WRITEFUNCTION, grow_body_write);
-    curl_easy_setopt(easy, CURLOPT_WRITEDATA, &b);
-    if (body) {
-        curl_easy_setopt(easy, CURLOPT_HTTPHEADER, hdrs);
-        curl_easy_setopt(easy, CURLOPT_POSTFIELDS, body);
-        curl_easy_setopt(easy, CURLOPT_POSTFIELDSIZE, (long)body_len);
+    bx->running = true;
+    b->pending++;
+}
+
+/* Starts the next stage's transfers. */
+static void batch_next_stage(rt_batch *b) {
+    PD_ASSERT(b->pending == 0 && b->stage < 2);
+    size_t from = b->stage == 0 ? 0 : b->p.first_stage;
+    size_t to = b->stage == 0 ? b->p.first_stage : b->p.n;
+    b->stage++;
+    /* Each transfer ends by its own CURLOPT_TIMEOUT_MS; this is a backstop
+     * against a clock or library surprise. */
+    b->give_up_ms = rt_now_ms() + (uint64_t)b->p.timeout_ms + b->p.connect_timeout_ms + 1000u;
+    for (size_t i = from; i < to; i++) batch_add(b, i);
+}
+
+/* Past the backstop: the transfers still running end without an answer. */
+static void batch_give_up(rt_batch *b) {
+    for (size_t i = 0; i < b->p.n; i++) {
+        batch_xfer *bx = &b->xs[i];
+        if (!bx->running) continue;
+        rt_loop_remove_xfer(b->p.loop, &bx->x);
+        curl_easy_cleanup(bx->x.easy);
+        bx->x.easy = NULL;
+        bx->running = false;
+        bx->status = 0;
+        b->pending--;
     }
-    if (curl_easy_perform(easy) == CURLE_OK)
-        curl_easy_getinfo(easy, CURLINFO_RESPONSE_CODE, &out->status);
-    curl_easy_cleanup(easy);
-    curl_slist_free_all(hdrs);
-    PD_ASSERT(b.len <= cap);
-    *out = (rt_fetched){.status = out->status, .body = b.data, .len = b.len, .cut = b.cut};
+    PD_ASSERT(b->pending == 0);
+}
+
+static void batch_free(rt_batch *b) {
+    for (size_t i = 0; b->xs && i < b->p.n; i++) free(b->xs[i].answer.data);
+    free(b->xs);
+    free(b->calls);
+    curl_slist_free_all(b->hdrs);
+    free(b->post);
+    free(b);
+}
+
+/* Hands every answer to the caller, then frees the batch. */
+static void batch_end(rt_batch *b) {
+    PD_ASSERT(b->pending == 0);
+    rt_loop_forget(b->p.loop, &b->task);
+    for (size_t i = 0; i < b->p.n; i++) {
+        batch_xfer *bx = &b->xs[i];
+        rt_call *c = &b->calls[i];
+        c->status = bx->status;
+        c->body = bx->answer.data;
+        c->len = bx->answer.len;
+        c->cut = bx->answer.cut;
+        bx->answer.data = NULL;
+    }
+    b->p.done(b->p.user, b->calls, b->p.n);
+    for (size_t i = 0; i < b->p.n; i++) free(b->calls[i].body);
+    batch_free(b);
+}
+
+static void batch_step(rt_task *t) {
+    rt_batch *b = (rt_batch *)t;
+    if (b->pending > 0 && rt_now_ms() >= b->give_up_ms) batch_give_up(b);
+    while (b->pending == 0 && b->stage < 2) batch_next_stage(b);
+    if (b->pending > 0) {
+        rt_loop_wake_at(b->p.loop, t, b->give_up_ms);
+        return;
+    }
+    batch_end(b); /* frees b */
+}
+
+pd_err rt_batch_start(const rt_batch_params *p, char *msg, size_t msg_cap) {
+    PD_ASSERT(p->loop && p->done && p->first_stage <= p->n);
+    PD_ASSERT(p->n <= 2 * PD_ROUTER_WORKERS_MAX && p->cap > 0);
+    rt_batch *b = calloc(1, sizeof *b);
+    if (!b) return pd_errorf(msg, msg_cap, PD_ERR_NOMEM, "out of memory");
+    b->p = *p;
+    b->xs = calloc(p->n ? p->n : 1, sizeof *b->xs);
+    b->calls = calloc(p->n ? p->n : 1, sizeof *b->calls);
+    bool ok = b->xs != NULL && b->calls != NULL;
+    for (size_t i = 0; ok && i < p->n; i++)
+        snprintf(b->calls[i].url, sizeof b->calls[i].url, "%s", p->calls[i].url);
+    for (size_t i = 0; ok && i < p->n; i++) b->xs[i].answer.cap = p->cap;
+    if (ok && p->body) {
+        b->post = malloc(p->body_len + 1);
+        struct curl_slist *h = curl_slist_append(NULL, "Content-Type: application/json");
+        b->hdrs = h ? curl_slist_append(h, "Expect:") : NULL;
+        if (!b->hdrs) curl_slist_free_all(h);
+        ok = b->post && b->hdrs;
+        if (b->post) memcpy(b->post, p->body, p->body_len);
+        if (b->post) b->post[p->body_len] = '\0';
+    }
+    if (!ok) {
+        batch_free(b);
+        return pd_errorf(msg, msg_cap, PD_ERR_NOMEM, "out of memory");
+    }
+    b->task.step = batch_step;
+    rt_loop_poke(p->loop, &b->task); /* the first step starts the first stage */
+    return PD_OK;
 }

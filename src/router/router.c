@@ -4,7 +4,7 @@
  * (pd_http_server, docs/http-server.md), the upstream event loop (loop.h)
  * and a forward (forward.c).
  *
- * No request has a thread of its own (issue 13). Three kinds of threads
+ * No request has a thread of its own (issue 13). Two kinds of threads
  * serve them all:
  *
  *   the server's loop  parses every request and makes every answer about
@@ -13,15 +13,15 @@
  *            405); and for a generation validates the body, picks a pair,
  *            rewrites the body with the bootstrap fields and hands a new
  *            forward to the upstream loop. None of it blocks.
- *   the upstream loop  (one thread: epoll + curl_multi_socket_action) runs
- *            every forward: both halves, their aborts, the answer through
- *            the forward's sink (forward_head / forward_data / forward_end
- *            below, which call the server's answering functions, which queue
- *            bytes and wake the server's loop).
- *   ADMIN_THREADS admin threads  run the rare routes that still block on
- *            libcurl's easy interface: /abort_request's fan-out, /v1/models
- *            and SGLang's utility routes. A fixed pool with a queue: a
- *            burst of them waits its turn instead of starting threads.
+ *   the upstream loops  (UPSTREAM_LOOPS threads, each epoll +
+ *            curl_multi_socket_action) run every forward: both halves,
+ *            their aborts, the answer through the forward's sink
+ *            (forward_head / forward_data / forward_end below, which call
+ *            the server's answering functions, which queue bytes and wake
+ *            the server's loop); and every admin route's calls to workers
+ *            as a batch (client.h: /abort_request's fan-out, /flush_cache's,
+ *            /v1/models and SGLang's relayed routes), answered by the
+ *            batch's `done` on the loop when all are back.
  *
  * The in-flight table (one slot per possible connection, a linear scan
  * under a mutex) maps rids to forwards for the two things that reach a
@@ -62,7 +62,9 @@
 #include "stats.h"
 #include "workers.h"
 
-#define ADMIN_THREADS 4
+/* Bytes of an admin answer kept when the router reads only a field or two
+ * of it (aborts, flushes) or relays a short one (/v1/models). */
+#define ADMIN_ANSWER_SMALL 1024u
 /* Upstream loops, each a thread with its own multi handle and connection
  * cache: libcurl's cost per transfer added or removed grows with the
  * transfers and connections one multi handle holds (a linear scan of the
@@ -76,7 +78,7 @@
 
 typedef struct slot {
     bool used;
-    bool abort_pending;      /* flagged before the forward attached */
+    bool abort_pending; /* flagged before the forward attached */
     char rid[PD_RID_MAX];
     rt_fwd *fwd;
 } slot;
@@ -100,13 +102,9 @@ struct pd_router {
     slot *slots;   /* cfg.connections_max of them */
     bool stopping; /* guarded by table_mu */
 
-    /* The admin pool: a queue of requests (admin_mu), ADMIN_THREADS threads. */
-    pthread_mutex_t admin_mu;
-    pthread_cond_t admin_cv;
-    struct req *admin_head, *admin_tail;
-    bool admin_stop;
-    pthread_t admin[ADMIN_THREADS];
-    size_t admin_started;
+    /* Admin routes whose batch runs on an upstream loop: the loops stop
+     * only once it is 0. */
+    atomic_size_t admin_live;
 };
 
 /* ---- configuration ---------------------------------------------------------- */
@@ -139,8 +137,7 @@ pd_err pd_router_create(pd_router **out, const pd_router_config *cfg, char *msg,
         return pd_errorf(msg, msg_cap, PD_ERR_INVALID, "a listen host is required");
     if (cfg->health_interval_ms == 0 || cfg->health_timeout_ms == 0)
         return pd_errorf(msg, msg_cap, PD_ERR_INVALID, "health interval and timeout must be > 0");
-    if (cfg->request_timeout_ms == 0 || cfg->connect_timeout_ms == 0 ||
-        cfg->abort_timeout_ms == 0)
+    if (cfg->request_timeout_ms == 0 || cfg->connect_timeout_ms == 0 || cfg->abort_timeout_ms == 0)
         return pd_errorf(msg, msg_cap, PD_ERR_INVALID, "timeouts must be > 0");
     if (cfg->max_body_bytes == 0 || cfg->max_response_bytes == 0)
         return pd_errorf(msg, msg_cap, PD_ERR_INVALID, "size limits must be > 0");
@@ -179,8 +176,7 @@ pd_err pd_router_create(pd_router **out, const pd_router_config *cfg, char *msg,
         return pd_errorf(msg, msg_cap, PD_ERR_NOMEM, "out of memory");
     }
     pthread_mutex_init(&r->table_mu, NULL);
-    pthread_mutex_init(&r->admin_mu, NULL);
-    pthread_cond_init(&r->admin_cv, NULL);
+    atomic_init(&r->admin_live, 0u);
     rt_stats_init(&r->stats);
     *out = r;
     return PD_OK;
@@ -344,17 +340,21 @@ typedef struct req {
     route route;
     const char *body; /* the server's copy, NUL-terminated */
     size_t len;
-    bool answered;           /* a response is queued */
-    bool generation;         /* counted in the stats */
-    bool recorded;           /* its outcome is in the stats */
-    unsigned status;         /* for the stats, when no forward decides it */
+    bool answered;   /* a response is queued */
+    bool generation; /* counted in the stats */
+    bool recorded;   /* its outcome is in the stats */
+    unsigned status; /* for the stats, when no forward decides it */
     long slot;
-    bool picked;             /* a worker pair counts this request in flight */
+    bool picked; /* a worker pair counts this request in flight */
     size_t prefill, decode;
     uint64_t start_ms;
     bool streaming; /* the answer is an event stream */
-    struct req *admin_next;
     rt_fwd *fwd;
+    /* What /abort_request's answer needs once its batch (client.h) is back. */
+    size_t *order; /* calls[k] went to worker order[k] */
+    bool abort_all;
+    char abort_rid[PD_RID_MAX];
+    size_t abort_requests; /* the router's own requests flagged */
 } req;
 
 static route find_route(const char *url) {
@@ -608,35 +608,101 @@ static bool handle_generation(req *q) {
     return forward_generation(q, body, rid, model_copy, stream);
 }
 
+/* ---- the admin routes: batches on the upstream loops ------------------------------ */
+
+/* Starts q's calls as a batch on an upstream loop (client.h); true when the
+ * batch owns q (its `done` ends with admin_end). Takes calls. */
+static bool admin_batch(req *q, rt_call *calls, size_t n, size_t first_stage, const char *body,
+                        size_t body_len, uint32_t timeout_ms, size_t cap, rt_batch_done done) {
+    pd_router *r = q->r;
+    rt_batch_params p = {
+        .loop = r->loops[atomic_fetch_add(&r->next_loop, 1u) % UPSTREAM_LOOPS],
+        .calls = calls,
+        .n = n,
+        .first_stage = first_stage,
+        .body = body,
+        .body_len = body_len,
+        .timeout_ms = timeout_ms,
+        .connect_timeout_ms = r->cfg.connect_timeout_ms,
+        .api_key = r->cfg.api_key,
+        .cap = cap,
+        .done = done,
+        .user = q,
+    };
+    atomic_fetch_add(&r->admin_live, 1u);
+    char msg[256];
+    pd_err err = rt_batch_start(&p, msg, sizeof msg);
+    free(calls); /* the batch has its copy */
+    if (err == PD_OK) return true;
+    atomic_fetch_sub(&r->admin_live, 1u);
+    return answer_error(q, 500, NULL, "%s", msg), false;
+}
+
+/* The end of an admin route's batch, on its loop: q is finished. */
+static void admin_end(req *q) {
+    pd_router *r = q->r;
+    finish(q);
+    atomic_fetch_sub(&r->admin_live, 1u); /* last: pd_router_stop waits for it */
+}
+
+/* /abort_request's verdict once every worker answered (or timed out). */
+static void abort_done(void *user, rt_call *calls, size_t n) {
+    req *q = user;
+    pd_router *r = q->r;
+    rt_stats_aborts_sent(&r->stats, n);
+    long long total = 0;
+    json_t *per = json_array();
+    for (size_t k = 0; k < n; k++) {
+        const rt_worker *w = &r->workers.w[q->order[k]]; /* role and url are immutable */
+        long long got = calls[k].status == 200 ? rt_call_aborted(&calls[k]) : 0;
+        long long a = got > 0 ? got : 0;
+        total += a;
+        json_array_append_new(per,
+                              json_pack("{s:s, s:s, s:i, s:I}", "url", w->url.base, "role",
+                                        rt_role_name(w->role), "status", (int)calls[k].status,
+                                        "aborted", (json_int_t)a));
+    }
+    if (!q->abort_all && total == 0 && q->abort_requests == 0) {
+        json_decref(per);
+        answer_error(q, 404, NULL, "no live request has rid %s", q->abort_rid);
+    } else {
+        answer_json(q, 200,
+                    json_pack("{s:I, s:I, s:o}", "aborted", (json_int_t)total, "requests",
+                              (json_int_t)q->abort_requests, "workers", per));
+    }
+    admin_end(q);
+}
+
+/* Flags the router's own requests, then tells every worker: a batch whose
+ * answer (abort_done) comes only once the workers were told. True when the
+ * batch owns q. */
 static bool handle_abort(req *q) {
     pd_router *r = q->r;
     json_t *o;
     char why[256];
     unsigned refused = rt_body_parse(RT_BODY_ABORT, q->body, q->len, &o, why, sizeof why);
-    if (refused) return answer_error(q, refused, NULL, "%s", why);
-    json_t *rid = json_object_get(o, "rid");
-    bool abort_all = json_is_true(json_object_get(o, "abort_all"));
-    char rid_copy[PD_RID_MAX] = "";
-    if (!abort_all) snprintf(rid_copy, sizeof rid_copy, "%s", json_string_value(rid));
+    if (refused) return answer_error(q, refused, NULL, "%s", why), false;
+    q->abort_all = json_is_true(json_object_get(o, "abort_all"));
+    if (!q->abort_all)
+        snprintf(q->abort_rid, sizeof q->abort_rid, "%s",
+                 json_string_value(json_object_get(o, "rid")));
     json_decref(o);
 
     /* The router's own requests first: none can slip past, and those whose
      * workers have not registered the rid yet are ended by their forward. */
-    size_t requests = table_flag_abort(r, abort_all ? NULL : rid_copy);
+    q->abort_requests = table_flag_abort(r, q->abort_all ? NULL : q->abort_rid);
 
-    json_t *fwd = abort_all ? json_pack("{s:b}", "abort_all", 1)
-                            : json_pack("{s:s}", "rid", rid_copy);
+    json_t *fwd = q->abort_all ? json_pack("{s:b}", "abort_all", 1)
+                               : json_pack("{s:s}", "rid", q->abort_rid);
     char *fwd_body = fwd ? json_dumps(fwd, JSON_COMPACT) : NULL;
     json_decref(fwd);
-    if (!fwd_body) return answer_error(q, 500, NULL, "out of memory");
     size_t n = r->workers.count, nd = 0;
-    rt_post *posts = calloc(n, sizeof *posts);
-    size_t *order = calloc(n, sizeof *order);
-    if (!posts || !order) {
-        free(posts);
-        free(order);
+    rt_call *calls = calloc(n, sizeof *calls);
+    q->order = calloc(n, sizeof *q->order);
+    if (!fwd_body || !calls || !q->order) {
+        free(calls);
         free(fwd_body);
-        return answer_error(q, 500, NULL, "out of memory");
+        return answer_error(q, 500, NULL, "out of memory"), false;
     }
     /* Decode nodes first, and only then prefill nodes: a prefill node that
      * stopped first would fail the room under the decode node, whose answer
@@ -645,38 +711,16 @@ static bool handle_abort(req *q) {
     size_t k = 0;
     for (int pass = 0; pass < 2; pass++)
         for (size_t i = 0; i < n; i++)
-            if ((r->workers.w[i].role == RT_DECODE) == (pass == 0)) order[k++] = i;
+            if ((r->workers.w[i].role == RT_DECODE) == (pass == 0)) q->order[k++] = i;
     for (k = 0; k < n; k++) {
-        snprintf(posts[k].url, sizeof posts[k].url, "%s/abort_request",
-                 r->workers.w[order[k]].url.base);
-        nd += r->workers.w[order[k]].role == RT_DECODE;
+        snprintf(calls[k].url, sizeof calls[k].url, "%s/abort_request",
+                 r->workers.w[q->order[k]].url.base);
+        nd += r->workers.w[q->order[k]].role == RT_DECODE;
     }
-    for (int pass = 0; pass < 2; pass++) /* decode nodes, then prefill nodes */
-        rt_fanout_post(posts + (pass ? nd : 0), pass ? n - nd : nd, fwd_body,
-                       r->cfg.abort_timeout_ms, r->cfg.connect_timeout_ms, r->cfg.api_key);
-    free(fwd_body);
-    rt_stats_aborts_sent(&r->stats, n);
-
-    long long total = 0;
-    json_t *per = json_array();
-    for (k = 0; k < n; k++) {
-        const rt_worker *w = &r->workers.w[order[k]];
-        long long a = posts[k].status == 200 && posts[k].aborted > 0 ? posts[k].aborted : 0;
-        total += a;
-        json_array_append_new(per,
-                              json_pack("{s:s, s:s, s:i, s:I}", "url", w->url.base, "role",
-                                        rt_role_name(w->role), "status", (int)posts[k].status,
-                                        "aborted", (json_int_t)a));
-    }
-    free(order);
-    free(posts);
-    if (!abort_all && total == 0 && requests == 0) {
-        json_decref(per);
-        return answer_error(q, 404, NULL, "no live request has rid %s", rid_copy);
-    }
-    return answer_json(q, 200,
-                       json_pack("{s:I, s:I, s:o}", "aborted", (json_int_t)total, "requests",
-                                 (json_int_t)requests, "workers", per));
+    bool owned = admin_batch(q, calls, n, nd, fwd_body, strlen(fwd_body), r->cfg.abort_timeout_ms,
+                             ADMIN_ANSWER_SMALL, abort_done);
+    free(fwd_body); /* the batch has its copy */
+    return owned;
 }
 
 static json_t *workers_json(pd_router *r) {
@@ -702,8 +746,29 @@ static json_t *workers_json(pd_router *r) {
     return arr;
 }
 
+/* /v1/models' relayed answer: the decode node's, same status, same body. */
+static void models_done(void *user, rt_call *calls, size_t n) {
+    req *q = user;
+    PD_ASSERT(n == 1);
+    const rt_call *c = &calls[0];
+    /* At most ADMIN_ANSWER_SMALL bytes are kept: a cut answer is not JSON,
+     * and never relayed. */
+    json_t *check = c->body && !c->cut ? json_loadb(c->body, c->len, 0, NULL) : NULL;
+    if (c->status < 200 || c->status > 599)
+        answer_error(q, 502, NULL, "the decode node did not answer %s", c->url);
+    else if (!check)
+        answer_error(q, 502, NULL, "the decode node's answer to %s is not JSON", c->url);
+    else {
+        q->status = (unsigned)c->status;
+        q->answered = true;
+        pd_http_req_respond_json(q->h, (unsigned)c->status, c->body, c->len);
+    }
+    json_decref(check);
+    admin_end(q);
+}
+
 /* /v1/models[/{id}]: the router serves what its decode nodes serve, so it
- * relays the answer of the first healthy one (same status, same body). */
+ * relays the answer of the first healthy one. True when a batch owns q. */
 static bool handle_models(req *q) {
     pd_router *r = q->r;
     const char *path = pd_http_req_path(q->h);
@@ -711,47 +776,81 @@ static bool handle_models(req *q) {
      * or space would change what the decode node is asked). */
     for (const char *c = path; *c; c++)
         if (!isalnum((unsigned char)*c) && !strchr("/._:-", *c))
-            return answer_error(q, 404, NULL, "no model is named '%.200s'", path + 11);
+            return answer_error(q, 404, NULL, "no model is named '%.200s'", path + 11), false;
     rt_worker *snap = malloc(r->workers.count * sizeof *snap);
-    if (!snap) return answer_error(q, 500, NULL, "out of memory");
+    rt_call *call = calloc(1, sizeof *call);
+    if (!snap || !call) {
+        free(snap);
+        free(call);
+        return answer_error(q, 500, NULL, "out of memory"), false;
+    }
     rt_workers_snapshot(&r->workers, snap);
     const char *base = NULL;
     for (size_t i = 0; i < r->workers.count && !base; i++)
         if (snap[i].role == RT_DECODE && snap[i].healthy) base = snap[i].url.base;
-    char url[PD_ROUTER_URL_MAX + 300], body[1024];
-    if (base) snprintf(url, sizeof url, "%s%s", base, pd_http_req_path(q->h));
+    if (base) snprintf(call->url, sizeof call->url, "%s%.300s", base, path);
     free(snap);
-    if (!base) return answer_error(q, 503, NULL, "no healthy decode node to ask");
-    long st = rt_get(url, r->cfg.connect_timeout_ms + r->cfg.abort_timeout_ms,
-                     r->cfg.connect_timeout_ms, r->cfg.api_key, body, sizeof body);
-    if (st < 200 || st > 599)
-        return answer_error(q, 502, NULL, "the decode node did not answer %s", url);
-    json_t *check = json_loads(body, 0, NULL); /* rt_get keeps 1 KiB: never relay a cut answer */
-    if (!check)
-        return answer_error(q, 502, NULL, "the decode node's answer to %s is not JSON", url);
-    json_decref(check);
-    q->status = (unsigned)st;
-    q->answered = true;
-    pd_http_req_respond_json(q->h, (unsigned)st, body, strlen(body));
-    return true;
+    if (!base) {
+        free(call);
+        return answer_error(q, 503, NULL, "no healthy decode node to ask"), false;
+    }
+    return admin_batch(q, call, 1, 1, NULL, 0, r->cfg.connect_timeout_ms + r->cfg.abort_timeout_ms,
+                       ADMIN_ANSWER_SMALL, models_done);
 }
 
-/* SGLang's utility endpoints but /health_generate: relayed, or a fan-out. */
+static void sglang_answer(req *q, rt_sgl_answer *a) {
+    if (!a->body) {
+        answer_error(q, a->status, NULL, "%s", a->message);
+        return;
+    }
+    q->status = a->status;
+    q->answered = true;
+    pd_http_req_respond_json(q->h, a->status, a->body, a->len);
+    free(a->body);
+}
+
+static void sglang_relay_done(void *user, rt_call *calls, size_t n) {
+    req *q = user;
+    PD_ASSERT(n == 1);
+    rt_sgl_answer a;
+    rt_sgl_relay_verdict(&calls[0], q->r->cfg.max_response_bytes, &a);
+    sglang_answer(q, &a);
+    admin_end(q);
+}
+
+static void sglang_flush_done(void *user, rt_call *calls, size_t n) {
+    req *q = user;
+    PD_ASSERT(n == q->r->workers.count);
+    rt_sgl_answer a;
+    rt_sgl_flush_verdict(&q->r->workers, calls, &a);
+    sglang_answer(q, &a);
+    admin_end(q);
+}
+
+/* SGLang's utility endpoints but /health_generate: relayed to one worker,
+ * or /flush_cache to all. True when a batch owns q. */
 static bool handle_sglang(req *q) {
     pd_router *r = q->r;
+    uint32_t timeout_ms = r->cfg.connect_timeout_ms + r->cfg.abort_timeout_ms;
+    size_t n = q->route == ROUTE_FLUSH ? r->workers.count : 1;
+    rt_call *calls = calloc(n, sizeof *calls);
+    if (!calls) return answer_error(q, 500, NULL, "out of memory"), false;
+    if (q->route == ROUTE_FLUSH) {
+        rt_sgl_flush_calls(&r->workers, calls);
+        return admin_batch(q, calls, n, n, "{}", 2, timeout_ms, ADMIN_ANSWER_SMALL,
+                           sglang_flush_done);
+    }
     rt_sgl_answer a;
+    bool decode_only = q->route == ROUTE_MODEL_INFO || q->route == ROUTE_GET_SERVER_INFO;
+    if (!rt_sgl_relay_url(&r->workers, decode_only, routes[q->route].path, calls[0].url,
+                          sizeof calls[0].url, &a)) {
+        free(calls);
+        sglang_answer(q, &a);
+        return false;
+    }
     bool post = !strcmp(pd_http_req_method(q->h), "POST");
-    if (q->route == ROUTE_FLUSH) rt_sgl_flush(&r->workers, &r->cfg, &a);
-    else
-        rt_sgl_relay(&r->workers, &r->cfg,
-                     q->route == ROUTE_MODEL_INFO || q->route == ROUTE_GET_SERVER_INFO,
-                     routes[q->route].path, post ? q->body : NULL, q->len, &a);
-    if (!a.body) return answer_error(q, a.status, NULL, "%s", a.message);
-    q->status = a.status;
-    q->answered = true;
-    pd_http_req_respond_json(q->h, a.status, a.body, a.len);
-    free(a.body);
-    return true;
+    return admin_batch(q, calls, 1, 1, post ? q->body : NULL, post ? q->len : 0, timeout_ms,
+                       r->cfg.max_response_bytes, sglang_relay_done);
 }
 
 static bool handle_server_info(req *q) {
@@ -803,11 +902,11 @@ static bool handle_metrics(req *q) {
                          families[f][0], families[f][1]);
         for (size_t i = 0; i < r->workers.count; i++) {
             const rt_worker *w = &snap[i];
-            unsigned long long v = f == 0   ? (unsigned long long)w->healthy
-                                   : f == 1 ? (unsigned long long)w->in_flight
-                                   : f == 2 ? (unsigned long long)w->requests_total
-                                   : f == 3 ? (unsigned long long)w->failures_total
-                                            : (unsigned long long)w->probe_failures_total;
+            unsigned long long v = f == 0 ? (unsigned long long)w->healthy
+                : f == 1                  ? (unsigned long long)w->in_flight
+                : f == 2                  ? (unsigned long long)w->requests_total
+                : f == 3                  ? (unsigned long long)w->failures_total
+                                          : (unsigned long long)w->probe_failures_total;
             pd_strbuf_printf(&sb, "%s{worker=\"%s\",role=\"%s\"} %llu\n", families[f][0],
                              w->url.base, rt_role_name(w->role), v);
         }
@@ -876,60 +975,8 @@ static void finish(req *q) {
     record_outcome(q, status);
     if (!q->answered) pd_http_req_respond_error(q->h, 500, "the router could not answer");
     pd_http_req_release(q->h);
+    free(q->order);
     free(q);
-}
-
-/* ---- the admin pool ----------------------------------------------------------- */
-
-static void admin_run(req *q) {
-    if (q->route == ROUTE_ABORT) handle_abort(q);
-    else if (q->route == ROUTE_MODELS) handle_models(q);
-    else handle_sglang(q);
-    finish(q);
-}
-
-static void *admin_main(void *arg) {
-    pd_router *r = arg;
-    pthread_mutex_lock(&r->admin_mu);
-    for (;;) {
-        while (!r->admin_head && !r->admin_stop) pthread_cond_wait(&r->admin_cv, &r->admin_mu);
-        req *q = r->admin_head;
-        if (!q) break; /* stopping, and the queue is empty */
-        r->admin_head = q->admin_next;
-        if (!r->admin_head) r->admin_tail = NULL;
-        pthread_mutex_unlock(&r->admin_mu);
-        admin_run(q);
-        pthread_mutex_lock(&r->admin_mu);
-    }
-    pthread_mutex_unlock(&r->admin_mu);
-    return NULL;
-}
-
-static void admin_submit(pd_router *r, req *q) {
-    pthread_mutex_lock(&r->admin_mu);
-    q->admin_next = NULL;
-    if (r->admin_tail) r->admin_tail->admin_next = q;
-    else r->admin_head = q;
-    r->admin_tail = q;
-    pthread_cond_signal(&r->admin_cv);
-    pthread_mutex_unlock(&r->admin_mu);
-}
-
-static pd_err admin_start(pd_router *r, char *msg, size_t msg_cap) {
-    for (; r->admin_started < ADMIN_THREADS; r->admin_started++)
-        if (pthread_create(&r->admin[r->admin_started], NULL, admin_main, r) != 0)
-            return pd_errorf(msg, msg_cap, PD_ERR_IO, "cannot start the router's admin threads");
-    return PD_OK;
-}
-
-/* Runs what is queued, then joins the threads. */
-static void admin_stop(pd_router *r) {
-    pthread_mutex_lock(&r->admin_mu);
-    r->admin_stop = true;
-    pthread_cond_broadcast(&r->admin_cv);
-    pthread_mutex_unlock(&r->admin_mu);
-    for (size_t i = 0; i < r->admin_started; i++) pthread_join(r->admin[i], NULL);
-    r->admin_started = 0;
 }
 
 /* Answers the cheap routes here, on the loop thread. */
@@ -968,10 +1015,11 @@ static void on_request(pd_http_req *h, void *user) {
     bool admin = q->route == ROUTE_ABORT || q->route == ROUTE_MODELS ||
         (q->route >= ROUTE_MODEL_INFO && q->route < ROUTE_HEALTH_GENERATE);
     if (allowed && admin) {
-        admin_submit(r, q);
-        return;
-    }
-    if (allowed && generation) {
+        bool owned = q->route == ROUTE_ABORT ? handle_abort(q)
+            : q->route == ROUTE_MODELS       ? handle_models(q)
+                                             : handle_sglang(q);
+        if (owned) return; /* q is the batch's now */
+    } else if (allowed && generation) {
         if (handle_generation(q)) return; /* q is the forward's now */
     } else {
         answer_here(q);
@@ -1008,7 +1056,6 @@ static pd_err raise_fd_limit(const pd_router *r, char *msg, size_t msg_cap) {
 }
 
 static void stop_threads(pd_router *r) {
-    admin_stop(r);
     for (size_t i = 0; i < UPSTREAM_LOOPS; i++) {
         rt_loop_stop(r->loops[i]);
         r->loops[i] = NULL;
@@ -1019,7 +1066,6 @@ static pd_err start_threads(pd_router *r, char *msg, size_t msg_cap) {
     pd_err err = PD_OK;
     for (size_t i = 0; i < UPSTREAM_LOOPS && !err; i++)
         err = rt_loop_start(&r->loops[i], msg, msg_cap);
-    if (!err) err = admin_start(r, msg, msg_cap);
     if (err) stop_threads(r);
     return err;
 }
@@ -1076,16 +1122,15 @@ void pd_router_stop(pd_router *r) {
         nanosleep(&ts, NULL);
     }
     /* Ends every connection (a forward still running sees its client
-     * gone), runs what the admin pool has queued, then waits for the
-     * forwards to end (each is bounded by its abort timeout). */
+     * gone), then waits for the forwards and the admin batches to end (each
+     * is bounded by its timeouts) before their loops stop. */
     pd_http_server_stop(r->srv);
     r->srv = NULL;
-    admin_stop(r);
-    while (table_used(r) > 0) {
+    while (table_used(r) > 0 || atomic_load(&r->admin_live) > 0) {
         struct timespec ts = {0, 5 * 1000000L};
         nanosleep(&ts, NULL);
     }
-    stop_threads(r); /* the admin pool is idle: stopped above */
+    stop_threads(r);
     rt_health_stop(&r->health);
 }
 
@@ -1093,8 +1138,6 @@ void pd_router_destroy(pd_router *r) {
     if (!r) return;
     pd_router_stop(r);
     rt_stats_destroy(&r->stats);
-    pthread_cond_destroy(&r->admin_cv);
-    pthread_mutex_destroy(&r->admin_mu);
     pthread_mutex_destroy(&r->table_mu);
     rt_workers_destroy(&r->workers);
     free(r->slots);

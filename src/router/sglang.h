@@ -4,8 +4,9 @@
  * to one healthy worker; /flush_cache goes to every worker. /health_generate
  * is a real generation and takes the router's generate path (router.c).
  *
- * Each runs on one of the router's admin threads (router.c), blocking it for at
- * most the worker timeout; none keeps state between requests.
+ * The calls to workers are a batch on an upstream loop (client.h): no
+ * thread waits for a worker. These functions only say where to ask and
+ * judge the answers; none keeps state between requests.
  */
 #ifndef PDSERVE_ROUTER_SGLANG_H
 #define PDSERVE_ROUTER_SGLANG_H
@@ -13,6 +14,7 @@
 #include <stdbool.h>
 #include <stddef.h>
 
+#include "client.h"
 #include "workers.h"
 
 /* What the client gets: a worker's JSON answer relayed as it is (body), or,
@@ -24,16 +26,24 @@ typedef struct rt_sgl_answer {
     char message[512];
 } rt_sgl_answer;
 
-/* `method` `path` (body: POST's, or NULL) on the first healthy decode
- * worker, or, unless decode_only, on a healthy prefill worker when no
- * decode worker is healthy. 503 when there is none; 502 when it does not
- * answer, or its answer is not JSON or over cfg->max_response_bytes. */
-void rt_sgl_relay(rt_workers *t, const pd_router_config *cfg, bool decode_only, const char *path,
-                  const char *body, size_t body_len, rt_sgl_answer *out);
+/* The URL `path` is relayed to: on the first healthy decode worker, or,
+ * unless decode_only, on a healthy prefill worker when no decode worker is
+ * healthy. False, with out a 503, when there is none. */
+bool rt_sgl_relay_url(rt_workers *t, bool decode_only, const char *path, char *url, size_t cap,
+                      rt_sgl_answer *out);
 
-/* POST /flush_cache to every worker at once: 200 with each worker's status
- * when all flushed, else the first failure's status (502 for no answer),
- * naming the worker and quoting its message. */
-void rt_sgl_flush(rt_workers *t, const pd_router_config *cfg, rt_sgl_answer *out);
+/* The relayed answer: the worker's own (its body taken from c), or 502
+ * when it did not answer, or its answer is not JSON or was cut at
+ * max_response_bytes. */
+void rt_sgl_relay_verdict(rt_call *c, size_t max_response_bytes, rt_sgl_answer *out);
+
+/* POST /flush_cache goes to every worker at once: calls[i] is worker i's
+ * (t->count of them). */
+void rt_sgl_flush_calls(const rt_workers *t, rt_call *calls);
+
+/* 200 with each worker's status when all flushed, else the first
+ * failure's status (502 for no answer), naming the worker and quoting its
+ * message. */
+void rt_sgl_flush_verdict(const rt_workers *t, const rt_call *calls, rt_sgl_answer *out);
 
 #endif

@@ -39,7 +39,7 @@ struct fake_worker {
     uint16_t port;
     char url[64];
     pthread_mutex_t mu;
-    pthread_cond_t cv;        /* CLOCK_MONOTONIC; broadcast on every change */
+    pthread_cond_t cv; /* CLOCK_MONOTONIC; broadcast on every change */
     bool stop;
     fw_behaviour b;
     json_t *bodies[RECORDS_MAX];
@@ -50,7 +50,8 @@ struct fake_worker {
     char *completed_rids[RECORDS_MAX];
     size_t completions;
     size_t healths;
-    size_t connections; /* TCP connections accepted */
+    size_t aborts_now, aborts_peak; /* /abort_request calls being answered */
+    size_t connections;             /* TCP connections accepted */
     live *lives;
     size_t live_count;
 };
@@ -62,13 +63,13 @@ typedef struct fw_req {
     fw_path path;
     char *body;
     size_t len;
-    live *lv;                 /* registered while generating */
-    int fd;                   /* the router's connection, watched while waiting */
+    live *lv; /* registered while generating */
+    int fd;   /* the router's connection, watched while waiting */
     fw_behaviour b;
     /* stream state */
-    char *pending;            /* an event not yet fully handed to MHD */
+    char *pending; /* an event not yet fully handed to MHD */
     size_t pending_len, pending_off;
-    int next;                 /* next token index */
+    int next; /* next token index */
     int tokens;
     bool final_sent, done_sent;
 } fw_req;
@@ -172,10 +173,9 @@ static json_t *answer(const fw_req *q, const char *rid, int from, int to, const 
     }
     json_t *fr = json_null();
     if (finish && !strcmp(finish, "abort"))
-        fr = json_pack("{s:s, s:s, s:i}", "type", "abort", "message", "aborted", "status_code",
-                       499);
-    else if (finish)
-        fr = json_pack("{s:s}", "type", finish);
+        fr =
+            json_pack("{s:s, s:s, s:i}", "type", "abort", "message", "aborted", "status_code", 499);
+    else if (finish) fr = json_pack("{s:s}", "type", finish);
     out = json_pack("{s:s, s:o, s:{s:s, s:o, s:i, s:i}}", "text", text, "output_ids", ids,
                     "meta_info", "id", rid, "finish_reason", fr, "prompt_tokens", 3,
                     "completion_tokens", to - from);
@@ -310,8 +310,8 @@ static enum MHD_Result handle_generate(fw_req *q, struct MHD_Connection *c) {
     if (b->close) return MHD_NO;
     if (b->generate_status && b->generate_status != 200) {
         fw_wait(fw, NULL, b->delay_ms);
-        return reply_json(c, (unsigned)b->generate_status, error_body((unsigned)b->generate_status,
-                                                                      "fake worker error"));
+        return reply_json(c, (unsigned)b->generate_status,
+                          error_body((unsigned)b->generate_status, "fake worker error"));
     }
     if (b->garbage && !stream) return reply(c, 200, "application/json", "this is not json");
     q->lv = live_add(fw, rid);
@@ -364,8 +364,16 @@ static enum MHD_Result handle_abort(fw_req *q, struct MHD_Connection *c) {
         }
     }
     pthread_cond_broadcast(&fw->cv);
+    fw->aborts_now++;
+    if (fw->aborts_now > fw->aborts_peak) fw->aborts_peak = fw->aborts_now;
+    int delay_ms = fw->b.abort_delay_ms;
     pthread_mutex_unlock(&fw->mu);
     json_decref(body);
+    struct timespec ts = {delay_ms / 1000, (long)(delay_ms % 1000) * 1000000L};
+    if (delay_ms > 0) nanosleep(&ts, NULL);
+    pthread_mutex_lock(&fw->mu);
+    fw->aborts_now--;
+    pthread_mutex_unlock(&fw->mu);
     if (!all && n == 0) return reply_json(c, 404, error_body(404, "no such rid"));
     return reply_json(c, 200, json_pack("{s:i}", "aborted", n));
 }
@@ -394,20 +402,19 @@ static enum MHD_Result handle_health(fw_req *q, struct MHD_Connection *c) {
 }
 
 static enum MHD_Result on_request(void *cls, struct MHD_Connection *c, const char *url,
-                                  const char *method, const char *version,
-                                  const char *upload_data, size_t *upload_data_size,
-                                  void **req_cls) {
+                                  const char *method, const char *version, const char *upload_data,
+                                  size_t *upload_data_size, void **req_cls) {
     (void)method, (void)version;
     fake_worker *fw = cls;
     fw_req *q = *req_cls;
     if (!q) {
         q = calloc(1, sizeof *q);
         q->fw = fw;
-        q->path = !strcmp(url, "/generate")          ? P_GENERATE
-                  : !strcmp(url, "/v1/completions") ? P_COMPLETIONS
-                  : !strcmp(url, "/abort_request")  ? P_ABORT
-                  : !strcmp(url, "/health")         ? P_HEALTH
-                                                    : P_OTHER;
+        q->path = !strcmp(url, "/generate")   ? P_GENERATE
+            : !strcmp(url, "/v1/completions") ? P_COMPLETIONS
+            : !strcmp(url, "/abort_request")  ? P_ABORT
+            : !strcmp(url, "/health")         ? P_HEALTH
+                                              : P_OTHER;
         *req_cls = q;
         return MHD_YES;
     }
@@ -555,6 +562,13 @@ bool fw_got_abort(fake_worker *fw, const char *rid) {
 size_t fw_connection_count(fake_worker *fw) {
     pthread_mutex_lock(&fw->mu);
     size_t n = fw->connections;
+    pthread_mutex_unlock(&fw->mu);
+    return n;
+}
+
+size_t fw_abort_peak(fake_worker *fw) {
+    pthread_mutex_lock(&fw->mu);
+    size_t n = fw->aborts_peak;
     pthread_mutex_unlock(&fw->mu);
     return n;
 }

@@ -41,6 +41,7 @@ typedef struct fw_behaviour {
                               rid were not registered yet */
     bool fail_on_abort; /* prefill: an aborted request answers 500 (a real
                               one does when the abort fails its room) */
+    int abort_delay_ms; /* /abort_request: answered after this long (a slow worker) */
     int health_status;  /* 0 = 200 */
     bool health_hang;
 } fw_behaviour;
@@ -50,7 +51,7 @@ typedef struct fake_worker fake_worker;
 /* role: "prefill" or "decode". Asserts on failure (tests only). */
 fake_worker *fw_start(const char *role);
 void fw_stop(fake_worker *fw);
-const char *fw_url(const fake_worker *fw);     /* "http://127.0.0.1:PORT" */
+const char *fw_url(const fake_worker *fw); /* "http://127.0.0.1:PORT" */
 uint16_t fw_port(const fake_worker *fw);
 void fw_set(fake_worker *fw, const fw_behaviour *b);
 
@@ -63,6 +64,8 @@ bool fw_got_abort(fake_worker *fw, const char *rid);
 /* The decode side finished this rid normally (finish_reason length). */
 bool fw_got_completed(fake_worker *fw, const char *rid);
 size_t fw_health_count(fake_worker *fw);
+/* The most /abort_request calls it was answering at one time. */
+size_t fw_abort_peak(fake_worker *fw);
 size_t fw_connection_count(fake_worker *fw); /* TCP connections it accepted */
 size_t fw_live_count(fake_worker *fw);
 

@@ -17,6 +17,7 @@
 
 #define WAIT_MS 20000
 #define STREAMS 200
+#define ABORTS 50
 
 /* Threads of this process named `name` (the name a thread inherits from
  * the thread that created it). */
@@ -78,6 +79,57 @@ static void hundreds_of_streams_live_on_a_fixed_set_of_threads(void **state) {
     fw_stop(d);
 }
 
+/* Polls until fw's abort peak reaches n; false after timeout_ms. */
+static bool wait_abort_peak(fake_worker *fw, size_t n, int timeout_ms) {
+    uint64_t until = tk_now_ms() + (uint64_t)timeout_ms;
+    while (fw_abort_peak(fw) < n && tk_now_ms() < until) tk_sleep_ms(5);
+    return fw_abort_peak(fw) >= n;
+}
+
+/* A burst of router-level /abort_request calls against slow workers: every
+ * one reaches the workers at once, each call a transfer on an upstream loop,
+ * and the router starts no thread for them (the admin pool that ran them
+ * before issue 13's last step told the workers 4 at a time). Each is still
+ * answered only after the workers answered: decode nodes, then prefill. */
+static void abort_burst_against_slow_workers_runs_on_the_loops(void **state) {
+    (void)state;
+    pthread_setname_np(pthread_self(), "fake");
+    fake_worker *p = fw_start("prefill"), *d = fw_start("decode");
+    fw_behaviour slow = {.abort_delay_ms = 1500};
+    fw_set(p, &slow);
+    fw_set(d, &slow);
+    pthread_setname_np(pthread_self(), "router");
+    pd_router_config cfg;
+    tk_config(&cfg);
+    cfg.connections_max = cfg.connections_per_ip = 4 * ABORTS;
+    pd_router *r = tk_router(&p, 1, &d, 1, &cfg);
+    size_t idle_threads = threads_named("router");
+
+    int fds[ABORTS];
+    for (int i = 0; i < ABORTS; i++) {
+        char body[64];
+        snprintf(body, sizeof body, "{\"rid\": \"gone-%d\"}", i);
+        fds[i] = tc_raw_post(pd_router_port(r), "/abort_request", body);
+    }
+    /* All at the decode node at once, none at the prefill node yet. */
+    assert_true(wait_abort_peak(d, ABORTS, WAIT_MS));
+    assert_int_equal(fw_abort_count(p), 0);
+    assert_true(threads_named("router") <= idle_threads);
+    assert_true(wait_abort_peak(p, ABORTS, WAIT_MS));
+    for (int i = 0; i < ABORTS; i++) {
+        char needle[64];
+        snprintf(needle, sizeof needle, "no live request has rid gone-%d", i);
+        assert_true(tc_raw_read_until(fds[i], needle, WAIT_MS));
+        close(fds[i]);
+    }
+    assert_int_equal(fw_abort_count(d), ABORTS);
+    assert_int_equal(fw_abort_count(p), ABORTS);
+    assert_true(threads_named("router") <= idle_threads);
+    pd_router_destroy(r);
+    fw_stop(p);
+    fw_stop(d);
+}
+
 /* In a child process: lowering the hard limit cannot be undone. */
 static void open_file_limit_too_low_is_refused_with_a_clear_message(void **state) {
     (void)state;
@@ -124,6 +176,7 @@ static void open_file_limit_too_low_is_refused_with_a_clear_message(void **state
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(hundreds_of_streams_live_on_a_fixed_set_of_threads),
+        cmocka_unit_test(abort_burst_against_slow_workers_runs_on_the_loops),
         cmocka_unit_test(open_file_limit_too_low_is_refused_with_a_clear_message),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
