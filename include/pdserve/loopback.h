@@ -15,6 +15,14 @@
  * overwritten by a late write: exactly the hazards that quarantine prevents,
  * and that the simulator's token check detects.
  *
+ * Memory. Everything is allocated at creation (the room table, the operation
+ * pool) but each room slot's page storage: the destination's page list and a
+ * copy of the source pages the sender's writes name, at most one per
+ * destination page. It is sized at receiver_open (admission) and kept for the
+ * slot's next rooms, growing only when a room needs more than the slot ever
+ * held, so a steady state allocates nothing per step nor per request. Pages
+ * sent more than once (the engine does not) take a heap copy instead.
+ *
  * Not thread-safe: one thread drives it (the simulator) or a mutex guards it.
  */
 #ifndef PDSERVE_LOOPBACK_H

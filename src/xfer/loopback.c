@@ -18,6 +18,12 @@
  * for control ones, so a notice or acknowledgement is never lost to a full
  * pool.
  *
+ * Page lists. A write names its source pages when it is posted; the fabric
+ * keeps them (the caller's list may change at once) in its room slot's
+ * storage (room_store), after the destination's pages: room slots are reused
+ * and their storage with them, so the steady state allocates nothing. Only a
+ * page sent twice overflows the room's share and takes a heap copy.
+ *
  * What each half knows. The fabric sees both processes, so it tells each
  * half at once what it can know: a write in flight counts on both halves
  * (it reads the sender's memory and writes the receiver's when it runs), and
@@ -74,7 +80,8 @@ typedef struct op {
     bool notice_late; /* OP_S_ABORT: the abort reported an error; its notice is retried */
     pd_lb_side side;  /* OP_DEAD: the side that learns */
     uint32_t first_page, n;
-    uint32_t *src;     /* OP_PAGES: source pages */
+    uint32_t *src; /* OP_PAGES: source pages, in the room's storage or (src_own) the heap's */
+    bool src_own;
     uint32_t src_slot; /* OP_STATE / OP_META */
     uint32_t next_free;
 } op;
@@ -88,7 +95,15 @@ typedef struct room {
     uint32_t pending_all;   /* operations queued for the room, of any kind */
     uint32_t inc[2];        /* each side's incarnation when it opened the room */
     uint64_t last_data_due; /* writes and the completion notice keep their order */
+    uint32_t src_used;      /* source pages logged in the room's storage */
 } room;
+
+/* A room slot's page storage, kept across the rooms that use the slot: the
+ * destination's pages, then a log of the source pages its writes carry. */
+typedef struct room_store {
+    uint32_t *pages;
+    uint32_t cap; /* pages */
+} room_store;
 
 typedef struct side_mem {
     bool alive;
@@ -102,6 +117,7 @@ typedef struct side_mem {
 struct pd_loopback {
     pd_loopback_config cfg;
     xr_table rooms;
+    room_store *store; /* [rooms_max], by room record */
     op *ops;
     uint32_t ops_cap, op_free, ops_live;
     uint32_t *heap, heap_n; /* runnable ops, by (due, seq) */
@@ -282,8 +298,9 @@ static void op_uncount(pd_loopback *lb, op *p) {
 /* Frees the op's slot; its room counts must already be released. */
 static void op_free_slot(pd_loopback *lb, uint32_t o) {
     op *p = &lb->ops[o];
-    free(p->src);
+    if (p->src_own) free(p->src);
     p->src = NULL;
+    p->src_own = false;
     p->live = false;
     p->next_free = lb->op_free;
     lb->op_free = o;
@@ -563,20 +580,36 @@ static pd_err sendable(pd_loopback *lb, uint64_t room_id, uint32_t first, uint32
     return PD_OK;
 }
 
+/* Where a write of n source pages keeps its copy: the room's log, which
+ * holds one page per destination page (every page sent once, as the engine
+ * does), else (pages sent again) the heap. NULL when out of memory. */
+static uint32_t *src_copy(pd_loopback *lb, uint32_t r, uint32_t n, bool *own) {
+    room *rm = room_at(lb, r);
+    *own = rm->src_used + n > rm->dest.n_pages;
+    if (*own) return malloc(n * sizeof(uint32_t));
+    PD_ASSERT(lb->store[r].cap >= 2 * rm->dest.n_pages);
+    uint32_t *log = lb->store[r].pages + rm->dest.n_pages + rm->src_used;
+    rm->src_used += n;
+    return log;
+}
+
 static pd_err post_pages(pd_loopback *lb, uint32_t r, uint32_t first, const uint32_t *src,
                          uint32_t n) {
     if (n == 0) return PD_OK;
-    uint32_t *copy = malloc(n * sizeof(uint32_t));
+    bool own;
+    uint32_t *copy = src_copy(lb, r, n, &own);
     if (!copy) return PD_ERR_NOMEM;
     memcpy(copy, src, n * sizeof(uint32_t));
     op *p = op_post(lb, r, OP_PAGES, lb->cfg.latency);
     if (!p) {
-        free(copy);
+        if (own) free(copy);
+        else room_at(lb, r)->src_used -= n;
         return PD_ERR_NOMEM;
     }
     p->first_page = first;
     p->n = n;
     p->src = copy;
+    p->src_own = own;
     return PD_OK;
 }
 
@@ -616,6 +649,23 @@ static pd_err ep_send_final(void *self, uint64_t room_id, uint32_t first, const 
     return PD_OK;
 }
 
+/* Makes room slot r's storage hold a destination of n pages and its source
+ * log: it only grows (to a power of two), so a slot that has held a room as
+ * large allocates nothing. */
+static pd_err store_fit(pd_loopback *lb, uint32_t r, uint32_t n) {
+    room_store *st = &lb->store[r];
+    uint64_t need = 2 * (uint64_t)n;
+    if (need <= st->cap) return PD_OK;
+    uint64_t cap = 64;
+    while (cap < need) cap *= 2;
+    if (cap > UINT32_MAX) return PD_ERR_NOMEM;
+    uint32_t *pages = realloc(st->pages, cap * sizeof(uint32_t));
+    if (!pages) return PD_ERR_NOMEM;
+    st->pages = pages;
+    st->cap = (uint32_t)cap;
+    return PD_OK;
+}
+
 static pd_err ep_receiver_open(void *self, uint64_t room_id, const char *peer,
                                const pd_xfer_dest *dest) {
     (void)peer;
@@ -627,7 +677,8 @@ static pd_err ep_receiver_open(void *self, uint64_t room_id, const char *peer,
     if (r == PD_NONE) return PD_ERR_NOMEM;
     room *rm = room_at(lb, r);
     if (!xr_can_open(&rm->h[R])) return PD_ERR_EXISTS;
-    if (xr_dest_set(&rm->dest, dest) != PD_OK) return PD_ERR_NOMEM;
+    if (store_fit(lb, r, dest->n_pages) != PD_OK) return PD_ERR_NOMEM;
+    xr_dest_set_in(&rm->dest, dest, lb->store[r].pages);
     PD_MUST(xr_open_receiver(&rm->h[R]));
     rm->h[R].dest_sent = true; /* OP_DEST is on its way */
     xr_set_tomb(&lb->rooms, r, false);
@@ -730,7 +781,8 @@ static pd_err ops_alloc(pd_loopback *lb) {
     lb->ops = calloc(lb->ops_cap, sizeof(op));
     lb->heap = malloc(lb->ops_cap * sizeof(uint32_t));
     lb->held = malloc(lb->ops_cap * sizeof(uint32_t));
-    if (!lb->ops || !lb->heap || !lb->held) return PD_ERR_NOMEM;
+    lb->store = calloc(lb->cfg.rooms_max, sizeof(room_store));
+    if (!lb->ops || !lb->heap || !lb->held || !lb->store) return PD_ERR_NOMEM;
     for (uint32_t i = 0; i < lb->ops_cap; i++)
         lb->ops[i].next_free = i + 1 < lb->ops_cap ? i + 1 : PD_NONE;
     lb->op_free = 0;
@@ -762,9 +814,11 @@ pd_err pd_loopback_create(pd_loopback **out, const pd_loopback_config *cfg) {
 void pd_loopback_destroy(pd_loopback *lb) {
     if (!lb) return;
     for (uint32_t i = 0; lb->ops && i < lb->ops_cap; i++)
-        if (lb->ops[i].live) free(lb->ops[i].src);
+        if (lb->ops[i].live && lb->ops[i].src_own) free(lb->ops[i].src);
     for (uint32_t r = 0; lb->rooms.recs && r < lb->rooms.max; r++)
         if (room_at(lb, r)->slot.used) xr_dest_clear(&room_at(lb, r)->dest);
+    for (uint32_t r = 0; lb->store && r < lb->cfg.rooms_max; r++) free(lb->store[r].pages);
+    free(lb->store);
     xr_table_free(&lb->rooms);
     free(lb->ops);
     free(lb->heap);

@@ -126,11 +126,9 @@ bool xr_dest_valid(const pd_xfer_dest *dest, uint32_t ps) {
         (dest->n_pages == 0 || dest->pages);
 }
 
-pd_err xr_dest_set(xr_dest *d, const pd_xfer_dest *dest) {
-    uint32_t *pages = malloc(((size_t)dest->n_pages + 1) * sizeof(uint32_t));
-    if (!pages) return PD_ERR_NOMEM;
-    if (dest->n_pages) memcpy(pages, dest->pages, dest->n_pages * sizeof(uint32_t));
-    free(d->pages);
+/* Points d at pages (holding dest's page list already), freeing what it owned. */
+static void dest_fill(xr_dest *d, const pd_xfer_dest *dest, uint32_t *pages, bool borrowed) {
+    if (!d->borrowed) free(d->pages);
     *d = (xr_dest){
         .known = true,
         .prompt = dest->prompt_tokens,
@@ -139,12 +137,26 @@ pd_err xr_dest_set(xr_dest *d, const pd_xfer_dest *dest) {
         .mamba_slot = dest->mamba_slot,
         .meta_row = dest->meta_row,
         .pages = pages,
+        .borrowed = borrowed,
     };
+}
+
+pd_err xr_dest_set(xr_dest *d, const pd_xfer_dest *dest) {
+    uint32_t *pages = malloc(((size_t)dest->n_pages + 1) * sizeof(uint32_t));
+    if (!pages) return PD_ERR_NOMEM;
+    if (dest->n_pages) memcpy(pages, dest->pages, dest->n_pages * sizeof(uint32_t));
+    dest_fill(d, dest, pages, false);
     return PD_OK;
 }
 
+void xr_dest_set_in(xr_dest *d, const pd_xfer_dest *dest, uint32_t *storage) {
+    PD_ASSERT(storage || dest->n_pages == 0);
+    if (dest->n_pages) memmove(storage, dest->pages, dest->n_pages * sizeof(uint32_t));
+    dest_fill(d, dest, storage, true);
+}
+
 void xr_dest_clear(xr_dest *d) {
-    free(d->pages);
+    if (!d->borrowed) free(d->pages);
     memset(d, 0, sizeof(*d));
 }
 

@@ -67,6 +67,7 @@ typedef struct xr_dest {
     bool known;
     uint32_t prompt, cached, n_pages, mamba_slot, meta_row;
     uint32_t *pages; /* n_pages destination pages for sequence pages from cached / page */
+    bool borrowed;   /* pages is the transport's storage (xr_dest_set_in), not the heap's */
 } xr_dest;
 
 /* What a transport must do after an engine call. */
@@ -132,6 +133,10 @@ bool xr_news_for_peer(const xr_half *h, const xr_dest *d);
 bool xr_dest_valid(const pd_xfer_dest *dest, uint32_t page_size);
 /* Copies a valid destination in. PD_ERR_NOMEM leaves d unchanged. */
 pd_err xr_dest_set(xr_dest *d, const pd_xfer_dest *dest);
+/* Copies a valid destination into the caller's storage of at least
+ * dest->n_pages pages, which must outlive d (no allocation; d never frees it). */
+void xr_dest_set_in(xr_dest *d, const pd_xfer_dest *dest, uint32_t *storage);
+/* Forgets the destination, freeing its pages unless they were borrowed. */
 void xr_dest_clear(xr_dest *d);
 /* Checks writes of sequence pages [first, first + n) against the destination. */
 bool xr_dest_covers(const xr_dest *d, uint32_t page_size, uint32_t first, uint32_t n);

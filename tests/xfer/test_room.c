@@ -2,6 +2,7 @@
  * machine, the drained rule on each side, abort and cancel decisions,
  * tombstones, the destination's checks and the room table's eviction. */
 #include <stdlib.h>
+#include <string.h>
 
 #include "../test_util.h"
 #include "pdserve/loopback.h"
@@ -129,6 +130,34 @@ static void destination_checks(void **state) {
     assert_false(d.known);
 }
 
+/* A destination in the transport's storage: the pages are copied in, the
+ * storage is never freed by the room core (a free of it would crash under
+ * ASan), and a heap copy it replaces is freed (a leak otherwise). */
+static void destination_in_borrowed_storage(void **state) {
+    (void)state;
+    uint32_t pages[2] = {7, 8}, storage[2] = {0, 0};
+    pd_xfer_dest ok = {.prompt_tokens = 10,
+                       .cached_tokens = 4,
+                       .pages = pages,
+                       .n_pages = 2,
+                       .mamba_slot = PD_POOL_NONE,
+                       .meta_row = 0};
+    xr_dest d = {0};
+    assert_int_equal(xr_dest_set(&d, &ok), PD_OK);
+    xr_dest_set_in(&d, &ok, storage);
+    pages[0] = 99; /* the caller's list may change afterwards */
+    assert_true(d.known && d.borrowed);
+    assert_int_equal(xr_dest_page(&d, 4, 1), 7);
+    assert_int_equal(storage[1], 8);
+    assert_int_equal(xr_dest_set(&d, &ok), PD_OK); /* back on the heap: nothing to free */
+    assert_false(d.borrowed);
+    assert_int_equal(xr_dest_page(&d, 4, 1), 99);
+    xr_dest_clear(&d);
+    xr_dest_set_in(&d, &ok, storage);
+    xr_dest_clear(&d);
+    assert_false(d.known);
+}
+
 typedef struct rec {
     xr_slot slot;
     bool busy;
@@ -189,6 +218,68 @@ static void loopback_pool_full_of_dropped_operations_makes_way(void **state) {
     pd_loopback_destroy(lb);
 }
 
+/* A loopback whose one room slot is reused by rooms of growing size, each
+ * sending its pages in two writes, some sent twice: every write lands the
+ * source page the sender named when it posted (the caller's list may change
+ * at once), from the room's storage or, for pages sent again, a heap copy. */
+enum { LB_PAGES = 16, LB_PAGE_BYTES = 8 };
+
+static void lb_room(pd_loopback *lb, uint64_t room, uint32_t n, bool resend, uint64_t *now) {
+    pd_xfer s = pd_loopback_endpoint(lb, PD_LB_PREFILL), r = pd_loopback_endpoint(lb, PD_LB_DECODE);
+    uint32_t dst[LB_PAGES], src[LB_PAGES];
+    for (uint32_t i = 0; i < n; i++) {
+        dst[i] = LB_PAGES - 1 - i;
+        src[i] = (i + (uint32_t)room) % LB_PAGES;
+    }
+    pd_xfer_dest d = {.prompt_tokens = n * 4,
+                      .pages = dst,
+                      .n_pages = n,
+                      .mamba_slot = PD_POOL_NONE,
+                      .meta_row = 0};
+    assert_int_equal(s.vt->sender_open(s.self, room), PD_OK);
+    assert_int_equal(r.vt->receiver_open(r.self, room, NULL, &d), PD_OK);
+    pd_loopback_advance(lb, ++*now);
+    uint32_t half = n / 2, list[LB_PAGES];
+    memcpy(list, src, sizeof(list));
+    assert_int_equal(s.vt->send_pages(s.self, room, 0, list, half), PD_OK);
+    if (resend) assert_int_equal(s.vt->send_pages(s.self, room, 0, list, half), PD_OK);
+    memset(list, 0xff, sizeof(list)); /* the sender's list is gone */
+    memcpy(list, src + half, (n - half) * sizeof(uint32_t));
+    assert_int_equal(s.vt->send_final(s.self, room, half, list, n - half, PD_POOL_NONE, 0), PD_OK);
+    memset(list, 0xff, sizeof(list));
+    for (int i = 0; i < 4; i++) pd_loopback_advance(lb, ++*now);
+    assert_int_equal(s.vt->status(s.self, room), PD_XFER_SUCCESS);
+    assert_int_equal(r.vt->status(r.self, room), PD_XFER_SUCCESS);
+    s.vt->close(s.self, room);
+    r.vt->close(r.self, room);
+}
+
+static void loopback_room_storage_reused_and_resends_copied(void **state) {
+    (void)state;
+    pd_loopback *lb;
+    pd_loopback_config lc = {.latency = 1, .rooms_max = 1, .page_size = 4};
+    assert_int_equal(pd_loopback_create(&lb, &lc), PD_OK);
+    static uint8_t kv[2][LB_PAGES][LB_PAGE_BYTES];
+    pd_meta_row meta[2][1];
+    memset(meta, 0, sizeof(meta));
+    for (int side = 0; side < 2; side++) {
+        pd_exec_memory m = {.kv = kv[side], .kv_page_bytes = LB_PAGE_BYTES, .kv_pages = LB_PAGES};
+        pd_loopback_register(lb, (pd_lb_side)side, &m, meta[side], 1);
+    }
+    for (uint32_t p = 0; p < LB_PAGES; p++) memset(kv[0][p], (int)(p + 1), LB_PAGE_BYTES);
+    uint64_t now = 0;
+    const uint32_t sizes[] = {2, 4, 16, 3, 16};
+    for (uint64_t room = 1; room <= 5; room++) {
+        uint32_t n = sizes[room - 1];
+        memset(kv[1], 0, sizeof(kv[1]));
+        lb_room(lb, room, n, room % 2 == 0, &now);
+        for (uint32_t i = 0; i < n; i++) /* destination page of sequence page i */
+            assert_int_equal(kv[1][LB_PAGES - 1 - i][0], (i + room) % LB_PAGES + 1);
+    }
+    assert_int_equal(pd_loopback_pending(lb), 0);
+    pd_loopback_destroy(lb);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(status_moves_forward_and_final_sticks),
@@ -199,6 +290,8 @@ int main(void) {
         cmocka_unit_test(destination_checks),
         cmocka_unit_test(table_evicts_oldest_idle_tombstone_only),
         cmocka_unit_test(loopback_pool_full_of_dropped_operations_makes_way),
+        cmocka_unit_test(destination_in_borrowed_storage),
+        cmocka_unit_test(loopback_room_storage_reused_and_resends_copied),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
