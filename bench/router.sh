@@ -14,10 +14,16 @@
 #   3. STREAMS streaming clients held HOLD_S s through `pdserve router` in
 #      front of stub workers (pdserve's nodes take 4096 connections each),
 #      with the router's RSS and thread count from /proc.
+#   4. An admin route: POST /abort_request {"abort_all": true} (the router
+#      tells every worker: one call to each stub) with wrk through
+#      `pdserve router` in front of the stubs, ROUNDS rounds, medians; with
+#      ROUTER_BEFORE=/path/to/another/pdserve, that router too, in front of
+#      the same stubs, alternating (before/after in one run).
 #
 # usage: bench/router.sh [BUILD_DIR] (default build/release); knobs in the
 # environment: SECONDS_EACH (10), ROUNDS (3), SECONDS_TW (30), STREAMS
-# (9800), HOLD_S (30), CONNS (32). A benchmark: it prints, asserts nothing.
+# (9800), HOLD_S (30), CONNS (32), ROUTER_BEFORE (none). A benchmark: it
+# prints, asserts nothing.
 set -euo pipefail
 B=${1:-build/release}
 PD=$B/pdserve
@@ -64,9 +70,11 @@ wrk.headers["Content-Type"] = "application/json"
 wrk.body = '{"text": "Hello, my name is", "sampling_params": {"max_new_tokens": 1}}'
 EOF
 
-# wrk's summary as "rps p50_ms p99_ms errors".
+# wrk's summary as "rps p50_ms p99_ms errors"; args: seconds, port, and
+# optionally the path (/generate) and the wrk script (post.lua).
 measure() {
-    wrk -t2 -c"$CONNS" -d"$1"s --latency -s "$TMP/post.lua" "http://127.0.0.1:$2/generate" |
+    wrk -t2 -c"$CONNS" -d"$1"s --latency -s "$TMP/${4:-post.lua}" \
+        "http://127.0.0.1:$2${3:-/generate}" |
         python3 -c '
 import re, sys
 t = sys.stdin.read()
@@ -110,6 +118,43 @@ before=$(ss -tan state time-wait | tail -n +2 | wc -l)
 r=$(measure "$SECONDS_TW" "$RUN")
 after=$(ss -tan state time-wait | tail -n +2 | wc -l)
 echo "wrk: $r (req/s p50 p99 errors); TIME_WAIT before $before, after $after"
+
+echo
+echo "== POST /abort_request {\"abort_all\": true} through pdserve router (stub workers):" \
+    "wrk -t2 -c$CONNS, ${SECONDS_EACH}s each, $ROUNDS rounds"
+cat > "$TMP/abort.lua" << 'EOF'
+wrk.method = "POST"
+wrk.headers["Content-Type"] = "application/json"
+wrk.body = '{"abort_all": true}'
+EOF
+targets="after:$STUB_R"
+if [[ -n ${ROUTER_BEFORE:-} ]]; then
+    STUB_RB=$((BASE + 23))
+    start routerb "$ROUTER_BEFORE" router --port "$STUB_RB" --prefill "http://127.0.0.1:$STUB_P" \
+        --decode "http://127.0.0.1:$STUB_D"
+    wait_health "$STUB_RB"
+    targets="before:$STUB_RB $targets"
+fi
+: > "$TMP/admin"
+for round in $(seq 1 "$ROUNDS"); do
+    for t in $targets; do
+        r=$(measure "$SECONDS_EACH" "${t#*:}" /abort_request abort.lua)
+        echo "${t%%:*} $r" >> "$TMP/admin"
+        printf 'round %d  %-8s %s\n' "$round" "${t%%:*}" "$r"
+    done
+done
+python3 - "$TMP/admin" << 'EOF'
+import statistics, sys
+rows = {}
+for line in open(sys.argv[1]):
+    name, rps, p50, p99, err = line.split()
+    rows.setdefault(name, []).append((float(rps), float(p50), float(p99), int(err)))
+print("\n%-8s %10s %10s %10s %8s" % ("router", "req/s", "p50 ms", "p99 ms", "errors"))
+for n, v in rows.items():
+    r = [statistics.median(c) for c in zip(*v)]
+    print("%-8s %10.0f %10.3f %10.3f %8d" % (n, r[0], r[1], r[2], sum(x[3] for x in v)))
+EOF
+if [[ -n ${ROUTER_BEFORE:-} ]]; then kill "$PID_routerb" 2> /dev/null || true; fi
 
 echo
 echo "== $STREAMS streaming clients held ${HOLD_S}s through pdserve router (stub workers)"
