@@ -130,6 +130,30 @@ static void abort_burst_against_slow_workers_runs_on_the_loops(void **state) {
     fw_stop(d);
 }
 
+/* A router stopped while admin batches are in flight on its loops waits for
+ * them (bounded by their timeouts) before the loops go: nothing they touch
+ * is freed under them (ASan's to judge), and the workers were still told. */
+static void stop_with_abort_batches_in_flight_waits_for_them(void **state) {
+    (void)state;
+    fake_worker *p = fw_start("prefill"), *d = fw_start("decode");
+    fw_behaviour slow = {.abort_delay_ms = 500};
+    fw_set(p, &slow);
+    fw_set(d, &slow);
+    pd_router_config cfg;
+    tk_config(&cfg);
+    pd_router *r = tk_router(&p, 1, &d, 1, &cfg);
+    int fds[8];
+    for (int i = 0; i < 8; i++)
+        fds[i] = tc_raw_post(pd_router_port(r), "/abort_request", "{\"abort_all\": true}");
+    assert_true(wait_abort_peak(d, 8, WAIT_MS));
+    pd_router_destroy(r); /* the prefill stage is still to come */
+    assert_int_equal(fw_abort_count(d), 8);
+    assert_int_equal(fw_abort_count(p), 8);
+    for (int i = 0; i < 8; i++) close(fds[i]);
+    fw_stop(p);
+    fw_stop(d);
+}
+
 /* In a child process: lowering the hard limit cannot be undone. */
 static void open_file_limit_too_low_is_refused_with_a_clear_message(void **state) {
     (void)state;
@@ -177,6 +201,7 @@ int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(hundreds_of_streams_live_on_a_fixed_set_of_threads),
         cmocka_unit_test(abort_burst_against_slow_workers_runs_on_the_loops),
+        cmocka_unit_test(stop_with_abort_batches_in_flight_waits_for_them),
         cmocka_unit_test(open_file_limit_too_low_is_refused_with_a_clear_message),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
