@@ -19,9 +19,10 @@
  * Threads: a fixed set, none per request or connection. The HTTP server
  * (pdserve/http_server.h) runs one event loop, which also validates and
  * pairs generations; four upstream event loops (src/router/loop.c: epoll +
- * libcurl's multi interface) run every request's two halves and aborts;
- * four admin threads run the routes that block (/abort_request's fan-out,
- * /v1/models, SGLang's utility routes); a background thread checks
+ * libcurl's multi interface) run every request's two halves and aborts,
+ * and the admin routes' calls to workers as non-blocking batches
+ * (/abort_request's fan-out, /v1/models, SGLang's utility routes); a
+ * background thread checks
  * GET /health of every worker. pd_router_start raises RLIMIT_NOFILE's soft
  * limit to the hard one and refuses a connections_max that does not fit.
  * Nothing here prints or exits; errors come back as pd_err with a message
@@ -29,8 +30,8 @@
  *
  * The pieces, one file each under src/router: policy.c (which worker),
  * workers.c (the worker table: health state and load), health.c (the
- * checker thread), client.c (libcurl settings and one POST to several
- * workers at once, used for aborts), loop.c (an upstream event loop),
+ * checker thread), client.c (libcurl settings and the batch: calls to
+ * several workers as transfers of a loop), loop.c (an upstream event loop),
  * forward.c (one request's two halves, a task of a loop),
  * stats.c (counters and the latency histogram), router.c (the server and
  * routes). Error bodies and responses come from the http layer (http.h).
