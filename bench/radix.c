@@ -236,7 +236,8 @@ static bool replay_cached(node *n, const opts *o, const int32_t *q, uint32_t len
     }
     /* (the forward pass would run here) */
     pd_cache_insert_result ins;
-    PD_MUST(n->api->insert(n->c, q, full * o->page_size, n->pages, owner, slot, n->dups, &ins));
+    PD_MUST(n->api->insert(n->c, lock_node, q, full * o->page_size, n->pages, owner, slot, n->dups,
+                           &ins));
     if (ins.dup_pages)
         PD_MUST(pd_ledger_free(n->l, n->kv_id, n->dups, ins.dup_pages, PD_UNIT_REQ, owner));
     uint32_t covered = ins.covered_tokens / o->page_size;

@@ -19,8 +19,10 @@ typedef struct radix_impl {
                     uint32_t pages_cap, pd_cache_match_result *out);
     pd_err (*lock)(void *c, pd_cnode node);
     pd_err (*unlock)(void *c, pd_cnode node);
-    pd_err (*insert)(void *c, const int32_t *tokens, uint32_t n_tokens, uint32_t *pages,
-                     pd_owner owner, uint32_t mamba_slot, uint32_t *dup_out,
+    /* pd_cache_insert_from (start: the node the request holds locked); the
+     * baseline, which has no such call, walks from the root. */
+    pd_err (*insert)(void *c, pd_cnode start, const int32_t *tokens, uint32_t n_tokens,
+                     uint32_t *pages, pd_owner owner, uint32_t mamba_slot, uint32_t *dup_out,
                      pd_cache_insert_result *res);
     pd_err (*evict)(void *c, uint32_t pages_needed, uint32_t *pages_freed);
     pd_err (*evict_snapshots)(void *c, uint32_t slots_needed, uint32_t *slots_freed);
@@ -36,6 +38,12 @@ typedef struct radix_impl {
 extern const radix_impl radix_impl_v0;
 extern const radix_impl radix_impl_new;
 
+/* The insert a table calls: the tree's pd_cache_insert_from unless the file
+ * expanding RADIX_IMPL_DEFINE defines another first. */
+#ifndef RADIX_INSERT_FROM
+#define RADIX_INSERT_FROM pd_cache_insert_from
+#endif
+
 #define RADIX_IMPL_DEFINE(name, label_text)                                                      \
     static pd_err name##_create(void **out, const pd_cache_config *cfg) {                        \
         pd_cache *c = NULL;                                                                      \
@@ -50,10 +58,10 @@ extern const radix_impl radix_impl_new;
     }                                                                                            \
     static pd_err name##_lock(void *c, pd_cnode node) { return pd_cache_lock(c, node); }         \
     static pd_err name##_unlock(void *c, pd_cnode node) { return pd_cache_unlock(c, node); }     \
-    static pd_err name##_insert(void *c, const int32_t *t, uint32_t n, uint32_t *p,              \
-                                pd_owner owner, uint32_t slot, uint32_t *dup,                    \
+    static pd_err name##_insert(void *c, pd_cnode start, const int32_t *t, uint32_t n,           \
+                                uint32_t *p, pd_owner owner, uint32_t slot, uint32_t *dup,       \
                                 pd_cache_insert_result *res) {                                   \
-        return pd_cache_insert(c, t, n, p, owner, slot, dup, res);                               \
+        return RADIX_INSERT_FROM(c, start, t, n, p, owner, slot, dup, res);                      \
     }                                                                                            \
     static pd_err name##_evict(void *c, uint32_t need, uint32_t *freed) {                        \
         return pd_cache_evict(c, need, freed);                                                   \

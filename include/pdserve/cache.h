@@ -126,6 +126,12 @@ pd_err pd_cache_match(pd_cache *c, const int32_t *tokens, uint32_t n_tokens,
  * whose snapshot is still locked, is PD_ERR_STATE. */
 pd_err pd_cache_lock(pd_cache *c, pd_cnode node);
 pd_err pd_cache_unlock(pd_cache *c, pd_cnode node);
+/* Moves one lock from a node to the node `to` below it on the same path (or
+ * to itself): the same as pd_cache_lock(to) then pd_cache_unlock(from) —
+ * the same locks, units, lists and clock — but it walks only the nodes
+ * between the two, not up to the root. from must be locked; to must be from
+ * or a descendant of it, else PD_ERR_INVALID and nothing changes. */
+pd_err pd_cache_lock_move(pd_cache *c, pd_cnode from, pd_cnode to);
 /* Lock / unlock the snapshot at node; the node must be locked. */
 pd_err pd_cache_mamba_lock(pd_cache *c, pd_cnode node);
 pd_err pd_cache_mamba_unlock(pd_cache *c, pd_cnode node);
@@ -153,6 +159,18 @@ typedef struct pd_cache_insert_result {
 pd_err pd_cache_insert(pd_cache *c, const int32_t *tokens, uint32_t n_tokens,
                        uint32_t *pages, pd_owner owner, uint32_t mamba_slot,
                        uint32_t *dup_out, pd_cache_insert_result *res);
+
+/* pd_cache_insert starting at start, a node the caller holds locked whose
+ * prefix is tokens[0..end) and whose device pages are the caller's
+ * pages[0..end) (the caller got them from its match or an earlier insert):
+ * the walk from the root down to start, which would find every page there
+ * already the cache's, is skipped. The result — nodes, pages, duplicates,
+ * lists, clock — is pd_cache_insert's. When start is the root, is not a
+ * locked device node ending within n_tokens, or its own device pages are
+ * not pages[] at its positions, the insert walks from the root. */
+pd_err pd_cache_insert_from(pd_cache *c, pd_cnode start, const int32_t *tokens, uint32_t n_tokens,
+                            uint32_t *pages, pd_owner owner, uint32_t mamba_slot, uint32_t *dup_out,
+                            pd_cache_insert_result *res);
 
 /* Frees least recently used unlocked device leaves until at least
  * pages_needed device pages were freed or nothing evictable is left.

@@ -712,6 +712,28 @@ pd_err pd_cache_unlock(pd_cache *c, pd_cnode node) {
     return PD_OK;
 }
 
+pd_err pd_cache_lock_move(pd_cache *c, pd_cnode from, pd_cnode to) {
+    if (!c || from >= c->nodes_max || to >= c->nodes_max || !N(c, from)->live || !N(c, to)->live)
+        return PD_ERR_NOTFOUND;
+    if (N(c, from)->lock_ref == 0 || N(c, PD_CNODE_ROOT)->lock_ref == 0) return PD_ERR_STATE;
+    /* to must be from or below it: walk up from to while deeper than from. */
+    uint32_t end = N(c, from)->end_pages, id = to;
+    while (id != PD_CNODE_ROOT && N(c, id)->end_pages > end) id = N(c, id)->parent;
+    if (id != from) return PD_ERR_INVALID;
+    /* What pd_cache_lock(to) then pd_cache_unlock(from) would do: from and
+     * its ancestors stay locked throughout (no lock_ref of theirs crosses 0,
+     * so neither their units nor their list places change); only the nodes
+     * below from gain a lock. Both calls advance the clock. */
+    c->clock += 2;
+    uint32_t n_dev = 0, n_host = 0;
+    for (id = to; id != from; id = N(c, id)->parent) {
+        cnode *n = N(c, id);
+        if (n->lock_ref++ == 0) node_lock_changed(c, id, &n_dev, &n_host);
+    }
+    path_units_move(c, n_dev, n_host, PD_UNIT_CACHE_EVICTABLE, PD_UNIT_CACHE_PROTECTED);
+    return PD_OK;
+}
+
 static pd_err mamba_lock_change(pd_cache *c, pd_cnode node, int delta) {
     if (!c || node >= c->nodes_max || !N(c, node)->live || node == PD_CNODE_ROOT)
         return PD_ERR_NOTFOUND;
@@ -781,17 +803,26 @@ static void insert_adopt(pd_cache *c, uint32_t parent, uint32_t child, const uin
     relist(c, child);
 }
 
-pd_err pd_cache_insert(pd_cache *c, const int32_t *tokens, uint32_t n_tokens,
-                       uint32_t *pages, pd_owner owner, uint32_t mamba_slot,
-                       uint32_t *dup_out, pd_cache_insert_result *res) {
-    if (!c || !res || n_tokens % c->page_size != 0) return PD_ERR_INVALID;
-    if (n_tokens > 0 && (!tokens || !pages || !dup_out)) return PD_ERR_INVALID;
-    if (mamba_slot != PD_POOL_NONE && c->pool_id[R_MAMBA] < 0) return PD_ERR_INVALID;
-    uint32_t n_pages = n_tokens / c->page_size;
-    c->clock++;
+/* Whether the insert of tokens[0..n_pages) may start below the root, at
+ * start: a live device node the caller holds locked, ending within the
+ * insert, whose own device pages are the caller's at its positions (the
+ * caller's pages above it are then the cache's too, by the contract of
+ * pd_cache_insert_from). */
+static bool insert_start_ok(pd_cache *c, uint32_t start, const uint32_t *pages, uint32_t n_pages) {
+    if (start == PD_CNODE_ROOT || start >= c->nodes_max) return false;
+    const cnode *n = &c->nodes[start];
+    if (!n->live || !n->on_dev || n->lock_ref == 0 || n->end_pages > n_pages) return false;
+    uint32_t i = n->end_pages - n->n_pages;
+    for (uint32_t e = n->first_ent; e != PD_NONE; e = ent_step(c, e), i++)
+        if (c->ent_dev[e] != pages[i]) return false;
+    return true;
+}
 
+/* The insert's walk from node (ending at page pos) down to n_pages. */
+static pd_err insert_walk(pd_cache *c, uint32_t node, uint32_t pos, const int32_t *tokens,
+                          uint32_t n_pages, uint32_t *pages, pd_owner owner, uint32_t mamba_slot,
+                          uint32_t *dup_out, pd_cache_insert_result *res) {
     pd_cache_insert_result r = {.node = PD_CNODE_ROOT};
-    uint32_t node = PD_CNODE_ROOT, pos = 0;
     while (pos < n_pages) {
         const int32_t *q = tokens + (size_t)pos * c->page_size;
         uint64_t h = 0;
@@ -834,6 +865,27 @@ pd_err pd_cache_insert(pd_cache *c, const int32_t *tokens, uint32_t n_tokens,
     touch_path(c, node);
     *res = r;
     return PD_OK;
+}
+
+pd_err pd_cache_insert_from(pd_cache *c, pd_cnode start, const int32_t *tokens, uint32_t n_tokens,
+                            uint32_t *pages, pd_owner owner, uint32_t mamba_slot, uint32_t *dup_out,
+                            pd_cache_insert_result *res) {
+    if (!c || !res || n_tokens % c->page_size != 0) return PD_ERR_INVALID;
+    if (n_tokens > 0 && (!tokens || !pages || !dup_out)) return PD_ERR_INVALID;
+    if (mamba_slot != PD_POOL_NONE && c->pool_id[R_MAMBA] < 0) return PD_ERR_INVALID;
+    uint32_t n_pages = n_tokens / c->page_size;
+    c->clock++;
+    uint32_t pos = 0;
+    if (n_pages > 0 && insert_start_ok(c, start, pages, n_pages)) pos = N(c, start)->end_pages;
+    else start = PD_CNODE_ROOT;
+    return insert_walk(c, start, pos, tokens, n_pages, pages, owner, mamba_slot, dup_out, res);
+}
+
+pd_err pd_cache_insert(pd_cache *c, const int32_t *tokens, uint32_t n_tokens, uint32_t *pages,
+                       pd_owner owner, uint32_t mamba_slot, uint32_t *dup_out,
+                       pd_cache_insert_result *res) {
+    return pd_cache_insert_from(c, PD_CNODE_ROOT, tokens, n_tokens, pages, owner, mamba_slot,
+                                dup_out, res);
 }
 
 /* ---- eviction -------------------------------------------------------------- */

@@ -309,8 +309,12 @@ static pd_cnode cache_insert_pages(pd_engine *e, req *r, uint32_t tokens, uint32
     PD_ASSERT(n <= r->n_pages);
     eng_act(e, r, PD_ACT_INSERT, false, n * ps);
     pd_cache_insert_result res;
-    PD_MUST(pd_cache_insert(e->cache, r->prompt, n * ps, r->pages, r->owner, snapshot_slot,
-                            e->dups, &res));
+    /* From the node r holds locked: the walk from the root to it would only
+     * find r's pages there the cache's already (the cache checks and falls
+     * back to the root otherwise). */
+    pd_cnode start = r->holds_lock ? r->lock_node : PD_CNODE_ROOT;
+    PD_MUST(pd_cache_insert_from(e->cache, start, r->prompt, n * ps, r->pages, r->owner,
+                                 snapshot_slot, e->dups, &res));
     if (res.dup_pages)
         LEDGER_MUST(e, pd_ledger_free(e->ledger, e->kv_id, e->dups, res.dup_pages,
                                       PD_UNIT_REQ, r->owner));
@@ -334,8 +338,15 @@ void eng_cache_insert(pd_engine *e, req *r, uint32_t tokens, uint32_t snapshot_s
     /* The request's lock moves down to the new node: lock first, then let go
      * of the old one, so the path is never unprotected. */
     if (!r->holds_lock || node != r->lock_node) {
-        PD_MUST(pd_cache_lock(e->cache, node));
-        if (r->holds_lock) PD_MUST(pd_cache_unlock(e->cache, r->lock_node));
+        /* Down the same path (the usual case): one walk between the two
+         * nodes instead of two to the root. */
+        pd_err err = r->holds_lock ? pd_cache_lock_move(e->cache, r->lock_node, node)
+                                   : PD_ERR_INVALID;
+        PD_ASSERTF(err == PD_OK || err == PD_ERR_INVALID, "lock move: %s", pd_err_name(err));
+        if (err != PD_OK) {
+            PD_MUST(pd_cache_lock(e->cache, node));
+            if (r->holds_lock) PD_MUST(pd_cache_unlock(e->cache, r->lock_node));
+        }
         r->lock_node = node;
         r->holds_lock = true;
         r->holds_kv = true;

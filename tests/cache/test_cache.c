@@ -510,6 +510,144 @@ static void insert_refuses_unaligned_length(void **state) {
     cfx_free(f);
 }
 
+/* The parent of a node, through the inspection walk. */
+typedef struct parent_q {
+    pd_cnode node, parent;
+} parent_q;
+
+static void find_parent(void *ctx, const pd_cnode_info *in) {
+    parent_q *q = ctx;
+    if (in->node == q->node) q->parent = in->parent;
+}
+
+static pd_cnode N_parent(cfx *f, pd_cnode node) {
+    parent_q q = {node, PD_CNODE_NONE};
+    pd_cache_walk(f->c, find_parent, &q);
+    return q.parent;
+}
+
+/* ---- insert from a locked node, lock moves --------------------------------- */
+
+/* Everything a walk reports of a node, folded into *ctx. */
+static void fold_node(void *ctx, const pd_cnode_info *in) {
+    uint64_t *h = ctx;
+    uint64_t v[] = {in->node,       in->parent,    in->end_tokens, in->pages,
+                    in->on_dev,     in->on_host,   in->lock_ref,   in->mamba_lock,
+                    in->mamba_slot, in->stamp_dev, in->stamp_host, in->stamp_mamba};
+    for (size_t i = 0; i < sizeof(v) / sizeof(v[0]); i++) *h = (*h ^ v[i]) * 0x100000001B3ull;
+    for (uint32_t i = 0; in->dev_pages && i < in->pages; i++)
+        *h = (*h ^ in->dev_pages[i]) * 0x100000001B3ull;
+}
+
+static uint64_t cache_state(cfx *f) {
+    uint64_t h = 0xCBF29CE484222325ull ^ pd_cache_clock(f->c);
+    pd_cache_walk(f->c, fold_node, &h);
+    return h;
+}
+
+/* One chunk of a request: pages [from, to) computed, then inserted and the
+ * lock moved down; `fast` with pd_cache_insert_from and pd_cache_lock_move,
+ * otherwise from the root with a lock and an unlock. */
+static void chunk_insert(cfx *f, bool fast, pd_owner owner, const int32_t *t, uint32_t *pages,
+                         uint32_t from, uint32_t to, pd_cnode *lock) {
+    uint32_t dups[64];
+    pd_cache_insert_result r;
+    cfx_compute(f, owner, t, from, to - from, pages + from);
+    pd_cnode start = fast ? *lock : PD_CNODE_ROOT;
+    assert_ok(
+        pd_cache_insert_from(f->c, start, t, to * f->ps, pages, owner, PD_POOL_NONE, dups, &r));
+    if (r.dup_pages)
+        assert_ok(pd_ledger_free(f->l, f->kv_id, dups, r.dup_pages, PD_UNIT_REQ, owner));
+    uint32_t covered = r.covered_tokens / f->ps;
+    if (covered < to)
+        assert_ok(
+            pd_ledger_free(f->l, f->kv_id, pages + covered, to - covered, PD_UNIT_REQ, owner));
+    if (r.node == *lock) return;
+    if (fast) {
+        assert_ok(pd_cache_lock_move(f->c, *lock, r.node));
+    } else {
+        assert_ok(pd_cache_lock(f->c, r.node));
+        assert_ok(pd_cache_unlock(f->c, *lock));
+    }
+    *lock = r.node;
+}
+
+/* Requests whose prompts share three system prompts, computed in two chunks,
+ * replayed through two caches: one inserts each chunk from the root and
+ * moves its lock by a lock and an unlock, the other inserts from the node
+ * the request holds and moves the lock along the path. The two must stay
+ * identical after every step (nodes, pages, locks, stamps, clock, and so
+ * what hits and what is evicted). */
+static void insert_from_lock_matches_insert_from_root(void **state) {
+    (void)state;
+    cfx *f[2] = {cfx_new(2, 160, 0, 0), cfx_new(2, 160, 0, 0)};
+    uint64_t rng = 12345;
+    int32_t t[48];
+    uint32_t pages[2][24];
+    for (pd_owner req = 1; req <= 400; req++) {
+        rng = rng * 6364136223846793005ull + 1442695040888963407ull;
+        uint32_t n = 4 + (uint32_t)(rng >> 59) % 20, sys = (uint32_t)(rng >> 40) % 3;
+        for (uint32_t i = 0; i < 2 * n; i++)
+            t[i] = i < 16 ? (int32_t)(sys * 100 + i) : (int32_t)(req * 7 + i);
+        uint32_t cut = 1 + (uint32_t)(rng >> 20) % (n - 1);
+        pd_cnode lock[2];
+        uint32_t cached = 0;
+        for (int k = 0; k < 2; k++) {
+            pd_cache_match_result m;
+            assert_ok(pd_cache_match(f[k]->c, t, 2 * n, pages[k], 24, &m));
+            cached = m.dev_tokens / 2;
+            lock[k] = m.dev_node;
+            assert_ok(pd_cache_lock(f[k]->c, lock[k]));
+            if (pd_pool_free_count(f[k]->kv) < n - cached)
+                assert_ok(pd_cache_evict(f[k]->c, n - cached, NULL));
+            if (pd_pool_free_count(f[k]->kv) < n - cached) fail_msg("pool too small");
+            uint32_t mid = cut > cached ? cut : cached;
+            chunk_insert(f[k], k == 1, req, t, pages[k], cached, mid, &lock[k]);
+            chunk_insert(f[k], k == 1, req, t, pages[k], mid, n, &lock[k]);
+        }
+        assert_true(cache_state(f[0]) == cache_state(f[1]));
+        for (int k = 0; k < 2; k++) assert_ok(pd_cache_unlock(f[k]->c, lock[k]));
+        assert_true(cache_state(f[0]) == cache_state(f[1]));
+        if (req % 50 == 0) cfx_check(f[0], true), cfx_check(f[1], true);
+    }
+    cfx_free(f[0]);
+    cfx_free(f[1]);
+}
+
+/* A lock moves only down its own path; anything else is refused and changes
+ * nothing. An insert whose start's pages are not the caller's walks from the
+ * root and swaps the caller's duplicates as pd_cache_insert does. */
+static void lock_move_and_insert_from_refuse_other_paths(void **state) {
+    (void)state;
+    cfx *f = cfx_new(4, 32, 0, 0);
+    int32_t a[12], b[12];
+    seq(a, 12, 100);
+    seq(b, 12, 100);
+    b[4] = -1; /* b shares a's first page only */
+    pd_cache_insert_result ra = cfx_insert(f, 1, a, 3, PD_POOL_NONE);
+    pd_cache_insert_result rb = cfx_insert(f, 2, b, 3, PD_POOL_NONE);
+    pd_cnode top = N_parent(f, ra.node);
+    assert_ok(pd_cache_lock(f->c, ra.node));
+    uint64_t clock = pd_cache_clock(f->c);
+    assert_err(pd_cache_lock_move(f->c, ra.node, rb.node), PD_ERR_INVALID); /* a sibling */
+    assert_err(pd_cache_lock_move(f->c, ra.node, top), PD_ERR_INVALID);     /* upward */
+    assert_err(pd_cache_lock_move(f->c, rb.node, ra.node), PD_ERR_STATE);   /* b not locked */
+    assert_int_equal(pd_cache_clock(f->c), clock);
+    cfx_check(f, false);
+    /* Fresh pages of a's path handed with start = a's node: not the cache's,
+     * so the insert walks from the root and returns all three as duplicates. */
+    uint32_t pages[3], dups[3];
+    cfx_compute(f, 3, a, 0, 3, pages);
+    pd_cache_insert_result r;
+    assert_ok(pd_cache_insert_from(f->c, ra.node, a, 12, pages, 3, PD_POOL_NONE, dups, &r));
+    assert_int_equal(r.dup_pages, 3);
+    assert_int_equal(r.node, ra.node);
+    assert_ok(pd_ledger_free(f->l, f->kv_id, dups, 3, PD_UNIT_REQ, 3));
+    assert_ok(pd_cache_unlock(f->c, ra.node));
+    cfx_check(f, true);
+    cfx_free(f);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(match_on_empty_cache_finds_nothing),
@@ -530,6 +668,8 @@ int main(void) {
         cmocka_unit_test(insert_refuses_unaligned_length),
         cmocka_unit_test(evicted_child_is_not_matched_again),
         cmocka_unit_test(split_child_is_not_found_above_its_new_parent),
+        cmocka_unit_test(insert_from_lock_matches_insert_from_root),
+        cmocka_unit_test(lock_move_and_insert_from_refuse_other_paths),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
