@@ -278,7 +278,12 @@ static void relist(pd_cache *c, uint32_t id) {
 /* Moves the path node..root to the list tails, deepest first, so that every
  * node stays behind its descendants. */
 static void touch_path(pd_cache *c, uint32_t id) {
+    /* A locked node's ancestors are locked too (C4), and a locked node is in
+     * neither the device nor the host list: with no snapshot in the third
+     * list, the walk has nothing left to move from the first locked node. */
+    bool no_snapshots = c->lists[L_MAMBA].len == 0;
     for (; id != PD_CNODE_ROOT && id != PD_NONE; id = N(c, id)->parent) {
+        if (no_snapshots && N(c, id)->lock_ref > 0) break;
         for (int l = 0; l < L__COUNT; l++)
             if (N(c, id)->in_list[l]) list_to_tail(c, l, id);
     }
@@ -690,9 +695,12 @@ pd_err pd_cache_lock(pd_cache *c, pd_cnode node) {
 
 pd_err pd_cache_unlock(pd_cache *c, pd_cnode node) {
     if (!c || node >= c->nodes_max || !N(c, node)->live) return PD_ERR_NOTFOUND;
-    /* Validate the whole path first: all or nothing. */
+    /* Validate the path first: all or nothing. Above a node locked twice or
+     * more, every ancestor is too (C4) and cannot fail: the check stops
+     * there. */
     for (uint32_t id = node; id != PD_CNODE_ROOT; id = N(c, id)->parent) {
         cnode *n = N(c, id);
+        if (n->lock_ref >= 2) break;
         if (n->lock_ref == 0) return PD_ERR_STATE;
         if (n->lock_ref == 1 && (n->mamba_lock > 0 || n->loading != PD_NONE)) return PD_ERR_STATE;
     }
