@@ -292,10 +292,10 @@ static char *decode_text(const pd_hf_tokenizer *tok, const int32_t *ids, uint32_
         raw = malloc(raw_len + 1);
         if (raw) pd_tokenizer_decode(ids, n, raw, raw_len + 1);
     }
-    if (!raw) raw = calloc(1, 1), raw_len = 0;
-    size_t text_len = raw ? pd_utf8_sanitize(raw, raw_len, NULL, 0) : 0;
-    char *text = raw ? malloc(text_len + 1) : NULL;
-    if (text) pd_utf8_sanitize(raw, raw_len, text, text_len + 1);
+    if (!raw) raw_len = 0; /* no text (or out of memory: so is the malloc below) */
+    size_t text_len = pd_utf8_sanitize(raw ? raw : "", raw_len, NULL, 0);
+    char *text = malloc(text_len + 1);
+    if (text) pd_utf8_sanitize(raw ? raw : "", raw_len, text, text_len + 1);
     free(raw);
     return text;
 }

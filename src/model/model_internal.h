@@ -7,8 +7,6 @@
 #ifndef PDSERVE_MODEL_INTERNAL_H
 #define PDSERVE_MODEL_INTERNAL_H
 
-#include <string.h>
-
 #include <jansson.h>
 
 #include "kernels.h"
@@ -62,10 +60,7 @@ static inline void mdl_wmat_row(pd_wmat w, uint64_t r, uint32_t n, float *out) {
         for (uint32_t i = 0; i < n; i++) out[i] = w.f32[r * n + i];
         return;
     }
-    for (uint32_t i = 0; i < n; i++) {
-        uint32_t bits = (uint32_t)w.bf16[r * n + i] << 16;
-        memcpy(&out[i], &bits, sizeof bits);
-    }
+    for (uint32_t i = 0; i < n; i++) out[i] = pd_bf16_to_f32(w.bf16[r * n + i]);
 }
 
 typedef struct pd_attn_weights {

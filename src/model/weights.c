@@ -645,8 +645,7 @@ uint64_t pd_model_tensor_values(const pd_model *m, const char *name, float *out,
             out[j] = m->data[t->offset + j];
             continue;
         }
-        uint32_t bits = (uint32_t)m->data16[t->offset + j] << 16;
-        memcpy(&out[j], &bits, sizeof bits);
+        out[j] = pd_bf16_to_f32(m->data16[t->offset + j]);
     }
     return t->elems;
 }

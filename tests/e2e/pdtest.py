@@ -11,6 +11,7 @@ import json
 import os
 import signal
 import socket
+import shutil
 import subprocess
 import sys
 import time
@@ -192,6 +193,23 @@ def check_ambiguous_requests_refused(port):
         st, obj = raw_http(port, data)
         assert st == 400, (data, st, obj)
         assert obj and obj["error"]["code"] == 400 and words in obj["error"]["message"], (data, obj)
+
+
+def checkpoint_with_tokenizer(tmp, name, config, tokenizer_dir, seed):
+    """A random bf16 checkpoint of a built-in config, in two shards, whose
+    vocabulary is exactly the ids of tokenizer_dir's tokenizer.json, with
+    that tokenizer.json and tokenizer_config.json beside it. Returns
+    (directory, vocab)."""
+    tok = json.load(open(os.path.join(tokenizer_dir, "tokenizer.json")))
+    vocab = 1 + max(max(tok["model"]["vocab"].values()), max(a["id"] for a in tok["added_tokens"]))
+    model = os.path.join(tmp, name)
+    r = subprocess.run([PDSERVE, "model", "init", "--out", model, "--config", config,
+                        "--vocab", str(vocab), "--dtype", "bf16", "--shards", "2",
+                        "--seed", str(seed)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(os.path.join(tokenizer_dir, f), model)
+    return model, vocab
 
 
 def generate_reference(prompt, max_new, extra=()):

@@ -50,17 +50,7 @@ def reference_ids(texts):
 
 
 def make_checkpoint(tmp):
-    vocab = 1 + max(
-        max(json.load(open(os.path.join(QWEN, "tokenizer.json")))["model"]["vocab"].values()),
-        max(a["id"] for a in json.load(open(os.path.join(QWEN, "tokenizer.json")))["added_tokens"]))
-    model = os.path.join(tmp, "qwen3")
-    r = subprocess.run([pdtest.PDSERVE, "model", "init", "--out", model, "--config", "qwen3",
-                        "--vocab", str(vocab), "--dtype", "bf16", "--shards", "2", "--seed", "5"],
-                       capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr
-    for f in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(os.path.join(QWEN, f), model)
-    return model, vocab
+    return pdtest.checkpoint_with_tokenizer(tmp, "qwen3", "qwen3", QWEN, 5)
 
 
 TEMPLATE_DIR = os.path.join(HERE, "..", "template")

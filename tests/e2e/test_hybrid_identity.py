@@ -38,16 +38,7 @@ NEW = [12, 5, 9, 16, 3, 7]
 
 
 def make_checkpoint(tmp):
-    tok = json.load(open(os.path.join(LLAMA3, "tokenizer.json")))
-    vocab = 1 + max(max(tok["model"]["vocab"].values()), max(a["id"] for a in tok["added_tokens"]))
-    model = os.path.join(tmp, "granite")
-    r = subprocess.run([pdtest.PDSERVE, "model", "init", "--out", model, "--config", "granite",
-                        "--vocab", str(vocab), "--dtype", "bf16", "--shards", "2", "--seed", "11"],
-                       capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr
-    for f in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(os.path.join(LLAMA3, f), model)
-    return model
+    return pdtest.checkpoint_with_tokenizer(tmp, "granite", "granite", LLAMA3, 11)[0]
 
 
 def generate(model, prompt, n, extra=()):
