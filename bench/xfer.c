@@ -14,18 +14,47 @@
  * --memory heap,own also measures plain heap memory registered as is (the
  * layout before the transport allocated it).
  *
- * Figures, each the median over --runs rooms after a warm-up room:
+ * Figures (every one a median, so that one preempted sample on a shared
+ * machine moves nothing; and the whole measurement runs --rounds times, 3 by
+ * default, pdserve and perftest taking turns, each figure printed being the
+ * median of its rounds, so that load that comes and goes lands on both):
  *   hand-off   time from send_final to the decode side seeing SUCCESS
  *              (every byte landed and the completion notice arrived), and
- *              bytes / that time;
- *   memcpy     the same bytes copied page by page inside one process (what
- *              the loopback transport does): the ceiling for one host;
- *   perftest   `ucx_perftest -t ucp_put_bw` with the hand-off's size, run as
- *              two processes (server and client) with the same UCX_TLS, its
- *              overall bandwidth; the ratio column is pdserve / perftest.
- *              "perftest not found" when ucx-utils is not installed;
- *   fixed cost a 16-token request from receiver_open to SUCCESS: bootstrap
- *              round trip, three puts, flush, notice.
+ *              bytes / that time; the median of --runs rooms, after one
+ *              warm-up room of the same size (UCX maps the peer's segment
+ *              lazily: the first put into fresh pages takes page faults);
+ *   memcpy     the same bytes copied inside one process from the prefill
+ *              node's memory into a destination touched beforehand, one
+ *              memcpy per contiguous run as a shared-memory put does it
+ *              (page by page, glibc copies with ordinary stores: from a
+ *              System V segment that measured 8 GB/s at 32 MiB where one
+ *              memcpy, with non-temporal stores, does 14), median of at
+ *              least 9 copies after a warm-up one;
+ *   perftest   `ucx_perftest -t ucp_put_bw -O 1` at the hand-off's size, two
+ *              processes (server and client) with the same UCX_TLS (and
+ *              UCX_NET_DEVICES for tcp), >= 31 iterations after >= 5 warm-up
+ *              ones; the figure is size / perftest's median per-iteration
+ *              time (its "50.0%ile" column), the same statistic as pdserve's
+ *              column; the ratio column is pdserve / perftest. "perftest
+ *              not found" when ucx-utils is not installed. Its mean-based
+ *              "overall" bandwidth is printed beside it (pt mean): on a
+ *              loaded machine a few preempted iterations halve it.
+ *   fixed cost a 16-token request from receiver_open to SUCCESS, median of
+ *              31 rooms, with the median time at which each phase ended.
+ *
+ * Why -O 1 (one put outstanding at a time): that is pdserve's pattern. A
+ * hand-off is one put of the whole contiguous KV run (plus two small puts),
+ * and the next room's put is posted only after this one completed; so the
+ * matching perftest figure is one put per message, the next posted when the
+ * last completed. That is also UCX's best for that pattern here: on shm a
+ * put is a copy done inside ucp_put_nbx, so a deeper window changes nothing
+ * (measured: 8 MiB, p50 251 us with -O 1, 260 us unbounded); on tcp, where
+ * puts are emulated with active messages, perftest's default (no bound)
+ * queues every iteration's put at once, and its figure collapsed to
+ * 0.03 GB/s at 32 MiB (26 MB/s measured, 355 MB/s with -O 1): the
+ * implausible figures of the first version of this benchmark, which also read
+ * the mean-based column and ran 20 iterations at 32 MiB with 2 of warm-up.
+ *
  * Transports: UCX_TLS=shm and UCX_TLS=tcp (UCX_NET_DEVICES=lo) unless
  * --transports says otherwise. The last lines are the summary.
  */
@@ -35,6 +64,7 @@
 #include <netinet/in.h>
 #include <sched.h>
 #include <signal.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -48,8 +78,11 @@
 
 #define LIST_MAX 8
 
+#define ROUNDS_MAX 9
+
 typedef struct opts {
     int runs;
+    int rounds; /* the whole measurement, repeated; each figure is the median */
     uint32_t page_size;
     uint32_t tokens[LIST_MAX];
     int n_tokens;
@@ -129,8 +162,12 @@ static void node_open(node *n, pd_net_role role, const opts *o, const char *tls,
     memset(n->mamba, role == PD_NET_PREFILL ? 0x3C : 0, slot_bytes);
     for (int r = 0; r < 4; r++)
         n->meta[r] = (pd_meta_row){.nonce = 1 + (uint64_t)r, .first_token = r};
-    pd_exec_memory mem = {.kv = n->kv, .kv_page_bytes = page_bytes, .kv_pages = pages,
-                          .mamba = n->mamba, .mamba_slot_bytes = slot_bytes, .mamba_slots = 1};
+    pd_exec_memory mem = {.kv = n->kv,
+                          .kv_page_bytes = page_bytes,
+                          .kv_pages = pages,
+                          .mamba = n->mamba,
+                          .mamba_slot_bytes = slot_bytes,
+                          .mamba_slots = 1};
     if (pd_net_register(n->net, &mem, n->meta, 4, msg, sizeof(msg))) die("register", msg);
     if (pd_net_start(n->net, msg, sizeof(msg))) die("start", msg);
     n->x = pd_net_endpoint(n->net);
@@ -143,47 +180,53 @@ static void node_close(node *n) {
     pd_net_destroy(n->net); /* after its memory's owner let go of it */
 }
 
-/* One room of `pages` pages. Returns the hand-off time; *boot_ns and
- * *total_ns get the bootstrap and the whole room's times. */
-static double one_room(pair_link *l, uint32_t tokens, uint32_t *idx, double *boot_ns,
-                       double *total_ns) {
+/* Phases of a room, as ph[] indices (see one_room). */
+enum { PH_RECV_OPEN, PH_SEND_OPEN, PH_WAITING, PH_SEND_FINAL, PH_SUCCESS, PH_N };
+
+/* One room of `tokens` tokens. Returns the hand-off time (send_final to the
+ * decode side's SUCCESS); ph (may be NULL) gets, from receiver_open's call,
+ * the time at which receiver_open and sender_open returned, the prefill side
+ * was seen WAITING_FOR_INPUT, send_final returned, and SUCCESS was seen. */
+static double one_room(pair_link *l, uint32_t tokens, uint32_t *idx, double ph[PH_N]) {
     uint64_t room = ++l->room;
     uint32_t pages = PD_DIV_CEIL(tokens, l->page_size);
     pd_xfer pre = l->pre.x, dec = l->dec.x;
-    pd_xfer_dest d = {.prompt_tokens = tokens, .pages = idx, .n_pages = pages, .mamba_slot = 0,
-                      .meta_row = 1};
-    uint64_t t0 = bench_now_ns();
+    pd_xfer_dest d = {
+        .prompt_tokens = tokens, .pages = idx, .n_pages = pages, .mamba_slot = 0, .meta_row = 1};
+    uint64_t t[PH_N], t0 = bench_now_ns();
     if (dec.vt->receiver_open(dec.self, room, l->peer, &d)) die("receiver_open", "refused");
+    t[PH_RECV_OPEN] = bench_now_ns();
     if (pre.vt->sender_open(pre.self, room)) die("sender_open", "refused");
+    t[PH_SEND_OPEN] = bench_now_ns();
     wait_status(pre, room, PD_XFER_WAITING_FOR_INPUT);
-    uint64_t t1 = bench_now_ns();
+    t[PH_WAITING] = bench_now_ns();
     if (pre.vt->send_final(pre.self, room, 0, idx, pages, 0, 2)) die("send_final", "refused");
+    t[PH_SEND_FINAL] = bench_now_ns();
     wait_status(dec, room, PD_XFER_SUCCESS);
-    uint64_t t2 = bench_now_ns();
+    t[PH_SUCCESS] = bench_now_ns();
     wait_status(pre, room, PD_XFER_SUCCESS);
     while (!pre.vt->drained(pre.self, room) || !dec.vt->drained(dec.self, room)) sched_yield();
     pre.vt->close(pre.self, room);
     dec.vt->close(dec.self, room);
-    if (boot_ns) *boot_ns = (double)(t1 - t0);
-    if (total_ns) *total_ns = (double)(t2 - t0);
-    return (double)(t2 - t1);
+    for (int k = 0; ph && k < PH_N; k++) ph[k] = (double)(t[k] - t0);
+    return (double)(t[PH_SUCCESS] - t[PH_WAITING]);
 }
 
 static bool landed(const pair_link *l, uint32_t pages) {
     return !memcmp(l->pre.kv, l->dec.kv, pages * l->page_bytes) &&
-           !memcmp(l->pre.mamba, l->dec.mamba, l->slot_bytes) &&
-           !memcmp(&l->pre.meta[2], &l->dec.meta[1], sizeof(pd_meta_row));
+        !memcmp(l->pre.mamba, l->dec.mamba, l->slot_bytes) &&
+        !memcmp(&l->pre.meta[2], &l->dec.meta[1], sizeof(pd_meta_row));
 }
 
 static double memcpy_ns(const pair_link *l, uint32_t pages, int runs, uint8_t *dst_kv,
                         uint8_t *dst_mamba) {
     double t[64];
     pd_meta_row row;
+    runs = PD_MAX(runs, 9);
+    memset(dst_kv, 1, (size_t)pages * l->page_bytes); /* no page faults in what is timed */
     for (int r = 0; r < runs + 1; r++) {
         uint64_t t0 = bench_now_ns();
-        for (uint32_t p = 0; p < pages; p++)
-            memcpy(dst_kv + (size_t)p * l->page_bytes, l->pre.kv + (size_t)p * l->page_bytes,
-                   l->page_bytes);
+        memcpy(dst_kv, l->pre.kv, (size_t)pages * l->page_bytes); /* one contiguous run */
         memcpy(dst_mamba, l->pre.mamba, l->slot_bytes);
         memcpy(&row, &l->pre.meta[2], sizeof(row));
         __asm__ volatile("" : : "r"(dst_kv), "r"(&row) : "memory");
@@ -219,7 +262,8 @@ static int parse_list(const char *s, char out[][16], int max) {
 
 static void usage(void) {
     fprintf(stderr,
-            "usage: xfer [--quick] [--runs N] [--tokens 1024,16384] [--configs tiny,small]\n"
+            "usage: xfer [--quick] [--runs N] [--rounds N] [--tokens 1024,16384] [--configs "
+            "tiny,small]\n"
             "            [--transports shm,tcp] [--net-devices lo] [--spin-us N]\n"
             "            [--memory own|heap|own,heap] [--no-perftest]\n");
     exit(2);
@@ -284,15 +328,23 @@ static bool read_all(int fd, char *buf, size_t cap, uint64_t deadline_ns) {
     return true;
 }
 
-/* "Final: iters p50 avg overall bw_avg bw_overall ..." -> the overall
- * bandwidth in GB/s (perftest's MB/s are MiB/s); -1 if absent. */
-static double perftest_parse(const char *out) {
+/* perftest's figures for one run, GB/s; -1: failed. */
+typedef struct pt_figs {
+    double p50;  /* bytes / the median iteration time: what the ratio uses */
+    double mean; /* perftest's "overall" bandwidth (total bytes / total time) */
+} pt_figs;
+
+/* "Final: iters p50_us avg_us overall_us bw_avg bw_overall ..." (latencies
+ * in microseconds, bandwidths in MiB/s) -> both figures in GB/s. */
+static pt_figs perftest_parse(const char *out, size_t bytes) {
     const char *f = strstr(out, "Final:");
     double v[6];
     if (!f ||
-        sscanf(f, "Final: %lf %lf %lf %lf %lf %lf", &v[0], &v[1], &v[2], &v[3], &v[4], &v[5]) != 6)
-        return -1;
-    return v[5] * 1048576.0 / 1e9;
+        sscanf(f, "Final: %lf %lf %lf %lf %lf %lf", &v[0], &v[1], &v[2], &v[3], &v[4], &v[5]) !=
+            6 ||
+        v[1] <= 0)
+        return (pt_figs){-1, -1};
+    return (pt_figs){.p50 = (double)bytes / (v[1] * 1e3), .mean = v[5] * 1048576.0 / 1e9};
 }
 
 static void reap(pid_t pid) {
@@ -301,23 +353,23 @@ static void reap(pid_t pid) {
     waitpid(pid, NULL, 0);
 }
 
-/* One ucp_put_bw run of `bytes` per put over tls; GB/s, or -1 if it failed. */
-static double perftest_once(const char *exe, const char *tls, const char *devices, size_t bytes,
-                            int iters) {
+/* One ucp_put_bw run of `bytes` per put over tls, one put outstanding. */
+static pt_figs perftest_once(const char *exe, const char *tls, const char *devices, size_t bytes,
+                             int iters) {
     char port[16], size[32], n[16], w[16];
     snprintf(port, sizeof(port), "%u", free_port());
     snprintf(size, sizeof(size), "%zu", bytes);
     snprintf(n, sizeof(n), "%d", iters);
-    snprintf(w, sizeof(w), "%d", PD_MAX(iters / 10, 2));
+    snprintf(w, sizeof(w), "%d", PD_MAX(iters / 10, 5));
     char *srv_argv[] = {(char *)exe, "-p", port, NULL};
-    char *cli_argv[] = {(char *)exe, "127.0.0.1", "-p", port, "-t", "ucp_put_bw", "-s",
-                        size,        "-n",        n,    "-w", w,    NULL};
+    char *cli_argv[] = {(char *)exe, "127.0.0.1", "-p", port, "-t", "ucp_put_bw", "-s", size,
+                        "-n",        n,           "-w", w,    "-O", "1",          NULL};
     pid_t srv = spawn(srv_argv, tls, devices, -1);
     nanosleep(&(struct timespec){.tv_nsec = 200000000}, NULL); /* until it listens */
     int fds[2];
     if (srv < 0 || pipe(fds) != 0) {
         reap(srv);
-        return -1;
+        return (pt_figs){-1, -1};
     }
     pid_t cli = spawn(cli_argv, tls, devices, fds[1]);
     close(fds[1]);
@@ -326,18 +378,19 @@ static double perftest_once(const char *exe, const char *tls, const char *device
     close(fds[0]);
     reap(cli);
     reap(srv);
-    return done ? perftest_parse(out) : -1;
+    return done ? perftest_parse(out, bytes) : (pt_figs){-1, -1};
 }
 
-/* perftest's put bandwidth for `bytes` (the best of a few tries: a try
- * fails when the server was not listening yet). */
-static double perftest_gbps(const char *exe, const char *tls, const char *devices, size_t bytes) {
-    int iters = (int)PD_MIN(PD_MAX((size_t)(512u << 20) / bytes, 20u), 1000u);
+/* perftest's put bandwidth for `bytes` (the first try that works: a try
+ * fails when the server was not listening yet). At least 31 iterations (a
+ * median worth the name), more for small puts, up to about 1 GiB moved. */
+static pt_figs perftest_gbps(const char *exe, const char *tls, const char *devices, size_t bytes) {
+    int iters = (int)PD_MIN(PD_MAX((size_t)(1024u << 20) / bytes, 31u), 1000u);
     for (int attempt = 0; attempt < 3; attempt++) {
-        double g = perftest_once(exe, tls, devices, bytes, iters);
-        if (g > 0) return g;
+        pt_figs g = perftest_once(exe, tls, devices, bytes, iters);
+        if (g.p50 > 0) return g;
     }
-    return -1;
+    return (pt_figs){-1, -1};
 }
 
 /* ---- measuring ------------------------------------------------------------------ */
@@ -346,7 +399,7 @@ typedef struct result {
     char config[16], transport[16];
     uint32_t tokens;
     double bytes, ns, heap_ns, memcpy_ns; /* heap_ns 0: not measured */
-    double perftest;                      /* GB/s; 0: not run; < 0: failed */
+    pt_figs perftest;                     /* GB/s; 0: not run; < 0: failed */
 } result;
 
 /* Everything measured: one result per (config, transport, tokens), and the
@@ -354,12 +407,13 @@ typedef struct result {
 typedef struct tally {
     result res[LIST_MAX * LIST_MAX * LIST_MAX];
     int n_res;
-    double fixed[LIST_MAX], fixed_boot[LIST_MAX];
-    const char *perftest; /* path, or NULL: not found */
+    double phase[LIST_MAX][PH_N]; /* fixed cost: medians of each phase's end, ns */
+    const char *perftest;         /* path, or NULL: not found */
 } tally;
 
 static void parse_args(int argc, char **argv, opts *o) {
-    *o = (opts){.runs = 5,
+    *o = (opts){.runs = 15,
+                .rounds = 3,
                 .page_size = 16,
                 .tokens = {1024, 16384},
                 .n_tokens = 2,
@@ -377,6 +431,10 @@ static void parse_args(int argc, char **argv, opts *o) {
         const char *v = i + 1 < argc ? argv[i + 1] : NULL;
         if (!strcmp(a, "--quick")) {
             o->runs = 3;
+            o->rounds = 1;
+        } else if (!strcmp(a, "--rounds") && v) {
+            o->rounds = atoi(v), i++;
+            if (o->rounds < 1 || o->rounds > ROUNDS_MAX) usage();
         } else if (!strcmp(a, "--runs") && v) {
             o->runs = atoi(v), i++;
             if (o->runs < 1 || o->runs > 63) usage();
@@ -412,7 +470,8 @@ static double median_handoff(pair_link *l, const opts *o, uint32_t tokens, uint3
     double ns[64];
     uint32_t pages = PD_DIV_CEIL(tokens, o->page_size);
     memset(l->dec.kv, 0, pages * l->page_bytes);
-    for (int r = 0; r < o->runs; r++) ns[r] = one_room(l, tokens, idx, NULL, NULL);
+    one_room(l, tokens, idx, NULL); /* warm-up: fresh mappings fault once */
+    for (int r = 0; r < o->runs; r++) ns[r] = one_room(l, tokens, idx, NULL);
     if (!landed(l, pages)) die("check", "the decode side's bytes differ from the prefill's");
     return bench_median(ns, (size_t)o->runs);
 }
@@ -432,21 +491,23 @@ static void measure_sizes(pair_link *l, const opts *o, int c, int t, uint32_t *i
         snprintf(x->config, sizeof(x->config), "%s", o->configs[c]);
         snprintf(x->transport, sizeof(x->transport), "%s", o->transports[t]);
         x->tokens = tokens;
-        x->bytes = (double)pages * (double)l->page_bytes + (double)l->slot_bytes +
-                   sizeof(pd_meta_row);
+        x->bytes =
+            (double)pages * (double)l->page_bytes + (double)l->slot_bytes + sizeof(pd_meta_row);
         x->ns = median_handoff(l, o, tokens, idx);
         x->memcpy_ns = memcpy_ns(l, pages, o->runs, scratch_kv, scratch_mb);
     }
 }
 
-/* Fixed cost of a room over transport t: a 16-token request, start to finish. */
+/* Fixed cost of a room over transport t: a one-page request, start to
+ * finish, with the median end of each phase. */
 static void measure_fixed_cost(pair_link *l, const opts *o, int t, uint32_t *idx, tally *tl) {
-    int reps = PD_MAX(o->runs, 31);
-    double tot[64], boot[64];
-    reps = PD_MIN(reps, 63);
-    for (int r = 0; r < reps; r++) one_room(l, o->page_size, idx, &boot[r], &tot[r]);
-    tl->fixed[t] = bench_median(tot, (size_t)reps);
-    tl->fixed_boot[t] = bench_median(boot, (size_t)reps);
+    int reps = PD_MIN(PD_MAX(o->runs, 31), 63);
+    double ph[64][PH_N], col[64];
+    for (int r = 0; r < reps; r++) one_room(l, o->page_size, idx, ph[r]);
+    for (int k = 0; k < PH_N; k++) {
+        for (int r = 0; r < reps; r++) col[r] = ph[r][k];
+        tl->phase[t][k] = bench_median(col, (size_t)reps);
+    }
 }
 
 /* A prefill and a decode node over tls, warmed up (connection, UCX wire-up). */
@@ -456,7 +517,7 @@ static void link_open(pair_link *l, const opts *o, const char *tls, bool heap) {
     snprintf(l->peer, sizeof(l->peer), "127.0.0.1:%u", pd_net_bootstrap_port(l->pre.net));
     uint32_t *idx = malloc(sizeof(uint32_t));
     idx[0] = 0;
-    one_room(l, o->page_size, idx, NULL, NULL);
+    one_room(l, o->page_size, idx, NULL);
     free(idx);
 }
 
@@ -504,6 +565,35 @@ static void measure_config(const opts *o, int c, uint32_t pages_max, uint32_t *i
     free(scratch_mb);
 }
 
+/* Median over a list of doubles taken from n rounds (at most ROUNDS_MAX). */
+static double median_of(const tally *rounds, int n, size_t offset) {
+    double v[ROUNDS_MAX];
+    for (int r = 0; r < n; r++) v[r] = *(const double *)((const char *)&rounds[r] + offset);
+    return bench_median(v, (size_t)n);
+}
+
+/* out = every figure's median over the rounds, which alternate pdserve and
+ * perftest in time, so that a load that comes and goes on a shared machine
+ * lands on both. */
+static void tally_median(tally *out, const tally *rounds, int n) {
+    out->n_res = rounds[0].n_res;
+    for (int i = 0; i < out->n_res; i++) {
+        result *x = &out->res[i];
+        *x = rounds[0].res[i];
+        size_t base = offsetof(tally, res) + (size_t)i * sizeof(result);
+        x->ns = median_of(rounds, n, base + offsetof(result, ns));
+        x->heap_ns = median_of(rounds, n, base + offsetof(result, heap_ns));
+        x->memcpy_ns = median_of(rounds, n, base + offsetof(result, memcpy_ns));
+        x->perftest.p50 = median_of(rounds, n, base + offsetof(result, perftest.p50));
+        x->perftest.mean = median_of(rounds, n, base + offsetof(result, perftest.mean));
+    }
+    for (int t = 0; t < LIST_MAX; t++)
+        for (int k = 0; k < PH_N; k++)
+            out->phase[t][k] =
+                median_of(rounds, n,
+                          offsetof(tally, phase) + ((size_t)t * PH_N + (size_t)k) * sizeof(double));
+}
+
 static bool same_request(const result *a, const result *b) {
     return !strcmp(a->config, b->config) && a->tokens == b->tokens;
 }
@@ -518,37 +608,42 @@ static void fmt_gbps(char *out, size_t cap, double gbps) {
  * pdserve on heap memory (--memory heap) and memcpy (the best of its
  * measurements for that request). */
 static void print_table(tally *tl) {
-    printf("%-6s %7s %11s %-4s %10s %11s %11s %6s %11s %11s\n", "model", "tokens", "bytes", "tls",
-           "hand-off", "pdserve", "perftest", "ratio", "heap mem", "memcpy");
+    printf("%-6s %7s %11s %-4s %10s %11s %11s %6s %11s %11s %11s\n", "model", "tokens", "bytes",
+           "tls", "hand-off", "pdserve", "perftest", "ratio", "pt mean", "heap mem", "memcpy");
     result *res = tl->res;
     for (int i = 0; i < tl->n_res; i++) {
         result *x = &res[i];
         double best = x->memcpy_ns;
         for (int j = 0; j < tl->n_res; j++)
             if (same_request(&res[j], x)) best = PD_MIN(best, res[j].memcpy_ns);
-        char b[32], tm[32], pd[32], pt[32], hp[32], mc[32], ratio[16] = "-";
+        char b[32], tm[32], pd[32], pt[32], pm[32], hp[32], mc[32], ratio[16] = "-";
         fmt_bytes(b, sizeof(b), x->bytes);
         fmt_time(tm, sizeof(tm), x->ns);
         fmt_gbps(pd, sizeof(pd), x->bytes / x->ns);
-        fmt_gbps(pt, sizeof(pt), x->perftest);
+        fmt_gbps(pt, sizeof(pt), x->perftest.p50);
+        fmt_gbps(pm, sizeof(pm), x->perftest.mean);
         fmt_gbps(hp, sizeof(hp), x->heap_ns > 0 ? x->bytes / x->heap_ns : 0);
         fmt_gbps(mc, sizeof(mc), x->bytes / best);
-        if (x->perftest > 0)
-            snprintf(ratio, sizeof(ratio), "%.0f%%", 100 * x->bytes / x->ns / x->perftest);
-        printf("%-6s %7u %11s %-4s %10s %11s %11s %6s %11s %11s\n", x->config, x->tokens, b,
-               x->transport, tm, pd, pt, ratio, hp, mc);
+        if (x->perftest.p50 > 0)
+            snprintf(ratio, sizeof(ratio), "%.0f%%", 100 * x->bytes / x->ns / x->perftest.p50);
+        printf("%-6s %7u %11s %-4s %10s %11s %11s %6s %11s %11s %11s\n", x->config, x->tokens, b,
+               x->transport, tm, pd, pt, ratio, pm, hp, mc);
     }
     if (!tl->perftest) printf("perftest not found (ucx_perftest, Debian package ucx-utils)\n");
 }
 
 static void print_fixed_costs(const opts *o, const tally *tl) {
-    printf("\nper-room fixed cost (one-page request, receiver_open -> SUCCESS, median; "
-           "bootstrap round trip in brackets):\n");
+    static const char *const names[PH_N] = {"receiver_open", "sender_open", "WAITING seen",
+                                            "send_final", "SUCCESS seen"};
+    printf("\nper-room fixed cost (one-page request, receiver_open -> SUCCESS, median of 31; "
+           "then the median time at which each phase ended):\n");
     for (int t = 0; t < o->n_transports; t++) {
-        char a[32], b[32];
-        fmt_time(a, sizeof(a), tl->fixed[t]);
-        fmt_time(b, sizeof(b), tl->fixed_boot[t]);
-        printf("  ucx-%-4s %9s  (%s)\n", o->transports[t], a, b);
+        char a[32];
+        fmt_time(a, sizeof(a), tl->phase[t][PH_SUCCESS]);
+        printf("  ucx-%-4s %9s  (", o->transports[t], a);
+        for (int k = 0; k < PH_N; k++)
+            printf("%s%s %.1f", k ? ", " : "", names[k], tl->phase[t][k] / 1e3);
+        printf(" us)\n");
     }
 }
 
@@ -563,14 +658,14 @@ static void print_summary(const opts *o, const tally *tl) {
     for (int i = 0; i < tl->n_res; i++) {
         if (!same_request(&res[i], &res[big])) continue;
         printf(" ucx-%s %.2f GB/s", res[i].transport, res[i].bytes / res[i].ns);
-        if (res[i].perftest > 0)
-            printf(" (%.0f%% of perftest)", 100 * res[i].bytes / res[i].ns / res[i].perftest);
+        if (res[i].perftest.p50 > 0)
+            printf(" (%.0f%% of perftest)", 100 * res[i].bytes / res[i].ns / res[i].perftest.p50);
         printf(";");
     }
     printf("\nsummary: per-room fixed cost");
     for (int t = 0; t < o->n_transports; t++) {
         char a[32];
-        fmt_time(a, sizeof(a), tl->fixed[t]);
+        fmt_time(a, sizeof(a), tl->phase[t][PH_SUCCESS]);
         printf("%s ucx-%s %s", t ? "," : "", o->transports[t], a);
     }
     printf("\n");
@@ -585,13 +680,17 @@ int main(int argc, char **argv) {
     uint32_t *idx = malloc(pages_max * sizeof(uint32_t));
     for (uint32_t p = 0; p < pages_max; p++) idx[p] = p;
 
-    static tally tl;
+    static tally tl, round[ROUNDS_MAX];
     static char exe[4096];
     tl.perftest = o.perftest ? perftest_find(exe, sizeof(exe)) : NULL;
     printf("== xfer: prefill -> decode hand-off over pd_net "
-           "(page size %u, contiguous pages), median of %d ==\n",
-           o.page_size, o.runs);
-    for (int c = 0; c < o.n_configs; c++) measure_config(&o, c, pages_max, idx, &tl);
+           "(page size %u, contiguous pages), median of %d rooms, median of %d rounds ==\n",
+           o.page_size, o.runs, o.rounds);
+    for (int r = 0; r < o.rounds; r++) {
+        round[r].perftest = tl.perftest;
+        for (int c = 0; c < o.n_configs; c++) measure_config(&o, c, pages_max, idx, &round[r]);
+    }
+    tally_median(&tl, round, o.rounds);
     print_table(&tl);
     print_fixed_costs(&o, &tl);
     print_summary(&o, &tl);
