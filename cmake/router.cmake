@@ -10,6 +10,7 @@ add_library(pd_router STATIC
   src/router/client.c
   src/router/forward.c
   src/router/loop.c
+  src/router/feed.c
   src/router/sse.c
   src/router/body.c
   src/router/stats.c
@@ -45,6 +46,10 @@ if(PD_BUILD_TESTS)
   set_tests_properties(test_router_units test_router_forward test_router_health
                        test_router_failures test_router_abort test_router_input test_router_storm
                        test_router_events PROPERTIES TIMEOUT 120)
+  # Stream feeds with real nodes (src/node) behind the router.
+  pd_add_test(test_node_stream_feed tests/node/test_stream_feed.c pd_router_testkit pd_node)
+  target_include_directories(test_node_stream_feed PRIVATE ${CMAKE_SOURCE_DIR}/src/node)
+  set_tests_properties(test_node_stream_feed PROPERTIES TIMEOUT 180)
 
   # The command line: --help, bad usage, a router process that listens and
   # stops on SIGINT.

@@ -54,6 +54,8 @@ static void usage(FILE *to) {
             "  --port P                    listen port (default 30000; 0 = any free port)\n"
             "  --max-body-bytes N          larger request bodies get 413 (default 1048576)\n"
             "  --max-connections N         client connections = requests in flight (default 1024)\n"
+            "                              needs 1 open file each + 4 stream feeds per decode\n"
+            "                              node + 64 under the hard RLIMIT_NOFILE\n"
             "  --max-connections-per-ip N  of them from one client address (default 256)\n"
             "  --client-timeout-s N        close a client connection silent this long\n"
             "                              (default 60)\n"

@@ -80,7 +80,8 @@ typedef enum ex_kind {
     EX_MODEL_INFO, /* the SGLang endpoints of sglang_api.c */
     EX_TOKENIZE,   /*   /tokenize and /detokenize */
     EX_FLUSH,
-    EX_HEALTH_GEN
+    EX_HEALTH_GEN,
+    EX_FEED /* GET /stream_feed: the events of the streams attached to it */
 } ex_kind;
 
 typedef enum ex_state {
@@ -90,6 +91,7 @@ typedef enum ex_state {
     EX_WAITING,    /* generate, whole answer: until the terminal event */
     EX_STREAMING,  /* generate, event stream: an event per wake while tokens come */
     EX_REPLY,      /* abort, info, metrics: until the scheduler's reply */
+    EX_FEEDING,    /* a stream feed: open until its client leaves or the node stops */
 } ex_state;
 
 typedef struct exchange {
@@ -110,6 +112,18 @@ typedef struct exchange {
     bool sent_done;
     char *ev; /* the next event, kept while stream_write refuses it (X5) */
     size_t ev_len;
+    /* a stream sent through a feed (F1-F4): `fed` from the submit on; `feed`
+     * NULL once the feed closed (`feed_lost`); linked on feed->attached */
+    bool fed, feed_lost;
+    char tag[PD_RID_MAX]; /* what its frames carry: "stream_feed_tag", else the rid */
+    struct exchange *feed;
+    pd_link feed_link;
+    /* a feed: its id's sequence number, the streams writing to it, and
+     * whether it must close (a stream could not write its end to it) */
+    uint64_t feed_seq;
+    pd_list attached;
+    bool feed_closing;
+    bool is_feed; /* h->mu: http_stop wakes every feed */
     /* abort */
     char rid[PD_RID_MAX];
     /* abort, info, metrics */
@@ -129,10 +143,13 @@ struct http_server {
     pd_list free, ready;
     bool stop;
     uint64_t started;   /* Unix time: the served model's "created" */
+    uint64_t feed_seq;  /* the last feed id's sequence number (responder) */
+    uint64_t feeds_cut; /* h->mu: feeds up to this sequence number close */
     sgl_health *health; /* /health_generate's probes */
 };
 
 static pd_links ex_links(http_server *h) { return PD_LINKS(h->ex, exchange, link); }
+static pd_links feed_links(http_server *h) { return PD_LINKS(h->ex, exchange, feed_link); }
 static uint32_t ex_index(const exchange *e) { return (uint32_t)(e - e->h->ex); }
 
 /* Under h->mu: on the ready list once (X2). */
@@ -185,12 +202,37 @@ static bool ex_start(http_server *h, pd_http_req *r, ex_kind kind) {
     return i != PD_NONE;
 }
 
+/* A stream leaves its feed (F3), or a feed lets go of its streams (F4):
+ * they see feed_lost and abort. A stopping node's feed closes once its
+ * last stream has gone, so it is woken then. */
+static void feed_detach(exchange *e) {
+    http_server *h = e->h;
+    if (e->kind == EX_FEED) {
+        while (e->attached.len) {
+            uint32_t i = e->attached.head;
+            pd_list_remove(&e->attached, feed_links(h), i);
+            h->ex[i].feed = NULL;
+            h->ex[i].feed_lost = true;
+        }
+        pthread_mutex_lock(&h->mu);
+        e->is_feed = false;
+        pthread_mutex_unlock(&h->mu);
+        return;
+    }
+    exchange *f = e->feed;
+    if (!f) return;
+    pd_list_remove(&f->attached, feed_links(h), ex_index(e));
+    e->feed = NULL;
+    if (f->attached.len == 0 && node_stopping(h->n)) ex_wake(f);
+}
+
 /* The end of an exchange (X3): nothing wakes it any more, its references are
  * dropped, and it is free (now, or once popped if still queued). */
 static void ex_retire(exchange *e) {
     http_server *h = e->h;
     PD_ASSERT(e->state != EX_FREE && e->r != NULL);
     pd_http_req_watch(e->r, NULL, NULL);
+    feed_detach(e);
     for (uint32_t i = 0; i < e->n_ch; i++) {
         call *c = e->ch[i].c;
         pthread_mutex_lock(&c->mu);
@@ -394,15 +436,18 @@ static json_t *openai_body(exchange *e, json_t *choices, bool with_usage) {
 /* ---- the event stream ------------------------------------------------------------------ */
 
 /* The next SSE event into e->ev (obj NULL: the closing [DONE]); false when
- * out of memory. */
+ * out of memory. On a feed the event is framed by an "id: <rid>" line (F2). */
 static bool set_event(exchange *e, json_t *obj) {
     char *text = obj ? json_dumps(obj, JSON_COMPACT) : NULL;
     if (obj) json_decref(obj);
     PD_ASSERT(e->ev == NULL);
     if (obj && !text) return false;
-    size_t len = text ? strlen(text) : 6;
-    e->ev = malloc(len + 9);
-    if (e->ev) e->ev_len = (size_t)snprintf(e->ev, len + 9, "data: %s\n\n", text ? text : "[DONE]");
+    size_t cap = (text ? strlen(text) : 6) + 9 + (e->fed ? strlen(e->tag) + 5 : 0);
+    e->ev = malloc(cap);
+    if (e->ev)
+        e->ev_len = (size_t)snprintf(e->ev, cap, "%s%s%sdata: %s\n\n", e->fed ? "id: " : "",
+                                     e->fed ? e->tag : "", e->fed ? "\n" : "",
+                                     text ? text : "[DONE]");
     free(text);
     return e->ev != NULL;
 }
@@ -459,19 +504,45 @@ static ev_next next_event(exchange *e) {
     return EV_NONE; /* the next token or the end wakes us */
 }
 
+/* A feed that cannot carry a stream's end any more closes (F4): its
+ * consumer learns from the close that none of its streams will end. */
+static void feed_kill(exchange *f) {
+    f->feed_closing = true;
+    ex_wake(f);
+}
+
+/* The stream's client left: its own connection, or its feed (F3). */
+static bool stream_client_gone(exchange *e) {
+    return e->fed ? e->feed_lost : pd_http_req_gone(e->r);
+}
+
+/* The stream ends: [DONE] went out, or (ok false) it could not. */
+static void stream_close(exchange *e, bool ok) {
+    if (!ok) ex_abort_calls(e, false);
+    if (!e->fed) pd_http_req_stream_end(e->r);
+    else if (!ok && e->feed) feed_kill(e->feed);
+    ex_retire(e);
+}
+
 /* EX_STREAMING: as many events as there are, until the stream ends, the
  * client leaves, or stream_write refuses (X5: the event waits in e->ev for
- * the WRITABLE wake, or the next token's). */
+ * the WRITABLE wake, or the next token's; on a feed, the feed's WRITABLE
+ * wakes every stream holding an event). */
 static void gen_stream(exchange *e) {
     for (;;) {
-        if (pd_http_req_gone(e->r)) {
+        if (stream_client_gone(e)) {
             ex_abort_calls(e, true); /* X4 */
             ex_retire(e);
             return;
         }
         if (e->ev) {
-            pd_err err = pd_http_req_stream_write(e->r, e->ev, e->ev_len);
+            pd_http_req *out = e->fed ? e->feed->r : e->r;
+            pd_err err = pd_http_req_stream_write(out, e->ev, e->ev_len);
             if (err == PD_ERR_NOMEM) return;
+            if (err && e->fed) { /* the feed's client left: its GONE wakes the feed */
+                ex_wake(e->feed);
+                return;
+            }
             if (err) { /* PD_ERR_STATE: the client left meanwhile */
                 ex_abort_calls(e, true);
                 ex_retire(e);
@@ -481,16 +552,13 @@ static void gen_stream(exchange *e) {
             e->ev = NULL;
         }
         if (e->sent_done) {
-            pd_http_req_stream_end(e->r);
-            ex_retire(e);
+            stream_close(e, true);
             return;
         }
         ev_next next = next_event(e);
         if (next == EV_NONE) return;
         if (next == EV_FAILED) { /* out of memory: the stream ends without [DONE] */
-            ex_abort_calls(e, false);
-            pd_http_req_stream_end(e->r);
-            ex_retire(e);
+            stream_close(e, false);
             return;
         }
     }
@@ -591,6 +659,24 @@ static void gen_wait(exchange *e) {
     ex_retire(e);
 }
 
+static void feed_id_print(const struct exchange *f, char *buf, size_t cap);
+
+/* A stream on a feed was accepted: 202 with its rid and feed, then its
+ * events go to the feed (F2). A feed gone meanwhile is a 503. */
+static void feed_accepted(exchange *e) {
+    if (e->feed_lost) {
+        ex_abort_calls(e, false);
+        ex_fail(e, 503, "the stream feed closed before the request was accepted");
+        return;
+    }
+    char feed_id[32];
+    feed_id_print(e->feed, feed_id, sizeof feed_id);
+    node_respond_json(e->r, 202,
+                      json_pack("{s:s, s:s, s:s}", "rid", e->ch[0].c->rid, "stream_feed", feed_id,
+                                "stream_feed_tag", e->tag));
+    gen_stream(e);
+}
+
 /* EX_SUBMITTING: once the engine took or refused every queued call: on to
  * waiting or streaming, or the first refusal (the accepted ones aborted). */
 static void gen_submitted(exchange *e) {
@@ -620,6 +706,10 @@ static void gen_submitted(exchange *e) {
         return;
     }
     e->state = EX_STREAMING;
+    if (e->fed) {
+        feed_accepted(e);
+        return;
+    }
     pd_http_req_add_header(e->r, "Cache-Control", "no-cache");
     if (pd_http_req_stream_begin(e->r, 200, "text/event-stream") == PD_ERR_NOMEM) {
         ex_abort_calls(e, false);
@@ -638,6 +728,7 @@ static bool make_choices(exchange *e) {
     else
         snprintf(base, sizeof(base), "%s-%llu", pd_node_role_name(node_config(n)->role),
                  (unsigned long long)node_next_rid(n));
+    if (!e->tag[0]) snprintf(e->tag, sizeof(e->tag), "%s", base); /* F2 */
     uint32_t k = gen_choices(&e->p);
     e->ch = calloc(k, sizeof(gen_choice));
     if (!e->ch) return false;
@@ -649,6 +740,132 @@ static bool make_choices(exchange *e) {
         if (!ok) return false;
     }
     return true;
+}
+
+/* ---- stream feeds ------------------------------------------------------------------------
+ * One long-lived event stream (GET /stream_feed) that carries the events of
+ * many streaming requests, so a router holds one connection per feed, not
+ * one per stream (docs/http-api.md#stream-feeds).
+ *   F1  A feed is an exchange in EX_FEEDING; its id "<index>.<seq>" names
+ *       its slot and a sequence number no other feed had, so a stale id
+ *       never finds a later feed in the same slot.
+ *   F2  A request given "stream_feed" is answered 202 once accepted, and
+ *       every event of it goes to the feed, framed "id: <tag>\n" + the event
+ *       (the tag: its "stream_feed_tag", else its rid); its last one is
+ *       data: [DONE], exactly once, unless the feed closes.
+ *   F3  A stream is on its feed's `attached` list from its submit until it
+ *       retires; the feed closing (its client left) is a hang-up for every
+ *       stream on it: aborted through the normal abort path.
+ *   F4  A feed's output is bounded by the server's watermark plus the one
+ *       event each stream keeps (X5): back-pressure, then the server's write
+ *       deadline, which closes the feed and so aborts its streams (F3). */
+
+static void feed_id_print(const exchange *f, char *buf, size_t cap) {
+    snprintf(buf, cap, "%u.%llu", ex_index(f), (unsigned long long)f->feed_seq);
+}
+
+/* The open feed an id names (F1), or NULL. */
+static exchange *feed_find(http_server *h, const char *id) {
+    unsigned idx;
+    unsigned long long seq;
+    int used = 0;
+    if (sscanf(id, "%u.%llu%n", &idx, &seq, &used) != 2 || id[used] != '\0') return NULL;
+    if (idx >= h->ex_max) return NULL;
+    exchange *f = &h->ex[idx];
+    bool open = f->kind == EX_FEED && f->state == EX_FEEDING && f->feed_seq == seq;
+    return open && !f->feed_closing ? f : NULL;
+}
+
+/* A frame's tag: 1..PD_RID_MAX-1 bytes of printable ASCII, so one line. */
+static bool tag_acceptable(const char *t) {
+    size_t n = strlen(t);
+    for (size_t i = 0; i < n; i++)
+        if (t[i] < 0x21 || t[i] > 0x7e) return false;
+    return n > 0 && n < PD_RID_MAX;
+}
+
+/* The request's "stream_feed": 0 and attached (F3), or the 400 to answer. */
+static int feed_attach(exchange *e, json_t *root, char *err, size_t cap) {
+    json_t *v = json_object_get(root, "stream_feed");
+    json_t *tag = json_object_get(root, "stream_feed_tag");
+    if (!v || json_is_null(v)) return 0;
+    if (!json_is_string(v))
+        return snprintf(err, cap, "'stream_feed' must be a string (a feed's id)"), 400;
+    if (!e->p.stream) return snprintf(err, cap, "'stream_feed' needs \"stream\": true"), 400;
+    const char *t = tag ? json_string_value(tag) : e->p.rid[0] ? e->p.rid : NULL;
+    if ((tag && !t) || (t && !tag_acceptable(t)))
+        return snprintf(err, cap,
+                        "'stream_feed_tag' (or, without it, 'rid') must be 1 to %d bytes of "
+                        "printable ASCII without spaces on a stream feed",
+                        PD_RID_MAX - 1),
+               400;
+    if (t) snprintf(e->tag, sizeof(e->tag), "%s", t);
+    exchange *f = feed_find(e->h, json_string_value(v));
+    if (!f)
+        return snprintf(err, cap, "unknown stream_feed '%.64s': no open GET /stream_feed has it",
+                        json_string_value(v)),
+               400;
+    e->fed = true;
+    e->feed = f;
+    pd_list_push_back(&f->attached, feed_links(e->h), ex_index(e));
+    return 0;
+}
+
+/* EX_NEW for GET /stream_feed: a 200 event stream that names its id in the
+ * X-Stream-Feed header; nothing is written to it but the streams' frames. */
+static void feed_begin(exchange *f) {
+    http_server *h = f->h;
+    size_t len;
+    pd_http_req_body(f->r, &len);
+    if (len || pd_http_req_query(f->r)[0]) {
+        ex_fail(f, 400, "GET /stream_feed takes no query and no body");
+        return;
+    }
+    f->feed_seq = ++h->feed_seq;
+    pd_list_init(&f->attached);
+    char id[32];
+    feed_id_print(f, id, sizeof id);
+    pd_http_req_add_header(f->r, "X-Stream-Feed", id);
+    pd_http_req_add_header(f->r, "Cache-Control", "no-cache");
+    if (pd_http_req_stream_begin(f->r, 200, "text/event-stream") == PD_ERR_NOMEM) {
+        ex_fail(f, 503, "out of memory for the answer");
+        return;
+    }
+    f->state = EX_FEEDING;
+    pthread_mutex_lock(&h->mu);
+    f->is_feed = true;
+    pthread_mutex_unlock(&h->mu);
+    pd_http_req_watch(f->r, ex_watch, f); /* GONE, WRITABLE; a client gone: at once */
+}
+
+/* EX_FEEDING: the feed's client took its backlog (the streams holding an
+ * event retry), or the feed ends: its client left, a stream could not end on
+ * it, or the node stops and no stream is left (F3). */
+static void feed_run(exchange *f) {
+    http_server *h = f->h;
+    bool gone = pd_http_req_gone(f->r);
+    pthread_mutex_lock(&h->mu);
+    if (f->feed_seq <= h->feeds_cut) f->feed_closing = true;
+    pthread_mutex_unlock(&h->mu);
+    if (!gone && !f->feed_closing && !(node_stopping(h->n) && f->attached.len == 0)) {
+        for (uint32_t i = f->attached.head; i != PD_NONE; i = pd_link_at(feed_links(h), i)->next)
+            if (h->ex[i].ev) ex_wake(&h->ex[i]);
+        return;
+    }
+    for (uint32_t i = f->attached.head; i != PD_NONE; i = pd_link_at(feed_links(h), i)->next)
+        ex_wake(&h->ex[i]); /* they see feed_lost once ex_retire let go of them */
+    if (!gone) pd_http_req_stream_end(f->r);
+    ex_retire(f);
+}
+
+void http_close_feeds(http_server *h) {
+    pthread_mutex_lock(&h->mu);
+    for (uint32_t i = 0; i < h->ex_max; i++)
+        if (h->ex[i].is_feed) {
+            h->feeds_cut = PD_MAX(h->feeds_cut, h->ex[i].feed_seq);
+            ex_queue_locked(&h->ex[i]);
+        }
+    pthread_mutex_unlock(&h->mu);
 }
 
 /* EX_NEW for /generate, /v1/completions and /v1/chat/completions: parse,
@@ -669,6 +886,7 @@ static void gen_begin(exchange *e) {
     }
     char err[256];
     int status = gen_params_parse(n, root, api, &e->p, err, sizeof(err));
+    if (!status) status = feed_attach(e, root, err, sizeof(err));
     if (status) gen_cancel_refused(n, root);
     json_decref(root);
     if (status) {
@@ -794,6 +1012,7 @@ static void ex_run(exchange *e) {
     case EX_NEW:
         if (e->kind == EX_GENERATE || e->kind == EX_COMPLETIONS || e->kind == EX_CHAT) gen_begin(e);
         else if (e->kind == EX_ABORT) abort_begin(e);
+        else if (e->kind == EX_FEED) feed_begin(e);
         else if (e->kind == EX_TOKENIZE) {
             sgl_tokenize_answer(e->h->n, e->r);
             ex_retire(e);
@@ -804,6 +1023,7 @@ static void ex_run(exchange *e) {
     case EX_WAITING: gen_wait(e); break;
     case EX_STREAMING: gen_stream(e); break;
     case EX_REPLY: reply_check(e); break;
+    case EX_FEEDING: feed_run(e); break;
     case EX_FREE: PD_ASSERTF(false, "exchange %u woken while free", ex_index(e));
     }
 }
@@ -853,6 +1073,7 @@ static const route routes[] = {
     {"/detokenize", "POST", EX_TOKENIZE},
     {"/flush_cache", "GET, POST", EX_FLUSH},
     {"/health_generate", "GET", EX_HEALTH_GEN},
+    {"/stream_feed", "GET", EX_FEED},
     {"/v1/models", "GET", EX_MODELS}, /* last: find_route's /v1/models/{id} */
 };
 
@@ -994,7 +1215,12 @@ pd_err http_start(pd_node *n, http_server **out, uint16_t *bound_port, char *msg
 void http_stop(http_server *h) {
     if (!h) return;
     /* The responder still runs: answers in flight may end within the
-     * server's grace, the rest see GONE and are retired. */
+     * server's grace, the rest see GONE and are retired. A feed ends once
+     * its last stream has (F3): those with none end now. */
+    pthread_mutex_lock(&h->mu);
+    for (uint32_t i = 0; i < h->ex_max; i++)
+        if (h->ex[i].is_feed) ex_queue_locked(&h->ex[i]);
+    pthread_mutex_unlock(&h->mu);
     pd_http_server_stop(h->srv);
     responder_stop(h);
     /* Neither the loop nor the scheduler (stopped before us) can wake an

@@ -151,6 +151,10 @@ int32_t node_bos(const pd_node *n) {
 uint64_t node_next_rid(pd_node *n) { return atomic_fetch_add(&n->rid_counter, 1) + 1; }
 bool node_stopping(const pd_node *n) { return atomic_load(&n->stopping); }
 
+void node_close_stream_feeds(pd_node *n) {
+    if (n->http) http_close_feeds(n->http);
+}
+
 void pd_node_config_default(pd_node_config *c, pd_node_role role) {
     memset(c, 0, sizeof(*c));
     c->role = role;

@@ -185,6 +185,11 @@ typedef struct http_server http_server;
 pd_err http_start(struct pd_node *n, http_server **out, uint16_t *bound_port, char *msg,
                   size_t cap);
 void http_stop(http_server *h);
+/* Closes every open stream feed (docs/http-api.md#stream-feeds), as if
+ * each could not carry a stream's end: their streams are aborted. For
+ * tests of what a router does when a feed drops. Any thread. */
+void http_close_feeds(http_server *h);
+void node_close_stream_feeds(struct pd_node *n);
 
 /* sglang_api.c: SGLang's native utility endpoints (docs/http-api.md). */
 /* GET /get_model_info, answered at once (the loop thread). */

@@ -30,6 +30,7 @@
 #include <time.h>
 
 #include "client.h"
+#include "feed.h"
 #include "loop.h"
 #include "sse.h"
 #include "pdserve/http.h"
@@ -123,6 +124,14 @@ struct rt_fwd {
     char *own_body;
     char content_type[128];
 
+    /* The stream feed (feed.h): `fed` once attached at the start; the
+     * decode half is then the submit (202) and the events come from the feed
+     * until [DONE], the feed's end (feed_lost) or the router lets go. */
+    struct rt_feed *feed;
+    uint32_t slot;
+    bool fed, feed_attached, feed_live, feed_lost, feed_overflow;
+    char *fed_body; /* the decode node's body: f->body with the feed's fields */
+
     /* STREAM */
     rt_sse ev; /* the decode node's event stream, when streaming */
     char *tail;
@@ -141,7 +150,14 @@ static bool half_transport_failed(const half *h) {
 static bool half_http_failed(const half *h) {
     return h->done && !h->closed && h->rc == CURLE_OK && h->status >= 400;
 }
-static bool half_running(const half *h) { return h->added && !h->done; }
+/* A stream on a feed runs after its submit is answered, until its events
+ * end or the forward lets go of the feed. */
+static bool half_running(const half *h) {
+    const rt_fwd *f = h->f;
+    bool fed_running = h->role == DECODE && f->feed_attached && f->feed_live && !f->feed_lost &&
+        !f->ev.saw_done;
+    return (h->added && !h->done) || fed_running;
+}
 
 /* The status a transport failure maps to, and its message. */
 static unsigned transport_status(const half *h, char *msg, size_t cap) {
@@ -255,10 +271,17 @@ static void half_done(rt_xfer *x, CURLcode rc) {
     h->done = true;
     h->added = false;
     if (rc != CURLE_OK || h->status >= 500) h->failed = true;
+    if (h->role == DECODE && h->f->fed && rc == CURLE_OK && h->status == 202)
+        h->f->feed_live = true; /* the events come from the feed */
     rt_loop_mark(h->f->loop, &h->f->task);
 }
 
 static void close_half(half *h) {
+    rt_fwd *f = h->f;
+    if (h->role == DECODE && f->feed_attached) { /* no more of its events (D2) */
+        rt_feed_detach(f->feed, f->slot, f);
+        f->feed_attached = false;
+    }
     if (h->added) {
         rt_loop_remove_xfer(h->f->loop, &h->x);
         h->added = false;
@@ -514,6 +537,8 @@ pd_err rt_fwd_create(rt_fwd **out, const rt_fwd_params *p, char *msg, size_t msg
     f->abort_timeout_ms = p->abort_timeout_ms;
     f->abort_grace_ms = p->abort_grace_ms;
     f->api_key = p->api_key;
+    f->feed = p->stream ? p->feed : NULL;
+    f->slot = p->slot;
     atomic_init(&f->abort_requested, false);
     atomic_init(&f->shutdown_requested, false);
     atomic_init(&f->client_gone_told, false);
@@ -664,10 +689,48 @@ static bool check_exits(rt_fwd *f, rt_fwd_head *head, uint64_t *wait_ms) {
     return false;
 }
 
+/* The decode node's body on a feed: the client's (a JSON object, as
+ * json_dumps wrote it) with "stream_feed" and "stream_feed_tag" added. */
+static char *fed_body(const rt_fwd *f, const char *id, const char *tag) {
+    PD_ASSERT(f->body_len >= 2 && f->body[f->body_len - 1] == '}');
+    json_t *add = json_pack("{s:s, s:s}", "stream_feed", id, "stream_feed_tag", tag);
+    char *fields = add ? json_dumps(add, JSON_COMPACT) : NULL; /* {"stream_feed":...} */
+    json_decref(add);
+    if (!fields) return NULL;
+    size_t keep = f->body_len - 1, more = strlen(fields) - 1; /* without '}', '{' */
+    char *b = malloc(keep + more + 2);
+    if (b) {
+        bool empty = f->body_len == 2;
+        memcpy(b, f->body, keep);
+        b[keep] = ',';
+        memcpy(b + keep + !empty, fields + 1, more);
+        b[keep + !empty + more] = '\0';
+    }
+    free(fields);
+    return b;
+}
+
+/* A stream goes through the decode node's feed when it is open (feed.h);
+ * otherwise, or out of memory, the direct path. */
+static void try_feed(rt_fwd *f) {
+    char id[RT_FEED_ID_MAX], tag[RT_FEED_TAG_MAX];
+    if (!f->feed || !rt_feed_attach(f->feed, f->slot, f, id, tag)) return;
+    f->fed_body = fed_body(f, id, tag);
+    if (!f->fed_body) {
+        rt_feed_detach(f->feed, f->slot, f);
+        return;
+    }
+    f->fed = f->feed_attached = true;
+    CURL *e = f->h[DECODE].easy;
+    curl_easy_setopt(e, CURLOPT_POSTFIELDS, f->fed_body);
+    curl_easy_setopt(e, CURLOPT_POSTFIELDSIZE_LARGE, (curl_off_t)strlen(f->fed_body));
+}
+
 static void start_transfers(rt_fwd *f) {
     PD_ASSERT(!f->started);
     f->started = true;
     f->deadline_ms = rt_now_ms() + f->timeout_ms;
+    try_feed(f);
     for (int r = 0; r < 2; r++) {
         if (rt_loop_add_xfer(f->loop, &f->h[r].x)) {
             f->h[r].added = true;
@@ -690,10 +753,11 @@ static bool head_decide(rt_fwd *f) {
         f->ended = f->gone_handled = true;
         return true;
     }
-    if (d->sse) {
+    if (d->sse || f->feed_live) {
         head->kind = RT_FWD_STREAM;
         head->status = 200;
-        copy_str(f->content_type, sizeof f->content_type, d->content_type);
+        copy_str(f->content_type, sizeof f->content_type,
+                 f->feed_live ? "text/event-stream" : d->content_type);
         head->content_type = f->content_type;
         f->outcome = 200;
         return true;
@@ -772,6 +836,21 @@ static bool stream_broken(rt_fwd *f) {
         d->failed = true;
         abandon_all(f, false);
         set_error_tail(f, 502, "the decode node sent a malformed or oversized event");
+        return true;
+    }
+    if (f->feed_overflow) { /* the feed cannot wait for one client (D1 of feed.h) */
+        abandon_all(f, false);
+        set_error_tail(f, 503,
+                       "the client read the stream more slowly than the decode node wrote it "
+                       "(more than %u KiB behind)",
+                       SSE_WINDOW / 1024u);
+        return true;
+    }
+    if (f->feed_live) {
+        if (!f->feed_lost) return false;
+        d->failed = true;
+        abort_half(f, PREFILL);
+        set_error_tail(f, 502, "the decode node's stream feed closed before the stream ended");
         return true;
     }
     if (!d->done) return false;
@@ -904,6 +983,26 @@ bool rt_fwd_half_failed(const rt_fwd *f, rt_role role) {
 
 unsigned rt_fwd_aborts_sent(const rt_fwd *f) { return f->aborts_sent; }
 
+bool rt_fwd_fed(const rt_fwd *f) { return f->fed; }
+
+void rt_fwd_feed_bytes(rt_fwd *f, const char *buf, size_t n) {
+    PD_ASSERT(f->feed_attached);
+    rt_loop_mark(f->loop, &f->task);
+    if (f->ev.saw_done || f->ev.garbage || f->feed_overflow || f->ended) return;
+    if (n > SSE_WINDOW - f->ev.len) {
+        f->feed_overflow = true; /* the client is that far behind */
+        return;
+    }
+    memcpy(f->ev.buf + f->ev.len, buf, n);
+    f->ev.len += n;
+}
+
+void rt_fwd_feed_lost(rt_fwd *f) {
+    f->feed_attached = false; /* the feed let go of it (D3) */
+    f->feed_lost = true;
+    rt_loop_mark(f->loop, &f->task);
+}
+
 void rt_fwd_destroy(rt_fwd *f) {
     if (!f) return;
     /* A poke that came after the end (an abort, a hang-up) is dropped. */
@@ -919,6 +1018,8 @@ void rt_fwd_destroy(rt_fwd *f) {
     free(f->body);
     free(f->abort_body);
     free(f->own_body);
+    PD_ASSERT(!f->feed_attached);
+    free(f->fed_body);
     free(f->ev.buf);
     free(f->tail);
     free(f);

@@ -94,6 +94,11 @@ typedef struct rt_fwd_params {
     uint32_t abort_grace_ms;
     size_t max_response_bytes;
     const char *api_key; /* the workers' --api-key, NULL: none; outlives the forward */
+    /* A stream goes through the decode node's feed on this loop when it is
+     * open (feed.h): submitted with the feed's id and a tag naming `slot`,
+     * its events then come from the feed. NULL: the direct path. */
+    struct rt_feed *feed;
+    uint32_t slot; /* the router's request slot, unique among live requests */
 } rt_fwd_params;
 
 pd_err rt_fwd_create(rt_fwd **out, const rt_fwd_params *p, char *msg, size_t msg_cap);
@@ -117,6 +122,13 @@ void rt_fwd_request_shutdown(rt_fwd *f);
 unsigned rt_fwd_outcome(const rt_fwd *f);
 bool rt_fwd_half_failed(const rt_fwd *f, rt_role role);
 unsigned rt_fwd_aborts_sent(const rt_fwd *f);
+
+/* Loop thread, from the forward's feed (feed.h): bytes of the next events
+ * of its stream (a chunk may end anywhere), and the feed's end (D3). */
+void rt_fwd_feed_bytes(rt_fwd *f, const char *buf, size_t n);
+void rt_fwd_feed_lost(rt_fwd *f);
+/* Whether the stream went through a feed (known once it started). */
+bool rt_fwd_fed(const rt_fwd *f);
 
 /* After sink.end, or when it was never started. */
 void rt_fwd_destroy(rt_fwd *f);

@@ -57,6 +57,7 @@
 #include "health.h"
 #include "loop.h"
 #include "pdserve/http.h"
+#include "feed.h"
 #include "pdserve/http_server.h"
 #include "sglang.h"
 #include "stats.h"
@@ -70,10 +71,13 @@
  * transfers and connections one multi handle holds (a linear scan of the
  * connections to the same worker), so thousands of streams are spread. */
 #define UPSTREAM_LOOPS 4
-/* Descriptors per client connection: its own and its decode node's. The
- * prefill half's connection is held only until the hand-off, then goes
- * back to the pool, so it is counted in the spare, not per connection. */
-#define FDS_PER_CONNECTION 2u
+/* Descriptors per client connection: its own. A stream to a pdserve decode
+ * node goes through that node's feed (feed.h): one connection per (loop,
+ * decode node), counted apart; the submit and the prefill half are short
+ * requests on the pools, counted in the spare. A stream to a worker
+ * without feeds (SGLang) holds a connection of its own to it: such
+ * deployments need to lower --max-connections (docs/router.md). */
+#define FDS_PER_CONNECTION 1u
 #define FDS_SPARE 64u /* listeners, epoll sets, eventfds, health probes, logs */
 
 typedef struct slot {
@@ -97,6 +101,10 @@ struct pd_router {
 
     rt_loop *loops[UPSTREAM_LOOPS];
     atomic_uint next_loop; /* round robin over the loops */
+    /* feeds[loop][worker]: each decode node's stream feed on each loop
+     * (NULL for prefill nodes) */
+    rt_feed *feeds[UPSTREAM_LOOPS][2 * PD_ROUTER_WORKERS_MAX];
+    atomic_ullong streams_fed; /* streams that went through a feed */
 
     pthread_mutex_t table_mu;
     slot *slots;   /* cfg.connections_max of them */
@@ -438,6 +446,9 @@ static char *bootstrap_body(json_t *o, const rt_worker *pw, uint64_t room, const
     json_object_set_new(o, "bootstrap_port", json_integer(pw->url.bootstrap_port));
     json_object_set_new(o, "bootstrap_room", json_integer((json_int_t)room));
     json_object_set_new(o, "rid", json_string(rid));
+    /* A feed is the router's to name (feed.h), never a client's. */
+    json_object_del(o, "stream_feed");
+    json_object_del(o, "stream_feed_tag");
     char *body = json_dumps(o, JSON_COMPACT);
     json_decref(o);
     return body;
@@ -480,6 +491,7 @@ static int forward_data(void *user, const char *buf, size_t n) {
 /* The forward is over: a stream gets its end (unless the client went). */
 static void forward_end(void *user) {
     req *q = user;
+    if (rt_fwd_fed(q->fwd)) atomic_fetch_add(&q->r->streams_fed, 1ull);
     if (q->streaming) {
         release_workers(q);
         record_outcome(q, rt_fwd_outcome(q->fwd));
@@ -545,7 +557,10 @@ static bool forward_generation(req *q, char *body, const char *rid, const char *
         .max_response_bytes = r->cfg.max_response_bytes,
         .api_key = r->cfg.api_key,
     };
-    p.loop = r->loops[atomic_fetch_add(&r->next_loop, 1u) % UPSTREAM_LOOPS];
+    unsigned li = atomic_fetch_add(&r->next_loop, 1u) % UPSTREAM_LOOPS;
+    p.loop = r->loops[li];
+    p.feed = stream ? r->feeds[li][q->decode] : NULL;
+    p.slot = (uint32_t)q->slot;
     p.sink = (rt_fwd_sink){forward_head, forward_data, forward_end, q};
     char msg[256];
     rt_fwd *fwd;
@@ -739,6 +754,11 @@ static json_t *workers_json(pd_router *r) {
         if (o && w->role == RT_PREFILL) {
             json_object_set_new(o, "bootstrap_host", json_string(w->url.host));
             json_object_set_new(o, "bootstrap_port", json_integer(w->url.bootstrap_port));
+        } else if (o) {
+            int open = 0;
+            for (size_t li = 0; li < UPSTREAM_LOOPS; li++)
+                open += r->feeds[li][i] && rt_feed_is_open(r->feeds[li][i]);
+            json_object_set_new(o, "stream_feeds_open", json_integer(open));
         }
         json_array_append_new(arr, o);
     }
@@ -871,6 +891,10 @@ static bool handle_server_info(req *q) {
     json_t *o = json_pack("{s:s, s:s, s:o, s:b, s:o, s:o}", "role", "router", "version", PD_VERSION,
                           "config", cfg, "healthy_pair", rt_workers_have_pair(&r->workers),
                           "workers", workers_json(r), "counters", rt_stats_json(&r->stats));
+    json_t *ctr = json_object_get(o, "counters");
+    if (ctr)
+        json_object_set_new(ctr, "streams_fed",
+                            json_integer((json_int_t)atomic_load(&r->streams_fed)));
     return answer_json(q, 200, o);
 }
 
@@ -1040,32 +1064,56 @@ static pd_err raise_fd_limit(const pd_router *r, char *msg, size_t msg_cap) {
         rl.rlim_cur = rl.rlim_max;
         if (setrlimit(RLIMIT_NOFILE, &rl) != 0) getrlimit(RLIMIT_NOFILE, &rl);
     }
-    uint64_t need = (uint64_t)r->cfg.connections_max * FDS_PER_CONNECTION + FDS_SPARE;
+    uint64_t feeds = (uint64_t)UPSTREAM_LOOPS * (r->workers.count - r->workers.prefill_count);
+    uint64_t spare = FDS_SPARE + feeds;
+    uint64_t need = (uint64_t)r->cfg.connections_max * FDS_PER_CONNECTION + spare;
     if (rl.rlim_cur != RLIM_INFINITY && rl.rlim_cur < need)
-        return pd_errorf(msg, msg_cap, PD_ERR_INVALID,
-                         "the open-file limit (RLIMIT_NOFILE) is %llu, but %u client connections "
-                         "need %llu descriptors (%u each: the client's and the decode node's, plus "
-                         "%u); raise it (ulimit -n, or the hard limit as root) or lower "
-                         "--connections-max to %llu",
-                         (unsigned long long)rl.rlim_cur, r->cfg.connections_max,
-                         (unsigned long long)need, FDS_PER_CONNECTION, FDS_SPARE,
-                         rl.rlim_cur > FDS_SPARE
-                             ? (unsigned long long)((rl.rlim_cur - FDS_SPARE) / FDS_PER_CONNECTION)
-                             : 0ull);
+        return pd_errorf(
+            msg, msg_cap, PD_ERR_INVALID,
+            "the open-file limit (RLIMIT_NOFILE) is %llu, but %u client connections "
+            "need %llu descriptors (%u each, plus %llu stream feeds and %u); raise it "
+            "(ulimit -n, or the hard limit as root) or lower --max-connections to %llu",
+            (unsigned long long)rl.rlim_cur, r->cfg.connections_max, (unsigned long long)need,
+            FDS_PER_CONNECTION, (unsigned long long)feeds, FDS_SPARE,
+            rl.rlim_cur > spare ? (unsigned long long)((rl.rlim_cur - spare) / FDS_PER_CONNECTION)
+                                : 0ull);
     return PD_OK;
 }
 
 static void stop_threads(pd_router *r) {
     for (size_t i = 0; i < UPSTREAM_LOOPS; i++) {
+        for (size_t w = 0; w < r->workers.count; w++) {
+            rt_feed_destroy(r->feeds[i][w]);
+            r->feeds[i][w] = NULL;
+        }
         rt_loop_stop(r->loops[i]);
         r->loops[i] = NULL;
     }
 }
 
+/* One feed per (loop, decode node), opened at once (feed.h). */
+static pd_err start_feeds(pd_router *r, size_t li, char *msg, size_t msg_cap) {
+    for (size_t w = r->workers.prefill_count; w < r->workers.count; w++) {
+        rt_feed_params fp = {
+            .loop = r->loops[li],
+            .base = r->workers.w[w].url.base, /* immutable */
+            .api_key = r->cfg.api_key,
+            .connect_timeout_ms = r->cfg.connect_timeout_ms,
+            .slots = r->cfg.connections_max,
+        };
+        pd_err err = rt_feed_create(&r->feeds[li][w], &fp, msg, msg_cap);
+        if (err) return err;
+        rt_feed_start(r->feeds[li][w]);
+    }
+    return PD_OK;
+}
+
 static pd_err start_threads(pd_router *r, char *msg, size_t msg_cap) {
     pd_err err = PD_OK;
-    for (size_t i = 0; i < UPSTREAM_LOOPS && !err; i++)
+    for (size_t i = 0; i < UPSTREAM_LOOPS && !err; i++) {
         err = rt_loop_start(&r->loops[i], msg, msg_cap);
+        if (!err) err = start_feeds(r, i, msg, msg_cap);
+    }
     if (err) stop_threads(r);
     return err;
 }
