@@ -22,8 +22,10 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/ioctl.h>
 #include <sys/mman.h>
 #include <sys/wait.h>
+#include <time.h>
 #include <unistd.h>
 #ifdef __linux__
 #include <sys/prctl.h>
@@ -31,6 +33,7 @@
 
 #include "args.h"
 #include "commands.h"
+#include "pdserve/progress.h"
 #include "pdserve/sim.h"
 
 #define REPORT_BYTES_MAX (1u << 20)
@@ -64,6 +67,9 @@ static void usage(FILE *to) {
             "  --trace FILE        --seed, --seeds, --scenario: write every executed line\n"
             "                      (a replayable scenario)\n"
             "  --quiet             --seed, --seeds: print only the final summary\n"
+            "  --progress MODE     --seeds: auto (default: one line rewritten in place on a\n"
+            "                      terminal, a plain line every 10 s elsewhere), tty, plain\n"
+            "                      or off; on stderr: seeds done, seeds/s, ETA, failures\n"
             "  --limit N           --explore: stop after N schedules\n"
             "\n"
             "On a violation the run stops, prints the seed, the configuration and its last\n"
@@ -100,6 +106,7 @@ static const struct sim_opt {
     {"--model", RANDOM_MODES | IN(MODE_SCENARIO), "--seed, --seeds and --scenario"},
     {"--trace", RANDOM_MODES | IN(MODE_SCENARIO), "--seed, --seeds and --scenario"},
     {"--quiet", RANDOM_MODES, "--seed and --seeds"},
+    {"--progress", IN(MODE_SEEDS), "--seeds"},
     {"--limit", IN(MODE_EXPLORE), "--explore"},
 };
 #define SIM_OPTS_COUNT (sizeof(sim_opts) / sizeof(sim_opts[0]))
@@ -109,6 +116,7 @@ typedef struct sim_args {
     uint64_t seed_first, seed_last; /* --seed S: both S */
     uint64_t requests, limit;
     const char *faults, *trace_path, *config, *model;
+    int progress;   /* a pd_progress_style, or -1: off */
     uint32_t given; /* bit i: sim_opts[i] is on the command line */
     bool quiet, help;
     int first_file, files;
@@ -145,6 +153,17 @@ static bool parse_seed_range(const char *v, uint64_t *first, uint64_t *last) {
            *first <= *last;
 }
 
+static bool parse_progress(const char *v, int *style) {
+    static const char *const names[] = {"auto", "tty", "plain"};
+    for (int i = 0; v && i < 3; i++) {
+        if (strcmp(v, names[i])) continue;
+        *style = i == 0 ? PD_PROGRESS_AUTO : i == 1 ? PD_PROGRESS_TTY : PD_PROGRESS_PLAIN;
+        return true;
+    }
+    *style = -1;
+    return v && !strcmp(v, "off");
+}
+
 /* An option that takes a value; false: not a value it takes. */
 static bool parse_value(sim_args *a, const char *name, const char *v) {
     if (!strcmp(name, "--seed")) {
@@ -156,6 +175,7 @@ static bool parse_value(sim_args *a, const char *name, const char *v) {
     if (!strcmp(name, "--requests")) return cli_u64(v, 1, REQUESTS_MAX, &a->requests);
     if (!strcmp(name, "--limit")) return cli_u64(v, 0, UINT64_MAX, &a->limit);
     if (!strcmp(name, "--model") && v && strcmp(v, "tiny") && strcmp(v, "synth")) return false;
+    if (!strcmp(name, "--progress")) return parse_progress(v, &a->progress);
     const char **slot = !strcmp(name, "--faults")   ? &a->faults
                         : !strcmp(name, "--trace")  ? &a->trace_path
                         : !strcmp(name, "--config") ? &a->config
@@ -165,8 +185,9 @@ static bool parse_value(sim_args *a, const char *name, const char *v) {
 }
 
 static bool is_valued(const char *name) {
-    static const char *const valued[] = {"--seed",   "--seeds", "--requests", "--limit",
-                                         "--faults", "--trace", "--config",   "--model"};
+    static const char *const valued[] = {"--seed",   "--seeds",  "--requests",
+                                         "--limit",  "--faults", "--trace",
+                                         "--config", "--model",  "--progress"};
     for (size_t i = 0; i < sizeof(valued) / sizeof(valued[0]); i++)
         if (!strcmp(valued[i], name)) return true;
     return false;
@@ -413,6 +434,59 @@ static int wait_child(pid_t pid, int *status) {
     }
 }
 
+/* The progress line's tail: failures so far (the run stops at the first);
+ * at the end, with the requests of the seeds that passed. `crashed`: the
+ * child died in a seed, which the page cannot say. */
+static void progress_extra(char *buf, size_t cap, const volatile seed_page *pg, bool end,
+                           bool crashed) {
+    unsigned long long failed = pg->failed_seeds + crashed;
+    if (!end) {
+        snprintf(buf, cap, "failed seeds %llu", failed);
+        return;
+    }
+    const char *why = crashed ? " (crashed)" : failed ? " (stopped)" : "";
+    snprintf(buf, cap, "failed seeds %llu%s, requests %u (aborted %u, failed %u, rejected %u)",
+             failed, why, pg->total.requests, pg->total.aborted, pg->total.failed,
+             pg->total.rejected);
+}
+
+/* Waits for the child as wait_child does, showing on stderr how far it is
+ * (seeds done, from the page it writes) while it runs, and a final line
+ * once it has ended. The page is read while the child writes it: a count a
+ * step behind is harmless in a progress line. */
+static int wait_child_progress(const sim_args *a, pid_t pid, volatile seed_page *pg, int *status) {
+    pd_progress p;
+    uint64_t total = a->seed_last - a->seed_first + 1; /* 0 (wrapped): unknown */
+    struct winsize ws = {0};
+    size_t columns = ioctl(STDERR_FILENO, TIOCGWINSZ, &ws) == 0 ? ws.ws_col : 0;
+    pd_progress_init(&p,
+                     &(pd_progress_options){.out = stderr,
+                                            .label = "sim",
+                                            .unit = "seeds",
+                                            .total = total,
+                                            .style = a->progress,
+                                            .tty_columns = columns});
+    char extra[PD_PROGRESS_EXTRA_MAX];
+    for (;;) {
+        pid_t got = waitpid(pid, status, WNOHANG);
+        if (got == pid) break;
+        if (got < 0 && errno != EINTR) return -1;
+        if (pd_progress_due(&p)) {
+            progress_extra(extra, sizeof(extra), pg, false, false);
+            pd_progress_update(&p, pg->seeds_done, extra);
+        }
+        nanosleep(&(struct timespec){.tv_nsec = 20 * 1000 * 1000}, NULL);
+    }
+    progress_extra(extra, sizeof(extra), pg, true, !(WIFEXITED(*status) && pg->done));
+    pd_progress_finish(&p, pg->seeds_done, extra);
+    return 0;
+}
+
+static int wait_seeds(const sim_args *a, pid_t pid, volatile seed_page *pg, int *status) {
+    if (a->mode != MODE_SEEDS || a->progress < 0) return wait_child(pid, status);
+    return wait_child_progress(a, pid, pg, status);
+}
+
 /* Forks the child that runs the seeds, waits for it, and reports either what
  * it ran or how it crashed. Returns the exit code. */
 static int run_random(const sim_args *a, FILE *trace, pd_strbuf *report) {
@@ -428,7 +502,7 @@ static int run_random(const sim_args *a, FILE *trace, pd_strbuf *report) {
     pid_t pid = fork();
     if (pid == 0) seeds_child(a, trace, pg, report, parent);
     int status = 0, rc = 1;
-    if (pid < 0 || wait_child(pid, &status)) {
+    if (pid < 0 || wait_seeds(a, pid, pg, &status)) {
         fprintf(stderr, "pdserve sim: cannot run the seeds: %s\n", strerror(errno));
         munmap((void *)pg, sizeof(seed_page));
         return 1;
