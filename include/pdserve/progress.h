@@ -7,7 +7,7 @@
  * plain_interval_s, so a log stays readable. finish() writes the final line
  * whatever the interval, and ends it with '\n'.
  *
- *   sim: 1234/20000 seeds (6.2%), 45.1 seeds/s, elapsed 0:27, ETA 6:56, failed seeds 0
+ *   sim: 1234/20000 seeds (6.2%), 45.1/s, elapsed 0:27, ETA 6:56, failed seeds 0
  *
  * The rate is the recent one (smoothed over about rate_window_s); the ETA
  * divides what is left by the average rate since the start, which moves less.
@@ -51,6 +51,7 @@ typedef struct pd_progress_options {
     double plain_interval_s; /* 0: 10 s */
     double tty_interval_s;   /* 0: 0.1 s */
     double rate_window_s;    /* 0: 5 s */
+    size_t tty_columns;      /* TTY: the terminal's width, lines cut to it; 0: not cut */
     pd_progress_clock clock; /* NULL: CLOCK_MONOTONIC */
     void *clock_ctx;
 } pd_progress_options;
@@ -68,6 +69,7 @@ typedef struct pd_progress {
     uint64_t rate_done;           /* `done` then */
     double rate;                  /* units/s, smoothed; < 0 until measured */
     uint32_t lines;               /* lines written (TTY: rewrites) */
+    size_t columns;               /* TTY lines are cut to columns - 1; 0: not cut */
     size_t shown_len;             /* TTY: length of the line on screen */
     char extra[PD_PROGRESS_EXTRA_MAX];
     char line[PD_PROGRESS_LINE_MAX];

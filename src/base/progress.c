@@ -43,6 +43,7 @@ void pd_progress_init(pd_progress *p, const pd_progress_options *o) {
     double plain = o->plain_interval_s > 0 ? o->plain_interval_s : PLAIN_INTERVAL_S_DEFAULT;
     double tty = o->tty_interval_s > 0 ? o->tty_interval_s : TTY_INTERVAL_S_DEFAULT;
     p->interval_s = p->tty ? tty : plain;
+    p->columns = o->tty_columns;
     p->rate_window_s = o->rate_window_s > 0 ? o->rate_window_s : RATE_WINDOW_S_DEFAULT;
     p->clock = o->clock ? o->clock : pd_progress_monotonic_s;
     p->clock_ctx = o->clock_ctx;
@@ -100,7 +101,7 @@ static void append_count(pd_progress *p, pd_strbuf *sb) {
 static void format_running(pd_progress *p, pd_strbuf *sb, double now_s) {
     double elapsed = now_s - p->start_s;
     append_count(p, sb);
-    pd_strbuf_printf(sb, ", %.1f %s/s, elapsed ", p->rate > 0 ? p->rate : 0.0, p->unit);
+    pd_strbuf_printf(sb, ", %.1f/s, elapsed ", p->rate > 0 ? p->rate : 0.0);
     format_duration(sb, elapsed);
     if (p->total && p->done > 0 && p->done < p->total && elapsed > 0) {
         double avg = (double)p->done / elapsed;
@@ -120,8 +121,14 @@ static void format_final(pd_progress *p, pd_strbuf *sb, double now_s) {
     if (p->extra[0]) pd_strbuf_printf(sb, ", %s", p->extra);
 }
 
-/* Writes p->line: on a TTY over the previous line, else as a line of its own. */
+/* Writes p->line: on a TTY over the previous line, else as a line of its own.
+ * A TTY line wider than the terminal would wrap, and '\r' would then rewrite
+ * only its last row: it is cut to the width (on a UTF-8 character boundary). */
 static void emit(pd_progress *p, size_t len, bool last) {
+    if (p->tty && p->columns > 1 && len > p->columns - 1) {
+        len = p->columns - 1;
+        while (len > 0 && ((unsigned char)p->line[len] & 0xC0) == 0x80) len--;
+    }
     if (p->tty) {
         fputc('\r', p->out);
         fwrite(p->line, 1, len, p->out);

@@ -58,7 +58,7 @@ static void plain_line_every_interval_then_final(void **state) {
     assert_int_equal(count_char(c.text, c.len, '\n'), 3);
     assert_int_equal(count_char(c.text, c.len, '\r'), 0);
     assert_non_null(strstr(c.text,
-                           "sim: 10/100 seeds (10.0%), 1.0 seeds/s, elapsed 0:10, "
+                           "sim: 10/100 seeds (10.0%), 1.0/s, elapsed 0:10, "
                            "ETA 1:30, failed seeds 0\n"));
     assert_non_null(strstr(c.text, "sim: 30/100 seeds (30.0%)"));
     c.clock.now_s = 40;
@@ -127,6 +127,28 @@ static void tty_rewrites_one_line_at_most_ten_times_a_second(void **state) {
     capture_close(&c);
 }
 
+static void tty_line_is_cut_to_the_terminal_width(void **state) {
+    (void)state;
+    capture c = {0};
+    c.f = open_memstream(&c.text, &c.len);
+    assert_non_null(c.f);
+    pd_progress_init(&c.p,
+                     &(pd_progress_options){.out = c.f,
+                                            .label = "bench",
+                                            .unit = "requests",
+                                            .total = 200,
+                                            .style = PD_PROGRESS_TTY,
+                                            .tty_columns = 40,
+                                            .clock = fake_now,
+                                            .clock_ctx = &c.clock});
+    c.clock.now_s = 1;
+    assert_true(pd_progress_update(&c.p, 10, "p50 TTFT 12.3 ms, errors 2"));
+    fflush(c.f);
+    assert_string_equal(c.text, "\rbench: 10/200 requests (5.0%), 10.0/s, ");
+    pd_progress_finish(&c.p, 200, NULL);
+    capture_close(&c);
+}
+
 static void unknown_total_has_no_percent_nor_eta(void **state) {
     (void)state;
     capture c;
@@ -134,7 +156,7 @@ static void unknown_total_has_no_percent_nor_eta(void **state) {
     c.clock.now_s = 10;
     assert_true(pd_progress_update(&c.p, 42, NULL));
     fflush(c.f);
-    assert_string_equal(c.text, "sim: 42 seeds, 4.2 seeds/s, elapsed 0:10\n");
+    assert_string_equal(c.text, "sim: 42 seeds, 4.2/s, elapsed 0:10\n");
     pd_progress_finish(&c.p, 42, NULL);
     capture_close(&c);
 }
@@ -153,7 +175,7 @@ static void rate_follows_recent_speed_eta_the_average(void **state) {
      * average of 91/s; the ETA uses the average: 900 left at 91/s. */
     assert_in_range((long)c.p.rate, 99, 100);
     fflush(c.f);
-    assert_non_null(strstr(c.text, "sim: 9100/10000 seeds (91.0%), 100.0 seeds/s"));
+    assert_non_null(strstr(c.text, "sim: 9100/10000 seeds (91.0%), 100.0/s"));
     assert_non_null(strstr(c.text, "ETA 0:10\n"));
     pd_progress_finish(&c.p, 9100, NULL);
     capture_close(&c);
@@ -197,6 +219,7 @@ int main(void) {
         cmocka_unit_test(plain_line_every_interval_then_final),
         cmocka_unit_test(short_run_prints_only_the_final_line),
         cmocka_unit_test(tty_rewrites_one_line_at_most_ten_times_a_second),
+        cmocka_unit_test(tty_line_is_cut_to_the_terminal_width),
         cmocka_unit_test(unknown_total_has_no_percent_nor_eta),
         cmocka_unit_test(rate_follows_recent_speed_eta_the_average),
         cmocka_unit_test(extra_text_is_cut_not_overflowed),
