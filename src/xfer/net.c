@@ -71,7 +71,11 @@
  * area, so a completion that comes after that touches nothing.
  *
  * Trade-offs. One coarse mutex instead of finer locks: the critical sections
- * are short and there is one engine thread per node. The progress thread
+ * are short and there is one engine thread per node. It is taken by spinning
+ * a bounded while before sleeping (net_lock): a thread put to sleep on it
+ * waits for the scheduler, and on a room's critical path (the engine polling
+ * status() while the progress thread handles the DEST) that wake-up cost
+ * more than the work it waited for. The progress thread
  * sleeps on the worker's event fd (UCP_FEATURE_WAKEUP), with a 1 ms cap while
  * requests are outstanding (a send waiting for resources raises no event) and
  * a 10 ms cap on a connected decode node (a missed wake-up costs at most
@@ -79,7 +83,12 @@
  * the CPU each turn): without real remote memory access (shared memory
  * between processes, TCP) UCX emulates puts with active messages that the
  * decode side applies, and a thread that sleeps between fragments turns
- * gigabytes per second into megabytes. The completion notice travels on TCP
+ * gigabytes per second into megabytes. It also spins for spin_us when a
+ * reply is due soon (net_expect_soon: a DEST went out, DEST_OK or START came
+ * in, a DEST arrived and the engine's send follows, a flush waits for the
+ * peer), so the reply is read without a wake-up from poll; and while it
+ * spins, the vtable's calls leave out the wake-up write to the pipe (it
+ * polls the dirty rooms on its next turn anyway). The completion notice travels on TCP
  * rather than as a UCX active message: one channel carries every room-level
  * event, so their order is the order they were sent.
  */
@@ -419,7 +428,7 @@ static int poll_timeout(pd_net *n, uint64_t now, bool *spinning) {
 
 static void *progress_main(void *arg) {
     pd_net *n = arg;
-    pthread_mutex_lock(&n->mu);
+    net_lock(n);
     while (!n->stopping) {
         uint64_t now = now_ms();
         net_ucx_progress(n);
@@ -437,6 +446,7 @@ static void *progress_main(void *arg) {
         bool spinning;
         int timeout = poll_timeout(n, now, &spinning);
         if (timeout > 0 && ucp_worker_arm(n->worker) == UCS_ERR_BUSY) timeout = 0;
+        n->spinning = timeout == 0;
         nfds_t nf = 0;
         n->pfd[nf++] = (struct pollfd){.fd = n->wake_rd, .events = POLLIN};
         n->pfd[nf++] = (struct pollfd){.fd = n->ucx_fd, .events = POLLIN};
@@ -452,12 +462,12 @@ static void *progress_main(void *arg) {
             n->pfd_peer[nf - first_peer] = pi;
             n->pfd[nf++] = (struct pollfd){.fd = p->fd, .events = ev};
         }
-        pthread_mutex_unlock(&n->mu);
+        net_unlock(n);
         int rc = poll(n->pfd, nf, timeout);
         /* Spinning must not starve the thread we wait for (the peer's
          * progress thread in the same process, the engine) on a busy core. */
         if (spinning) sched_yield();
-        pthread_mutex_lock(&n->mu);
+        net_lock(n);
         if (rc <= 0) continue;
         if (n->pfd[0].revents) {
             uint8_t junk[64];
@@ -467,7 +477,7 @@ static void *progress_main(void *arg) {
         for (nfds_t i = first_peer; i < nf; i++)
             n->peers[n->pfd_peer[i - first_peer]].revents = n->pfd[i].revents;
     }
-    pthread_mutex_unlock(&n->mu);
+    net_unlock(n);
     return NULL;
 }
 
@@ -476,7 +486,7 @@ static void *progress_main(void *arg) {
 static pd_err v_sender_open(void *self, uint64_t id) {
     pd_net *n = self;
     if (n->cfg.role != PD_NET_PREFILL || !n->registered) return PD_ERR_STATE;
-    pthread_mutex_lock(&n->mu);
+    net_lock(n);
     pd_err err = PD_OK;
     uint32_t r = net_room_find(n, id);
     if (r == PD_NONE) r = net_room_new(n, id);
@@ -487,16 +497,16 @@ static pd_err v_sender_open(void *self, uint64_t id) {
         n->stats.rooms_opened++;
         if (room_at(n, r)->h.st == PD_XFER_FAILED) n->stats.rooms_failed++;
     }
-    pthread_mutex_unlock(&n->mu);
+    net_unlock(n);
     return err;
 }
 
 static uint32_t v_sender_peer_cached(void *self, uint64_t id) {
     pd_net *n = self;
-    pthread_mutex_lock(&n->mu);
+    net_lock(n);
     uint32_t r = net_room_find(n, id);
     uint32_t cached = r != PD_NONE && room_at(n, r)->dest.known ? room_at(n, r)->dest.cached : 0;
-    pthread_mutex_unlock(&n->mu);
+    net_unlock(n);
     return cached;
 }
 
@@ -519,7 +529,7 @@ static pd_err sendable(pd_net *n, uint64_t id, uint32_t first, const uint32_t *s
 static pd_err v_send_pages(void *self, uint64_t id, uint32_t first, const uint32_t *src,
                            uint32_t cnt) {
     pd_net *n = self;
-    pthread_mutex_lock(&n->mu);
+    net_lock(n);
     room *rm = NULL;
     pd_err err = sendable(n, id, first, src, cnt, &rm);
     if (!err && cnt > 0) {
@@ -532,8 +542,9 @@ static pd_err v_send_pages(void *self, uint64_t id, uint32_t first, const uint32
         }
     }
     if (!err) net_set_st(n, rm, PD_XFER_TRANSFERRING);
-    pthread_mutex_unlock(&n->mu);
-    if (!err) net_wake(n);
+    bool kick = !err && !n->spinning;
+    net_unlock(n);
+    if (kick) net_wake(n);
     return err;
 }
 
@@ -559,7 +570,7 @@ static bool final_inline(pd_net *n, room *rm, uint32_t pages) {
 static pd_err v_send_final(void *self, uint64_t id, uint32_t first, const uint32_t *src,
                            uint32_t cnt, uint32_t mamba_slot, uint32_t meta_row) {
     pd_net *n = self;
-    pthread_mutex_lock(&n->mu);
+    net_lock(n);
     room *rm = NULL;
     pd_err err = sendable(n, id, first, src, cnt, &rm);
     if (!err) {
@@ -581,8 +592,8 @@ static pd_err v_send_final(void *self, uint64_t id, uint32_t first, const uint32
             net_mark_dirty(n, rm);
         }
     }
-    bool kick = !err && !final_inline(n, rm, cnt);
-    pthread_mutex_unlock(&n->mu);
+    bool kick = !err && !final_inline(n, rm, cnt) && !n->spinning;
+    net_unlock(n);
     if (kick) net_wake(n);
     return err;
 }
@@ -602,7 +613,7 @@ static pd_err v_receiver_open(void *self, uint64_t id, const char *peer_addr,
     pd_net *n = self;
     if (n->cfg.role != PD_NET_DECODE || !n->registered) return PD_ERR_STATE;
     if (!dest_fits_here(n, dest) || !net_addr_ok(peer_addr)) return PD_ERR_INVALID;
-    pthread_mutex_lock(&n->mu);
+    net_lock(n);
     pd_err err = PD_OK;
     uint32_t r = PD_NONE, pi = PD_NONE;
     bool kick = false;
@@ -630,17 +641,17 @@ static pd_err v_receiver_open(void *self, uint64_t id, const char *peer_addr,
     } else {
         net_peer_forget_if_unused(n, pi);
     }
-    pthread_mutex_unlock(&n->mu);
+    net_unlock(n);
     if (kick) net_wake(n);
     return err;
 }
 
 static pd_xfer_status v_status(void *self, uint64_t id) {
     pd_net *n = self;
-    pthread_mutex_lock(&n->mu);
+    net_lock(n);
     uint32_t r = net_room_find(n, id);
     pd_xfer_status st = r == PD_NONE ? PD_XFER_NONE : xr_status(&room_at(n, r)->h);
-    pthread_mutex_unlock(&n->mu);
+    net_unlock(n);
     return st;
 }
 
@@ -669,11 +680,11 @@ static pd_err abort_sender(pd_net *n, room *rm, uint64_t late) {
 
 static pd_err v_abort(void *self, uint64_t id) {
     pd_net *n = self;
-    pthread_mutex_lock(&n->mu);
+    net_lock(n);
     bool fault = n->faults[PD_NET_FAULT_ABORT_ERROR];
     uint32_t r = net_room_find(n, id);
     if (r == PD_NONE) {
-        pthread_mutex_unlock(&n->mu);
+        net_unlock(n);
         return PD_OK;
     }
     room *rm = room_at(n, r);
@@ -686,14 +697,14 @@ static pd_err v_abort(void *self, uint64_t id) {
         net_mark_dirty(n, rm);
         if (!net_peer_of(n, rm)) err = PD_ERR_IO;
     }
-    pthread_mutex_unlock(&n->mu);
+    net_unlock(n);
     net_wake(n);
     return fault ? PD_ERR_IO : err;
 }
 
 static bool v_drained(void *self, uint64_t id) {
     pd_net *n = self;
-    pthread_mutex_lock(&n->mu);
+    net_lock(n);
     bool drained = true;
     uint32_t r = net_room_find(n, id);
     if (r != PD_NONE) {
@@ -702,13 +713,13 @@ static bool v_drained(void *self, uint64_t id) {
         if (sender) net_writes_sync(rm);
         drained = xr_drained(&rm->h, sender ? XR_SENDER : XR_RECEIVER, now_ms());
     }
-    pthread_mutex_unlock(&n->mu);
+    net_unlock(n);
     return drained;
 }
 
 static void v_close(void *self, uint64_t id) {
     pd_net *n = self;
-    pthread_mutex_lock(&n->mu);
+    net_lock(n);
     uint32_t r = net_room_find(n, id);
     bool kick = false;
     if (r != PD_NONE && room_at(n, r)->h.open && !room_at(n, r)->h.closed) {
@@ -726,7 +737,7 @@ static void v_close(void *self, uint64_t id) {
             net_room_try_release(n, rm);
         }
     }
-    pthread_mutex_unlock(&n->mu);
+    net_unlock(n);
     if (kick) net_wake(n);
 }
 
@@ -782,11 +793,11 @@ static void cancel_receiver(pd_net *n, uint32_t r, uint64_t id, const char *peer
 static void v_cancel(void *self, uint64_t id, const char *peer_addr) {
     pd_net *n = self;
     if (!n->registered) return;
-    pthread_mutex_lock(&n->mu);
+    net_lock(n);
     uint32_t r = net_room_find(n, id);
     if (n->cfg.role == PD_NET_PREFILL) cancel_sender(n, r, id);
     else cancel_receiver(n, r, id, peer_addr);
-    pthread_mutex_unlock(&n->mu);
+    net_unlock(n);
     net_wake(n);
 }
 
@@ -950,36 +961,36 @@ pd_xfer pd_net_endpoint(pd_net *n) { return (pd_xfer){.vt = &net_vt, .self = n};
 uint16_t pd_net_bootstrap_port(const pd_net *n) { return n->port; }
 
 void pd_net_stats_get(pd_net *n, pd_net_stats *out) {
-    pthread_mutex_lock(&n->mu);
+    net_lock(n);
     *out = n->stats;
-    pthread_mutex_unlock(&n->mu);
+    net_unlock(n);
 }
 
 uint32_t pd_net_rooms_live(pd_net *n) {
-    pthread_mutex_lock(&n->mu);
+    net_lock(n);
     uint32_t live = xr_used(&n->rooms);
-    pthread_mutex_unlock(&n->mu);
+    net_unlock(n);
     return live;
 }
 
 void pd_net_set_fault(pd_net *n, pd_net_fault fault, bool on) {
     if ((unsigned)fault >= PD_NET_FAULT__COUNT) return;
-    pthread_mutex_lock(&n->mu);
+    net_lock(n);
     n->faults[fault] = on;
     if (!on && fault == PD_NET_FAULT_HOLD_NOTICES)
         for (uint32_t r = 0; r < n->cfg.rooms_max; r++)
             if (room_at(n, r)->slot.used && room_at(n, r)->note != N_NONE)
                 net_mark_dirty(n, room_at(n, r));
-    pthread_mutex_unlock(&n->mu);
+    net_unlock(n);
     net_wake(n);
 }
 
 void pd_net_destroy(pd_net *n) {
     if (!n) return;
     if (n->running) {
-        pthread_mutex_lock(&n->mu);
+        net_lock(n);
         n->stopping = true;
-        pthread_mutex_unlock(&n->mu);
+        net_unlock(n);
         net_wake(n);
         pthread_join(n->thread, NULL);
         n->running = false;

@@ -204,6 +204,7 @@ static bool send_dest(pd_net *n, uint32_t pi, room *rm) {
     PD_ASSERT(len == max);
     net_tx_commit(n, p, len);
     rm->h.dest_sent = true;
+    net_expect_soon(n);   /* DEST_OK, then the data and DONE */
     free(rm->dest.pages); /* the prefill has it now; the receiver never needs it again */
     rm->dest.pages = NULL;
     return true;
@@ -450,6 +451,7 @@ static void on_dest(pd_net *n, uint32_t pi, const uint8_t *pl, uint32_t len) {
         xr_set_tomb(&n->rooms, r, true); /* evictable, oldest first, before any live room */
     }
     if (rm->h.open) xr_dest_arrived(&rm->h);
+    net_expect_soon(n); /* the engine's send for it */
     net_send_room_msg(n, pi, BP_DEST_OK, d.room, 0);
 }
 
@@ -537,6 +539,27 @@ static void on_challenge(pd_net *n, uint32_t pi, const uint8_t *pl, uint32_t len
     queue_hello(n, pi);
 }
 
+/* A room message from the prefill (decode side, mutex held): what it tells
+ * the room core. */
+static void on_room_msg(pd_net *n, room *rm, uint32_t type, uint64_t value) {
+    if (type == BP_DEST_OK) {
+        xr_dest_arrived(&rm->h);
+        net_expect_soon(n);
+    } else if (type == BP_START) {
+        xr_data_started(&rm->h);
+        net_expect_soon(n);
+    } else if (type == BP_DONE) {
+        n->stats.bytes_received += value;
+        net_set_st(n, rm, PD_XFER_SUCCESS);
+        xr_peer_stopped(&rm->h);
+    } else if (type == BP_ABORT) {
+        net_set_st(n, rm, PD_XFER_FAILED);
+        xr_peer_failed(&rm->h, XR_RECEIVER);
+    } else {
+        xr_peer_stopped(&rm->h);
+    }
+}
+
 static void on_decode_msg(pd_net *n, uint32_t pi, uint32_t type, const uint8_t *pl, uint32_t len) {
     PD_ASSERT(n->cfg.role == PD_NET_DECODE && pi < n->cfg.peers_max);
     peer *p = &n->peers[pi];
@@ -588,20 +611,7 @@ static void on_decode_msg(pd_net *n, uint32_t pi, uint32_t type, const uint8_t *
             if (type != BP_ACK) refuse_room(n, pi, BP_E_ROOM_UNKNOWN, room_id, "unknown room");
             return;
         }
-        if (type == BP_DEST_OK) {
-            xr_dest_arrived(&rm->h);
-        } else if (type == BP_START) {
-            xr_data_started(&rm->h);
-        } else if (type == BP_DONE) {
-            n->stats.bytes_received += value;
-            net_set_st(n, rm, PD_XFER_SUCCESS);
-            xr_peer_stopped(&rm->h);
-        } else if (type == BP_ABORT) {
-            net_set_st(n, rm, PD_XFER_FAILED);
-            xr_peer_failed(&rm->h, XR_RECEIVER);
-        } else {
-            xr_peer_stopped(&rm->h);
-        }
+        on_room_msg(n, rm, type, value);
         return;
     }
     default: refuse_conn(n, pi, BP_E_UNEXPECTED, "message type not sent to a decode node"); return;

@@ -161,7 +161,9 @@ struct pd_net {
     size_t waddr_len;
     bool no_peer_mode;
     uint32_t ucx_out;
-    uint64_t last_event_ns; /* the worker last reported progress */
+    uint64_t last_event_ns; /* the worker last reported progress, or a reply became due */
+    bool spinning;          /* the progress thread's next poll does not sleep: it sees
+                               dirty rooms without a wake-up through the pipe */
     /* registered memory */
     bool registered;
     uint8_t *base[REG_N];
@@ -218,6 +220,35 @@ static inline uint64_t now_ns(void) {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
+}
+
+/* The transport's mutex, taken by spinning a while before sleeping: the
+ * critical sections are a few microseconds, and a thread put to sleep on a
+ * contended futex waits for the scheduler to wake it (10-30 us on a busy
+ * host), which on a room's critical path cost more than the work itself
+ * (the engine polling status() while the progress thread handles the DEST).
+ * Bounded: after NET_LOCK_SPINS failed tries it blocks. */
+#define NET_LOCK_SPINS 2000
+static inline void net_lock(pd_net *n) {
+    for (int i = 0; i < NET_LOCK_SPINS; i++) {
+        if (pthread_mutex_trylock(&n->mu) == 0) return;
+#if defined(__x86_64__) || defined(__i386__)
+        __builtin_ia32_pause();
+#endif
+    }
+    pthread_mutex_lock(&n->mu);
+}
+
+static inline void net_unlock(pd_net *n) { pthread_mutex_unlock(&n->mu); }
+
+/* A reply or the engine's next call is due soon (a DEST went out, the data
+ * of a room is on its way, a destination arrived): the progress thread
+ * polls without sleeping for spin_us from now, so that what comes is
+ * handled without a wake-up from poll (mutex held). */
+static inline void net_expect_soon(pd_net *n) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    n->last_event_ns = (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
 }
 
 /* ---- net.c: helpers, rooms, staged writes, timers -------------------------------- */

@@ -150,6 +150,7 @@ void net_pump_sender(pd_net *n, room *rm, uint64_t now) {
                 } else if (sp != NULL) {
                     req_track(n, rm, sp);
                     rm->flush_out++;
+                    net_expect_soon(n); /* the peer's acknowledgement */
                 }
             }
             if (rm->note != N_NONE && rm->puts_out == 0 && rm->flush_out == 0) {
@@ -397,7 +398,7 @@ static void *own_alloc(void *self, size_t bytes) {
     pd_net *n = self;
     PD_ASSERT(n && n->ctx);
     if (bytes == 0) return NULL;
-    pthread_mutex_lock(&n->mu);
+    net_lock(n);
     own_mem *m = NULL;
     for (int i = 0; i < OWN_MAX && !m; i++)
         if (!n->own[i].memh) m = &n->own[i];
@@ -420,7 +421,7 @@ static void *own_alloc(void *self, size_t bytes) {
     } else {
         m = NULL;
     }
-    pthread_mutex_unlock(&n->mu);
+    net_unlock(n);
     return m ? m->addr : NULL;
 }
 
@@ -430,7 +431,7 @@ static void *own_alloc(void *self, size_t bytes) {
 static void own_free(void *self, void *p) {
     pd_net *n = self;
     if (!p) return;
-    pthread_mutex_lock(&n->mu);
+    net_lock(n);
     own_mem *m = NULL;
     for (int i = 0; i < OWN_MAX && !m; i++)
         if (n->own[i].memh && n->own[i].addr == p) m = &n->own[i];
@@ -442,7 +443,7 @@ static void own_free(void *self, void *p) {
         ucp_mem_unmap(n->ctx, m->memh);
         *m = (own_mem){0};
     }
-    pthread_mutex_unlock(&n->mu);
+    net_unlock(n);
 }
 
 pd_exec_alloc pd_net_allocator(pd_net *n) {
