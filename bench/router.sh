@@ -12,8 +12,9 @@
 #      and the overhead per request the router adds (p50 differences).
 #   2. TIME_WAIT sockets after SECONDS_TW s of wrk through `pdserve run`.
 #   3. STREAMS streaming clients held HOLD_S s through `pdserve router` in
-#      front of stub workers (pdserve's nodes take 4096 connections each),
-#      with the router's RSS and thread count from /proc.
+#      front of stub workers (pdserve's nodes take 4096 connections each; the
+#      decode stub serves stream feeds as a pdserve node does), with the
+#      router's RSS, thread and descriptor counts from /proc.
 #   4. An admin route: POST /abort_request {"abort_all": true} (the router
 #      tells every worker: one call to each stub) with wrk through
 #      `pdserve router` in front of the stubs, ROUNDS rounds, medians; with
@@ -22,7 +23,7 @@
 #
 # usage: bench/router.sh [BUILD_DIR] (default build/release); knobs in the
 # environment: SECONDS_EACH (10), ROUNDS (3), SECONDS_TW (30), STREAMS
-# (9800), HOLD_S (30), CONNS (32), ROUTER_BEFORE (none). A benchmark: it
+# (10000), HOLD_S (30), CONNS (32), ROUTER_BEFORE (none). A benchmark: it
 # prints, asserts nothing.
 set -euo pipefail
 B=${1:-build/release}
@@ -31,7 +32,7 @@ RS=$B/bench/router_streams
 SECONDS_EACH=${SECONDS_EACH:-10}
 ROUNDS=${ROUNDS:-3}
 SECONDS_TW=${SECONDS_TW:-30}
-STREAMS=${STREAMS:-9800}
+STREAMS=${STREAMS:-10000}
 HOLD_S=${HOLD_S:-30}
 CONNS=${CONNS:-32}
 BASE=${BASE_PORT:-21000} # below the ephemeral range: a client port cannot hold it
@@ -159,6 +160,17 @@ if [[ -n ${ROUTER_BEFORE:-} ]]; then kill "$PID_routerb" 2> /dev/null || true; f
 echo
 echo "== $STREAMS streaming clients held ${HOLD_S}s through pdserve router (stub workers)"
 kill "$PID_serve" "$PID_run" 2> /dev/null || true # their CPU back for the streams
-rss() { grep -E '^(VmRSS|Threads)' "/proc/$1/status" | tr -s ' \t' ' ' | tr '\n' ' '; }
+rss() {
+    grep -E '^(VmRSS|Threads)' "/proc/$1/status" | tr -s ' \t' ' ' | tr '\n' ' '
+    echo "fds $(ls "/proc/$1/fd" | wc -l)"
+}
+curl -s "http://127.0.0.1:$STUB_R/server_info" | python3 -c '
+import json, sys
+print("router stream feeds open to the decode stub:",
+      [w["stream_feeds_open"] for w in json.load(sys.stdin)["workers"] if w["role"] == "decode"])'
 echo "router before: $(rss "$PID_router")"
 "$RS" clients "$STUB_R" "$STREAMS" "$HOLD_S" "$PID_router"
+curl -s "http://127.0.0.1:$STUB_R/server_info" | python3 -c '
+import json, sys
+c = json.load(sys.stdin)["counters"]
+print("router: %d streams went through a feed" % c["streams_fed"])' 

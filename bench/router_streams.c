@@ -9,13 +9,20 @@
  *       answers POST /generate with the hand-off at once; a decode node
  *       answers one with "stream":true with an event stream, one token event
  *       a second, never final, and any other with a final answer at once.
- *       Keep-alive throughout.
+ *       Keep-alive throughout. A decode node also serves stream feeds as
+ *       pdserve's do (docs/http-api.md#stream-feeds): GET /stream_feed
+ *       opens one (its id: the connection's descriptor), and a stream
+ *       submitted with "stream_feed" is answered 202 and gets its token
+ *       events on that feed, framed by its "stream_feed_tag", all of one
+ *       feed's frames of a second in one chunk; /abort_request {"rid"} stops
+ *       the stream of that rid.
  *
  *   router_streams clients PORT N HOLD_S [PID]
  *       Opens N streaming /generate requests (max_new_tokens 100000,
  *       ignore_eos) to 127.0.0.1:PORT, holds them HOLD_S seconds, then
  *       prints how many got their 200 head and a first event, how many
- *       failed, and PID's resident memory (VmRSS, VmHWM from /proc).
+ *       failed, and PID's resident memory (VmRSS, VmHWM from /proc), thread
+ *       and descriptor counts.
  *
  * Not a test: it prints figures and asserts nothing about time.
  */
@@ -28,6 +35,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <dirent.h>
+#include <fcntl.h>
 #include <sys/epoll.h>
 #include <sys/resource.h>
 #include <sys/socket.h>
@@ -72,6 +81,61 @@ static void send_all(int fd, const char *s, size_t n) {
 
 /* ---- worker ---------------------------------------------------------------- */
 
+/* Streams on feeds: the feed's descriptor, the tag its frames carry, the
+ * rid an abort names. */
+#define FED_MAX (1u << 17)
+typedef struct fed_stream {
+    int feed_fd; /* -1: free */
+    char tag[48];
+    char rid[64];
+} fed_stream;
+static fed_stream *fed;
+static size_t fed_n;
+
+static void answer(conn *c, const char *status, const char *body);
+
+/* The string value of "key":"..." in body (a compact JSON the router wrote). */
+static bool json_str(const char *body, size_t len, const char *key, char *out, size_t cap) {
+    char pat[64];
+    int k = snprintf(pat, sizeof pat, "\"%s\":\"", key);
+    const char *p = memmem(body, len, pat, (size_t)k);
+    if (!p) return false;
+    p += k;
+    const char *q = memchr(p, '"', len - (size_t)(p - body));
+    if (!q || (size_t)(q - p) >= cap) return false;
+    memcpy(out, p, (size_t)(q - p));
+    out[q - p] = '\0';
+    return true;
+}
+
+static void fed_add(conn **conns, size_t cap, const char *body, size_t len, conn *c) {
+    char id[32];
+    fed_stream s = {.feed_fd = -1};
+    if (!json_str(body, len, "stream_feed", id, sizeof id) ||
+        !json_str(body, len, "stream_feed_tag", s.tag, sizeof s.tag) ||
+        !json_str(body, len, "rid", s.rid, sizeof s.rid) || fed_n == FED_MAX) {
+        answer(c, "400 Bad Request", "{}");
+        return;
+    }
+    s.feed_fd = atoi(id);
+    if (s.feed_fd < 0 || (size_t)s.feed_fd >= cap || !conns[s.feed_fd]) {
+        answer(c, "400 Bad Request", "{}");
+        return;
+    }
+    size_t i = 0;
+    while (i < fed_n && fed[i].feed_fd >= 0) i++;
+    if (i == fed_n) fed_n++;
+    fed[i] = s;
+    answer(c, "202 Accepted", "{}");
+}
+
+static void fed_abort(const char *body, size_t len) {
+    char rid[64];
+    if (!json_str(body, len, "rid", rid, sizeof rid)) return;
+    for (size_t i = 0; i < fed_n; i++)
+        if (fed[i].feed_fd >= 0 && !strcmp(fed[i].rid, rid)) fed[i].feed_fd = -1;
+}
+
 static void answer(conn *c, const char *status, const char *body) {
     char buf[512];
     int n =
@@ -84,6 +148,8 @@ static void answer(conn *c, const char *status, const char *body) {
 /* One complete request at the start of c->in: answered, and consumed.
  * False while it is incomplete. */
 static bool decode_role;
+static conn **worker_conns;
+static size_t worker_cap;
 
 static bool worker_request(conn *c) {
     c->in[c->len < BUF_BYTES ? c->len : BUF_BYTES - 1] = '\0';
@@ -95,10 +161,23 @@ static bool worker_request(conn *c) {
     if (c->len < total) return false;
     char *body = end + 4;
     bool stream = decode_role && memmem(body, body_len, "\"stream\":true", 13) != NULL;
+    bool on_feed = stream && memmem(body, body_len, "\"stream_feed\":", 14) != NULL;
     if (!strncmp(c->in, "GET /health", 11)) {
         answer(c, "200 OK", "{}");
     } else if (!strncmp(c->in, "POST /abort_request", 19)) {
+        fed_abort(body, body_len);
         answer(c, "200 OK", "{\"aborted\":0}");
+    } else if (!strncmp(c->in, "GET /stream_feed", 16) && decode_role) {
+        char head[256];
+        int n = snprintf(head, sizeof head,
+                         "HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+                         "X-Stream-Feed: %d\r\nTransfer-Encoding: chunked\r\n\r\n",
+                         c->fd);
+        /* Blocking writes: a feed's chunk must go out whole. */
+        fcntl(c->fd, F_SETFL, fcntl(c->fd, F_GETFL) & ~O_NONBLOCK);
+        send_all(c->fd, head, (size_t)n);
+    } else if (!strncmp(c->in, "POST /generate", 14) && on_feed) {
+        fed_add(worker_conns, worker_cap, body, body_len, c);
     } else if (!strncmp(c->in, "POST /generate", 14) && stream) {
         static const char head[] = "HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
                                    "Transfer-Encoding: chunked\r\n\r\n";
@@ -126,6 +205,41 @@ static void token_to_all(conn **conns, size_t cap) {
         if (conns[i] && conns[i]->streaming) send_all(conns[i]->fd, chunk, (size_t)n);
 }
 
+/* Every fed stream's token event, one chunk per feed (a few feeds). */
+#define FEEDS_MAX 64
+static void token_to_feeds(void) {
+    static const char ev[] = "data: {\"text\":\"x\",\"meta_info\":{\"finish_reason\":null}}\n\n";
+    static struct {
+        int fd;
+        char *buf;
+        size_t len, cap;
+    } out[FEEDS_MAX];
+    size_t n_out = 0;
+    for (size_t i = 0; i < fed_n; i++) {
+        if (fed[i].feed_fd < 0) continue;
+        size_t k = 0;
+        while (k < n_out && out[k].fd != fed[i].feed_fd) k++;
+        if (k == FEEDS_MAX) continue;
+        if (k == n_out) {
+            out[n_out].fd = fed[i].feed_fd;
+            out[n_out++].len = 0;
+        }
+        if (out[k].len + 128 + sizeof ev > out[k].cap) {
+            out[k].cap = out[k].cap ? 2 * out[k].cap : 1u << 20;
+            out[k].buf = realloc(out[k].buf, out[k].cap);
+        }
+        out[k].len += (size_t)snprintf(out[k].buf + out[k].len, out[k].cap - out[k].len,
+                                       "id: %s\n%s", fed[i].tag, ev);
+    }
+    for (size_t k = 0; k < n_out; k++) {
+        char size[32];
+        int n = snprintf(size, sizeof size, "%zx\r\n", out[k].len);
+        send_all(out[k].fd, size, (size_t)n);
+        send_all(out[k].fd, out[k].buf, out[k].len);
+        send_all(out[k].fd, "\r\n", 2);
+    }
+}
+
 static int listen_on(int port) {
     int fd = socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK, 0);
     int one = 1;
@@ -140,6 +254,8 @@ static int listen_on(int port) {
 }
 
 static void conn_close(int ep, conn **conns, int fd) {
+    for (size_t i = 0; i < fed_n; i++) /* a feed that went takes its streams */
+        if (fed[i].feed_fd == fd) fed[i].feed_fd = -1;
     epoll_ctl(ep, EPOLL_CTL_DEL, fd, NULL);
     close(fd);
     free(conns[fd]);
@@ -160,6 +276,9 @@ static void worker_read(int ep, conn **conns, int fd) {
 static _Noreturn void worker(int port) {
     size_t cap = 1u << 20;
     conn **conns = calloc(cap, sizeof *conns);
+    worker_conns = conns;
+    worker_cap = cap;
+    fed = calloc(FED_MAX, sizeof *fed);
     int lfd = listen_on(port), ep = epoll_create1(0);
     struct epoll_event ev = {.events = EPOLLIN, .data.fd = lfd}, evs[EVENTS_MAX];
     epoll_ctl(ep, EPOLL_CTL_ADD, lfd, &ev);
@@ -186,6 +305,7 @@ static _Noreturn void worker(int port) {
         }
         if (now_ms() >= next_token) {
             token_to_all(conns, cap);
+            token_to_feeds();
             next_token += 1000;
         }
     }
@@ -233,6 +353,13 @@ static void print_memory(int pid) {
             !strncmp(line, "Threads:", 8))
             printf("router %s", line);
     fclose(f);
+    snprintf(path, sizeof path, "/proc/%d/fd", pid);
+    DIR *d = opendir(path);
+    if (!d) return;
+    int fds = 0;
+    for (struct dirent *e; (e = readdir(d));) fds += e->d_name[0] != '.';
+    closedir(d);
+    printf("router open descriptors: %d\n", fds);
 }
 
 static void tally(conn *cs, int n, const char *when) {

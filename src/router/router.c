@@ -104,7 +104,7 @@ struct pd_router {
     /* feeds[loop][worker]: each decode node's stream feed on each loop
      * (NULL for prefill nodes) */
     rt_feed *feeds[UPSTREAM_LOOPS][2 * PD_ROUTER_WORKERS_MAX];
-    atomic_ullong streams_fed; /* streams that went through a feed */
+    atomic_ullong streams_fed; /* streams begun through a feed */
 
     pthread_mutex_t table_mu;
     slot *slots;   /* cfg.connections_max of them */
@@ -478,6 +478,7 @@ static void forward_head(void *user, const rt_fwd_head *head) {
         return;
     }
     q->streaming = true;
+    if (rt_fwd_fed(q->fwd)) atomic_fetch_add(&q->r->streams_fed, 1ull);
     pd_http_req_add_header(q->h, "Cache-Control", "no-cache");
     pd_http_req_stream_begin(q->h, head->status, head->content_type);
 }
@@ -491,7 +492,6 @@ static int forward_data(void *user, const char *buf, size_t n) {
 /* The forward is over: a stream gets its end (unless the client went). */
 static void forward_end(void *user) {
     req *q = user;
-    if (rt_fwd_fed(q->fwd)) atomic_fetch_add(&q->r->streams_fed, 1ull);
     if (q->streaming) {
         release_workers(q);
         record_outcome(q, rt_fwd_outcome(q->fwd));
