@@ -13,5 +13,6 @@ int cli_cmd_prefill(int argc, char **argv);
 int cli_cmd_decode(int argc, char **argv);
 int cli_cmd_run(int argc, char **argv);
 int cli_cmd_router(int argc, char **argv);
+int cli_cmd_bench(int argc, char **argv);
 
 #endif

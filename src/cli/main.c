@@ -23,6 +23,8 @@ static const command commands[] = {
     {"model", cli_cmd_model, "model tools: `model init` writes a model directory"},
     {"generate", cli_cmd_generate, "offline generation with the tiny hybrid model"},
     {"router", cli_cmd_router, "HTTP router: pairs each request with a prefill and a decode node"},
+    {"bench", cli_cmd_bench,
+     "load a deployment: TTFT, ITL, throughput, aborts; checks the nodes end idle and clean"},
 };
 
 static void usage(FILE *to) {
