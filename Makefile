@@ -53,14 +53,20 @@ bench: release
 	@scripts/bench.sh $(REL_DIR)
 
 # The long swarm: SOAK_SEEDS seeds (default 100,000) with every fault, on an
-# optimised build, split across two processes.
+# optimised build, split across two processes. Each writes a progress line
+# every 10 s into its output file; the latest of each is shown here.
 soak: release
-	@half=$$(( $(SOAK_SEEDS) / 2 )); \
-	echo "soak: $(SOAK_SEEDS) seeds, all faults"; \
-	$(REL_DIR)/pdserve sim --seeds 1..$$half --faults all --quiet > $(REL_DIR)/soak_a.txt 2>&1 & a=$$!; \
-	$(REL_DIR)/pdserve sim --seeds $$((half + 1))..$(SOAK_SEEDS) --faults all --quiet > $(REL_DIR)/soak_b.txt 2>&1 & b=$$!; \
-	wait $$a; ra=$$?; wait $$b; rb=$$?; \
-	tail -n 3 $(REL_DIR)/soak_a.txt $(REL_DIR)/soak_b.txt; \
+	@half=$$(( $(SOAK_SEEDS) / 2 )); out=$(REL_DIR)/soak; \
+	echo "soak: $(SOAK_SEEDS) seeds, all faults; output in $${out}_a.txt and $${out}_b.txt"; \
+	rm -f $${out}_a.rc $${out}_b.rc; \
+	( $(REL_DIR)/pdserve sim --seeds 1..$$half --faults all --quiet > $${out}_a.txt 2>&1; echo $$? > $${out}_a.rc ) & \
+	( $(REL_DIR)/pdserve sim --seeds $$((half + 1))..$(SOAK_SEEDS) --faults all --quiet > $${out}_b.txt 2>&1; echo $$? > $${out}_b.rc ) & \
+	i=0; while [ ! -f $${out}_a.rc ] || [ ! -f $${out}_b.rc ]; do \
+	  sleep 1; i=$$((i + 1)); \
+	  if [ $$((i % 10)) -eq 0 ]; then for h in a b; do \
+	    grep -a '^sim: ' $${out}_$$h.txt | tail -n 1 | sed "s/^sim:/soak $$h:/"; done; fi; \
+	done; wait; ra=$$(cat $${out}_a.rc); rb=$$(cat $${out}_b.rc); \
+	tail -n 3 $${out}_a.txt $${out}_b.txt; \
 	test $$ra -eq 0 -a $$rb -eq 0
 
 # Mutation testing (not part of make test): each patch applied to a scratch
