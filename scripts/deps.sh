@@ -24,6 +24,7 @@ packages=(
   iproute2          # tests/chaos: ip netns, veth pairs, tc (tbf, netem)
   iptables          # tests/chaos: random loss (the statistic match) inside a namespace
   clang-format      # tools/tidy's format rule (docs/tidy.md; Debian 12's is version 14)
+  chromium          # report_screenshot: headless screenshot of pdserve bench's report.html
 )
 
 # Real third-party clients for the end-to-end tests, from the npm registry
