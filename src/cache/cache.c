@@ -460,10 +460,14 @@ static uint32_t split(pd_cache *c, uint32_t id, uint32_t k) {
  * less CPU per request than no prefetch, 8 pages ahead about half of that. */
 enum { PREFETCH_PAGES = 32 };
 
-/* Number of leading pages of node id equal to tokens[0..avail pages). With
- * dev non-NULL the device page of each matching position is written to
- * dev[k] on the way (a match on a device node wants them: one walk, not
- * two). */
+/* Number of leading pages of node id equal to tokens[0..avail pages), where
+ * avail >= 1 and the first page is known equal: id is what child_find
+ * returned for it, and child_find compares that page before it returns a
+ * child (the hot one or the table's). Comparing it again cost a walk down a
+ * chain of one-page nodes (a system prompt split wherever prompts ended
+ * inside it) a second compare per node (issue 13). With dev non-NULL the
+ * device page of each matching position is written to dev[k] on the way (a
+ * match on a device node wants them: one walk, not two). */
 static uint32_t match_pages(pd_cache *c, uint32_t id, const int32_t *tokens, uint32_t avail,
                             uint32_t *dev) {
     uint32_t k = 0;
@@ -473,21 +477,22 @@ static uint32_t match_pages(pd_cache *c, uint32_t id, const int32_t *tokens, uin
             if (e + PREFETCH_PAGES < c->entries_max)
                 __builtin_prefetch(ent_tok(c, e + PREFETCH_PAGES));
         }
-        if (!page_eq(c, e, tokens + (size_t)k * c->page_size)) break;
+        if (k > 0 && !page_eq(c, e, tokens + (size_t)k * c->page_size)) break;
         if (dev) dev[k] = c->ent_dev[e];
         k++;
     }
     return k;
 }
 
-/* Like match_pages for a device node being inserted over: each matching
+/* Like match_pages (the first page known equal) for a device node being
+ * inserted over: each matching
  * position's caller page that differs from the cache's is a duplicate,
  * written to dup_out, and the cache's page replaces it in pages[]. */
 static uint32_t match_dups(pd_cache *c, uint32_t id, const int32_t *tokens, uint32_t avail,
                            uint32_t *pages, uint32_t *dup_out, uint32_t *dup_pages) {
     uint32_t k = 0;
     for (uint32_t e = N(c, id)->first_ent; e != PD_NONE && k < avail; e = ent_step(c, e)) {
-        if (!page_eq(c, e, tokens + (size_t)k * c->page_size)) break;
+        if (k > 0 && !page_eq(c, e, tokens + (size_t)k * c->page_size)) break;
         uint32_t mine = c->ent_dev[e];
         if (pages[k] != mine) {
             dup_out[(*dup_pages)++] = pages[k];

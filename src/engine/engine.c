@@ -128,11 +128,6 @@ void pd_engine_config_default(pd_engine_config *cfg, pd_role role) {
 
 /* ---- records, indexes and queues ----------------------------------------- */
 
-req *eng_req(pd_engine *e, uint32_t idx) {
-    PD_ASSERT(idx < e->cfg.requests_max);
-    return &e->reqs[idx];
-}
-
 uint32_t eng_idx(pd_engine *e, const req *r) { return (uint32_t)(r - e->reqs); }
 
 /* The rid and room indexes (pd_index): a live rid maps to its record until

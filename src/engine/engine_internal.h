@@ -181,7 +181,10 @@ static inline void eng_act(pd_engine *e, const req *r, pd_action a, bool final, 
 }
 
 /* ---- engine.c: shared machinery ---- */
-req *eng_req(pd_engine *e, uint32_t idx);
+static inline req *eng_req(pd_engine *e, uint32_t idx) {
+    PD_ASSERT(idx < e->cfg.requests_max);
+    return &e->reqs[idx];
+}
 /* Starts loading record idx's hot line: walks over hundreds of records (the
  * decode batch and its results) would otherwise wait for each in turn. */
 static inline void eng_prefetch(const pd_engine *e, uint32_t idx) {

@@ -165,6 +165,43 @@ static void set_unit(lpool *lp, bool strict, uint32_t idx, pd_unit_state to,
     if (strict) lp->owner[idx] = (to == PD_UNIT_FREE) ? PD_OWNER_NONE : to_owner;
 }
 
+/* Restores idx[0..n), which a transition had moved from (from, from_owner). */
+static void transition_undo(lpool *lp, bool strict, const uint32_t *idx, uint32_t n,
+                            pd_unit_state from, pd_owner from_owner) {
+    for (uint32_t j = 0; j < n; j++) {
+        lp->state[idx[j]] = (uint8_t)from;
+        if (strict) lp->owner[idx[j]] = from == PD_UNIT_FREE ? PD_OWNER_NONE : from_owner;
+    }
+}
+
+/* Applies from -> to on idx[0..n) with validation and rollback. Each unit's
+ * state byte is checked and rewritten in turn, so a unit listed twice fails
+ * its second check (it is `to` by then) unless from == to; the counters,
+ * which every unit moves the same way, change once for the whole array.
+ * The counting ledger checks only the state byte, in the loop itself; the
+ * strict one checks owners too (expect_unit). */
+static pd_err transition(pd_ledger *l, lpool *lp, const uint32_t *idx, uint32_t n,
+                         pd_unit_state from, pd_owner from_owner, pd_unit_state to,
+                         pd_owner to_owner, const char *what) {
+    uint8_t *state = lp->state;
+    for (uint32_t i = 0; i < n; i++) {
+        uint32_t u = idx[i];
+        bool ok = l->strict ? expect_unit(l, lp, u, from, from_owner, what)
+                            : u < lp->total && state[u] == (uint8_t)from;
+        if (!ok) {
+            if (!l->strict) (void)expect_unit(l, lp, u, from, from_owner, what); /* the message */
+            transition_undo(lp, l->strict, idx, i, from, from_owner);
+            return PD_ERR_STATE;
+        }
+        state[u] = (uint8_t)to;
+        if (l->strict) lp->owner[u] = to == PD_UNIT_FREE ? PD_OWNER_NONE : to_owner;
+    }
+    PD_ASSERT(lp->count[from] >= n);
+    lp->count[from] -= n;
+    lp->count[to] += n;
+    return PD_OK;
+}
+
 pd_err pd_ledger_alloc(pd_ledger *l, int pool_id, uint32_t n, pd_owner owner,
                        uint32_t *out) {
     return pd_ledger_alloc_as(l, pool_id, n, PD_UNIT_REQ, owner, out);
@@ -185,32 +222,12 @@ pd_err pd_ledger_alloc_as(pd_ledger *l, int pool_id, uint32_t n,
                  pd_pool_name(lp->pool), pd_pool_free_count(lp->pool), n);
         return err;
     }
-    for (uint32_t i = 0; i < n; i++) {
-        if (!expect_unit(l, lp, out[i], PD_UNIT_FREE, PD_OWNER_NONE, "alloc")) {
-            /* The pool handed out a unit the ledger does not think is free:
-             * the two sources disagree. Undo and report. */
-            for (uint32_t j = 0; j < i; j++)
-                set_unit(lp, l->strict, out[j], PD_UNIT_FREE, PD_OWNER_NONE);
-            PD_MUST(pd_pool_free_n(lp->pool, out, n));
-            return PD_ERR_INTERNAL;
-        }
-        set_unit(lp, l->strict, out[i], state, owner);
-    }
-    return PD_OK;
-}
-
-/* Applies from -> to on idx[0..n) with validation and rollback. */
-static pd_err transition(pd_ledger *l, lpool *lp, const uint32_t *idx,
-                         uint32_t n, pd_unit_state from, pd_owner from_owner,
-                         pd_unit_state to, pd_owner to_owner, const char *what) {
-    for (uint32_t i = 0; i < n; i++) {
-        if (!expect_unit(l, lp, idx[i], from, from_owner, what)) {
-            /* idx[0..i) were validated as (from, from_owner): restore them. */
-            for (uint32_t j = 0; j < i; j++)
-                set_unit(lp, l->strict, idx[j], from, from_owner);
-            return PD_ERR_STATE;
-        }
-        set_unit(lp, l->strict, idx[i], to, to_owner);
+    err = transition(l, lp, out, n, PD_UNIT_FREE, PD_OWNER_NONE, state, owner, "alloc");
+    if (err != PD_OK) {
+        /* The pool handed out a unit the ledger does not think is free: the
+         * two sources disagree. transition undid its part; undo the pool's. */
+        PD_MUST(pd_pool_free_n(lp->pool, out, n));
+        return PD_ERR_INTERNAL;
     }
     return PD_OK;
 }

@@ -328,6 +328,11 @@ static void reclaim_cancelled(pd_loopback *lb) {
 static void drop_ops(pd_loopback *lb, uint32_t r, bool data_only) {
     room *rm = room_at(lb, r);
     uint32_t pending_before = rm->pending_all;
+    /* Every queued or held operation of the room that is not dropped yet is
+     * counted in pending_all: with none, both scans would find nothing. The
+     * usual case when a room is released, which would otherwise pay a scan
+     * of the whole queue (issue 13: 4 % of a decode step's instructions). */
+    if (pending_before == 0) return;
     uint32_t dropped = 0;
     for (uint32_t i = 0; i < lb->heap_n; i++) {
         op *p = &lb->ops[lb->heap[i]];
