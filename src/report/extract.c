@@ -10,6 +10,7 @@
  */
 #include <math.h>
 #include <stdarg.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -114,8 +115,47 @@ static int cmp_double(const void *a, const void *b) {
     return (x > y) - (x < y);
 }
 
+/* A double's bits as an unsigned key in the same order (JSON has no NaN):
+ * the sign bit set for positives, every bit flipped for negatives. */
+static uint64_t order_key(double d) {
+    uint64_t u;
+    memcpy(&u, &d, sizeof(u));
+    return u >> 63 ? ~u : u | (1ull << 63);
+}
+
+static double from_key(uint64_t k) {
+    uint64_t u = k >> 63 ? k & ~(1ull << 63) : ~k;
+    double d;
+    memcpy(&d, &u, sizeof(d));
+    return d;
+}
+
+/* Sorted ascending. A run of 100,000 requests has millions of ITLs: an LSD
+ * radix sort over the keys' bytes (skipping a byte every key shares) takes
+ * a fraction of qsort's time; qsort remains when no scratch memory is had. */
 static void sort_vec(rpt_vec *v) {
-    if (v->n > 1) qsort(v->v, v->n, sizeof(double), cmp_double);
+    if (v->n < 2) return;
+    uint64_t *a = malloc(v->n * sizeof(uint64_t)), *b = malloc(v->n * sizeof(uint64_t));
+    if (!a || !b) {
+        free(a);
+        free(b);
+        qsort(v->v, v->n, sizeof(double), cmp_double);
+        return;
+    }
+    for (size_t i = 0; i < v->n; i++) a[i] = order_key(v->v[i]);
+    for (int shift = 0; shift < 64; shift += 8) {
+        size_t count[257] = {0};
+        for (size_t i = 0; i < v->n; i++) count[((a[i] >> shift) & 0xff) + 1]++;
+        if (count[((a[0] >> shift) & 0xff) + 1] == v->n) continue; /* one value: no move */
+        for (int d = 0; d < 256; d++) count[d + 1] += count[d];
+        for (size_t i = 0; i < v->n; i++) b[count[(a[i] >> shift) & 0xff]++] = a[i];
+        uint64_t *t = a;
+        a = b;
+        b = t;
+    }
+    for (size_t i = 0; i < v->n; i++) v->v[i] = from_key(a[i]);
+    free(a);
+    free(b);
 }
 
 /* ---- what was run, and the summary ----------------------------------------------------- */

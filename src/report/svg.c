@@ -240,10 +240,10 @@ static void abort_marks(FILE *f, const frame *fr, const rpt_model *m, int kind) 
     static const char *const cls[] = {"abort-request", "abort-close", "abort-all"};
     static const char *const color[] = {C_ABORT_REQ, C_ABORT_CLOSE, C_ABORT_ALL};
     if (!m->abort_count[kind]) return;
-    double y0 = kind == RPT_ABORT_ALL ? fr->top : fr->top + (kind == RPT_ABORT_CLOSE ? 9 : 0);
-    double len = kind == RPT_ABORT_ALL ? fr->h : 8;
+    double y0 = kind == RPT_ABORT_ALL ? fr->top : fr->top + (kind == RPT_ABORT_CLOSE ? 12 : 0);
+    double len = kind == RPT_ABORT_ALL ? fr->h : 10;
     rpt_putf(f, "<path class=\"%s\" stroke=\"%s\" stroke-width=\"%s\"%s fill=\"none\" d=\"",
-             cls[kind], color[kind], kind == RPT_ABORT_ALL ? "1.5" : "1",
+             cls[kind], color[kind], kind == RPT_ABORT_ALL ? "1.5" : "2",
              kind == RPT_ABORT_ALL ? " stroke-dasharray=\"4 3\"" : "");
     for (size_t i = 0; i < m->aborts_n; i++)
         if (m->abort_kind[i] == kind)

@@ -305,6 +305,37 @@ static void cdf_of_many_requests_is_downsampled(void **state) {
     free(page);
 }
 
+/* The curve climbs: its points' x and y never go back, whatever order the
+ * values came in (here shuffled, with repeats, zeros and one negative). */
+static void cdf_points_never_go_back(void **state) {
+    (void)state;
+    json_t *r = results(0, 0);
+    json_t *reqs = json_object_get(pd_of(r), "requests");
+    uint64_t x = test_seed(7);
+    for (int i = 0; i < 3000; i++) {
+        x = x * 6364136223846793005ull + 1442695040888963407ull;
+        double e2e = i == 5 ? -0.002 : i % 100 == 0 ? 0 : (double)(x >> 40) / 1e7;
+        json_array_append_new(reqs, request(i, "completed", 1.0, 1.0 + e2e, 0.001 * (i % 7)));
+    }
+    char *page = render("shuffled", r);
+    const char *ids[] = {"cdf-e2e", "cdf-ttft"};
+    for (size_t c = 0; c < PD_ARRAY_LEN(ids); c++) {
+        char *svg = chart(page, ids[c]);
+        const char *p = strstr(strstr(svg, "class=\"cdf\""), "points=\"") + 8;
+        double px = -1, py = 1e9;
+        int n = 0, used;
+        for (double qx, qy; sscanf(p, "%lf,%lf%n", &qx, &qy, &used) == 2; p += used, n++) {
+            assert_true(qx >= px);
+            assert_true(qy <= py); /* SVG's y grows downwards */
+            px = qx;
+            py = qy;
+        }
+        assert_int_equal(n, 501);
+        free(svg);
+    }
+    free(page);
+}
+
 static int report_error(json_t *r, const char *dir, char *err, size_t cap) {
     int rc = pd_report_write(r, dir, err, cap);
     json_decref(r);
@@ -381,6 +412,7 @@ int main(void) {
         cmocka_unit_test(strings_from_the_json_are_escaped),
         cmocka_unit_test(nulls_where_the_schema_allows_them),
         cmocka_unit_test(cdf_of_many_requests_is_downsampled),
+        cmocka_unit_test(cdf_points_never_go_back),
         cmocka_unit_test(bad_input_names_the_field),
         cmocka_unit_test(unwritable_dir_is_named),
     };
