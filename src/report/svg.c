@@ -168,18 +168,24 @@ static void cdf_range(const rpt_vec *ms, frame *fr) {
     fr->y_hi = 1;
 }
 
+/* Dashed lines at p50, p90 and p99, labelled at the left end: a CDF is
+ * below its line left of the value, so the label never sits on the curve. */
 static void cdf_marks(FILE *f, const frame *fr, const rpt_vec *ms) {
     static const double qs[] = {0.5, 0.9, 0.99};
     static const char *const names[] = {"p50", "p90", "p99"};
     for (int i = 0; i < 3; i++) {
         double y = fy(fr, qs[i]);
         size_t idx = (size_t)ceil(qs[i] * (double)ms->n) - 1;
+        double v = ms->v[idx < ms->n ? idx : ms->n - 1];
         rpt_putf(f,
                  "<line x1=\"%.1f\" y1=\"%.1f\" x2=\"%.1f\" y2=\"%.1f\" stroke=\"#bbbbbb\" "
-                 "stroke-dasharray=\"3 3\"/>\n<text x=\"%.1f\" y=\"%.1f\" class=\"tick\" "
-                 "text-anchor=\"end\">%s %.3g ms</text>\n",
-                 fr->left, y, fr->left + fr->w, y, fr->left + fr->w - 2, y - 3, names[i],
-                 ms->v[idx < ms->n ? idx : ms->n - 1]);
+                 "stroke-dasharray=\"3 3\"/>\n<text x=\"%.1f\" y=\"%.1f\" class=\"tick\">%s "
+                 "%.*f ms</text>\n",
+                 fr->left, y, fr->left + fr->w, y, fr->left + 4, y - 3, names[i],
+                 fabs(v) >= 100      ? 0
+                     : fabs(v) >= 10 ? 1
+                                     : 2,
+                 v);
     }
 }
 
@@ -288,7 +294,8 @@ void rpt_svg_timeline(FILE *f, const rpt_model *m) {
         if (!m->tl_n) {
             no_data(f, &fr);
         } else {
-            fr.y_hi = nice_ceil(series_max(series[p], m->tl_n));
+            /* Headroom above the highest value for the abort ticks. */
+            fr.y_hi = nice_ceil(1.15 * series_max(series[p], m->tl_n));
             axes(f, &fr, last ? "time since the start (s)" : NULL,
                  p == 0       ? "req/s"
                      : p == 1 ? "tok/s"
