@@ -34,3 +34,11 @@ if(PD_BUILD_TESTS)
                    ${CMAKE_SOURCE_DIR}/tests/report/fixture.json ${CMAKE_BINARY_DIR}/report_screenshot)
   set_tests_properties(report_screenshot PROPERTIES SKIP_RETURN_CODE 77 TIMEOUT 120)
 endif()
+
+# The progress lines of pdserve sim --seeds (src/base/progress.c; the same
+# issue): stderr only, summary and exit codes unchanged.
+if(PD_BUILD_TESTS)
+  add_test(NAME sim_progress_lines
+           COMMAND ${CMAKE_COMMAND} -DPDSERVE=$<TARGET_FILE:pdserve>
+                   -P ${CMAKE_SOURCE_DIR}/tests/report/progress_cli.cmake)
+endif()

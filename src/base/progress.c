@@ -76,13 +76,16 @@ static void format_duration(pd_strbuf *sb, double s) {
 }
 
 /* The smoothed rate: an exponential average whose weight follows the time
- * since the last sample, so it means the same at 10 Hz and every 10 s. */
+ * since the last sample, so it means the same at 10 Hz and every 10 s. The
+ * window is no longer than the run so far: early on the rate is the average
+ * since the start, not the first sample's slowly forgotten. */
 static void update_rate(pd_progress *p, double now_s) {
     double dt = now_s - p->rate_at_s;
     if (dt <= 0) return;
     double inst = (double)(p->done - p->rate_done) / dt;
+    double window = PD_MIN(p->rate_window_s, p->rate_at_s - p->start_s);
     if (p->rate < 0) p->rate = inst;
-    else p->rate += dt / (dt + p->rate_window_s) * (inst - p->rate);
+    else p->rate += dt / (dt + window) * (inst - p->rate);
     p->rate_at_s = now_s;
     p->rate_done = p->done;
 }

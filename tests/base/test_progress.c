@@ -181,6 +181,24 @@ static void rate_follows_recent_speed_eta_the_average(void **state) {
     capture_close(&c);
 }
 
+/* A first sample that is off (a slow start) is not carried for the whole
+ * smoothing window: early on the rate is the average since the start. */
+static void early_rate_is_the_average_since_the_start(void **state) {
+    (void)state;
+    capture c;
+    capture_open(&c, PD_PROGRESS_TTY, 1000);
+    c.clock.now_s = 0.1;
+    assert_true(pd_progress_update(&c.p, 1, NULL)); /* 10/s */
+    for (int i = 2; i <= 10; i++) {                 /* then 40/s */
+        c.clock.now_s = i * 0.1;
+        pd_progress_update(&c.p, 1 + (uint64_t)(i - 1) * 4, NULL);
+    }
+    /* 37 in 1 s: the average is 37/s; a rate still near 10/s is wrong. */
+    assert_in_range((long)c.p.rate, 35, 38);
+    pd_progress_finish(&c.p, 37, NULL);
+    capture_close(&c);
+}
+
 static void extra_text_is_cut_not_overflowed(void **state) {
     (void)state;
     capture c;
@@ -222,6 +240,7 @@ int main(void) {
         cmocka_unit_test(tty_line_is_cut_to_the_terminal_width),
         cmocka_unit_test(unknown_total_has_no_percent_nor_eta),
         cmocka_unit_test(rate_follows_recent_speed_eta_the_average),
+        cmocka_unit_test(early_rate_is_the_average_since_the_start),
         cmocka_unit_test(extra_text_is_cut_not_overflowed),
         cmocka_unit_test(auto_style_on_a_file_is_plain),
     };

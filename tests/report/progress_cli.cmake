@@ -1,0 +1,43 @@
+# pdserve sim --seeds's progress lines (issue 14, with the report): on stderr
+# only, stdout still exactly the summary line; a final line always; "\r"
+# rewrites with --progress tty; nothing with --progress off; and refused
+# where it does not apply.
+function(run_sim)
+  execute_process(COMMAND ${PDSERVE} sim ${ARGN} RESULT_VARIABLE rc OUTPUT_VARIABLE out
+                  ERROR_VARIABLE err)
+  if(NOT rc EQUAL 0)
+    message(FATAL_ERROR "pdserve sim ${ARGN}: exit ${rc}: ${out} ${err}")
+  endif()
+  if(NOT out MATCHES "^{\"seeds\":12,\"failed_seeds\":0,[^\n]*}\n$")
+    message(FATAL_ERROR "pdserve sim ${ARGN}: stdout is not just the summary: [${out}]")
+  endif()
+  set(ERR "${err}" PARENT_SCOPE)
+endfunction()
+set(seeds --seeds 1..12 --requests 5 --faults none --quiet)
+run_sim(${seeds} --progress plain)
+if(NOT ERR MATCHES "^sim: 12/12 seeds \\(100.0%\\) done in [0-9]+:[0-9][0-9], [0-9.]+ seeds/s, failed seeds 0, requests 60 \\(")
+  message(FATAL_ERROR "no final progress line: [${ERR}]")
+endif()
+run_sim(${seeds})
+if(NOT ERR MATCHES "^sim: 12/12 seeds")
+  message(FATAL_ERROR "the default (not a terminal: plain) has no final line: [${ERR}]")
+endif()
+run_sim(${seeds} --progress tty)
+if(NOT ERR MATCHES "^\rsim: [^\n]*\rsim: 12/12 seeds \\(100.0%\\) done in [^\r\n]*\n$")
+  message(FATAL_ERROR "--progress tty does not rewrite the line: [${ERR}]")
+endif()
+run_sim(${seeds} --progress off)
+if(NOT ERR STREQUAL "")
+  message(FATAL_ERROR "--progress off still printed: [${ERR}]")
+endif()
+execute_process(COMMAND ${PDSERVE} sim --seed 1 --progress plain RESULT_VARIABLE rc
+                OUTPUT_QUIET ERROR_VARIABLE err)
+if(NOT rc EQUAL 2 OR NOT err MATCHES "--progress is not supported with it")
+  message(FATAL_ERROR "--seed --progress not refused: ${rc} ${err}")
+endif()
+execute_process(COMMAND ${PDSERVE} sim --seeds 1..2 --progress sometimes RESULT_VARIABLE rc
+                OUTPUT_QUIET ERROR_VARIABLE err)
+if(NOT rc EQUAL 2 OR NOT err MATCHES "--progress needs a valid value, got sometimes")
+  message(FATAL_ERROR "a bad --progress value not refused: ${rc} ${err}")
+endif()
+message(STATUS "progress lines: ${ERR}")
