@@ -183,6 +183,11 @@ static void extract_summary(ctx *c, const json_t *r, rpt_model *m) {
     m->goodput = num(c, r, "", "goodput", OPT);
     m->good_requests = num(c, r, "", "good_requests", OPT);
     m->concurrency = num(c, r, "", "concurrency", OPT);
+    const json_t *slo = obj_of(c, r, "", "slo", OPT);
+    static const char *const slo_key[RPT_METRICS] = {"ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"};
+    m->has_slo = slo != NULL;
+    for (int i = 0; i < RPT_METRICS; i++)
+        m->slo_ms[i] = slo ? num(c, slo, "slo", slo_key[i], OPT) : NAN;
     static const char *const metric[RPT_METRICS] = {"ttft", "tpot", "itl", "e2e_latency"};
     static const char *const stat[RPT_STATS] = {"mean", "median", "p90", "p99", "max"};
     for (int i = 0; i < RPT_METRICS; i++) {

@@ -124,6 +124,20 @@ static void page_head(FILE *f) {
     rpt_put(f, "</style>\n</head>\n<body>\n<h1>pdserve bench</h1>\n");
 }
 
+/* "TTFT 200 ms, TPOT 50 ms": the limits goodput counts against. */
+static void slo_row(FILE *f, const rpt_model *m) {
+    static const char *const names[RPT_METRICS] = {"TTFT", "TPOT", "ITL", "E2E"};
+    rpt_put(f, "<tr><th>SLOs (goodput)</th><td>");
+    bool any = false;
+    for (int i = 0; i < RPT_METRICS; i++) {
+        if (isnan(m->slo_ms[i])) continue;
+        rpt_putf(f, "%s%s \xE2\x89\xA4 %g ms", any ? ", " : "", names[i], m->slo_ms[i]);
+        any = true;
+    }
+    if (!any) rpt_put(f, m->has_slo ? "none set" : "none (no --slo)");
+    rpt_put(f, "</td></tr>\n");
+}
+
 static void run_table(FILE *f, const rpt_model *m) {
     rpt_put(f, "<h2>What was run</h2>\n<table id=\"run\">\n");
     row_text(f, "url", m->url);
@@ -135,6 +149,7 @@ static void run_table(FILE *f, const rpt_model *m) {
     row_num(f, "burstiness", m->burstiness, 2, NULL);
     if (isnan(m->max_concurrency)) row_text(f, "max concurrency", "unlimited");
     else row_num(f, "max concurrency", m->max_concurrency, 0, NULL);
+    slo_row(f, m);
     row_num(f, "seed", m->seed, 0, NULL);
     row_num(f, "duration", m->duration, 2, " s");
     row_num(f, "requests measured", m->num_prompts, 0, NULL);

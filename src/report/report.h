@@ -60,6 +60,8 @@ typedef struct rpt_model {
     double total_input_tokens, total_output_tokens, cache_hit_tokens;
     double request_throughput, input_throughput, output_throughput, total_throughput;
     double goodput, good_requests, concurrency;
+    bool has_slo;
+    double slo_ms[RPT_METRICS]; /* the --slo limits, NAN where none */
     double stat[RPT_METRICS][RPT_STATS];
     int idle_check_passed; /* 1, 0, -1 (null: no --check-node) */
     /* curves: sorted, in ms */

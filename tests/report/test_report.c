@@ -117,6 +117,9 @@ static json_t *results(int n, int aborted) {
                           0, "refused", 0);
     assert_non_null(r);
     json_object_set_new(r, "mean_ttft_ms", json_real(12.5));
+    json_object_set_new(
+        r, "slo",
+        json_pack("{s:i, s:n, s:n, s:f}", "ttft_ms", 200, "tpot_ms", "itl_ms", "e2e_ms", 1500.0));
     json_object_set_new(r, "p99_e2e_latency_ms", json_null());
     json_object_set_new(r, "itls", itls);
     json_object_set_new(r, "pdserve", pd);
@@ -172,6 +175,7 @@ static void full_run_draws_every_chart(void **state) {
     free(kv);
     assert_null(strstr(page, "IDLE CHECK FAILED"));
     assert_non_null(strstr(page, "<td>http://127.0.0.1:30000</td>"));
+    assert_non_null(strstr(page, "<td>TTFT \xE2\x89\xA4 200 ms, E2E \xE2\x89\xA4 1500 ms</td>"));
     assert_no_nan(page);
     free(page);
 }
@@ -278,6 +282,7 @@ static void nulls_where_the_schema_allows_them(void **state) {
     json_array_set_new(json_object_get(r, "itls"), 0, json_null());
     char *page = render("nulls", r);
     assert_non_null(strstr(page, "as fast as possible"));
+    assert_non_null(strstr(page, "none (no --slo)"));
     assert_non_null(strstr(page, "not checked"));
     assert_non_null(strstr(page, "(n = 4)")); /* TTFT: 5 completed, one without */
     assert_no_nan(page);
