@@ -838,14 +838,6 @@ static bool stream_broken(rt_fwd *f) {
         set_error_tail(f, 502, "the decode node sent a malformed or oversized event");
         return true;
     }
-    if (f->feed_overflow) { /* the feed cannot wait for one client (D1 of feed.h) */
-        abandon_all(f, false);
-        set_error_tail(f, 503,
-                       "the client read the stream more slowly than the decode node wrote it "
-                       "(more than %u KiB behind)",
-                       SSE_WINDOW / 1024u);
-        return true;
-    }
     if (f->feed_live) {
         if (!f->feed_lost) return false;
         d->failed = true;
@@ -866,6 +858,20 @@ static bool stream_broken(rt_fwd *f) {
     return true;
 }
 
+/* A fed stream whose client fell further behind than the window: a feed
+ * cannot wait for one client (it carries other streams), so what the client
+ * did not take is dropped, both halves are aborted, and the stream ends with
+ * an error event once the client reads again (or its write deadline ends
+ * the connection). Checked before anything waits for the client. */
+static void stream_too_slow(rt_fwd *f) {
+    f->ev.ready = f->ev.len = f->ev.scanned = 0;
+    abandon_all(f, false);
+    set_error_tail(f, 503,
+                   "the client read the stream more slowly than the decode node wrote it "
+                   "(more than %u KiB behind)",
+                   SSE_WINDOW / 1024u);
+}
+
 /* The body of a STREAM response: relays complete events as they come and
  * ends the stream exactly once; returns when the client or a worker must
  * act first, or with phase PH_END. */
@@ -873,6 +879,7 @@ static void stream_step(rt_fwd *f) {
     half *p = &f->h[PREFILL];
     for (;;) {
         if (f->client_gone && !f->gone_handled) stream_gone(f);
+        if (f->feed_overflow && !f->ended) stream_too_slow(f);
         if (f->ev.ready > 0) {
             out_rc rc = out(f, f->ev.buf, f->ev.ready);
             if (rc == OUT_WAIT) return;

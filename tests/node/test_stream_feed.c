@@ -9,6 +9,7 @@
 #include <arpa/inet.h>
 #include <curl/curl.h>
 #include <netinet/in.h>
+#include <poll.h>
 #include <pthread.h>
 #include <sys/socket.h>
 #include <unistd.h>
@@ -28,7 +29,8 @@ typedef struct pair {
     char p_url[64], d_url[64], p_spec[96];
 } pair;
 
-static void pair_start(pair *s) {
+/* write_timeout_ms: the nodes' --http-write-timeout-ms (0: the default). */
+static void pair_start_with(pair *s, uint32_t write_timeout_ms) {
     PD_MUST(pd_loopback_mt_create(&s->lb, 16, 512));
     PD_MUST(pd_loopback_mt_start(s->lb));
     pd_node *nodes[2];
@@ -40,7 +42,9 @@ static void pair_start(pair *s) {
         c.bootstrap_port = 8998; /* loopback: a name, nothing listens */
         c.loopback = s->lb;
         c.transfer_backend = "loopback";
-        c.max_total_tokens = 32768;
+        c.max_total_tokens = 131072;
+        c.max_new_tokens_limit = 16384;
+        if (write_timeout_ms) c.http_write_timeout_ms = write_timeout_ms;
         char msg[512];
         PD_ASSERTF(pd_node_create(&nodes[k], &c, msg, sizeof msg) == PD_OK, "%s", msg);
         PD_ASSERTF(pd_node_start(nodes[k], msg, sizeof msg) == PD_OK, "%s", msg);
@@ -59,6 +63,8 @@ static void pair_start(pair *s) {
     PD_ASSERTF(pd_router_create(&s->r, &cfg, msg, sizeof msg) == PD_OK, "%s: %s", msg, s->p_spec);
     PD_ASSERTF(pd_router_start(s->r, msg, sizeof msg) == PD_OK, "%s", msg);
 }
+
+static void pair_start(pair *s) { pair_start_with(s, 0); }
 
 static void pair_stop(pair *s) {
     pd_router_destroy(s->r);
@@ -295,6 +301,23 @@ static void many_streams_on_feeds_each_get_only_their_own_events(void **state) {
 
 #define LONG_STREAMS 8
 static const char *LONG = "\"sampling_params\": {\"max_new_tokens\": 4000, \"ignore_eos\": true}";
+/* Long enough that a stream cut for falling behind is cut well before its
+ * end, on a loaded machine too. */
+static const char *VERY_LONG =
+    "\"sampling_params\": {\"max_new_tokens\": 16000, \"ignore_eos\": true}";
+
+/* Reads fd to its end; true when the peer closed it within timeout_ms. */
+static bool drain_to_eof(int fd, int timeout_ms) {
+    uint64_t until = tk_now_ms() + (uint64_t)timeout_ms;
+    char buf[65536];
+    while (tk_now_ms() < until) {
+        struct pollfd p = {.fd = fd, .events = POLLIN};
+        if (poll(&p, 1, 100) <= 0) continue;
+        ssize_t k = read(fd, buf, sizeof buf);
+        if (k <= 0) return true;
+    }
+    return false;
+}
 
 /* The node closes its feeds mid-stream: each client gets one error event
  * and [DONE], both nodes end idle and clean, and the router reopens. */
@@ -401,6 +424,83 @@ static void a_feed_whose_consumer_dies_aborts_its_requests(void **state) {
     pair_stop(&s);
 }
 
+/* A feed whose consumer stops reading: the node's output for it stays
+ * bounded (back-pressure, then the write deadline closes the feed) and its
+ * requests are aborted; the node ends idle and clean. */
+static void a_feed_nobody_reads_is_closed_and_its_requests_aborted(void **state) {
+    (void)state;
+    pair s;
+    pair_start_with(&s, 1500);
+    char id[64];
+    int fd = feed_open_raw(s.d, id, sizeof id); /* never read again */
+    static async_post pa[4], da[4];
+    static char pb[4][512], db[4][640];
+    for (int i = 0; i < 4; i++) {
+        const char *fmt =
+            "{\"text\": \"slow reader %d\", \"rid\": \"slow-%d\", \"bootstrap_host\": "
+            "\"127.0.0.1\", \"bootstrap_room\": %d, \"bootstrap_port\": %u, %s%s}";
+        char feed[128];
+        snprintf(feed, sizeof feed, ", \"stream\": true, \"stream_feed\": \"%s\"", id);
+        snprintf(pb[i], sizeof pb[i], fmt, i, i, 500 + i, pd_node_bootstrap_port(s.p), VERY_LONG,
+                 "");
+        snprintf(db[i], sizeof db[i], fmt, i, i, 500 + i, pd_node_bootstrap_port(s.p), VERY_LONG,
+                 feed);
+        post_start(&da[i], s.d_url, "/generate", db[i]);
+        post_start(&pa[i], s.p_url, "/generate", pb[i]);
+    }
+    for (int i = 0; i < 4; i++) {
+        post_join(&da[i]);
+        post_join(&pa[i]);
+        assert_int_equal(da[i].resp.status, 202);
+        tc_free(&da[i].resp);
+        tc_free(&pa[i].resp);
+    }
+    assert_true(wait_idle_clean(s.d_url, 60000));
+    assert_true(wait_idle_clean(s.p_url, 10000));
+    assert_int_equal(node_counter(s.d_url, "aborted"), 4); /* none ran to its end */
+    assert_true(drain_to_eof(fd, 20000));                  /* the node closed the feed */
+    close(fd);
+    pair_stop(&s);
+}
+
+/* A client of a fed stream that stops reading cannot stall the feed: the
+ * streams beside it on the same feeds end normally, and it is cut (both
+ * halves aborted) once it is further behind than the router buffers. */
+static void a_slow_client_does_not_stall_the_streams_on_its_feed(void **state) {
+    (void)state;
+    pair s;
+    pair_start(&s);
+    assert_true(wait_feeds(s.r, LOOPS, 10000));
+    char body[256];
+    snprintf(body, sizeof body, "{\"text\": \"slow\", \"rid\": \"slow-1\", \"stream\": true, %s}",
+             VERY_LONG);
+    int fd = tc_raw_post(pd_router_port(s.r), "/generate", body); /* never read */
+    async_post a[LOOPS]; /* one per loop: one of them shares the slow one's feed */
+    char base[64];
+    snprintf(base, sizeof base, "http://127.0.0.1:%u", (unsigned)pd_router_port(s.r));
+    static char bodies[LOOPS][256];
+    for (int i = 0; i < LOOPS; i++) {
+        snprintf(bodies[i], sizeof bodies[i],
+                 "{\"text\": \"beside %d\", \"rid\": \"beside-%d\", \"stream\": true, "
+                 "\"sampling_params\": {\"max_new_tokens\": 300, \"ignore_eos\": true}}",
+                 i, i);
+        post_start(&a[i], base, "/generate", bodies[i]);
+    }
+    for (int i = 0; i < LOOPS; i++) {
+        post_join(&a[i]);
+        char rid[32];
+        snprintf(rid, sizeof rid, "beside-%d", i);
+        assert_own_stream(&a[i].resp, rid);
+        assert_non_null(strstr(a[i].resp.body, "\"length\""));
+        tc_free(&a[i].resp);
+    }
+    assert_true(wait_idle_clean(s.d_url, 60000));
+    assert_true(wait_idle_clean(s.p_url, 10000));
+    assert_int_equal(node_counter(s.d_url, "aborted"), 1);
+    close(fd);
+    pair_stop(&s);
+}
+
 /* A client that hangs up mid-stream: both nodes are told, both end idle
  * and clean, the decode node's request aborted. */
 static void a_client_hang_up_on_a_fed_stream_aborts_both_halves(void **state) {
@@ -499,6 +599,8 @@ int main(void) {
         cmocka_unit_test(a_feed_closed_by_the_node_ends_each_stream_with_one_error),
         cmocka_unit_test(a_feed_whose_consumer_dies_aborts_its_requests),
         cmocka_unit_test(a_client_hang_up_on_a_fed_stream_aborts_both_halves),
+        cmocka_unit_test(a_feed_nobody_reads_is_closed_and_its_requests_aborted),
+        cmocka_unit_test(a_slow_client_does_not_stall_the_streams_on_its_feed),
         cmocka_unit_test(a_worker_without_stream_feed_keeps_the_direct_path),
         cmocka_unit_test(bad_feed_input_gets_a_clear_4xx),
     };
