@@ -3,6 +3,7 @@
 #   make run     the main job: router + prefill + decode serving the tiny model (pdserve run)
 #   make test    install missing Debian packages, build with ASan+UBSan, run ctest
 #   make bench   optimised build, then every benchmark with its figures
+#   make bench-serving  pdserve bench against pdserve run: three loads, JSON + report.html
 #   make soak    the simulator's long swarm (SOAK_SEEDS=100000 seeds, all faults)
 #   make tidy    the house style's mechanical rules (tools/tidy, docs/tidy.md); CI runs it
 #   make format-check  clang-format on the lines changed since tools/format-base; CI too
@@ -21,12 +22,12 @@ FUZZ_SECONDS ?= 60
 FUZZ_DIR := build/fuzz
 TSAN_DIR := build/tsan
 
-.PHONY: all deps test build-test release run bench soak mutants tidy format-check clean help chaos
+.PHONY: all deps test build-test release run bench bench-serving soak mutants tidy format-check clean help chaos
 
 all: release
 
 help:
-	@sed -n '2,14p' Makefile
+	@sed -n '2,15p' Makefile
 
 deps:
 	@scripts/deps.sh
@@ -51,6 +52,9 @@ run: release
 
 bench: release
 	@scripts/bench.sh $(REL_DIR)
+
+bench-serving: release
+	@bench/serving.sh $(REL_DIR) build/bench-serving
 
 # The long swarm: SOAK_SEEDS seeds (default 100,000) with every fault, on an
 # optimised build, split across two processes. Each writes a progress line

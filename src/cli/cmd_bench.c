@@ -193,7 +193,7 @@ static bool parse_abort_window(const char *v, pd_lg_dataset_config *dc) {
  * whether the value was good. */
 static bool target_option(bench_args *a, const char *name, const char *v, bool *ok) {
     pd_lg_run_config *rc = &a->rc;
-    double d;
+    double d = 0;
     if (!strcmp(name, "--base-url")) {
         size_t n = strlen(v);
         while (n && v[n - 1] == '/') n--;
@@ -315,7 +315,7 @@ static bool load_option(bench_args *a, const char *name, const char *v, bool *ok
 
 static bool result_option(bench_args *a, const char *name, const char *v, bool *ok) {
     pd_lg_run_config *rc = &a->rc;
-    double d;
+    double d = 0;
     char err[256];
     if (!strcmp(name, "--slo")) {
         *ok = a->has_slo = pd_lg_slo_parse(v, &a->slo, err, sizeof(err));
