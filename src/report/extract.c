@@ -72,10 +72,18 @@ static bool check_type(ctx *c, const json_t *v, bool ok, const char *where, cons
     return false;
 }
 
+/* JSON numbers are finite, but products and sums of ones near DBL_MAX are
+ * not: every number is kept within +-1e300, so the charts' arithmetic
+ * (ms, stacked bands, headroom) never makes an infinity or a NaN. */
+static double finite_value(const json_t *v) {
+    double d = json_number_value(v);
+    return d > 1e300 ? 1e300 : d < -1e300 ? -1e300 : d;
+}
+
 static double num(ctx *c, const json_t *obj, const char *where, const char *key, int flags) {
     const json_t *v = field(c, obj, where, key, flags);
     if (!v || !check_type(c, v, json_is_number(v), where, key, "a number")) return NAN;
-    return json_number_value(v);
+    return finite_value(v);
 }
 
 static const char *str(ctx *c, const json_t *obj, const char *where, const char *key, int flags) {
@@ -256,7 +264,7 @@ static void extract_itls(ctx *c, const json_t *r, rpt_model *m) {
             const json_t *v = json_array_get(one, k);
             snprintf(w, sizeof(w), "itls[%zu][%zu]", i, k);
             if (check_type(c, v, json_is_number(v), w, "", "a number"))
-                m->itl_ms.v[m->itl_ms.n++] = json_number_value(v) * 1000.0;
+                m->itl_ms.v[m->itl_ms.n++] = finite_value(v) * 1000.0;
         }
     }
     sort_vec(&m->itl_ms);
@@ -280,7 +288,7 @@ static double *timeline_series(ctx *c, const json_t *tl, const char *key, size_t
         snprintf(w, sizeof(w), "pdserve.timeline.%s[%zu]", key, i);
         out[i] = NAN;
         if (v && !json_is_null(v) && check_type(c, v, json_is_number(v), w, "", "a number"))
-            out[i] = json_number_value(v);
+            out[i] = finite_value(v);
     }
     return out;
 }

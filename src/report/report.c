@@ -295,7 +295,8 @@ static void failures_table(FILE *f, const rpt_model *m) {
     for (size_t i = 0; i < m->failures_n; i++) {
         const json_t *q = m->failures[i];
         rpt_put(f, "<tr><td class=\"n\">");
-        put_num(f, json_number_value(json_object_get(q, "index")), 0, NULL);
+        const json_t *index = json_object_get(q, "index");
+        put_num(f, json_is_number(index) ? json_number_value(index) : NAN, 0, NULL);
         rpt_put(f, "</td><td>");
         rpt_put_esc(f, json_string_value(json_object_get(q, "rid")), 100);
         rpt_put(f, "</td><td>");

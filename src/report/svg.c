@@ -46,10 +46,14 @@ static double fy(const frame *f, double v) {
     return f->top + f->h - (t < 0 ? 0 : t > 1 ? 1 : t) * f->h;
 }
 
-/* 1, 2 or 5 times a power of ten, about range/target. */
+#define TICKS_MAX 64 /* per axis: bounds every tick loop, whatever the input's scale */
+
+/* 1, 2 or 5 times a power of ten, about range/target; never 0 (a range
+ * deep in the denormals would make the power of ten 0). */
 static double nice_step(double range, int target) {
     if (!(range > 0)) return 1;
     double raw = range / target, mag = pow(10, floor(log10(raw))), r = raw / mag;
+    if (!(mag > 0) || !isfinite(r)) return range;
     return (r < 1.5 ? 1 : r < 3 ? 2 : r < 7 ? 5 : 10) * mag;
 }
 
@@ -100,7 +104,8 @@ static void x_tick(FILE *f, const frame *fr, double v, bool label, bool minor) {
 
 static void x_ticks(FILE *f, const frame *fr, bool labels) {
     if (fr->x_log) {
-        for (double d = floor(log10(fr->x_lo)); d <= ceil(log10(fr->x_hi)); d++) {
+        double d = floor(log10(fr->x_lo));
+        for (int n = 0; n < TICKS_MAX && d <= ceil(log10(fr->x_hi)); n++, d++) {
             double v = pow(10, d);
             for (int k = 2; k < 10 && v * k < fr->x_hi; k++)
                 if (v * k > fr->x_lo) x_tick(f, fr, v * k, false, true);
@@ -109,13 +114,15 @@ static void x_ticks(FILE *f, const frame *fr, bool labels) {
         return;
     }
     double step = nice_step(fr->x_hi - fr->x_lo, 8);
-    for (double v = ceil(fr->x_lo / step) * step; v <= fr->x_hi + step * 1e-6; v += step)
+    double v = ceil(fr->x_lo / step) * step;
+    for (int n = 0; n < TICKS_MAX && v <= fr->x_hi + step * 1e-6; n++, v += step)
         x_tick(f, fr, v, labels, false);
 }
 
 static void y_ticks(FILE *f, const frame *fr, bool percent) {
     double step = nice_step(fr->y_hi - fr->y_lo, 4);
-    for (double v = ceil(fr->y_lo / step) * step; v <= fr->y_hi + step * 1e-6; v += step) {
+    double v = ceil(fr->y_lo / step) * step;
+    for (int n = 0; n < TICKS_MAX && v <= fr->y_hi + step * 1e-6; n++, v += step) {
         double y = fy(fr, v);
         char t[32];
         if (percent) snprintf(t, sizeof(t), "%g%%", round(v * 100));

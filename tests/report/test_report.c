@@ -341,6 +341,28 @@ static void cdf_points_never_go_back(void **state) {
     free(page);
 }
 
+/* Values at the ends of what a double holds, times that go backwards, a
+ * timeline shorter than a denormal: the page is still written, bounded,
+ * with no NaN in it. */
+static void extreme_values_stay_drawable(void **state) {
+    (void)state;
+    json_t *r = results(0, 0);
+    json_t *pd = pd_of(r), *reqs = json_object_get(pd, "requests");
+    json_array_append_new(reqs, request(0, "completed", 0, 1e300, 1e-300));
+    json_array_append_new(reqs, request(1, "completed", 5, 1, 4.9e-324));
+    json_array_append_new(reqs, request(2, "completed", 0, 0, 0));
+    json_object_set_new(r, "duration", json_real(4.9e-324));
+    json_t *tl = json_object_get(pd, "timeline");
+    json_object_set_new(tl, "t_s", json_pack("[f, f, f]", 4.9e-324, 1e-323, 2e-323));
+    json_object_set_new(tl, "concurrency", json_pack("[f, f, f]", -1e308, 1e308, 0.0));
+    json_object_set_new(pd, "aborts", json_pack("[{s:f, s:s}]", "t_s", -5.0, "kind", "all"));
+    json_object_set_new(r, "itls", json_pack("[[f, f, f]]", 0.0, 1e-310, 1e308));
+    char *page = render("extreme", r);
+    assert_no_nan(page);
+    assert_true(strlen(page) < 400000);
+    free(page);
+}
+
 static int report_error(json_t *r, const char *dir, char *err, size_t cap) {
     int rc = pd_report_write(r, dir, err, cap);
     json_decref(r);
@@ -418,6 +440,7 @@ int main(void) {
         cmocka_unit_test(nulls_where_the_schema_allows_them),
         cmocka_unit_test(cdf_of_many_requests_is_downsampled),
         cmocka_unit_test(cdf_points_never_go_back),
+        cmocka_unit_test(extreme_values_stay_drawable),
         cmocka_unit_test(bad_input_names_the_field),
         cmocka_unit_test(unwritable_dir_is_named),
     };
