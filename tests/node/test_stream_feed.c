@@ -463,6 +463,25 @@ static void a_feed_nobody_reads_is_closed_and_its_requests_aborted(void **state)
     pair_stop(&s);
 }
 
+/* A POST /generate from a client that never reads, with a small receive
+ * buffer so the router's output to it stays blocked for good once its
+ * watermark is reached (the kernel takes no more). */
+static int post_never_read(uint16_t port, const char *body) {
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    int small = 4096;
+    setsockopt(fd, SOL_SOCKET, SO_RCVBUF, &small, sizeof small);
+    struct sockaddr_in sa = {.sin_family = AF_INET, .sin_port = htons(port)};
+    sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    PD_ASSERT(connect(fd, (struct sockaddr *)&sa, sizeof sa) == 0);
+    char req[1024];
+    int n = snprintf(req, sizeof req,
+                     "POST /generate HTTP/1.1\r\nHost: r\r\nContent-Type: application/json\r\n"
+                     "Content-Length: %zu\r\n\r\n%s",
+                     strlen(body), body);
+    PD_ASSERT(write(fd, req, (size_t)n) == n);
+    return fd;
+}
+
 /* A client of a fed stream that stops reading cannot stall the feed: the
  * streams beside it on the same feeds end normally, and it is cut (both
  * halves aborted) once it is further behind than the router buffers. */
@@ -474,7 +493,7 @@ static void a_slow_client_does_not_stall_the_streams_on_its_feed(void **state) {
     char body[256];
     snprintf(body, sizeof body, "{\"text\": \"slow\", \"rid\": \"slow-1\", \"stream\": true, %s}",
              VERY_LONG);
-    int fd = tc_raw_post(pd_router_port(s.r), "/generate", body); /* never read */
+    int fd = post_never_read(pd_router_port(s.r), body);
     async_post a[LOOPS]; /* one per loop: one of them shares the slow one's feed */
     char base[64];
     snprintf(base, sizeof base, "http://127.0.0.1:%u", (unsigned)pd_router_port(s.r));
