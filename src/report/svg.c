@@ -396,7 +396,9 @@ void rpt_svg_pool(FILE *f, const rpt_node *n, size_t node_index, size_t pool_ind
         return;
     }
     fr.x_lo = n->t_s[0];
-    fr.x_hi = n->t_s[n->samples - 1] > fr.x_lo ? n->t_s[n->samples - 1] : fr.x_lo + 1;
+    fr.x_hi = n->t_s[n->samples - 1];
+    if (!(fr.x_hi > fr.x_lo)) /* one time: a span wide enough to differ from it */
+        fr.x_hi = fr.x_lo + fmax(1.0, fabs(fr.x_lo) * 1e-6);
     fr.y_hi = total > 0 ? total : 1; /* the stack fills the chart: free is on top */
     const double *const layers[4] = {p->req, p->cache, p->quarantine, p->free};
     static const char *const cls[] = {"band-req", "band-cache", "band-quarantine", "band-free"};

@@ -357,6 +357,10 @@ static void extreme_values_stay_drawable(void **state) {
     json_object_set_new(tl, "concurrency", json_pack("[f, f, f]", -1e308, 1e308, 0.0));
     json_object_set_new(pd, "aborts", json_pack("[{s:f, s:s}]", "t_s", -5.0, "kind", "all"));
     json_object_set_new(r, "itls", json_pack("[[f, f, f]]", 0.0, 1e-310, 1e308));
+    /* Samples all at one time far from 0, where t + 1 == t. */
+    json_t *samples = json_object_get(json_array_get(json_object_get(pd, "nodes"), 0), "samples");
+    for (size_t i = 0; i < json_array_size(samples); i++)
+        json_object_set_new(json_array_get(samples, i), "t_s", json_real(1e20));
     char *page = render("extreme", r);
     assert_no_nan(page);
     assert_true(strlen(page) < 400000);
