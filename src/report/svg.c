@@ -337,10 +337,10 @@ static void band(FILE *f, const frame *fr, const rpt_node *n, const double *cons
 }
 
 static void pool_legend(FILE *f) {
-    static const char *const label[] = {"held by requests", "cached", "quarantined", "free"};
+    static const char *const label[] = {"held (req)", "cached", "quarantined", "free"};
     static const char *const color[] = {C_REQ, C_CACHE, C_QUAR, C_FREE};
     for (int k = 0; k < 4; k++) {
-        double x = 70 + k * 130;
+        double x = 50 + k * 88;
         rpt_putf(f,
                  "<rect x=\"%.0f\" y=\"254\" width=\"12\" height=\"12\" fill=\"%s\"/>"
                  "<text x=\"%.0f\" y=\"264\" class=\"legend\">%s</text>\n",
@@ -388,8 +388,8 @@ void rpt_svg_pool(FILE *f, const rpt_node *n, size_t node_index, size_t pool_ind
     double total = n->samples ? series_max(p->total, n->samples) : 0;
     snprintf(title, sizeof(title), "pool %.40s%s%.24s%s: %.0f units", p->name, p->kind ? " (" : "",
              p->kind ? p->kind : "", p->kind ? ")" : "", total);
-    svg_open(f, id, 600, 272, title);
-    frame fr = {.left = 70, .top = 34, .w = 500, .h = 180};
+    svg_open(f, id, 400, 272, title);
+    frame fr = {.left = 56, .top = 34, .w = 330, .h = 180};
     if (!n->samples) {
         no_data(f, &fr);
         rpt_put(f, "</svg>\n");
