@@ -209,18 +209,29 @@ static inline uint32_t ent_step(const pd_cache *c, uint32_t e) {
     return e + 1;
 }
 
+/* The walks over one node's chain count its n_pages entries rather than
+ * follow it to its end: the end (PD_NONE) is never e + 1, so every node's
+ * last step would take ent_step's rare jump, and a chain of one-page nodes
+ * (a system prompt split where prompts ended inside it) is all last steps
+ * (issue 13). The chain holds exactly n_pages entries (pd_cache_verify). */
+
 /* Gathers a node's device (or host) pages into buf, in position order. */
 static uint32_t node_pages(pd_cache *c, uint32_t id, bool host, uint32_t *buf) {
-    uint32_t n = 0;
-    for (uint32_t e = N(c, id)->first_ent; e != PD_NONE; e = ent_step(c, e))
-        buf[n++] = host ? c->ent_host[e] : c->ent_dev[e];
-    PD_ASSERT(n == N(c, id)->n_pages);
+    const cnode *nd = N(c, id);
+    uint32_t n = nd->n_pages, e = nd->first_ent;
+    for (uint32_t i = 0; i < n; i++) {
+        if (i > 0) e = ent_step(c, e);
+        buf[i] = host ? c->ent_host[e] : c->ent_dev[e];
+    }
+    PD_ASSERT(n == 0 || e == nd->last_ent);
     return n;
 }
 
 static void node_set_pages(pd_cache *c, uint32_t id, bool host, const uint32_t *buf) {
-    uint32_t i = 0;
-    for (uint32_t e = N(c, id)->first_ent; e != PD_NONE; e = ent_step(c, e), i++) {
+    const cnode *nd = N(c, id);
+    uint32_t e = nd->first_ent;
+    for (uint32_t i = 0; i < nd->n_pages; i++) {
+        if (i > 0) e = ent_step(c, e);
         if (host) c->ent_host[e] = buf ? buf[i] : PD_NONE;
         else c->ent_dev[e] = buf ? buf[i] : PD_NONE;
     }
@@ -251,14 +262,24 @@ static void list_insert_after(pd_cache *c, int l, uint32_t after, uint32_t id) {
     n->lstamp[l] = a->lstamp[l];
 }
 
-/* Moves node id to the tail of list l (it is in it) with the current stamp. */
+/* Moves node id to the tail of list l (it is in it) with the current stamp:
+ * what list_remove then list_push_tail do, in one relinking (the walks up a
+ * path move every node on it, issue 13). */
 static void list_to_tail(pd_cache *c, int l, uint32_t id) {
-    if (c->lists[l].tail == id) {
-        N(c, id)->lstamp[l] = c->clock; /* already last: the same as out and back */
-        return;
-    }
-    list_remove(c, l, id);
-    list_push_tail(c, l, id);
+    pd_list *ls = &c->lists[l];
+    cnode *n = N(c, id);
+    PD_ASSERT(n->in_list[l]);
+    n->lstamp[l] = c->clock;
+    if (ls->tail == id) return; /* already last: the same as out and back */
+    pd_link *k = &n->lru[l];
+    PD_ASSERT(k->next != PD_NONE && c->nodes[k->next].lru[l].prev == id);
+    c->nodes[k->next].lru[l].prev = k->prev;
+    if (k->prev != PD_NONE) c->nodes[k->prev].lru[l].next = k->next;
+    else ls->head = k->next;
+    c->nodes[ls->tail].lru[l].next = id;
+    k->prev = ls->tail;
+    k->next = PD_NONE;
+    ls->tail = id;
 }
 
 /* Brings list membership in line with the node's state. */
@@ -470,8 +491,10 @@ enum { PREFETCH_PAGES = 32 };
  * match on a device node wants them: one walk, not two). */
 static uint32_t match_pages(pd_cache *c, uint32_t id, const int32_t *tokens, uint32_t avail,
                             uint32_t *dev) {
-    uint32_t k = 0;
-    for (uint32_t e = N(c, id)->first_ent; e != PD_NONE && k < avail; e = ent_step(c, e)) {
+    const cnode *nd = N(c, id);
+    uint32_t k = 0, lim = PD_MIN(avail, nd->n_pages);
+    for (uint32_t e = nd->first_ent; k < lim; k++) {
+        if (k > 0) e = ent_step(c, e);
         if (k + PREFETCH_PAGES < avail) {
             __builtin_prefetch(tokens + (size_t)(k + PREFETCH_PAGES) * c->page_size);
             if (e + PREFETCH_PAGES < c->entries_max)
@@ -479,7 +502,6 @@ static uint32_t match_pages(pd_cache *c, uint32_t id, const int32_t *tokens, uin
         }
         if (k > 0 && !page_eq(c, e, tokens + (size_t)k * c->page_size)) break;
         if (dev) dev[k] = c->ent_dev[e];
-        k++;
     }
     return k;
 }
@@ -490,15 +512,16 @@ static uint32_t match_pages(pd_cache *c, uint32_t id, const int32_t *tokens, uin
  * written to dup_out, and the cache's page replaces it in pages[]. */
 static uint32_t match_dups(pd_cache *c, uint32_t id, const int32_t *tokens, uint32_t avail,
                            uint32_t *pages, uint32_t *dup_out, uint32_t *dup_pages) {
-    uint32_t k = 0;
-    for (uint32_t e = N(c, id)->first_ent; e != PD_NONE && k < avail; e = ent_step(c, e)) {
+    const cnode *nd = N(c, id);
+    uint32_t k = 0, lim = PD_MIN(avail, nd->n_pages);
+    for (uint32_t e = nd->first_ent; k < lim; k++) {
+        if (k > 0) e = ent_step(c, e);
         if (k > 0 && !page_eq(c, e, tokens + (size_t)k * c->page_size)) break;
         uint32_t mine = c->ent_dev[e];
         if (pages[k] != mine) {
             dup_out[(*dup_pages)++] = pages[k];
             pages[k] = mine;
         }
-        k++;
     }
     return k;
 }
@@ -825,9 +848,11 @@ static bool insert_start_ok(pd_cache *c, uint32_t start, const uint32_t *pages, 
     if (start == PD_CNODE_ROOT || start >= c->nodes_max) return false;
     const cnode *n = &c->nodes[start];
     if (!n->live || !n->on_dev || n->lock_ref == 0 || n->end_pages > n_pages) return false;
-    uint32_t i = n->end_pages - n->n_pages;
-    for (uint32_t e = n->first_ent; e != PD_NONE; e = ent_step(c, e), i++)
-        if (c->ent_dev[e] != pages[i]) return false;
+    uint32_t first = n->end_pages - n->n_pages, e = n->first_ent;
+    for (uint32_t i = 0; i < n->n_pages; i++) {
+        if (i > 0) e = ent_step(c, e);
+        if (c->ent_dev[e] != pages[first + i]) return false;
+    }
     return true;
 }
 

@@ -128,8 +128,6 @@ void pd_engine_config_default(pd_engine_config *cfg, pd_role role) {
 
 /* ---- records, indexes and queues ----------------------------------------- */
 
-uint32_t eng_idx(pd_engine *e, const req *r) { return (uint32_t)(r - e->reqs); }
-
 /* The rid and room indexes (pd_index): a live rid maps to its record until
  * the terminal event, a room (not colocated) until the record is freed. */
 static uint64_t rid_hash_of(const void *ctx, uint32_t idx) {
@@ -560,7 +558,7 @@ void eng_retire(pd_engine *e, req *r, pd_terminal_kind kind, pd_finish_reason fi
     record_free(e, r);
 }
 
-bool eng_result_after_retire(pd_engine *e, req *r) {
+bool eng_result_after_retire_slow(pd_engine *e, req *r) {
     if (r->term == PD_TERM_NONE && !r->retire_pending) return false;
     if (r->forwards_in_flight == 0) eng_retire(e, r, r->term, r->finish, r->status, r->msg);
     return true;
@@ -641,34 +639,6 @@ batch_rec *eng_batch_begin(pd_engine *e) {
     batch_rec *b = &e->inflight[(e->inflight_head + e->inflight_n) % INFLIGHT_MAX];
     b->n = 0;
     return b;
-}
-
-void eng_batch_add(pd_engine *e, batch_rec *b, req *r, const int32_t *tokens, uint32_t start,
-                   uint32_t n, bool sample, uint32_t sample_index, uint32_t snapshot_slot,
-                   bool final, bool decode) {
-    PD_ASSERT(b->n < e->cfg.batch_max);
-    pd_batch_item *it = &e->launch_items[b->n];
-    *it = (pd_batch_item){
-        .req = r->owner,
-        .tokens = tokens,
-        .n_tokens = n,
-        .start_pos = start,
-        .pages = r->pages,
-        .n_pages = r->n_pages,
-        .mamba_slot = e->mamba ? r->mamba_run : PD_POOL_NONE,
-        .snapshot_slot = snapshot_slot == PD_NONE ? PD_POOL_NONE : snapshot_slot,
-        .sample = sample,
-        .sampling = r->sampling,
-        .sample_index = sample_index,
-        .history = r->history,
-    };
-    PD_ASSERT((uint64_t)r->n_pages * e->cfg.page_size >= (uint64_t)start + n);
-    b->items[b->n] = (bitem){.idx = eng_idx(e, r), .gen = r->gen, .start = start, .n = n,
-                             .final = final, .decode = decode, .snapshot_slot = snapshot_slot};
-    b->n++;
-    r->forwards_in_flight++;
-    r->pending_chunk = true;
-    eng_act(e, r, PD_ACT_LAUNCH, final, n);
 }
 
 void eng_batch_launch(pd_engine *e, batch_rec *b) {

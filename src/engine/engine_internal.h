@@ -190,7 +190,7 @@ static inline req *eng_req(pd_engine *e, uint32_t idx) {
 static inline void eng_prefetch(const pd_engine *e, uint32_t idx) {
     __builtin_prefetch(&e->reqs[idx]);
 }
-uint32_t eng_idx(pd_engine *e, const req *r);
+static inline uint32_t eng_idx(pd_engine *e, const req *r) { return (uint32_t)(r - e->reqs); }
 /* The queues' (and the free records') links: pd_list over e->reqs. */
 static inline pd_links eng_qlinks(pd_engine *e) { return PD_LINKS(e->reqs, req, qlink); }
 void q_push(pd_engine *e, req *r, uint8_t queue);
@@ -199,13 +199,18 @@ void q_move(pd_engine *e, req *r, uint8_t queue);
 
 /* The single retire path. kind is recorded if no terminal reason is yet;
  * the first one wins. Idempotent; defers while a forward is in flight. */
-void eng_retire(pd_engine *e, req *r, pd_terminal_kind kind, pd_finish_reason finish,
-                int status, const char *msg);
+void eng_retire(pd_engine *e, req *r, pd_terminal_kind kind, pd_finish_reason finish, int status,
+                const char *msg);
 /* Step 2's other half, for the result of a forward of r: if r has a
  * terminal reason (its retire pending), the result must be dropped — nothing
  * of it is cached, sent or streamed — and the last one in flight completes
  * the retire. Returns true if the caller must drop the result. */
-bool eng_result_after_retire(pd_engine *e, req *r);
+bool eng_result_after_retire_slow(pd_engine *e, req *r);
+static inline bool eng_result_after_retire(pd_engine *e, req *r) {
+    /* Inline: every result of every step asks, and almost always no. */
+    if (r->term == PD_TERM_NONE && !r->retire_pending) return false;
+    return eng_result_after_retire_slow(e, r);
+}
 /* Releases memory without ending the request (optimistic requeue): caches the
  * computed prefix, frees the rest; keeps the meta row and the room. */
 void eng_release_for_requeue(pd_engine *e, req *r);
@@ -217,7 +222,7 @@ void eng_release_at_commit(pd_engine *e, req *r);
 /* Memory helpers. */
 /* Appends n pages to r->pages out of r's reservation: cannot fail. */
 void eng_alloc_pages(pd_engine *e, req *r, uint32_t n);
-uint64_t eng_kv_available(pd_engine *e);                          /* free + evictable - reserved */
+uint64_t eng_kv_available(pd_engine *e); /* free + evictable - reserved */
 /* Admission: reserves `need` pages for r if free + evictable - reserved
  * covers them; otherwise drops the cache lock r took for its prefix match
  * and returns false (r stays queued). */
@@ -232,16 +237,46 @@ void eng_cache_insert(pd_engine *e, req *r, uint32_t tokens, uint32_t snapshot_s
 void eng_emit_terminal(pd_engine *e, req *r);
 
 /* Batches. */
-batch_rec *eng_batch_begin(pd_engine *e);  /* NULL when INFLIGHT_MAX are in flight */
-void eng_batch_add(pd_engine *e, batch_rec *b, req *r, const int32_t *tokens, uint32_t start,
-                   uint32_t n, bool sample, uint32_t sample_index, uint32_t snapshot_slot,
-                   bool final, bool decode);
+batch_rec *eng_batch_begin(pd_engine *e); /* NULL when INFLIGHT_MAX are in flight */
+/* Inline: a decode step adds one item per running request. */
+static inline void eng_batch_add(pd_engine *e, batch_rec *b, req *r, const int32_t *tokens,
+                                 uint32_t start, uint32_t n, bool sample, uint32_t sample_index,
+                                 uint32_t snapshot_slot, bool final, bool decode) {
+    PD_ASSERT(b->n < e->cfg.batch_max);
+    pd_batch_item *it = &e->launch_items[b->n];
+    *it = (pd_batch_item){
+        .req = r->owner,
+        .tokens = tokens,
+        .n_tokens = n,
+        .start_pos = start,
+        .pages = r->pages,
+        .n_pages = r->n_pages,
+        .mamba_slot = e->mamba ? r->mamba_run : PD_POOL_NONE,
+        .snapshot_slot = snapshot_slot == PD_NONE ? PD_POOL_NONE : snapshot_slot,
+        .sample = sample,
+        .sampling = r->sampling,
+        .sample_index = sample_index,
+        .history = r->history,
+    };
+    PD_ASSERT((uint64_t)r->n_pages * e->cfg.page_size >= (uint64_t)start + n);
+    b->items[b->n] = (bitem){.idx = eng_idx(e, r),
+                             .gen = r->gen,
+                             .start = start,
+                             .n = n,
+                             .final = final,
+                             .decode = decode,
+                             .snapshot_slot = snapshot_slot};
+    b->n++;
+    r->forwards_in_flight++;
+    r->pending_chunk = true;
+    eng_act(e, r, PD_ACT_LAUNCH, final, n);
+}
 void eng_batch_launch(pd_engine *e, batch_rec *b);
 /* Polls the oldest batch; if complete, calls fn(e, r, item, result) for every
  * item whose request is still the same record (live, same generation), then
  * pops it. Returns true if a batch completed. */
-bool eng_batch_poll(pd_engine *e, void (*fn)(pd_engine *, req *, const bitem *,
-                                             const pd_item_result *));
+bool eng_batch_poll(pd_engine *e,
+                    void (*fn)(pd_engine *, req *, const bitem *, const pd_item_result *));
 
 /* ---- prefill.c / decode.c ---- */
 void prefill_step(pd_engine *e);   /* prefill and colocated */

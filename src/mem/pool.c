@@ -238,21 +238,31 @@ pd_err pd_pool_free(pd_pool *pool, uint32_t idx) {
     return PD_OK;
 }
 
+/* Why freeing idx[0..n) is refused, the pool unchanged: the first unit out
+ * of range or free decides (INVALID, STATE), then a unit listed twice
+ * (STATE). */
+static pd_err free_refusal(const pd_pool *pool, const uint32_t *idx, uint32_t n) {
+    for (uint32_t i = 0; i < n; i++) {
+        if (idx[i] >= pool->total) return PD_ERR_INVALID;
+        if (pd_pool_is_free(pool, idx[i])) return PD_ERR_STATE;
+    }
+    return PD_ERR_STATE;
+}
+
+/* One pass that checks and frees each unit in turn (a unit listed twice is
+ * free by its second turn); a refusal undoes this call's frees and then
+ * names the reason as a check of the whole array first would. */
 pd_err pd_pool_free_n(pd_pool *pool, const uint32_t *idx, uint32_t n) {
     PD_ASSERT(pool);
     if (n == 0) return PD_OK;
     PD_ASSERT(idx);
     for (uint32_t i = 0; i < n; i++) {
-        if (idx[i] >= pool->total) return PD_ERR_INVALID;
-        if (pd_pool_is_free(pool, idx[i])) return PD_ERR_STATE;
-    }
-    for (uint32_t i = 0; i < n; i++) {
-        if (pd_pool_is_free(pool, idx[i])) {
-            /* A duplicate inside idx[]: undo what this call freed. */
+        uint32_t u = idx[i];
+        if (u >= pool->total || ((pool->words[u / 64] >> (u % 64)) & 1u)) {
             for (uint32_t j = 0; j < i; j++) take_bit(pool, idx[j]);
-            return PD_ERR_STATE;
+            return free_refusal(pool, idx, n);
         }
-        give_bit(pool, idx[i]);
+        give_bit(pool, u);
     }
     return PD_OK;
 }
