@@ -139,8 +139,9 @@ typedef struct pd_lg_run_config {
     uint32_t n_nodes;
     double sample_interval_s;
     double idle_timeout_s;
-    FILE *progress_to; /* the progress line (pdserve/progress.h); NULL: none */
-    uint64_t seed;     /* names the rids */
+    FILE *progress_to;       /* the progress line (pdserve/progress.h); NULL: none */
+    size_t progress_columns; /* a terminal's width, the line cut to it; 0: not cut */
+    uint64_t seed;           /* names the rids */
 } pd_lg_run_config;
 
 void pd_lg_run_config_default(pd_lg_run_config *c);

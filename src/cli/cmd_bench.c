@@ -13,6 +13,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/ioctl.h>
 #include <unistd.h>
 
 #include "args.h"
@@ -631,6 +632,8 @@ int cli_cmd_bench(int argc, char **argv) {
     const char *key = getenv("OPENAI_API_KEY");
     if (key && *key) a.rc.api_key = key;
     a.rc.progress_to = stderr;
+    struct winsize ws = {0};
+    a.rc.progress_columns = ioctl(STDERR_FILENO, TIOCGWINSZ, &ws) == 0 ? ws.ws_col : 0;
     int rc = parse(&a, argc, argv);
     if (!rc) rc = finish_args(&a);
     curl_global_init(CURL_GLOBAL_DEFAULT);

@@ -165,18 +165,21 @@ static void error_object(lg_live *lv, json_t *o) {
 }
 
 /* Handles one answer object, timing it at now. */
-static void answer_object(lg_run *run, lg_live *lv, json_t *o, double now) {
+/* One answer object: the tokens it adds. */
+static uint32_t answer_object(lg_run *run, lg_live *lv, json_t *o) {
     if (json_object_get(o, "error")) {
         error_object(lv, o);
-        return;
+        return 0;
     }
-    uint32_t n = run->c->api == PD_LG_API_GENERATE ? generate_object(lv, o) : openai_object(lv, o);
-    live_token_event(run, lv, n, now);
+    return run->c->api == PD_LG_API_GENERATE ? generate_object(lv, o) : openai_object(lv, o);
 }
 
-/* Consumes the complete events ("data: ...\n\n") in the stream buffer. */
+/* Consumes the complete events ("data: ...\n\n") in the stream buffer.
+ * Events that came in one read are one token event: their tokens arrived
+ * together, and timing them apart would count gaps of a microsecond. */
 static void stream_events(lg_run *run, lg_live *lv, double now) {
     size_t used = 0;
+    uint32_t tokens = 0;
     for (;;) {
         char *start = lv->body.p + used;
         char *end = strstr(start, "\n\n");
@@ -192,7 +195,7 @@ static void stream_events(lg_run *run, lg_live *lv, double now) {
                     lv->done_marker = true;
                 } else {
                     json_t *o = json_loads(data, 0, NULL);
-                    if (o) answer_object(run, lv, o, now);
+                    if (o) tokens += answer_object(run, lv, o);
                     json_decref(o);
                 }
             }
@@ -203,6 +206,7 @@ static void stream_events(lg_run *run, lg_live *lv, double now) {
         memmove(lv->body.p, lv->body.p + used, lv->body.len - used + 1);
         lv->body.len -= used;
     }
+    live_token_event(run, lv, tokens, now);
 }
 
 static size_t on_answer_bytes(char *p, size_t size, size_t n, void *user) {
@@ -394,7 +398,7 @@ static void whole_answer(lg_run *run, lg_live *lv, double now) {
         json_decref(o);
         o = first;
     }
-    if (o) answer_object(run, lv, o, now);
+    if (o) live_token_event(run, lv, answer_object(run, lv, o), now);
     json_decref(o);
 }
 
@@ -736,8 +740,11 @@ pd_err pd_lg_run(const pd_lg_run_config *c, const pd_lg_dataset *d, pd_lg_result
     if (warm) phase(&run, 0, warm, false);
     uint32_t measured = 0;
     for (uint32_t i = warm; i < d->n; i++) measured++;
-    pd_progress_options po = {
-        .out = c->progress_to, .label = "bench", .unit = "requests", .total = measured};
+    pd_progress_options po = {.out = c->progress_to,
+                              .label = "bench",
+                              .unit = "requests",
+                              .total = measured,
+                              .tty_columns = c->progress_columns};
     if (c->progress_to) pd_progress_init(&run.progress, &po);
     run.t0 = run.next_sample = run.next_abort_all = lg_now();
     if (c->abort_all_every_s > 0) run.next_abort_all = run.t0 + c->abort_all_every_s;
