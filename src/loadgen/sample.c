@@ -74,7 +74,8 @@ static json_t *get_info(lg_run *run, const char *url, double timeout_s, char *er
     curl_easy_getinfo(h, CURLINFO_RESPONSE_CODE, &status);
     curl_easy_cleanup(h);
     json_t *o = NULL;
-    if (rc != CURLE_OK) snprintf(err, cap, "no answer from %.300s: %s", full, curl_easy_strerror(rc));
+    if (rc != CURLE_OK)
+        snprintf(err, cap, "no answer from %.300s: %s", full, curl_easy_strerror(rc));
     else if (status != 200) snprintf(err, cap, "%.300s answered HTTP %ld", full, status);
     else if (!(o = json_loads(body.p ? body.p : "", 0, NULL)))
         snprintf(err, cap, "%.300s: the answer is not JSON", full);
