@@ -11,6 +11,7 @@
 #include <netdb.h>
 #include <poll.h>
 #include <pthread.h>
+#include <sched.h>
 #include <time.h>
 
 #include <ucp/api/ucp.h>
@@ -227,14 +228,23 @@ static inline uint64_t now_ns(void) {
  * contended futex waits for the scheduler to wake it (10-30 us on a busy
  * host), which on a room's critical path cost more than the work itself
  * (the engine polling status() while the progress thread handles the DEST).
- * Bounded: after NET_LOCK_SPINS failed tries it blocks. */
-#define NET_LOCK_SPINS 2000
+ * Bounded, and short: a longer spin (2,000 tries, about 80 us) cost more
+ * than it saved on an oversubscribed host, where the holder was waiting
+ * for the CPU the spinner burnt (a receiver_open took 83 us that way). */
+#define NET_LOCK_SPINS 64 /* tries with a pause between, about 2-4 us */
+#define NET_LOCK_YIELDS 8 /* then tries that give the CPU away in between */
 static inline void net_lock(pd_net *n) {
     for (int i = 0; i < NET_LOCK_SPINS; i++) {
         if (pthread_mutex_trylock(&n->mu) == 0) return;
 #if defined(__x86_64__) || defined(__i386__)
         __builtin_ia32_pause();
 #endif
+    }
+    /* The holder may be waiting for this CPU (an oversubscribed host):
+     * spinning on would burn the time it needs. */
+    for (int i = 0; i < NET_LOCK_YIELDS; i++) {
+        if (pthread_mutex_trylock(&n->mu) == 0) return;
+        sched_yield();
     }
     pthread_mutex_lock(&n->mu);
 }
