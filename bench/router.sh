@@ -19,7 +19,8 @@
 #      tells every worker: one call to each stub) with wrk through
 #      `pdserve router` in front of the stubs, ROUNDS rounds, medians; with
 #      ROUTER_BEFORE=/path/to/another/pdserve, that router too, in front of
-#      the same stubs, alternating (before/after in one run).
+#      the same stubs, alternating (before/after in one run); and section 3
+#      first runs STREAMS_BEFORE (9800) streams through that router too.
 #
 # usage: bench/router.sh [BUILD_DIR] (default build/release); knobs in the
 # environment: SECONDS_EACH (10), ROUNDS (3), SECONDS_TW (30), STREAMS
@@ -168,6 +169,19 @@ curl -s "http://127.0.0.1:$STUB_R/server_info" | python3 -c '
 import json, sys
 print("router stream feeds open to the decode stub:",
       [w["stream_feeds_open"] for w in json.load(sys.stdin)["workers"] if w["role"] == "decode"])'
+if [[ -n ${ROUTER_BEFORE:-} ]]; then
+    STREAMS_BEFORE=${STREAMS_BEFORE:-9800} STUB_RS=$((BASE + 24))
+    echo "-- first ROUTER_BEFORE, $STREAMS_BEFORE streams (the most its descriptor check allows here)"
+    start routers "$ROUTER_BEFORE" router --port "$STUB_RS" --prefill "http://127.0.0.1:$STUB_P" \
+        --decode "http://127.0.0.1:$STUB_D" --max-connections "$STREAMS_BEFORE" \
+        --max-connections-per-ip "$STREAMS_BEFORE"
+    wait_health "$STUB_RS"
+    echo "router before: $(rss "$PID_routers")"
+    "$RS" clients "$STUB_RS" "$STREAMS_BEFORE" "$HOLD_S" "$PID_routers"
+    kill "$PID_routers" 2> /dev/null || true
+    sleep 2
+    echo "-- then this router, $STREAMS streams"
+fi
 echo "router before: $(rss "$PID_router")"
 "$RS" clients "$STUB_R" "$STREAMS" "$HOLD_S" "$PID_router"
 curl -s "http://127.0.0.1:$STUB_R/server_info" | python3 -c '

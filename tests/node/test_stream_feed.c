@@ -297,6 +297,42 @@ static void many_streams_on_feeds_each_get_only_their_own_events(void **state) {
     pair_stop(&s);
 }
 
+/* The OpenAI routes' streams go through the feeds too, in their shape. */
+static void openai_streams_go_through_the_feeds_too(void **state) {
+    (void)state;
+    pair s;
+    pair_start(&s);
+    assert_true(wait_feeds(s.r, LOOPS, 10000));
+    static const struct {
+        const char *path, *body, *object;
+    } cases[] = {
+        {"/v1/completions",
+         "{\"prompt\": \"hello\", \"max_tokens\": 6, \"stream\": true, \"rid\": \"oa-1\"}",
+         "\"object\":\"text_completion\""},
+        {"/v1/chat/completions",
+         "{\"messages\": [{\"role\": \"user\", \"content\": \"hi\"}], \"max_tokens\": 6, "
+         "\"stream\": true, \"rid\": \"oa-2\"}",
+         "\"object\":\"chat.completion.chunk\""},
+    };
+    for (size_t i = 0; i < PD_ARRAY_LEN(cases); i++) {
+        char url[128];
+        tc_response resp;
+        tc_request("POST", tk_url(s.r, cases[i].path, url, sizeof url), cases[i].body, TIMEOUT_MS,
+                   &resp);
+        assert_int_equal(resp.status, 200);
+        char why[256] = "";
+        size_t tokens = 0;
+        json_t *fin = tc_sse_check(resp.body, resp.len, &tokens, why, sizeof why);
+        if (!fin) fail_msg("%s: %s", cases[i].path, why);
+        json_decref(fin);
+        assert_non_null(strstr(resp.body, cases[i].object));
+        tc_free(&resp);
+    }
+    assert_int_equal(router_counter(s.r, "streams_fed"), 2);
+    assert_true(wait_idle_clean(s.d_url, 10000));
+    pair_stop(&s);
+}
+
 /* ---- a feed that drops ------------------------------------------------------------ */
 
 #define LONG_STREAMS 8
@@ -615,6 +651,7 @@ int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(a_stream_through_a_feed_has_the_direct_streams_events),
         cmocka_unit_test(many_streams_on_feeds_each_get_only_their_own_events),
+        cmocka_unit_test(openai_streams_go_through_the_feeds_too),
         cmocka_unit_test(a_feed_closed_by_the_node_ends_each_stream_with_one_error),
         cmocka_unit_test(a_feed_whose_consumer_dies_aborts_its_requests),
         cmocka_unit_test(a_client_hang_up_on_a_fed_stream_aborts_both_halves),
