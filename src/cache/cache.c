@@ -67,6 +67,11 @@ typedef struct cnode {
     uint64_t lstamp[L__COUNT];
 } cnode;
 
+/* Two cache lines, the first holding what the walks read (arrays_alloc
+ * aligns the arena). */
+_Static_assert(sizeof(cnode) % 64 == 0 && offsetof(cnode, last_ent) <= 64,
+               "cnode: the walks' fields outgrew the first cache line");
+
 typedef struct ticket {
     bool used;
     pd_owner owner;
@@ -556,7 +561,11 @@ static pd_err config_check(const pd_cache_config *cfg, uint32_t *page_size,
 /* Every array, sized once from entries_max and nodes_max; false if any
  * allocation failed (pd_cache_destroy frees the rest). */
 static bool arrays_alloc(pd_cache *c) {
-    c->nodes = calloc(c->nodes_max, sizeof(cnode));
+    /* Cache-line aligned, so that each node's first 64 bytes (what a walk
+     * reads) are one line: calloc's 16-byte alignment split them in two. */
+    size_t nodes_bytes = (size_t)c->nodes_max * sizeof(cnode);
+    c->nodes = aligned_alloc(64, nodes_bytes);
+    if (c->nodes) memset(c->nodes, 0, nodes_bytes);
     c->ent_tokens = calloc((size_t)c->entries_max * c->page_size, sizeof(int32_t));
     c->ent_dev = calloc(c->entries_max, sizeof(uint32_t));
     c->ent_host = calloc(c->entries_max, sizeof(uint32_t));

@@ -180,21 +180,29 @@ static void transition_undo(lpool *lp, bool strict, const uint32_t *idx, uint32_
  * which every unit moves the same way, change once for the whole array.
  * The counting ledger checks only the state byte, in the loop itself; the
  * strict one checks owners too (expect_unit). */
-static pd_err transition(pd_ledger *l, lpool *lp, const uint32_t *idx, uint32_t n,
-                         pd_unit_state from, pd_owner from_owner, pd_unit_state to,
-                         pd_owner to_owner, const char *what) {
+static inline pd_err transition(pd_ledger *l, lpool *lp, const uint32_t *idx, uint32_t n,
+                                pd_unit_state from, pd_owner from_owner, pd_unit_state to,
+                                pd_owner to_owner, const char *what) {
     uint8_t *state = lp->state;
-    for (uint32_t i = 0; i < n; i++) {
-        uint32_t u = idx[i];
-        bool ok = l->strict ? expect_unit(l, lp, u, from, from_owner, what)
-                            : u < lp->total && state[u] == (uint8_t)from;
-        if (!ok) {
-            if (!l->strict) (void)expect_unit(l, lp, u, from, from_owner, what); /* the message */
-            transition_undo(lp, l->strict, idx, i, from, from_owner);
-            return PD_ERR_STATE;
+    uint32_t i = 0;
+    if (!l->strict) {
+        for (; i < n; i++) {
+            uint32_t u = idx[i];
+            if (u >= lp->total || state[u] != (uint8_t)from) break;
+            state[u] = (uint8_t)to;
         }
-        state[u] = (uint8_t)to;
-        if (l->strict) lp->owner[u] = to == PD_UNIT_FREE ? PD_OWNER_NONE : to_owner;
+    } else {
+        for (; i < n; i++) {
+            uint32_t u = idx[i];
+            if (!expect_unit(l, lp, u, from, from_owner, what)) break;
+            state[u] = (uint8_t)to;
+            lp->owner[u] = to == PD_UNIT_FREE ? PD_OWNER_NONE : to_owner;
+        }
+    }
+    if (i < n) {
+        if (!l->strict) (void)expect_unit(l, lp, idx[i], from, from_owner, what); /* the message */
+        transition_undo(lp, l->strict, idx, i, from, from_owner);
+        return PD_ERR_STATE;
     }
     PD_ASSERT(lp->count[from] >= n);
     lp->count[from] -= n;

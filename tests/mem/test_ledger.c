@@ -142,6 +142,37 @@ static void array_calls_are_all_or_nothing(void **state) {
     fx_free(f);
 }
 
+/* The counting ledger (the production setting) checks states in a loop of
+ * its own and moves the counters once per call: a refused array call must
+ * still leave every state and every counter as it found them. */
+static void counting_ledger_array_calls_are_all_or_nothing(void **state) {
+    (void)state;
+    fixture *f = fx_new(false);
+    uint32_t p[3];
+    assert_ok(pd_ledger_alloc(f->l, f->kv_id, 3, 5, p));
+    uint32_t dup[3] = {p[0], p[1], p[0]};
+    assert_err(pd_ledger_free(f->l, f->kv_id, dup, 3, PD_UNIT_REQ, 5), PD_ERR_STATE);
+    assert_non_null(strstr(pd_ledger_last_error(f->l), "expected req"));
+    assert_int_equal(pd_ledger_count(f->l, f->kv_id, PD_UNIT_REQ), 3);
+    assert_int_equal(pd_ledger_count(f->l, f->kv_id, PD_UNIT_FREE), 61);
+    assert_int_equal(pd_pool_free_count(f->kv), 61);
+    uint32_t foreign[2] = {p[2], 64};
+    assert_err(pd_ledger_move(f->l, f->kv_id, foreign, 2, PD_UNIT_REQ, 5,
+                              PD_UNIT_CACHE_EVICTABLE, PD_OWNER_CACHE),
+               PD_ERR_STATE);
+    assert_non_null(strstr(pd_ledger_last_error(f->l), "has no unit 64"));
+    for (int i = 0; i < 3; i++)
+        assert_int_equal(pd_ledger_state_of(f->l, f->kv_id, p[i]), PD_UNIT_REQ);
+    assert_int_equal(pd_ledger_count(f->l, f->kv_id, PD_UNIT_CACHE_EVICTABLE), 0);
+    assert_ok(pd_ledger_move(f->l, f->kv_id, p, 3, PD_UNIT_REQ, 5, PD_UNIT_CACHE_EVICTABLE,
+                             PD_OWNER_CACHE));
+    assert_int_equal(pd_ledger_count(f->l, f->kv_id, PD_UNIT_REQ), 0);
+    assert_int_equal(pd_ledger_count(f->l, f->kv_id, PD_UNIT_CACHE_EVICTABLE), 3);
+    assert_ok(pd_ledger_free(f->l, f->kv_id, p, 3, PD_UNIT_CACHE_EVICTABLE, PD_OWNER_CACHE));
+    assert_clean(f);
+    fx_free(f);
+}
+
 static void moves_to_or_from_free_and_freeing_protected_are_refused(void **state) {
     (void)state;
     fixture *f = fx_new(true);
@@ -315,6 +346,7 @@ int main(void) {
         cmocka_unit_test(releasing_as_the_wrong_owner_is_refused),
         cmocka_unit_test(non_strict_mode_still_catches_wrong_states),
         cmocka_unit_test(array_calls_are_all_or_nothing),
+        cmocka_unit_test(counting_ledger_array_calls_are_all_or_nothing),
         cmocka_unit_test(moves_to_or_from_free_and_freeing_protected_are_refused),
         cmocka_unit_test(quarantine_is_released_by_its_room_only),
         cmocka_unit_test(alloc_beyond_capacity_changes_nothing),
