@@ -157,8 +157,8 @@ static void counting_ledger_array_calls_are_all_or_nothing(void **state) {
     assert_int_equal(pd_ledger_count(f->l, f->kv_id, PD_UNIT_FREE), 61);
     assert_int_equal(pd_pool_free_count(f->kv), 61);
     uint32_t foreign[2] = {p[2], 64};
-    assert_err(pd_ledger_move(f->l, f->kv_id, foreign, 2, PD_UNIT_REQ, 5,
-                              PD_UNIT_CACHE_EVICTABLE, PD_OWNER_CACHE),
+    assert_err(pd_ledger_move(f->l, f->kv_id, foreign, 2, PD_UNIT_REQ, 5, PD_UNIT_CACHE_EVICTABLE,
+                              PD_OWNER_CACHE),
                PD_ERR_STATE);
     assert_non_null(strstr(pd_ledger_last_error(f->l), "has no unit 64"));
     for (int i = 0; i < 3; i++)
