@@ -191,7 +191,10 @@ static size_t feed_write(char *ptr, size_t size, size_t nmemb, void *userdata) {
 static void feed_done(rt_xfer *x, CURLcode rc) {
     (void)rc;
     rt_feed *fd = (rt_feed *)((char *)x - offsetof(rt_feed, x));
-    bool unsupported = fd->headed && !atomic_load(&fd->open);
+    /* Only a route the worker does not have (D4); a busy or stopping node
+     * (503) is asked again soon. */
+    bool unsupported = fd->headed && !atomic_load(&fd->open) &&
+        (fd->status == 404 || fd->status == 405);
     fd->running = false;
     atomic_store(&fd->open, false);
     lose_all(fd);

@@ -24,9 +24,10 @@
  *   D3  When the feed's transfer ends (the node closed it, died, or sent a
  *       frame that breaks the format) every attached forward is told once
  *       (rt_fwd_feed_lost) and detached; the feed reopens after a pause.
- *   D4  A worker that answers /stream_feed with anything but 200 and an id
- *       (SGLang: 404) is not a feed; it is asked again only after
- *       RT_FEED_RETRY_UNSUPPORTED_MS, and its streams take the direct path.
+ *   D4  A worker that answers /stream_feed 404 or 405 (SGLang) has no
+ *       feeds; it is asked again only after RT_FEED_RETRY_UNSUPPORTED_MS.
+ *       Any other answer but 200 with an id (a busy node's 503) is retried
+ *       after RT_FEED_RETRY_MS. Meanwhile its streams take the direct path.
  */
 #ifndef PD_ROUTER_FEED_H
 #define PD_ROUTER_FEED_H
