@@ -127,6 +127,7 @@ struct pd_loopback {
     pd_lb_touch_fn touch; /* the judge's view of every unit a write touches */
     void *touch_ctx;
     pd_rng rng; /* latency jitter */
+    uint32_t last_r; /* the record room_find returned last, or PD_NONE */
 };
 
 typedef struct endpoint {
@@ -166,8 +167,21 @@ static void room_free(pd_loopback *lb, uint32_t r) {
 
 static void evict(void *ctx, uint32_t r) { room_free(ctx, r); }
 
+/* The record of room id, or PD_NONE. An engine asks about one room several
+ * times in a row (its status, then drained() and close() as it retires it):
+ * the last record found is tried first, trusted only while its slot still
+ * holds that room (ids are unique in the table), which saves a probe of the
+ * index and a load of a cold record (issue 13). */
+static uint32_t room_find(pd_loopback *lb, uint64_t id) {
+    uint32_t r = lb->last_r;
+    if (r != PD_NONE && xr_at(&lb->rooms, r)->used && xr_at(&lb->rooms, r)->id == id) return r;
+    r = xr_find(&lb->rooms, id);
+    if (r != PD_NONE) lb->last_r = r;
+    return r;
+}
+
 static uint32_t room_get(pd_loopback *lb, uint64_t id) {
-    uint32_t r = xr_find(&lb->rooms, id);
+    uint32_t r = room_find(lb, id);
     if (r != PD_NONE) return r;
     r = xr_add(&lb->rooms, id);
     if (r != PD_NONE) room_at(lb, r)->dest = (xr_dest){.mamba_slot = PD_NONE, .meta_row = PD_NONE};
@@ -568,7 +582,7 @@ static pd_err ep_sender_open(void *self, uint64_t room_id) {
 
 static uint32_t ep_sender_peer_cached(void *self, uint64_t room_id) {
     endpoint *ep = self;
-    uint32_t r = xr_find(&ep->lb->rooms, room_id);
+    uint32_t r = room_find(ep->lb, room_id);
     return r == PD_NONE ? 0 : room_at(ep->lb, r)->dest.cached;
 }
 
@@ -576,7 +590,7 @@ static uint32_t ep_sender_peer_cached(void *self, uint64_t room_id) {
 static pd_err sendable(pd_loopback *lb, uint64_t room_id, uint32_t first, uint32_t n,
                        uint32_t *out_r) {
     if (!lb->sides[S].alive) return PD_ERR_IO;
-    uint32_t r = xr_find(&lb->rooms, room_id);
+    uint32_t r = room_find(lb, room_id);
     if (r == PD_NONE) return PD_ERR_NOTFOUND;
     room *rm = room_at(lb, r);
     if (!xr_sendable(&rm->h[S])) return PD_ERR_STATE;
@@ -694,14 +708,14 @@ static pd_err ep_receiver_open(void *self, uint64_t room_id, const char *peer,
 
 static pd_xfer_status ep_status(void *self, uint64_t room_id) {
     endpoint *ep = self;
-    uint32_t r = xr_find(&ep->lb->rooms, room_id);
+    uint32_t r = room_find(ep->lb, room_id);
     return r == PD_NONE ? PD_XFER_NONE : xr_status(&room_at(ep->lb, r)->h[ep->side]);
 }
 
 static pd_err ep_abort(void *self, uint64_t room_id) {
     endpoint *ep = self;
     pd_loopback *lb = ep->lb;
-    uint32_t r = xr_find(&lb->rooms, room_id);
+    uint32_t r = room_find(lb, room_id);
     if (r == PD_NONE) return PD_OK;
     room *rm = room_at(lb, r);
     bool error = lb->sides[ep->side].abort_error;
@@ -723,7 +737,7 @@ static pd_err ep_abort(void *self, uint64_t room_id) {
 static bool ep_drained(void *self, uint64_t room_id) {
     endpoint *ep = self;
     pd_loopback *lb = ep->lb;
-    uint32_t r = xr_find(&lb->rooms, room_id);
+    uint32_t r = room_find(lb, room_id);
     if (r == PD_NONE) return true;
     const xr_half *h = &room_at(lb, r)->h[ep->side];
     if (xr_drained(h, role_of(ep->side), lb->now)) return true;
@@ -733,7 +747,7 @@ static bool ep_drained(void *self, uint64_t room_id) {
 
 static void ep_close(void *self, uint64_t room_id) {
     endpoint *ep = self;
-    uint32_t r = xr_find(&ep->lb->rooms, room_id);
+    uint32_t r = room_find(ep->lb, room_id);
     if (r == PD_NONE) return;
     xr_close(&room_at(ep->lb, r)->h[ep->side]);
     room_release_if_done(ep->lb, r);
@@ -801,6 +815,7 @@ pd_err pd_loopback_create(pd_loopback **out, const pd_loopback_config *cfg) {
     pd_loopback *lb = &w->lb;
     lb->cfg = *cfg;
     pd_rng_seed(&lb->rng, cfg->jitter_seed);
+    lb->last_r = PD_NONE;
     pd_err err = xr_table_init(&lb->rooms, cfg->rooms_max, sizeof(room), evictable, evict, lb);
     if (!err) err = ops_alloc(lb);
     if (err) {
@@ -862,7 +877,7 @@ static void room_forget_if_blank(pd_loopback *lb, uint32_t r) {
 }
 
 static void set_outcome(pd_loopback *lb, uint64_t room_id, bool boot, pd_lb_outcome o) {
-    uint32_t r = xr_find(&lb->rooms, room_id);
+    uint32_t r = room_find(lb, room_id);
     if (r == PD_NONE && o == PD_LB_OK) return; /* the default: nothing to remember */
     if (r == PD_NONE) r = room_get(lb, room_id);
     if (r == PD_NONE) return;
@@ -916,6 +931,6 @@ void pd_loopback_set_touch_observer(pd_loopback *lb, pd_lb_touch_fn fn, void *ct
 }
 
 pd_xfer_status pd_loopback_status(pd_loopback *lb, pd_lb_side side, uint64_t room_id) {
-    uint32_t r = xr_find(&lb->rooms, room_id);
+    uint32_t r = room_find(lb, room_id);
     return r == PD_NONE ? PD_XFER_NONE : room_at(lb, r)->h[side].st;
 }
