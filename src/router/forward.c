@@ -872,6 +872,20 @@ static void stream_too_slow(rt_fwd *f) {
                    SSE_WINDOW / 1024u);
 }
 
+/* After an /abort_request, a stream whose final event is a failure ends as
+ * the abort the client asked for: the abort reached the prefill node first
+ * and the decode node's room failed ("transfer failed", 500), which is the
+ * abort's doing, as finish_full decides for a whole answer. The events
+ * before it still go out; the failure does not, nor anything after it.
+ * Found by pdserve bench's abort-all bursts through pdserve run. */
+static void stream_abort_decides(rt_fwd *f) {
+    f->ev.ready = f->ev.len = f->ev.scanned = f->ev.final_at;
+    f->ev.saw_final = f->ev.final_failed = false;
+    f->ev.saw_done = true; /* nothing more from the decode node goes out */
+    abort_half(f, PREFILL);
+    set_abort_tail(f);
+}
+
 /* The body of a STREAM response: relays complete events as they come and
  * ends the stream exactly once; returns when the client or a worker must
  * act first, or with phase PH_END. */
@@ -880,6 +894,8 @@ static void stream_step(rt_fwd *f) {
     for (;;) {
         if (f->client_gone && !f->gone_handled) stream_gone(f);
         if (f->feed_overflow && !f->ended) stream_too_slow(f);
+        if (f->ev.final_failed && !f->ended && atomic_load(&f->abort_requested))
+            stream_abort_decides(f);
         if (f->ev.ready > 0) {
             out_rc rc = out(f, f->ev.buf, f->ev.ready);
             if (rc == OUT_WAIT) return;

@@ -66,7 +66,13 @@ static bool classify_event(rt_sse *s, const char *ev, size_t len) {
             json_t *fr = json_object_get(meta, "finish_reason");
             if (!fr && json_is_array(choices))
                 fr = json_object_get(json_array_get(choices, 0), "finish_reason");
-            if ((fr && !json_is_null(fr)) || json_object_get(root, "error")) s->saw_final = true;
+            if ((fr && !json_is_null(fr)) || json_object_get(root, "error")) {
+                json_t *sc = json_object_get(fr, "status_code");
+                s->saw_final = true;
+                s->final_at = (size_t)(ev - s->buf);
+                s->final_failed = json_object_get(root, "error") ||
+                    (json_is_integer(sc) && json_integer_value(sc) >= 500);
+            }
         }
         json_decref(root);
     }

@@ -172,7 +172,11 @@ static json_t *answer(const fw_req *q, const char *rid, int from, int to, const 
         return out;
     }
     json_t *fr = json_null();
-    if (finish && !strcmp(finish, "abort"))
+    if (finish && !strcmp(finish, "abort") && q->b.abort_status >= 500)
+        fr = json_pack("{s:s, s:s, s:i}", "type", "abort", "message",
+                       "transfer failed: the prefill side failed or aborted the room",
+                       "status_code", q->b.abort_status);
+    else if (finish && !strcmp(finish, "abort"))
         fr =
             json_pack("{s:s, s:s, s:i}", "type", "abort", "message", "aborted", "status_code", 499);
     else if (finish) fr = json_pack("{s:s}", "type", finish);

@@ -42,6 +42,10 @@ typedef struct fw_behaviour {
     bool fail_on_abort; /* prefill: an aborted request answers 500 (a real
                               one does when the abort fails its room) */
     int abort_delay_ms; /* /abort_request: answered after this long (a slow worker) */
+    int abort_status;   /* decode: the status_code of an aborted request's final
+                              event (0 = 499); 500 is what a real one says when
+                              the abort reached the prefill node first and the
+                              room failed ("transfer failed") */
     int health_status;  /* 0 = 200 */
     bool health_hang;
 } fw_behaviour;

@@ -183,6 +183,52 @@ static void an_abort_before_the_decode_node_has_the_request_is_an_abort(void **s
     fw_stop(d);
 }
 
+/* The same race on a stream: tokens went out, then the abort reached the
+ * prefill node first and the decode node's final event is an abort with
+ * status 500 ("transfer failed"). The client asked for the abort: its
+ * stream ends with finish_reason abort, status 499, after the tokens it
+ * already had. Found by pdserve bench (abort-all bursts through pdserve
+ * run): about one stream in two hundred came back "aborted with status
+ * 500". Both an abort by rid and abort_all. */
+static void a_stream_whose_room_fails_after_an_abort_ends_as_an_abort(void **state) {
+    (void)state;
+    fake_worker *p = fw_start("prefill"), *d = fw_start("decode");
+    pd_router *r = tk_router(&p, 1, &d, 1, NULL);
+    fw_set(p, &(fw_behaviour){.delay_ms = 20000, .fail_on_abort = true});
+    fw_set(d, &(fw_behaviour){.tokens = 1000, .delay_ms = 20, .abort_status = 500});
+    for (int all = 0; all < 2; all++) {
+        char rid[32], body[128], ab[64];
+        snprintf(rid, sizeof rid, "fails-%d", all);
+        snprintf(body, sizeof body, "{\"text\": \"x\", \"rid\": \"%s\", \"stream\": true}", rid);
+        snprintf(ab, sizeof ab, all ? "{\"abort_all\": true}" : "{\"rid\": \"%s\"}", rid);
+        bg a;
+        bg_start(&a, r, "/generate", body);
+        assert_true(fw_wait_got_generate(d, rid, WAIT_MS));
+        tk_sleep_ms(150); /* a few token events */
+        tc_response resp;
+        post(r, "/abort_request", ab, &resp);
+        assert_int_equal(resp.status, 200);
+        tc_free(&resp);
+        pthread_join(a.t, NULL);
+        assert_int_equal(a.resp.status, 200);
+        size_t tokens = 0;
+        char why[256] = "";
+        json_t *final = tc_sse_check(a.resp.body, a.resp.len, &tokens, why, sizeof why);
+        if (!final) fail_msg("%s: %s", why, a.resp.body);
+        assert_true(tokens >= 1);
+        json_t *fr = json_object_get(json_object_get(final, "meta_info"), "finish_reason");
+        assert_string_equal(json_string_value(json_object_get(fr, "type")), "abort");
+        if (json_integer_value(json_object_get(fr, "status_code")) != 499)
+            fail_msg("%s: %s", rid, a.resp.body);
+        json_decref(final);
+        tc_free(&a.resp);
+    }
+    assert_true(tk_wait_idle(r, WAIT_MS));
+    pd_router_destroy(r);
+    fw_stop(p);
+    fw_stop(d);
+}
+
 /* Nobody has it: 404 with the error body, every worker was asked. */
 static void abort_of_an_unknown_rid(pd_router *r, fake_worker **d) {
     tc_response resp;
@@ -356,6 +402,7 @@ int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(client_hangup_while_waiting_aborts_both_halves),
         cmocka_unit_test(client_hangup_mid_stream_aborts_both_halves),
+        cmocka_unit_test(a_stream_whose_room_fails_after_an_abort_ends_as_an_abort),
         cmocka_unit_test(abort_request_reaches_every_worker_and_counts),
         cmocka_unit_test(an_abort_is_answered_as_an_abort_even_if_the_prefill_fails),
         cmocka_unit_test(an_abort_before_the_decode_node_has_the_request_is_an_abort),
