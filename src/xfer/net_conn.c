@@ -451,7 +451,6 @@ static void on_dest(pd_net *n, uint32_t pi, const uint8_t *pl, uint32_t len) {
         xr_set_tomb(&n->rooms, r, true); /* evictable, oldest first, before any live room */
     }
     if (rm->h.open) xr_dest_arrived(&rm->h);
-    net_expect_soon(n); /* the engine's send for it */
     net_send_room_msg(n, pi, BP_DEST_OK, d.room, 0);
 }
 

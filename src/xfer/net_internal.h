@@ -251,10 +251,9 @@ static inline void net_lock(pd_net *n) {
 
 static inline void net_unlock(pd_net *n) { pthread_mutex_unlock(&n->mu); }
 
-/* A reply or the engine's next call is due soon (a DEST went out, the data
- * of a room is on its way, a destination arrived): the progress thread
- * polls without sleeping for spin_us from now, so that what comes is
- * handled without a wake-up from poll (mutex held). */
+/* Decode side: a room's news is due soon (its DEST went out, its data is on
+ * the way): the progress thread polls without sleeping for spin_us from
+ * now, so that DONE is handled without a wake-up from poll (mutex held). */
 static inline void net_expect_soon(pd_net *n) {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);

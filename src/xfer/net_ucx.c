@@ -150,7 +150,6 @@ void net_pump_sender(pd_net *n, room *rm, uint64_t now) {
                 } else if (sp != NULL) {
                     req_track(n, rm, sp);
                     rm->flush_out++;
-                    net_expect_soon(n); /* the peer's acknowledgement */
                 }
             }
             if (rm->note != N_NONE && rm->puts_out == 0 && rm->flush_out == 0) {
