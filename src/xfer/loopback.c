@@ -126,7 +126,7 @@ struct pd_loopback {
     side_mem sides[2];
     pd_lb_touch_fn touch; /* the judge's view of every unit a write touches */
     void *touch_ctx;
-    pd_rng rng; /* latency jitter */
+    pd_rng rng;      /* latency jitter */
     uint32_t last_r; /* the record room_find returned last, or PD_NONE */
 };
 
