@@ -322,10 +322,12 @@ static void touch_path(pd_cache *c, uint32_t id) {
      * neither the device nor the host list: with no snapshot in the third
      * list, the walk has nothing left to move from the first locked node. */
     bool no_snapshots = c->lists[L_MAMBA].len == 0;
-    for (; id != PD_CNODE_ROOT && id != PD_NONE; id = N(c, id)->parent) {
-        if (no_snapshots && N(c, id)->lock_ref > 0) break;
+    while (id != PD_CNODE_ROOT && id != PD_NONE) {
+        const cnode *n = N(c, id);
+        if (no_snapshots && n->lock_ref > 0) break;
         for (int l = 0; l < L__COUNT; l++)
-            if (N(c, id)->in_list[l]) list_to_tail(c, l, id);
+            if (n->in_list[l]) list_to_tail(c, l, id);
+        id = n->parent;
     }
 }
 
@@ -689,19 +691,24 @@ pd_err pd_cache_match(pd_cache *c, const int32_t *tokens, uint32_t n_tokens,
         uint64_t h;
         uint32_t child = child_find(c, node, q, &h);
         if (child == PD_NONE) break;
-        bool on_dev = N(c, child)->on_dev; /* a split keeps it */
+        /* The node is read through one pointer: N()'s bounds check, kept in
+         * release builds, is otherwise repeated after every store. */
+        const cnode *ch = N(c, child);
+        bool on_dev = ch->on_dev; /* a split keeps it */
         /* A one-page node (a split system prompt is a chain of them) is
          * matched whole by child_find's compare of its first page. */
         uint32_t k = 1;
-        if (N(c, child)->n_pages == 1) {
-            if (on_dev) pages[pos] = c->ent_dev[N(c, child)->first_ent];
+        if (ch->n_pages == 1) {
+            if (on_dev) pages[pos] = c->ent_dev[ch->first_ent];
         } else {
             k = match_pages(c, child, q, q_pages - pos, on_dev ? pages + pos : NULL);
         }
         PD_ASSERT(k >= 1);
-        bool diverged = k < N(c, child)->n_pages;
-        if (diverged) child = split(c, child, k);
-        cnode *ch = N(c, child);
+        bool diverged = k < ch->n_pages;
+        if (diverged) {
+            child = split(c, child, k);
+            ch = N(c, child);
+        }
         if (on_dev) {
             PD_ASSERT(pos == dev_pages); /* C1: no device node below host-only */
             dev_pages += k;
