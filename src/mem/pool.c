@@ -6,8 +6,16 @@
  *   I2  bit w of sum[]   is 1  <=>  words[w] != 0
  *   I3  free_count == popcount(words[])
  *   I4  sum[s] == 0 for every s < sum_hint
+ *   I5  no run of run_hint_n or more free units starts below run_hint_start
  *
- * pd_pool_verify recomputes I1..I4 from scratch.
+ * pd_pool_verify recomputes I1..I5 from scratch.
+ *
+ * I5 lets a bulk allocation's search for a run skip what an earlier search
+ * already found too short (issue 13: with the pool fragmented by many live
+ * requests, the scan from the lowest free word was most of an allocation).
+ * Allocations only shorten runs, so it survives them; freeing unit u can
+ * lengthen only runs that start after u - run_hint_n, so the hint drops
+ * below that. The search returns the same run as a scan from the start.
  */
 #include "pdserve/pool.h"
 
@@ -29,6 +37,7 @@ struct pd_pool {
     uint32_t n_words;
     uint32_t n_sum;
     uint32_t sum_hint;
+    uint32_t run_hint_n, run_hint_start; /* I5; 0, 0 says nothing */
     uint64_t *words;
     uint64_t *sum;
 };
@@ -78,6 +87,7 @@ pd_err pd_pool_create(pd_pool **out, const char *name, pd_pool_kind kind,
     }
     p->free_count = units_total;
     p->sum_hint = 0;
+    p->run_hint_n = p->run_hint_start = 0;
     *out = p;
     return PD_OK;
 }
@@ -106,6 +116,13 @@ static inline void give_bit(pd_pool *p, uint32_t idx) {
     p->sum[w / 64] |= UINT64_C(1) << (w % 64);
     if (w / 64 < p->sum_hint) p->sum_hint = w / 64;
     p->free_count++;
+}
+
+/* I5 after units from idx_min up were freed: a run through a freed unit
+ * starts after idx_min - run_hint_n. */
+static inline void run_hint_freed(pd_pool *p, uint32_t idx_min) {
+    if (idx_min + 1 < p->run_hint_start + p->run_hint_n)
+        p->run_hint_start = idx_min + 1 > p->run_hint_n ? idx_min + 1 - p->run_hint_n : 0;
 }
 
 /* Lowest word index with a free unit; caller guarantees free_count > 0. */
@@ -162,11 +179,9 @@ static inline uint64_t runs_within(uint64_t x, uint32_t n) {
  * in from the word before (only an adjacent one) continued by the word's low
  * free units; a run of n inside the word; the word's high free units carried
  * on to the next word. */
-static uint32_t find_run(pd_pool *p, uint32_t n) {
-    uint32_t w0 = lowest_free_word(p);
-    uint32_t w_end = PD_MIN(p->n_words, w0 + RUN_SCAN_WORDS_MAX);
-    uint32_t run_start = 0, run_len = 0, w_prev = w0;
-    for (uint32_t w = w0; w < w_end; w_prev = w, w = next_free_word(p, w + 1, w_end)) {
+static uint32_t find_run_from(pd_pool *p, uint32_t n, uint32_t w_first, uint32_t w_end) {
+    uint32_t run_start = 0, run_len = 0, w_prev = w_first;
+    for (uint32_t w = w_first; w < w_end; w_prev = w, w = next_free_word(p, w + 1, w_end)) {
         uint64_t x = p->words[w];
         PD_ASSERT(x != 0);
         if (w != w_prev + 1) run_len = 0; /* a word with no free unit lay between */
@@ -183,7 +198,30 @@ static uint32_t find_run(pd_pool *p, uint32_t n) {
         run_len = (uint32_t)__builtin_clzll(~x); /* free units from bit 63 down */
         run_start = w * 64 + 64 - run_len;
     }
+    /* Not found: no run of n starts below the run still open at the end. */
+    uint32_t none_below = w_end == p->n_words ? p->total : run_len > 0 ? run_start : w_end * 64;
+    p->run_hint_n = n;
+    p->run_hint_start = none_below;
     return PD_POOL_NONE;
+}
+
+/* The lowest-starting run of n free units among the RUN_SCAN_WORDS_MAX words
+ * from the lowest free word, or PD_POOL_NONE; the scan starts at the word of
+ * run_hint_start when I5 says no run of n starts below it. */
+static uint32_t find_run(pd_pool *p, uint32_t n) {
+    uint32_t w0 = lowest_free_word(p);
+    uint32_t w_end = PD_MIN(p->n_words, w0 + RUN_SCAN_WORDS_MAX);
+    uint32_t w_first = w0;
+    if (n >= p->run_hint_n && p->run_hint_start / 64 > w0) {
+        if (p->run_hint_start >= p->total) return PD_POOL_NONE;
+        w_first = next_free_word(p, p->run_hint_start / 64, w_end);
+    }
+    uint32_t start = find_run_from(p, n, w_first, w_end);
+    if (start != PD_POOL_NONE) {
+        p->run_hint_n = n; /* the lowest start: none below it */
+        p->run_hint_start = start;
+    }
+    return start;
 }
 
 /* Takes units [start, start + n), all free: a word's share at a time. */
@@ -235,6 +273,7 @@ pd_err pd_pool_free(pd_pool *pool, uint32_t idx) {
     if (idx >= pool->total) return PD_ERR_INVALID;
     if (pd_pool_is_free(pool, idx)) return PD_ERR_STATE;
     give_bit(pool, idx);
+    run_hint_freed(pool, idx);
     return PD_OK;
 }
 
@@ -256,6 +295,7 @@ pd_err pd_pool_free_n(pd_pool *pool, const uint32_t *idx, uint32_t n) {
     PD_ASSERT(pool);
     if (n == 0) return PD_OK;
     PD_ASSERT(idx);
+    uint32_t u_min = UINT32_MAX;
     for (uint32_t i = 0; i < n; i++) {
         uint32_t u = idx[i];
         if (u >= pool->total || ((pool->words[u / 64] >> (u % 64)) & 1u)) {
@@ -263,7 +303,9 @@ pd_err pd_pool_free_n(pd_pool *pool, const uint32_t *idx, uint32_t n) {
             return free_refusal(pool, idx, n);
         }
         give_bit(pool, u);
+        u_min = PD_MIN(u_min, u);
     }
+    run_hint_freed(pool, u_min);
     return PD_OK;
 }
 
@@ -277,6 +319,31 @@ uint32_t pd_pool_total(const pd_pool *pool) { return pool->total; }
 uint32_t pd_pool_unit_tokens(const pd_pool *pool) { return pool->unit_tokens; }
 pd_pool_kind pd_pool_kind_of(const pd_pool *pool) { return pool->kind; }
 const char *pd_pool_name(const pd_pool *pool) { return pool->name; }
+
+/* I5: every run of free units that starts below run_hint_start is shorter
+ * than run_hint_n (words with no free unit are stepped over whole). */
+static pd_err verify_run_hint(const pd_pool *pool, char *msg, size_t msg_cap) {
+    uint32_t n = pool->run_hint_n, start = 0, len = 0;
+    if (n == 0) return PD_OK;
+    uint64_t end = PD_MIN((uint64_t)pool->total, (uint64_t)pool->run_hint_start + n);
+    for (uint32_t i = 0; i < end; i++) {
+        if (i % 64 == 0 && pool->words[i / 64] == 0) {
+            len = 0;
+            i += 63;
+            continue;
+        }
+        if (!((pool->words[i / 64] >> (i % 64)) & 1u)) {
+            len = 0;
+            continue;
+        }
+        if (len++ == 0) start = i;
+        if (len >= n && start < pool->run_hint_start)
+            return pd_errorf(msg, msg_cap, PD_ERR_INTERNAL,
+                             "pool %s: a run of %u free units at %u, below the run hint %u",
+                             pool->name, n, start, pool->run_hint_start);
+    }
+    return PD_OK;
+}
 
 pd_err pd_pool_verify(const pd_pool *pool, char *msg, size_t msg_cap) {
     uint64_t count = 0;
@@ -304,7 +371,7 @@ pd_err pd_pool_verify(const pd_pool *pool, char *msg, size_t msg_cap) {
         return pd_errorf(msg, msg_cap, PD_ERR_INTERNAL,
                          "pool %s: counter says %u free, bitmap says %llu",
                          pool->name, pool->free_count, (unsigned long long)count);
-    return PD_OK;
+    return verify_run_hint(pool, msg, msg_cap);
 }
 
 uint32_t pd_index_runs(const uint32_t *idx, uint32_t n) {

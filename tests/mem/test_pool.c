@@ -247,6 +247,78 @@ static void random_operations_match_a_boolean_array(void **state) {
     }
 }
 
+/* A bulk allocation's search starts where an earlier one found no shorter
+ * run (I5 in pool.c); a free must move that start down far enough to find a
+ * run that the freed units complete from below, here one that begins in the
+ * word before the freed units and before the earlier run. */
+static void a_run_completed_by_a_free_below_an_earlier_search_is_found_first(void **state) {
+    (void)state;
+    pd_pool *p = mk(256, PD_POOL_KV, 16);
+    uint32_t all[256], got[8];
+    assert_ok(pd_pool_alloc_n(p, 256, all));
+    for (uint32_t i = 188; i < 192; i++) assert_ok(pd_pool_free(p, i));
+    uint32_t later[16];
+    for (uint32_t i = 0; i < 8; i++) later[i] = 196 + i, later[8 + i] = 240 + i;
+    assert_ok(pd_pool_free_n(p, later, 16));
+    assert_ok(pd_pool_alloc_n(p, 8, got)); /* 188..191 is 4 long */
+    assert_int_equal(got[0], 196);
+    verify(p);
+    uint32_t middle[4] = {192, 193, 194, 195};
+    assert_ok(pd_pool_free_n(p, middle, 4)); /* 188..195 is 8 long now */
+    verify(p);
+    assert_ok(pd_pool_alloc_n(p, 8, got));
+    assert_int_equal(got[0], 188);
+    assert_int_equal(pd_index_runs(got, 8), 1);
+    assert_ok(pd_pool_alloc_n(p, 8, got));
+    assert_int_equal(got[0], 240);
+    assert_err(pd_pool_alloc_n(p, 2, got), PD_ERR_NOMEM);
+    verify(p);
+    pd_pool_destroy(p);
+}
+
+/* Frees up to 8 used units from a random window, in one pd_pool_free_n. */
+static void free_some(pd_pool *p, pd_rng *rng, bool *used, uint32_t n, uint32_t *in_use) {
+    uint32_t idx[8], k = 0, at = (uint32_t)pd_rng_below(rng, n);
+    for (uint32_t i = at; i < n && i < at + 64 && k < 8; i++)
+        if (used[i] && pd_rng_below(rng, 2)) idx[k++] = i;
+    assert_ok(pd_pool_free_n(p, idx, k));
+    for (uint32_t i = 0; i < k; i++) used[idx[i]] = false;
+    *in_use -= k;
+}
+
+/* Bulk allocations of a few units against bulk frees, the pool verified
+ * (I5 included) after each: the runs chosen are the boolean array's. */
+static void bulk_frees_and_allocations_match_a_boolean_array(void **state) {
+    (void)state;
+    pd_rng rng;
+    pd_rng_seed(&rng, test_seed(43));
+    const uint32_t sizes[] = {200, 1000, 5000};
+    for (size_t s = 0; s < PD_ARRAY_LEN(sizes); s++) {
+        uint32_t n = sizes[s], in_use = 0;
+        pd_pool *p = mk(n, PD_POOL_KV, 1);
+        bool *used = calloc(n, 1);
+        uint32_t buf[12], want[12];
+        for (int op = 0; op < 4000; op++) {
+            uint32_t k = (uint32_t)pd_rng_range(&rng, 2, 12);
+            if (pd_rng_below(&rng, 3) == 0 || in_use + k > n) {
+                free_some(p, &rng, used, n, &in_use);
+            } else {
+                assert_ok(pd_pool_alloc_n(p, k, buf));
+                expected_alloc_n(used, n, k, want);
+                for (uint32_t j = 0; j < k; j++) {
+                    assert_int_equal(buf[j], want[j]);
+                    used[buf[j]] = true;
+                }
+                in_use += k;
+            }
+            assert_int_equal(pd_pool_free_count(p), n - in_use);
+            verify(p);
+        }
+        free(used);
+        pd_pool_destroy(p);
+    }
+}
+
 static void index_runs_counts_breaks(void **state) {
     (void)state;
     uint32_t a[] = {3, 4, 5, 9, 10, 2};
@@ -266,6 +338,8 @@ int main(void) {
         cmocka_unit_test(alloc_n_run_skips_full_words_without_bridging_them),
         cmocka_unit_test(alloc_n_nomem_changes_nothing),
         cmocka_unit_test(random_operations_match_a_boolean_array),
+        cmocka_unit_test(a_run_completed_by_a_free_below_an_earlier_search_is_found_first),
+        cmocka_unit_test(bulk_frees_and_allocations_match_a_boolean_array),
         cmocka_unit_test(index_runs_counts_breaks),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
