@@ -314,6 +314,7 @@ void net_abandon_dead_writes(pd_net *n, uint64_t now) {
 }
 
 void net_ucx_progress(pd_net *n) {
+    if (n->faults[PD_NET_FAULT_HOLD_DATA]) return;
     unsigned events = 0;
     for (int i = 0; i < PROGRESS_BURST; i++) {
         unsigned k = ucp_worker_progress(n->worker);

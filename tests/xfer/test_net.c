@@ -729,7 +729,11 @@ static void pages_stay_untouched_after_drain(pair *w, const spec *s, uint64_t ne
 
 static bool is_final(pd_xfer_status st) { return st == PD_XFER_SUCCESS || st == PD_XFER_FAILED; }
 
-static void abort_racing_the_notice_case(pair *w, uint64_t room, bool decode_aborts) {
+/* when: 0 the decode aborts right after the final send, 1 the prefill does,
+ * 2 the decode aborts once the prefill reported SUCCESS (its notice posted,
+ * the data possibly still on the way). */
+static void abort_racing_the_notice_case(pair *w, uint64_t room, int when) {
+    bool decode_aborts = when != 1;
     spec s;
     spec_init(&s, w, room, 40, 0);
     for (uint32_t i = 0; i < s.n; i++) s.src[i] = i, s.dst[i] = 100 + i;
@@ -738,6 +742,7 @@ static void abort_racing_the_notice_case(pair *w, uint64_t room, bool decode_abo
     wait_bootstrapped(w, &s);
     send_all(w, &s, 4);
     pd_xfer aborter = decode_aborts ? w->dx : w->px, other = decode_aborts ? w->px : w->dx;
+    if (when == 2) WAIT_FOR(st_of(w->px, s.room) == PD_XFER_SUCCESS);
     (void)aborter.vt->abort(aborter.self, s.room);
     /* The side that aborts keeps its status; the other ends, once. */
     WAIT_FOR(is_final(st_of(other, s.room)));
@@ -763,6 +768,7 @@ static void abort_racing_the_notice_case(pair *w, uint64_t room, bool decode_abo
 static void abort_racing_the_notice(void **state) {
     (void)state;
     pair_opts o = pair_defaults();
+    o.kv_page_bytes = 64u << 10; /* 640 KiB a room: over tcp, still in flight at the abort */
     pair *w = pair_new(&o);
     spec s;
     spec_init(&s, w, 1400, 40, 0);
@@ -781,7 +787,47 @@ static void abort_racing_the_notice(void **state) {
     assert_int_equal(st_of(w->px, s.room), PD_XFER_FAILED);
     finish_both(w, &s);
     pages_stay_untouched_after_drain(w, &s, 1401);
-    for (uint64_t k = 0; k < 16; k++) abort_racing_the_notice_case(w, 1410 + k, k % 2 == 0);
+    for (uint64_t k = 0; k < 24; k++) abort_racing_the_notice_case(w, 1410 + k, (int)(k % 3));
+    wait_no_rooms(w);
+    pair_free(w);
+}
+
+/* A decode abort that crosses the notice is acknowledged only once every put
+ * landed: the ACK travels on the bootstrap socket and, over tcp, could
+ * overtake emulated puts still on the data path, and the decode would then
+ * release pages a put may still write. The decode's UCX worker is held, so
+ * over tcp nothing of the room lands until released. */
+static void ack_never_overtakes_the_data(void **state) {
+    (void)state;
+    pair_opts o = pair_defaults();
+    pair *w = pair_new(&o);
+    spec a, b;
+    spec_init(&a, w, 1600, 40, 0);
+    spec_init(&b, w, 1601, 8, 0);
+    for (uint32_t i = 0; i < a.n; i++) a.src[i] = i, a.dst[i] = 100 + i;
+    for (uint32_t i = 0; i < b.n; i++) b.src[i] = i, b.dst[i] = 200 + i;
+    a.dst_meta = 3;
+    b.dst_meta = 4;
+    open_both(w, &a);
+    wait_bootstrapped(w, &a);
+    pd_net_set_fault(w->dec, PD_NET_FAULT_HOLD_DATA, true);
+    send_all(w, &a, 0);
+    WAIT_FOR(st_of(w->px, a.room) == PD_XFER_SUCCESS); /* the notice is posted */
+    assert_ok(w->dx.vt->abort(w->dx.self, a.room));
+    /* Room b's DEST follows the ABORT on the socket, its DEST_OK follows
+     * any immediate ACK: once b is WAITING on both sides, an ACK sent at
+     * once would have been handled. */
+    open_both(w, &b);
+    wait_bootstrapped(w, &b);
+    if (drained_of(w->dx, a.room)) check_landed(w, &a);
+    pd_net_set_fault(w->dec, PD_NET_FAULT_HOLD_DATA, false);
+    WAIT_FOR(drained_of(w->dx, a.room));
+    check_landed(w, &a);
+    send_all(w, &b, 0);
+    WAIT_FOR(st_of(w->dx, b.room) == PD_XFER_SUCCESS);
+    check_landed(w, &b);
+    finish_both(w, &a);
+    finish_both(w, &b);
     wait_no_rooms(w);
     pair_free(w);
 }
@@ -923,6 +969,7 @@ int main(void) {
         cmocka_unit_test(completion_never_before_data),
         cmocka_unit_test(notice_never_overtakes_large_rooms),
         cmocka_unit_test(abort_racing_the_notice),
+        cmocka_unit_test(ack_never_overtakes_the_data),
         cmocka_unit_test(prefill_death_with_the_notice_in_flight),
         cmocka_unit_test(bad_calls_are_refused),
         cmocka_unit_test(create_refuses_bad_config),
