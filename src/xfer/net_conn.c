@@ -204,7 +204,7 @@ static bool send_dest(pd_net *n, uint32_t pi, room *rm) {
     PD_ASSERT(len == max);
     net_tx_commit(n, p, len);
     rm->h.dest_sent = true;
-    net_expect_soon(n);   /* DEST_OK, then the data and DONE */
+    net_expect_soon(n);   /* DEST_OK, then the data and the notice */
     free(rm->dest.pages); /* the prefill has it now; the receiver never needs it again */
     rm->dest.pages = NULL;
     return true;

@@ -1,7 +1,7 @@
 /*
  * net_ucx.c — the network transport's data path (see net.c): the UCX
- * context and worker, registered memory, page-run puts with their flush
- * before the completion notice, completions found by room generation, and
+ * context and worker, registered memory, page-run puts, the completion
+ * notice behind a fence (version 3), completions found by room generation, and
  * giving up on writes to a dead peer.
  */
 #include "net_internal.h"
@@ -152,7 +152,7 @@ static bool send_notice(pd_net *n, room *rm, peer *p) {
     return true;
 }
 
-/* A room's pending notice, once its writes allow (mutex held). DONE goes on
+/* A room's pending notice, once its writes allow (mutex held). N_DONE goes on
  * the data path without a flush; a flush follows it, off the critical path,
  * so that a later ABORT from the decode is answered (ACK) only when every
  * put has landed. ABORT and ACK are bootstrap messages and wait for the
@@ -201,7 +201,7 @@ void net_pump_sender(pd_net *n, room *rm, uint64_t now) {
                 rm->started = true;
                 /* START only tells the decode side that data is moving
                  * (TRANSFERRING). A room whose last write is already staged
-                 * gets DONE as soon as its puts land: one message fewer per
+                 * gets its notice once its puts completed: one message fewer per
                  * room handed off in one piece. */
                 if (!rm->final_staged && !net_send_room_msg(n, pi, BP_START, rm->slot.id, 0))
                     return;
