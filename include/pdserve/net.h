@@ -150,6 +150,10 @@ typedef enum pd_net_fault {
     /* Decode: each host-name lookup waits 2 * dead_after_ms first, like a
      * DNS server that does not answer (numeric addresses are not looked up). */
     PD_NET_FAULT_SLOW_RESOLVE,
+    /* Decode: the UCX worker is not progressed while on, so what UCX must
+     * deliver by hand (puts emulated over tcp, completion notices) waits;
+     * bootstrap messages are still handled. */
+    PD_NET_FAULT_HOLD_DATA,
     PD_NET_FAULT__COUNT
 } pd_net_fault;
 void pd_net_set_fault(pd_net *n, pd_net_fault fault, bool on);

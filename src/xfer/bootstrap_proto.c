@@ -377,6 +377,22 @@ pd_err bp_room_read(const uint8_t *p, uint32_t len, uint64_t *room, uint64_t *va
     return PD_OK;
 }
 
+size_t bp_notice_write(uint8_t *out, uint64_t room, uint64_t bytes, uint64_t node_id) {
+    bp_put_u64(out, room);
+    bp_put_u64(out + 8, bytes);
+    bp_put_u64(out + 16, node_id);
+    return BP_NOTICE_BYTES;
+}
+
+pd_err bp_notice_read(const uint8_t *p, size_t len, uint64_t *room, uint64_t *bytes,
+                      uint64_t *node_id) {
+    if (len != BP_NOTICE_BYTES) return PD_ERR_PARSE;
+    *room = bp_get_u64(p);
+    *bytes = bp_get_u64(p + 8);
+    *node_id = bp_get_u64(p + 16);
+    return PD_OK;
+}
+
 size_t bp_ping_write(uint8_t *out, size_t cap) {
     if (cap < BP_HEADER_BYTES) return 0;
     bp_header_write(out, BP_PING, 0);

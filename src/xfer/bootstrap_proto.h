@@ -33,7 +33,7 @@
 #include "pdserve/base.h"
 
 #define BP_MAGIC 0x53424450u /* bytes 'P' 'D' 'B' 'S' */
-#define BP_VERSION 2u
+#define BP_VERSION 3u
 #define BP_HEADER_BYTES 16u
 /* Hard limit on any payload: a destination of 262,144 pages (4M tokens at
  * page size 16) fits. */
@@ -48,6 +48,12 @@
 #define BP_DEST_FIXED 32u
 #define BP_DEST_PAGES_MAX ((BP_PAYLOAD_MAX - BP_DEST_FIXED) / 4u)
 #define BP_ROOM_MSG_BYTES 16u
+/* Version 3: a room's completion notice travels on the data path, as a UCX
+ * active message of this id on the endpoint that carried the room's puts,
+ * after them (docs/bootstrap-protocol.md, "A room"). Its header is
+ * u64 room, u64 bytes written, u64 the prefill's node_id; no data. */
+#define BP_AM_NOTICE 3u
+#define BP_NOTICE_BYTES 24u
 #define BP_NONE UINT32_MAX
 
 typedef enum bp_type {
@@ -203,6 +209,9 @@ pd_err bp_dest_read(const uint8_t *p, uint32_t len, bp_dest *out);
 static inline uint32_t bp_dest_page(const bp_dest *d, uint32_t i) {
     return bp_get_u32(d->pages + 4u * (size_t)i);
 }
+size_t bp_notice_write(uint8_t *out, uint64_t room, uint64_t bytes, uint64_t node_id);
+pd_err bp_notice_read(const uint8_t *p, size_t len, uint64_t *room, uint64_t *bytes,
+                      uint64_t *node_id);
 pd_err bp_room_read(const uint8_t *p, uint32_t len, uint64_t *room, uint64_t *value);
 pd_err bp_error_read(const uint8_t *p, uint32_t len, bp_error *out);
 

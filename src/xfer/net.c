@@ -41,19 +41,21 @@
  *   send_pages/send_final stage coalesced page runs (a run = consecutive
  *   source pages onto consecutive destination pages = one put), then the
  *   Mamba slot, the metadata row and a FINAL marker, into a bounded pool;
- *   the progress thread posts them with ucp_put_nbx in order. At FINAL it
- *   flushes the endpoint (remote completion of every earlier put) and only
- *   when the flush and every put of the room have completed does it send
- *   DONE on the bootstrap connection. TCP delivers DONE after anything the
- *   flush covered has landed: the completion notice can never overtake data.
- *   An abort (either side) follows the same path: stop posting, drop what is
- *   staged, flush, and send ABORT (sender's own abort) or ACK (the decode's
- *   abort) only after every posted write has completed — that message is what
- *   lets the decode side call the room drained.
+ *   the progress thread posts them with ucp_put_nbx in order. At FINAL,
+ *   once every put of the room completed locally, it posts the completion
+ *   notice (protocol version 3, net_ucx.c send_notice): ucp_worker_fence,
+ *   then a UCX active message on the same endpoint, which UCX delivers after
+ *   the puts: the notice can never overtake data. A flush follows it, off
+ *   the critical path; the room is kept until it completed.
+ *   An abort (either side): stop posting, drop what is staged, flush, and
+ *   send ABORT (sender's own abort) or ACK (the decode's abort) on the
+ *   bootstrap connection only after the flush and every posted write have
+ *   completed (that message could otherwise overtake a put over tcp) — it is
+ *   what lets the decode side call the room drained.
  *
  * drained(). Sender: nothing staged and no put outstanding (a put's local
  * completion means UCX no longer reads the source). Receiver: the sender said
- * it will write no more (DONE, ABORT, ACK, or a room-level ERROR refusing our
+ * it will write no more (the notice, ABORT, ACK, or a room-level ERROR refusing our
  * destination), or our destination never left this node, or the prefill peer
  * was lost and drain_grace_ms has passed since (a hung prefill may still
  * have writes in flight until it declares us dead itself).
@@ -85,7 +87,7 @@
  * decode side applies, and a thread that sleeps between fragments turns
  * gigabytes per second into megabytes. A decode node also spins for spin_us
  * when a room's news is due (net_expect_soon: its DEST went out, DEST_OK or
- * START came in), so DONE is read without a wake-up from poll. Only the
+ * START came in), so the notice is handled without a wake-up from poll. Only the
  * decode side: a prefill thread spinning after a DEST arrived held the mutex
  * the engine's status() and send_final() needed, and the one-page room took
  * 47 us instead of 35-39 (bench/xfer, alternated). While a progress thread
@@ -551,7 +553,7 @@ static pd_err v_send_pages(void *self, uint64_t id, uint32_t first, const uint32
 }
 
 /* A small room's final send, posted from the caller's thread (mutex held):
- * its puts, the flush and DONE often all complete at once (shared memory:
+ * its puts and the notice often all complete at once (shared memory:
  * the puts are copies into the peer's segment), which saves waking the
  * progress thread on the room's critical path. Only below FINAL_INLINE_BYTES,
  * so a large copy never runs on the engine's thread; the UCX worker is in

@@ -204,7 +204,7 @@ static bool send_dest(pd_net *n, uint32_t pi, room *rm) {
     PD_ASSERT(len == max);
     net_tx_commit(n, p, len);
     rm->h.dest_sent = true;
-    net_expect_soon(n);   /* DEST_OK, then the data and DONE */
+    net_expect_soon(n);   /* DEST_OK, then the data and the notice */
     free(rm->dest.pages); /* the prefill has it now; the receiver never needs it again */
     rm->dest.pages = NULL;
     return true;
@@ -492,7 +492,10 @@ static void on_decode_abort(pd_net *n, uint32_t pi, uint64_t room_id) {
     rm->r_aborted = true;
     net_set_st(n, rm, PD_XFER_FAILED);
     net_stages_drop(n, rm);
-    if (rm->h.done && rm->note == N_NONE) {
+    if (rm->h.done && rm->note == N_NONE && rm->flush_out == 0 && !rm->need_flush) {
+        /* Every put landed (the flush after the notice completed): nothing
+         * of the room can write any more. Otherwise the ACK waits for that
+         * flush: on the bootstrap socket it could overtake a put. */
         net_send_room_msg(n, pi, BP_ACK, room_id, 0);
         return;
     }
@@ -559,6 +562,20 @@ static void on_room_msg(pd_net *n, room *rm, uint32_t type, uint64_t value) {
     }
 }
 
+void net_on_notice(pd_net *n, uint64_t room_id, uint64_t bytes, uint64_t node_id) {
+    PD_ASSERT(n->cfg.role == PD_NET_DECODE);
+    uint32_t r = net_room_find(n, room_id);
+    if (r == PD_NONE) return; /* gone: drained on ACK or a dead peer's grace */
+    room *rm = room_at(n, r);
+    peer *p = net_peer_of(n, rm);
+    /* Only the connection that carried the room's destination may end it; a
+     * notice from an endpoint of a connection since lost is dropped (the
+     * room failed with it and drains after drain_grace_ms). */
+    if (!p || p->state != PS_READY || p->node_id != node_id) return;
+    on_room_msg(n, rm, BP_DONE, bytes);
+    net_mark_dirty(n, rm);
+}
+
 static void on_decode_msg(pd_net *n, uint32_t pi, uint32_t type, const uint8_t *pl, uint32_t len) {
     PD_ASSERT(n->cfg.role == PD_NET_DECODE && pi < n->cfg.peers_max);
     peer *p = &n->peers[pi];
@@ -605,9 +622,12 @@ static void on_decode_msg(pd_net *n, uint32_t pi, uint32_t type, const uint8_t *
         }
         room *rm = own_room(n, pi, room_id);
         if (!rm) {
-            /* ACK may cross our close legitimately; anything else about a
+            /* ACK may cross our close legitimately, and so may DEST_OK and
+             * START since the notice travels on the data path: a room can
+             * end, and be gone, before they arrive. DONE or ABORT about a
              * room we do not have is the peer's mistake. */
-            if (type != BP_ACK) refuse_room(n, pi, BP_E_ROOM_UNKNOWN, room_id, "unknown room");
+            if (type == BP_DONE || type == BP_ABORT)
+                refuse_room(n, pi, BP_E_ROOM_UNKNOWN, room_id, "unknown room");
             return;
         }
         on_room_msg(n, rm, type, value);

@@ -76,6 +76,7 @@ typedef struct room {
     notice note;     /* sent once every posted write has completed */
     uint64_t note_value;
     uint32_t puts_out, flush_out;
+    uint8_t notice_wire[BP_NOTICE_BYTES]; /* the notice's AM header, kept until it completes */
     uint32_t q_head, q_tail;
     uint64_t bytes;
     /* decode */
@@ -288,6 +289,9 @@ bool net_send_room_msg(pd_net *n, uint32_t pi, bp_type type, uint64_t room_id, u
 void net_peer_release(pd_net *n, peer *p);
 void net_peer_fail(pd_net *n, uint32_t pi, const char *why);
 void net_pump_receiver(pd_net *n, room *rm, uint64_t now);
+/* Decode side: a room's completion notice came on the data path (net_ucx.c's
+ * active-message handler, mutex held). */
+void net_on_notice(pd_net *n, uint64_t room_id, uint64_t bytes, uint64_t node_id);
 void net_peer_write(pd_net *n, uint32_t pi);
 bool net_tx_try(pd_net *n, uint32_t pi);
 void net_accept_all(pd_net *n);

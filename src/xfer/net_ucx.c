@@ -1,7 +1,7 @@
 /*
  * net_ucx.c — the network transport's data path (see net.c): the UCX
- * context and worker, registered memory, page-run puts with their flush
- * before the completion notice, completions found by room generation, and
+ * context and worker, registered memory, page-run puts, the completion
+ * notice behind a fence (version 3), completions found by room generation, and
  * giving up on writes to a dead peer.
  */
 #include "net_internal.h"
@@ -103,6 +103,80 @@ static bool post_put(pd_net *n, room *rm, peer *p, const stage *s) {
     return true;
 }
 
+/* Posts a flush of the room's endpoint: its completion is remote completion
+ * of every put posted before it. */
+static void post_flush(pd_net *n, room *rm, peer *p) {
+    ucp_request_param_t prm = {
+        .op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK,
+        .cb.send = flush_done,
+    };
+    ucs_status_ptr_t sp = ucp_ep_flush_nbx(p->ep, &prm);
+    rm->need_flush = false;
+    if (UCS_PTR_IS_ERR(sp)) {
+        write_failed(n, rm);
+    } else if (sp != NULL) {
+        req_track(n, rm, sp);
+        rm->flush_out++;
+    }
+}
+
+/* The completion notice (protocol version 3): an active message on the
+ * endpoint that carried the room's puts, sent once every put completed
+ * locally, behind a fence. UCX orders it after them (ucp_worker_fence: what
+ * was posted before completes before what is posted after), so the decode
+ * side handles it only once the room's bytes are in its memory: over shm the
+ * puts were copies into its segment, over tcp they are earlier messages of
+ * the same stream. No flush round trip and no TCP message on the room's
+ * critical path. False on an immediate error. */
+static bool send_notice(pd_net *n, room *rm, peer *p) {
+    PD_ASSERT(rm->puts_out == 0 && rm->flush_out == 0);
+    ucs_status_t st = ucp_worker_fence(n->worker);
+    if (st != UCS_OK) return false;
+    bp_notice_write(rm->notice_wire, rm->slot.id, rm->bytes, n->node_id);
+    ucp_request_param_t prm = {
+        .op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_FLAGS,
+        .cb.send = put_done,
+        .flags = UCP_AM_SEND_FLAG_EAGER,
+    };
+    ucs_status_ptr_t sp =
+        ucp_am_send_nbx(p->ep, BP_AM_NOTICE, rm->notice_wire, BP_NOTICE_BYTES, NULL, 0, &prm);
+    if (UCS_PTR_IS_ERR(sp)) {
+        net_log(n, "pd_net: notice to %s failed: %s", p->addr,
+                ucs_status_string(UCS_PTR_STATUS(sp)));
+        return false;
+    }
+    if (sp != NULL) {
+        req_track(n, rm, sp); /* counts as a write: the room is not drained before it left */
+        rm->puts_out++;
+    }
+    return true;
+}
+
+/* A room's pending notice, once its writes allow (mutex held). N_DONE goes on
+ * the data path without a flush; a flush follows it, off the critical path,
+ * so that a later ABORT from the decode is answered (ACK) only when every
+ * put has landed. ABORT and ACK are bootstrap messages and wait for the
+ * flush: they must not overtake a put. False if the connection cannot take
+ * a message now. */
+static bool pump_notice(pd_net *n, room *rm, peer *p, uint32_t pi) {
+    if (rm->need_flush && rm->note != N_DONE) post_flush(n, rm, p);
+    if (rm->note == N_NONE || rm->puts_out != 0 || rm->flush_out != 0) return true;
+    notice note = rm->note;
+    rm->note = N_NONE;
+    if (note == N_DONE) {
+        if (!send_notice(n, rm, p)) {
+            write_failed(n, rm);
+            return true;
+        }
+        xr_sender_done(&rm->h);
+        net_set_st(n, rm, PD_XFER_SUCCESS);
+        if (rm->need_flush) post_flush(n, rm, p);
+        return true;
+    }
+    bp_type t = note == N_ACK ? BP_ACK : BP_ABORT;
+    return net_send_room_msg(n, pi, t, rm->slot.id, rm->note_value);
+}
+
 /* ---- the sender's pump (progress thread) --------------------------------------------- */
 
 void net_pump_sender(pd_net *n, room *rm, uint64_t now) {
@@ -127,7 +201,7 @@ void net_pump_sender(pd_net *n, room *rm, uint64_t now) {
                 rm->started = true;
                 /* START only tells the decode side that data is moving
                  * (TRANSFERRING). A room whose last write is already staged
-                 * gets DONE as soon as its puts land: one message fewer per
+                 * gets its notice once its puts completed: one message fewer per
                  * room handed off in one piece. */
                 if (!rm->final_staged && !net_send_room_msg(n, pi, BP_START, rm->slot.id, 0))
                     return;
@@ -138,32 +212,7 @@ void net_pump_sender(pd_net *n, room *rm, uint64_t now) {
             }
         }
         if (rm->note != N_NONE && rm->due_ms <= now && !(n->faults[PD_NET_FAULT_HOLD_NOTICES])) {
-            if (rm->need_flush) {
-                ucp_request_param_t prm = {
-                    .op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK,
-                    .cb.send = flush_done,
-                };
-                ucs_status_ptr_t sp = ucp_ep_flush_nbx(p->ep, &prm);
-                rm->need_flush = false;
-                if (UCS_PTR_IS_ERR(sp)) {
-                    write_failed(n, rm);
-                } else if (sp != NULL) {
-                    req_track(n, rm, sp);
-                    rm->flush_out++;
-                }
-            }
-            if (rm->note != N_NONE && rm->puts_out == 0 && rm->flush_out == 0) {
-                notice note = rm->note;
-                rm->note = N_NONE;
-                if (note == N_DONE) {
-                    if (!net_send_room_msg(n, pi, BP_DONE, rm->slot.id, rm->bytes)) return;
-                    xr_sender_done(&rm->h);
-                    net_set_st(n, rm, PD_XFER_SUCCESS);
-                } else {
-                    bp_type t = note == N_ACK ? BP_ACK : BP_ABORT;
-                    if (!net_send_room_msg(n, pi, t, rm->slot.id, rm->note_value)) return;
-                }
-            }
+            if (!pump_notice(n, rm, p, pi)) return;
         } else if (rm->note != N_NONE && rm->due_ms > now) {
             net_due_at(n, rm, rm->due_ms);
         }
@@ -265,6 +314,7 @@ void net_abandon_dead_writes(pd_net *n, uint64_t now) {
 }
 
 void net_ucx_progress(pd_net *n) {
+    if (n->faults[PD_NET_FAULT_HOLD_DATA]) return;
     unsigned events = 0;
     for (int i = 0; i < PROGRESS_BURST; i++) {
         unsigned k = ucp_worker_progress(n->worker);
@@ -341,6 +391,36 @@ static void ucx_config_tls(const ucp_config_t *uc, char *out, size_t cap) {
     free(text);
 }
 
+/* Decode side: a prefill's completion notice (send_notice), handled inside
+ * ucp_worker_progress on the progress thread, which holds the mutex. UCX
+ * runs it only after every earlier message of the endpoint, emulated puts
+ * included. Anything malformed is dropped: only an endpoint created from
+ * our worker address, that is by a peer that proved the token, reaches it. */
+static ucs_status_t on_notice_am(void *arg, const void *header, size_t header_len, void *data,
+                                 size_t len, const ucp_am_recv_param_t *prm) {
+    (void)data;
+    (void)prm;
+    pd_net *n = arg;
+    uint64_t room_id, bytes, node_id;
+    if (len != 0 || bp_notice_read(header, header_len, &room_id, &bytes, &node_id) != PD_OK) {
+        n->stats.bad_messages++;
+        return UCS_OK;
+    }
+    net_on_notice(n, room_id, bytes, node_id);
+    return UCS_OK;
+}
+
+static ucs_status_t notice_handler_set(pd_net *n) {
+    ucp_am_handler_param_t hp = {
+        .field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_CB |
+            UCP_AM_HANDLER_PARAM_FIELD_ARG,
+        .id = BP_AM_NOTICE,
+        .cb = on_notice_am,
+        .arg = n,
+    };
+    return ucp_worker_set_am_recv_handler(n->worker, &hp);
+}
+
 pd_err net_ucx_init(pd_net *n, char *msg, size_t cap) {
     ucp_config_t *uc = NULL;
     pd_err err = ucx_config_make(n, &uc, msg, cap);
@@ -351,7 +431,7 @@ pd_err net_ucx_init(pd_net *n, char *msg, size_t cap) {
     ucp_params_t prm = {
         .field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_NAME |
             UCP_PARAM_FIELD_REQUEST_SIZE,
-        .features = UCP_FEATURE_RMA | UCP_FEATURE_WAKEUP,
+        .features = UCP_FEATURE_RMA | UCP_FEATURE_AM | UCP_FEATURE_WAKEUP,
         .request_size = sizeof(req_ctx),
         .name = n->cfg.role == PD_NET_PREFILL ? "pdserve-prefill" : "pdserve-decode",
     };
@@ -370,6 +450,8 @@ pd_err net_ucx_init(pd_net *n, char *msg, size_t cap) {
         n->worker = NULL;
         return pd_errorf(msg, cap, PD_ERR_IO, "UCX worker: %s", ucs_status_string(st));
     }
+    if (n->cfg.role == PD_NET_DECODE && (st = notice_handler_set(n)) != UCS_OK)
+        return pd_errorf(msg, cap, PD_ERR_IO, "UCX notice handler: %s", ucs_status_string(st));
     if ((st = ucp_worker_get_efd(n->worker, &n->ucx_fd)) != UCS_OK)
         return pd_errorf(msg, cap, PD_ERR_IO, "UCX worker event fd: %s", ucs_status_string(st));
     if ((st = ucp_worker_get_address(n->worker, &n->waddr, &n->waddr_len)) != UCS_OK) {

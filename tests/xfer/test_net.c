@@ -663,6 +663,205 @@ static void completion_never_before_data(void **state) {
     pair_free(w);
 }
 
+/* ---- the completion notice on the data path (protocol version 3) ----------------- */
+
+/* The notice travels on the endpoint that carried the puts; SUCCESS must
+ * never be seen before the last byte: one 16 MiB put, and 64 one-page puts
+ * (reversed destination) of 256 KiB each, bytes checked the moment SUCCESS
+ * is seen. */
+static void notice_never_overtakes_large_rooms(void **state) {
+    (void)state;
+    pair_opts o = pair_defaults();
+    o.kv_page_bytes = 256u << 10;
+    o.kv_pages = 2 * MAX_PAGES + 4;
+    o.mamba_slot_bytes = 1u << 20;
+    pair *w = pair_new(&o);
+    static spec s[2];
+    for (int k = 0; k < 2; k++) {
+        spec_init(&s[k], w, 1300 + (uint64_t)k, MAX_PAGES * o.page_size, 0);
+        for (uint32_t i = 0; i < MAX_PAGES; i++) {
+            s[k].src[i] = (uint32_t)k * MAX_PAGES + i;
+            s[k].dst[i] = k ? MAX_PAGES + (MAX_PAGES - 1 - i) : i; /* k = 1: one put a page */
+        }
+        s[k].src_mamba = s[k].dst_mamba = (uint32_t)k;
+        s[k].src_meta = s[k].dst_meta = (uint32_t)k;
+        open_both(w, &s[k]);
+    }
+    for (int k = 0; k < 2; k++) wait_bootstrapped(w, &s[k]);
+    send_all(w, &s[0], 0);
+    send_all(w, &s[1], 7);
+    bool seen[2] = {false, false};
+    uint64_t t0 = t_now_ms();
+    while (!seen[0] || !seen[1]) {
+        for (int k = 0; k < 2; k++) {
+            if (seen[k] || st_of(w->dx, s[k].room) != PD_XFER_SUCCESS) continue;
+            check_landed(w, &s[k]);
+            seen[k] = true;
+        }
+        if (t_now_ms() - t0 > DEADLINE_MS) fail_msg("rooms did not complete");
+    }
+    for (int k = 0; k < 2; k++) finish_both(w, &s[k]);
+    wait_no_rooms(w);
+    pair_free(w);
+}
+
+/* After a room ended on the decode side (drained), its pages are reused:
+ * nothing of the room may land there any more. Another room over the same
+ * endpoint completes, and the pages are still as we left them. */
+static void pages_stay_untouched_after_drain(pair *w, const spec *s, uint64_t next_room) {
+    for (uint32_t i = 0; i < s->n; i++)
+        memset((uint8_t *)w->dm.mem.kv + s->dst[i] * w->o.kv_page_bytes, SENTINEL,
+               w->o.kv_page_bytes);
+    memset(&w->dm.meta[s->dst_meta], SENTINEL, sizeof(pd_meta_row));
+    spec t;
+    spec_init(&t, w, next_room, 8, 0);
+    for (uint32_t i = 0; i < t.n; i++) t.src[i] = i, t.dst[i] = 240 + i;
+    t.dst_meta = 15;
+    open_both(w, &t);
+    wait_bootstrapped(w, &t);
+    send_all(w, &t, 0);
+    WAIT_FOR(st_of(w->dx, t.room) == PD_XFER_SUCCESS);
+    check_landed(w, &t);
+    finish_both(w, &t);
+    for (uint32_t i = 0; i < s->n; i++) assert_true(unit_untouched(w, 0, s->dst[i]));
+    assert_true(unit_untouched(w, 2, s->dst_meta));
+}
+
+static bool is_final(pd_xfer_status st) { return st == PD_XFER_SUCCESS || st == PD_XFER_FAILED; }
+
+/* when: 0 the decode aborts right after the final send, 1 the prefill does,
+ * 2 the decode aborts once the prefill reported SUCCESS (its notice posted,
+ * the data possibly still on the way). */
+static void abort_racing_the_notice_case(pair *w, uint64_t room, int when) {
+    bool decode_aborts = when != 1;
+    spec s;
+    spec_init(&s, w, room, 40, 0);
+    for (uint32_t i = 0; i < s.n; i++) s.src[i] = i, s.dst[i] = 100 + i;
+    s.dst_meta = 3;
+    open_both(w, &s);
+    wait_bootstrapped(w, &s);
+    send_all(w, &s, 4);
+    pd_xfer aborter = decode_aborts ? w->dx : w->px, other = decode_aborts ? w->px : w->dx;
+    if (when == 2) WAIT_FOR(st_of(w->px, s.room) == PD_XFER_SUCCESS);
+    (void)aborter.vt->abort(aborter.self, s.room);
+    /* The side that aborts keeps its status; the other ends, once. */
+    WAIT_FOR(is_final(st_of(other, s.room)));
+    WAIT_FOR(drained_of(w->px, s.room));
+    WAIT_FOR(drained_of(w->dx, s.room));
+    pd_xfer_status dst = st_of(w->dx, s.room), pst = st_of(w->px, s.room);
+    if (dst == PD_XFER_SUCCESS) check_landed(w, &s);
+    /* Whichever came first, the halves agree: the decode succeeds only if
+     * the prefill did, and a prefill abort fails the decode unless the
+     * notice went first. */
+    if (dst == PD_XFER_SUCCESS) assert_int_equal(pst, PD_XFER_SUCCESS);
+    if (!decode_aborts) assert_int_equal(dst == PD_XFER_SUCCESS, pst == PD_XFER_SUCCESS);
+    assert_int_equal(st_of(w->dx, s.room), dst); /* nothing changes after */
+    assert_int_equal(st_of(w->px, s.room), pst);
+    finish_both(w, &s);
+    pages_stay_untouched_after_drain(w, &s, room + 500);
+}
+
+/* An abort just before or just after the notice: one terminal status per
+ * half, the decode's pages quarantined until nothing can land there, every
+ * room released. First with the notice held back (the abort lands first for
+ * sure), then racing it. */
+static void abort_racing_the_notice(void **state) {
+    (void)state;
+    pair_opts o = pair_defaults();
+    o.kv_page_bytes = 64u << 10; /* 640 KiB a room: over tcp, still in flight at the abort */
+    pair *w = pair_new(&o);
+    spec s;
+    spec_init(&s, w, 1400, 40, 0);
+    for (uint32_t i = 0; i < s.n; i++) s.src[i] = i, s.dst[i] = 100 + i;
+    s.dst_meta = 3;
+    open_both(w, &s);
+    wait_bootstrapped(w, &s);
+    pd_net_set_fault(w->pre, PD_NET_FAULT_HOLD_NOTICES, true);
+    send_all(w, &s, 0);
+    WAIT_FOR(drained_of(w->px, s.room));
+    assert_ok(w->dx.vt->abort(w->dx.self, s.room));
+    WAIT_FOR(st_of(w->px, s.room) == PD_XFER_FAILED);
+    pd_net_set_fault(w->pre, PD_NET_FAULT_HOLD_NOTICES, false);
+    WAIT_FOR(drained_of(w->dx, s.room));
+    assert_int_not_equal(st_of(w->dx, s.room), PD_XFER_SUCCESS);
+    assert_int_equal(st_of(w->px, s.room), PD_XFER_FAILED);
+    finish_both(w, &s);
+    pages_stay_untouched_after_drain(w, &s, 1401);
+    for (uint64_t k = 0; k < 24; k++) abort_racing_the_notice_case(w, 1410 + k, (int)(k % 3));
+    wait_no_rooms(w);
+    pair_free(w);
+}
+
+/* A decode abort that crosses the notice is acknowledged only once every put
+ * landed: the ACK travels on the bootstrap socket and, over tcp, could
+ * overtake emulated puts still on the data path, and the decode would then
+ * release pages a put may still write. The decode's UCX worker is held, so
+ * over tcp nothing of the room lands until released. */
+static void ack_never_overtakes_the_data(void **state) {
+    (void)state;
+    pair_opts o = pair_defaults();
+    pair *w = pair_new(&o);
+    spec a, b;
+    spec_init(&a, w, 1600, 40, 0);
+    spec_init(&b, w, 1601, 8, 0);
+    for (uint32_t i = 0; i < a.n; i++) a.src[i] = i, a.dst[i] = 100 + i;
+    for (uint32_t i = 0; i < b.n; i++) b.src[i] = i, b.dst[i] = 200 + i;
+    a.dst_meta = 3;
+    b.dst_meta = 4;
+    open_both(w, &a);
+    wait_bootstrapped(w, &a);
+    pd_net_set_fault(w->dec, PD_NET_FAULT_HOLD_DATA, true);
+    send_all(w, &a, 0);
+    WAIT_FOR(st_of(w->px, a.room) == PD_XFER_SUCCESS); /* the notice is posted */
+    assert_ok(w->dx.vt->abort(w->dx.self, a.room));
+    /* Room b's DEST follows the ABORT on the socket, its DEST_OK follows
+     * any immediate ACK: once b is WAITING on both sides, an ACK sent at
+     * once would have been handled. */
+    open_both(w, &b);
+    wait_bootstrapped(w, &b);
+    if (drained_of(w->dx, a.room)) check_landed(w, &a);
+    pd_net_set_fault(w->dec, PD_NET_FAULT_HOLD_DATA, false);
+    WAIT_FOR(drained_of(w->dx, a.room));
+    check_landed(w, &a);
+    send_all(w, &b, 0);
+    WAIT_FOR(st_of(w->dx, b.room) == PD_XFER_SUCCESS);
+    check_landed(w, &b);
+    finish_both(w, &a);
+    finish_both(w, &b);
+    wait_no_rooms(w);
+    pair_free(w);
+}
+
+/* The prefill dies with the notice in flight: the decode room ends once,
+ * SUCCESS only with every byte there, and drains. */
+static void prefill_death_with_the_notice_in_flight(void **state) {
+    (void)state;
+    pair_opts o = pair_defaults();
+    o.drain_grace_ms = 200;
+    pair *w = pair_new(&o);
+    warm_up(w, 1499);
+    spec s;
+    spec_init(&s, w, 1500, 64, 0);
+    for (uint32_t i = 0; i < s.n; i++) s.src[i] = i, s.dst[i] = 60 + i;
+    s.dst_meta = 5;
+    open_both(w, &s);
+    wait_bootstrapped(w, &s);
+    send_all(w, &s, 0);
+    pair_kill(&w->pre, &w->pm);
+    WAIT_FOR(is_final(st_of(w->dx, s.room)));
+    pd_xfer_status st = st_of(w->dx, s.room);
+    if (st == PD_XFER_SUCCESS) /* the prefill's memory is gone: compare with its pattern */
+        for (uint32_t i = 0; i < s.n; i++)
+            for (size_t b = 0; b < o.kv_page_bytes; b++)
+                assert_int_equal(((uint8_t *)w->dm.mem.kv)[s.dst[i] * o.kv_page_bytes + b],
+                                 pattern(0, s.src[i], b));
+    WAIT_FOR(drained_of(w->dx, s.room));
+    assert_int_equal(st_of(w->dx, s.room), st);
+    w->dx.vt->close(w->dx.self, s.room);
+    WAIT_FOR(pd_net_rooms_live(w->dec) == 0);
+    pair_free(w);
+}
+
 /* ---- the vtable's edges -------------------------------------------------------------- */
 
 static void bad_calls_are_refused(void **state) {
@@ -768,6 +967,10 @@ int main(void) {
         cmocka_unit_test(prefill_death_fails_and_drains_decode_rooms),
         cmocka_unit_test(many_rooms_concurrently),
         cmocka_unit_test(completion_never_before_data),
+        cmocka_unit_test(notice_never_overtakes_large_rooms),
+        cmocka_unit_test(abort_racing_the_notice),
+        cmocka_unit_test(ack_never_overtakes_the_data),
+        cmocka_unit_test(prefill_death_with_the_notice_in_flight),
         cmocka_unit_test(bad_calls_are_refused),
         cmocka_unit_test(create_refuses_bad_config),
     };

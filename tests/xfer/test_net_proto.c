@@ -15,7 +15,7 @@ static void header_fields_are_little_endian_at_fixed_offsets(void **state) {
     size_t len =
         bp_room_write(buf, sizeof(buf), BP_DONE, 0x0102030405060708ull, 0x1122334455667788ull);
     assert_int_equal(len, 32);
-    const uint8_t want[16] = {'P', 'D', 'B', 'S', 2, 0, BP_DONE, 0, 0, 0, 0, 0, 16, 0, 0, 0};
+    const uint8_t want[16] = {'P', 'D', 'B', 'S', 3, 0, BP_DONE, 0, 0, 0, 0, 0, 16, 0, 0, 0};
     assert_memory_equal(buf, want, 16);
     assert_int_equal(buf[16], 0x08);
     assert_int_equal(buf[23], 0x01);
@@ -44,6 +44,10 @@ static void damaged_headers_are_refused_with_their_code(void **state) {
     assert_err(bp_header_check(buf, &h, &code), PD_ERR_PARSE);
     assert_int_equal(code, BP_E_VERSION);
     assert_int_equal(h.version, 1);
+    bp_ping_write(buf, sizeof(buf));
+    bp_put_u16(buf + 4, 2); /* version 2 ended a room with DONE on TCP: refused */
+    assert_err(bp_header_check(buf, &h, &code), PD_ERR_PARSE);
+    assert_int_equal(code, BP_E_VERSION);
     bp_ping_write(buf, sizeof(buf));
     bp_put_u32(buf + 8, 4);
     assert_err(bp_header_check(buf, &h, &code), PD_ERR_PARSE);
@@ -228,6 +232,18 @@ static void dest_round_trips_and_refuses_inconsistent_counts(void **state) {
     assert_err(bp_dest_read(buf + 16, (uint32_t)(len - 16), &d), PD_ERR_PARSE);
 }
 
+static void notice_round_trips_and_checks_its_length(void **state) {
+    (void)state;
+    uint8_t wire[BP_NOTICE_BYTES];
+    assert_int_equal(bp_notice_write(wire, 0x0102030405060708ull, 1u << 20, 77), 24);
+    assert_int_equal(wire[0], 0x08); /* little-endian, room first */
+    uint64_t room = 0, bytes = 0, node = 0;
+    assert_ok(bp_notice_read(wire, sizeof(wire), &room, &bytes, &node));
+    assert_true(room == 0x0102030405060708ull && bytes == (1u << 20) && node == 77);
+    assert_err(bp_notice_read(wire, sizeof(wire) - 1, &room, &bytes, &node), PD_ERR_PARSE);
+    assert_err(bp_notice_read(wire, 0, &room, &bytes, &node), PD_ERR_PARSE);
+}
+
 static void error_and_small_messages_round_trip(void **state) {
     (void)state;
     size_t len = bp_error_write(buf, sizeof(buf), BP_E_AUTH, false, 0, "wrong token");
@@ -313,6 +329,7 @@ int main(void) {
         cmocka_unit_test(proofs_bind_token_nonces_and_hello),
         cmocka_unit_test(types_are_checked_against_the_role),
         cmocka_unit_test(dest_round_trips_and_refuses_inconsistent_counts),
+        cmocka_unit_test(notice_round_trips_and_checks_its_length),
         cmocka_unit_test(error_and_small_messages_round_trip),
         cmocka_unit_test(mutated_messages_never_read_out_of_bounds),
     };
