@@ -79,7 +79,7 @@ typedef struct pd_lg_dataset_config {
     double range_ratio;             /* lengths uniform in [len * ratio, len] */
     uint32_t vocab, token_min;      /* ids drawn from [token_min, vocab) */
     bool text;                      /* prompts as text (words), not ids */
-    uint32_t gsp_groups, gsp_per_group, gsp_system_len, gsp_question_len;
+    uint32_t gsp_groups, gsp_system_len, gsp_question_len;
     uint32_t turns;               /* multi-turn: turns per conversation */
     uint32_t sharegpt_output_len; /* 0: from the dataset's answer */
     uint32_t trace_block_tokens;  /* tokens per hash id of a trace line */
@@ -145,6 +145,9 @@ typedef struct pd_lg_run_config {
 } pd_lg_run_config;
 
 void pd_lg_run_config_default(pd_lg_run_config *c);
+/* The server's vocabulary size from GET /get_model_info (pdserve's nodes and
+ * router say vocab_size); 0 when it does not say or does not answer. */
+uint32_t pd_lg_server_vocab(const pd_lg_run_config *c);
 const char *pd_lg_api_endpoint(pd_lg_api api);
 
 typedef enum pd_lg_outcome {
@@ -170,7 +173,7 @@ typedef struct pd_lg_result {
 
 typedef struct pd_lg_pool_sample {
     char name[24];
-    uint64_t total, free, req, cached, quarantine;
+    uint64_t total, free, req, quarantine;
     uint64_t cache_evictable, cache_protected;
 } pd_lg_pool_sample;
 

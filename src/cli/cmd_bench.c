@@ -494,55 +494,6 @@ static void print_summary(const json_t *o, FILE *to) {
 
 /* ---- running it ---------------------------------------------------------------------- */
 
-static size_t to_string(char *p, size_t size, size_t n, void *user) {
-    json_t **acc = user;
-    const char *had = json_string_value(*acc);
-    size_t len = json_string_length(*acc);
-    char *joined = malloc(len + size * n + 1);
-    if (!joined) return 0;
-    memcpy(joined, had, len);
-    memcpy(joined + len, p, size * n);
-    json_string_setn_nocheck(*acc, joined, len + size * n);
-    free(joined);
-    return size * n;
-}
-
-/* The server's vocabulary size from GET /get_model_info (pdserve's and a
- * pdserve router's answers carry vocab_size); 0 when it does not say. */
-static uint32_t server_vocab(const bench_args *a) {
-    char url[600];
-    snprintf(url, sizeof(url), "%s/get_model_info", a->rc.base_url);
-    CURL *h = curl_easy_init();
-    if (!h) return 0;
-    json_t *acc = json_string("");
-    struct curl_slist *hdrs = NULL;
-    char auth[600];
-    if (a->rc.api_key) {
-        snprintf(auth, sizeof(auth), "Authorization: Bearer %s", a->rc.api_key);
-        hdrs = curl_slist_append(NULL, auth);
-    }
-    curl_easy_setopt(h, CURLOPT_URL, url);
-    curl_easy_setopt(h, CURLOPT_NOSIGNAL, 1L);
-    curl_easy_setopt(h, CURLOPT_TIMEOUT_MS, 10000L);
-    curl_easy_setopt(h, CURLOPT_HTTPHEADER, hdrs);
-    curl_easy_setopt(h, CURLOPT_WRITEFUNCTION, to_string);
-    curl_easy_setopt(h, CURLOPT_WRITEDATA, &acc);
-    long status = 0;
-    uint32_t vocab = 0;
-    if (curl_easy_perform(h) == CURLE_OK &&
-        curl_easy_getinfo(h, CURLINFO_RESPONSE_CODE, &status) == CURLE_OK && status == 200) {
-        json_t *o = json_loads(json_string_value(acc), 0, NULL);
-        json_t *v = json_object_get(o, "vocab_size");
-        if (json_is_integer(v) && json_integer_value(v) > 1 && json_integer_value(v) <= INT32_MAX)
-            vocab = (uint32_t)json_integer_value(v);
-        json_decref(o);
-    }
-    curl_slist_free_all(hdrs);
-    curl_easy_cleanup(h);
-    json_decref(acc);
-    return vocab;
-}
-
 static int finish_args(bench_args *a) {
     if (a->host || a->port)
         snprintf(a->base, sizeof(a->base), "http://%s:%u", a->host ? a->host : "127.0.0.1",
@@ -638,7 +589,7 @@ int cli_cmd_bench(int argc, char **argv) {
     if (!rc) rc = finish_args(&a);
     curl_global_init(CURL_GLOBAL_DEFAULT);
     if (!rc && !a.dc.text && !a.vocab_given && !a.dry_run) {
-        uint32_t v = server_vocab(&a);
+        uint32_t v = pd_lg_server_vocab(&a.rc);
         if (v) a.dc.vocab = v;
     }
     pd_lg_dataset d = {0};

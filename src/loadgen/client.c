@@ -56,7 +56,8 @@ double lg_now(void) {
 
 /* ---- growing buffers ----------------------------------------------------------------- */
 
-void lg_buf_add(lg_buf *b, const char *p, size_t n) {
+bool lg_buf_add(lg_buf *b, const char *p, size_t n) {
+    if (n > LG_BODY_MAX - b->len) return false;
     if (b->len + n + 1 > b->cap) {
         size_t c = b->cap ? b->cap : 4096;
         while (c < b->len + n + 1) c *= 2;
@@ -68,6 +69,7 @@ void lg_buf_add(lg_buf *b, const char *p, size_t n) {
     memcpy(b->p + b->len, p, n);
     b->len += n;
     b->p[b->len] = '\0';
+    return true;
 }
 
 void lg_buf_free(lg_buf *b) {
@@ -182,8 +184,13 @@ static void stream_events(lg_run *run, lg_live *lv, double now) {
     uint32_t tokens = 0;
     for (;;) {
         char *start = lv->body.p + used;
-        char *end = strstr(start, "\n\n");
-        if (!end) break;
+        /* an event's end is looked for only in bytes not searched before */
+        size_t from = PD_MAX(used, lv->searched > 0 ? lv->searched - 1 : 0);
+        char *end = strstr(lv->body.p + from, "\n\n");
+        if (!end) {
+            lv->searched = lv->body.len - used;
+            break;
+        }
         *end = '\0';
         used = (size_t)(end - lv->body.p) + 2;
         for (char *line = start; line && *line;) {
@@ -212,7 +219,10 @@ static void stream_events(lg_run *run, lg_live *lv, double now) {
 static size_t on_answer_bytes(char *p, size_t size, size_t n, void *user) {
     lg_live *lv = user;
     size_t bytes = size * n;
-    lg_buf_add(&lv->body, p, bytes);
+    if (!lg_buf_add(&lv->body, p, bytes)) {
+        lv->too_big = true;
+        return 0; /* the transfer fails: CURLE_WRITE_ERROR */
+    }
     long status = 0;
     curl_easy_getinfo(lv->h, CURLINFO_RESPONSE_CODE, &status);
     if (lv->run->c->stream && status == 200) stream_events(lv->run, lv, lg_now());
@@ -270,11 +280,7 @@ static char *request_body(const lg_run *run, const pd_lg_request *r, const char 
             json_object_set_new(b, "stream_options", json_pack("{s:b}", "include_usage", 1));
         if (c->model) json_object_set_new(b, "model", json_string(c->model));
     }
-    if (c->extra_body) {
-        json_t *extra = json_loads(c->extra_body, 0, NULL);
-        if (json_is_object(extra)) merge_extra(b, extra);
-        json_decref(extra);
-    }
+    if (run->extra) merge_extra(b, run->extra);
     char *s = json_dumps(b, JSON_COMPACT);
     json_decref(b);
     PD_ASSERT(s);
@@ -288,16 +294,31 @@ static void rid_of(const lg_run *run, uint32_t i, char *out, size_t cap) {
 /* ---- transfers ----------------------------------------------------------------------- */
 
 static size_t to_buf(char *p, size_t size, size_t n, void *user) {
-    lg_buf_add(user, p, size * n);
-    return size * n;
+    return lg_buf_add(user, p, size * n) ? size * n : 0;
+}
+
+struct curl_slist *lg_headers(const pd_lg_run_config *c) {
+    struct curl_slist *h = curl_slist_append(NULL, "Content-Type: application/json");
+    h = curl_slist_append(h, "Expect:");
+    if (c->api_key) {
+        char auth[600];
+        snprintf(auth, sizeof(auth), "Authorization: Bearer %.500s", c->api_key);
+        h = curl_slist_append(h, auth);
+    }
+    PD_ASSERT(h);
+    return h;
 }
 
 CURL *lg_easy(lg_run *run, const char *url, lg_buf *sink) {
+    return lg_easy_with(run->hdrs, url, sink);
+}
+
+CURL *lg_easy_with(struct curl_slist *hdrs, const char *url, lg_buf *sink) {
     CURL *h = curl_easy_init();
     PD_ASSERT(h);
     curl_easy_setopt(h, CURLOPT_URL, url);
     curl_easy_setopt(h, CURLOPT_NOSIGNAL, 1L);
-    curl_easy_setopt(h, CURLOPT_HTTPHEADER, run->hdrs);
+    curl_easy_setopt(h, CURLOPT_HTTPHEADER, hdrs);
     curl_easy_setopt(h, CURLOPT_CONNECTTIMEOUT_MS, 10000L);
     if (sink) {
         curl_easy_setopt(h, CURLOPT_WRITEFUNCTION, to_buf);
@@ -405,6 +426,10 @@ static void whole_answer(lg_run *run, lg_live *lv, double now) {
 static pd_lg_outcome classify(lg_live *lv, CURLcode rc, long status, bool closed, char *err,
                               size_t cap) {
     if (closed) return snprintf(err, cap, "closed by the bench"), PD_LG_ABORTED;
+    if (lv->too_big) {
+        snprintf(err, cap, "the answer passed %zu MiB without an end", LG_BODY_MAX >> 20);
+        return PD_LG_FAILED;
+    }
     if (rc != CURLE_OK) {
         snprintf(err, cap, "%s", curl_easy_strerror(rc));
         return PD_LG_FAILED;
@@ -660,13 +685,10 @@ static pd_err run_setup(lg_run *run, const pd_lg_run_config *c, const pd_lg_data
     clock_gettime(CLOCK_REALTIME, &ts);
     snprintf(run->tag, sizeof(run->tag), "%llx-%x", (unsigned long long)c->seed,
              (unsigned)(pd_hash_u64((uint64_t)ts.tv_nsec ^ (uint64_t)ts.tv_sec << 20) & 0xffffff));
-    run->hdrs = curl_slist_append(NULL, "Content-Type: application/json");
-    run->hdrs = curl_slist_append(run->hdrs, "Expect:");
-    if (c->api_key) {
-        char auth[600];
-        snprintf(auth, sizeof(auth), "Authorization: Bearer %s", c->api_key);
-        run->hdrs = curl_slist_append(run->hdrs, auth);
-    }
+    run->hdrs = lg_headers(c);
+    run->extra = c->extra_body ? json_loads(c->extra_body, 0, NULL) : NULL;
+    if (c->extra_body && !json_is_object(run->extra))
+        return pd_errorf(err, cap, PD_ERR_PARSE, "the extra request body is not a JSON object");
     run->m = curl_multi_init();
     run->succ = malloc(PD_MAX(d->n, 1u) * sizeof(int32_t));
     run->ready = malloc(PD_MAX(d->n, 1u) * sizeof(uint32_t));
@@ -689,6 +711,7 @@ static pd_err run_setup(lg_run *run, const pd_lg_run_config *c, const pd_lg_data
 static void run_teardown(lg_run *run) {
     curl_multi_cleanup(run->m);
     curl_slist_free_all(run->hdrs);
+    json_decref(run->extra);
     free(run->live);
     free(run->succ);
     free(run->ready);

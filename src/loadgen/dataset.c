@@ -51,7 +51,6 @@ void pd_lg_dataset_config_default(pd_lg_dataset_config *c) {
         .vocab = 256,
         .token_min = 1,
         .gsp_groups = 8,
-        .gsp_per_group = 16,
         .gsp_system_len = 512,
         .gsp_question_len = 64,
         .turns = 4,
@@ -223,6 +222,18 @@ static void plan_abort(pd_lg_request *r, pd_rng *rng, const pd_lg_dataset_config
     r->abort_after_s = c->abort_min_s + (c->abort_max_s - c->abort_min_s) * pd_rng_unit(rng);
 }
 
+/* Puts the prompt into the request with its output length, then draws its
+ * arrival (after the previous one's, *t) and whether it is aborted. */
+static void place(pd_lg_request *r, prompt *p, uint32_t output_len, pd_rng *rng,
+                  const pd_lg_dataset_config *c, double *t) {
+    put_prompt(r, p);
+    prompt_free(p);
+    r->output_len = output_len;
+    if (!r->warmup) *t += next_gap(rng, c);
+    r->arrival_s = r->warmup ? 0 : *t;
+    plan_abort(r, rng, c);
+}
+
 /* ---- the generated datasets ---------------------------------------------------------- */
 
 static pd_lg_request *new_request(pd_lg_dataset *d, const pd_lg_dataset_config *c) {
@@ -239,17 +250,12 @@ static void build_random(const pd_lg_dataset_config *c, pd_lg_dataset *d, pd_rng
         pd_lg_request *r = new_request(d, c);
         prompt p = {0};
         add_tokens(&p, rng, draw_len(rng, c->input_len, c->range_ratio), PD_LG_USER, c);
-        put_prompt(r, &p);
-        prompt_free(&p);
-        r->output_len = draw_len(rng, c->output_len, c->range_ratio);
-        if (!r->warmup) t += next_gap(rng, c);
-        r->arrival_s = r->warmup ? 0 : t;
-        plan_abort(r, rng, c);
+        place(r, &p, draw_len(rng, c->output_len, c->range_ratio), rng, c, &t);
     }
 }
 
-/* gsp_groups system prompts, each followed by gsp_per_group questions;
- * the requests go out shuffled, so groups interleave as they would. */
+/* gsp_groups system prompts; each request is one of them (drawn, so the
+ * groups interleave as they would) followed by a question of its own. */
 static void build_shared_prefix(const pd_lg_dataset_config *c, pd_lg_dataset *d, pd_rng *rng,
                                 uint32_t total) {
     uint32_t groups = PD_MAX(c->gsp_groups, 1u);
@@ -260,18 +266,11 @@ static void build_shared_prefix(const pd_lg_dataset_config *c, pd_lg_dataset *d,
     double t = 0;
     for (uint32_t i = 0; i < total; i++) {
         pd_lg_request *r = new_request(d, c);
-        /* the i-th request is question i % per_group of group i / per_group,
-         * cycling; which group it uses is drawn, so groups interleave */
         uint32_t g = (uint32_t)pd_rng_below(rng, groups);
         prompt p;
         prompt_copy(&p, &sys[g], c->text);
         add_tokens(&p, rng, draw_len(rng, c->gsp_question_len, c->range_ratio), PD_LG_USER, c);
-        put_prompt(r, &p);
-        prompt_free(&p);
-        r->output_len = draw_len(rng, c->output_len, c->range_ratio);
-        if (!r->warmup) t += next_gap(rng, c);
-        r->arrival_s = r->warmup ? 0 : t;
-        plan_abort(r, rng, c);
+        place(r, &p, draw_len(rng, c->output_len, c->range_ratio), rng, c, &t);
     }
     for (uint32_t g = 0; g < groups; g++) prompt_free(&sys[g]);
     free(sys);
@@ -365,13 +364,8 @@ static pd_err build_sharegpt(const pd_lg_dataset_config *c, pd_lg_dataset *d, pd
         prompt p = {0};
         size_t ql = strlen(q);
         add_text(&p, q, ql, PD_LG_USER, (uint32_t)PD_MAX(ql / 4, (size_t)1));
-        put_prompt(r, &p);
-        prompt_free(&p);
         size_t est = PD_MIN(PD_MAX(strlen(a) / 4, (size_t)4), (size_t)4096);
-        r->output_len = c->sharegpt_output_len ? c->sharegpt_output_len : (uint32_t)est;
-        if (!r->warmup) t += next_gap(rng, c);
-        r->arrival_s = r->warmup ? 0 : t;
-        plan_abort(r, rng, c);
+        place(r, &p, c->sharegpt_output_len ? c->sharegpt_output_len : (uint32_t)est, rng, c, &t);
     }
     free(pick);
     json_decref(root);

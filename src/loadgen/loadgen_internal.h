@@ -6,6 +6,7 @@
 #define PDSERVE_LOADGEN_INTERNAL_H
 
 #include <curl/curl.h>
+#include <jansson.h>
 
 #include "pdserve/loadgen.h"
 #include "pdserve/progress.h"
@@ -15,7 +16,12 @@ typedef struct lg_buf {
     size_t len, cap;
 } lg_buf;
 
-void lg_buf_add(lg_buf *b, const char *p, size_t n);
+/* What a server may send in one answer, or one event stream's unread part
+ * (a stream without event ends): beyond it the transfer fails. */
+#define LG_BODY_MAX ((size_t)64 << 20)
+
+/* False (and nothing added) when the buffer would pass LG_BODY_MAX. */
+bool lg_buf_add(lg_buf *b, const char *p, size_t n);
 void lg_buf_free(lg_buf *b);
 double lg_now(void);
 
@@ -30,10 +36,11 @@ typedef struct lg_live {
     lg_run *run;
     uint32_t req;
     CURL *h;
-    char *send;  /* the body sent */
-    lg_buf body; /* what came back not yet consumed */
+    char *send;      /* the body sent */
+    lg_buf body;     /* what came back not yet consumed */
+    size_t searched; /* of body, bytes known to hold no event end */
     double t_send, t_last, abort_at;
-    bool abort_sent, done_marker, error_event;
+    bool abort_sent, done_marker, error_event, too_big;
     uint32_t tokens, seen_tokens, usage_tokens, prompt_tokens, cached;
     uint32_t cap_itl;
     int abort_status;
@@ -57,6 +64,7 @@ struct lg_run {
     pd_lg_results *out;
     CURLM *m;
     struct curl_slist *hdrs;
+    json_t *extra; /* --extra-request-body, parsed once; NULL: none */
     char url[600], abort_url[600], tag[24];
     double t0; /* the measured run's start (monotonic seconds) */
     lg_live **live;
@@ -67,7 +75,6 @@ struct lg_run {
     uint32_t n_ready;
     uint32_t next;        /* next independent request to send */
     uint32_t first, last; /* the phase's dataset range [first, last) */
-    uint32_t pending;     /* requests of the phase not yet ended */
     bool stop_sending;
     double next_abort_all, next_sample;
     bool sampling[PD_LG_NODES_MAX];
@@ -86,7 +93,14 @@ pd_err lg_nodes_resolve(lg_run *run, char *err, size_t cap);
 void lg_sample_start(lg_run *run, double now);
 void lg_sample_done(lg_run *run, lg_side *s, CURLcode rc, double now);
 void lg_idle_check(lg_run *run);
+/* Content-Type, no Expect, and the API key's Authorization. */
+struct curl_slist *lg_headers(const pd_lg_run_config *c);
+/* An easy handle with these headers; the answer goes to sink (bounded). */
+CURL *lg_easy_with(struct curl_slist *hdrs, const char *url, lg_buf *sink);
 CURL *lg_easy(lg_run *run, const char *url, lg_buf *sink);
+/* GET url, blocking: the answer parsed, or NULL with err saying why. */
+json_t *lg_get_json(struct curl_slist *hdrs, const char *url, double timeout_s, char *err,
+                    size_t cap);
 void lg_side_sample(lg_run *run, const char *url, int node);
 
 #endif

@@ -36,7 +36,6 @@ static bool parse_pools(json_t *info, pd_lg_node_sample *s) {
         q->req = count_of(p, "req");
         q->cache_evictable = count_of(p, "cache_evictable");
         q->cache_protected = count_of(p, "cache_protected");
-        q->cached = q->cache_evictable + q->cache_protected;
         q->quarantine = count_of(p, "quarantine");
     }
     return true;
@@ -63,11 +62,10 @@ static void node_add_sample(pd_lg_node *n, const pd_lg_node_sample *s) {
 /* ---- before the run: which nodes ----------------------------------------------------- */
 
 /* GET url/server_info, blocking; the parsed answer or NULL (err says why). */
-static json_t *get_info(lg_run *run, const char *url, double timeout_s, char *err, size_t cap) {
-    char full[600];
-    snprintf(full, sizeof(full), "%s/server_info", url);
+json_t *lg_get_json(struct curl_slist *hdrs, const char *full, double timeout_s, char *err,
+                    size_t cap) {
     lg_buf body = {0};
-    CURL *h = lg_easy(run, full, &body);
+    CURL *h = lg_easy_with(hdrs, full, &body);
     curl_easy_setopt(h, CURLOPT_TIMEOUT_MS, (long)(timeout_s * 1000));
     CURLcode rc = curl_easy_perform(h);
     long status = 0;
@@ -81,6 +79,26 @@ static json_t *get_info(lg_run *run, const char *url, double timeout_s, char *er
         snprintf(err, cap, "%.300s: the answer is not JSON", full);
     lg_buf_free(&body);
     return o;
+}
+
+static json_t *get_info(lg_run *run, const char *url, double timeout_s, char *err, size_t cap) {
+    char full[600];
+    snprintf(full, sizeof(full), "%.580s/server_info", url);
+    return lg_get_json(run->hdrs, full, timeout_s, err, cap);
+}
+
+uint32_t pd_lg_server_vocab(const pd_lg_run_config *c) {
+    char url[600], why[400];
+    snprintf(url, sizeof(url), "%.570s/get_model_info", c->base_url);
+    struct curl_slist *hdrs = lg_headers(c);
+    json_t *o = lg_get_json(hdrs, url, 10, why, sizeof(why));
+    curl_slist_free_all(hdrs);
+    json_t *v = json_object_get(o, "vocab_size");
+    uint32_t vocab = 0;
+    if (json_is_integer(v) && json_integer_value(v) > 1 && json_integer_value(v) <= INT32_MAX)
+        vocab = (uint32_t)json_integer_value(v);
+    json_decref(o);
+    return vocab;
 }
 
 static pd_err add_node(lg_run *run, const char *url, const char *role, char *err, size_t cap) {

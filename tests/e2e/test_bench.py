@@ -274,6 +274,48 @@ def test_bench_bad_input():
         serve.stop()
 
 
+class EndlessServer(http.server.BaseHTTPRequestHandler):
+    """/health answers; /generate streams 70 MiB that never end an event."""
+    protocol_version = "HTTP/1.1"
+
+    def do_GET(self):
+        self.send_response(200)
+        self.send_header("Content-Length", "2")
+        self.end_headers()
+        self.wfile.write(b"{}")
+
+    def do_POST(self):
+        self.rfile.read(int(self.headers.get("Content-Length", "0")))
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Content-Length", str(70 << 20))
+        self.end_headers()
+        chunk = b"x" * (1 << 20)
+        try:
+            for _ in range(70):
+                self.wfile.write(chunk)
+        except OSError:
+            pass
+
+    def log_message(self, *a):
+        pass
+
+
+def test_bench_bounds_an_endless_answer():
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), EndlessServer)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    tmp = tempfile.mkdtemp(prefix="pdserve-bench-big-")
+    out = os.path.join(tmp, "r.json")
+    try:
+        r = bench("--base-url", "http://127.0.0.1:%d" % srv.server_address[1], "--num-prompts", 1,
+                  "--vocab-size", 258, "--output-file", out)
+        assert r.returncode == 0, (r.returncode, r.stdout[-2000:], r.stderr[-2000:])
+        res = last_json_line(out)
+        assert res["failed"] == 1 and "passed 64 MiB" in res["errors"][0], res["errors"]
+    finally:
+        srv.shutdown()
+
+
 class EmptyInfo(FakeNode):
     def do_GET(self):
         self.send_response(200)
@@ -285,4 +327,5 @@ class EmptyInfo(FakeNode):
 if __name__ == "__main__":
     pdtest.run_tests([test_bench_same_seed_same_requests, test_bench_bad_input,
                       test_bench_run_with_aborts, test_bench_idle_check_fails_on_a_leak,
-                      test_bench_idle_check_fails_on_a_held_request, test_bench_openai_apis])
+                      test_bench_idle_check_fails_on_a_held_request, test_bench_openai_apis,
+                      test_bench_bounds_an_endless_answer])
