@@ -190,7 +190,9 @@ pd_err pd_router_create(pd_router **out, const pd_router_config *cfg, char *msg,
     return PD_OK;
 }
 
-uint16_t pd_router_port(const pd_router *r) { return r->port; }
+/* The port is written once the server runs, whose threads may already
+ * answer /server_info: read and written atomically. */
+uint16_t pd_router_port(const pd_router *r) { return __atomic_load_n(&r->port, __ATOMIC_ACQUIRE); }
 
 /* ---- ids -------------------------------------------------------------------- */
 
@@ -878,7 +880,7 @@ static bool handle_server_info(req *q) {
     const pd_router_config *k = &r->cfg;
     json_t *cfg = json_pack(
         "{s:s, s:i, s:s, s:i, s:I, s:I, s:i, s:I, s:I, s:I, s:I, s:I, s:I, s:I}", "host", k->host,
-        "port", (int)r->port, "policy", pd_router_policy_name(k->policy), "bootstrap_port",
+        "port", (int)pd_router_port(r), "policy", pd_router_policy_name(k->policy), "bootstrap_port",
         (int)k->bootstrap_port, "health_interval_ms", (json_int_t)k->health_interval_ms,
         "health_timeout_ms", (json_int_t)k->health_timeout_ms, "unhealthy_after",
         (int)r->workers.unhealthy_after, "request_timeout_ms", (json_int_t)k->request_timeout_ms,
@@ -1139,7 +1141,7 @@ pd_err pd_router_start(pd_router *r, char *msg, size_t msg_cap) {
     if (err) return err;
     err = pd_http_server_start(&r->srv, &hc, msg, msg_cap);
     if (!err) {
-        r->port = pd_http_server_port(r->srv);
+        __atomic_store_n(&r->port, pd_http_server_port(r->srv), __ATOMIC_RELEASE);
         err = rt_health_start(&r->health, &r->workers, r->cfg.health_interval_ms,
                               r->cfg.health_timeout_ms, r->cfg.connect_timeout_ms, msg, msg_cap);
         if (err) pd_http_server_stop(r->srv);
