@@ -880,14 +880,15 @@ static bool handle_server_info(req *q) {
     const pd_router_config *k = &r->cfg;
     json_t *cfg = json_pack(
         "{s:s, s:i, s:s, s:i, s:I, s:I, s:i, s:I, s:I, s:I, s:I, s:I, s:I, s:I}", "host", k->host,
-        "port", (int)pd_router_port(r), "policy", pd_router_policy_name(k->policy), "bootstrap_port",
-        (int)k->bootstrap_port, "health_interval_ms", (json_int_t)k->health_interval_ms,
-        "health_timeout_ms", (json_int_t)k->health_timeout_ms, "unhealthy_after",
-        (int)r->workers.unhealthy_after, "request_timeout_ms", (json_int_t)k->request_timeout_ms,
-        "connect_timeout_ms", (json_int_t)k->connect_timeout_ms, "abort_timeout_ms",
-        (json_int_t)k->abort_timeout_ms, "abort_grace_ms", (json_int_t)k->abort_grace_ms,
-        "max_body_bytes", (json_int_t)k->max_body_bytes, "max_response_bytes",
-        (json_int_t)k->max_response_bytes, "connections_max", (json_int_t)k->connections_max);
+        "port", (int)pd_router_port(r), "policy", pd_router_policy_name(k->policy),
+        "bootstrap_port", (int)k->bootstrap_port, "health_interval_ms",
+        (json_int_t)k->health_interval_ms, "health_timeout_ms", (json_int_t)k->health_timeout_ms,
+        "unhealthy_after", (int)r->workers.unhealthy_after, "request_timeout_ms",
+        (json_int_t)k->request_timeout_ms, "connect_timeout_ms", (json_int_t)k->connect_timeout_ms,
+        "abort_timeout_ms", (json_int_t)k->abort_timeout_ms, "abort_grace_ms",
+        (json_int_t)k->abort_grace_ms, "max_body_bytes", (json_int_t)k->max_body_bytes,
+        "max_response_bytes", (json_int_t)k->max_response_bytes, "connections_max",
+        (json_int_t)k->connections_max);
     json_object_set_new(cfg, "connections_per_ip", json_integer(k->connections_per_ip));
     json_object_set_new(cfg, "client_timeout_s", json_integer(k->client_timeout_s));
     json_t *o = json_pack("{s:s, s:s, s:o, s:b, s:o, s:o}", "role", "router", "version", PD_VERSION,
