@@ -306,7 +306,7 @@ static enum MHD_Result handle_generate(fw_req *q, struct MHD_Connection *c) {
      * find it (the abort answered 404 for a request counted but not yet
      * live, one CI run in many). */
     bool goes_live = !q->b.close && !(q->b.generate_status && q->b.generate_status != 200) &&
-                     !(q->b.garbage && !stream);
+        !(q->b.garbage && !stream);
     if (goes_live) q->lv = live_add_locked(fw, rid);
     if (fw->generates < RECORDS_MAX) {
         fw->bodies[fw->generates] = body ? json_incref(body) : json_null();
