@@ -12,8 +12,10 @@
  *       usable only from the root down);
  *   C2  a node with neither device nor host pages does not exist;
  *   C3  a snapshot lives only on a device node, at the node's end;
- *   C4  lock_ref(node) >= sum of lock_ref(children): a lock covers the path
- *       from a node to the root; mamba_lock > 0 implies lock_ref > 0.
+ *   C4  a lock covers the path from its node to the root: a node is locked
+ *       exactly when a lock is held on it or on a descendant (its lock_ref,
+ *       the locks covering it, is >= the sum of its children's);
+ *       mamba_lock > 0 implies the node is locked.
  *
  * Ownership. Every unit the cache holds is CACHE_PROTECTED in the ledger while
  * its node (for KV and host pages) or its snapshot (for Mamba slots) is
@@ -122,15 +124,18 @@ pd_err pd_cache_match(pd_cache *c, const int32_t *tokens, uint32_t n_tokens,
                       uint32_t *pages, uint32_t pages_cap, pd_cache_match_result *out);
 
 /* Lock / unlock the path from node to the root (protects it from eviction).
- * Unlocking a node that is not locked, or releasing the last lock of a node
- * whose snapshot is still locked, is PD_ERR_STATE. */
+ * Unlocking a node on which no lock was taken (a lock held below it does not
+ * count: it is not this one), or releasing the last lock of a node whose
+ * snapshot is still locked, is PD_ERR_STATE. Both cost the nodes whose lock
+ * state changes, not the path to the root. */
 pd_err pd_cache_lock(pd_cache *c, pd_cnode node);
 pd_err pd_cache_unlock(pd_cache *c, pd_cnode node);
 /* Moves one lock from a node to the node `to` below it on the same path (or
  * to itself): the same as pd_cache_lock(to) then pd_cache_unlock(from) —
  * the same locks, units, lists and clock — but it walks only the nodes
- * between the two, not up to the root. from must be locked; to must be from
- * or a descendant of it, else PD_ERR_INVALID and nothing changes. */
+ * between the two, not up to the root. A lock must have been taken on from
+ * (else PD_ERR_STATE); to must be from or a descendant of it, else
+ * PD_ERR_INVALID and nothing changes. */
 pd_err pd_cache_lock_move(pd_cache *c, pd_cnode from, pd_cnode to);
 /* Lock / unlock the snapshot at node; the node must be locked. */
 pd_err pd_cache_mamba_lock(pd_cache *c, pd_cnode node);
@@ -225,7 +230,9 @@ typedef struct pd_cnode_info {
     uint32_t end_tokens;       /* prefix length at the node's end */
     uint32_t pages;
     bool on_dev, on_host, loading;
-    uint32_t lock_ref, mamba_lock;
+    uint32_t lock_ref; /* locks covering it: taken on it or below it */
+    uint32_t locks;    /* locks taken on the node itself */
+    uint32_t mamba_lock;
     uint32_t mamba_slot;       /* PD_POOL_NONE if none */
     uint64_t stamp_dev, stamp_host, stamp_mamba;
     const int32_t *prefix;     /* tokens[0..end_tokens), valid during the call */

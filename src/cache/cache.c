@@ -20,6 +20,15 @@
  *            its match, the next turn of a conversation) hashes nothing.
  *   lists    three LRU lists (device, host, snapshot), pd_lists threaded
  *            through the nodes; see the header for their ordering rule.
+ *   locks    path-compressed (issue 13): locks[n] counts the locks taken on
+ *            n itself, and lock_ref(n) = locks[n] + the number of n's
+ *            children with lock_ref > 0. A node is locked (lock_ref > 0)
+ *            exactly when a lock is held on it or below it, as if every lock
+ *            counted on every node up to the root, but a lock or unlock
+ *            walks up only while a node's lock state changes: it stops at
+ *            the first node that was locked already (or stays locked), not
+ *            at the root. The locks covering a node, what the inspection
+ *            reports as lock_ref, are summed by pd_cache_walk.
  *
  * Sizes: entries_max = kv pages + host pages (every entry holds at least one
  * of them), nodes_max = entries_max + 1, the child index for nodes_max
@@ -103,9 +112,10 @@ struct pd_cache {
     uint64_t clock;
     pd_cache_stats stats;
 
-    uint32_t *scratch_a, *scratch_b;   /* entries_max each */
-    uint32_t *stack;                   /* nodes_max */
-    uint32_t *pos_of;                  /* nodes_max, pd_cache_verify only */
+    uint32_t *scratch_a, *scratch_b; /* entries_max each */
+    uint32_t *stack;                 /* nodes_max */
+    uint32_t *locks;                 /* nodes_max: locks taken on each node itself */
+    uint32_t *pos_of;                /* nodes_max, pd_cache_verify only */
 };
 
 /* ---- small helpers ------------------------------------------------------- */
@@ -406,6 +416,7 @@ static uint32_t node_alloc(pd_cache *c) {
     n->hot_child = PD_NONE;
     for (int l = 0; l < L__COUNT; l++) pd_link_init(&n->lru[l]);
     n->live = true;
+    c->locks[id] = 0;
     c->nodes_live++;
     return id;
 }
@@ -477,7 +488,9 @@ static uint32_t split(pd_cache *c, uint32_t id, uint32_t k) {
     p->on_dev = n->on_dev;
     p->on_host = n->on_host;
     p->loading = n->loading;
-    p->lock_ref = n->lock_ref;
+    /* No lock is taken on P itself; its one child, id, is locked or not. */
+    p->lock_ref = n->lock_ref > 0 ? 1 : 0;
+    c->locks[pid] = 0;
     for (int l = 0; l < L__COUNT; l++) p->lstamp[l] = n->lstamp[l];
 
     /* P takes id's key in the child table (same parent, same first page). */
@@ -598,9 +611,10 @@ static bool arrays_alloc(pd_cache *c) {
     c->scratch_a = calloc(c->entries_max, sizeof(uint32_t));
     c->scratch_b = calloc(c->entries_max, sizeof(uint32_t));
     c->stack = calloc(c->nodes_max, sizeof(uint32_t));
+    c->locks = calloc(c->nodes_max, sizeof(uint32_t));
     c->pos_of = calloc(c->nodes_max, sizeof(uint32_t));
     return c->pos_of && c->nodes && c->ent_tokens && c->ent_dev && c->ent_host && c->ent_next &&
-        c->tickets && c->scratch_a && c->scratch_b && c->stack;
+        c->tickets && c->scratch_a && c->scratch_b && c->stack && c->locks;
 }
 
 /* An empty cache: the hash table empty, every entry and node on its free
@@ -666,6 +680,7 @@ void pd_cache_destroy(pd_cache *c) {
     free(c->scratch_a);
     free(c->scratch_b);
     free(c->stack);
+    free(c->locks);
     free(c->pos_of);
     free(c);
 }
@@ -753,64 +768,81 @@ static void path_units_move(pd_cache *c, uint32_t n_dev, uint32_t n_host, pd_uni
     units_move(c, R_HOST, c->scratch_b, n_host, from, PD_OWNER_CACHE, to, PD_OWNER_CACHE);
 }
 
+/* One more locked child (or, at the node locked, one more lock on it) for id
+ * and up: every node that was unlocked becomes locked and its parent gains a
+ * locked child, until a node that was locked already. */
+static void lock_up(pd_cache *c, uint32_t id, uint32_t *n_dev, uint32_t *n_host) {
+    for (;;) {
+        cnode *n = N(c, id);
+        if (n->lock_ref++ > 0 || id == PD_CNODE_ROOT) return;
+        node_lock_changed(c, id, n_dev, n_host);
+        id = n->parent;
+    }
+}
+
 pd_err pd_cache_lock(pd_cache *c, pd_cnode node) {
     if (!c || node >= c->nodes_max || !N(c, node)->live) return PD_ERR_NOTFOUND;
     c->clock++;
     uint32_t n_dev = 0, n_host = 0;
-    for (uint32_t id = node; id != PD_CNODE_ROOT; id = N(c, id)->parent) {
-        cnode *n = N(c, id);
-        if (n->lock_ref++ == 0) node_lock_changed(c, id, &n_dev, &n_host);
-    }
+    c->locks[node]++;
+    lock_up(c, node, &n_dev, &n_host);
     path_units_move(c, n_dev, n_host, PD_UNIT_CACHE_EVICTABLE, PD_UNIT_CACHE_PROTECTED);
-    N(c, PD_CNODE_ROOT)->lock_ref++;
+    PD_ASSERT(N(c, PD_CNODE_ROOT)->lock_ref > 0);
     return PD_OK;
 }
 
 pd_err pd_cache_unlock(pd_cache *c, pd_cnode node) {
     if (!c || node >= c->nodes_max || !N(c, node)->live) return PD_ERR_NOTFOUND;
-    /* Validate the path first: all or nothing. Above a node locked twice or
-     * more, every ancestor is too (C4) and cannot fail: the check stops
-     * there. */
+    if (c->locks[node] == 0) return PD_ERR_STATE; /* no lock taken on this node */
+    /* Validate first, all or nothing: the nodes this unlock leaves unlocked
+     * are those from node up whose lock_ref is 1 (the first one above 1
+     * stays locked, and so does every ancestor of it). None may hold a
+     * locked snapshot or a load in flight. */
     for (uint32_t id = node; id != PD_CNODE_ROOT; id = N(c, id)->parent) {
-        cnode *n = N(c, id);
+        const cnode *n = N(c, id);
+        PD_ASSERT(n->lock_ref > 0);
         if (n->lock_ref >= 2) break;
-        if (n->lock_ref == 0) return PD_ERR_STATE;
-        if (n->lock_ref == 1 && (n->mamba_lock > 0 || n->loading != PD_NONE)) return PD_ERR_STATE;
+        if (n->mamba_lock > 0 || n->loading != PD_NONE) return PD_ERR_STATE;
     }
-    if (N(c, PD_CNODE_ROOT)->lock_ref == 0) return PD_ERR_STATE;
     c->clock++;
+    c->locks[node]--;
     uint32_t n_dev = 0, n_host = 0;
-    for (uint32_t id = node; id != PD_CNODE_ROOT; id = N(c, id)->parent) {
+    for (uint32_t id = node;; id = N(c, id)->parent) {
         cnode *n = N(c, id);
-        if (--n->lock_ref > 0) continue;
+        PD_ASSERT(n->lock_ref > 0);
+        if (--n->lock_ref > 0 || id == PD_CNODE_ROOT) break;
         node_lock_changed(c, id, &n_dev, &n_host);
         /* Releasing the last lock counts as a use: the node joins the tail. */
         for (int l = 0; l < L__COUNT; l++)
             if (n->in_list[l]) list_to_tail(c, l, id);
     }
     path_units_move(c, n_dev, n_host, PD_UNIT_CACHE_PROTECTED, PD_UNIT_CACHE_EVICTABLE);
-    N(c, PD_CNODE_ROOT)->lock_ref--;
     return PD_OK;
 }
 
 pd_err pd_cache_lock_move(pd_cache *c, pd_cnode from, pd_cnode to) {
     if (!c || from >= c->nodes_max || to >= c->nodes_max || !N(c, from)->live || !N(c, to)->live)
         return PD_ERR_NOTFOUND;
-    if (N(c, from)->lock_ref == 0 || N(c, PD_CNODE_ROOT)->lock_ref == 0) return PD_ERR_STATE;
+    if (c->locks[from] == 0) return PD_ERR_STATE;
     /* to must be from or below it: walk up from to while deeper than from. */
     uint32_t end = N(c, from)->end_pages, id = to;
     while (id != PD_CNODE_ROOT && N(c, id)->end_pages > end) id = N(c, id)->parent;
     if (id != from) return PD_ERR_INVALID;
     /* What pd_cache_lock(to) then pd_cache_unlock(from) would do: from and
-     * its ancestors stay locked throughout (no lock_ref of theirs crosses 0,
-     * so neither their units nor their list places change); only the nodes
-     * below from gain a lock. Both calls advance the clock. */
+     * its ancestors stay locked throughout (no lock state of theirs changes,
+     * so neither their units nor their list places do); only nodes below
+     * from may become locked, and the walk up from to stops at the first
+     * node locked already, from at the latest. Both calls advance the clock. */
     c->clock += 2;
     uint32_t n_dev = 0, n_host = 0;
-    for (id = to; id != from; id = N(c, id)->parent) {
-        cnode *n = N(c, id);
-        if (n->lock_ref++ == 0) node_lock_changed(c, id, &n_dev, &n_host);
-    }
+    c->locks[to]++;
+    lock_up(c, to, &n_dev, &n_host);
+    c->locks[from]--;
+    cnode *f = N(c, from);
+    /* from keeps a locked child on the path to to (or, to == from, the lock
+     * just added): the lock taken from it leaves it locked. */
+    PD_ASSERT(f->lock_ref >= 2);
+    f->lock_ref--;
     path_units_move(c, n_dev, n_host, PD_UNIT_CACHE_EVICTABLE, PD_UNIT_CACHE_PROTECTED);
     return PD_OK;
 }
@@ -1273,13 +1305,25 @@ uint32_t pd_cache_node_prefix(const pd_cache *c, pd_cnode node, int32_t *buf,
     return len;
 }
 
+/* cover[id] = the locks covering node id: those taken on it or below it
+ * (what lock_ref counted before it was path-compressed). */
+static void covering_locks(const pd_cache *c, uint32_t *cover) {
+    memset(cover, 0, (size_t)c->nodes_max * sizeof(uint32_t));
+    for (uint32_t id = 0; id < c->nodes_max; id++) {
+        if (!c->nodes[id].live || c->locks[id] == 0) continue;
+        for (uint32_t up = id; up != PD_NONE; up = c->nodes[up].parent) cover[up] += c->locks[id];
+    }
+}
+
 void pd_cache_walk(pd_cache *c, void (*fn)(void *ctx, const pd_cnode_info *),
                    void *ctx) {
     size_t max_tokens = (size_t)c->entries_max * c->page_size + 1;
     int32_t *prefix = malloc(max_tokens * sizeof(int32_t));
     uint32_t *dev = malloc(((size_t)c->entries_max + 1) * sizeof(uint32_t));
     uint32_t *host = malloc(((size_t)c->entries_max + 1) * sizeof(uint32_t));
-    PD_ASSERT(prefix && dev && host);
+    uint32_t *cover = malloc((size_t)c->nodes_max * sizeof(uint32_t));
+    PD_ASSERT(prefix && dev && host && cover);
+    covering_locks(c, cover);
     /* Iterative pre-order DFS; a node's prefix is rebuilt from its entries
      * into prefix[] at its depth (parents are visited first). */
     uint32_t sp = 0;
@@ -1304,7 +1348,8 @@ void pd_cache_walk(pd_cache *c, void (*fn)(void *ctx, const pd_cnode_info *),
             .on_dev = n->on_dev,
             .on_host = n->on_host,
             .loading = n->loading != PD_NONE,
-            .lock_ref = n->lock_ref,
+            .lock_ref = cover[id],
+            .locks = c->locks[id],
             .mamba_lock = n->mamba_lock,
             .mamba_slot = n->mamba_slot == PD_NONE ? PD_POOL_NONE : n->mamba_slot,
             .stamp_dev = n->lstamp[L_DEV],
@@ -1321,6 +1366,7 @@ void pd_cache_walk(pd_cache *c, void (*fn)(void *ctx, const pd_cnode_info *),
     free(prefix);
     free(dev);
     free(host);
+    free(cover);
 }
 
 #define VFAIL(...) return pd_errorf(msg, msg_cap, PD_ERR_INTERNAL, __VA_ARGS__)
@@ -1355,21 +1401,21 @@ typedef struct verify_tally {
     uint32_t in_list[L__COUNT];          /* nodes flagged in each list */
 } verify_tally;
 
-/* Node id's children: their parent links, the recorded child counts, C4
- * (a node is locked at least as often as its children together); each child
- * is pushed on the walk's stack. */
+/* Node id's children: their parent links, the recorded child counts, C4 in
+ * its compressed form (lock_ref is the locks taken on the node plus its
+ * locked children); each child is pushed on the walk's stack. */
 static pd_err verify_children(pd_cache *c, uint32_t id, uint32_t *sp, char *msg,
                               size_t msg_cap) {
     cnode *n = N(c, id);
     uint32_t kids = 0, dev_kids = 0, prev = PD_NONE;
-    uint64_t kid_locks = 0;
+    uint64_t kids_locked = 0;
     for (uint32_t ch = n->kids.head; ch != PD_NONE; prev = ch, ch = N(c, ch)->sib.next) {
         cnode *k = N(c, ch);
         if (k->parent != id) VFAIL("node %u: child %u has parent %u", id, ch, k->parent);
         if (k->sib.prev != prev) VFAIL("node %u: sibling list broken at child %u", id, ch);
         kids++;
         dev_kids += k->on_dev;
-        kid_locks += k->lock_ref;
+        kids_locked += k->lock_ref > 0;
         if (*sp >= c->nodes_max) VFAIL("cycle below node %u", id);
         c->stack[(*sp)++] = ch;
     }
@@ -1378,9 +1424,9 @@ static pd_err verify_children(pd_cache *c, uint32_t id, uint32_t *sp, char *msg,
     if (dev_kids != n->n_dev_children)
         VFAIL("node %u: %u device children counted, %u recorded", id, dev_kids,
               n->n_dev_children);
-    if (n->lock_ref < kid_locks)
-        VFAIL("node %u: lock_ref %u < children's %llu (C4)", id, n->lock_ref,
-              (unsigned long long)kid_locks);
+    if (n->lock_ref != c->locks[id] + kids_locked)
+        VFAIL("node %u: lock_ref %u, but %u locks on it and %llu locked children (C4)", id,
+              n->lock_ref, c->locks[id], (unsigned long long)kids_locked);
     uint32_t hot = n->hot_child;
     if (hot != PD_NONE &&
         (hot >= c->nodes_max || !c->nodes[hot].live || c->nodes[hot].parent != id ||
