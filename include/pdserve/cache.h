@@ -140,6 +140,11 @@ pd_err pd_cache_lock_move(pd_cache *c, pd_cnode from, pd_cnode to);
 /* Lock / unlock the snapshot at node; the node must be locked. */
 pd_err pd_cache_mamba_lock(pd_cache *c, pd_cnode node);
 pd_err pd_cache_mamba_unlock(pd_cache *c, pd_cnode node);
+/* What pd_cache_mamba_lock then pd_cache_mamba_unlock do — the same clock,
+ * list place and stamp — without the two ledger moves that cancel out: for
+ * a caller that reads the snapshot synchronously (nothing can evict it
+ * before the read ends) and holds the node locked. The same errors. */
+pd_err pd_cache_mamba_touch(pd_cache *c, pd_cnode node);
 
 typedef struct pd_cache_insert_result {
     pd_cnode node;           /* node ending at covered_tokens */
@@ -176,6 +181,20 @@ pd_err pd_cache_insert(pd_cache *c, const int32_t *tokens, uint32_t n_tokens,
 pd_err pd_cache_insert_from(pd_cache *c, pd_cnode start, const int32_t *tokens, uint32_t n_tokens,
                             uint32_t *pages, pd_owner owner, uint32_t mamba_slot, uint32_t *dup_out,
                             pd_cache_insert_result *res);
+
+/* pd_cache_insert_from, then the lock the caller took on start moved down
+ * to the node the insert ended at if that is below start
+ * (pd_cache_lock_move(start, res->node)):
+ * the same nodes, pages, units, lists and clock, in one walk. The node the
+ * insert creates is created holding the lock (its pages go straight to
+ * CACHE_PROTECTED instead of through the device list and back). PD_ERR_INVALID,
+ * and nothing changes, unless start is a valid start of pd_cache_insert_from
+ * (not the root, a device node ending within n_tokens > 0 whose pages are
+ * pages[] at its positions) with a lock taken on it: the caller then inserts
+ * and moves its lock apart. */
+pd_err pd_cache_insert_locked(pd_cache *c, pd_cnode start, const int32_t *tokens, uint32_t n_tokens,
+                              uint32_t *pages, pd_owner owner, uint32_t mamba_slot,
+                              uint32_t *dup_out, pd_cache_insert_result *res);
 
 /* Frees least recently used unlocked device leaves until at least
  * pages_needed device pages were freed or nothing evictable is left.

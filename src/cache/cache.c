@@ -820,6 +820,33 @@ pd_err pd_cache_unlock(pd_cache *c, pd_cnode node) {
     return PD_OK;
 }
 
+/* A lock taken on from moves to to, from or a node below it: what
+ * pd_cache_lock(to) then pd_cache_unlock(from) would do. from and its
+ * ancestors stay locked throughout (no lock state of theirs changes, so
+ * neither their units nor their list places do); only nodes below from may
+ * become locked, and the walk up from to stops at the first node locked
+ * already, from at the latest. Both calls advance the clock. created: to was
+ * just created holding the lock (insert_new_node), its parent not told yet. */
+static void lock_moved_down(pd_cache *c, uint32_t from, uint32_t to, bool created) {
+    c->clock += 2;
+    uint32_t n_dev = 0, n_host = 0;
+    if (created) {
+        PD_ASSERT(to != from && c->locks[to] == 1 && N(c, to)->lock_ref == 1);
+        lock_up(c, N(c, to)->parent, &n_dev, &n_host);
+    } else {
+        c->locks[to]++;
+        lock_up(c, to, &n_dev, &n_host);
+    }
+    PD_ASSERT(c->locks[from] > 0);
+    c->locks[from]--;
+    cnode *f = N(c, from);
+    /* from keeps a locked child on the path to to (or, to == from, the lock
+     * just added): the lock taken from it leaves it locked. */
+    PD_ASSERT(f->lock_ref >= 2);
+    f->lock_ref--;
+    path_units_move(c, n_dev, n_host, PD_UNIT_CACHE_EVICTABLE, PD_UNIT_CACHE_PROTECTED);
+}
+
 pd_err pd_cache_lock_move(pd_cache *c, pd_cnode from, pd_cnode to) {
     if (!c || from >= c->nodes_max || to >= c->nodes_max || !N(c, from)->live || !N(c, to)->live)
         return PD_ERR_NOTFOUND;
@@ -828,22 +855,7 @@ pd_err pd_cache_lock_move(pd_cache *c, pd_cnode from, pd_cnode to) {
     uint32_t end = N(c, from)->end_pages, id = to;
     while (id != PD_CNODE_ROOT && N(c, id)->end_pages > end) id = N(c, id)->parent;
     if (id != from) return PD_ERR_INVALID;
-    /* What pd_cache_lock(to) then pd_cache_unlock(from) would do: from and
-     * its ancestors stay locked throughout (no lock state of theirs changes,
-     * so neither their units nor their list places do); only nodes below
-     * from may become locked, and the walk up from to stops at the first
-     * node locked already, from at the latest. Both calls advance the clock. */
-    c->clock += 2;
-    uint32_t n_dev = 0, n_host = 0;
-    c->locks[to]++;
-    lock_up(c, to, &n_dev, &n_host);
-    c->locks[from]--;
-    cnode *f = N(c, from);
-    /* from keeps a locked child on the path to to (or, to == from, the lock
-     * just added): the lock taken from it leaves it locked. */
-    PD_ASSERT(f->lock_ref >= 2);
-    f->lock_ref--;
-    path_units_move(c, n_dev, n_host, PD_UNIT_CACHE_EVICTABLE, PD_UNIT_CACHE_PROTECTED);
+    lock_moved_down(c, from, to, false);
     return PD_OK;
 }
 
@@ -863,6 +875,19 @@ static pd_err mamba_lock_change(pd_cache *c, pd_cnode node, int delta) {
     return PD_OK;
 }
 
+pd_err pd_cache_mamba_touch(pd_cache *c, pd_cnode node) {
+    if (!c || node >= c->nodes_max || !N(c, node)->live || node == PD_CNODE_ROOT)
+        return PD_ERR_NOTFOUND;
+    cnode *n = N(c, node);
+    if (n->mamba_slot == PD_NONE) return PD_ERR_NOTFOUND;
+    if (n->lock_ref == 0) return PD_ERR_STATE;
+    c->clock += 2;
+    /* Unlocked by others, the snapshot leaves its list at the lock and joins
+     * its tail at the unlock, stamped then; locked, only the clock moves. */
+    if (n->mamba_lock == 0) list_to_tail(c, L_MAMBA, node);
+    return PD_OK;
+}
+
 pd_err pd_cache_mamba_lock(pd_cache *c, pd_cnode node) {
     return mamba_lock_change(c, node, +1);
 }
@@ -874,10 +899,14 @@ pd_err pd_cache_mamba_unlock(pd_cache *c, pd_cnode node) {
 /* ---- insert ---------------------------------------------------------------- */
 
 /* The rest of the prompt, pages [pos, n_pages), is new: one child of parent
- * holding the caller's pages, which move from the request to the cache. */
+ * holding the caller's pages, which move from the request to the cache.
+ * locked: the caller's lock is moving onto it (insert_walk's move_lock): it
+ * is created holding that lock, its units go straight to CACHE_PROTECTED
+ * and it never enters the device list; its parent learns of its locked
+ * child when the lock move ends (lock_moved_down). */
 static uint32_t insert_new_node(pd_cache *c, uint32_t parent, const int32_t *tokens,
                                 const uint32_t *pages, uint32_t pos, uint32_t n_pages,
-                                pd_owner owner, uint64_t h) {
+                                pd_owner owner, uint64_t h, bool locked) {
     uint32_t id = node_alloc(c);
     cnode *n = N(c, id);
     uint32_t prev = PD_NONE;
@@ -892,8 +921,13 @@ static uint32_t insert_new_node(pd_cache *c, uint32_t parent, const int32_t *tok
     n->n_pages = n_pages - pos;
     n->end_pages = n_pages;
     n->on_dev = true;
-    units_move(c, R_KV, pages + pos, n->n_pages, PD_UNIT_REQ, owner,
-               PD_UNIT_CACHE_EVICTABLE, PD_OWNER_CACHE);
+    n->lock_ref = c->locks[id] = locked ? 1 : 0;
+    /* The stamp it would have had from the device list it skips (unread
+     * while it is locked; pd_cache_walk reports it): bit for bit the state
+     * of an insert then a lock move. */
+    n->lstamp[L_DEV] = c->clock;
+    units_move(c, R_KV, pages + pos, n->n_pages, PD_UNIT_REQ, owner, lock_state(n->lock_ref),
+               PD_OWNER_CACHE);
     child_link(c, parent, id);
     ht_insert_hashed(c, id, h); /* h: the child key of its first page under parent */
     relist(c, id);
@@ -933,17 +967,22 @@ static bool insert_start_ok(pd_cache *c, uint32_t start, const uint32_t *pages, 
     return true;
 }
 
-/* The insert's walk from node (ending at page pos) down to n_pages. */
+/* The insert's walk from node (ending at page pos) down to n_pages. With
+ * move_lock, a lock taken on the starting node moves to the node the insert
+ * ends at if that is below it (pd_cache_insert_locked). */
 static pd_err insert_walk(pd_cache *c, uint32_t node, uint32_t pos, const int32_t *tokens,
                           uint32_t n_pages, uint32_t *pages, pd_owner owner, uint32_t mamba_slot,
-                          uint32_t *dup_out, pd_cache_insert_result *res) {
+                          uint32_t *dup_out, bool move_lock, pd_cache_insert_result *res) {
     pd_cache_insert_result r = {.node = PD_CNODE_ROOT};
+    uint32_t from = node;
+    bool created_locked = false;
     while (pos < n_pages) {
         const int32_t *q = tokens + (size_t)pos * c->page_size;
         uint64_t h = 0;
         uint32_t child = child_find(c, node, q, &h);
         if (child == PD_NONE) {
-            node = insert_new_node(c, node, tokens, pages, pos, n_pages, owner, h);
+            node = insert_new_node(c, node, tokens, pages, pos, n_pages, owner, h, move_lock);
+            created_locked = move_lock;
             pos = n_pages;
             break;
         }
@@ -978,6 +1017,7 @@ static pd_err insert_walk(pd_cache *c, uint32_t node, uint32_t pos, const int32_
         r.mamba_taken = true;
     }
     touch_path(c, node);
+    if (move_lock && node != from) lock_moved_down(c, from, node, created_locked);
     *res = r;
     return PD_OK;
 }
@@ -993,7 +1033,23 @@ pd_err pd_cache_insert_from(pd_cache *c, pd_cnode start, const int32_t *tokens, 
     uint32_t pos = 0;
     if (n_pages > 0 && insert_start_ok(c, start, pages, n_pages)) pos = N(c, start)->end_pages;
     else start = PD_CNODE_ROOT;
-    return insert_walk(c, start, pos, tokens, n_pages, pages, owner, mamba_slot, dup_out, res);
+    return insert_walk(c, start, pos, tokens, n_pages, pages, owner, mamba_slot, dup_out, false,
+                       res);
+}
+
+pd_err pd_cache_insert_locked(pd_cache *c, pd_cnode start, const int32_t *tokens, uint32_t n_tokens,
+                              uint32_t *pages, pd_owner owner, uint32_t mamba_slot,
+                              uint32_t *dup_out, pd_cache_insert_result *res) {
+    if (!c || !res || n_tokens % c->page_size != 0 || n_tokens == 0) return PD_ERR_INVALID;
+    if (!tokens || !pages || !dup_out) return PD_ERR_INVALID;
+    if (mamba_slot != PD_POOL_NONE && c->pool_id[R_MAMBA] < 0) return PD_ERR_INVALID;
+    uint32_t n_pages = n_tokens / c->page_size;
+    /* The walk must start at start (so that it ends at start or below) and a
+     * lock must have been taken there; otherwise nothing changes. */
+    if (!insert_start_ok(c, start, pages, n_pages) || c->locks[start] == 0) return PD_ERR_INVALID;
+    c->clock++;
+    return insert_walk(c, start, N(c, start)->end_pages, tokens, n_pages, pages, owner, mamba_slot,
+                       dup_out, true, res);
 }
 
 pd_err pd_cache_insert(pd_cache *c, const int32_t *tokens, uint32_t n_tokens, uint32_t *pages,

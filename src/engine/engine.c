@@ -292,15 +292,36 @@ void eng_cache_lock(pd_engine *e, req *r, pd_cnode node) {
     r->holds_kv = true;
 }
 
+/* What follows an insert of r's pages: duplicates freed, own_from moved,
+ * a track slot the cache took forgotten. */
+static void cache_insert_done(pd_engine *e, req *r, const pd_cache_insert_result *res,
+                              uint32_t snapshot_slot) {
+    uint32_t ps = e->cfg.page_size;
+    if (res->dup_pages)
+        LEDGER_MUST(
+            e, pd_ledger_free(e->ledger, e->kv_id, e->dups, res->dup_pages, PD_UNIT_REQ, r->owner));
+    uint32_t covered = res->covered_tokens / ps;
+    PD_ASSERTF(covered >= r->own_from, "insert covered %u pages, below the %u already cached",
+               covered, r->own_from);
+    r->own_from = covered;
+    /* A track slot the cache took is the cache's now: r forgets it, and its
+     * next snapshot allocates a new one. */
+    if (res->mamba_taken) {
+        int track = r->mamba_track[0] == snapshot_slot ? 0 : 1;
+        PD_ASSERTF(snapshot_slot != PD_NONE && r->mamba_track[track] == snapshot_slot,
+                   "the cache took Mamba slot %u, not a track slot of %s", snapshot_slot, r->rid);
+        r->mamba_track[track] = PD_NONE;
+    }
+}
+
 /* The insert of eng_cache_insert without the lock move: pages[0, tokens/ps)
  * (+ snapshot) go into the cache, duplicates are freed, own_from follows.
- * Returns the node the insert ended at. */
+ * Returns the node the insert ended at. The caller reports the insert. */
 static pd_cnode cache_insert_pages(pd_engine *e, req *r, uint32_t tokens, uint32_t snapshot_slot) {
     PD_ASSERT(e->cache);
     uint32_t ps = e->cfg.page_size;
     uint32_t n = tokens / ps;
     PD_ASSERT(n <= r->n_pages);
-    eng_act(e, r, PD_ACT_INSERT, false, n * ps);
     pd_cache_insert_result res;
     /* From the node r holds locked: the walk from the root to it would only
      * find r's pages there the cache's already (the cache checks and falls
@@ -308,25 +329,27 @@ static pd_cnode cache_insert_pages(pd_engine *e, req *r, uint32_t tokens, uint32
     pd_cnode start = r->holds_lock ? r->lock_node : PD_CNODE_ROOT;
     PD_MUST(pd_cache_insert_from(e->cache, start, r->prompt, n * ps, r->pages, r->owner,
                                  snapshot_slot, e->dups, &res));
-    if (res.dup_pages)
-        LEDGER_MUST(e, pd_ledger_free(e->ledger, e->kv_id, e->dups, res.dup_pages,
-                                      PD_UNIT_REQ, r->owner));
-    uint32_t covered = res.covered_tokens / ps;
-    PD_ASSERTF(covered >= r->own_from, "insert covered %u pages, below the %u already cached",
-               covered, r->own_from);
-    r->own_from = covered;
-    /* A track slot the cache took is the cache's now: r forgets it, and its
-     * next snapshot allocates a new one. */
-    if (res.mamba_taken) {
-        int track = r->mamba_track[0] == snapshot_slot ? 0 : 1;
-        PD_ASSERTF(snapshot_slot != PD_NONE && r->mamba_track[track] == snapshot_slot,
-                   "the cache took Mamba slot %u, not a track slot of %s", snapshot_slot, r->rid);
-        r->mamba_track[track] = PD_NONE;
-    }
+    cache_insert_done(e, r, &res, snapshot_slot);
     return res.node;
 }
 
 void eng_cache_insert(pd_engine *e, req *r, uint32_t tokens, uint32_t snapshot_slot) {
+    uint32_t ps = e->cfg.page_size, whole = tokens / ps * ps;
+    PD_ASSERT(e->cache && tokens / ps <= r->n_pages);
+    eng_act(e, r, PD_ACT_INSERT, false, whole);
+    if (r->holds_lock) {
+        /* The usual case: the insert starts at the node r holds locked and
+         * its lock moves down to the end in the same walk. */
+        pd_cache_insert_result res;
+        pd_err err = pd_cache_insert_locked(e->cache, r->lock_node, r->prompt, whole, r->pages,
+                                            r->owner, snapshot_slot, e->dups, &res);
+        PD_ASSERTF(err == PD_OK || err == PD_ERR_INVALID, "insert: %s", pd_err_name(err));
+        if (err == PD_OK) {
+            cache_insert_done(e, r, &res, snapshot_slot);
+            r->lock_node = res.node;
+            return;
+        }
+    }
     pd_cnode node = cache_insert_pages(e, r, tokens, snapshot_slot);
     /* The request's lock moves down to the new node: lock first, then let go
      * of the old one, so the path is never unprotected. */
@@ -419,8 +442,12 @@ static void insert_finished_prompt(pd_engine *e, req *r, bool quarantine) {
     r->final_snap = PD_NONE;
     bool nothing_new = whole <= r->own_from * ps && snap == PD_NONE && r->holds_lock;
     if (whole == 0 || nothing_new) return;
-    if (quarantine) eng_cache_insert(e, r, whole, snap);
-    else (void)cache_insert_pages(e, r, whole, snap);
+    if (quarantine) {
+        eng_cache_insert(e, r, whole, snap);
+    } else {
+        eng_act(e, r, PD_ACT_INSERT, false, whole);
+        (void)cache_insert_pages(e, r, whole, snap);
+    }
 }
 
 static void release_meta_row(pd_engine *e, req *r, bool quarantine) {

@@ -252,12 +252,13 @@ static int admit(pd_engine *e, req *r) {
         PD_MUST(eng_alloc_slot(e, e->mamba_id, r->owner, &r->mamba_run));
         r->holds_mamba = true;
         if (use > 0) {
-            /* Resume from the cached snapshot: copy it into the running slot
-             * while it is locked. The request now holds a Mamba slot before
-             * any KV page of its own. */
-            PD_MUST(pd_cache_mamba_lock(e->cache, node));
+            /* Resume from the cached snapshot: copy it into the running slot.
+             * The copy is synchronous, so nothing can evict the snapshot
+             * during it: the snapshot's lock and unlock around it are only
+             * their effect on recency (pd_cache_mamba_touch). The request now
+             * holds a Mamba slot before any KV page of its own. */
+            PD_MUST(pd_cache_mamba_touch(e->cache, node));
             PD_MUST(e->exec.vt->copy_state(e->exec.self, r->mamba_run, snap_slot));
-            PD_MUST(pd_cache_mamba_unlock(e->cache, node));
         }
     }
     r->n_pages = r->own_from = use / ps;

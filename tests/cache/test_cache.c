@@ -545,23 +545,41 @@ static uint64_t cache_state(cfx *f) {
     return h;
 }
 
+/* How chunk_insert inserts and moves the lock. */
+enum { BY_ROOT, BY_MOVE, BY_LOCKED };
+static uint32_t g_locked_inserts; /* chunk inserts pd_cache_insert_locked took */
+
 /* One chunk of a request: pages [from, to) computed, then inserted and the
- * lock moved down; `fast` with pd_cache_insert_from and pd_cache_lock_move,
- * otherwise from the root with a lock and an unlock. */
-static void chunk_insert(cfx *f, bool fast, pd_owner owner, const int32_t *t, uint32_t *pages,
+ * lock moved down: BY_ROOT from the root with a lock and an unlock, BY_MOVE
+ * with pd_cache_insert_from and pd_cache_lock_move, BY_LOCKED with
+ * pd_cache_insert_locked (one walk; where it refuses, as BY_MOVE). */
+static void chunk_insert(cfx *f, int how, pd_owner owner, const int32_t *t, uint32_t *pages,
                          uint32_t from, uint32_t to, pd_cnode *lock) {
     uint32_t dups[64];
     pd_cache_insert_result r;
     cfx_compute(f, owner, t, from, to - from, pages + from);
+    bool fast = how != BY_ROOT, moved = false;
     pd_cnode start = fast ? *lock : PD_CNODE_ROOT;
-    assert_ok(
-        pd_cache_insert_from(f->c, start, t, to * f->ps, pages, owner, PD_POOL_NONE, dups, &r));
+    if (how == BY_LOCKED) {
+        pd_err err = pd_cache_insert_locked(f->c, start, t, to * f->ps, pages, owner, PD_POOL_NONE,
+                                            dups, &r);
+        if (err != PD_ERR_INVALID) assert_ok(err);
+        moved = err == PD_OK;
+        g_locked_inserts += moved;
+    }
+    if (!moved)
+        assert_ok(
+            pd_cache_insert_from(f->c, start, t, to * f->ps, pages, owner, PD_POOL_NONE, dups, &r));
     if (r.dup_pages)
         assert_ok(pd_ledger_free(f->l, f->kv_id, dups, r.dup_pages, PD_UNIT_REQ, owner));
     uint32_t covered = r.covered_tokens / f->ps;
     if (covered < to)
         assert_ok(
             pd_ledger_free(f->l, f->kv_id, pages + covered, to - covered, PD_UNIT_REQ, owner));
+    if (moved) {
+        *lock = r.node;
+        return;
+    }
     if (r.node == *lock) return;
     if (fast) {
         assert_ok(pd_cache_lock_move(f->c, *lock, r.node));
@@ -573,26 +591,28 @@ static void chunk_insert(cfx *f, bool fast, pd_owner owner, const int32_t *t, ui
 }
 
 /* Requests whose prompts share three system prompts, computed in two chunks,
- * replayed through two caches: one inserts each chunk from the root and
- * moves its lock by a lock and an unlock, the other inserts from the node
- * the request holds and moves the lock along the path. The two must stay
- * identical after every step (nodes, pages, locks, stamps, clock, and so
- * what hits and what is evicted). */
+ * replayed through three caches: one inserts each chunk from the root and
+ * moves its lock by a lock and an unlock, one inserts from the node the
+ * request holds and moves the lock along the path, one does both in one
+ * walk (pd_cache_insert_locked). The three must stay identical after every
+ * step (nodes, pages, locks, stamps, clock, and so what hits and what is
+ * evicted). */
 static void insert_from_lock_matches_insert_from_root(void **state) {
     (void)state;
-    cfx *f[2] = {cfx_new(2, 160, 0, 0), cfx_new(2, 160, 0, 0)};
+    enum { K = 3 };
+    cfx *f[K] = {cfx_new(2, 160, 0, 0), cfx_new(2, 160, 0, 0), cfx_new(2, 160, 0, 0)};
     uint64_t rng = 12345;
     int32_t t[48];
-    uint32_t pages[2][24];
+    uint32_t pages[K][24];
     for (pd_owner req = 1; req <= 400; req++) {
         rng = rng * 6364136223846793005ull + 1442695040888963407ull;
         uint32_t n = 4 + (uint32_t)(rng >> 59) % 20, sys = (uint32_t)(rng >> 40) % 3;
         for (uint32_t i = 0; i < 2 * n; i++)
             t[i] = i < 16 ? (int32_t)(sys * 100 + i) : (int32_t)(req * 7 + i);
         uint32_t cut = 1 + (uint32_t)(rng >> 20) % (n - 1);
-        pd_cnode lock[2];
+        pd_cnode lock[K];
         uint32_t cached = 0;
-        for (int k = 0; k < 2; k++) {
+        for (int k = 0; k < K; k++) {
             pd_cache_match_result m;
             assert_ok(pd_cache_match(f[k]->c, t, 2 * n, pages[k], 24, &m));
             cached = m.dev_tokens / 2;
@@ -602,16 +622,60 @@ static void insert_from_lock_matches_insert_from_root(void **state) {
                 assert_ok(pd_cache_evict(f[k]->c, n - cached, NULL));
             if (pd_pool_free_count(f[k]->kv) < n - cached) fail_msg("pool too small");
             uint32_t mid = cut > cached ? cut : cached;
-            chunk_insert(f[k], k == 1, req, t, pages[k], cached, mid, &lock[k]);
-            chunk_insert(f[k], k == 1, req, t, pages[k], mid, n, &lock[k]);
+            chunk_insert(f[k], k, req, t, pages[k], cached, mid, &lock[k]);
+            chunk_insert(f[k], k, req, t, pages[k], mid, n, &lock[k]);
         }
-        assert_true(cache_state(f[0]) == cache_state(f[1]));
-        for (int k = 0; k < 2; k++) assert_ok(pd_cache_unlock(f[k]->c, lock[k]));
-        assert_true(cache_state(f[0]) == cache_state(f[1]));
-        if (req % 50 == 0) cfx_check(f[0], true), cfx_check(f[1], true);
+        for (int k = 1; k < K; k++) assert_true(cache_state(f[0]) == cache_state(f[k]));
+        if (req % 50 == 0)
+            for (int k = 0; k < K; k++) cfx_check(f[k], false);
+        for (int k = 0; k < K; k++) assert_ok(pd_cache_unlock(f[k]->c, lock[k]));
+        for (int k = 1; k < K; k++) assert_true(cache_state(f[0]) == cache_state(f[k]));
+        if (req % 50 == 0)
+            for (int k = 0; k < K; k++) cfx_check(f[k], true);
     }
-    cfx_free(f[0]);
-    cfx_free(f[1]);
+    for (int k = 0; k < K; k++) cfx_free(f[k]);
+    assert_true(g_locked_inserts > 400); /* the one-walk insert was the one compared */
+}
+
+/* A snapshot read synchronously under a touch leaves the cache as a lock
+ * and an unlock of it would: clock, list place, stamps; whether or not
+ * another holder has the snapshot locked meanwhile. */
+static void mamba_touch_is_a_lock_and_an_unlock(void **state) {
+    (void)state;
+    cfx *f[2] = {cfx_new(2, 64, 8, 0), cfx_new(2, 64, 8, 0)};
+    int32_t t[3][8];
+    pd_cnode node[2][3];
+    for (int k = 0; k < 2; k++) {
+        for (int d = 0; d < 3; d++) {
+            seq(t[d], 8, 10 * d);
+            uint32_t slot;
+            assert_ok(pd_ledger_alloc(f[k]->l, f[k]->mamba_id, 1, 7, &slot));
+            pd_cache_insert_result r = cfx_insert(f[k], 7, t[d], 4, slot);
+            assert_true(r.mamba_taken);
+            node[k][d] = r.node;
+        }
+        assert_err(pd_cache_mamba_touch(f[k]->c, node[k][0]), PD_ERR_STATE); /* not locked */
+        assert_err(pd_cache_mamba_touch(f[k]->c, PD_CNODE_ROOT), PD_ERR_NOTFOUND);
+        for (int d = 0; d < 3; d++) assert_ok(pd_cache_lock(f[k]->c, node[k][d]));
+        assert_ok(pd_cache_mamba_lock(f[k]->c, node[k][2])); /* another holder */
+    }
+    for (int round = 0; round < 4; round++) {
+        for (int d = 0; d < 3; d++) {
+            int which = (round + d) % 3;
+            assert_ok(pd_cache_mamba_lock(f[0]->c, node[0][which]));
+            assert_ok(pd_cache_mamba_unlock(f[0]->c, node[0][which]));
+            assert_ok(pd_cache_mamba_touch(f[1]->c, node[1][which]));
+            assert_true(cache_state(f[0]) == cache_state(f[1]));
+            cfx_check(f[1], false);
+        }
+    }
+    for (int k = 0; k < 2; k++) {
+        assert_ok(pd_cache_mamba_unlock(f[k]->c, node[k][2]));
+        for (int d = 0; d < 3; d++) assert_ok(pd_cache_unlock(f[k]->c, node[k][d]));
+        pd_cache_clear(f[k]->c);
+        cfx_check(f[k], true);
+        cfx_free(f[k]);
+    }
 }
 
 /* A lock moves only down its own path; anything else is refused and changes
@@ -670,6 +734,7 @@ int main(void) {
         cmocka_unit_test(split_child_is_not_found_above_its_new_parent),
         cmocka_unit_test(insert_from_lock_matches_insert_from_root),
         cmocka_unit_test(lock_move_and_insert_from_refuse_other_paths),
+        cmocka_unit_test(mamba_touch_is_a_lock_and_an_unlock),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
