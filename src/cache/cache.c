@@ -931,6 +931,21 @@ pd_err pd_cache_mamba_unlock(pd_cache *c, pd_cnode node) {
 
 /* ---- insert ---------------------------------------------------------------- */
 
+/* Free nodes and entries were last written when their node was evicted,
+ * long ago: start loading what the next insert writes first (the next free
+ * node, the tokens of the next free entries, which a released chain gives
+ * back in order) while the caller goes on. */
+enum { PREFETCH_FREE_ENTRIES = 16 };
+static void prefetch_free(const pd_cache *c) {
+    uint32_t id = c->node_free.head, e = c->ent_free;
+    if (id != PD_NONE) {
+        __builtin_prefetch(&c->nodes[id], 1);
+        __builtin_prefetch((const char *)&c->nodes[id] + 64, 1);
+    }
+    for (uint32_t i = 0; e != PD_NONE && i < PREFETCH_FREE_ENTRIES && e + i < c->entries_max; i++)
+        __builtin_prefetch(ent_tok(c, e + i), 1);
+}
+
 /* The rest of the prompt, pages [pos, n_pages), is new: one child of parent
  * holding the caller's pages, which move from the request to the cache.
  * locked: the caller's lock is moving onto it (insert_walk's move_lock): it
@@ -964,6 +979,7 @@ static uint32_t insert_new_node(pd_cache *c, uint32_t parent, const int32_t *tok
     child_link(c, parent, id);
     ht_insert_hashed(c, id, h); /* h: the child key of its first page under parent */
     relist(c, id);
+    prefetch_free(c);
     return id;
 }
 
@@ -1185,10 +1201,24 @@ static uint32_t evict_host_pages(pd_cache *c, uint32_t need) {
 }
 
 /* Evicts the device copy of one unlocked device leaf. Returns pages freed. */
+/* The cold lines an eviction of node id reads apart from the node itself:
+ * its entries' pages, its slot in the child index, its neighbours in its
+ * parent's children and in the lists, all known from the node's own lines;
+ * loaded together instead of one after another as each step needs one. */
+static void prefetch_victim(const pd_cache *c, const cnode *n) {
+    __builtin_prefetch(&c->ent_dev[n->first_ent]);
+    __builtin_prefetch(&c->ent_next[n->first_ent]);
+    __builtin_prefetch(&c->children.slots[n->key_hash & c->children.mask]);
+    if (n->sib.prev != PD_NONE) __builtin_prefetch((const char *)&c->nodes[n->sib.prev] + 64);
+    if (n->sib.next != PD_NONE) __builtin_prefetch((const char *)&c->nodes[n->sib.next] + 64);
+    if (n->lru[L_DEV].next != PD_NONE) __builtin_prefetch(&c->nodes[n->lru[L_DEV].next]);
+}
+
 static uint32_t evict_device_node(pd_cache *c, uint32_t id) {
     cnode *n = N(c, id);
     PD_ASSERT(n->on_dev && n->lock_ref == 0 && n->n_dev_children == 0);
     PD_ASSERT(n->loading == PD_NONE && id != PD_CNODE_ROOT);
+    prefetch_victim(c, n);
     uint64_t stamp = n->lstamp[L_DEV];
     if (n->mamba_slot != PD_NONE) free_snapshot(c, id); /* C3 */
 
@@ -1237,6 +1267,13 @@ pd_err pd_cache_evict(pd_cache *c, uint32_t pages_needed, uint32_t *pages_freed)
         uint32_t id = first_eligible(c, L_DEV);
         if (id == PD_NONE) break;
         freed += evict_device_node(c, id);
+    }
+    /* The least recently used node is cold by definition: start loading the
+     * next one to go (the list's head, usually a leaf) for the next call. */
+    uint32_t next = c->lists[L_DEV].head;
+    if (next != PD_NONE) {
+        __builtin_prefetch(&c->nodes[next]);
+        __builtin_prefetch((const char *)&c->nodes[next] + 64);
     }
     if (pages_freed) *pages_freed = freed;
     return PD_OK;
