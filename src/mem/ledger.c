@@ -224,7 +224,9 @@ pd_err pd_ledger_alloc_as(pd_ledger *l, int pool_id, uint32_t n,
         return PD_ERR_STATE;
     }
     if (n == 0) return PD_OK;
-    pd_err err = pd_pool_alloc_n(lp->pool, n, out);
+    /* One unit (a row, a slot, a page of decode growth: most calls) takes
+     * the pool's single-unit path, which picks the unit alloc_n would. */
+    pd_err err = n == 1 ? pd_pool_alloc(lp->pool, out) : pd_pool_alloc_n(lp->pool, n, out);
     if (err != PD_OK) {
         snprintf(l->err, sizeof(l->err), "alloc: pool %s has %u free, %u asked",
                  pd_pool_name(lp->pool), pd_pool_free_count(lp->pool), n);
