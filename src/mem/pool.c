@@ -6,7 +6,8 @@
  *   I2  bit w of sum[]   is 1  <=>  words[w] != 0
  *   I3  free_count == popcount(words[])
  *   I4  sum[s] == 0 for every s < sum_hint
- *   I5  no run of run_hint_n or more free units starts below run_hint_start
+ *   I5  for each hint h: no run of run_n[h] or more free units starts below
+ *       run_start[h] (run_n[h] == 0: the hint says nothing)
  *
  * pd_pool_verify recomputes I1..I5 from scratch.
  *
@@ -14,14 +15,24 @@
  * already found too short (issue 13: with the pool fragmented by many live
  * requests, the scan from the lowest free word was most of an allocation).
  * Allocations only shorten runs, so it survives them; freeing unit u can
- * lengthen only runs that start after u - run_hint_n, so the hint drops
- * below that. The search returns the same run as a scan from the start.
+ * lengthen only runs of n that start after u - n, so each hint drops below
+ * that. A search for n starts at the highest start of the hints of lengths
+ * <= n (a run of n is a run of each of those lengths) and returns the same
+ * run as a scan from the start.
  */
 #include "pdserve/pool.h"
 
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+
+/* I5's hints, one per class of run lengths (2-3, 4-7, 8-15, 16 and more): a
+ * search for n units resumes where the last search of its class ended, and
+ * any hint of a length <= n bounds it too. One hint for every length
+ * (issue 13, third round) was taken over by each search of another length:
+ * at 1,024 live in bench/sched, with prompts of 1 to 32 pages, most searches
+ * rescanned the fragmented pool from its lowest free word. */
+#define RUN_HINTS 4u
 
 /* How many bitmap words a bulk allocation may scan looking for one run that
  * fits the whole request, before it settles for the lowest free units.
@@ -37,7 +48,8 @@ struct pd_pool {
     uint32_t n_words;
     uint32_t n_sum;
     uint32_t sum_hint;
-    uint32_t run_hint_n, run_hint_start; /* I5; 0, 0 says nothing */
+    uint32_t run_n[RUN_HINTS], run_start[RUN_HINTS]; /* I5 */
+    uint32_t run_top; /* >= run_start[h] + run_n[h] for every h: frees from it up change none */
     uint64_t *words;
     uint64_t *sum;
 };
@@ -87,7 +99,8 @@ pd_err pd_pool_create(pd_pool **out, const char *name, pd_pool_kind kind,
     }
     p->free_count = units_total;
     p->sum_hint = 0;
-    p->run_hint_n = p->run_hint_start = 0;
+    for (uint32_t h = 0; h < RUN_HINTS; h++) p->run_n[h] = p->run_start[h] = 0;
+    p->run_top = 0;
     *out = p;
     return PD_OK;
 }
@@ -118,11 +131,15 @@ static inline void give_bit(pd_pool *p, uint32_t idx) {
     p->free_count++;
 }
 
-/* I5 after units from idx_min up were freed: a run through a freed unit
- * starts after idx_min - run_hint_n. */
+/* I5 after units from idx_min up were freed: a run of n through a freed
+ * unit starts after idx_min - n. */
 static inline void run_hint_freed(pd_pool *p, uint32_t idx_min) {
-    if (idx_min + 1 < p->run_hint_start + p->run_hint_n)
-        p->run_hint_start = idx_min + 1 > p->run_hint_n ? idx_min + 1 - p->run_hint_n : 0;
+    if (idx_min + 1 >= p->run_top) return;
+    for (uint32_t h = 0; h < RUN_HINTS; h++) {
+        uint32_t n = p->run_n[h];
+        if (idx_min + 1 < p->run_start[h] + n)
+            p->run_start[h] = idx_min + 1 > n ? idx_min + 1 - n : 0;
+    }
 }
 
 /* Lowest word index with a free unit; caller guarantees free_count > 0. */
@@ -178,8 +195,10 @@ static inline uint64_t runs_within(uint64_t x, uint32_t n) {
  * word with a free unit, in this order (lowest start first): the run carried
  * in from the word before (only an adjacent one) continued by the word's low
  * free units; a run of n inside the word; the word's high free units carried
- * on to the next word. */
-static uint32_t find_run_from(pd_pool *p, uint32_t n, uint32_t w_first, uint32_t w_end) {
+ * on to the next word. Not found, *none_below receives how far no run of n
+ * starts. */
+static uint32_t find_run_from(const pd_pool *p, uint32_t n, uint32_t w_first, uint32_t w_end,
+                              uint32_t *none_below) {
     uint32_t run_start = 0, run_len = 0, w_prev = w_first;
     for (uint32_t w = w_first; w < w_end; w_prev = w, w = next_free_word(p, w + 1, w_end)) {
         uint64_t x = p->words[w];
@@ -199,28 +218,36 @@ static uint32_t find_run_from(pd_pool *p, uint32_t n, uint32_t w_first, uint32_t
         run_start = w * 64 + 64 - run_len;
     }
     /* Not found: no run of n starts below the run still open at the end. */
-    uint32_t none_below = w_end == p->n_words ? p->total : run_len > 0 ? run_start : w_end * 64;
-    p->run_hint_n = n;
-    p->run_hint_start = none_below;
+    *none_below = w_end == p->n_words ? p->total : run_len > 0 ? run_start : w_end * 64;
     return PD_POOL_NONE;
+}
+
+/* The hint of runs of n units (n >= 2): its class of lengths. */
+static inline uint32_t run_hint_of(uint32_t n) {
+    uint32_t h = 31u - (uint32_t)__builtin_clz(n) - 1u; /* 2-3: 0, 4-7: 1, ... */
+    return PD_MIN(h, RUN_HINTS - 1);
 }
 
 /* The lowest-starting run of n free units among the RUN_SCAN_WORDS_MAX words
  * from the lowest free word, or PD_POOL_NONE; the scan starts at the word of
- * run_hint_start when I5 says no run of n starts below it. */
+ * the highest start below which a hint of a length <= n says no run of n
+ * starts (I5). The search's outcome becomes its class's hint. */
 static uint32_t find_run(pd_pool *p, uint32_t n) {
+    PD_ASSERT(n >= 2);
     uint32_t w0 = lowest_free_word(p);
     uint32_t w_end = PD_MIN(p->n_words, w0 + RUN_SCAN_WORDS_MAX);
-    uint32_t w_first = w0;
-    if (n >= p->run_hint_n && p->run_hint_start / 64 > w0) {
-        if (p->run_hint_start >= p->total) return PD_POOL_NONE;
-        w_first = next_free_word(p, p->run_hint_start / 64, w_end);
-    }
-    uint32_t start = find_run_from(p, n, w_first, w_end);
-    if (start != PD_POOL_NONE) {
-        p->run_hint_n = n; /* the lowest start: none below it */
-        p->run_hint_start = start;
-    }
+    uint32_t bound = 0;
+    for (uint32_t h = 0; h < RUN_HINTS; h++)
+        if (p->run_n[h] != 0 && p->run_n[h] <= n) bound = PD_MAX(bound, p->run_start[h]);
+    if (bound >= p->total) return PD_POOL_NONE;
+    uint32_t w_first = bound / 64 > w0 ? next_free_word(p, bound / 64, w_end) : w0;
+    uint32_t none_below = 0;
+    uint32_t start = find_run_from(p, n, w_first, w_end, &none_below);
+    uint32_t h = run_hint_of(n);
+    p->run_n[h] = n;
+    /* Found, start is the lowest start of a run of n: none below it. */
+    p->run_start[h] = start != PD_POOL_NONE ? start : none_below;
+    p->run_top = PD_MAX(p->run_top, p->run_start[h] + n);
     return start;
 }
 
@@ -320,12 +347,12 @@ uint32_t pd_pool_unit_tokens(const pd_pool *pool) { return pool->unit_tokens; }
 pd_pool_kind pd_pool_kind_of(const pd_pool *pool) { return pool->kind; }
 const char *pd_pool_name(const pd_pool *pool) { return pool->name; }
 
-/* I5: every run of free units that starts below run_hint_start is shorter
- * than run_hint_n (words with no free unit are stepped over whole). */
-static pd_err verify_run_hint(const pd_pool *pool, char *msg, size_t msg_cap) {
-    uint32_t n = pool->run_hint_n, start = 0, len = 0;
+/* I5 for hint h: every run of free units that starts below run_start[h] is
+ * shorter than run_n[h] (words with no free unit are stepped over whole). */
+static pd_err verify_run_hint(const pd_pool *pool, uint32_t h, char *msg, size_t msg_cap) {
+    uint32_t n = pool->run_n[h], hint_start = pool->run_start[h], start = 0, len = 0;
     if (n == 0) return PD_OK;
-    uint64_t end = PD_MIN((uint64_t)pool->total, (uint64_t)pool->run_hint_start + n);
+    uint64_t end = PD_MIN((uint64_t)pool->total, (uint64_t)hint_start + n);
     for (uint32_t i = 0; i < end; i++) {
         if (i % 64 == 0 && pool->words[i / 64] == 0) {
             len = 0;
@@ -337,10 +364,10 @@ static pd_err verify_run_hint(const pd_pool *pool, char *msg, size_t msg_cap) {
             continue;
         }
         if (len++ == 0) start = i;
-        if (len >= n && start < pool->run_hint_start)
+        if (len >= n && start < hint_start)
             return pd_errorf(msg, msg_cap, PD_ERR_INTERNAL,
                              "pool %s: a run of %u free units at %u, below the run hint %u",
-                             pool->name, n, start, pool->run_hint_start);
+                             pool->name, n, start, hint_start);
     }
     return PD_OK;
 }
@@ -371,7 +398,11 @@ pd_err pd_pool_verify(const pd_pool *pool, char *msg, size_t msg_cap) {
         return pd_errorf(msg, msg_cap, PD_ERR_INTERNAL,
                          "pool %s: counter says %u free, bitmap says %llu",
                          pool->name, pool->free_count, (unsigned long long)count);
-    return verify_run_hint(pool, msg, msg_cap);
+    for (uint32_t h = 0; h < RUN_HINTS; h++) {
+        pd_err err = verify_run_hint(pool, h, msg, msg_cap);
+        if (err != PD_OK) return err;
+    }
+    return PD_OK;
 }
 
 uint32_t pd_index_runs(const uint32_t *idx, uint32_t n) {
