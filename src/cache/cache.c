@@ -1268,12 +1268,16 @@ pd_err pd_cache_evict(pd_cache *c, uint32_t pages_needed, uint32_t *pages_freed)
         if (id == PD_NONE) break;
         freed += evict_device_node(c, id);
     }
-    /* The least recently used node is cold by definition: start loading the
-     * next one to go (the list's head, usually a leaf) for the next call. */
+    /* The least recently used nodes are cold by definition, and the next
+     * call evicts the list's head (usually a leaf): a pipeline one call
+     * ahead — the lines of the head's own eviction (its node came in with
+     * the previous call's prefetch), and the node lines of the one after. */
     uint32_t next = c->lists[L_DEV].head;
     if (next != PD_NONE) {
-        __builtin_prefetch(&c->nodes[next]);
-        __builtin_prefetch((const char *)&c->nodes[next] + 64);
+        const cnode *n = &c->nodes[next];
+        prefetch_victim(c, n);
+        uint32_t after = n->lru[L_DEV].next;
+        if (after != PD_NONE) __builtin_prefetch((const char *)&c->nodes[after] + 64);
     }
     if (pages_freed) *pages_freed = freed;
     return PD_OK;
