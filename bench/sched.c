@@ -10,9 +10,12 @@
  * the prefill node and of the decode node, end-to-end requests/s, and the
  * heap allocations of the steady state (the second half of the steps): per
  * engine step, which must be 0, and per request at submit (admission copies
- * the prompt). The counting ledger is the production setting; --strict
- * measures the per-unit owner map that tests and the simulator use, for
- * comparison.
+ * the prompt). It also prints the first run's decisions (the engines'
+ * counters: batches, tokens computed, tokens found in the prefix cache),
+ * which a change that only makes the step cheaper must leave as they were
+ * (the workload is seeded: same workload, same line). The counting ledger
+ * is the production setting; --strict measures the per-unit owner map that
+ * tests and the simulator use, for comparison.
  *
  * Allocations are counted by wrapping malloc, calloc and realloc at link time
  * (-Wl,--wrap, CMakeLists.txt): every call from pdserve's own code goes
@@ -204,6 +207,7 @@ typedef struct figures {
      * engine step (both nodes), the transport's per step while the engine
      * posted sends, and per request submitted (to both nodes) */
     double allocs_step, allocs_xfer_step, allocs_submit_req;
+    pd_engine_counters ctr[2]; /* each node's, after the last step */
 } figures;
 
 #define PAGE_TOKENS 16u
@@ -351,6 +355,7 @@ static figures run(uint32_t live, uint32_t steps, bool strict, uint64_t seed) {
             ? (double)(g_allocs[SCOPE_SUBMIT] - a0[SCOPE_SUBMIT]) / (double)steady_reqs
             : 0.0,
     };
+    for (int side = 0; side < 2; side++) pd_engine_counters_get(en.eng[side], &f.ctr[side]);
     engines_close(&en);
     free(tp);
     free(td);
@@ -390,8 +395,10 @@ int main(int argc, char **argv) {
     double *v[NV];
     for (int k = 0; k < NV; k++) v[k] = malloc(sizeof(double) * (size_t)runs);
     for (uint32_t li = 0; li < n_lives; li++) {
+        pd_engine_counters first[2];
         for (int r = 0; r < runs; r++) {
             figures f = run(lives[li], steps, strict, 42 + (uint64_t)r);
+            if (r == 0) memcpy(first, f.ctr, sizeof(first));
             v[0][r] = f.p_med;
             v[1][r] = f.p_p99;
             v[2][r] = f.d_med;
@@ -410,6 +417,12 @@ int main(int argc, char **argv) {
                "%.2f per request at submit | loopback transport %.2f per step\n",
                bench_median(v[5], (size_t)runs), bench_median(v[7], (size_t)runs),
                bench_median(v[6], (size_t)runs));
+        printf("           decisions of run 1: prefill %llu batches, %llu tokens computed, %llu "
+               "cached | decode %llu batches, %llu tokens, %llu cached | %llu finished\n",
+               (unsigned long long)first[0].batches, (unsigned long long)first[0].prefill_tokens,
+               (unsigned long long)first[0].cached_tokens, (unsigned long long)first[1].batches,
+               (unsigned long long)first[1].decode_tokens,
+               (unsigned long long)first[1].cached_tokens, (unsigned long long)first[1].finished);
     }
     for (int k = 0; k < NV; k++) free(v[k]);
     return 0;
