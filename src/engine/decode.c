@@ -43,7 +43,8 @@ static bool finished(pd_engine *e, req *r, pd_finish_reason *why) {
     return false;
 }
 
-void decode_emit_token(pd_engine *e, req *r, const pd_item_result *res) {
+/* Inline into the decode step's loop over its results, one per item. */
+static inline void emit_token(pd_engine *e, req *r, const pd_item_result *res) {
     const int32_t token = res->token;
     if (r->history) r->history[r->out_len] = token; /* out_len < max_new here */
     r->last_token = token;
@@ -56,6 +57,8 @@ void decode_emit_token(pd_engine *e, req *r, const pd_item_result *res) {
     pd_finish_reason why;
     if (finished(e, r, &why)) eng_retire(e, r, PD_TERM_FINISHED, why, 200, "");
 }
+
+void decode_emit_token(pd_engine *e, req *r, const pd_item_result *res) { emit_token(e, r, res); }
 
 static void commit(pd_engine *e, req *r) {
     const pd_meta_row *meta = &e->cfg.meta_mem[r->meta_row];
@@ -162,7 +165,7 @@ void decode_on_result(pd_engine *e, req *r, const bitem *it, const pd_item_resul
     (void)it;
     if (eng_result_after_retire(e, r)) return;
     e->ctr.decode_tokens++;
-    decode_emit_token(e, r, res);
+    emit_token(e, r, res);
 }
 
 /* One item per running request that has no forward in flight (a step
@@ -185,10 +188,154 @@ void decode_add_items(pd_engine *e, batch_rec *b) {
     }
 }
 
+#ifndef NDEBUG
+/* Debug builds: a kept item must equal the item eng_batch_add would build. */
+static void kept_check(const pd_engine *e, const pd_batch_item *it, const req *r) {
+    const pd_sampling *a = &it->sampling, *s = &r->sampling;
+    bool same = it->req == r->owner && it->tokens == &r->last_token && it->n_tokens == 1 &&
+        it->start_pos == r->prompt_len + r->out_len - 1 && it->pages == r->pages &&
+        it->n_pages == r->n_pages && it->snapshot_slot == PD_POOL_NONE && it->sample &&
+        it->mamba_slot == (e->mamba ? r->mamba_run : PD_POOL_NONE) &&
+        it->sample_index == r->out_len && it->history == r->history &&
+        a->temperature == s->temperature && a->top_p == s->top_p && a->seed == s->seed &&
+        a->top_k == s->top_k && a->min_p == s->min_p &&
+        a->repetition_penalty == s->repetition_penalty &&
+        a->frequency_penalty == s->frequency_penalty &&
+        a->presence_penalty == s->presence_penalty && a->top_logprobs == s->top_logprobs;
+    PD_ASSERTF(same, "request %s: its kept decode item differs from a fresh one", r->rid);
+}
+#endif
+
+/* The decode batch kept from step to step (the decode role; one batch in
+ * flight). The running queue only grows at its tail (commit) and loses
+ * requests anywhere (retire), and a batch is its first batch_max requests, so
+ * the requests of the last batch still running after their results are the
+ * next batch's first items, in the same order. Their items are kept where
+ * they are — only the position and the sample index change, and the page
+ * count when a page is added — and moved down over the items of the requests
+ * gone, a run of kept items at a time (an item only moves down, below the
+ * next one read). When e->kept_ready, launch_items[0, n) are the next
+ * batch's first n items, n its record's count (the record eng_batch_begin
+ * returns next); their page growth and launch reports wait for schedule(),
+ * in the order decode_add_items would make them. */
+typedef struct keep_run {
+    uint32_t src, dst, n;
+} keep_run;
+
+static void keep_flush(pd_engine *e, keep_run *run) {
+    if (run->n && run->src != run->dst)
+        memmove(&e->launch_items[run->dst], &e->launch_items[run->src],
+                run->n * sizeof(pd_batch_item));
+    run->n = 0;
+}
+
+/* The record index of an owner, (gen << 32) | (index + 1): a decode batch's
+ * items name their records through their req (pd_batch_item), the items of
+ * the batch record (bitem) are not read. */
+static inline uint32_t owner_idx(uint64_t owner) { return (uint32_t)owner - 1u; }
+
+/* Item i of the batch just polled is r's, still running: it becomes item
+ * nb->n of the next batch. */
+static inline void keep_item(pd_engine *e, batch_rec *nb, keep_run *run, req *r, uint32_t i) {
+    pd_batch_item *it = &e->launch_items[i];
+    PD_ASSERT(r->out_len < r->max_new);
+    it->start_pos = r->prompt_len + r->out_len - 1;
+    it->sample_index = r->out_len;
+    if (run->n == 0 || run->src + run->n != i) {
+        keep_flush(e, run);
+        *run = (keep_run){.src = i, .dst = nb->n};
+    }
+    run->n++;
+    nb->n++;
+    r->forwards_in_flight++;
+    r->pending_chunk = true;
+}
+
+/* eng_batch_poll with decode_on_result (a decode item is one token, never a
+ * final chunk), keeping the items of the requests still running for the
+ * next batch. */
+static void poll_and_keep(pd_engine *e) {
+    if (e->inflight_n == 0) return;
+    PD_ASSERT(e->inflight_n == 1);
+    batch_rec *b = &e->inflight[e->inflight_head];
+    if (!e->exec.vt->poll(e->exec.self, b->id, e->results)) return;
+    e->inflight_head = (e->inflight_head + 1) % INFLIGHT_MAX;
+    e->inflight_n--;
+    batch_rec *nb = &e->inflight[e->inflight_head]; /* eng_batch_begin's next */
+    nb->n = 0;
+    keep_run run = {0};
+    const pd_batch_item *items = e->launch_items;
+    enum { AHEAD = 4 };
+    for (uint32_t i = 0; i < b->n && i < AHEAD; i++) eng_prefetch(e, owner_idx(items[i].req));
+    for (uint32_t i = 0; i < b->n; i++) {
+        if (i + AHEAD < b->n) eng_prefetch(e, owner_idx(items[i + AHEAD].req));
+        const uint64_t owner = items[i].req;
+        req *r = eng_req(e, owner_idx(owner));
+        if (!r->live || r->owner != owner) {
+            e->ctr.late_results_ignored++; /* as eng_batch_poll */
+            continue;
+        }
+        PD_ASSERT(e->results[i].req == owner);
+        PD_ASSERT(r->forwards_in_flight > 0);
+        r->forwards_in_flight--;
+        if (r->forwards_in_flight == 0) r->pending_chunk = false;
+        eng_act(e, r, PD_ACT_RESULT, false, 1);
+        decode_on_result(e, r, NULL, &e->results[i]);
+        if (r->live && r->queue == Q_RUNNING) keep_item(e, nb, &run, r, i);
+    }
+    keep_flush(e, &run);
+    e->kept_ready = true;
+}
+
+/* The kept items' page growth, in their order (the order decode_add_items
+ * allocates in), and their launch reports. Debug builds check that they are
+ * the running queue's first requests and equal to fresh items. */
+static void kept_pages(pd_engine *e, batch_rec *b) {
+    uint32_t ps = e->cfg.page_size;
+#ifndef NDEBUG
+    uint32_t q = e->q[Q_RUNNING].head;
+#endif
+    for (uint32_t i = 0; i < b->n; i++) {
+        pd_batch_item *it = &e->launch_items[i];
+        if (it->start_pos >= it->n_pages * ps) {
+            req *r = eng_req(e, owner_idx(it->req));
+            eng_alloc_pages(e, r, 1);
+            it->n_pages = r->n_pages;
+        }
+#ifndef NDEBUG
+        kept_check(e, it, eng_req(e, owner_idx(it->req)));
+        PD_ASSERT(q == owner_idx(it->req));
+        q = eng_req(e, q)->qlink.next;
+#endif
+        if (e->obs) eng_act(e, eng_req(e, owner_idx(it->req)), PD_ACT_LAUNCH, false, 1);
+    }
+}
+
+/* The batch: the kept items, then one per running request after them (the
+ * requests beyond the last batch's batch_max, and those committed since). */
 static void schedule(pd_engine *e) {
     if (e->inflight_n > 0) return;
+    uint32_t kept = e->inflight[e->inflight_head].n; /* eng_batch_begin clears it */
     batch_rec *b = eng_batch_begin(e);
-    decode_add_items(e, b);
+    uint32_t idx = e->q[Q_RUNNING].head;
+    if (e->kept_ready) {
+        PD_ASSERT(b == &e->inflight[e->inflight_head]);
+        b->n = kept;
+        kept_pages(e, b);
+        if (b->n) idx = eng_req(e, owner_idx(e->launch_items[b->n - 1].req))->qlink.next;
+        e->kept_ready = false;
+    }
+    uint32_t ps = e->cfg.page_size;
+    while (idx != PD_NONE && b->n < e->cfg.batch_max) {
+        req *r = eng_req(e, idx);
+        idx = r->qlink.next;
+        if (idx != PD_NONE) eng_prefetch(e, idx);
+        if (r->forwards_in_flight > 0) continue;
+        uint32_t pos = r->prompt_len + r->out_len - 1;
+        PD_ASSERT(r->out_len < r->max_new);
+        if (pos >= r->n_pages * ps) eng_alloc_pages(e, r, 1);
+        eng_batch_add(e, b, r, &r->last_token, pos, 1, true, r->out_len, PD_NONE, false, true);
+    }
     eng_batch_launch(e, b);
 }
 
@@ -197,6 +344,6 @@ void decode_step(pd_engine *e) {
     while (e->q[Q_PREALLOC].head != PD_NONE) {
         if (prealloc(e, eng_req(e, e->q[Q_PREALLOC].head)) == 0) break;
     }
-    eng_batch_poll(e, decode_on_result);
+    poll_and_keep(e);
     schedule(e);
 }

@@ -161,6 +161,9 @@ struct pd_engine {
     uint32_t inflight_head, inflight_n;
     uint64_t next_batch_id;
     pd_batch_item *launch_items;
+    /* Decode role: the next batch's record and launch_items hold its first
+     * items, those of the last batch's requests still running (decode.c). */
+    bool kept_ready;
     pd_item_result *results;
 
     uint64_t now;
