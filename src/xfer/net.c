@@ -117,7 +117,6 @@
  * a missed wake-up is bounded by the poll caps above. Rate-limited: a turn
  * that took d waits 2d (at least ASSIST_GAP_MIN_NS) before the next.
  */
-#define _GNU_SOURCE /* ppoll: the stand-back nap is shorter than a millisecond */
 #include "net_internal.h"
 
 #include <errno.h>
@@ -483,35 +482,12 @@ static void progress_work(pd_net *n, uint64_t now) {
     }
 }
 
-/* How long the thread stands back, in ns (0: it polls as usual). While the
- * engine's assisted turns do the work (one ran within ASSIST_FRESH_NS), the
- * thread sleeps without watching what they cover (the UCX event fd, the
- * connected peers' input), so that a peer's message does not wake it: on a
- * busy host that wake-up preempted the very thread that sent the message
- * (a DEST's send() took 15 us of receiver_open's 16). Never while work is
- * waiting (timeout 0 without a spin), nor while UCX requests of this node
- * are outstanding (over tcp their completions need turns the engine, waiting
- * on the other node, may not give), nor after an assisted turn found an
- * end of stream or an error it leaves to this thread (assist_handoff); and
- * for at most what is left of the window, so it looks again soon after the
- * engine stops asking. */
-static uint64_t stand_back_ns(const pd_net *n, int timeout, bool spinning) {
-    if ((timeout == 0 && !spinning) || n->assist_handoff || n->assist_last_ns == 0 ||
-        n->ucx_out > 0)
-        return 0;
-    uint64_t t = now_ns(), until = n->assist_last_ns + ASSIST_FRESH_NS;
-    if (t >= until) return 0;
-    uint64_t left = until - t;
-    if (timeout > 0 && (uint64_t)timeout * 1000000u < left) left = (uint64_t)timeout * 1000000u;
-    return left;
-}
-
-/* Fills n->pfd for this turn's poll; back: standing back (above). Returns
- * the count; *first_peer: the index of the first peer's entry. */
-static nfds_t poll_set(pd_net *n, bool back, nfds_t *first_peer) {
+/* Fills n->pfd for this turn's poll. Returns the count; *first_peer: the
+ * index of the first peer's entry. */
+static nfds_t poll_set(pd_net *n, nfds_t *first_peer) {
     nfds_t nf = 0;
     n->pfd[nf++] = (struct pollfd){.fd = n->wake_rd, .events = POLLIN};
-    if (!back) n->pfd[nf++] = (struct pollfd){.fd = n->ucx_fd, .events = POLLIN};
+    n->pfd[nf++] = (struct pollfd){.fd = n->ucx_fd, .events = POLLIN};
     n->listen_ready = false;
     n->listen_pfd = n->listen_fd >= 0 ? nf : 0;
     if (n->listen_fd >= 0) n->pfd[nf++] = (struct pollfd){.fd = n->listen_fd, .events = POLLIN};
@@ -520,10 +496,8 @@ static nfds_t poll_set(pd_net *n, bool back, nfds_t *first_peer) {
         peer *p = &n->peers[pi];
         p->revents = 0;
         if (p->fd < 0 || p->state == PS_FREE || p->state == PS_CLOSING) continue;
-        bool assisted = back && p->state == PS_READY && !p->closing_after_tx && !p->ucx_failed;
-        short ev = p->closing_after_tx || assisted ? 0 : POLLIN;
+        short ev = p->closing_after_tx ? 0 : POLLIN;
         if (p->state == PS_CONNECTING || p->tx_off < p->tx_len) ev |= POLLOUT;
-        if (ev == 0) continue;
         n->pfd_peer[nf - *first_peer] = pi;
         n->pfd_gen[nf - *first_peer] = p->gen;
         n->pfd[nf++] = (struct pollfd){.fd = p->fd, .events = ev};
@@ -559,22 +533,12 @@ static void *progress_main(void *arg) {
         progress_work(n, now);
         bool spinning;
         int timeout = poll_timeout(n, now, &spinning);
-        uint64_t back_ns = stand_back_ns(n, timeout, spinning);
-        n->assist_handoff = false;
-        if (back_ns) spinning = false;
-        else if (timeout > 0 && ucp_worker_arm(n->worker) == UCS_ERR_BUSY) timeout = 0;
-        n->spinning = !back_ns && timeout == 0;
+        if (timeout > 0 && ucp_worker_arm(n->worker) == UCS_ERR_BUSY) timeout = 0;
+        n->spinning = timeout == 0;
         nfds_t first_peer;
-        nfds_t nf = poll_set(n, back_ns > 0, &first_peer);
+        nfds_t nf = poll_set(n, &first_peer);
         net_unlock(n);
-        int rc;
-        if (back_ns) {
-            struct timespec ts = {.tv_sec = (time_t)(back_ns / 1000000000u),
-                                  .tv_nsec = (long)(back_ns % 1000000000u)};
-            rc = ppoll(n->pfd, nf, &ts, NULL);
-        } else {
-            rc = poll(n->pfd, nf, timeout);
-        }
+        int rc = poll(n->pfd, nf, timeout);
         /* Spinning must not starve the thread we wait for (the peer's
          * progress thread in the same process, the engine) on a busy core. */
         if (spinning) sched_yield();
@@ -600,7 +564,7 @@ static bool assist(pd_net *n, bool force) {
     uint32_t out0 = n->ucx_out;
     uint64_t now = t0 / 1000000u;
     net_ucx_progress(n);
-    bool handoff = net_peers_read_now(n, now);
+    net_peers_read_now(n, now);
     net_ucx_progress(n);
     process_dirty(n, now);
     bool tx_left = false;
@@ -610,12 +574,9 @@ static bool assist(pd_net *n, bool force) {
     }
     /* The progress thread chose its poll timeout before this turn: it may
      * sleep through work this turn created, unless told. */
-    bool left = n->dirty_n > 0 || tx_left || (out0 == 0 && n->ucx_out > 0);
-    if (handoff) n->assist_handoff = true;
-    if (handoff || (!n->spinning && left)) net_wake(n);
+    if (!n->spinning && (n->dirty_n > 0 || tx_left || (out0 == 0 && n->ucx_out > 0))) net_wake(n);
     n->stats.progress_assists++;
     uint64_t t1 = now_ns();
-    n->assist_last_ns = t1;
     n->assist_next_ns = t1 + PD_MAX((t1 - t0) * ASSIST_GAP_FACTOR, (uint64_t)ASSIST_GAP_MIN_NS);
     return true;
 }
