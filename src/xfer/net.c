@@ -115,7 +115,8 @@
  * leaves work behind (dirty rooms, unsent bytes, the first UCX request
  * outstanding) wakes it through the pipe, as a vtable call would; otherwise
  * a missed wake-up is bounded by the poll caps above. Rate-limited: a turn
- * that took d waits 2d (at least ASSIST_GAP_MIN_NS) before the next.
+ * that took d waits as long again (at least ASSIST_GAP_MIN_NS) before the
+ * next.
  */
 #include "net_internal.h"
 
