@@ -812,6 +812,11 @@ static void ack_never_overtakes_the_data(void **state) {
     for (uint32_t i = 0; i < b.n; i++) b.src[i] = i, b.dst[i] = 200 + i;
     a.dst_meta = 3;
     b.dst_meta = 4;
+    /* UCX's tcp wire-up needs the decode's worker to answer: it must be done
+     * before the worker is held, or room a's puts never complete while held
+     * and its notice never goes (since the engines' status() polls run the
+     * progress work, the bootstrap can finish before the wire-up did). */
+    warm_up(w, 1599);
     open_both(w, &a);
     wait_bootstrapped(w, &a);
     pd_net_set_fault(w->dec, PD_NET_FAULT_HOLD_DATA, true);
