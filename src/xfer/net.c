@@ -483,24 +483,9 @@ static void progress_work(pd_net *n, uint64_t now) {
     }
 }
 
-/* Whether this poll leaves the connected decode peers' input to the
- * engine's assisted turns (prefill only). While the engine polls its rooms
- * (an assisted turn within ASSIST_FRESH_NS), a DEST that arrives is read by
- * its next status() anyway; a progress thread woken for it only competes for
- * the CPU, and on a busy host the wake-up preempted the decode's engine in
- * the send() that carried the DEST (receiver_open: 11-18 us, 4.5 without).
- * Not while UCX requests are outstanding, nor after an assisted turn met an
- * end of stream or an error (assist_handoff: those are this thread's); and
- * the poll then sleeps at most POLL_BUSY_MS, so a message for a room nobody
- * asks about waits at most that. */
-static bool leave_sockets(const pd_net *n) {
-    return n->cfg.role == PD_NET_PREFILL && n->ucx_out == 0 && !n->assist_handoff &&
-        n->assist_last_ns != 0 && now_ns() - n->assist_last_ns < ASSIST_FRESH_NS;
-}
-
-/* Fills n->pfd for this turn's poll; quiet: leave_sockets. Returns the
- * count; *first_peer: the index of the first peer's entry. */
-static nfds_t poll_set(pd_net *n, bool quiet, nfds_t *first_peer) {
+/* Fills n->pfd for this turn's poll. Returns the count; *first_peer: the
+ * index of the first peer's entry. */
+static nfds_t poll_set(pd_net *n, nfds_t *first_peer) {
     nfds_t nf = 0;
     n->pfd[nf++] = (struct pollfd){.fd = n->wake_rd, .events = POLLIN};
     n->pfd[nf++] = (struct pollfd){.fd = n->ucx_fd, .events = POLLIN};
@@ -512,10 +497,8 @@ static nfds_t poll_set(pd_net *n, bool quiet, nfds_t *first_peer) {
         peer *p = &n->peers[pi];
         p->revents = 0;
         if (p->fd < 0 || p->state == PS_FREE || p->state == PS_CLOSING) continue;
-        bool assisted = quiet && p->state == PS_READY && !p->ucx_failed;
-        short ev = p->closing_after_tx || assisted ? 0 : POLLIN;
+        short ev = p->closing_after_tx ? 0 : POLLIN;
         if (p->state == PS_CONNECTING || p->tx_off < p->tx_len) ev |= POLLOUT;
-        if (ev == 0) continue;
         n->pfd_peer[nf - *first_peer] = pi;
         n->pfd_gen[nf - *first_peer] = p->gen;
         n->pfd[nf++] = (struct pollfd){.fd = p->fd, .events = ev};
@@ -551,13 +534,10 @@ static void *progress_main(void *arg) {
         progress_work(n, now);
         bool spinning;
         int timeout = poll_timeout(n, now, &spinning);
-        bool quiet = leave_sockets(n);
-        n->assist_handoff = false;
-        if (quiet && timeout > POLL_BUSY_MS) timeout = POLL_BUSY_MS;
         if (timeout > 0 && ucp_worker_arm(n->worker) == UCS_ERR_BUSY) timeout = 0;
         n->spinning = timeout == 0;
         nfds_t first_peer;
-        nfds_t nf = poll_set(n, quiet, &first_peer);
+        nfds_t nf = poll_set(n, &first_peer);
         net_unlock(n);
         int rc = poll(n->pfd, nf, timeout);
         /* Spinning must not starve the thread we wait for (the peer's
@@ -585,7 +565,7 @@ static bool assist(pd_net *n, bool force) {
     uint32_t out0 = n->ucx_out;
     uint64_t now = t0 / 1000000u;
     net_ucx_progress(n);
-    bool handoff = net_peers_read_now(n, now);
+    net_peers_read_now(n, now);
     net_ucx_progress(n);
     process_dirty(n, now);
     bool tx_left = false;
@@ -595,12 +575,9 @@ static bool assist(pd_net *n, bool force) {
     }
     /* The progress thread chose its poll timeout before this turn: it may
      * sleep through work this turn created, unless told. */
-    bool left = n->dirty_n > 0 || tx_left || (out0 == 0 && n->ucx_out > 0);
-    n->assist_handoff |= handoff;
-    if (handoff || (!n->spinning && left)) net_wake(n);
+    if (!n->spinning && (n->dirty_n > 0 || tx_left || (out0 == 0 && n->ucx_out > 0))) net_wake(n);
     n->stats.progress_assists++;
     uint64_t t1 = now_ns();
-    n->assist_last_ns = t1;
     n->assist_next_ns = t1 + PD_MAX((t1 - t0) * ASSIST_GAP_FACTOR, (uint64_t)ASSIST_GAP_MIN_NS);
     return true;
 }

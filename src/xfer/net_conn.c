@@ -774,14 +774,14 @@ static void peer_parse(pd_net *n, uint32_t pi) {
 }
 
 /* assisted: an assisted turn's read (net_peers_read_now), which leaves the
- * end of the stream and errors to the progress thread: false if it met one. */
-static bool peer_read(pd_net *n, uint32_t pi, uint64_t now, bool assisted) {
+ * end of the stream and errors to the progress thread. */
+static void peer_read(pd_net *n, uint32_t pi, uint64_t now, bool assisted) {
     PD_ASSERT(pi < n->cfg.peers_max);
     peer *p = &n->peers[pi];
     uint32_t gen = p->gen;
     for (int rounds = 0; rounds < 64; rounds++) {
-        if (p->state == PS_FREE || p->gen != gen || p->closing_after_tx) return true;
-        if (p->rx_len == p->rx_cap) return true; /* parse made no room: waits for a bigger buffer */
+        if (p->state == PS_FREE || p->gen != gen || p->closing_after_tx) return;
+        if (p->rx_len == p->rx_cap) return; /* parse made no room: waits for a bigger buffer */
         ssize_t got = recv(p->fd, p->rx + p->rx_len, p->rx_cap - p->rx_len, MSG_DONTWAIT);
         if (got > 0) {
             p->rx_len += (size_t)got;
@@ -789,7 +789,7 @@ static bool peer_read(pd_net *n, uint32_t pi, uint64_t now, bool assisted) {
             peer_parse(n, pi);
             continue;
         }
-        if (assisted) return got < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR);
+        if (assisted) return;
         if (got == 0) {
             if (p->rx_len > 0) {
                 n->stats.bad_messages++; /* a message cut off by the close */
@@ -797,13 +797,12 @@ static bool peer_read(pd_net *n, uint32_t pi, uint64_t now, bool assisted) {
             } else {
                 net_peer_fail(n, pi, "connection closed by the peer");
             }
-            return true;
+            return;
         }
         if (errno == EINTR) continue;
         if (errno != EAGAIN && errno != EWOULDBLOCK) net_peer_fail(n, pi, strerror(errno));
-        return true;
+        return;
     }
-    return true;
 }
 
 void net_peer_write(pd_net *n, uint32_t pi) {
@@ -824,7 +823,7 @@ void net_peer_write(pd_net *n, uint32_t pi) {
     if (p->closing_after_tx) net_peer_fail(n, pi, "closed after refusing the peer");
 }
 
-bool net_peers_read_now(pd_net *n, uint64_t now) {
+void net_peers_read_now(pd_net *n, uint64_t now) {
     nfds_t nf = 0;
     for (uint32_t pi = 0; pi < n->cfg.peers_max; pi++) {
         const peer *p = &n->peers[pi];
@@ -833,17 +832,14 @@ bool net_peers_read_now(pd_net *n, uint64_t now) {
         n->apfd[nf++] = (struct pollfd){.fd = p->fd, .events = POLLIN};
     }
     PD_ASSERT(nf <= n->cfg.peers_max);
-    if (nf == 0 || poll(n->apfd, nf, 0) <= 0) return false;
-    bool handoff = false;
+    if (nf == 0 || poll(n->apfd, nf, 0) <= 0) return;
     for (nfds_t i = 0; i < nf; i++) {
         /* A message handled above may have failed a peer listed here. */
         uint32_t pi = n->apfd_peer[i];
-        short ev = n->apfd[i].revents;
-        if (!ev || n->peers[pi].fd != n->apfd[i].fd || n->peers[pi].state != PS_READY) continue;
-        if (ev & (POLLERR | POLLHUP | POLLNVAL)) handoff = true;
-        else if (ev & POLLIN) handoff |= !peer_read(n, pi, now, true);
+        if ((n->apfd[i].revents & POLLIN) && n->peers[pi].fd == n->apfd[i].fd &&
+            n->peers[pi].state == PS_READY)
+            peer_read(n, pi, now, true);
     }
-    return handoff;
 }
 
 /* From any thread, mutex held: sends what peer pi has queued with

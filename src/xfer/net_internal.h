@@ -44,9 +44,8 @@
  * of 26, tcp 97 instead of 90, medians of 8 alternated runs.) */
 #define ASSIST_GAP_MIN_NS 500u
 #define ASSIST_GAP_FACTOR 1u
-#define ASSIST_FRESH_NS 1000000u /* "the engine is polling": an assisted turn this recent */
-#define DNS_THREADS_MAX 4        /* resolver threads: a hung lookup delays no other (net_dns.c) */
-#define OWN_MAX 8 /* allocations made through pd_net_allocator (KV, Mamba, meta rows) */
+#define DNS_THREADS_MAX 4 /* resolver threads: a hung lookup delays no other (net_dns.c) */
+#define OWN_MAX 8         /* allocations made through pd_net_allocator (KV, Mamba, meta rows) */
 #define ABORT_REASON_ENGINE 1u
 #define ABORT_REASON_WRITE_ERROR 2u
 #define ABORT_REASON_ORPHAN 3u
@@ -200,9 +199,8 @@ struct pd_net {
      * progress thread's poll() is using outside the mutex. */
     struct pollfd *apfd;
     uint32_t *apfd_peer;
-    uint64_t assist_next_ns, assist_last_ns;
-    bool assist_handoff; /* an assisted read met an end of stream or an error */
-    nfds_t listen_pfd;   /* the listening socket's index in pfd, 0: none */
+    uint64_t assist_next_ns;
+    nfds_t listen_pfd; /* the listening socket's index in pfd, 0: none */
     uint64_t next_due_ms, next_scan_ms;
     uint32_t abandon_pending; /* rooms that may need abandon_dead_writes */
     bool faults[PD_NET_FAULT__COUNT];
@@ -315,9 +313,9 @@ void net_accept_all(pd_net *n);
 void net_peer_service(pd_net *n, uint32_t pi, uint64_t now);
 /* An assisted turn (a vtable caller, mutex held): reads and handles what the
  * connected peers' sockets hold now, without waiting and without closing any
- * (end of stream and errors are left to the progress thread: true if it met
- * one). */
-bool net_peers_read_now(pd_net *n, uint64_t now);
+ * (end of stream and errors are left to the progress thread, whose poll()
+ * watches the same sockets). */
+void net_peers_read_now(pd_net *n, uint64_t now);
 uint32_t net_peer_for_addr(pd_net *n, const char *addr);
 void net_peer_forget_if_unused(pd_net *n, uint32_t pi);
 bool net_addr_ok(const char *addr);
