@@ -567,7 +567,9 @@ static bool assist(pd_net *n, bool force) {
     net_ucx_progress(n);
     net_peers_read_now(n, now);
     net_ucx_progress(n);
+    n->post_budget = FINAL_INLINE_BYTES;
     process_dirty(n, now);
+    n->post_budget = SIZE_MAX;
     bool tx_left = false;
     for (uint32_t pi = 0; pi < n->cfg.peers_max; pi++) {
         peer *p = &n->peers[pi];
@@ -1055,6 +1057,7 @@ pd_err pd_net_create(pd_net **out, const pd_net_config *cfg, char *msg, size_t m
         goto fail;
     }
     n->next_due_ms = UINT64_MAX;
+    n->post_budget = SIZE_MAX;
     uint64_t seed = now_ms() ^ ((uint64_t)getpid() << 32) ^ (uint64_t)(uintptr_t)n;
     n->node_id = pd_splitmix64(&seed);
     if ((err = wake_pipe_init(n, msg, msg_cap))) goto fail;

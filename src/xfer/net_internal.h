@@ -200,7 +200,9 @@ struct pd_net {
     struct pollfd *apfd;
     uint32_t *apfd_peer;
     uint64_t assist_next_ns;
-    nfds_t listen_pfd; /* the listening socket's index in pfd, 0: none */
+    size_t post_budget; /* bytes of puts the caller may still post: SIZE_MAX but in an
+                           assisted turn, where FINAL_INLINE_BYTES (net_pump_sender) */
+    nfds_t listen_pfd;  /* the listening socket's index in pfd, 0: none */
     uint64_t next_due_ms, next_scan_ms;
     uint32_t abandon_pending; /* rooms that may need abandon_dead_writes */
     bool faults[PD_NET_FAULT__COUNT];

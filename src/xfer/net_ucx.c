@@ -188,6 +188,15 @@ void net_pump_sender(pd_net *n, room *rm, uint64_t now) {
         while (rm->q_head != PD_NONE && xr_sendable(&rm->h)) {
             uint32_t si = rm->q_head;
             stage s = n->stages[si];
+            /* An assisted turn posts small puts only: over shared memory a put
+             * is a copy on the calling thread, the engine's. The rest waits
+             * for the progress thread (the room stays dirty; it is woken). */
+            size_t bytes = s.reg == STAGE_FINAL ? 0 : (size_t)s.n * n->unit[s.reg];
+            if (bytes > n->post_budget) {
+                net_mark_dirty(n, rm);
+                break;
+            }
+            n->post_budget -= bytes;
             rm->q_head = s.next;
             if (rm->q_head == PD_NONE) rm->q_tail = PD_NONE;
             n->stages[si].next = n->stage_free;

@@ -1034,6 +1034,44 @@ static void rooms_complete_through_status_polls_alone(void **state) {
     pair_free(w);
 }
 
+/* An assisted turn posts small puts only (over shared memory a put is a copy
+ * on the calling thread, the engine's): with the progress threads parked, a
+ * room whose staged run is over the inline limit does not move however often
+ * status() is polled, and completes once the prefill's thread is back. */
+static void assisted_turns_leave_large_puts_to_the_progress_thread(void **state) {
+    (void)state;
+    pair_opts o = pair_defaults();
+    o.kv_page_bytes = 4096; /* 20 pages: one 80 KiB run, over the 64 KiB limit */
+    o.heartbeat_ms = 2000;
+    o.dead_after_ms = 60000;
+    pair *w = pair_new(&o);
+    warm_up(w, 7199);
+    spec s;
+    spec_init(&s, w, 7200, 80, 0);
+    for (uint32_t i = 0; i < s.n; i++) s.src[i] = 100 + i, s.dst[i] = 150 + i;
+    s.dst_meta = 2;
+    pd_net_set_fault(w->pre, PD_NET_FAULT_PARK_PROGRESS, true);
+    pd_net_set_fault(w->dec, PD_NET_FAULT_PARK_PROGRESS, true);
+    open_both(w, &s);
+    wait_bootstrapped(w, &s);
+    uint64_t posted = stats_of(w->pre).writes_posted;
+    send_all(w, &s, 0);
+    for (int i = 0; i < 100; i++) {
+        assert_int_equal(st_of(w->px, s.room), PD_XFER_TRANSFERRING);
+        assert_int_not_equal(st_of(w->dx, s.room), PD_XFER_SUCCESS);
+        t_sleep_ms(1);
+    }
+    assert_int_equal(stats_of(w->pre).writes_posted, posted);
+    pd_net_set_fault(w->pre, PD_NET_FAULT_PARK_PROGRESS, false);
+    WAIT_FOR(st_of(w->dx, s.room) == PD_XFER_SUCCESS);
+    check_landed(w, &s);
+    pd_net_set_fault(w->dec, PD_NET_FAULT_PARK_PROGRESS, false);
+    WAIT_FOR(st_of(w->px, s.room) == PD_XFER_SUCCESS);
+    finish_both(w, &s);
+    wait_no_rooms(w);
+    pair_free(w);
+}
+
 typedef struct poller {
     pair *w;
     const spec *s;
@@ -1140,6 +1178,7 @@ int main(void) {
         cmocka_unit_test(bad_calls_are_refused),
         cmocka_unit_test(create_refuses_bad_config),
         cmocka_unit_test(rooms_complete_through_status_polls_alone),
+        cmocka_unit_test(assisted_turns_leave_large_puts_to_the_progress_thread),
         cmocka_unit_test(assisted_and_progress_threads_race_over_a_storm),
     };
     if (getenv("PD_TEST_FILTER")) cmocka_set_test_filter(getenv("PD_TEST_FILTER"));
