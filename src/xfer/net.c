@@ -108,12 +108,15 @@
  * the completion notice by the decode's engine polling for SUCCESS, with no
  * thread woken on the path. The progress thread keeps what an assisted turn
  * does not do: accepting and connecting, closing sockets (an assisted read
- * leaves the end of a stream and errors to it), timers and heartbeats, large
- * puts. Its poll() may return for an event a turn consumed meanwhile: a
- * spurious wake-up, harmless (reads find EAGAIN; revents of a peer slot
- * whose connection changed meanwhile are dropped by generation). A turn that
- * leaves work behind (dirty rooms, unsent bytes, the first UCX request
- * outstanding) wakes it through the pipe, as a vtable call would; otherwise
+ * leaves the end of a stream and errors to it), timers and heartbeats, and
+ * puts beyond FINAL_INLINE_BYTES a turn (over shared memory a put is a copy
+ * on the calling thread). The decode's abort() runs a turn first, whatever
+ * the rate limit, so that a notice already there makes it moot. Its poll()
+ * may return for an event a turn consumed meanwhile: a spurious wake-up,
+ * harmless (reads find EAGAIN; revents of a peer slot whose connection
+ * changed meanwhile are dropped by generation). A turn that leaves work
+ * behind (dirty rooms, unsent bytes, the first UCX request outstanding)
+ * wakes it through the pipe, as a vtable call would; otherwise
  * a missed wake-up is bounded by the poll caps above. Rate-limited: a turn
  * that took d waits as long again (at least ASSIST_GAP_MIN_NS) before the
  * next.
