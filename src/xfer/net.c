@@ -565,6 +565,7 @@ static bool assist(pd_net *n, bool force) {
     if (!n->running || n->stopping) return false;
     uint64_t t0 = now_ns();
     if (t0 < n->assist_next_ns && !force) return false;
+    PD_ASSERT(n->post_budget == SIZE_MAX); /* no turn inside a turn */
     uint32_t out0 = n->ucx_out;
     uint64_t now = t0 / 1000000u;
     net_ucx_progress(n);
@@ -572,6 +573,7 @@ static bool assist(pd_net *n, bool force) {
     net_ucx_progress(n);
     n->post_budget = FINAL_INLINE_BYTES;
     process_dirty(n, now);
+    PD_ASSERT(n->post_budget <= FINAL_INLINE_BYTES);
     n->post_budget = SIZE_MAX;
     bool tx_left = false;
     for (uint32_t pi = 0; pi < n->cfg.peers_max; pi++) {
@@ -765,7 +767,10 @@ static pd_xfer_status v_status(void *self, uint64_t id) {
     net_lock(n);
     uint32_t r = net_room_find(n, id);
     pd_xfer_status st = r == PD_NONE ? PD_XFER_NONE : xr_status(&room_at(n, r)->h);
-    if (news_due(n, st) && assist(n, false)) st = xr_status(&room_at(n, r)->h);
+    if (news_due(n, st) && assist(n, false)) {
+        r = net_room_find(n, id); /* the turn may have evicted a room the engine never opened */
+        st = r == PD_NONE ? PD_XFER_NONE : xr_status(&room_at(n, r)->h);
+    }
     net_unlock(n);
     return st;
 }

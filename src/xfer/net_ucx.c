@@ -196,7 +196,7 @@ void net_pump_sender(pd_net *n, room *rm, uint64_t now) {
                 net_mark_dirty(n, rm);
                 break;
             }
-            n->post_budget -= bytes;
+            if (n->post_budget != SIZE_MAX) n->post_budget -= bytes; /* SIZE_MAX: no bound */
             rm->q_head = s.next;
             if (rm->q_head == PD_NONE) rm->q_tail = PD_NONE;
             n->stages[si].next = n->stage_free;
