@@ -299,7 +299,9 @@ static uint16_t free_port(void) {
 }
 
 /* Starts argv[0] with UCX_TLS=tls (and the devices for tcp); its stdout goes
- * to out_fd (-1: /dev/null), its stderr to /dev/null. */
+ * to out_fd (-1: /dev/null), its stderr to /dev/null. Over tcp also with the
+ * send segment pd_net configures for itself (net_ucx.c: 64K instead of UCX's
+ * 8K), so that both sides of the comparison run the same transport. */
 static pid_t spawn(char *const argv[], const char *tls, const char *devices, int out_fd) {
     pid_t pid = fork();
     if (pid != 0) return pid;
@@ -308,6 +310,7 @@ static pid_t spawn(char *const argv[], const char *tls, const char *devices, int
     dup2(null, 2);
     setenv("UCX_TLS", tls, 1);
     if (!strcmp(tls, "tcp") && devices) setenv("UCX_NET_DEVICES", devices, 1);
+    if (!strcmp(tls, "tcp")) setenv("UCX_TCP_TX_SEG_SIZE", "64K", 1);
     setenv("UCX_WARN_UNUSED_ENV_VARS", "n", 1);
     execv(argv[0], argv);
     _exit(127);

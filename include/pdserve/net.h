@@ -132,6 +132,9 @@ typedef struct pd_net_stats {
     uint64_t regions_own_memory;
     /* Host names handed to the resolver threads (numeric addresses are not). */
     uint64_t name_lookups;
+    /* Turns of the progress work run by the engine's own status() and
+     * drained() calls while a room's news was due (net.c, assisted progress). */
+    uint64_t progress_assists;
 } pd_net_stats;
 void pd_net_stats_get(pd_net *n, pd_net_stats *out);
 
@@ -154,6 +157,11 @@ typedef enum pd_net_fault {
      * deliver by hand (puts emulated over tcp, completion notices) waits;
      * bootstrap messages are still handled. */
     PD_NET_FAULT_HOLD_DATA,
+    /* The progress thread does nothing while on (it waits for the fault to
+     * be turned off): only what the engine's own calls do moves a room (the
+     * sends they post inline, the progress turns status() and drained()
+     * run). Heartbeats stop too: keep it shorter than dead_after_ms. */
+    PD_NET_FAULT_PARK_PROGRESS,
     PD_NET_FAULT__COUNT
 } pd_net_fault;
 void pd_net_set_fault(pd_net *n, pd_net_fault fault, bool on);

@@ -92,9 +92,34 @@
  * the engine's status() and send_final() needed, and the one-page room took
  * 47 us instead of 35-39 (bench/xfer, alternated). While a progress thread
  * spins, the vtable's calls leave out the wake-up write to the pipe (it
- * polls the dirty rooms on its next turn anyway). The completion notice travels on TCP
- * rather than as a UCX active message: one channel carries every room-level
- * event, so their order is the order they were sent.
+ * polls the dirty rooms on its next turn anyway). The completion notice travels
+ * as a UCX active message behind a fence (protocol version 3, above); every
+ * other room-level event (DEST, DEST_OK, START, ABORT, ACK, ERROR) on the
+ * bootstrap connection, in the order it was sent.
+ *
+ * Assisted progress. The engine polls status() of its rooms every step. When
+ * it asks about a room whose news is due (news_due) the calling thread, which
+ * holds the mutex, so the progress thread is not working, runs one
+ * non-blocking turn of the progress work itself (assist): ucp_worker_progress,
+ * a poll() with timeout 0 on the connected peers' sockets (its own pollfd
+ * array: the progress thread's is in use by its poll() outside the mutex),
+ * the messages that came, the dirty rooms, queued socket writes. The DEST is
+ * then picked up by the prefill's engine polling for WAITING_FOR_INPUT and
+ * the completion notice by the decode's engine polling for SUCCESS, with no
+ * thread woken on the path. The progress thread keeps what an assisted turn
+ * does not do: accepting and connecting, closing sockets (an assisted read
+ * leaves the end of a stream and errors to it), timers and heartbeats, and
+ * puts beyond FINAL_INLINE_BYTES a turn (over shared memory a put is a copy
+ * on the calling thread). The decode's abort() runs a turn first, whatever
+ * the rate limit, so that a notice already there makes it moot. Its poll()
+ * may return for an event a turn consumed meanwhile: a spurious wake-up,
+ * harmless (reads find EAGAIN; revents of a peer slot whose connection
+ * changed meanwhile are dropped by generation). A turn that leaves work
+ * behind (dirty rooms, unsent bytes, the first UCX request outstanding)
+ * wakes it through the pipe, as a vtable call would; otherwise
+ * a missed wake-up is bounded by the poll caps above. Rate-limited: a turn
+ * that took d waits as long again (at least ASSIST_GAP_MIN_NS) before the
+ * next.
  */
 #include "net_internal.h"
 
@@ -430,59 +455,138 @@ static int poll_timeout(pd_net *n, uint64_t now, bool *spinning) {
     return (int)t;
 }
 
+/* PD_NET_FAULT_PARK_PROGRESS (mutex held): waits, doing nothing, until the
+ * fault is turned off or the transport stops; the pipe wakes it. */
+static void park(pd_net *n) {
+    n->spinning = false;
+    while (n->faults[PD_NET_FAULT_PARK_PROGRESS] && !n->stopping) {
+        net_unlock(n);
+        struct pollfd w = {.fd = n->wake_rd, .events = POLLIN};
+        if (poll(&w, 1, POLL_IDLE_MS) > 0) {
+            uint8_t junk[64];
+            while (read(n->wake_rd, junk, sizeof(junk)) > 0) {}
+        }
+        net_lock(n);
+    }
+}
+
+/* One pass of the progress work (mutex held). */
+static void progress_work(pd_net *n, uint64_t now) {
+    net_ucx_progress(n);
+    if (n->listen_ready) net_accept_all(n);
+    for (uint32_t pi = 0; pi < n->cfg.peers_max; pi++) net_peer_service(n, pi, now);
+    net_ucx_progress(n);
+    process_dirty(n, now);
+    timers(n, now);
+    /* Sends: notices queued above go out in this pass. */
+    for (uint32_t pi = 0; pi < n->cfg.peers_max; pi++) {
+        peer *p = &n->peers[pi];
+        bool open = p->state == PS_AUTH || p->state == PS_HELLO || p->state == PS_READY;
+        if (open && p->tx_off < p->tx_len) net_peer_write(n, pi);
+    }
+}
+
+/* Fills n->pfd for this turn's poll. Returns the count; *first_peer: the
+ * index of the first peer's entry. */
+static nfds_t poll_set(pd_net *n, nfds_t *first_peer) {
+    nfds_t nf = 0;
+    n->pfd[nf++] = (struct pollfd){.fd = n->wake_rd, .events = POLLIN};
+    n->pfd[nf++] = (struct pollfd){.fd = n->ucx_fd, .events = POLLIN};
+    n->listen_ready = false;
+    n->listen_pfd = n->listen_fd >= 0 ? nf : 0;
+    if (n->listen_fd >= 0) n->pfd[nf++] = (struct pollfd){.fd = n->listen_fd, .events = POLLIN};
+    *first_peer = nf;
+    for (uint32_t pi = 0; pi < n->cfg.peers_max; pi++) {
+        peer *p = &n->peers[pi];
+        p->revents = 0;
+        if (p->fd < 0 || p->state == PS_FREE || p->state == PS_CLOSING) continue;
+        short ev = p->closing_after_tx ? 0 : POLLIN;
+        if (p->state == PS_CONNECTING || p->tx_off < p->tx_len) ev |= POLLOUT;
+        n->pfd_peer[nf - *first_peer] = pi;
+        n->pfd_gen[nf - *first_peer] = p->gen;
+        n->pfd[nf++] = (struct pollfd){.fd = p->fd, .events = ev};
+    }
+    PD_ASSERT(nf <= n->cfg.peers_max + 3);
+    return nf;
+}
+
+/* What poll() saw, for the next pass (mutex held). */
+static void poll_seen(pd_net *n, nfds_t nf, nfds_t first_peer) {
+    if (n->pfd[0].revents) {
+        uint8_t junk[64];
+        while (read(n->wake_rd, junk, sizeof(junk)) > 0) {}
+    }
+    if (n->listen_pfd && n->pfd[n->listen_pfd].revents) n->listen_ready = true;
+    /* An assisted turn may have failed a peer meanwhile, and its slot gone
+     * to a new connection: what poll() saw was not about that one. */
+    for (nfds_t i = first_peer; i < nf; i++) {
+        peer *p = &n->peers[n->pfd_peer[i - first_peer]];
+        if (p->gen == n->pfd_gen[i - first_peer]) p->revents = n->pfd[i].revents;
+    }
+}
+
 static void *progress_main(void *arg) {
     pd_net *n = arg;
     net_lock(n);
     while (!n->stopping) {
-        uint64_t now = now_ms();
-        net_ucx_progress(n);
-        if (n->listen_ready) net_accept_all(n);
-        for (uint32_t pi = 0; pi < n->cfg.peers_max; pi++) net_peer_service(n, pi, now);
-        net_ucx_progress(n);
-        process_dirty(n, now);
-        timers(n, now);
-        /* Sends: notices queued above go out in this pass. */
-        for (uint32_t pi = 0; pi < n->cfg.peers_max; pi++) {
-            peer *p = &n->peers[pi];
-            bool open = p->state == PS_AUTH || p->state == PS_HELLO || p->state == PS_READY;
-            if (open && p->tx_off < p->tx_len) net_peer_write(n, pi);
+        if (n->faults[PD_NET_FAULT_PARK_PROGRESS]) {
+            park(n);
+            continue;
         }
+        uint64_t now = now_ms();
+        progress_work(n, now);
         bool spinning;
         int timeout = poll_timeout(n, now, &spinning);
         if (timeout > 0 && ucp_worker_arm(n->worker) == UCS_ERR_BUSY) timeout = 0;
         n->spinning = timeout == 0;
-        nfds_t nf = 0;
-        n->pfd[nf++] = (struct pollfd){.fd = n->wake_rd, .events = POLLIN};
-        n->pfd[nf++] = (struct pollfd){.fd = n->ucx_fd, .events = POLLIN};
-        n->listen_ready = false;
-        if (n->listen_fd >= 0) n->pfd[nf++] = (struct pollfd){.fd = n->listen_fd, .events = POLLIN};
-        nfds_t first_peer = nf;
-        for (uint32_t pi = 0; pi < n->cfg.peers_max; pi++) {
-            peer *p = &n->peers[pi];
-            p->revents = 0;
-            if (p->fd < 0 || p->state == PS_FREE || p->state == PS_CLOSING) continue;
-            short ev = p->closing_after_tx ? 0 : POLLIN;
-            if (p->state == PS_CONNECTING || p->tx_off < p->tx_len) ev |= POLLOUT;
-            n->pfd_peer[nf - first_peer] = pi;
-            n->pfd[nf++] = (struct pollfd){.fd = p->fd, .events = ev};
-        }
+        nfds_t first_peer;
+        nfds_t nf = poll_set(n, &first_peer);
         net_unlock(n);
         int rc = poll(n->pfd, nf, timeout);
         /* Spinning must not starve the thread we wait for (the peer's
          * progress thread in the same process, the engine) on a busy core. */
         if (spinning) sched_yield();
         net_lock(n);
-        if (rc <= 0) continue;
-        if (n->pfd[0].revents) {
-            uint8_t junk[64];
-            while (read(n->wake_rd, junk, sizeof(junk)) > 0) {}
-        }
-        if (n->listen_fd >= 0 && n->pfd[2].revents) n->listen_ready = true;
-        for (nfds_t i = first_peer; i < nf; i++)
-            n->peers[n->pfd_peer[i - first_peer]].revents = n->pfd[i].revents;
+        if (rc > 0) poll_seen(n, nf, first_peer);
     }
     net_unlock(n);
     return NULL;
+}
+
+/* An assisted turn: one non-blocking pass of the progress thread's work, run
+ * by the thread of a status() or drained() call whose room waits for news
+ * (mutex held, so the progress thread is not working: it is in poll(), or
+ * waiting for the mutex). The news is then handled by the thread that polls
+ * for it, without waking a sleeping progress thread. Rate-limited (see
+ * ASSIST_GAP_*) unless forced (abort). Connections, timers and heartbeats
+ * stay the progress thread's; what this turn leaves it to do, it is woken
+ * for. True if a turn ran. */
+static bool assist(pd_net *n, bool force) {
+    if (!n->running || n->stopping) return false;
+    uint64_t t0 = now_ns();
+    if (t0 < n->assist_next_ns && !force) return false;
+    PD_ASSERT(n->post_budget == SIZE_MAX); /* no turn inside a turn */
+    uint32_t out0 = n->ucx_out;
+    uint64_t now = t0 / 1000000u;
+    net_ucx_progress(n);
+    net_peers_read_now(n, now);
+    net_ucx_progress(n);
+    n->post_budget = FINAL_INLINE_BYTES;
+    process_dirty(n, now);
+    PD_ASSERT(n->post_budget <= FINAL_INLINE_BYTES);
+    n->post_budget = SIZE_MAX;
+    bool tx_left = false;
+    for (uint32_t pi = 0; pi < n->cfg.peers_max; pi++) {
+        peer *p = &n->peers[pi];
+        if (p->state == PS_READY && p->tx_off < p->tx_len) tx_left |= !net_tx_try(n, pi);
+    }
+    /* The progress thread chose its poll timeout before this turn: it may
+     * sleep through work this turn created, unless told. */
+    if (!n->spinning && (n->dirty_n > 0 || tx_left || (out0 == 0 && n->ucx_out > 0))) net_wake(n);
+    n->stats.progress_assists++;
+    uint64_t t1 = now_ns();
+    n->assist_next_ns = t1 + PD_MAX((t1 - t0) * ASSIST_GAP_FACTOR, (uint64_t)ASSIST_GAP_MIN_NS);
+    return true;
 }
 
 /* ---- the vtable --------------------------------------------------------------------------- */
@@ -650,11 +754,23 @@ static pd_err v_receiver_open(void *self, uint64_t id, const char *peer_addr,
     return err;
 }
 
+/* Whether a room in status st waits for news the network brings: on the
+ * prefill side its destination (BOOTSTRAPPING) or its writes' completions
+ * (TRANSFERRING); on the decode side anything short of a final status. */
+static bool news_due(const pd_net *n, pd_xfer_status st) {
+    if (st == PD_XFER_NONE || st == PD_XFER_SUCCESS || st == PD_XFER_FAILED) return false;
+    return n->cfg.role == PD_NET_DECODE || st != PD_XFER_WAITING_FOR_INPUT;
+}
+
 static pd_xfer_status v_status(void *self, uint64_t id) {
     pd_net *n = self;
     net_lock(n);
     uint32_t r = net_room_find(n, id);
     pd_xfer_status st = r == PD_NONE ? PD_XFER_NONE : xr_status(&room_at(n, r)->h);
+    if (news_due(n, st) && assist(n, false)) {
+        r = net_room_find(n, id); /* the turn may have evicted a room the engine never opened */
+        st = r == PD_NONE ? PD_XFER_NONE : xr_status(&room_at(n, r)->h);
+    }
     net_unlock(n);
     return st;
 }
@@ -696,10 +812,16 @@ static pd_err v_abort(void *self, uint64_t id) {
     pd_err err = PD_OK;
     if (n->cfg.role == PD_NET_PREFILL) {
         err = abort_sender(n, rm, late);
-    } else if (xr_abort(&rm->h, XR_RECEIVER) == XR_ACT_NOTIFY) {
-        if (late) net_due_at(n, rm, late);
-        net_mark_dirty(n, rm);
-        if (!net_peer_of(n, rm)) err = PD_ERR_IO;
+    } else {
+        /* What already arrived is taken in first: a completion notice here
+         * makes the abort moot (the room succeeded), and no ABORT goes to
+         * cross the prefill's close (it would leave a tombstone there). */
+        if (news_due(n, xr_status(&rm->h))) assist(n, true);
+        if (xr_abort(&rm->h, XR_RECEIVER) == XR_ACT_NOTIFY) {
+            if (late) net_due_at(n, rm, late);
+            net_mark_dirty(n, rm);
+            if (!net_peer_of(n, rm)) err = PD_ERR_IO;
+        }
     }
     net_unlock(n);
     net_wake(n);
@@ -716,6 +838,11 @@ static bool v_drained(void *self, uint64_t id) {
         bool sender = n->cfg.role == PD_NET_PREFILL;
         if (sender) net_writes_sync(rm);
         drained = xr_drained(&rm->h, sender ? XR_SENDER : XR_RECEIVER, now_ms());
+        if (!drained && assist(n, false) && room_at(n, r)->slot.id == id &&
+            room_at(n, r)->slot.used) {
+            if (sender) net_writes_sync(rm);
+            drained = xr_drained(&rm->h, sender ? XR_SENDER : XR_RECEIVER, now_ms());
+        }
     }
     net_unlock(n);
     return drained;
@@ -881,7 +1008,11 @@ static pd_err tables_alloc(pd_net *n, char *msg, size_t cap) {
     n->dirty = malloc(c->rooms_max * sizeof(uint32_t));
     n->pfd = malloc((c->peers_max + 3) * sizeof(struct pollfd));
     n->pfd_peer = malloc((c->peers_max + 3) * sizeof(uint32_t));
-    if (!n->in_dirty || !n->peers || !n->stages || !n->dirty || !n->pfd || !n->pfd_peer)
+    n->pfd_gen = malloc((c->peers_max + 3) * sizeof(uint32_t));
+    n->apfd = malloc(c->peers_max * sizeof(struct pollfd));
+    n->apfd_peer = malloc(c->peers_max * sizeof(uint32_t));
+    if (!n->in_dirty || !n->peers || !n->stages || !n->dirty || !n->pfd || !n->pfd_peer ||
+        !n->pfd_gen || !n->apfd || !n->apfd_peer)
         return pd_errorf(msg, cap, PD_ERR_NOMEM, "out of memory for %u rooms", c->rooms_max);
     for (uint32_t s = 0; s < c->stages_max; s++)
         n->stages[s].next = s + 1 < c->stages_max ? s + 1 : PD_NONE;
@@ -934,6 +1065,7 @@ pd_err pd_net_create(pd_net **out, const pd_net_config *cfg, char *msg, size_t m
         goto fail;
     }
     n->next_due_ms = UINT64_MAX;
+    n->post_budget = SIZE_MAX;
     uint64_t seed = now_ms() ^ ((uint64_t)getpid() << 32) ^ (uint64_t)(uintptr_t)n;
     n->node_id = pd_splitmix64(&seed);
     if ((err = wake_pipe_init(n, msg, msg_cap))) goto fail;
@@ -1049,5 +1181,8 @@ void pd_net_destroy(pd_net *n) {
     free(n->dirty);
     free(n->pfd);
     free(n->pfd_peer);
+    free(n->pfd_gen);
+    free(n->apfd);
+    free(n->apfd_peer);
     free(n);
 }

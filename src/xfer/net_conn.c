@@ -235,7 +235,7 @@ void net_pump_receiver(pd_net *n, room *rm, uint64_t now) {
             return;
         }
         rm->abort_wired = true;
-        net_send_room_msg(n, pi, BP_ABORT, rm->slot.id, ABORT_REASON_ENGINE);
+        net_send_room_msg(n, pi, BP_ABORT, rm->slot.id, ABORT_REASON_DEST_SENT);
     }
 }
 
@@ -454,15 +454,18 @@ static void on_dest(pd_net *n, uint32_t pi, const uint8_t *pl, uint32_t len) {
     net_send_room_msg(n, pi, BP_DEST_OK, d.room, 0);
 }
 
-static void on_decode_abort(pd_net *n, uint32_t pi, uint64_t room_id) {
+static void on_decode_abort(pd_net *n, uint32_t pi, uint64_t room_id, uint64_t reason) {
     PD_ASSERT(n->cfg.role == PD_NET_PREFILL && n->peers[pi].state == PS_READY);
     peer *p = &n->peers[pi];
     uint32_t r = net_room_find(n, room_id);
     if (r == PD_NONE) {
         /* Closed here already (a race with our own notice: nothing of it
          * can write any more), or the decode half ended before this half
-         * opened: a tombstone makes a later sender_open fail at once. */
-        r = net_room_new(n, room_id);
+         * opened: a tombstone makes a later sender_open fail at once. Not
+         * when the decode's DEST went first on this connection: a room that
+         * got a DEST stays here until the engine closed it (or it went as
+         * an orphan, and its decode half was told), so it was closed. */
+        r = reason == ABORT_REASON_DEST_SENT ? PD_NONE : net_room_new(n, room_id);
         if (r != PD_NONE) {
             room *tomb = room_at(n, r);
             tomb->r_aborted = true;
@@ -700,7 +703,7 @@ static void on_message(pd_net *n, uint32_t pi, uint32_t type, const uint8_t *pl,
             refuse_conn(n, pi, BP_E_MALFORMED, "malformed ABORT");
             return;
         }
-        on_decode_abort(n, pi, room_id);
+        on_decode_abort(n, pi, room_id, value);
         return;
     default: refuse_conn(n, pi, BP_E_UNEXPECTED, "message type not sent to a prefill node"); return;
     }
@@ -770,20 +773,23 @@ static void peer_parse(pd_net *n, uint32_t pi) {
     }
 }
 
-static void peer_read(pd_net *n, uint32_t pi, uint64_t now) {
+/* assisted: an assisted turn's read (net_peers_read_now), which leaves the
+ * end of the stream and errors to the progress thread. */
+static void peer_read(pd_net *n, uint32_t pi, uint64_t now, bool assisted) {
     PD_ASSERT(pi < n->cfg.peers_max);
     peer *p = &n->peers[pi];
     uint32_t gen = p->gen;
     for (int rounds = 0; rounds < 64; rounds++) {
         if (p->state == PS_FREE || p->gen != gen || p->closing_after_tx) return;
         if (p->rx_len == p->rx_cap) return; /* parse made no room: waits for a bigger buffer */
-        ssize_t got = recv(p->fd, p->rx + p->rx_len, p->rx_cap - p->rx_len, 0);
+        ssize_t got = recv(p->fd, p->rx + p->rx_len, p->rx_cap - p->rx_len, MSG_DONTWAIT);
         if (got > 0) {
             p->rx_len += (size_t)got;
             p->last_rx_ms = now;
             peer_parse(n, pi);
             continue;
         }
+        if (assisted) return;
         if (got == 0) {
             if (p->rx_len > 0) {
                 n->stats.bad_messages++; /* a message cut off by the close */
@@ -815,6 +821,25 @@ void net_peer_write(pd_net *n, uint32_t pi) {
     }
     p->tx_off = p->tx_len = 0;
     if (p->closing_after_tx) net_peer_fail(n, pi, "closed after refusing the peer");
+}
+
+void net_peers_read_now(pd_net *n, uint64_t now) {
+    nfds_t nf = 0;
+    for (uint32_t pi = 0; pi < n->cfg.peers_max; pi++) {
+        const peer *p = &n->peers[pi];
+        if (p->state != PS_READY || p->fd < 0 || p->closing_after_tx || p->ucx_failed) continue;
+        n->apfd_peer[nf] = pi;
+        n->apfd[nf++] = (struct pollfd){.fd = p->fd, .events = POLLIN};
+    }
+    PD_ASSERT(nf <= n->cfg.peers_max);
+    if (nf == 0 || poll(n->apfd, nf, 0) <= 0) return;
+    for (nfds_t i = 0; i < nf; i++) {
+        /* A message handled above may have failed a peer listed here. */
+        uint32_t pi = n->apfd_peer[i];
+        if ((n->apfd[i].revents & POLLIN) && n->peers[pi].fd == n->apfd[i].fd &&
+            n->peers[pi].state == PS_READY)
+            peer_read(n, pi, now, true);
+    }
 }
 
 /* From any thread, mutex held: sends what peer pi has queued with
@@ -1055,7 +1080,7 @@ void net_peer_service(pd_net *n, uint32_t pi, uint64_t now) {
             net_peer_fail(n, pi, "UCX endpoint error");
             return;
         }
-        if (p->revents & (POLLIN | POLLHUP | POLLERR)) peer_read(n, pi, now);
+        if (p->revents & (POLLIN | POLLHUP | POLLERR)) peer_read(n, pi, now, false);
         return;
     }
 }

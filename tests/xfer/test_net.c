@@ -4,6 +4,10 @@
  * the bytes in the decode node's memory, the statuses both engines see,
  * and drained() — never true while a write may still land, always true
  * eventually. */
+#include <pthread.h>
+#include <sched.h>
+#include <stdatomic.h>
+
 #include "net_fixture.h"
 
 #define MAX_PAGES 64
@@ -808,6 +812,11 @@ static void ack_never_overtakes_the_data(void **state) {
     for (uint32_t i = 0; i < b.n; i++) b.src[i] = i, b.dst[i] = 200 + i;
     a.dst_meta = 3;
     b.dst_meta = 4;
+    /* UCX's tcp wire-up needs the decode's worker to answer: it must be done
+     * before the worker is held, or room a's puts never complete while held
+     * and its notice never goes (since the engines' status() polls run the
+     * progress work, the bootstrap can finish before the wire-up did). */
+    warm_up(w, 1599);
     open_both(w, &a);
     wait_bootstrapped(w, &a);
     pd_net_set_fault(w->dec, PD_NET_FAULT_HOLD_DATA, true);
@@ -961,6 +970,189 @@ static void create_refuses_bad_config(void **state) {
     pd_net_destroy(n);
 }
 
+/* ---- assisted progress (net.c) ----------------------------------------------- */
+
+/* With both progress threads parked, nothing but the engines' own calls moves
+ * a room: the DEST leaves from receiver_open, the prefill's status() polls
+ * read it, send_pages/send_final stage the writes that the prefill's status()
+ * polls post, and the decode's status() polls take the completion notice. The
+ * rooms complete, the bytes land, and drained() comes true, all while parked. */
+static void rooms_complete_through_status_polls_alone(void **state) {
+    (void)state;
+    pair_opts o = pair_defaults();
+    o.heartbeat_ms = 2000; /* parked threads send no heartbeats */
+    o.dead_after_ms = 60000;
+    pair *w = pair_new(&o);
+    spec s[3];
+    for (int k = 0; k < 3; k++) {
+        spec_init(&s[k], w, 7100 + (uint64_t)k, 10 + 13 * (uint32_t)k, 0);
+        for (uint32_t i = 0; i < s[k].n; i++) {
+            s[k].src[i] = 40 * (uint32_t)k + 3 * i;
+            s[k].dst[i] = 100 + 20 * (uint32_t)k + i;
+        }
+        s[k].src_mamba = s[k].dst_mamba = (uint32_t)k;
+        s[k].src_meta = s[k].dst_meta = (uint32_t)k;
+    }
+    /* The connection comes up through the progress threads. */
+    open_both(w, &s[0]);
+    wait_bootstrapped(w, &s[0]);
+    send_all(w, &s[0], 0);
+    WAIT_FOR(st_of(w->dx, s[0].room) == PD_XFER_SUCCESS);
+    check_landed(w, &s[0]);
+    WAIT_FOR(st_of(w->px, s[0].room) == PD_XFER_SUCCESS);
+    finish_both(w, &s[0]);
+    pd_net_set_fault(w->pre, PD_NET_FAULT_PARK_PROGRESS, true);
+    pd_net_set_fault(w->dec, PD_NET_FAULT_PARK_PROGRESS, true);
+    pd_net_stats p0 = stats_of(w->pre), d0 = stats_of(w->dec);
+    for (int k = 1; k < 3; k++) {
+        open_both(w, &s[k]);
+        wait_bootstrapped(w, &s[k]);
+        send_all(w, &s[k], k == 2 ? 3 : 0); /* room 2 with middle sends */
+    }
+    for (int k = 1; k < 3; k++) {
+        WAIT_FOR(st_of(w->dx, s[k].room) == PD_XFER_SUCCESS);
+        check_landed(w, &s[k]);
+        WAIT_FOR(st_of(w->px, s[k].room) == PD_XFER_SUCCESS);
+        WAIT_FOR(drained_of(w->px, s[k].room));
+        WAIT_FOR(drained_of(w->dx, s[k].room));
+    }
+    pd_net_stats p1 = stats_of(w->pre), d1 = stats_of(w->dec);
+    assert_int_equal(p1.rooms_succeeded - p0.rooms_succeeded, 2);
+    assert_int_equal(d1.rooms_succeeded - d0.rooms_succeeded, 2);
+    assert_true(p1.progress_assists > p0.progress_assists);
+    assert_true(d1.progress_assists > d0.progress_assists);
+    /* Unparked, the threads settle what is left and the rooms go. */
+    pd_net_set_fault(w->pre, PD_NET_FAULT_PARK_PROGRESS, false);
+    pd_net_set_fault(w->dec, PD_NET_FAULT_PARK_PROGRESS, false);
+    for (int k = 1; k < 3; k++) {
+        w->px.vt->close(w->px.self, s[k].room);
+        w->dx.vt->close(w->dx.self, s[k].room);
+    }
+    wait_no_rooms(w);
+    assert_int_equal(stats_of(w->pre).peers_connected, 1);
+    assert_int_equal(stats_of(w->dec).rooms_failed, 0);
+    pair_free(w);
+}
+
+/* An assisted turn posts small puts only (over shared memory a put is a copy
+ * on the calling thread, the engine's): with the progress threads parked, a
+ * room whose staged run is over the inline limit does not move however often
+ * status() is polled, and completes once the prefill's thread is back. */
+static void assisted_turns_leave_large_puts_to_the_progress_thread(void **state) {
+    (void)state;
+    pair_opts o = pair_defaults();
+    o.kv_page_bytes = 4096; /* 20 pages: one 80 KiB run, over the 64 KiB limit */
+    o.heartbeat_ms = 2000;
+    o.dead_after_ms = 60000;
+    pair *w = pair_new(&o);
+    warm_up(w, 7199);
+    spec s;
+    spec_init(&s, w, 7200, 80, 0);
+    for (uint32_t i = 0; i < s.n; i++) s.src[i] = 100 + i, s.dst[i] = 150 + i;
+    s.dst_meta = 2;
+    pd_net_set_fault(w->pre, PD_NET_FAULT_PARK_PROGRESS, true);
+    pd_net_set_fault(w->dec, PD_NET_FAULT_PARK_PROGRESS, true);
+    open_both(w, &s);
+    wait_bootstrapped(w, &s);
+    uint64_t posted = stats_of(w->pre).writes_posted;
+    send_all(w, &s, 0);
+    for (int i = 0; i < 100; i++) {
+        assert_int_equal(st_of(w->px, s.room), PD_XFER_TRANSFERRING);
+        assert_int_not_equal(st_of(w->dx, s.room), PD_XFER_SUCCESS);
+        t_sleep_ms(1);
+    }
+    assert_int_equal(stats_of(w->pre).writes_posted, posted);
+    pd_net_set_fault(w->pre, PD_NET_FAULT_PARK_PROGRESS, false);
+    WAIT_FOR(st_of(w->dx, s.room) == PD_XFER_SUCCESS);
+    check_landed(w, &s);
+    pd_net_set_fault(w->dec, PD_NET_FAULT_PARK_PROGRESS, false);
+    WAIT_FOR(st_of(w->px, s.room) == PD_XFER_SUCCESS);
+    finish_both(w, &s);
+    wait_no_rooms(w);
+    pair_free(w);
+}
+
+typedef struct poller {
+    pair *w;
+    const spec *s;
+    int rooms;
+    atomic_bool stop;
+} poller;
+
+/* Another engine-like thread that polls every room of a wave on both nodes,
+ * so that assisted turns run from two threads while the progress threads
+ * work too. */
+static void *poll_rooms(void *arg) {
+    poller *pl = arg;
+    while (!atomic_load(&pl->stop)) {
+        for (int k = 0; k < pl->rooms; k++) {
+            (void)st_of(pl->w->px, pl->s[k].room);
+            (void)st_of(pl->w->dx, pl->s[k].room);
+            (void)drained_of(pl->w->px, pl->s[k].room);
+            (void)drained_of(pl->w->dx, pl->s[k].room);
+        }
+        sched_yield();
+    }
+    return NULL;
+}
+
+/* Assisted turns from two callers and both progress threads, over waves of
+ * rooms: every room succeeds exactly once on each side, with its bytes. */
+static void assisted_and_progress_threads_race_over_a_storm(void **state) {
+    (void)state;
+    enum { WAVE = 48, WAVES = 6 };
+    pair_opts o = pair_defaults();
+    o.mamba_slots = WAVE;
+    o.meta_rows = WAVE;
+    pair *w = pair_new(&o);
+    pd_rng rng;
+    pd_rng_seed(&rng, test_seed(1313));
+    static spec s[WAVE];
+    for (int wave = 0; wave < WAVES; wave++) {
+        for (int k = 0; k < WAVE; k++) {
+            uint32_t prompt = 1 + (uint32_t)pd_rng_below(&rng, 16);
+            spec_init(&s[k], w, 50000 + (uint64_t)(wave * WAVE + k), prompt, 0);
+            for (uint32_t i = 0; i < s[k].n; i++) {
+                s[k].src[i] = (uint32_t)pd_rng_below(&rng, o.kv_pages);
+                s[k].dst[i] = 4 * (uint32_t)k + i;
+            }
+            s[k].src_mamba = (uint32_t)pd_rng_below(&rng, WAVE);
+            s[k].dst_mamba = s[k].dst_meta = (uint32_t)k;
+            s[k].src_meta = (uint32_t)pd_rng_below(&rng, WAVE);
+        }
+        poller pl = {.w = w, .s = s, .rooms = WAVE};
+        atomic_init(&pl.stop, false);
+        pthread_t th;
+        assert_int_equal(pthread_create(&th, NULL, poll_rooms, &pl), 0);
+        for (int k = 0; k < WAVE; k++) {
+            if (k % 2) receiver_open(w, &s[k]);
+            assert_ok(w->px.vt->sender_open(w->px.self, s[k].room));
+            if (!(k % 2)) receiver_open(w, &s[k]);
+        }
+        for (int k = 0; k < WAVE; k++) {
+            WAIT_FOR(st_of(w->px, s[k].room) == PD_XFER_WAITING_FOR_INPUT);
+            send_all(w, &s[k], (uint32_t)k % 3);
+        }
+        for (int k = 0; k < WAVE; k++) {
+            WAIT_FOR(st_of(w->dx, s[k].room) == PD_XFER_SUCCESS);
+            check_landed(w, &s[k]);
+            WAIT_FOR(st_of(w->px, s[k].room) == PD_XFER_SUCCESS);
+        }
+        for (int k = 0; k < WAVE; k++) finish_both(w, &s[k]);
+        atomic_store(&pl.stop, true);
+        pthread_join(th, NULL);
+        wait_no_rooms(w);
+    }
+    pd_net_stats ps = stats_of(w->pre), ds = stats_of(w->dec);
+    assert_int_equal(ps.rooms_succeeded, WAVE * WAVES);
+    assert_int_equal(ds.rooms_succeeded, WAVE * WAVES);
+    assert_int_equal(ps.rooms_failed + ds.rooms_failed, 0);
+    assert_int_equal(ps.bytes_sent, ds.bytes_received);
+    assert_int_equal(ps.peers_connected, 1);
+    assert_true(ps.progress_assists > 0 && ds.progress_assists > 0);
+    pair_free(w);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(room_success_data_lands),
@@ -985,6 +1177,9 @@ int main(void) {
         cmocka_unit_test(prefill_death_with_the_notice_in_flight),
         cmocka_unit_test(bad_calls_are_refused),
         cmocka_unit_test(create_refuses_bad_config),
+        cmocka_unit_test(rooms_complete_through_status_polls_alone),
+        cmocka_unit_test(assisted_turns_leave_large_puts_to_the_progress_thread),
+        cmocka_unit_test(assisted_and_progress_threads_race_over_a_storm),
     };
     if (getenv("PD_TEST_FILTER")) cmocka_set_test_filter(getenv("PD_TEST_FILTER"));
     return cmocka_run_group_tests(tests, NULL, NULL);
