@@ -255,7 +255,9 @@ pd_err pd_ledger_free(pd_ledger *l, int pool_id, const uint32_t *idx,
     pd_err err = transition(l, lp, idx, n, from, from_owner, PD_UNIT_FREE,
                             PD_OWNER_NONE, "free");
     if (err != PD_OK) return err;
-    err = pd_pool_free_n(lp->pool, idx, n);
+    /* One unit (a row, a slot, a page: most calls) takes the pool's
+     * single-unit path, which leaves the pool as free_n would. */
+    err = n == 1 ? pd_pool_free(lp->pool, idx[0]) : pd_pool_free_n(lp->pool, idx, n);
     if (err != PD_OK) {
         for (uint32_t i = 0; i < n; i++)
             set_unit(lp, l->strict, idx[i], from, from_owner);

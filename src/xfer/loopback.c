@@ -126,8 +126,9 @@ struct pd_loopback {
     side_mem sides[2];
     pd_lb_touch_fn touch; /* the judge's view of every unit a write touches */
     void *touch_ctx;
-    pd_rng rng;      /* latency jitter */
-    uint32_t last_r; /* the record room_find returned last, or PD_NONE */
+    pd_rng rng;         /* latency jitter */
+    uint32_t *hint;     /* [hint_mask + 1]: a room id's record as last found, or PD_NONE */
+    uint32_t hint_mask; /* the hint table's size less one (a power of two less one) */
 };
 
 typedef struct endpoint {
@@ -167,16 +168,23 @@ static void room_free(pd_loopback *lb, uint32_t r) {
 
 static void evict(void *ctx, uint32_t r) { room_free(ctx, r); }
 
-/* The record of room id, or PD_NONE. An engine asks about one room several
- * times in a row (its status, then drained() and close() as it retires it):
- * the last record found is tried first, trusted only while its slot still
- * holds that room (ids are unique in the table), which saves a probe of the
- * index and a load of a cold record (issue 13). */
+/* The hint slot of room id: its low 32 bits folded with its high ones, so
+ * sequential ids (the engines' and the router's) and random ones spread. */
+static uint32_t *hint_of(const pd_loopback *lb, uint64_t id) {
+    return &lb->hint[(uint32_t)(id ^ (id >> 32)) & lb->hint_mask];
+}
+
+/* The record of room id, or PD_NONE. An engine asks about many rooms each
+ * step (every running request's status, then drained() and close() as it
+ * retires one): the record its hint slot names is tried first, trusted only
+ * while that record still holds room id (ids are unique in the table; a
+ * stale hint, or one another id shares, falls back to the index), which
+ * saves the probe of the index and the load of its cold node (issue 13). */
 static uint32_t room_find(pd_loopback *lb, uint64_t id) {
-    uint32_t r = lb->last_r;
+    uint32_t *h = hint_of(lb, id), r = *h;
     if (r != PD_NONE && xr_at(&lb->rooms, r)->used && xr_at(&lb->rooms, r)->id == id) return r;
     r = xr_find(&lb->rooms, id);
-    if (r != PD_NONE) lb->last_r = r;
+    if (r != PD_NONE) *h = r;
     return r;
 }
 
@@ -184,7 +192,9 @@ static uint32_t room_get(pd_loopback *lb, uint64_t id) {
     uint32_t r = room_find(lb, id);
     if (r != PD_NONE) return r;
     r = xr_add(&lb->rooms, id);
-    if (r != PD_NONE) room_at(lb, r)->dest = (xr_dest){.mamba_slot = PD_NONE, .meta_row = PD_NONE};
+    if (r == PD_NONE) return r;
+    room_at(lb, r)->dest = (xr_dest){.mamba_slot = PD_NONE, .meta_row = PD_NONE};
+    *hint_of(lb, id) = r;
     return r;
 }
 
@@ -802,6 +812,13 @@ static pd_err ops_alloc(pd_loopback *lb) {
     lb->held = malloc(lb->ops_cap * sizeof(uint32_t));
     lb->store = calloc(lb->cfg.rooms_max, sizeof(room_store));
     if (!lb->ops || !lb->heap || !lb->held || !lb->store) return PD_ERR_NOMEM;
+    uint64_t hints = 64; /* two slots per room or more, so few live ids share one */
+    while (hints < 2 * (uint64_t)lb->cfg.rooms_max) hints *= 2;
+    if (hints > UINT32_MAX) return PD_ERR_INVALID;
+    lb->hint = malloc(hints * sizeof(uint32_t));
+    if (!lb->hint) return PD_ERR_NOMEM;
+    for (uint64_t i = 0; i < hints; i++) lb->hint[i] = PD_NONE;
+    lb->hint_mask = (uint32_t)(hints - 1);
     for (uint32_t i = 0; i < lb->ops_cap; i++)
         lb->ops[i].next_free = i + 1 < lb->ops_cap ? i + 1 : PD_NONE;
     lb->op_free = 0;
@@ -815,7 +832,6 @@ pd_err pd_loopback_create(pd_loopback **out, const pd_loopback_config *cfg) {
     pd_loopback *lb = &w->lb;
     lb->cfg = *cfg;
     pd_rng_seed(&lb->rng, cfg->jitter_seed);
-    lb->last_r = PD_NONE;
     pd_err err = xr_table_init(&lb->rooms, cfg->rooms_max, sizeof(room), evictable, evict, lb);
     if (!err) err = ops_alloc(lb);
     if (err) {
@@ -843,6 +859,7 @@ void pd_loopback_destroy(pd_loopback *lb) {
     free(lb->ops);
     free(lb->heap);
     free(lb->held);
+    free(lb->hint);
     free((struct lb_with_eps *)lb);
 }
 

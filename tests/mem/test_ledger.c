@@ -338,6 +338,51 @@ static void non_strict_report_says_owners_unknown(void **state) {
     fx_free(f);
 }
 
+/* A one-unit free takes the pool's single-unit path: the pool must end as
+ * pd_pool_free_n(.., 1) leaves it, the run hints (I5) included, so every
+ * later run allocation chooses what it would have. Judged against a twin
+ * pool that frees through pd_pool_free_n. */
+static void one_unit_frees_leave_the_pool_as_array_frees_do(void **state) {
+    (void)state;
+    enum { UNITS = 256, ROUNDS = 400 };
+    fixture *f = fx_new(false);
+    pd_pool *big, *twin;
+    int big_id;
+    assert_ok(pd_pool_create(&big, "big", PD_POOL_KV, UNITS, 16));
+    assert_ok(pd_pool_create(&twin, "twin", PD_POOL_KV, UNITS, 16));
+    assert_ok(pd_ledger_add_pool(f->l, big, &big_id));
+    static bool held[UNITS];
+    memset(held, 0, sizeof(held));
+    pd_rng rng;
+    pd_rng_seed(&rng, test_seed(13));
+    uint32_t got[32], want[32];
+    char msg[256];
+    for (uint32_t round = 0; round < ROUNDS; round++) {
+        uint32_t k = 1 + (uint32_t)pd_rng_below(&rng, 24);
+        if (pd_pool_free_count(big) >= k && pd_rng_below(&rng, 3) != 0) {
+            assert_ok(pd_ledger_alloc(f->l, big_id, k, 1, got));
+            assert_ok(pd_pool_alloc_n(twin, k, want));
+            assert_memory_equal(got, want, k * sizeof(uint32_t));
+            for (uint32_t i = 0; i < k; i++) held[got[i]] = true;
+        }
+        for (uint32_t i = 0, frees = (uint32_t)pd_rng_below(&rng, 12); i < frees; i++) {
+            uint32_t u = (uint32_t)pd_rng_below(&rng, UNITS);
+            if (!held[u]) continue;
+            assert_ok(pd_ledger_free(f->l, big_id, &u, 1, PD_UNIT_REQ, 1));
+            assert_ok(pd_pool_free_n(twin, &u, 1));
+            held[u] = false;
+        }
+        assert_int_equal(pd_pool_free_count(big), pd_pool_free_count(twin));
+        if (pd_pool_verify(big, msg, sizeof(msg)) != PD_OK) fail_msg("%s", msg);
+    }
+    uint32_t u = UNITS; /* out of range: refused, nothing changes */
+    assert_err(pd_ledger_free(f->l, big_id, &u, 1, PD_UNIT_REQ, 1), PD_ERR_STATE);
+    assert_clean(f);
+    fx_free(f);
+    pd_pool_destroy(big);
+    pd_pool_destroy(twin);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(add_pool_refuses_duplicates_and_used_pools),
@@ -355,6 +400,7 @@ int main(void) {
         cmocka_unit_test(idle_check_names_the_culprit),
         cmocka_unit_test(json_report_parses_and_groups_by_owner),
         cmocka_unit_test(non_strict_report_says_owners_unknown),
+        cmocka_unit_test(one_unit_frees_leave_the_pool_as_array_frees_do),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
