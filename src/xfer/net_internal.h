@@ -344,6 +344,11 @@ bool net_peer_regions_set(peer *p, const bp_hello *h);
 void net_abandon_dead_writes(pd_net *n, uint64_t now);
 void net_ucx_progress(pd_net *n);
 pd_err net_ucx_init(pd_net *n, char *msg, size_t cap);
+/* UCX's configuration as a node with cfg uses it (UCX_* environment, then
+ * cfg's transports and devices, then pd_net's own settings); the caller
+ * releases it. */
+pd_err net_ucx_config_make(const pd_net_config *cfg, ucp_config_t **out, char *msg, size_t cap);
+void net_ucx_config_value(const ucp_config_t *uc, const char *key, char *out, size_t cap);
 void net_ucx_settle(pd_net *n, uint64_t budget_ms);
 /* Unmaps what pd_net_allocator gave out (destroy: every owner has freed it). */
 void net_own_release_all(pd_net *n);
