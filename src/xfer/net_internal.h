@@ -146,6 +146,7 @@ typedef struct peer {
     /* prefill: the decode node's memory */
     ucp_ep_h ep;
     bool ep_no_peer_mode;
+    bool flush_waits; /* its last flush did not complete at once (tcp: it waits for acks) */
     void *close_req;
     ucp_rkey_h rkey[REG_N];
     uint64_t rbase[REG_N], runit[REG_N];
@@ -200,6 +201,8 @@ struct pd_net {
     struct pollfd *apfd;
     uint32_t *apfd_peer;
     uint64_t assist_next_ns;
+    bool engine_turn;   /* the engine's thread pumps (send_final inline, an assisted turn):
+                       * the flush after a notice is left to the progress thread */
     size_t post_budget; /* bytes of puts the caller may still post: SIZE_MAX but in an
                            assisted turn, where FINAL_INLINE_BYTES (net_pump_sender) */
     nfds_t listen_pfd;  /* the listening socket's index in pfd, 0: none */

@@ -112,6 +112,7 @@ static void post_flush(pd_net *n, room *rm, peer *p) {
     };
     ucs_status_ptr_t sp = ucp_ep_flush_nbx(p->ep, &prm);
     rm->need_flush = false;
+    p->flush_waits = sp != NULL && !UCS_PTR_IS_ERR(sp);
     if (UCS_PTR_IS_ERR(sp)) {
         write_failed(n, rm);
     } else if (sp != NULL) {
@@ -170,7 +171,12 @@ static bool pump_notice(pd_net *n, room *rm, peer *p, uint32_t pi) {
         }
         xr_sender_done(&rm->h);
         net_set_st(n, rm, PD_XFER_SUCCESS);
-        if (rm->need_flush) post_flush(n, rm, p);
+        /* On the engine's thread (send_final inline, an assisted turn) a
+         * flush that waits (tcp: one more send() on the room's critical
+         * path) is left to the progress thread; one that completes at once
+         * (shm) is not worth waking it for. */
+        if (rm->need_flush && n->engine_turn && p->flush_waits) net_mark_dirty(n, rm);
+        else if (rm->need_flush) post_flush(n, rm, p);
         return true;
     }
     bp_type t = note == N_ACK ? BP_ACK : BP_ABORT;
@@ -220,6 +226,11 @@ void net_pump_sender(pd_net *n, room *rm, uint64_t now) {
                 break;
             }
         }
+        /* The flush after the notice, left to the progress thread. */
+        if (rm->h.done && rm->need_flush && rm->note == N_NONE) {
+            if (n->engine_turn && p->flush_waits) net_mark_dirty(n, rm);
+            else post_flush(n, rm, p);
+        }
         if (rm->note != N_NONE && rm->due_ms <= now && !(n->faults[PD_NET_FAULT_HOLD_NOTICES])) {
             if (!pump_notice(n, rm, p, pi)) return;
         } else if (rm->note != N_NONE && rm->due_ms > now) {
@@ -228,6 +239,7 @@ void net_pump_sender(pd_net *n, room *rm, uint64_t now) {
     } else if (!p && rm->note != N_NONE) {
         rm->note = N_NONE; /* the connection is gone: nobody to tell */
     }
+    if (!p) rm->need_flush = false; /* nothing left to flush through */
     net_room_try_release(n, rm);
 }
 
