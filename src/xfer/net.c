@@ -192,7 +192,8 @@ void net_mark_dirty(pd_net *n, room *rm) {
 
 /* Writes, a flush or a notice of the room are still in the transport's hands. */
 static bool room_busy(const room *rm) {
-    return rm->puts_out || rm->flush_out || rm->q_head != PD_NONE || rm->note != N_NONE;
+    return rm->puts_out || rm->flush_out || rm->q_head != PD_NONE || rm->note != N_NONE ||
+        (rm->h.done && rm->need_flush);
 }
 
 bool net_room_orphan(const room *rm) {
@@ -572,7 +573,9 @@ static bool assist(pd_net *n, bool force) {
     net_peers_read_now(n, now);
     net_ucx_progress(n);
     n->post_budget = FINAL_INLINE_BYTES;
+    n->engine_turn = true;
     process_dirty(n, now);
+    n->engine_turn = false;
     PD_ASSERT(n->post_budget <= FINAL_INLINE_BYTES);
     n->post_budget = SIZE_MAX;
     bool tx_left = false;
@@ -669,10 +672,12 @@ static bool final_inline(pd_net *n, room *rm, uint32_t pages) {
     if (bytes > FINAL_INLINE_BYTES || !p || p->state != PS_READY || p->tx_len != 0 ||
         !rm->dest.known || n->faults[PD_NET_FAULT_HOLD_NOTICES] || rm->puts_out || rm->flush_out)
         return false;
+    n->engine_turn = true;
     net_pump_sender(n, rm, now_ms());
+    n->engine_turn = false;
     if (!rm->slot.used) return true; /* done, and released */
-    return rm->q_head == PD_NONE && !rm->puts_out && !rm->flush_out && rm->note == N_NONE &&
-        net_tx_try(n, rm->peer);
+    return rm->q_head == PD_NONE && !rm->puts_out && !rm->flush_out && !rm->need_flush &&
+        rm->note == N_NONE && net_tx_try(n, rm->peer);
 }
 
 static pd_err v_send_final(void *self, uint64_t id, uint32_t first, const uint32_t *src,

@@ -146,6 +146,7 @@ typedef struct peer {
     /* prefill: the decode node's memory */
     ucp_ep_h ep;
     bool ep_no_peer_mode;
+    bool flush_waits; /* its last flush did not complete at once (tcp: it waits for acks) */
     void *close_req;
     ucp_rkey_h rkey[REG_N];
     uint64_t rbase[REG_N], runit[REG_N];
@@ -200,6 +201,8 @@ struct pd_net {
     struct pollfd *apfd;
     uint32_t *apfd_peer;
     uint64_t assist_next_ns;
+    bool engine_turn;   /* the engine's thread pumps (send_final inline, an assisted turn):
+                       * the flush after a notice is left to the progress thread */
     size_t post_budget; /* bytes of puts the caller may still post: SIZE_MAX but in an
                            assisted turn, where FINAL_INLINE_BYTES (net_pump_sender) */
     nfds_t listen_pfd;  /* the listening socket's index in pfd, 0: none */
@@ -344,6 +347,11 @@ bool net_peer_regions_set(peer *p, const bp_hello *h);
 void net_abandon_dead_writes(pd_net *n, uint64_t now);
 void net_ucx_progress(pd_net *n);
 pd_err net_ucx_init(pd_net *n, char *msg, size_t cap);
+/* UCX's configuration as a node with cfg uses it (UCX_* environment, then
+ * cfg's transports and devices, then pd_net's own settings); the caller
+ * releases it. */
+pd_err net_ucx_config_make(const pd_net_config *cfg, ucp_config_t **out, char *msg, size_t cap);
+void net_ucx_config_value(const ucp_config_t *uc, const char *key, char *out, size_t cap);
 void net_ucx_settle(pd_net *n, uint64_t budget_ms);
 /* Unmaps what pd_net_allocator gave out (destroy: every owner has freed it). */
 void net_own_release_all(pd_net *n);

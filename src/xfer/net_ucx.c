@@ -112,6 +112,7 @@ static void post_flush(pd_net *n, room *rm, peer *p) {
     };
     ucs_status_ptr_t sp = ucp_ep_flush_nbx(p->ep, &prm);
     rm->need_flush = false;
+    p->flush_waits = sp != NULL && !UCS_PTR_IS_ERR(sp);
     if (UCS_PTR_IS_ERR(sp)) {
         write_failed(n, rm);
     } else if (sp != NULL) {
@@ -170,7 +171,12 @@ static bool pump_notice(pd_net *n, room *rm, peer *p, uint32_t pi) {
         }
         xr_sender_done(&rm->h);
         net_set_st(n, rm, PD_XFER_SUCCESS);
-        if (rm->need_flush) post_flush(n, rm, p);
+        /* On the engine's thread (send_final inline, an assisted turn) a
+         * flush that waits (tcp: one more send() on the room's critical
+         * path) is left to the progress thread; one that completes at once
+         * (shm) is not worth waking it for. */
+        if (rm->need_flush && n->engine_turn && p->flush_waits) net_mark_dirty(n, rm);
+        else if (rm->need_flush) post_flush(n, rm, p);
         return true;
     }
     bp_type t = note == N_ACK ? BP_ACK : BP_ABORT;
@@ -220,6 +226,11 @@ void net_pump_sender(pd_net *n, room *rm, uint64_t now) {
                 break;
             }
         }
+        /* The flush after the notice, left to the progress thread. */
+        if (rm->h.done && rm->need_flush && rm->note == N_NONE) {
+            if (n->engine_turn && p->flush_waits) net_mark_dirty(n, rm);
+            else post_flush(n, rm, p);
+        }
         if (rm->note != N_NONE && rm->due_ms <= now && !(n->faults[PD_NET_FAULT_HOLD_NOTICES])) {
             if (!pump_notice(n, rm, p, pi)) return;
         } else if (rm->note != N_NONE && rm->due_ms > now) {
@@ -228,6 +239,7 @@ void net_pump_sender(pd_net *n, room *rm, uint64_t now) {
     } else if (!p && rm->note != N_NONE) {
         rm->note = N_NONE; /* the connection is gone: nobody to tell */
     }
+    if (!p) rm->need_flush = false; /* nothing left to flush through */
     net_room_try_release(n, rm);
 }
 
@@ -351,12 +363,12 @@ static bool tls_shm_only(const char *tls) {
 
 /* UCX's configuration as this node uses it: UCX_* environment variables,
  * which UCX reads itself, with this node's ucx_tls / ucx_net_devices over them. */
-static pd_err ucx_config_make(const pd_net *n, ucp_config_t **out, char *msg, size_t cap) {
+pd_err net_ucx_config_make(const pd_net_config *cfg, ucp_config_t **out, char *msg, size_t cap) {
     ucp_config_t *uc = NULL;
     ucs_status_t st = ucp_config_read(NULL, NULL, &uc);
     if (st != UCS_OK)
         return pd_errorf(msg, cap, PD_ERR_IO, "UCX config: %s", ucs_status_string(st));
-    const char *tls = n->cfg.ucx_tls, *devices = n->cfg.ucx_net_devices;
+    const char *tls = cfg->ucx_tls, *devices = cfg->ucx_net_devices;
     if (tls && (st = ucp_config_modify(uc, "TLS", tls)) != UCS_OK) {
         ucp_config_release(uc);
         return pd_errorf(msg, cap, PD_ERR_INVALID, "UCX TLS '%s': %s", tls, ucs_status_string(st));
@@ -377,16 +389,27 @@ static pd_err ucx_config_make(const pd_net *n, ucp_config_t **out, char *msg, si
      * them three: 94 -> 68 us per one-page room (bench/xfer, tiny model). A
      * hint: a UCX without that setting keeps its default. */
     (void)ucp_config_modify(uc, "TX_SEG_SIZE", TCP_TX_SEG);
+    /* UCX's adaptive progress leaves an interface that none of this
+     * worker's endpoints sends on deactivated: the decode's shared-memory
+     * interface, which only receives. UCX keeps it armed, so the sender of
+     * each message to it (the completion notice's ucp_am_send_nbx) signals
+     * it with a sendto() on a Unix socket, UCX's async thread wakes up and
+     * writes the worker's event fd, and the next progress re-arms it: 8 of
+     * a one-page room's 24 us over shm. With every interface active nothing
+     * is armed unless our progress thread sleeps on the worker (a room in
+     * 13.5 us, bench/xfer). Set whatever the environment says, like the
+     * segment above: a library does not read the environment. */
+    (void)ucp_config_modify(uc, "ADAPTIVE_PROGRESS", "n");
     *out = uc;
     return PD_OK;
 }
 
-/* The transport list of a UCX configuration, as UCX_TLS syntax ("all" when
- * nothing restricts it): ucx_tls if this node set one, else UCX_TLS as UCX
- * read it. UCX has no getter for a single setting, so the configuration is
- * printed into memory and its UCX_TLS line copied to out ("" if that fails). */
-static void ucx_config_tls(const ucp_config_t *uc, char *out, size_t cap) {
-    static const char key[] = "UCX_TLS=";
+/* One setting of a UCX configuration as UCX prints it, key with its prefix
+ * and "=" ("UCX_TLS="): UCX has no getter for a single setting, so the
+ * configuration is printed into memory and the key's line copied to out
+ * ("" if that fails or there is none). */
+void net_ucx_config_value(const ucp_config_t *uc, const char *key, char *out, size_t cap) {
+    size_t klen = strlen(key);
     out[0] = '\0';
     char *text = NULL;
     size_t len = 0;
@@ -395,12 +418,12 @@ static void ucx_config_tls(const ucp_config_t *uc, char *out, size_t cap) {
     ucp_config_print(uc, mem, NULL, UCS_CONFIG_PRINT_CONFIG);
     if (fclose(mem) == 0 && text) {
         const char *at = text;
-        while (at && strncmp(at, key, sizeof(key) - 1) != 0) {
+        while (at && strncmp(at, key, klen) != 0) {
             at = strchr(at, '\n');
             if (at) at++;
         }
         if (at) {
-            at += sizeof(key) - 1;
+            at += klen;
             snprintf(out, cap, "%.*s", (int)strcspn(at, "\n"), at);
         }
     }
@@ -439,10 +462,12 @@ static ucs_status_t notice_handler_set(pd_net *n) {
 
 pd_err net_ucx_init(pd_net *n, char *msg, size_t cap) {
     ucp_config_t *uc = NULL;
-    pd_err err = ucx_config_make(n, &uc, msg, cap);
+    pd_err err = net_ucx_config_make(&n->cfg, &uc, msg, cap);
     if (err) return err;
+    /* The transport list as UCX_TLS syntax ("all" when nothing restricts
+     * it): ucx_tls if this node set one, else UCX_TLS as UCX read it. */
     char tls[256];
-    ucx_config_tls(uc, tls, sizeof(tls));
+    net_ucx_config_value(uc, "UCX_TLS=", tls, sizeof(tls));
     n->no_peer_mode = tls_shm_only(tls);
     ucp_params_t prm = {
         .field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_NAME |

@@ -3,10 +3,14 @@
  * (bad magic, unknown version, non-zero flags, oversize length, a length that
  * disagrees with the fields, trailing bytes) is refused with the right code.
  * A randomised pass feeds mutated messages to every decoder: refused or
- * accepted, never read out of bounds (ASan watches). */
+ * accepted, never read out of bounds (ASan watches). And UCX's configuration
+ * as pd_net builds it. */
 #include "../test_util.h"
 #include "bootstrap_proto.h"
+#include "net_internal.h"
 #include "pdserve/xfer.h"
+
+#include <stdlib.h>
 
 static uint8_t buf[BP_HEADER_BYTES + BP_HELLO_MAX];
 
@@ -25,9 +29,9 @@ static void header_fields_are_little_endian_at_fixed_offsets(void **state) {
     assert_ok(bp_header_check(buf, &h, &code));
     assert_int_equal(h.type, BP_DONE);
     assert_int_equal(h.length, 16);
-    uint64_t room, value;
-    assert_ok(bp_room_read(buf + 16, h.length, &room, &value));
-    assert_true(room == 0x0102030405060708ull && value == 0x1122334455667788ull);
+    uint64_t room_id, value;
+    assert_ok(bp_room_read(buf + 16, h.length, &room_id, &value));
+    assert_true(room_id == 0x0102030405060708ull && value == 0x1122334455667788ull);
 }
 
 static void damaged_headers_are_refused_with_their_code(void **state) {
@@ -237,11 +241,11 @@ static void notice_round_trips_and_checks_its_length(void **state) {
     uint8_t wire[BP_NOTICE_BYTES];
     assert_int_equal(bp_notice_write(wire, 0x0102030405060708ull, 1u << 20, 77), 24);
     assert_int_equal(wire[0], 0x08); /* little-endian, room first */
-    uint64_t room = 0, bytes = 0, node = 0;
-    assert_ok(bp_notice_read(wire, sizeof(wire), &room, &bytes, &node));
-    assert_true(room == 0x0102030405060708ull && bytes == (1u << 20) && node == 77);
-    assert_err(bp_notice_read(wire, sizeof(wire) - 1, &room, &bytes, &node), PD_ERR_PARSE);
-    assert_err(bp_notice_read(wire, 0, &room, &bytes, &node), PD_ERR_PARSE);
+    uint64_t room_id = 0, bytes = 0, node = 0;
+    assert_ok(bp_notice_read(wire, sizeof(wire), &room_id, &bytes, &node));
+    assert_true(room_id == 0x0102030405060708ull && bytes == (1u << 20) && node == 77);
+    assert_err(bp_notice_read(wire, sizeof(wire) - 1, &room_id, &bytes, &node), PD_ERR_PARSE);
+    assert_err(bp_notice_read(wire, 0, &room_id, &bytes, &node), PD_ERR_PARSE);
 }
 
 static void error_and_small_messages_round_trip(void **state) {
@@ -321,6 +325,28 @@ static void mutated_messages_never_read_out_of_bounds(void **state) {
     }
 }
 
+/* Adaptive progress leaves the decode's receive-only shared-memory interface
+ * armed, and every completion notice then costs a signal and a wake-up of
+ * UCX's async thread (net_ucx.c): pd_net turns it off, over the
+ * environment's setting too. */
+static void adaptive_progress_is_off(void **state) {
+    (void)state;
+    pd_net_config cfg = {0};
+    char msg[256], v[32];
+    ucp_config_t *uc = NULL;
+    assert_int_equal(setenv("UCX_ADAPTIVE_PROGRESS", "y", 1), 0);
+    pd_err err = net_ucx_config_make(&cfg, &uc, msg, sizeof(msg));
+    assert_int_equal(unsetenv("UCX_ADAPTIVE_PROGRESS"), 0);
+    assert_ok(err);
+    net_ucx_config_value(uc, "UCX_ADAPTIVE_PROGRESS=", v, sizeof(v));
+    ucp_config_release(uc);
+    assert_string_equal(v, "n");
+    assert_ok(net_ucx_config_make(&cfg, &uc, msg, sizeof(msg)));
+    net_ucx_config_value(uc, "UCX_TLS=", v, sizeof(v));
+    ucp_config_release(uc);
+    assert_true(v[0] != '\0'); /* the lookup itself finds a setting UCX prints */
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(header_fields_are_little_endian_at_fixed_offsets),
@@ -332,6 +358,7 @@ int main(void) {
         cmocka_unit_test(notice_round_trips_and_checks_its_length),
         cmocka_unit_test(error_and_small_messages_round_trip),
         cmocka_unit_test(mutated_messages_never_read_out_of_bounds),
+        cmocka_unit_test(adaptive_progress_is_off),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
