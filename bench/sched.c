@@ -395,7 +395,7 @@ int main(int argc, char **argv) {
     double *v[NV];
     for (int k = 0; k < NV; k++) v[k] = malloc(sizeof(double) * (size_t)runs);
     for (uint32_t li = 0; li < n_lives; li++) {
-        pd_engine_counters first[2];
+        pd_engine_counters first[2] = {0};
         for (int r = 0; r < runs; r++) {
             figures f = run(lives[li], steps, strict, 42 + (uint64_t)r);
             if (r == 0) memcpy(first, f.ctr, sizeof(first));
