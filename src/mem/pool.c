@@ -196,14 +196,24 @@ static inline uint64_t runs_within(uint64_t x, uint32_t n) {
  * in from the word before (only an adjacent one) continued by the word's low
  * free units; a run of n inside the word; the word's high free units carried
  * on to the next word. Not found, *none_below receives how far no run of n
- * starts. */
+ * starts. The words with a free unit come straight off the summary bits (I2),
+ * one summary word held at a time; a run of n inside a word needs units i and
+ * i + n - 1 both free, so a word without such a pair skips runs_within. */
 static uint32_t find_run_from(const pd_pool *p, uint32_t n, uint32_t w_first, uint32_t w_end,
                               uint32_t *none_below) {
     uint32_t run_start = 0, run_len = 0, w_prev = w_first;
-    for (uint32_t w = w_first; w < w_end; w_prev = w, w = next_free_word(p, w + 1, w_end)) {
+    uint32_t s = w_first / 64;
+    uint64_t bits = w_first < w_end ? p->sum[s] & (~UINT64_C(0) << (w_first % 64)) : 0;
+    for (;;) {
+        while (bits == 0 && ++s < p->n_sum && s * 64 < w_end) bits = p->sum[s];
+        if (bits == 0) break;
+        uint32_t w = s * 64 + (uint32_t)__builtin_ctzll(bits);
+        if (w >= w_end) break;
+        bits &= bits - 1;
         uint64_t x = p->words[w];
         PD_ASSERT(x != 0);
         if (w != w_prev + 1) run_len = 0; /* a word with no free unit lay between */
+        w_prev = w;
         if (x == ~UINT64_C(0)) {
             if (run_len == 0) run_start = w * 64;
             run_len += 64;
@@ -212,7 +222,7 @@ static uint32_t find_run_from(const pd_pool *p, uint32_t n, uint32_t w_first, ui
         }
         uint32_t low = (uint32_t)__builtin_ctzll(~x); /* free units from bit 0 up */
         if (run_len > 0 && run_len + low >= n) return run_start;
-        uint64_t inside = n <= 64 ? runs_within(x, n) : 0;
+        uint64_t inside = n <= 64 && (x & (x >> (n - 1))) != 0 ? runs_within(x, n) : 0;
         if (inside != 0) return w * 64 + (uint32_t)__builtin_ctzll(inside);
         run_len = (uint32_t)__builtin_clzll(~x); /* free units from bit 63 down */
         run_start = w * 64 + 64 - run_len;
@@ -240,7 +250,7 @@ static uint32_t find_run(pd_pool *p, uint32_t n) {
     for (uint32_t h = 0; h < RUN_HINTS; h++)
         if (p->run_n[h] != 0 && p->run_n[h] <= n) bound = PD_MAX(bound, p->run_start[h]);
     if (bound >= p->total) return PD_POOL_NONE;
-    uint32_t w_first = bound / 64 > w0 ? next_free_word(p, bound / 64, w_end) : w0;
+    uint32_t w_first = PD_MAX(bound / 64, w0); /* find_run_from steps to a free word */
     uint32_t none_below = 0;
     uint32_t start = find_run_from(p, n, w_first, w_end, &none_below);
     uint32_t h = run_hint_of(n);

@@ -276,6 +276,36 @@ static void a_run_completed_by_a_free_below_an_earlier_search_is_found_first(voi
     pd_pool_destroy(p);
 }
 
+/* The run search walks the summary bits (I2) one summary word (4,096 units)
+ * at a time: a run two summary words above the lowest free unit, past a
+ * summary word with no free unit, is found; a search with no run of its
+ * length ends at the pool's last summary word (12,288 units: no partial one)
+ * and takes the lowest free units. */
+static void a_run_search_steps_over_summary_words_with_no_free_unit(void **state) {
+    (void)state;
+    const uint32_t n = 12288;
+    pd_pool *p = mk(n, PD_POOL_KV, 1);
+    uint32_t *all = calloc(n, sizeof(uint32_t));
+    uint32_t got[9];
+    assert_ok(pd_pool_alloc_n(p, n, all));
+    assert_ok(pd_pool_free(p, 5));
+    for (uint32_t i = 0; i < 8; i++) assert_ok(pd_pool_free(p, 12270 + i));
+    assert_ok(pd_pool_alloc_n(p, 9, got)); /* no run of 9: the 9 lowest */
+    assert_int_equal(got[0], 5);
+    assert_int_equal(got[1], 12270);
+    assert_int_equal(got[8], 12277);
+    verify(p);
+    for (uint32_t i = 0; i < 8; i++) assert_ok(pd_pool_free(p, 10000 + i));
+    assert_ok(pd_pool_free(p, 100));
+    assert_ok(pd_pool_alloc_n(p, 8, got)); /* over summary word 1, all taken */
+    assert_int_equal(got[0], 10000);
+    assert_int_equal(pd_index_runs(got, 8), 1);
+    assert_int_equal(pd_pool_free_count(p), 1);
+    verify(p);
+    free(all);
+    pd_pool_destroy(p);
+}
+
 /* Frees up to 8 used units from a random window, in one pd_pool_free_n. */
 static void free_some(pd_pool *p, pd_rng *rng, bool *used, uint32_t n, uint32_t *in_use) {
     uint32_t idx[8], k = 0, at = (uint32_t)pd_rng_below(rng, n);
@@ -340,6 +370,7 @@ int main(void) {
         cmocka_unit_test(random_operations_match_a_boolean_array),
         cmocka_unit_test(a_run_completed_by_a_free_below_an_earlier_search_is_found_first),
         cmocka_unit_test(bulk_frees_and_allocations_match_a_boolean_array),
+        cmocka_unit_test(a_run_search_steps_over_summary_words_with_no_free_unit),
         cmocka_unit_test(index_runs_counts_breaks),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
