@@ -168,11 +168,10 @@ void decode_on_result(pd_engine *e, req *r, const bitem *it, const pd_item_resul
     emit_token(e, r, res);
 }
 
-/* One item per running request that has no forward in flight (a step
- * needs the previous token). */
-void decode_add_items(pd_engine *e, batch_rec *b) {
+/* One item per running request from idx on that has no forward in flight
+ * (a step needs the previous token). */
+static void add_items_from(pd_engine *e, batch_rec *b, uint32_t idx) {
     uint32_t ps = e->cfg.page_size;
-    uint32_t idx = e->q[Q_RUNNING].head;
     while (idx != PD_NONE && b->n < e->cfg.batch_max) {
         req *r = eng_req(e, idx);
         idx = r->qlink.next;
@@ -187,6 +186,8 @@ void decode_add_items(pd_engine *e, batch_rec *b) {
         eng_batch_add(e, b, r, &r->last_token, pos, 1, true, r->out_len, PD_NONE, false, true);
     }
 }
+
+void decode_add_items(pd_engine *e, batch_rec *b) { add_items_from(e, b, e->q[Q_RUNNING].head); }
 
 #ifndef NDEBUG
 /* Debug builds: a kept item must equal the item eng_batch_add would build. */
@@ -325,17 +326,7 @@ static void schedule(pd_engine *e) {
         if (b->n) idx = eng_req(e, owner_idx(e->launch_items[b->n - 1].req))->qlink.next;
         e->kept_ready = false;
     }
-    uint32_t ps = e->cfg.page_size;
-    while (idx != PD_NONE && b->n < e->cfg.batch_max) {
-        req *r = eng_req(e, idx);
-        idx = r->qlink.next;
-        if (idx != PD_NONE) eng_prefetch(e, idx);
-        if (r->forwards_in_flight > 0) continue;
-        uint32_t pos = r->prompt_len + r->out_len - 1;
-        PD_ASSERT(r->out_len < r->max_new);
-        if (pos >= r->n_pages * ps) eng_alloc_pages(e, r, 1);
-        eng_batch_add(e, b, r, &r->last_token, pos, 1, true, r->out_len, PD_NONE, false, true);
-    }
+    add_items_from(e, b, idx);
     eng_batch_launch(e, b);
 }
 
