@@ -66,6 +66,16 @@ typedef struct pd_net_config {
                                      polling without sleeping this long, so emulated
                                      one-sided writes stream (default 1000; < 0: never
                                      spin, sleep on the worker's event fd at once) */
+    /* The bootstrap protocol version to speak: 0 = the newest this build
+     * knows (4); 3 = version 3 only, as a node built before version 4 (no
+     * completion notice carries data): for rolling upgrades and tests. A
+     * version-4 node speaks 3 to a peer that does (docs/bootstrap-protocol.md). */
+    uint16_t protocol_version;
+    /* prefill: a room handed off in one final send of at most this many bytes
+     * (its KV pages, Mamba slot and metadata row) travels inside its
+     * completion notice instead of as puts, to a version-4 peer (default
+     * 64 KiB; < 0: never). */
+    int32_t notice_data_max;
     /* Optional log sink for connection-level events (peer lost, message
      * refused); called from the progress thread. NULL = silent. */
     void (*log)(void *log_ctx, const char *line);
@@ -135,6 +145,9 @@ typedef struct pd_net_stats {
     /* Turns of the progress work run by the engine's own status() and
      * drained() calls while a room's news was due (net.c, assisted progress). */
     uint64_t progress_assists;
+    /* Completion notices that carried their room's bytes (version 4): sent
+     * (prefill), or checked and copied into the room's pages (decode). */
+    uint64_t notices_with_data;
 } pd_net_stats;
 void pd_net_stats_get(pd_net *n, pd_net_stats *out);
 

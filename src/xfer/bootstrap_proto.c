@@ -123,7 +123,7 @@ pd_err bp_header_check(const uint8_t *buf, bp_header *out, bp_code *code) {
         *code = BP_E_MALFORMED;
         return PD_ERR_PARSE;
     }
-    if (h.version != BP_VERSION) {
+    if (h.version < BP_VERSION_MIN || h.version > BP_VERSION) {
         *code = BP_E_VERSION;
         return PD_ERR_PARSE;
     }
@@ -390,6 +390,40 @@ pd_err bp_notice_read(const uint8_t *p, size_t len, uint64_t *room, uint64_t *by
     *room = bp_get_u64(p);
     *bytes = bp_get_u64(p + 8);
     *node_id = bp_get_u64(p + 16);
+    return PD_OK;
+}
+
+size_t bp_notice_data_write(uint8_t *out, const bp_notice *nt) {
+    if (nt->n_segs == 0 || nt->n_segs > BP_NOTICE_SEGS_MAX) return 0;
+    bp_notice_write(out, nt->room, nt->bytes, nt->node_id);
+    bp_put_u32(out + 24, nt->n_segs);
+    bp_put_u32(out + 28, 0);
+    for (uint32_t i = 0; i < nt->n_segs; i++) {
+        uint8_t *q = out + BP_NOTICE_DATA_FIXED + BP_NOTICE_SEG_BYTES * i;
+        bp_put_u32(q, nt->segs[i].region);
+        bp_put_u32(q + 4, nt->segs[i].index);
+        bp_put_u32(q + 8, nt->segs[i].units);
+        bp_put_u32(q + 12, 0);
+    }
+    return BP_NOTICE_DATA_FIXED + (size_t)BP_NOTICE_SEG_BYTES * nt->n_segs;
+}
+
+pd_err bp_notice_data_read(const uint8_t *p, size_t len, bp_notice *out) {
+    if (len < BP_NOTICE_DATA_FIXED || len > BP_NOTICE_DATA_HEADER_MAX) return PD_ERR_PARSE;
+    memset(out, 0, sizeof(*out));
+    PD_MUST(bp_notice_read(p, BP_NOTICE_BYTES, &out->room, &out->bytes, &out->node_id));
+    out->n_segs = bp_get_u32(p + 24);
+    if (bp_get_u32(p + 28) != 0 || out->n_segs == 0 || out->n_segs > BP_NOTICE_SEGS_MAX ||
+        len != BP_NOTICE_DATA_FIXED + (size_t)BP_NOTICE_SEG_BYTES * out->n_segs)
+        return PD_ERR_PARSE;
+    for (uint32_t i = 0; i < out->n_segs; i++) {
+        const uint8_t *q = p + BP_NOTICE_DATA_FIXED + BP_NOTICE_SEG_BYTES * i;
+        bp_notice_seg *g = &out->segs[i];
+        *g = (bp_notice_seg){bp_get_u32(q), bp_get_u32(q + 4), bp_get_u32(q + 8)};
+        if (bp_get_u32(q + 12) != 0 || g->region >= BP_REG_COUNT || g->units == 0)
+            return PD_ERR_PARSE;
+        if (g->region != BP_REG_KV && (g->index != 0 || g->units != 1)) return PD_ERR_PARSE;
+    }
     return PD_OK;
 }
 

@@ -33,7 +33,11 @@
 #include "pdserve/base.h"
 
 #define BP_MAGIC 0x53424450u /* bytes 'P' 'D' 'B' 'S' */
-#define BP_VERSION 3u
+/* The newest protocol version this build speaks, and the oldest it still
+ * speaks to a peer that asks for it (docs/bootstrap-protocol.md,
+ * "Versioning"): a connection speaks the version of the decode node's AUTH. */
+#define BP_VERSION 4u
+#define BP_VERSION_MIN 3u
 #define BP_HEADER_BYTES 16u
 /* Hard limit on any payload: a destination of 262,144 pages (4M tokens at
  * page size 16) fits. */
@@ -54,6 +58,22 @@
  * u64 room, u64 bytes written, u64 the prefill's node_id; no data. */
 #define BP_AM_NOTICE 3u
 #define BP_NOTICE_BYTES 24u
+/* Version 4: a small room's completion notice carries the room's bytes
+ * itself, as an active message of this id: its header is the notice's 24
+ * bytes, u32 segment count, u32 reserved = 0, then per segment u32 region
+ * (BP_REG_*), u32 index, u32 units, u32 reserved = 0; its data is the
+ * segments' bytes in that order. A KV segment's index is a position in the
+ * room's destination page list (the DEST's order), and it covers positions
+ * [index, index + units); a Mamba or metadata segment is the room's one slot
+ * or row (index 0, one unit). Positions, never addresses: the decode node
+ * maps them through its own destination, so no value on the wire can name
+ * memory outside the room. */
+#define BP_AM_NOTICE_DATA 4u
+#define BP_NOTICE_DATA_FIXED 32u
+#define BP_NOTICE_SEG_BYTES 16u
+#define BP_NOTICE_SEGS_MAX 8u
+#define BP_NOTICE_DATA_MAX (1u << 20) /* bytes one notice may carry */
+#define BP_NOTICE_DATA_HEADER_MAX (BP_NOTICE_DATA_FIXED + BP_NOTICE_SEGS_MAX * BP_NOTICE_SEG_BYTES)
 #define BP_NONE UINT32_MAX
 
 typedef enum bp_type {
@@ -212,6 +232,29 @@ static inline uint32_t bp_dest_page(const bp_dest *d, uint32_t i) {
 size_t bp_notice_write(uint8_t *out, uint64_t room, uint64_t bytes, uint64_t node_id);
 pd_err bp_notice_read(const uint8_t *p, size_t len, uint64_t *room, uint64_t *bytes,
                       uint64_t *node_id);
+/* One segment of a data-bearing notice (BP_AM_NOTICE_DATA). */
+typedef struct bp_notice_seg {
+    uint32_t region; /* BP_REG_* */
+    uint32_t index;  /* KV: first position in the destination page list; else 0 */
+    uint32_t units;  /* KV: pages; else 1 */
+} bp_notice_seg;
+
+typedef struct bp_notice {
+    uint64_t room, bytes, node_id;
+    uint32_t n_segs; /* 0: a plain notice (BP_AM_NOTICE) */
+    bp_notice_seg segs[BP_NOTICE_SEGS_MAX];
+} bp_notice;
+
+/* The header of a data-bearing notice, into out (at least
+ * BP_NOTICE_DATA_HEADER_MAX bytes); its length, or 0 if n_segs is 0 or over
+ * BP_NOTICE_SEGS_MAX. */
+size_t bp_notice_data_write(uint8_t *out, const bp_notice *nt);
+/* Parses and checks a data-bearing notice's header: its length is exactly
+ * what the segment count says, 1..BP_NOTICE_SEGS_MAX segments, reserved
+ * fields zero, known regions, at least one unit each, and a Mamba or
+ * metadata segment is index 0, one unit. Whether the segments fit the room
+ * is the receiver's to check (it knows the destination). */
+pd_err bp_notice_data_read(const uint8_t *p, size_t len, bp_notice *out);
 pd_err bp_room_read(const uint8_t *p, uint32_t len, uint64_t *room, uint64_t *value);
 pd_err bp_error_read(const uint8_t *p, uint32_t len, bp_error *out);
 

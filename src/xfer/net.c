@@ -299,7 +299,8 @@ static void stage_push(pd_net *n, room *rm, uint32_t reg, uint32_t src, uint32_t
     uint32_t s = n->stage_free;
     n->stage_free = n->stages[s].next;
     n->stages_avail--;
-    n->stages[s] = (stage){.next = PD_NONE, .reg = reg, .src = src, .dst = dst, .n = units};
+    n->stages[s] =
+        (stage){.next = PD_NONE, .reg = reg, .src = src, .dst = dst, .n = units, .pos = 0};
     if (rm->q_tail == PD_NONE) rm->q_head = s;
     else n->stages[rm->q_tail].next = s;
     rm->q_tail = s;
@@ -326,6 +327,7 @@ static void stage_runs(pd_net *n, room *rm, uint32_t base, uint32_t first, const
                rm->dest.pages[first - base + j] == rm->dest.pages[first - base + j - 1] + 1)
             j++;
         stage_push(n, rm, REG_KV, src[i], rm->dest.pages[first - base + i], j - i);
+        n->stages[rm->q_tail].pos = first - base + i;
         i = j;
     }
 }
@@ -680,6 +682,22 @@ static bool final_inline(pd_net *n, room *rm, uint32_t pages) {
         rm->note == N_NONE && net_tx_try(n, rm->peer);
 }
 
+/* Whether a final send of `runs` KV page runs (`pages` pages) should travel
+ * in the room's completion notice (version 4, net_ucx.c send_notice_data)
+ * rather than as puts: nothing of the room was staged or posted before (the
+ * notice then carries all of it), its bytes are within notice_data_max and
+ * its segments within the protocol's bound, and the peer speaks version 4. */
+static bool final_in_notice(pd_net *n, const room *rm, uint32_t runs, uint32_t pages,
+                            uint32_t mamba_slot) {
+    const peer *p = net_peer_of(n, rm);
+    if (!p || p->ver < 4 || rm->q_head != PD_NONE || rm->started || rm->puts_out ||
+        runs + 2 > BP_NOTICE_SEGS_MAX)
+        return false;
+    size_t bytes = (size_t)pages * n->unit[REG_KV] + n->unit[REG_META] +
+        (mamba_slot != PD_POOL_NONE ? n->unit[REG_MAMBA] : 0);
+    return bytes <= n->notice_data_max;
+}
+
 static pd_err v_send_final(void *self, uint64_t id, uint32_t first, const uint32_t *src,
                            uint32_t cnt, uint32_t mamba_slot, uint32_t meta_row) {
     pd_net *n = self;
@@ -695,6 +713,8 @@ static pd_err v_send_final(void *self, uint64_t id, uint32_t first, const uint32
         } else if (count_runs(rm, base, first, src, cnt) + 3 > n->stages_avail) {
             err = PD_ERR_NOMEM;
         } else {
+            uint32_t runs = count_runs(rm, base, first, src, cnt);
+            rm->data_in_notice = final_in_notice(n, rm, runs, cnt, mamba_slot);
             stage_runs(n, rm, base, first, src, cnt);
             if (mamba_slot != PD_POOL_NONE)
                 stage_push(n, rm, REG_MAMBA, mamba_slot, rm->dest.mamba_slot, 1);
@@ -972,6 +992,11 @@ static pd_err config_check(const pd_net_config *cfg, char *msg, size_t cap) {
         return pd_errorf(msg, cap, PD_ERR_INVALID, "page_size must be positive");
     if (cfg->token && strlen(cfg->token) > BP_TOKEN_MAX)
         return pd_errorf(msg, cap, PD_ERR_INVALID, "token longer than %u bytes", BP_TOKEN_MAX);
+    if (cfg->protocol_version &&
+        (cfg->protocol_version < BP_VERSION_MIN || cfg->protocol_version > BP_VERSION))
+        return pd_errorf(msg, cap, PD_ERR_INVALID,
+                         "protocol_version %u: this build speaks versions %u to %u",
+                         cfg->protocol_version, BP_VERSION_MIN, BP_VERSION);
     return PD_OK;
 }
 
@@ -990,6 +1015,12 @@ static void config_adopt(pd_net *n, const pd_net_config *cfg) {
     if (!c->orphan_ms) c->orphan_ms = 60000;
     if (!c->orphans_per_peer) c->orphans_per_peer = PD_MAX(1u, c->rooms_max / 4);
     if (!c->spin_us) c->spin_us = 1000;
+    n->proto = c->protocol_version ? c->protocol_version : BP_VERSION;
+    /* At most what one eager active message should carry: a larger room
+     * is a bandwidth problem, and puts serve it. */
+    if (c->notice_data_max < 0 || n->proto < 4) n->notice_data_max = 0;
+    else if (c->notice_data_max == 0) n->notice_data_max = NOTICE_DATA_DEFAULT_BYTES;
+    else n->notice_data_max = PD_MIN((size_t)c->notice_data_max, (size_t)BP_NOTICE_DATA_MAX);
     snprintf(n->listen_host, sizeof(n->listen_host), "%s",
              cfg->listen_host ? cfg->listen_host : "0.0.0.0");
     c->listen_host = n->listen_host;

@@ -44,8 +44,13 @@ uint8_t *net_tx_reserve(peer *p, size_t max) {
     return p->tx + p->tx_len;
 }
 
+/* Every message is queued whole by one reserve and one commit; the encoders
+ * write the newest version, and a connection that speaks an older one gets
+ * its own in the header here. */
 void net_tx_commit(pd_net *n, peer *p, size_t len) {
-    PD_ASSERT(p->tx_len + len <= p->tx_cap);
+    PD_ASSERT(p->tx_len + len <= p->tx_cap && len >= BP_HEADER_BYTES);
+    PD_ASSERT(p->ver >= BP_VERSION_MIN && p->ver <= BP_VERSION);
+    if (p->ver != BP_VERSION) bp_put_u16(p->tx + p->tx_len + 4, p->ver);
     p->tx_len += len;
     p->last_tx_ms = now_ms();
     (void)n;
@@ -181,6 +186,7 @@ static uint32_t peer_alloc(pd_net *n) {
             p->rx = malloc(RX_INIT_BYTES);
             if (!p->rx) return PD_NONE;
             p->rx_cap = RX_INIT_BYTES;
+            p->ver = n->proto;
             p->t_state_ms = p->last_rx_ms = p->last_tx_ms = now_ms();
             return i;
         }
@@ -204,10 +210,18 @@ static bool send_dest(pd_net *n, uint32_t pi, room *rm) {
     PD_ASSERT(len == max);
     net_tx_commit(n, p, len);
     rm->h.dest_sent = true;
-    net_expect_soon(n);   /* DEST_OK, then the data and the notice */
-    free(rm->dest.pages); /* the prefill has it now; the receiver never needs it again */
-    rm->dest.pages = NULL;
+    net_expect_soon(n); /* DEST_OK, then the data and the notice */
+    if (!net_dest_fits_notice(n, rm, p)) {
+        free(rm->dest.pages); /* the prefill has it now; the receiver never needs it again */
+        rm->dest.pages = NULL;
+    }
     return true;
+}
+
+bool net_dest_fits_notice(const pd_net *n, const room *rm, const peer *p) {
+    size_t bytes = (size_t)rm->dest.n_pages * n->unit[REG_KV] + n->unit[REG_META] +
+        (rm->dest.mamba_slot != PD_NONE ? n->unit[REG_MAMBA] : 0);
+    return p->ver >= 4 && n->proto >= 4 && bytes <= BP_NOTICE_DATA_MAX;
 }
 
 void net_pump_receiver(pd_net *n, room *rm, uint64_t now) {
@@ -579,6 +593,79 @@ void net_on_notice(pd_net *n, uint64_t room_id, uint64_t bytes, uint64_t node_id
     net_mark_dirty(n, rm);
 }
 
+/* What is wrong with a data-bearing notice for room rm (why may hold the
+ * text), or NULL: every segment lies within the room's own destination and
+ * the data is exactly their bytes. */
+static const char *notice_data_problem(const pd_net *n, const room *rm, const peer *p,
+                                       const bp_notice *nt, const uint8_t *data, size_t len,
+                                       char *why, size_t cap) {
+    if (p->ver < 4) return "data in a notice on a version-3 connection";
+    if (!data) return "the data did not come with the notice (rendezvous)";
+    if (!rm->dest.pages) return "the room's destination is too large to come in a notice";
+    size_t want = 0;
+    for (uint32_t i = 0; i < nt->n_segs; i++) {
+        const bp_notice_seg *g = &nt->segs[i];
+        if (g->region == REG_KV &&
+            (g->index > rm->dest.n_pages || g->units > rm->dest.n_pages - g->index)) {
+            snprintf(why, cap, "KV page positions %u..%u outside the room's %u pages", g->index,
+                     g->index + g->units - 1, rm->dest.n_pages);
+            return why;
+        }
+        if (g->region == REG_MAMBA && rm->dest.mamba_slot == PD_NONE)
+            return "a Mamba slot for a room without one";
+        want += (size_t)g->units * n->unit[g->region];
+    }
+    if (len != want || nt->bytes != len) {
+        snprintf(why, cap, "%zu bytes of data (%llu announced) where its segments need %zu", len,
+                 (unsigned long long)nt->bytes, want);
+        return why;
+    }
+    return NULL;
+}
+
+/* Copies the checked segments into the room's pages, slot and row. */
+static void notice_data_copy(pd_net *n, const room *rm, const bp_notice *nt, const uint8_t *at) {
+    for (uint32_t i = 0; i < nt->n_segs; i++) {
+        const bp_notice_seg *g = &nt->segs[i];
+        size_t unit = n->unit[g->region];
+        for (uint32_t k = 0; k < g->units; k++, at += unit) {
+            uint32_t u = g->region == REG_KV ? rm->dest.pages[g->index + k]
+                : g->region == REG_MAMBA     ? rm->dest.mamba_slot
+                                             : rm->dest.meta_row;
+            PD_ASSERT(u < n->units[g->region]); /* receiver_open checked the destination */
+            memcpy(n->base[g->region] + (size_t)u * unit, at, unit);
+        }
+    }
+}
+
+void net_on_notice_data(pd_net *n, const bp_notice *nt, const uint8_t *data, size_t len) {
+    PD_ASSERT(n->cfg.role == PD_NET_DECODE && nt->n_segs <= BP_NOTICE_SEGS_MAX);
+    uint32_t r = net_room_find(n, nt->room);
+    if (r == PD_NONE) return; /* gone: its pages are no longer its own */
+    room *rm = room_at(n, r);
+    peer *p = net_peer_of(n, rm);
+    /* As for the plain notice: only the connection that carried the DEST.
+     * And only while the room still owns its pages: a room that learnt the
+     * prefill is done with it (its ACK may overtake this notice on the
+     * bootstrap socket) may be drained, its pages given to another. */
+    if (!p || p->state != PS_READY || p->node_id != nt->node_id || rm->h.peer_stopped) return;
+    char buf[160];
+    const char *why = notice_data_problem(n, rm, p, nt, data, len, buf, sizeof(buf));
+    if (why) {
+        n->stats.bad_messages++;
+        net_log(n, "pd_net: room %llu from %s: refusing the notice's data: %s",
+                (unsigned long long)nt->room, p->addr, why);
+        net_set_st(n, rm, PD_XFER_FAILED);
+        xr_peer_failed(&rm->h, XR_RECEIVER); /* the notice was the prefill's last word */
+        net_mark_dirty(n, rm);
+        return;
+    }
+    notice_data_copy(n, rm, nt, data);
+    n->stats.notices_with_data++;
+    on_room_msg(n, rm, BP_DONE, len);
+    net_mark_dirty(n, rm);
+}
+
 static void on_decode_msg(pd_net *n, uint32_t pi, uint32_t type, const uint8_t *pl, uint32_t len) {
     PD_ASSERT(n->cfg.role == PD_NET_DECODE && pi < n->cfg.peers_max);
     peer *p = &n->peers[pi];
@@ -649,6 +736,16 @@ static void on_error_msg(pd_net *n, uint32_t pi, const uint8_t *pl, uint32_t len
     char text[BP_ERROR_TEXT_MAX + 1];
     memcpy(text, e.text, e.text_len);
     text[e.text_len] = 0;
+    peer *p = &n->peers[pi];
+    if (!e.has_room && e.code == BP_E_VERSION && n->cfg.role == PD_NET_DECODE &&
+        p->state == PS_AUTH && p->ver > BP_VERSION_MIN) {
+        /* A prefill node of an older version (it refuses ours on our AUTH):
+         * once the parse of this buffer stops, reconnect speaking its. */
+        net_log(n, "pd_net: %s speaks an older protocol (%s): reconnecting in version %u", p->addr,
+                text, BP_VERSION_MIN);
+        p->redial_ver = BP_VERSION_MIN;
+        return;
+    }
     if (!e.has_room) {
         char why[BP_ERROR_TEXT_MAX + 64];
         snprintf(why, sizeof(why), "peer refused the connection: %s (%s)", text,
@@ -711,39 +808,87 @@ static void on_message(pd_net *n, uint32_t pi, uint32_t type, const uint8_t *pl,
 
 /* ---- socket I/O ------------------------------------------------------------------------ */
 
+/* A connection speaks the version of the decode node's first message (its
+ * AUTH); every later message must carry it. An ERROR may come in any version
+ * this node speaks (an older prefill refusing ours). False if refused. */
+static bool connection_version(pd_net *n, uint32_t pi, const bp_header *h) {
+    peer *p = &n->peers[pi];
+    if (h->version == p->ver || h->type == BP_ERROR) return true;
+    if (n->cfg.role == PD_NET_PREFILL && p->state == PS_AUTH && h->type == BP_AUTH) {
+        p->ver = h->version;
+        return true;
+    }
+    char why[80];
+    snprintf(why, sizeof(why), "version %u on a connection that speaks %u", h->version, p->ver);
+    refuse_conn(n, pi, BP_E_VERSION, why);
+    return false;
+}
+
+/* Decode: the prefill refused our version; the same slot connects again,
+ * speaking redial_ver. Its rooms stay bound to it (no DEST left yet: the
+ * handshake never completed). */
+static void peer_redial(pd_net *n, uint32_t pi) {
+    peer *p = &n->peers[pi];
+    PD_ASSERT(n->cfg.role == PD_NET_DECODE && p->state == PS_AUTH && p->redial_ver);
+    close_fd_quietly(p->fd);
+    p->fd = -1;
+    p->rx_len = p->tx_off = p->tx_len = 0;
+    p->ver = p->redial_ver;
+    p->redial_ver = 0;
+    p->state = PS_RESOLVE;
+    p->t_state_ms = now_ms();
+}
+
+/* Checks a message's header before its payload is read (mutex held):
+ * framing, a version this node speaks, the connection's version, a type the
+ * receiving role gets. False if the connection was refused. */
+static bool header_ok(pd_net *n, uint32_t pi, const uint8_t *buf, bp_header *h) {
+    bp_code code;
+    pd_err herr = bp_header_check(buf, h, &code);
+    if (!herr && h->version > n->proto) { /* a node pinned to an older version */
+        herr = PD_ERR_PARSE;
+        code = BP_E_VERSION;
+    }
+    if (herr) {
+        char why[96];
+        if (code == BP_E_VERSION && n->proto > BP_VERSION_MIN)
+            snprintf(why, sizeof(why),
+                     "protocol version %u not supported; this node speaks %u to %u", h->version,
+                     BP_VERSION_MIN, n->proto);
+        else if (code == BP_E_VERSION)
+            snprintf(why, sizeof(why), "protocol version %u not supported; this node speaks %u",
+                     h->version, n->proto);
+        else if (code == BP_E_TOO_BIG)
+            snprintf(why, sizeof(why), "%s of %u bytes is over the limit", bp_type_name(h->type),
+                     h->length);
+        else
+            snprintf(why, sizeof(why), "bad header (%s)",
+                     code == BP_E_MALFORMED ? "magic or flags" : "type");
+        refuse_conn(n, pi, code, why);
+        return false;
+    }
+    if (!bp_type_for_role(h->type, n->cfg.role == PD_NET_PREFILL)) {
+        /* Refused on the header: a 1 MiB DEST sent to a decode node is
+         * never buffered. */
+        char why[64];
+        snprintf(why, sizeof(why), "a %s node never receives %s",
+                 n->cfg.role == PD_NET_PREFILL ? "prefill" : "decode", bp_type_name(h->type));
+        refuse_conn(n, pi, BP_E_UNEXPECTED, why);
+        return false;
+    }
+    return connection_version(n, pi, h);
+}
+
 /* Parses every complete message in the rx buffer. */
 static void peer_parse(pd_net *n, uint32_t pi) {
     PD_ASSERT(pi < n->cfg.peers_max && n->peers[pi].rx_len <= n->peers[pi].rx_cap);
     peer *p = &n->peers[pi];
     uint32_t gen = p->gen;
     size_t off = 0;
-    while (p->state != PS_FREE && p->gen == gen && !p->closing_after_tx &&
+    while (p->state != PS_FREE && p->gen == gen && !p->closing_after_tx && !p->redial_ver &&
            p->rx_len - off >= BP_HEADER_BYTES) {
         bp_header h;
-        bp_code code;
-        if (bp_header_check(p->rx + off, &h, &code) != PD_OK) {
-            char why[96];
-            if (code == BP_E_VERSION)
-                snprintf(why, sizeof(why), "protocol version %u not supported; this node speaks %u",
-                         h.version, BP_VERSION);
-            else if (code == BP_E_TOO_BIG)
-                snprintf(why, sizeof(why), "%s of %u bytes is over the limit", bp_type_name(h.type),
-                         h.length);
-            else
-                snprintf(why, sizeof(why), "bad header (%s)",
-                         code == BP_E_MALFORMED ? "magic or flags" : "type");
-            refuse_conn(n, pi, code, why);
-            return;
-        }
-        if (!bp_type_for_role(h.type, n->cfg.role == PD_NET_PREFILL)) {
-            /* Refused on the header: a 1 MiB DEST sent to a decode node is
-             * never buffered. */
-            char why[64];
-            snprintf(why, sizeof(why), "a %s node never receives %s",
-                     n->cfg.role == PD_NET_PREFILL ? "prefill" : "decode", bp_type_name(h.type));
-            refuse_conn(n, pi, BP_E_UNEXPECTED, why);
-            return;
-        }
+        if (!header_ok(n, pi, p->rx + off, &h)) return;
         size_t need = BP_HEADER_BYTES + (size_t)h.length;
         if (p->rx_len - off < need) {
             if (need > p->rx_cap) {
@@ -767,6 +912,10 @@ static void peer_parse(pd_net *n, uint32_t pi) {
         off += need;
     }
     if (p->state == PS_FREE || p->gen != gen) return;
+    if (p->redial_ver) {
+        peer_redial(n, pi);
+        return;
+    }
     if (off) {
         memmove(p->rx, p->rx + off, p->rx_len - off);
         p->rx_len -= off;
@@ -780,7 +929,7 @@ static void peer_read(pd_net *n, uint32_t pi, uint64_t now, bool assisted) {
     peer *p = &n->peers[pi];
     uint32_t gen = p->gen;
     for (int rounds = 0; rounds < 64; rounds++) {
-        if (p->state == PS_FREE || p->gen != gen || p->closing_after_tx) return;
+        if (p->state == PS_FREE || p->gen != gen || p->closing_after_tx || p->fd < 0) return;
         if (p->rx_len == p->rx_cap) return; /* parse made no room: waits for a bigger buffer */
         ssize_t got = recv(p->fd, p->rx + p->rx_len, p->rx_cap - p->rx_len, MSG_DONTWAIT);
         if (got > 0) {

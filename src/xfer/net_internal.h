@@ -36,6 +36,10 @@
 #define POLL_RECV_MS 10 /* decode, while a prefill peer is connected */
 #define ORPHAN_SCAN_MS 250
 #define FINAL_INLINE_BYTES (64u << 10) /* a final send this small may post inline */
+/* A room handed off in one final send of at most this many bytes travels in
+ * its completion notice (version 4, net_ucx.c send_notice_data) unless the
+ * config says otherwise (notice_data_max). */
+#define NOTICE_DATA_DEFAULT_BYTES (64u << 10)
 #define TCP_TX_SEG "64K" /* UCX tcp's send segment: its receive segment's default (net_ucx.c) */
 /* Assisted progress (net.c): after a turn that took d ns, the next waits
  * ASSIST_GAP_FACTOR * d, and at least ASSIST_GAP_MIN_NS, so a caller polling
@@ -55,6 +59,7 @@ typedef struct stage {
     uint32_t next;
     uint32_t reg;         /* REG_* or STAGE_FINAL */
     uint32_t src, dst, n; /* units of the region */
+    uint32_t pos;         /* KV: dst's position in the destination page list */
 } stage;
 
 /* Memory the transport allocated for its node (pd_net_allocator): UCX mapped
@@ -85,7 +90,12 @@ typedef struct room {
     notice note;     /* sent once every posted write has completed */
     uint64_t note_value;
     uint32_t puts_out, flush_out;
-    uint8_t notice_wire[BP_NOTICE_BYTES]; /* the notice's AM header, kept until it completes */
+    /* The notice's AM header (and, for one that carries the room's bytes,
+     * the source of each segment), kept until the send completes. */
+    uint8_t notice_wire[BP_NOTICE_DATA_HEADER_MAX];
+    ucp_dt_iov_t notice_iov[BP_NOTICE_SEGS_MAX];
+    uint32_t notice_segs;
+    bool data_in_notice; /* decided at send_final: the staged writes go in the notice */
     uint32_t q_head, q_tail;
     uint64_t bytes;
     /* decode */
@@ -135,6 +145,8 @@ typedef struct peer {
     bool ever_ready;
     bool ucx_failed;       /* the endpoint's error handler fired */
     bool closing_after_tx; /* a fatal ERROR is queued: send it, then close */
+    uint16_t ver;          /* the protocol version this connection speaks */
+    uint16_t redial_ver;   /* decode: the prefill refused our version: reconnect in this one */
     char addr[PEER_ADDR_MAX];
     uint64_t t_state_ms, last_rx_ms, last_tx_ms;
     uint8_t *rx;
@@ -155,6 +167,8 @@ typedef struct peer {
 
 struct pd_net {
     pd_net_config cfg;
+    uint16_t proto;         /* the newest protocol version this node speaks (config) */
+    size_t notice_data_max; /* 0: no room's bytes travel in its notice */
     char listen_host[128];
     char token[BP_TOKEN_MAX + 1];
     size_t token_len;
@@ -312,6 +326,13 @@ void net_pump_receiver(pd_net *n, room *rm, uint64_t now);
 /* Decode side: a room's completion notice came on the data path (net_ucx.c's
  * active-message handler, mutex held). */
 void net_on_notice(pd_net *n, uint64_t room_id, uint64_t bytes, uint64_t node_id);
+/* Decode side: a notice that carries its room's bytes (version 4): checked
+ * against the room's destination, copied into it, then the room succeeds;
+ * refused (the room fails, and nothing is written) if it does not fit. */
+void net_on_notice_data(pd_net *n, const bp_notice *nt, const uint8_t *data, size_t len);
+/* Decode side: whether a room's destination may receive its bytes in the
+ * notice (so its page list is kept once the DEST is out). */
+bool net_dest_fits_notice(const pd_net *n, const room *rm, const peer *p);
 void net_peer_write(pd_net *n, uint32_t pi);
 bool net_tx_try(pd_net *n, uint32_t pi);
 void net_accept_all(pd_net *n);

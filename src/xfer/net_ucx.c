@@ -153,6 +153,74 @@ static bool send_notice(pd_net *n, room *rm, peer *p) {
     return true;
 }
 
+/* The notice that carries the room's bytes (version 4): one active message
+ * whose header names the segments (positions in the room's destination, see
+ * bootstrap_proto.h) and whose data, gathered by UCX from the prefill's
+ * pages (an iov), is their bytes. Sent eagerly: over tcp it is one send()
+ * where three puts took three sends and three acknowledgements, and the
+ * decode node copies the bytes into place itself, inside its handler, so it
+ * writes only into a room that still owns its pages. No fence: no put of
+ * the room was posted (send_final chose this path only then). False on an
+ * immediate error. */
+static bool send_notice_data(pd_net *n, room *rm, peer *p) {
+    PD_ASSERT(rm->puts_out == 0 && rm->flush_out == 0 && rm->data_in_notice);
+    PD_ASSERT(rm->notice_segs > 0 && rm->notice_segs <= BP_NOTICE_SEGS_MAX);
+    size_t hlen = BP_NOTICE_DATA_FIXED + (size_t)BP_NOTICE_SEG_BYTES * rm->notice_segs;
+    ucp_request_param_t prm = {
+        .op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_FLAGS |
+            UCP_OP_ATTR_FIELD_DATATYPE,
+        .cb.send = put_done,
+        .flags = UCP_AM_SEND_FLAG_EAGER,
+        .datatype = ucp_dt_make_iov(),
+    };
+    ucs_status_ptr_t sp = ucp_am_send_nbx(p->ep, BP_AM_NOTICE_DATA, rm->notice_wire, hlen,
+                                          rm->notice_iov, rm->notice_segs, &prm);
+    if (UCS_PTR_IS_ERR(sp)) {
+        net_log(n, "pd_net: notice with data to %s failed: %s", p->addr,
+                ucs_status_string(UCS_PTR_STATUS(sp)));
+        return false;
+    }
+    if (sp != NULL) {
+        req_track(n, rm, sp); /* reads the source pages until it completes: a write */
+        rm->puts_out++;
+    }
+    n->stats.notices_with_data++;
+    return true;
+}
+
+/* The room's staged writes, all of them up to its FINAL marker, become the
+ * segments of its notice (mutex held): recorded in notice_wire and
+ * notice_iov, the stages freed, the notice due. False, leaving the stages,
+ * if their bytes exceed what the caller may post now (an assisted turn's
+ * budget); the progress thread then sends it. */
+static bool notice_take_stages(pd_net *n, room *rm) {
+    PD_ASSERT(rm->data_in_notice && !rm->started && rm->bytes == 0);
+    size_t total = 0;
+    bp_notice nt = {.room = rm->slot.id, .node_id = n->node_id};
+    for (uint32_t si = rm->q_head; si != PD_NONE && n->stages[si].reg != STAGE_FINAL;
+         si = n->stages[si].next) {
+        const stage *s = &n->stages[si];
+        PD_ASSERT(nt.n_segs < BP_NOTICE_SEGS_MAX && s->reg < REG_N); /* send_final counted */
+        size_t len = (size_t)s->n * n->unit[s->reg];
+        nt.segs[nt.n_segs] = (bp_notice_seg){s->reg, s->reg == REG_KV ? s->pos : 0, s->n};
+        rm->notice_iov[nt.n_segs++] =
+            (ucp_dt_iov_t){n->base[s->reg] + (size_t)s->src * n->unit[s->reg], len};
+        total += len;
+    }
+    if (total > n->post_budget) return false;
+    if (n->post_budget != SIZE_MAX) n->post_budget -= total;
+    nt.bytes = total;
+    size_t hlen = bp_notice_data_write(rm->notice_wire, &nt);
+    PD_ASSERT(hlen == BP_NOTICE_DATA_FIXED + (size_t)BP_NOTICE_SEG_BYTES * nt.n_segs);
+    rm->notice_segs = nt.n_segs;
+    net_stages_drop(n, rm);
+    rm->started = true;
+    rm->bytes = total;
+    n->stats.bytes_sent += total;
+    rm->note = N_DONE;
+    return true;
+}
+
 /* A room's pending notice, once its writes allow (mutex held). N_DONE goes on
  * the data path without a flush; a flush follows it, off the critical path,
  * so that a later ABORT from the decode is answered (ACK) only when every
@@ -165,7 +233,7 @@ static bool pump_notice(pd_net *n, room *rm, peer *p, uint32_t pi) {
     notice note = rm->note;
     rm->note = N_NONE;
     if (note == N_DONE) {
-        if (!send_notice(n, rm, p)) {
+        if (!(rm->data_in_notice ? send_notice_data(n, rm, p) : send_notice(n, rm, p))) {
             write_failed(n, rm);
             return true;
         }
@@ -191,7 +259,10 @@ void net_pump_sender(pd_net *n, room *rm, uint64_t now) {
     peer *p = net_peer_of(n, rm);
     if (p && p->state == PS_READY && rm->dest.known) {
         uint32_t pi = rm->peer;
-        while (rm->q_head != PD_NONE && xr_sendable(&rm->h)) {
+        if (rm->data_in_notice && rm->q_head != PD_NONE && xr_sendable(&rm->h) &&
+            !notice_take_stages(n, rm))
+            net_mark_dirty(n, rm); /* over an assisted turn's budget: the progress thread's */
+        while (rm->q_head != PD_NONE && xr_sendable(&rm->h) && !rm->data_in_notice) {
             uint32_t si = rm->q_head;
             stage s = n->stages[si];
             /* An assisted turn posts small puts only: over shared memory a put
@@ -449,12 +520,33 @@ static ucs_status_t on_notice_am(void *arg, const void *header, size_t header_le
     return UCS_OK;
 }
 
-static ucs_status_t notice_handler_set(pd_net *n) {
+/* Decode side: a notice that carries its room's bytes (version 4), handled
+ * like the plain one. The data is UCX's, valid during this call: it is
+ * copied into the room's pages here (net_on_notice_data checks the segments
+ * against the room's destination first). Data that came by rendezvous (a
+ * peer that did not send it eagerly) is not read: that room fails. A header
+ * that does not parse names no room we can trust: dropped and counted. */
+static ucs_status_t on_notice_data_am(void *arg, const void *header, size_t header_len, void *data,
+                                      size_t len, const ucp_am_recv_param_t *prm) {
+    pd_net *n = arg;
+    bp_notice nt;
+    if (bp_notice_data_read(header, header_len, &nt) != PD_OK) {
+        n->stats.bad_messages++;
+        net_log(n, "pd_net: dropped a notice with data whose header of %zu bytes is malformed",
+                header_len);
+        return UCS_OK;
+    }
+    bool inline_data = !(prm->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV);
+    net_on_notice_data(n, &nt, inline_data ? data : NULL, len);
+    return UCS_OK;
+}
+
+static ucs_status_t notice_handler_set(pd_net *n, unsigned id, ucp_am_recv_callback_t cb) {
     ucp_am_handler_param_t hp = {
         .field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_CB |
             UCP_AM_HANDLER_PARAM_FIELD_ARG,
-        .id = BP_AM_NOTICE,
-        .cb = on_notice_am,
+        .id = id,
+        .cb = cb,
         .arg = n,
     };
     return ucp_worker_set_am_recv_handler(n->worker, &hp);
@@ -491,7 +583,10 @@ pd_err net_ucx_init(pd_net *n, char *msg, size_t cap) {
         n->worker = NULL;
         return pd_errorf(msg, cap, PD_ERR_IO, "UCX worker: %s", ucs_status_string(st));
     }
-    if (n->cfg.role == PD_NET_DECODE && (st = notice_handler_set(n)) != UCS_OK)
+    if (n->cfg.role == PD_NET_DECODE &&
+        ((st = notice_handler_set(n, BP_AM_NOTICE, on_notice_am)) != UCS_OK ||
+         (n->proto >= 4 &&
+          (st = notice_handler_set(n, BP_AM_NOTICE_DATA, on_notice_data_am)) != UCS_OK)))
         return pd_errorf(msg, cap, PD_ERR_IO, "UCX notice handler: %s", ucs_status_string(st));
     if ((st = ucp_worker_get_efd(n->worker, &n->ucx_fd)) != UCS_OK)
         return pd_errorf(msg, cap, PD_ERR_IO, "UCX worker event fd: %s", ucs_status_string(st));

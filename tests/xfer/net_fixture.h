@@ -58,7 +58,9 @@ typedef struct pair_opts {
     const char *token;        /* prefill's */
     const char *decode_token; /* decode's; defaults to token */
     uint64_t heartbeat_ms, dead_after_ms, drain_grace_ms;
-    bool heap; /* the nodes' memory from the heap, not from their transports */
+    bool heap;               /* the nodes' memory from the heap, not from their transports */
+    int32_t notice_data_max; /* prefill's (0: its default; < 0: every room as puts) */
+    uint16_t prefill_protocol, decode_protocol; /* 0: the newest; 3: a version-3 node */
 } pair_opts;
 
 typedef struct pair {
@@ -143,6 +145,8 @@ static inline pd_net_config node_config(const pair_opts *o, pd_net_role role) {
     c.heartbeat_ms = o->heartbeat_ms;
     c.dead_after_ms = o->dead_after_ms;
     c.drain_grace_ms = o->drain_grace_ms;
+    c.notice_data_max = o->notice_data_max;
+    c.protocol_version = role == PD_NET_PREFILL ? o->prefill_protocol : o->decode_protocol;
     c.token = role == PD_NET_PREFILL ? o->token : (o->decode_token ? o->decode_token : o->token);
     if (getenv("PD_NET_TEST_LOG")) {
         c.log = test_log;
@@ -217,22 +221,27 @@ static inline bool unit_equal(const pair *w, int reg, uint32_t src, uint32_t dst
     return !memcmp(&w->pm.meta[src], &w->dm.meta[dst], sizeof(pd_meta_row));
 }
 
-static inline bool unit_untouched(const pair *w, int reg, uint32_t dst) {
+/* Unit dst of a region of decode memory m still holds the sentinel. */
+static inline bool unit_untouched_in(const node_mem *m, const pair_opts *o, int reg, uint32_t dst) {
     const uint8_t *p;
     size_t len;
     if (reg == 0) {
-        p = (uint8_t *)w->dm.mem.kv + dst * w->o.kv_page_bytes;
-        len = w->o.kv_page_bytes;
+        p = (uint8_t *)m->mem.kv + dst * o->kv_page_bytes;
+        len = o->kv_page_bytes;
     } else if (reg == 1) {
-        p = (uint8_t *)w->dm.mem.mamba + dst * w->o.mamba_slot_bytes;
-        len = w->o.mamba_slot_bytes;
+        p = (uint8_t *)m->mem.mamba + dst * o->mamba_slot_bytes;
+        len = o->mamba_slot_bytes;
     } else {
-        p = (const uint8_t *)&w->dm.meta[dst];
+        p = (const uint8_t *)&m->meta[dst];
         len = sizeof(pd_meta_row);
     }
     for (size_t i = 0; i < len; i++)
         if (p[i] != SENTINEL) return false;
     return true;
+}
+
+static inline bool unit_untouched(const pair *w, int reg, uint32_t dst) {
+    return unit_untouched_in(&w->dm, &w->o, reg, dst);
 }
 
 #endif

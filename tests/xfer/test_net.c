@@ -155,6 +155,63 @@ static void room_success_on_heap_memory(void **state) {
     room_success_case(true);
 }
 
+/* Version 4: a room handed off in one final send of at most notice_data_max
+ * bytes travels inside its completion notice, no put posted; the decode
+ * copies each segment to its own destination pages (two runs here), slot
+ * and row, and nothing else is written. */
+static void room_in_its_notice_lands(void **state) {
+    (void)state;
+    pair_opts o = pair_defaults();
+    pair *w = pair_new(&o);
+    spec s;
+    spec_init(&s, w, 0x1234, 21, 4); /* a cached page, then 5 pages, the last partial */
+    const uint32_t src[] = {11, 12, 13, 3, 4}, dst[] = {50, 51, 52, 7, 8};
+    memcpy(s.src, src, sizeof(src));
+    memcpy(s.dst, dst, sizeof(dst));
+    s.src_mamba = 2;
+    s.dst_mamba = 3;
+    s.src_meta = 9;
+    s.dst_meta = 1;
+    open_both(w, &s);
+    wait_bootstrapped(w, &s);
+    send_all(w, &s, 0);
+    WAIT_FOR(st_of(w->dx, s.room) == PD_XFER_SUCCESS);
+    check_landed(w, &s);
+    WAIT_FOR(st_of(w->px, s.room) == PD_XFER_SUCCESS);
+    for (uint32_t p = 0; p < o.kv_pages; p++) {
+        bool is_dst = false;
+        for (uint32_t i = 0; i < s.n; i++) is_dst |= s.dst[i] == p;
+        if (!is_dst) assert_true(unit_untouched(w, 0, p));
+    }
+    for (uint32_t m = 0; m < o.mamba_slots; m++)
+        if (m != s.dst_mamba) assert_true(unit_untouched(w, 1, m));
+    for (uint32_t r = 0; r < o.meta_rows; r++)
+        if (r != s.dst_meta) assert_true(unit_untouched(w, 2, r));
+    finish_both(w, &s);
+    pd_net_stats ps = stats_of(w->pre), ds = stats_of(w->dec);
+    assert_int_equal(ps.writes_posted, 0);
+    assert_int_equal(ps.notices_with_data, 1);
+    assert_int_equal(ds.notices_with_data, 1);
+    uint64_t bytes = 5 * o.kv_page_bytes + o.mamba_slot_bytes + sizeof(pd_meta_row);
+    assert_int_equal(ps.bytes_sent, bytes);
+    assert_int_equal(ds.bytes_received, bytes);
+    assert_int_equal(ps.bad_messages + ds.bad_messages, 0);
+    /* Over the limit, the same room goes as puts (2 runs, slot, row). */
+    pair_free(w);
+    o.notice_data_max = (int32_t)bytes - 1;
+    w = pair_new(&o);
+    open_both(w, &s);
+    wait_bootstrapped(w, &s);
+    send_all(w, &s, 0);
+    WAIT_FOR(st_of(w->dx, s.room) == PD_XFER_SUCCESS);
+    check_landed(w, &s);
+    finish_both(w, &s);
+    assert_int_equal(stats_of(w->pre).writes_posted, 4);
+    assert_int_equal(stats_of(w->pre).notices_with_data, 0);
+    wait_no_rooms(w);
+    pair_free(w);
+}
+
 /* pd_net_allocator: zeroed memory, a bounded number of live allocations
  * (NULL past it, never a crash), and a freed slot can be used again. */
 static void allocator_zeroed_and_bounded(void **state) {
@@ -736,7 +793,7 @@ static bool is_final(pd_xfer_status st) { return st == PD_XFER_SUCCESS || st == 
 /* when: 0 the decode aborts right after the final send, 1 the prefill does,
  * 2 the decode aborts once the prefill reported SUCCESS (its notice posted,
  * the data possibly still on the way). */
-static void abort_racing_the_notice_case(pair *w, uint64_t room, int when) {
+static void abort_racing_the_notice_case(pair *w, uint64_t room, int when, uint32_t chunk) {
     bool decode_aborts = when != 1;
     spec s;
     spec_init(&s, w, room, 40, 0);
@@ -744,7 +801,7 @@ static void abort_racing_the_notice_case(pair *w, uint64_t room, int when) {
     s.dst_meta = 3;
     open_both(w, &s);
     wait_bootstrapped(w, &s);
-    send_all(w, &s, 4);
+    send_all(w, &s, chunk);
     pd_xfer aborter = decode_aborts ? w->dx : w->px, other = decode_aborts ? w->px : w->dx;
     if (when == 2) WAIT_FOR(st_of(w->px, s.room) == PD_XFER_SUCCESS);
     (void)aborter.vt->abort(aborter.self, s.room);
@@ -791,7 +848,21 @@ static void abort_racing_the_notice(void **state) {
     assert_int_equal(st_of(w->px, s.room), PD_XFER_FAILED);
     finish_both(w, &s);
     pages_stay_untouched_after_drain(w, &s, 1401);
-    for (uint64_t k = 0; k < 24; k++) abort_racing_the_notice_case(w, 1410 + k, (int)(k % 3));
+    for (uint64_t k = 0; k < 24; k++) abort_racing_the_notice_case(w, 1410 + k, (int)(k % 3), 4);
+    wait_no_rooms(w);
+    pair_free(w);
+}
+
+/* The same races with rooms small enough to travel in their notice (version
+ * 4): the decode copies the bytes itself, so it writes only while the room
+ * still owns its pages, whichever of the abort, the ACK and the notice
+ * comes first. */
+static void abort_racing_an_inline_notice(void **state) {
+    (void)state;
+    pair_opts o = pair_defaults();
+    pair *w = pair_new(&o);
+    for (uint64_t k = 0; k < 24; k++) abort_racing_the_notice_case(w, 1450 + k, (int)(k % 3), 0);
+    assert_true(stats_of(w->pre).notices_with_data >= 24);
     wait_no_rooms(w);
     pair_free(w);
 }
@@ -804,6 +875,7 @@ static void abort_racing_the_notice(void **state) {
 static void ack_never_overtakes_the_data(void **state) {
     (void)state;
     pair_opts o = pair_defaults();
+    o.notice_data_max = -1; /* puts: a notice that carries the data is the next test's */
     pair *w = pair_new(&o);
     spec a, b;
     spec_init(&a, w, 1600, 40, 0);
@@ -839,6 +911,95 @@ static void ack_never_overtakes_the_data(void **state) {
     finish_both(w, &b);
     wait_no_rooms(w);
     pair_free(w);
+}
+
+/* Version 4: with the data in the notice, the prefill answers a crossing
+ * ABORT with ACK at once (no put of the room is on the wire), so the ACK may
+ * overtake the notice, and the decode drain the room and retire its pages
+ * before the notice arrives. The notice then finds a room that no longer
+ * owns them and writes nothing. The decode's UCX worker is held, so the
+ * notice arrives only after the ACK. */
+static void ack_may_overtake_an_inline_notice_which_then_writes_nothing(void **state) {
+    (void)state;
+    pair_opts o = pair_defaults();
+    pair *w = pair_new(&o);
+    spec a, b;
+    spec_init(&a, w, 1700, 12, 0);
+    spec_init(&b, w, 1701, 8, 0);
+    for (uint32_t i = 0; i < a.n; i++) a.src[i] = i, a.dst[i] = 100 + i;
+    for (uint32_t i = 0; i < b.n; i++) b.src[i] = 10 + i, b.dst[i] = 200 + i;
+    a.dst_meta = 3;
+    b.dst_meta = 4;
+    warm_up(w, 1699);
+    open_both(w, &a);
+    wait_bootstrapped(w, &a);
+    pd_net_set_fault(w->dec, PD_NET_FAULT_HOLD_DATA, true);
+    send_all(w, &a, 0);
+    WAIT_FOR(st_of(w->px, a.room) == PD_XFER_SUCCESS); /* the notice is posted */
+    assert_int_equal(stats_of(w->pre).writes_posted, 0);
+    assert_ok(w->dx.vt->abort(w->dx.self, a.room));
+    WAIT_FOR(drained_of(w->dx, a.room)); /* the ACK, with the notice still held */
+    for (uint32_t i = 0; i < a.n; i++) assert_true(unit_untouched(w, 0, a.dst[i]));
+    assert_true(unit_untouched(w, 2, a.dst_meta));
+    pd_net_set_fault(w->dec, PD_NET_FAULT_HOLD_DATA, false);
+    /* Room b's notice follows a's on the same endpoint: once b succeeded,
+     * a's notice was handled (dropped). a is drained but not yet closed. */
+    open_both(w, &b);
+    wait_bootstrapped(w, &b);
+    send_all(w, &b, 0);
+    WAIT_FOR(st_of(w->dx, b.room) == PD_XFER_SUCCESS);
+    check_landed(w, &b);
+    for (uint32_t i = 0; i < a.n; i++) assert_true(unit_untouched(w, 0, a.dst[i]));
+    assert_true(unit_untouched(w, 2, a.dst_meta)); /* (the Mamba slot is b's too) */
+    assert_int_not_equal(st_of(w->dx, a.room), PD_XFER_SUCCESS);
+    assert_int_equal(stats_of(w->dec).notices_with_data, 2); /* warm-up and b, not a */
+    assert_int_equal(stats_of(w->dec).bad_messages, 0);
+    finish_both(w, &a);
+    finish_both(w, &b);
+    wait_no_rooms(w);
+    pair_free(w);
+}
+
+/* Protocol version 4 with a version-3 node on either side: the handshake
+ * settles on version 3 (a version-3 prefill refuses the decode's version-4
+ * AUTH, and the decode connects again in version 3), and rooms travel as
+ * puts and a plain notice, their bytes intact. Between two version-4 nodes
+ * the same room travels in its notice. */
+static void version_3_peers_fall_back_to_puts(void **state) {
+    (void)state;
+    for (int old = 0; old < 3; old++) {
+        pair_opts o = pair_defaults();
+        o.prefill_protocol = old == 1 ? 3 : 0;
+        o.decode_protocol = old == 2 ? 3 : 0;
+        pair *w = pair_new(&o);
+        spec s;
+        spec_init(&s, w, 1800 + (uint64_t)old, 10, 0);
+        const uint32_t dst[] = {9, 10, 30};
+        for (uint32_t i = 0; i < s.n; i++) s.src[i] = 4 + i, s.dst[i] = dst[i];
+        s.dst_meta = 6;
+        open_both(w, &s);
+        wait_bootstrapped(w, &s);
+        send_all(w, &s, 0);
+        WAIT_FOR(st_of(w->dx, s.room) == PD_XFER_SUCCESS);
+        check_landed(w, &s);
+        WAIT_FOR(st_of(w->px, s.room) == PD_XFER_SUCCESS);
+        finish_both(w, &s);
+        pd_net_stats ps = stats_of(w->pre), ds = stats_of(w->dec);
+        /* Old: two KV runs, the Mamba slot and the row as puts. New: none. */
+        assert_int_equal(ps.writes_posted, old ? 4 : 0);
+        assert_int_equal(ps.notices_with_data, old ? 0 : 1);
+        assert_int_equal(ds.notices_with_data, old ? 0 : 1);
+        assert_int_equal(ds.bytes_received, ps.bytes_sent);
+        assert_int_equal(ps.bytes_sent,
+                         3 * o.kv_page_bytes + o.mamba_slot_bytes + sizeof(pd_meta_row));
+        assert_int_equal(ps.peers_connected, 1);
+        assert_int_equal(ds.peers_connected, 1);
+        /* The version-3 prefill refused the decode's first AUTH. */
+        assert_int_equal(ps.bad_messages, old == 1 ? 1 : 0);
+        assert_int_equal(ds.bad_messages, 0);
+        wait_no_rooms(w);
+        pair_free(w);
+    }
 }
 
 /* The prefill dies with the notice in flight: the decode room ends once,
@@ -1157,6 +1318,7 @@ int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(room_success_data_lands),
         cmocka_unit_test(room_success_on_heap_memory),
+        cmocka_unit_test(room_in_its_notice_lands),
         cmocka_unit_test(allocator_zeroed_and_bounded),
         cmocka_unit_test(sender_open_before_or_after_destination),
         cmocka_unit_test(cached_prefix_only_later_pages_sent),
@@ -1173,7 +1335,10 @@ int main(void) {
         cmocka_unit_test(completion_never_before_data),
         cmocka_unit_test(notice_never_overtakes_large_rooms),
         cmocka_unit_test(abort_racing_the_notice),
+        cmocka_unit_test(abort_racing_an_inline_notice),
         cmocka_unit_test(ack_never_overtakes_the_data),
+        cmocka_unit_test(ack_may_overtake_an_inline_notice_which_then_writes_nothing),
+        cmocka_unit_test(version_3_peers_fall_back_to_puts),
         cmocka_unit_test(prefill_death_with_the_notice_in_flight),
         cmocka_unit_test(bad_calls_are_refused),
         cmocka_unit_test(create_refuses_bad_config),

@@ -526,21 +526,33 @@ static void wrong_version_is_refused_with_a_clear_error(void **state) {
     uint8_t buf[BP_HEADER_BYTES + BP_NONCE_BYTES] = {0};
     int fd = raw_connect(pd_net_bootstrap_port(w->pre));
     size_t len = bp_auth_write(buf, sizeof(buf), buf + BP_HEADER_BYTES);
-    bp_put_u16(buf + 4, 4); /* a newer peer */
+    bp_put_u16(buf + 4, 5); /* a newer peer */
     raw_send(fd, buf, len);
-    expect_refused(fd, BP_E_VERSION, "version 4 not supported; this node speaks 3");
+    expect_refused(fd, BP_E_VERSION, "version 5 not supported; this node speaks 3 to 4");
     /* Version 2 (DONE on TCP after a flush; a version-3 prefill sends no
      * DONE, so a version-2 decode would wait forever) is refused too. */
     fd = raw_connect(pd_net_bootstrap_port(w->pre));
     bp_put_u16(buf + 4, 2);
     raw_send(fd, buf, len);
-    expect_refused(fd, BP_E_VERSION, "version 2 not supported; this node speaks 3");
+    expect_refused(fd, BP_E_VERSION, "version 2 not supported; this node speaks 3 to 4");
     /* Version 1 (its HELLO carried the token in clear) is refused alike. */
     fd = raw_connect(pd_net_bootstrap_port(w->pre));
     bp_put_u16(buf + 4, 1);
     raw_send(fd, buf, len);
     expect_refused(fd, BP_E_VERSION, "version 1 not supported");
-    WAIT_FOR(stats_of(w->pre).bad_messages == 3);
+    /* A connection keeps the version of its AUTH: a version-3 AUTH, then a
+     * version-4 message, is refused. */
+    fd = raw_connect(pd_net_bootstrap_port(w->pre));
+    bp_put_u16(buf + 4, 3);
+    raw_send(fd, buf, len);
+    raw_msg m;
+    assert_true(raw_read(fd, &m));
+    assert_int_equal(m.h.type, BP_CHALLENGE);
+    assert_int_equal(m.h.version, 3); /* answered in its own version */
+    bp_ping_write(buf, sizeof(buf));
+    raw_send(fd, buf, BP_HEADER_BYTES);
+    expect_refused(fd, BP_E_VERSION, "version 4 on a connection that speaks 3");
+    WAIT_FOR(stats_of(w->pre).bad_messages == 4);
     valid_decode_still_completes_a_room(w, 4);
     pair_free(w);
 }
@@ -878,6 +890,172 @@ static void decode_discloses_nothing_to_a_prefill_without_the_token(void **state
     fake_prefill_case(FAKE_NO_TOKEN);
 }
 
+/* ---- a prefill whose data notices do not fit (version 4) ---------------------------- */
+
+/* A UCX endpoint of the test's own to a decode node's worker, for active
+ * messages a real prefill would never send. */
+typedef struct am_sender {
+    ucp_context_h ctx;
+    ucp_worker_h worker;
+    ucp_ep_h ep;
+} am_sender;
+
+static void am_sender_open(am_sender *a, const uint8_t *addr) {
+    ucp_config_t *uc;
+    assert_int_equal(ucp_config_read(NULL, NULL, &uc), UCS_OK);
+    ucp_params_t prm = {.field_mask = UCP_PARAM_FIELD_FEATURES, .features = UCP_FEATURE_AM};
+    assert_int_equal(ucp_init(&prm, uc, &a->ctx), UCS_OK);
+    ucp_config_release(uc);
+    ucp_worker_params_t wp = {.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE,
+                              .thread_mode = UCS_THREAD_MODE_SINGLE};
+    assert_int_equal(ucp_worker_create(a->ctx, &wp, &a->worker), UCS_OK);
+    ucp_ep_params_t ep = {.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS,
+                          .address = (const ucp_address_t *)addr};
+    assert_int_equal(ucp_ep_create(a->worker, &ep, &a->ep), UCS_OK);
+}
+
+static void am_wait(am_sender *a, void *req) {
+    if (req == NULL) return;
+    assert_false(UCS_PTR_IS_ERR(req));
+    uint64_t t0 = t_now_ms();
+    while (ucp_request_check_status(req) == UCS_INPROGRESS) {
+        ucp_worker_progress(a->worker);
+        if (t_now_ms() - t0 > DEADLINE_MS) fail_msg("UCX send did not complete");
+    }
+    ucp_request_free(req);
+}
+
+/* Sends header + data as a data notice and waits until UCX is done with it. */
+static void am_send(am_sender *a, const void *hdr, size_t hlen, const void *data, size_t len) {
+    ucp_request_param_t prm = {.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS,
+                               .flags = UCP_AM_SEND_FLAG_EAGER};
+    am_wait(a, ucp_am_send_nbx(a->ep, BP_AM_NOTICE_DATA, hdr, hlen, data, len, &prm));
+    ucp_request_param_t fp = {.op_attr_mask = 0};
+    am_wait(a, ucp_ep_flush_nbx(a->ep, &fp));
+}
+
+static void am_sender_close(am_sender *a) {
+    ucp_request_param_t prm = {.op_attr_mask = 0}; /* flush, then close: the decode is up */
+    am_wait(a, ucp_ep_close_nbx(a->ep, &prm));
+    ucp_worker_destroy(a->worker);
+    ucp_cleanup(a->ctx);
+}
+
+/* The fake prefill's handshake with the decode node on fd: its HELLO's
+ * worker address into addr, HELLO_OK as node 1, then DEST_OK for each of
+ * the n DESTs that follow. */
+static void fake_ready(int fd, const pair_opts *o, uint8_t *addr, int n) {
+    fake_challenge(fd, o->token);
+    raw_msg m;
+    assert_true(raw_read(fd, &m));
+    assert_int_equal(m.h.type, BP_HELLO);
+    bp_hello h;
+    assert_ok(bp_hello_read(m.payload, m.h.length, &h));
+    memcpy(addr, h.worker_addr, h.worker_addr_len);
+    uint8_t buf[64];
+    raw_send(fd, buf, bp_hello_ok_write(buf, sizeof(buf), 1, o->page_size));
+    for (int i = 0; i < n; i++) {
+        assert_true(raw_read(fd, &m));
+        assert_int_equal(m.h.type, BP_DEST);
+        bp_dest d;
+        assert_ok(bp_dest_read(m.payload, m.h.length, &d));
+        raw_send(fd, buf, bp_room_write(buf, sizeof(buf), BP_DEST_OK, d.room, 0));
+    }
+}
+
+/* Data notices from node 1 for rooms 70..73 that must be refused; returns
+ * a good one (room 73's, for the caller to re-aim). */
+static bp_notice bad_notices_sent(am_sender *a, const uint8_t *data, size_t bytes) {
+    uint8_t hdr[BP_NOTICE_DATA_HEADER_MAX];
+    bp_notice nt = {.bytes = bytes, .node_id = 1, .n_segs = 3};
+    nt.segs[0] = (bp_notice_seg){BP_REG_KV, 0, 2};
+    nt.segs[1] = (bp_notice_seg){BP_REG_MAMBA, 0, 1};
+    nt.segs[2] = (bp_notice_seg){BP_REG_META, 0, 1};
+    /* 70: a byte short. */
+    nt.room = 70;
+    am_send(a, hdr, bp_notice_data_write(hdr, &nt), data, bytes - 1);
+    /* 71: KV positions 1..2 of a room of 2 pages. */
+    nt.room = 71;
+    nt.segs[0] = (bp_notice_seg){BP_REG_KV, 1, 2};
+    am_send(a, hdr, bp_notice_data_write(hdr, &nt), data, bytes);
+    /* 72: the right bytes, another count announced. */
+    nt.room = 72;
+    nt.segs[0] = (bp_notice_seg){BP_REG_KV, 0, 2};
+    nt.bytes = bytes + 1;
+    am_send(a, hdr, bp_notice_data_write(hdr, &nt), data, bytes);
+    nt.bytes = bytes;
+    /* 73: a header cut short. */
+    nt.room = 73;
+    am_send(a, hdr, bp_notice_data_write(hdr, &nt) - 1, data, bytes);
+    return nt;
+}
+
+/* A data notice whose bytes do not fit the room (one byte short, KV
+ * positions past its pages, a Mamba segment and bytes announced that
+ * differ): the room fails and drains, it is counted, and not a byte lands
+ * anywhere. A header that does not parse names no room: dropped, counted,
+ * the room untouched. Then a good one completes a room over the same
+ * endpoint. */
+static void decode_refuses_notice_data_that_does_not_fit(void **state) {
+    (void)state;
+    pair_opts o = pair_defaults();
+    node_mem dm;
+    pd_net *dec = node_start(&o, PD_NET_DECODE, &dm, false);
+    pd_xfer dx = pd_net_endpoint(dec);
+    uint16_t port;
+    int lfd = listen_local(&port);
+    char peer[64];
+    snprintf(peer, sizeof(peer), "127.0.0.1:%u", port);
+    enum { ROOMS = 5 };
+    for (uint32_t k = 0; k < ROOMS; k++) {
+        uint32_t dst[2] = {10 + 2 * k, 11 + 2 * k};
+        pd_xfer_dest d = {
+            .prompt_tokens = 8, .pages = dst, .n_pages = 2, .mamba_slot = k % 4, .meta_row = k};
+        assert_ok(dx.vt->receiver_open(dx.self, 70 + k, peer, &d));
+    }
+    int fd = accept_within(lfd);
+    static uint8_t addr[BP_WORKER_ADDR_MAX];
+    fake_ready(fd, &o, addr, ROOMS);
+    for (uint32_t k = 0; k < ROOMS; k++) WAIT_FOR(st_of(dx, 70 + k) == PD_XFER_WAITING_FOR_INPUT);
+    am_sender a;
+    am_sender_open(&a, addr);
+    size_t bytes = 2 * o.kv_page_bytes + o.mamba_slot_bytes + sizeof(pd_meta_row);
+    static uint8_t data[8192];
+    for (size_t i = 0; i < bytes; i++) data[i] = (uint8_t)(i * 11 + 3);
+    uint8_t hdr[BP_NOTICE_DATA_HEADER_MAX];
+    bp_notice nt = bad_notices_sent(&a, data, bytes);
+    for (uint64_t r = 70; r < 73; r++) {
+        WAIT_FOR(st_of(dx, r) == PD_XFER_FAILED);
+        WAIT_FOR(drained_of(dx, r));
+    }
+    WAIT_FOR(stats_of(dec).bad_messages == 4);
+    assert_int_equal(st_of(dx, 73), PD_XFER_WAITING_FOR_INPUT);
+    for (uint32_t p = 0; p < o.kv_pages; p++) assert_true(unit_untouched_in(&dm, &o, 0, p));
+    for (uint32_t m = 0; m < o.mamba_slots; m++) assert_true(unit_untouched_in(&dm, &o, 1, m));
+    for (uint32_t r = 0; r < o.meta_rows; r++) assert_true(unit_untouched_in(&dm, &o, 2, r));
+    /* 74: a good one lands, in room 74's pages 18 and 19, slot 0, row 4. */
+    nt.room = 74;
+    am_send(&a, hdr, bp_notice_data_write(hdr, &nt), data, bytes);
+    WAIT_FOR(st_of(dx, 74) == PD_XFER_SUCCESS);
+    const uint8_t *kv = dm.mem.kv, *mb = dm.mem.mamba;
+    assert_memory_equal(kv + 18 * o.kv_page_bytes, data, 2 * o.kv_page_bytes);
+    assert_memory_equal(mb, data + 2 * o.kv_page_bytes, o.mamba_slot_bytes);
+    assert_memory_equal(&dm.meta[4], data + 2 * o.kv_page_bytes + o.mamba_slot_bytes,
+                        sizeof(pd_meta_row));
+    assert_int_equal(stats_of(dec).notices_with_data, 1);
+    for (uint64_t r = 70; r < 70 + ROOMS; r++) {
+        if (r == 73) (void)dx.vt->abort(dx.self, r);
+        if (r != 73) dx.vt->close(dx.self, r);
+    }
+    am_sender_close(&a);
+    close(fd);
+    WAIT_FOR(drained_of(dx, 73));
+    dx.vt->close(dx.self, 73);
+    close(lfd);
+    mem_free(&dm);
+    pd_net_destroy(dec);
+}
+
 static int setup(void **state) {
     (void)state;
     pair_opts o = pair_defaults();
@@ -909,6 +1087,7 @@ int main(void) {
         cmocka_unit_test(decode_refuses_a_newer_protocol),
         cmocka_unit_test(decode_refuses_messages_about_unknown_rooms),
         cmocka_unit_test(decode_discloses_nothing_to_a_prefill_without_the_token),
+        cmocka_unit_test(decode_refuses_notice_data_that_does_not_fit),
         cmocka_unit_test(a_slow_name_lookup_stalls_no_other_peer),
         cmocka_unit_test(a_hung_lookup_delays_no_other_name),
     };

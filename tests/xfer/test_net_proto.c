@@ -19,7 +19,8 @@ static void header_fields_are_little_endian_at_fixed_offsets(void **state) {
     size_t len =
         bp_room_write(buf, sizeof(buf), BP_DONE, 0x0102030405060708ull, 0x1122334455667788ull);
     assert_int_equal(len, 32);
-    const uint8_t want[16] = {'P', 'D', 'B', 'S', 3, 0, BP_DONE, 0, 0, 0, 0, 0, 16, 0, 0, 0};
+    const uint8_t want[16] = {'P', 'D', 'B', 'S', BP_VERSION, 0, BP_DONE, 0,
+                              0,   0,   0,   0,   16,         0, 0,       0};
     assert_memory_equal(buf, want, 16);
     assert_int_equal(buf[16], 0x08);
     assert_int_equal(buf[23], 0x01);
@@ -248,6 +249,69 @@ static void notice_round_trips_and_checks_its_length(void **state) {
     assert_err(bp_notice_read(wire, 0, &room_id, &bytes, &node), PD_ERR_PARSE);
 }
 
+/* Version 4's notice that carries its room's bytes: the header round-trips,
+ * and every field a peer could get wrong is refused on parse. */
+static void notice_with_data_round_trips_and_checks_every_field(void **state) {
+    (void)state;
+    uint8_t wire[BP_NOTICE_DATA_HEADER_MAX + 16];
+    bp_notice nt = {.room = 77, .bytes = 3 * 512 + 3000 + 192, .node_id = 5, .n_segs = 4};
+    nt.segs[0] = (bp_notice_seg){BP_REG_KV, 0, 2};
+    nt.segs[1] = (bp_notice_seg){BP_REG_KV, 2, 1};
+    nt.segs[2] = (bp_notice_seg){BP_REG_MAMBA, 0, 1};
+    nt.segs[3] = (bp_notice_seg){BP_REG_META, 0, 1};
+    size_t len = bp_notice_data_write(wire, &nt);
+    assert_int_equal(len, BP_NOTICE_DATA_FIXED + 4 * BP_NOTICE_SEG_BYTES);
+    bp_notice back;
+    assert_ok(bp_notice_data_read(wire, len, &back));
+    assert_memory_equal(&back, &nt, sizeof(nt));
+    /* The plain notice's 24 bytes are not a data notice's header. */
+    assert_err(bp_notice_data_read(wire, BP_NOTICE_BYTES, &back), PD_ERR_PARSE);
+    /* Length not what the count says, either way. */
+    assert_err(bp_notice_data_read(wire, len - 1, &back), PD_ERR_PARSE);
+    assert_err(bp_notice_data_read(wire, len + 16, &back), PD_ERR_PARSE);
+    /* No segment, too many, reserved bits, unknown region, zero units, a
+     * Mamba or metadata segment that is not the room's one unit. */
+    struct {
+        size_t off;
+        uint32_t v;
+    } bad[] = {
+        {24, 0},     {24, BP_NOTICE_SEGS_MAX + 1},
+        {28, 1},     {32 + 12, 1},
+        {32, 3},     {32 + 8, 0},
+        {64 + 4, 1}, {64 + 8, 2},
+    };
+    for (size_t i = 0; i < PD_ARRAY_LEN(bad); i++) {
+        bp_notice_data_write(wire, &nt);
+        bp_put_u32(wire + bad[i].off, bad[i].v);
+        if (bp_notice_data_read(wire, len, &back) != PD_ERR_PARSE)
+            fail_msg("case %zu (u32 at %zu = %u) was accepted", i, bad[i].off, bad[i].v);
+    }
+    nt.n_segs = 0;
+    assert_int_equal(bp_notice_data_write(wire, &nt), 0);
+    nt.n_segs = BP_NOTICE_SEGS_MAX + 1;
+    assert_int_equal(bp_notice_data_write(wire, &nt), 0);
+}
+
+/* Version 4 nodes speak 3 to a version-3 peer: both pass the header check;
+ * older and newer ones do not. */
+static void versions_3_and_4_pass_the_header_check(void **state) {
+    (void)state;
+    bp_header h;
+    bp_code code;
+    for (uint16_t v = 0; v < 8; v++) {
+        bp_ping_write(buf, sizeof(buf));
+        bp_put_u16(buf + 4, v);
+        pd_err err = bp_header_check(buf, &h, &code);
+        if (v == 3 || v == 4) {
+            assert_ok(err);
+            assert_int_equal(h.version, v);
+        } else {
+            assert_err(err, PD_ERR_PARSE);
+            assert_int_equal(code, BP_E_VERSION);
+        }
+    }
+}
+
 static void error_and_small_messages_round_trip(void **state) {
     (void)state;
     size_t len = bp_error_write(buf, sizeof(buf), BP_E_AUTH, false, 0, "wrong token");
@@ -356,6 +420,8 @@ int main(void) {
         cmocka_unit_test(types_are_checked_against_the_role),
         cmocka_unit_test(dest_round_trips_and_refuses_inconsistent_counts),
         cmocka_unit_test(notice_round_trips_and_checks_its_length),
+        cmocka_unit_test(notice_with_data_round_trips_and_checks_every_field),
+        cmocka_unit_test(versions_3_and_4_pass_the_header_check),
         cmocka_unit_test(error_and_small_messages_round_trip),
         cmocka_unit_test(mutated_messages_never_read_out_of_bounds),
         cmocka_unit_test(adaptive_progress_is_off),
