@@ -93,6 +93,8 @@ typedef struct opts {
     int n_transports;
     const char *net_devices;
     int32_t spin_us;
+    int32_t notice_data_max; /* --notice-data: the prefill's notice_data_max (0: default) */
+    uint16_t protocol;       /* --protocol: both nodes' protocol_version (0: newest) */
     bool mem_heap, mem_own; /* which memory the nodes use (--memory) */
     bool perftest;          /* false: --no-perftest */
 } opts;
@@ -151,6 +153,8 @@ static void node_open(node *n, pd_net_role role, const opts *o, const char *tls,
     c.rooms_max = 64;
     c.ucx_tls = tls;
     c.spin_us = o->spin_us;
+    c.notice_data_max = o->notice_data_max;
+    c.protocol_version = o->protocol;
     if (!strcmp(tls, "tcp")) c.ucx_net_devices = o->net_devices;
     char msg[256];
     if (pd_net_create(&n->net, &c, msg, sizeof(msg))) die("create", msg);
@@ -266,7 +270,8 @@ static void usage(void) {
             "usage: xfer [--quick] [--runs N] [--rounds N] [--tokens 1024,16384] [--configs "
             "tiny,small]\n"
             "            [--transports shm,tcp] [--net-devices lo] [--spin-us N]\n"
-            "            [--memory own|heap|own,heap] [--no-perftest]\n");
+            "            [--memory own|heap|own,heap] [--no-perftest]\n"
+            "            [--notice-data BYTES (< 0: none)] [--protocol 3|4]\n");
     exit(2);
 }
 
@@ -412,6 +417,7 @@ typedef struct tally {
     result res[LIST_MAX * LIST_MAX * LIST_MAX];
     int n_res;
     double phase[LIST_MAX][PH_N]; /* fixed cost: medians of each phase's end, ns */
+    double in_notice[LIST_MAX];   /* fixed cost: share of its rooms whose bytes rode the notice */
     const char *perftest;         /* path, or NULL: not found */
 } tally;
 
@@ -460,6 +466,10 @@ static void parse_args(int argc, char **argv, opts *o) {
             if (!o->mem_own && !o->mem_heap) usage();
         } else if (!strcmp(a, "--no-perftest")) {
             o->perftest = false;
+        } else if (!strcmp(a, "--notice-data") && v) {
+            o->notice_data_max = atoi(v), i++;
+        } else if (!strcmp(a, "--protocol") && v) {
+            o->protocol = (uint16_t)atoi(v), i++;
         } else if (!strcmp(a, "--spin-us") && v) {
             o->spin_us = atoi(v), i++;
         } else if (!strcmp(a, "--net-devices") && v) {
@@ -507,7 +517,15 @@ static void measure_sizes(pair_link *l, const opts *o, int c, int t, uint32_t *i
 static void measure_fixed_cost(pair_link *l, const opts *o, int t, uint32_t *idx, tally *tl) {
     int reps = PD_MIN(PD_MAX(o->runs, 31), 63);
     double ph[64][PH_N], col[64];
+    memset(l->dec.kv, 0, l->page_bytes); /* so that the check below sees these rooms' bytes */
+    memset(l->dec.mamba, 0, l->slot_bytes);
+    memset(&l->dec.meta[1], 0, sizeof(pd_meta_row));
+    pd_net_stats s0, s1;
+    pd_net_stats_get(l->pre.net, &s0);
     for (int r = 0; r < reps; r++) one_room(l, o->page_size, idx, ph[r]);
+    if (!landed(l, 1)) die("check", "the one-page room's bytes differ from the prefill's");
+    pd_net_stats_get(l->pre.net, &s1);
+    tl->in_notice[t] = (double)(s1.notices_with_data - s0.notices_with_data) / reps;
     for (int k = 0; k < PH_N; k++) {
         for (int r = 0; r < reps; r++) col[r] = ph[r][k];
         tl->phase[t][k] = bench_median(col, (size_t)reps);
@@ -591,6 +609,7 @@ static void tally_median(tally *out, const tally *rounds, int n) {
         x->perftest.p50 = median_of(rounds, n, base + offsetof(result, perftest.p50));
         x->perftest.mean = median_of(rounds, n, base + offsetof(result, perftest.mean));
     }
+    for (int t = 0; t < LIST_MAX; t++) out->in_notice[t] = rounds[0].in_notice[t];
     for (int t = 0; t < LIST_MAX; t++)
         for (int k = 0; k < PH_N; k++)
             out->phase[t][k] =
@@ -662,7 +681,7 @@ static void print_fixed_costs(const opts *o, const tally *tl) {
         printf("  ucx-%-4s %9s  (", o->transports[t], a);
         for (int k = 0; k < PH_N; k++)
             printf("%s%s %.1f", k ? ", " : "", names[k], tl->phase[t][k] / 1e3);
-        printf(" us)\n");
+        printf(" us; bytes in the notice: %.0f%%)\n", 100 * tl->in_notice[t]);
     }
 }
 

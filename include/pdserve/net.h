@@ -73,8 +73,10 @@ typedef struct pd_net_config {
     uint16_t protocol_version;
     /* prefill: a room handed off in one final send of at most this many bytes
      * (its KV pages, Mamba slot and metadata row) travels inside its
-     * completion notice instead of as puts, to a version-4 peer (default
-     * 64 KiB; < 0: never). */
+     * completion notice instead of as puts, to a version-4 peer. Default
+     * (0): 64 KiB, to peers whose puts UCX emulates (tcp), none where a put
+     * is a transport's own (shared memory, RDMA); > 0: this bound, to every
+     * peer; < 0: never. */
     int32_t notice_data_max;
     /* Optional log sink for connection-level events (peer lost, message
      * refused); called from the progress thread. NULL = silent. */

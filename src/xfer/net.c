@@ -686,12 +686,19 @@ static bool final_inline(pd_net *n, room *rm, uint32_t pages) {
  * in the room's completion notice (version 4, net_ucx.c send_notice_data)
  * rather than as puts: nothing of the room was staged or posted before (the
  * notice then carries all of it), its bytes are within notice_data_max and
- * its segments within the protocol's bound, and the peer speaks version 4. */
+ * its segments within the protocol's bound, and the peer speaks version 4.
+ * By default only to a peer whose puts UCX emulates with active messages
+ * (tcp: three puts were three send()s and three acknowledgements, 30-40 us;
+ * the notice is one send()): where a put is one copy into the peer's
+ * segment (shared memory), it is cheaper than the notice's copies through
+ * UCX's buffers (bench/xfer, one-page room: send_final 0.9 us with puts,
+ * 3.7 in the notice). A notice_data_max set in the config applies to every
+ * peer. */
 static bool final_in_notice(pd_net *n, const room *rm, uint32_t runs, uint32_t pages,
                             uint32_t mamba_slot) {
     const peer *p = net_peer_of(n, rm);
-    if (!p || p->ver < 4 || rm->q_head != PD_NONE || rm->started || rm->puts_out ||
-        runs + 2 > BP_NOTICE_SEGS_MAX)
+    if (!p || p->ver < 4 || (p->puts_direct && !n->notice_data_always) || rm->q_head != PD_NONE ||
+        rm->started || rm->puts_out || runs + 2 > BP_NOTICE_SEGS_MAX)
         return false;
     size_t bytes = (size_t)pages * n->unit[REG_KV] + n->unit[REG_META] +
         (mamba_slot != PD_POOL_NONE ? n->unit[REG_MAMBA] : 0);
@@ -1021,6 +1028,7 @@ static void config_adopt(pd_net *n, const pd_net_config *cfg) {
     if (c->notice_data_max < 0 || n->proto < 4) n->notice_data_max = 0;
     else if (c->notice_data_max == 0) n->notice_data_max = NOTICE_DATA_DEFAULT_BYTES;
     else n->notice_data_max = PD_MIN((size_t)c->notice_data_max, (size_t)BP_NOTICE_DATA_MAX);
+    n->notice_data_always = c->notice_data_max > 0;
     snprintf(n->listen_host, sizeof(n->listen_host), "%s",
              cfg->listen_host ? cfg->listen_host : "0.0.0.0");
     c->listen_host = n->listen_host;

@@ -37,8 +37,9 @@
 #define ORPHAN_SCAN_MS 250
 #define FINAL_INLINE_BYTES (64u << 10) /* a final send this small may post inline */
 /* A room handed off in one final send of at most this many bytes travels in
- * its completion notice (version 4, net_ucx.c send_notice_data) unless the
- * config says otherwise (notice_data_max). */
+ * its completion notice (version 4, net_ucx.c send_notice_data) to a peer
+ * whose puts UCX emulates, unless the config says otherwise
+ * (notice_data_max; net.c final_in_notice). */
 #define NOTICE_DATA_DEFAULT_BYTES (64u << 10)
 #define TCP_TX_SEG "64K" /* UCX tcp's send segment: its receive segment's default (net_ucx.c) */
 /* Assisted progress (net.c): after a turn that took d ns, the next waits
@@ -159,6 +160,7 @@ typedef struct peer {
     ucp_ep_h ep;
     bool ep_no_peer_mode;
     bool flush_waits; /* its last flush did not complete at once (tcp: it waits for acks) */
+    bool puts_direct; /* UCX puts to it are a transport's own, not emulated (net_ucx.c) */
     void *close_req;
     ucp_rkey_h rkey[REG_N];
     uint64_t rbase[REG_N], runit[REG_N];
@@ -169,6 +171,7 @@ struct pd_net {
     pd_net_config cfg;
     uint16_t proto;         /* the newest protocol version this node speaks (config) */
     size_t notice_data_max; /* 0: no room's bytes travel in its notice */
+    bool notice_data_always; /* also to peers whose puts are direct (config > 0) */
     char listen_host[128];
     char token[BP_TOKEN_MAX + 1];
     size_t token_len;

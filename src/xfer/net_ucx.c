@@ -335,6 +335,22 @@ const char *net_worker_addr_problem(const pd_net *n, const uint8_t *addr, size_t
     return NULL;
 }
 
+/* Whether UCX puts on ep are a transport's own (shared memory: one copy into
+ * the peer's segment; RDMA) rather than emulated with active messages (tcp).
+ * UCX has no query for it; its endpoint report lists a "put[lane]" protocol
+ * line only for transport-level puts, so the report is printed into memory
+ * and searched, as net_ucx_config_value does for a setting. */
+static bool ep_puts_direct(ucp_ep_h ep) {
+    char *text = NULL;
+    size_t len = 0;
+    FILE *mem = open_memstream(&text, &len);
+    if (!mem) return true; /* unknown: puts, the path every transport has */
+    ucp_ep_print_info(ep, mem);
+    bool direct = fclose(mem) != 0 || !text || strstr(text, " put[") != NULL;
+    free(text);
+    return direct;
+}
+
 ucs_status_t net_peer_ep_create(pd_net *n, peer *p, const bp_hello *h) {
     /* The worker address and keys are opaque to us; UCX parses them. */
     ucp_ep_params_t ep = {
@@ -356,6 +372,7 @@ ucs_status_t net_peer_ep_create(pd_net *n, peer *p, const bp_hello *h) {
         }
     }
     if (st != UCS_OK) p->ep = NULL;
+    else p->puts_direct = ep_puts_direct(p->ep);
     return st;
 }
 

@@ -162,6 +162,7 @@ static void room_success_on_heap_memory(void **state) {
 static void room_in_its_notice_lands(void **state) {
     (void)state;
     pair_opts o = pair_defaults();
+    o.notice_data_max = 64 << 10; /* on every transport, shared memory too */
     pair *w = pair_new(&o);
     spec s;
     spec_init(&s, w, 0x1234, 21, 4); /* a cached page, then 5 pages, the last partial */
@@ -860,6 +861,7 @@ static void abort_racing_the_notice(void **state) {
 static void abort_racing_an_inline_notice(void **state) {
     (void)state;
     pair_opts o = pair_defaults();
+    o.notice_data_max = 64 << 10; /* on every transport, shared memory too */
     pair *w = pair_new(&o);
     for (uint64_t k = 0; k < 24; k++) abort_racing_the_notice_case(w, 1450 + k, (int)(k % 3), 0);
     assert_true(stats_of(w->pre).notices_with_data >= 24);
@@ -922,6 +924,7 @@ static void ack_never_overtakes_the_data(void **state) {
 static void ack_may_overtake_an_inline_notice_which_then_writes_nothing(void **state) {
     (void)state;
     pair_opts o = pair_defaults();
+    o.notice_data_max = 64 << 10; /* on every transport, shared memory too */
     pair *w = pair_new(&o);
     spec a, b;
     spec_init(&a, w, 1700, 12, 0);
@@ -960,6 +963,30 @@ static void ack_may_overtake_an_inline_notice_which_then_writes_nothing(void **s
     pair_free(w);
 }
 
+/* By default a small room rides its notice only where UCX emulates puts
+ * with active messages (tcp); over shared memory a put is one copy into the
+ * peer's segment, cheaper than the notice's copies, and puts stay. */
+static void default_notice_data_only_where_puts_are_emulated(void **state) {
+    (void)state;
+    pair_opts o = pair_defaults();
+    pair *w = pair_new(&o);
+    spec s;
+    spec_init(&s, w, 1900, 8, 0);
+    s.src[0] = 1, s.src[1] = 2, s.dst[0] = 60, s.dst[1] = 61;
+    open_both(w, &s);
+    wait_bootstrapped(w, &s);
+    send_all(w, &s, 0);
+    WAIT_FOR(st_of(w->dx, s.room) == PD_XFER_SUCCESS);
+    check_landed(w, &s);
+    finish_both(w, &s);
+    const char *tls = getenv("UCX_TLS");
+    bool emulated = tls && !strcmp(tls, "tcp");
+    assert_int_equal(stats_of(w->pre).notices_with_data, emulated ? 1 : 0);
+    assert_int_equal(stats_of(w->pre).writes_posted, emulated ? 0 : 3);
+    wait_no_rooms(w);
+    pair_free(w);
+}
+
 /* Protocol version 4 with a version-3 node on either side: the handshake
  * settles on version 3 (a version-3 prefill refuses the decode's version-4
  * AUTH, and the decode connects again in version 3), and rooms travel as
@@ -969,6 +996,7 @@ static void version_3_peers_fall_back_to_puts(void **state) {
     (void)state;
     for (int old = 0; old < 3; old++) {
         pair_opts o = pair_defaults();
+        o.notice_data_max = 64 << 10;
         o.prefill_protocol = old == 1 ? 3 : 0;
         o.decode_protocol = old == 2 ? 3 : 0;
         pair *w = pair_new(&o);
@@ -1339,6 +1367,7 @@ int main(void) {
         cmocka_unit_test(ack_never_overtakes_the_data),
         cmocka_unit_test(ack_may_overtake_an_inline_notice_which_then_writes_nothing),
         cmocka_unit_test(version_3_peers_fall_back_to_puts),
+        cmocka_unit_test(default_notice_data_only_where_puts_are_emulated),
         cmocka_unit_test(prefill_death_with_the_notice_in_flight),
         cmocka_unit_test(bad_calls_are_refused),
         cmocka_unit_test(create_refuses_bad_config),
