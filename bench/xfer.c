@@ -95,8 +95,8 @@ typedef struct opts {
     int32_t spin_us;
     int32_t notice_data_max; /* --notice-data: the prefill's notice_data_max (0: default) */
     uint16_t protocol;       /* --protocol: both nodes' protocol_version (0: newest) */
-    bool mem_heap, mem_own; /* which memory the nodes use (--memory) */
-    bool perftest;          /* false: --no-perftest */
+    bool mem_heap, mem_own;  /* which memory the nodes use (--memory) */
+    bool perftest;           /* false: --no-perftest */
 } opts;
 
 typedef struct node {

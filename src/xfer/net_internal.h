@@ -169,8 +169,8 @@ typedef struct peer {
 
 struct pd_net {
     pd_net_config cfg;
-    uint16_t proto;         /* the newest protocol version this node speaks (config) */
-    size_t notice_data_max; /* 0: no room's bytes travel in its notice */
+    uint16_t proto;          /* the newest protocol version this node speaks (config) */
+    size_t notice_data_max;  /* 0: no room's bytes travel in its notice */
     bool notice_data_always; /* also to peers whose puts are direct (config > 0) */
     char listen_host[128];
     char token[BP_TOKEN_MAX + 1];
