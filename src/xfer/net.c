@@ -47,6 +47,15 @@
  *   then a UCX active message on the same endpoint, which UCX delivers after
  *   the puts: the notice can never overtake data. A flush follows it, off
  *   the critical path; the room is kept until it completed.
+ *   Version 4: a room handed off in one final send of at most
+ *   notice_data_max bytes, to a peer whose puts UCX emulates (tcp), posts no
+ *   put: its staged runs, slot and row become the segments of one eager
+ *   active message (net_ucx.c send_notice_data), named by position in the
+ *   room's destination; the decode node checks them against its own
+ *   destination and copies them in itself, only while the room still owns
+ *   its pages (net_conn.c net_on_notice_data). No flush follows: nothing of
+ *   the room is on the wire but the notice, so an ACK may overtake it, and
+ *   the decode then drops it unread.
  *   An abort (either side): stop posting, drop what is staged, flush, and
  *   send ABORT (sender's own abort) or ACK (the decode's abort) on the
  *   bootstrap connection only after the flush and every posted write have

@@ -1,8 +1,9 @@
 /*
  * net_ucx.c — the network transport's data path (see net.c): the UCX
  * context and worker, registered memory, page-run puts, the completion
- * notice behind a fence (version 3), completions found by room generation, and
- * giving up on writes to a dead peer.
+ * notice behind a fence (version 3) or carrying a small room's bytes itself
+ * (version 4), completions found by room generation, and giving up on writes
+ * to a dead peer.
  */
 #include "net_internal.h"
 
