@@ -40,5 +40,11 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     case BP_CHALLENGE: bp_challenge_read(pl, len, nonce, proof); break;
     default: bp_room_read(pl, len, &a, &b); break;
     }
+    /* A data notice's header (version 4, a UCX active message, not a frame):
+     * the same bytes, read as one. */
+    bp_notice nt;
+    if (bp_notice_data_read(pl, len, &nt) == PD_OK)
+        PD_ASSERT(nt.n_segs >= 1 && nt.n_segs <= BP_NOTICE_SEGS_MAX &&
+                  len == BP_NOTICE_DATA_FIXED + BP_NOTICE_SEG_BYTES * nt.n_segs);
     return 0;
 }

@@ -925,13 +925,18 @@ static void am_wait(am_sender *a, void *req) {
     ucp_request_free(req);
 }
 
-/* Sends header + data as a data notice and waits until UCX is done with it. */
-static void am_send(am_sender *a, const void *hdr, size_t hlen, const void *data, size_t len) {
-    ucp_request_param_t prm = {.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS,
-                               .flags = UCP_AM_SEND_FLAG_EAGER};
+/* Sends header + data as a data notice (eagerly, or by rendezvous when
+   flags say so) and waits until UCX is done with it. */
+static void am_send_flags(am_sender *a, const void *hdr, size_t hlen, const void *data, size_t len,
+                          uint32_t flags) {
+    ucp_request_param_t prm = {.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS, .flags = flags};
     am_wait(a, ucp_am_send_nbx(a->ep, BP_AM_NOTICE_DATA, hdr, hlen, data, len, &prm));
     ucp_request_param_t fp = {.op_attr_mask = 0};
     am_wait(a, ucp_ep_flush_nbx(a->ep, &fp));
+}
+
+static void am_send(am_sender *a, const void *hdr, size_t hlen, const void *data, size_t len) {
+    am_send_flags(a, hdr, hlen, data, len, UCP_AM_SEND_FLAG_EAGER);
 }
 
 static void am_sender_close(am_sender *a) {
@@ -963,8 +968,8 @@ static void fake_ready(int fd, const pair_opts *o, uint8_t *addr, int n) {
     }
 }
 
-/* Data notices from node 1 for rooms 70..73 that must be refused; returns
- * a good one (room 73's, for the caller to re-aim). */
+/* Data notices from node 1 for rooms 70..73 and 75 that must be refused;
+ * returns a good one (for the caller to re-aim). */
 static bp_notice bad_notices_sent(am_sender *a, const uint8_t *data, size_t bytes) {
     uint8_t hdr[BP_NOTICE_DATA_HEADER_MAX];
     bp_notice nt = {.bytes = bytes, .node_id = 1, .n_segs = 3};
@@ -987,12 +992,16 @@ static bp_notice bad_notices_sent(am_sender *a, const uint8_t *data, size_t byte
     /* 73: a header cut short. */
     nt.room = 73;
     am_send(a, hdr, bp_notice_data_write(hdr, &nt) - 1, data, bytes);
+    /* 75: the data by rendezvous: not read (the decode would have to fetch it). */
+    nt.room = 75;
+    am_send_flags(a, hdr, bp_notice_data_write(hdr, &nt), data, bytes, UCP_AM_SEND_FLAG_RNDV);
+    nt.room = 73;
     return nt;
 }
 
 /* A data notice whose bytes do not fit the room (one byte short, KV
- * positions past its pages, a Mamba segment and bytes announced that
- * differ): the room fails and drains, it is counted, and not a byte lands
+ * positions past its pages, bytes announced that differ, data sent by
+ * rendezvous): the room fails and drains, it is counted, and not a byte lands
  * anywhere. A header that does not parse names no room: dropped, counted,
  * the room untouched. Then a good one completes a room over the same
  * endpoint. */
@@ -1006,7 +1015,7 @@ static void decode_refuses_notice_data_that_does_not_fit(void **state) {
     int lfd = listen_local(&port);
     char peer[64];
     snprintf(peer, sizeof(peer), "127.0.0.1:%u", port);
-    enum { ROOMS = 5 };
+    enum { ROOMS = 6 };
     for (uint32_t k = 0; k < ROOMS; k++) {
         uint32_t dst[2] = {10 + 2 * k, 11 + 2 * k};
         pd_xfer_dest d = {
@@ -1024,11 +1033,12 @@ static void decode_refuses_notice_data_that_does_not_fit(void **state) {
     for (size_t i = 0; i < bytes; i++) data[i] = (uint8_t)(i * 11 + 3);
     uint8_t hdr[BP_NOTICE_DATA_HEADER_MAX];
     bp_notice nt = bad_notices_sent(&a, data, bytes);
-    for (uint64_t r = 70; r < 73; r++) {
+    for (uint64_t r = 70; r < 76; r++) {
+        if (r == 73 || r == 74) continue;
         WAIT_FOR(st_of(dx, r) == PD_XFER_FAILED);
         WAIT_FOR(drained_of(dx, r));
     }
-    WAIT_FOR(stats_of(dec).bad_messages == 4);
+    WAIT_FOR(stats_of(dec).bad_messages == 5);
     assert_int_equal(st_of(dx, 73), PD_XFER_WAITING_FOR_INPUT);
     for (uint32_t p = 0; p < o.kv_pages; p++) assert_true(unit_untouched_in(&dm, &o, 0, p));
     for (uint32_t m = 0; m < o.mamba_slots; m++) assert_true(unit_untouched_in(&dm, &o, 1, m));

@@ -350,15 +350,20 @@ static void mutated_messages_never_read_out_of_bounds(void **state) {
     bp_hello h = sample_hello(keys);
     bp_auth auth = sample_auth("secret");
     uint32_t pages[9] = {1, 2, 3, 4, 5, 6, 7, 8, 9};
-    static uint8_t msg[4][BP_HEADER_BYTES + 400];
-    size_t lens[4] = {
+    static uint8_t msg[5][BP_HEADER_BYTES + 400];
+    bp_notice nt = {.room = 4, .bytes = 9000, .node_id = 2, .n_segs = 3};
+    nt.segs[0] = (bp_notice_seg){BP_REG_KV, 1, 2};
+    nt.segs[1] = (bp_notice_seg){BP_REG_MAMBA, 0, 1};
+    nt.segs[2] = (bp_notice_seg){BP_REG_META, 0, 1};
+    size_t lens[5] = {
         bp_hello_write(msg[0], sizeof(msg[0]), &h, &auth),
         bp_dest_write(msg[1], sizeof(msg[1]), 1, 33, 0, 0, 0, pages, 9),
         bp_error_write(msg[2], sizeof(msg[2]), BP_E_BUSY, true, 9, "busy"),
         bp_room_write(msg[3], sizeof(msg[3]), BP_ABORT, 3, 1),
+        16 + bp_notice_data_write(msg[4] + 16, &nt), /* an AM header, framed like the rest */
     };
     for (int iter = 0; iter < 20000; iter++) {
-        int k = (int)pd_rng_below(&rng, 4);
+        int k = (int)pd_rng_below(&rng, 5);
         /* The payload goes into an exactly sized heap copy so ASan sees any
          * read past its end. */
         uint32_t plen = (uint32_t)(lens[k] - 16);
@@ -385,6 +390,9 @@ static void mutated_messages_never_read_out_of_bounds(void **state) {
         }
         if (bp_error_read(p, plen, &ge) == PD_OK) assert_true(16u + ge.text_len == plen);
         if (bp_room_read(p, plen, &a, &b) == PD_OK) assert_int_equal(plen, 16);
+        bp_notice gn;
+        if (bp_notice_data_read(p, plen, &gn) == PD_OK)
+            assert_int_equal(plen, BP_NOTICE_DATA_FIXED + BP_NOTICE_SEG_BYTES * gn.n_segs);
         free(p);
     }
 }
