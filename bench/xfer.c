@@ -95,6 +95,7 @@ typedef struct opts {
     int32_t spin_us;
     int32_t notice_data_max; /* --notice-data: the prefill's notice_data_max (0: default) */
     uint16_t protocol;       /* --protocol: both nodes' protocol_version (0: newest) */
+    bool prefill_batch;      /* --prefill-sched-batch: the prefill's progress_sched_batch */
     bool mem_heap, mem_own;  /* which memory the nodes use (--memory) */
     bool perftest;           /* false: --no-perftest */
 } opts;
@@ -155,6 +156,7 @@ static void node_open(node *n, pd_net_role role, const opts *o, const char *tls,
     c.spin_us = o->spin_us;
     c.notice_data_max = o->notice_data_max;
     c.protocol_version = o->protocol;
+    c.progress_sched_batch = o->prefill_batch && role == PD_NET_PREFILL;
     if (!strcmp(tls, "tcp")) c.ucx_net_devices = o->net_devices;
     char msg[256];
     if (pd_net_create(&n->net, &c, msg, sizeof(msg))) die("create", msg);
@@ -271,7 +273,8 @@ static void usage(void) {
             "tiny,small]\n"
             "            [--transports shm,tcp] [--net-devices lo] [--spin-us N]\n"
             "            [--memory own|heap|own,heap] [--no-perftest]\n"
-            "            [--notice-data BYTES (< 0: none)] [--protocol 3|4]\n");
+            "            [--notice-data BYTES (< 0: none)] [--protocol 3|4]\n"
+            "            [--prefill-sched-batch]\n");
     exit(2);
 }
 
@@ -468,6 +471,8 @@ static void parse_args(int argc, char **argv, opts *o) {
             o->perftest = false;
         } else if (!strcmp(a, "--notice-data") && v) {
             o->notice_data_max = atoi(v), i++;
+        } else if (!strcmp(a, "--prefill-sched-batch")) {
+            o->prefill_batch = true;
         } else if (!strcmp(a, "--protocol") && v) {
             o->protocol = (uint16_t)atoi(v), i++;
         } else if (!strcmp(a, "--spin-us") && v) {

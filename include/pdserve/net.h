@@ -78,6 +78,16 @@ typedef struct pd_net_config {
      * is a transport's own (shared memory, RDMA); > 0: this bound, to every
      * peer; < 0: never. */
     int32_t notice_data_max;
+    /* Run the progress thread under Linux's SCHED_BATCH: the wake-ups the
+     * network causes (a DEST arriving on a prefill node) then never preempt
+     * the thread that is running, typically the engine's; the thread still
+     * gets a free core at once, or its share at the next scheduling tick.
+     * Off by default: measured on the co-located benchmark only
+     * (docs/bootstrap-protocol.md, "A small room's bytes in its notice"),
+     * where a prefill with it on cut the shared-memory fixed cost from 19-28
+     * to 13-14 us; on a node whose cores are all busy computing it may delay
+     * the progress thread's puts by up to a tick. Ignored elsewhere. */
+    bool progress_sched_batch;
     /* Optional log sink for connection-level events (peer lost, message
      * refused); called from the progress thread. NULL = silent. */
     void (*log)(void *log_ctx, const char *line);

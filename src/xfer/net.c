@@ -537,8 +537,21 @@ static void poll_seen(pd_net *n, nfds_t nf, nfds_t first_peer) {
     }
 }
 
+/* pd_net_config.progress_sched_batch, on the calling thread (Linux). */
+static void progress_sched_batch(pd_net *n) {
+#if defined(__linux__)
+    enum { LINUX_SCHED_BATCH = 3 }; /* sched.h names it only under _GNU_SOURCE */
+    struct sched_param sp = {.sched_priority = 0};
+    int rc = pthread_setschedparam(pthread_self(), LINUX_SCHED_BATCH, &sp);
+    if (rc != 0) net_log(n, "pd_net: progress thread: SCHED_BATCH refused: %s", strerror(rc));
+#else
+    net_log(n, "pd_net: progress_sched_batch: not on this system");
+#endif
+}
+
 static void *progress_main(void *arg) {
     pd_net *n = arg;
+    if (n->cfg.progress_sched_batch) progress_sched_batch(n);
     net_lock(n);
     while (!n->stopping) {
         if (n->faults[PD_NET_FAULT_PARK_PROGRESS]) {

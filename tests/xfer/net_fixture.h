@@ -61,6 +61,7 @@ typedef struct pair_opts {
     bool heap;               /* the nodes' memory from the heap, not from their transports */
     int32_t notice_data_max; /* prefill's (0: its default; < 0: every room as puts) */
     uint16_t prefill_protocol, decode_protocol; /* 0: the newest; 3: a version-3 node */
+    bool sched_batch;                           /* both nodes' progress_sched_batch */
 } pair_opts;
 
 typedef struct pair {
@@ -147,6 +148,7 @@ static inline pd_net_config node_config(const pair_opts *o, pd_net_role role) {
     c.drain_grace_ms = o->drain_grace_ms;
     c.notice_data_max = o->notice_data_max;
     c.protocol_version = role == PD_NET_PREFILL ? o->prefill_protocol : o->decode_protocol;
+    c.progress_sched_batch = o->sched_batch;
     c.token = role == PD_NET_PREFILL ? o->token : (o->decode_token ? o->decode_token : o->token);
     if (getenv("PD_NET_TEST_LOG")) {
         c.log = test_log;

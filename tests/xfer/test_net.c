@@ -4,6 +4,7 @@
  * the bytes in the decode node's memory, the statuses both engines see,
  * and drained() — never true while a write may still land, always true
  * eventually. */
+#include <dirent.h>
 #include <pthread.h>
 #include <sched.h>
 #include <stdatomic.h>
@@ -987,6 +988,57 @@ static void default_notice_data_only_where_puts_are_emulated(void **state) {
     pair_free(w);
 }
 
+/* Threads of this process whose scheduling policy is Linux's SCHED_BATCH
+ * (3; field 41 of /proc/self/task/N/stat). */
+static int threads_in_sched_batch(void) {
+    DIR *d = opendir("/proc/self/task");
+    assert_non_null(d);
+    int k = 0;
+    for (struct dirent *e; (e = readdir(d));) {
+        if (e->d_name[0] == '.') continue;
+        char path[300], line[1024];
+        snprintf(path, sizeof(path), "/proc/self/task/%s/stat", e->d_name);
+        FILE *f = fopen(path, "r");
+        if (!f) continue; /* the thread ended meanwhile */
+        size_t len = fread(line, 1, sizeof(line) - 1, f);
+        fclose(f);
+        line[len] = 0;
+        const char *at = strrchr(line, ')'); /* the name may hold spaces */
+        int field = 2;
+        for (; at && field < 41; field++) at = strchr(at + 1, ' ');
+        k += at && atoi(at + 1) == 3;
+    }
+    closedir(d);
+    return k;
+}
+
+/* progress_sched_batch: each node's progress thread runs under SCHED_BATCH,
+ * and rooms move as before, in the notice and as puts. */
+static void progress_threads_in_sched_batch_still_move_rooms(void **state) {
+    (void)state;
+    int before = threads_in_sched_batch();
+    pair_opts o = pair_defaults();
+    o.sched_batch = true;
+    o.notice_data_max = 4096;
+    pair *w = pair_new(&o);
+    WAIT_FOR(threads_in_sched_batch() == before + 2);
+    for (uint64_t k = 0; k < 2; k++) {
+        spec s;
+        spec_init(&s, w, 1950 + k, k ? 40 : 4, 0); /* 1 page in the notice, then 10 as puts */
+        for (uint32_t i = 0; i < s.n; i++) s.src[i] = i, s.dst[i] = 60 + i;
+        open_both(w, &s);
+        wait_bootstrapped(w, &s);
+        send_all(w, &s, 0);
+        WAIT_FOR(st_of(w->dx, s.room) == PD_XFER_SUCCESS);
+        check_landed(w, &s);
+        finish_both(w, &s);
+    }
+    assert_int_equal(stats_of(w->pre).notices_with_data, 1);
+    assert_int_equal(stats_of(w->pre).writes_posted, 3);
+    wait_no_rooms(w);
+    pair_free(w);
+}
+
 /* Protocol version 4 with a version-3 node on either side: the handshake
  * settles on version 3 (a version-3 prefill refuses the decode's version-4
  * AUTH, and the decode connects again in version 3), and rooms travel as
@@ -1368,6 +1420,7 @@ int main(void) {
         cmocka_unit_test(ack_may_overtake_an_inline_notice_which_then_writes_nothing),
         cmocka_unit_test(version_3_peers_fall_back_to_puts),
         cmocka_unit_test(default_notice_data_only_where_puts_are_emulated),
+        cmocka_unit_test(progress_threads_in_sched_batch_still_move_rooms),
         cmocka_unit_test(prefill_death_with_the_notice_in_flight),
         cmocka_unit_test(bad_calls_are_refused),
         cmocka_unit_test(create_refuses_bad_config),
