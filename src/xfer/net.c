@@ -713,8 +713,8 @@ static bool final_inline(pd_net *n, room *rm, uint32_t pages) {
  * (tcp: three puts were three send()s and three acknowledgements, 30-40 us;
  * the notice is one send()): where a put is one copy into the peer's
  * segment (shared memory), it is cheaper than the notice's copies through
- * UCX's buffers (bench/xfer, one-page room: send_final 0.9 us with puts,
- * 3.7 in the notice). A notice_data_max set in the config applies to every
+ * UCX's buffers (bench/xfer, shm hand-offs of 28-60 KiB: 3-5 us as puts,
+ * 8-42 in the notice). A notice_data_max set in the config applies to every
  * peer. */
 static bool final_in_notice(pd_net *n, const room *rm, uint32_t runs, uint32_t pages,
                             uint32_t mamba_slot) {
