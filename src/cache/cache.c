@@ -722,6 +722,37 @@ uint64_t pd_cache_clock(const pd_cache *c) { return c->clock; }
 
 /* ---- match ---------------------------------------------------------------- */
 
+/* The match's walk down a chain of one-page device nodes, each its parent's
+ * hot child (a system prompt split wherever prompts ended inside it: most of
+ * a match's nodes, issue 13). Such a node is matched whole by the compare of
+ * its one page; the walk records its device page and snapshot as the general
+ * step would and stops, leaving *node and the returned position where it
+ * got to, at the first node that is not one (another child, several pages,
+ * host only, a page that differs), which the general step then takes. Only
+ * called while every node from the root to *node is on device (so are the
+ * chain's, C1). */
+static uint32_t match_chain(pd_cache *c, const int32_t *tokens, uint32_t q_pages, uint32_t *pages,
+                            uint32_t pos, uint32_t *node, pd_cache_match_result *m) {
+    uint32_t at = *node;
+    const int32_t *q = tokens + (size_t)pos * c->page_size;
+    for (; pos < q_pages; pos++, q += c->page_size) {
+        uint32_t hot = N(c, at)->hot_child;
+        if (hot == PD_NONE) break;
+        const cnode *ch = N(c, hot);
+        if (ch->n_pages != 1 || !ch->on_dev || !page_eq(c, ch->first_ent, q)) break;
+        pages[pos] = c->ent_dev[ch->first_ent];
+        if (ch->mamba_slot != PD_NONE) {
+            m->mamba_node = hot;
+            m->mamba_slot = ch->mamba_slot;
+            m->mamba_tokens = ch->end_pages * c->page_size;
+        }
+        at = hot;
+    }
+    if (at != *node) m->dev_node = at;
+    *node = at;
+    return pos;
+}
+
 pd_err pd_cache_match(pd_cache *c, const int32_t *tokens, uint32_t n_tokens,
                       uint32_t *pages, uint32_t pages_cap, pd_cache_match_result *out) {
     if (!c || !out || (n_tokens > 0 && !tokens)) return PD_ERR_INVALID;
@@ -735,6 +766,10 @@ pd_err pd_cache_match(pd_cache *c, const int32_t *tokens, uint32_t n_tokens,
     };
     uint32_t node = PD_CNODE_ROOT, pos = 0, dev_pages = 0;
     while (pos < q_pages) {
+        if (pos == dev_pages) { /* all on device so far: the chain may go on */
+            pos = dev_pages = match_chain(c, tokens, q_pages, pages, pos, &node, &m);
+            if (pos >= q_pages) break;
+        }
         const int32_t *q = tokens + (size_t)pos * c->page_size;
         uint64_t h;
         uint32_t child = child_find(c, node, q, &h);
