@@ -731,26 +731,37 @@ uint64_t pd_cache_clock(const pd_cache *c) { return c->clock; }
  * host only, a page that differs), which the general step then takes. Only
  * called while every node from the root to *node is on device (so are the
  * chain's, C1). */
-static uint32_t match_chain(pd_cache *c, const int32_t *tokens, uint32_t q_pages, uint32_t *pages,
-                            uint32_t pos, uint32_t *node, pd_cache_match_result *m) {
+static inline uint32_t match_chain_ps(pd_cache *c, const int32_t *tokens, uint32_t q_pages,
+                                      uint32_t *pages, uint32_t pos, uint32_t *node,
+                                      pd_cache_match_result *m, uint32_t ps) {
     uint32_t at = *node;
-    const int32_t *q = tokens + (size_t)pos * c->page_size;
-    for (; pos < q_pages; pos++, q += c->page_size) {
-        uint32_t hot = N(c, at)->hot_child;
+    const cnode *cur = N(c, at);
+    const int32_t *q = tokens + (size_t)pos * ps;
+    for (; pos < q_pages; pos++, q += ps) {
+        uint32_t hot = cur->hot_child;
         if (hot == PD_NONE) break;
         const cnode *ch = N(c, hot);
-        if (ch->n_pages != 1 || !ch->on_dev || !page_eq(c, ch->first_ent, q)) break;
+        if (ch->n_pages != 1 || !ch->on_dev || !tokens_eq(ent_tok(c, ch->first_ent), q, ps)) break;
         pages[pos] = c->ent_dev[ch->first_ent];
         if (ch->mamba_slot != PD_NONE) {
             m->mamba_node = hot;
             m->mamba_slot = ch->mamba_slot;
-            m->mamba_tokens = ch->end_pages * c->page_size;
+            m->mamba_tokens = ch->end_pages * ps;
         }
         at = hot;
+        cur = ch; /* its hot child is the next step's: one bounds check a node */
     }
     if (at != *node) m->dev_node = at;
     *node = at;
     return pos;
+}
+
+/* match_chain_ps with the page size a constant when it is the usual 16
+ * tokens (the compare and the steps through tokens then take no variable). */
+static uint32_t match_chain(pd_cache *c, const int32_t *tokens, uint32_t q_pages, uint32_t *pages,
+                            uint32_t pos, uint32_t *node, pd_cache_match_result *m) {
+    if (c->page_size == 16) return match_chain_ps(c, tokens, q_pages, pages, pos, node, m, 16);
+    return match_chain_ps(c, tokens, q_pages, pages, pos, node, m, c->page_size);
 }
 
 pd_err pd_cache_match(pd_cache *c, const int32_t *tokens, uint32_t n_tokens,
