@@ -308,8 +308,9 @@ static void list_insert_after(pd_cache *c, int l, uint32_t after, uint32_t id) {
 
 /* Moves node id to the tail of list l (it is in it) with the current stamp:
  * what list_remove then list_push_tail do, in one relinking (the walks up a
- * path move every node on it, issue 13). */
-static void list_to_tail(pd_cache *c, int l, uint32_t id) {
+ * path move every node on it, issue 13). Inline into those walks: about
+ * 150 calls a step pair at 256 live, each paying a call's overhead before. */
+static inline void list_to_tail(pd_cache *c, int l, uint32_t id) {
     pd_list *ls = &c->lists[l];
     cnode *n = N(c, id);
     PD_ASSERT(n->in_list[l]);
