@@ -476,8 +476,12 @@ static uint32_t entry_alloc(pd_cache *c, const int32_t *tokens) {
     c->ent_free = c->ent_next[e];
     c->ent_next[e] = PD_NONE;
     c->ent_dev[e] = c->ent_host[e] = PD_NONE;
-    memcpy(c->ent_tokens + (size_t)e * c->page_size, tokens,
-           c->page_size * sizeof(int32_t));
+    int32_t *dst = c->ent_tokens + (size_t)e * c->page_size;
+    /* The usual 16-token page as a copy of constant size, which the
+     * compiler inlines (four 16-byte moves) instead of calling memcpy: an
+     * insert copies every new page (issue 13). */
+    if (c->page_size == 16) memcpy(dst, tokens, 16 * sizeof(int32_t));
+    else memcpy(dst, tokens, c->page_size * sizeof(int32_t));
     c->ents_live++;
     return e;
 }
