@@ -308,8 +308,9 @@ static void list_insert_after(pd_cache *c, int l, uint32_t after, uint32_t id) {
 
 /* Moves node id to the tail of list l (it is in it) with the current stamp:
  * what list_remove then list_push_tail do, in one relinking (the walks up a
- * path move every node on it, issue 13). */
-static void list_to_tail(pd_cache *c, int l, uint32_t id) {
+ * path move every node on it, issue 13). Inline into those walks: about
+ * 150 calls a step pair at 256 live, each paying a call's overhead before. */
+static inline void list_to_tail(pd_cache *c, int l, uint32_t id) {
     pd_list *ls = &c->lists[l];
     cnode *n = N(c, id);
     PD_ASSERT(n->in_list[l]);
@@ -475,8 +476,12 @@ static uint32_t entry_alloc(pd_cache *c, const int32_t *tokens) {
     c->ent_free = c->ent_next[e];
     c->ent_next[e] = PD_NONE;
     c->ent_dev[e] = c->ent_host[e] = PD_NONE;
-    memcpy(c->ent_tokens + (size_t)e * c->page_size, tokens,
-           c->page_size * sizeof(int32_t));
+    int32_t *dst = c->ent_tokens + (size_t)e * c->page_size;
+    /* The usual 16-token page as a copy of constant size, which the
+     * compiler inlines (four 16-byte moves) instead of calling memcpy: an
+     * insert copies every new page (issue 13). */
+    if (c->page_size == 16) memcpy(dst, tokens, 16 * sizeof(int32_t));
+    else memcpy(dst, tokens, c->page_size * sizeof(int32_t));
     c->ents_live++;
     return e;
 }
@@ -722,6 +727,48 @@ uint64_t pd_cache_clock(const pd_cache *c) { return c->clock; }
 
 /* ---- match ---------------------------------------------------------------- */
 
+/* The match's walk down a chain of one-page device nodes, each its parent's
+ * hot child (a system prompt split wherever prompts ended inside it: most of
+ * a match's nodes, issue 13). Such a node is matched whole by the compare of
+ * its one page; the walk records its device page and snapshot as the general
+ * step would and stops, leaving *node and the returned position where it
+ * got to, at the first node that is not one (another child, several pages,
+ * host only, a page that differs), which the general step then takes. Only
+ * called while every node from the root to *node is on device (so are the
+ * chain's, C1). */
+static inline uint32_t match_chain_ps(pd_cache *c, const int32_t *tokens, uint32_t q_pages,
+                                      uint32_t *pages, uint32_t pos, uint32_t *node,
+                                      pd_cache_match_result *m, uint32_t ps) {
+    uint32_t at = *node;
+    const cnode *cur = N(c, at);
+    const int32_t *q = tokens + (size_t)pos * ps;
+    for (; pos < q_pages; pos++, q += ps) {
+        uint32_t hot = cur->hot_child;
+        if (hot == PD_NONE) break;
+        const cnode *ch = N(c, hot);
+        if (ch->n_pages != 1 || !ch->on_dev || !tokens_eq(ent_tok(c, ch->first_ent), q, ps)) break;
+        pages[pos] = c->ent_dev[ch->first_ent];
+        if (ch->mamba_slot != PD_NONE) {
+            m->mamba_node = hot;
+            m->mamba_slot = ch->mamba_slot;
+            m->mamba_tokens = ch->end_pages * ps;
+        }
+        at = hot;
+        cur = ch; /* its hot child is the next step's: one bounds check a node */
+    }
+    if (at != *node) m->dev_node = at;
+    *node = at;
+    return pos;
+}
+
+/* match_chain_ps with the page size a constant when it is the usual 16
+ * tokens (the compare and the steps through tokens then take no variable). */
+static uint32_t match_chain(pd_cache *c, const int32_t *tokens, uint32_t q_pages, uint32_t *pages,
+                            uint32_t pos, uint32_t *node, pd_cache_match_result *m) {
+    if (c->page_size == 16) return match_chain_ps(c, tokens, q_pages, pages, pos, node, m, 16);
+    return match_chain_ps(c, tokens, q_pages, pages, pos, node, m, c->page_size);
+}
+
 pd_err pd_cache_match(pd_cache *c, const int32_t *tokens, uint32_t n_tokens,
                       uint32_t *pages, uint32_t pages_cap, pd_cache_match_result *out) {
     if (!c || !out || (n_tokens > 0 && !tokens)) return PD_ERR_INVALID;
@@ -735,6 +782,10 @@ pd_err pd_cache_match(pd_cache *c, const int32_t *tokens, uint32_t n_tokens,
     };
     uint32_t node = PD_CNODE_ROOT, pos = 0, dev_pages = 0;
     while (pos < q_pages) {
+        if (pos == dev_pages) { /* all on device so far: the chain may go on */
+            pos = dev_pages = match_chain(c, tokens, q_pages, pages, pos, &node, &m);
+            if (pos >= q_pages) break;
+        }
         const int32_t *q = tokens + (size_t)pos * c->page_size;
         uint64_t h;
         uint32_t child = child_find(c, node, q, &h);

@@ -210,8 +210,33 @@ static inline pd_err transition(pd_ledger *l, lpool *lp, const uint32_t *idx, ui
     return PD_OK;
 }
 
-pd_err pd_ledger_alloc(pd_ledger *l, int pool_id, uint32_t n, pd_owner owner,
-                       uint32_t *out) {
+/* The counting ledger's one-unit transition of unit u (a row, a slot, a
+ * page: most calls): transition's check, write and counter moves without
+ * its loop. False, with nothing changed, when u is not in state from; the
+ * caller then runs transition itself for the refusal and its message. */
+static inline bool transition_one(lpool *lp, uint32_t u, pd_unit_state from, pd_unit_state to) {
+    if (u >= lp->total || lp->state[u] != (uint8_t)from) return false;
+    PD_ASSERT(lp->count[from] > 0);
+    lp->state[u] = (uint8_t)to;
+    lp->count[from]--;
+    lp->count[to]++;
+    return true;
+}
+
+pd_err pd_ledger_alloc(pd_ledger *l, int pool_id, uint32_t n, pd_owner owner, uint32_t *out) {
+    if (n == 1 && !l->strict) {
+        /* FREE -> REQ of one unit: the pool's single-unit path and
+         * transition_one; anything unusual goes the general way. */
+        lpool *lp = get_pool(l, pool_id);
+        if (pd_pool_alloc(lp->pool, out) != PD_OK)
+            return pd_ledger_alloc_as(l, pool_id, n, PD_UNIT_REQ, owner, out);
+        if (transition_one(lp, *out, PD_UNIT_FREE, PD_UNIT_REQ)) return PD_OK;
+        /* The two sources disagree, as in pd_ledger_alloc_as: the message,
+         * the pool's unit back. */
+        (void)transition(l, lp, out, 1, PD_UNIT_FREE, PD_OWNER_NONE, PD_UNIT_REQ, owner, "alloc");
+        PD_MUST(pd_pool_free(lp->pool, *out));
+        return PD_ERR_INTERNAL;
+    }
     return pd_ledger_alloc_as(l, pool_id, n, PD_UNIT_REQ, owner, out);
 }
 
@@ -242,12 +267,32 @@ pd_err pd_ledger_alloc_as(pd_ledger *l, int pool_id, uint32_t n,
     return PD_OK;
 }
 
-pd_err pd_ledger_free(pd_ledger *l, int pool_id, const uint32_t *idx,
-                      uint32_t n, pd_unit_state from, pd_owner from_owner) {
+/* The pool refused units the ledger had as `from` (err): they go back to
+ * that state and the call fails as an internal disagreement. */
+static pd_err free_refused(pd_ledger *l, lpool *lp, const uint32_t *idx, uint32_t n,
+                           pd_unit_state from, pd_owner from_owner, pd_err err) {
+    for (uint32_t i = 0; i < n; i++) set_unit(lp, l->strict, idx[i], from, from_owner);
+    snprintf(l->err, sizeof(l->err),
+             "free: pool %s refused the units (%s) although the ledger "
+             "had them as %s",
+             pd_pool_name(lp->pool), pd_err_name(err), pd_unit_state_name(from));
+    return PD_ERR_INTERNAL;
+}
+
+pd_err pd_ledger_free(pd_ledger *l, int pool_id, const uint32_t *idx, uint32_t n,
+                      pd_unit_state from, pd_owner from_owner) {
     lpool *lp = get_pool(l, pool_id);
+    bool from_ok = from == PD_UNIT_REQ || from == PD_UNIT_CACHE_EVICTABLE ||
+        from == PD_UNIT_QUARANTINE;
+    if (n == 1 && from_ok && !l->strict && transition_one(lp, idx[0], from, PD_UNIT_FREE)) {
+        /* One unit (a row, a slot, a page: most calls): transition_one and
+         * the pool's single-unit path, which leaves the pool as free_n
+         * would; a unit not in state `from` goes the general way. */
+        pd_err err = pd_pool_free(lp->pool, idx[0]);
+        return err == PD_OK ? PD_OK : free_refused(l, lp, idx, 1, from, from_owner, err);
+    }
     if (n == 0) return PD_OK;
-    if (from != PD_UNIT_REQ && from != PD_UNIT_CACHE_EVICTABLE &&
-        from != PD_UNIT_QUARANTINE) {
+    if (!from_ok) {
         snprintf(l->err, sizeof(l->err), "free: pool %s: cannot free from %s",
                  pd_pool_name(lp->pool), pd_unit_state_name(from));
         return PD_ERR_STATE;
@@ -258,17 +303,7 @@ pd_err pd_ledger_free(pd_ledger *l, int pool_id, const uint32_t *idx,
     /* One unit (a row, a slot, a page: most calls) takes the pool's
      * single-unit path, which leaves the pool as free_n would. */
     err = n == 1 ? pd_pool_free(lp->pool, idx[0]) : pd_pool_free_n(lp->pool, idx, n);
-    if (err != PD_OK) {
-        for (uint32_t i = 0; i < n; i++)
-            set_unit(lp, l->strict, idx[i], from, from_owner);
-        snprintf(l->err, sizeof(l->err),
-                 "free: pool %s refused the units (%s) although the ledger "
-                 "had them as %s",
-                 pd_pool_name(lp->pool), pd_err_name(err),
-                 pd_unit_state_name(from));
-        return PD_ERR_INTERNAL;
-    }
-    return PD_OK;
+    return err == PD_OK ? PD_OK : free_refused(l, lp, idx, n, from, from_owner, err);
 }
 
 pd_err pd_ledger_move(pd_ledger *l, int pool_id, const uint32_t *idx,

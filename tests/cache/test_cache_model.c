@@ -700,6 +700,9 @@ static void random_operations_agree_with_the_reference_model(void **state) {
         {1, 24, 0, 0, false},  {1, 40, 6, 0, false},  {2, 32, 0, 24, true},
         {4, 20, 4, 16, true},  {2, 48, 8, 32, true},  {1, 16, 3, 12, true},
         {3, 30, 5, 20, false}, {4, 64, 8, 8, true},
+        /* The usual 16-token page: the match's chain walk and the inserts'
+         * page copy take their constant-size paths. */
+        {16, 24, 4, 8, true},
     };
     const char *ops_env = getenv("PD_CACHE_MODEL_OPS");
     uint64_t per = ops_env ? strtoull(ops_env, NULL, 0) : 13000;

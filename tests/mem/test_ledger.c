@@ -383,6 +383,70 @@ static void one_unit_frees_leave_the_pool_as_array_frees_do(void **state) {
     pd_pool_destroy(twin);
 }
 
+/* The counting ledger's one-unit allocs and frees take a short path
+ * (transition_one); the strict ledger's go the general way. The same random
+ * one-unit calls on both, refusals included (a unit freed from a state it is
+ * not in, an empty pool): the same results, units, states and counters, and
+ * both pass the deep check (L1 recounts the state bytes, L3 the bitmap). */
+static void counting_one_unit_calls_match_the_strict_ledger(void **state) {
+    (void)state;
+    enum { UNITS = 6, OPS = 3000 };
+    fixture *fc = fx_new(false), *fs = fx_new(true);
+    static const pd_unit_state held_as[] = {PD_UNIT_REQ, PD_UNIT_CACHE_EVICTABLE,
+                                            PD_UNIT_QUARANTINE};
+    pd_unit_state st[UNITS];
+    for (int i = 0; i < UNITS; i++) st[i] = PD_UNIT_FREE;
+    pd_rng rng;
+    pd_rng_seed(&rng, test_seed(14));
+    for (int op = 0; op < OPS; op++) {
+        uint32_t u = (uint32_t)pd_rng_below(&rng, UNITS), got_c = PD_NONE, got_s = PD_NONE;
+        pd_unit_state from = held_as[pd_rng_below(&rng, 3)];
+        pd_owner who = from == PD_UNIT_REQ ? 7 : from == PD_UNIT_QUARANTINE ? 9 : PD_OWNER_CACHE;
+        pd_err ec, es;
+        switch (pd_rng_below(&rng, 3)) {
+        case 0: /* alloc: NOMEM once the 6 units are out */
+            ec = pd_ledger_alloc(fc->l, fc->mamba_id, 1, 7, &got_c);
+            es = pd_ledger_alloc(fs->l, fs->mamba_id, 1, 7, &got_s);
+            assert_int_equal(ec, es);
+            if (ec == PD_OK) {
+                assert_int_equal(got_c, got_s);
+                st[got_c] = PD_UNIT_REQ;
+            }
+            break;
+        case 1: /* a held unit to another state, so that frees from each occur */
+            if (st[u] != PD_UNIT_REQ || from == PD_UNIT_REQ) break;
+            assert_ok(pd_ledger_move(fc->l, fc->mamba_id, &u, 1, PD_UNIT_REQ, 7, from, who));
+            assert_ok(pd_ledger_move(fs->l, fs->mamba_id, &u, 1, PD_UNIT_REQ, 7, from, who));
+            st[u] = from;
+            break;
+        default: /* free from a random state: refused unless the unit is in it */
+            ec = pd_ledger_free(fc->l, fc->mamba_id, &u, 1, from, who);
+            es = pd_ledger_free(fs->l, fs->mamba_id, &u, 1, from, who);
+            assert_int_equal(ec, es);
+            assert_int_equal(ec, st[u] == from ? PD_OK : PD_ERR_STATE);
+            if (ec == PD_OK) st[u] = PD_UNIT_FREE;
+        }
+        for (uint32_t i = 0; i < UNITS; i++) {
+            assert_int_equal(pd_ledger_state_of(fc->l, fc->mamba_id, i), st[i]);
+            assert_int_equal(pd_ledger_state_of(fs->l, fs->mamba_id, i), st[i]);
+        }
+        for (int s = 0; s < PD_UNIT_STATE__COUNT; s++)
+            assert_int_equal(pd_ledger_count(fc->l, fc->mamba_id, (pd_unit_state)s),
+                             pd_ledger_count(fs->l, fs->mamba_id, (pd_unit_state)s));
+        assert_int_equal(pd_pool_free_count(fc->mamba), pd_pool_free_count(fs->mamba));
+        /* The deep check, the model's evictable units as the cache's sums. */
+        pd_cache_sums sums;
+        memset(&sums, 0, sizeof(sums));
+        for (uint32_t i = 0; i < UNITS; i++)
+            sums.evictable[fc->mamba_id] += st[i] == PD_UNIT_CACHE_EVICTABLE;
+        char buf[4096];
+        if (check(fc, &sums, false, buf, sizeof(buf)) != PD_OK) fail_msg("counting: %s", buf);
+        if (check(fs, &sums, false, buf, sizeof(buf)) != PD_OK) fail_msg("strict: %s", buf);
+    }
+    fx_free(fc);
+    fx_free(fs);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(add_pool_refuses_duplicates_and_used_pools),
@@ -401,6 +465,7 @@ int main(void) {
         cmocka_unit_test(json_report_parses_and_groups_by_owner),
         cmocka_unit_test(non_strict_report_says_owners_unknown),
         cmocka_unit_test(one_unit_frees_leave_the_pool_as_array_frees_do),
+        cmocka_unit_test(counting_one_unit_calls_match_the_strict_ledger),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
