@@ -172,6 +172,11 @@ typedef struct peer {
     uint32_t runits[REG_N];
 } peer;
 
+/* pd_net_config.progress_sched_batch, resolved: the progress thread never
+ * under SCHED_BATCH, only while it sleeps with nothing handed to it, or
+ * always. */
+typedef enum sched_mode { SCHED_MODE_NEVER, SCHED_MODE_IDLE, SCHED_MODE_ALWAYS } sched_mode;
+
 struct pd_net {
     pd_net_config cfg;
     uint16_t proto;          /* the newest protocol version this node speaks (config) */
@@ -198,6 +203,11 @@ struct pd_net {
     uint64_t last_event_ns; /* the worker last reported progress, or a reply became due */
     bool spinning;          /* the progress thread's next poll does not sleep: it sees
                                dirty rooms without a wake-up through the pipe */
+    /* The progress thread's scheduling policy (net.c, sched_set) */
+    sched_mode sched_mode;
+    bool sched_started;   /* sched_self is set */
+    bool sched_batch_now; /* it is under SCHED_BATCH */
+    pthread_t sched_self;
     /* registered memory */
     bool registered;
     uint8_t *base[REG_N];
