@@ -81,8 +81,8 @@ typedef struct pd_net_config {
     /* The progress thread under Linux's SCHED_BATCH, whose wake-ups never
      * preempt the thread that is running (it takes a free core at once, or
      * its turn at the next scheduling tick). Default (0): a prefill node's
-     * thread sleeps under SCHED_BATCH while nothing is handed to it that
-     * only it will do, so that a DEST arriving (which the prefill's engine,
+     * thread sleeps under SCHED_BATCH once nothing was handed to it that
+     * only it will do for a millisecond, so that a DEST arriving (which the prefill's engine,
      * polling status(), takes in itself) does not preempt the engine; a put
      * too large for the engine's thread, or an abort's notice, puts it back
      * under SCHED_OTHER before it is woken, so that work's wake-up preempts
@@ -164,8 +164,9 @@ typedef struct pd_net_stats {
      * (prefill), or checked and copied into the room's pages (decode). */
     uint64_t notices_with_data;
     /* Changes of the progress thread's scheduling policy (progress_sched_batch):
-     * by default two per room whose puts it posts, none for one the engine's
-     * calls carry. */
+     * by default at most two per room whose puts it posts (none while such
+     * rooms follow each other within a millisecond), none for a room the
+     * engine's calls carry. */
     uint64_t progress_sched_switches;
 } pd_net_stats;
 void pd_net_stats_get(pd_net *n, pd_net_stats *out);

@@ -35,6 +35,9 @@
 #define POLL_BUSY_MS 1  /* while UCX requests are outstanding */
 #define POLL_RECV_MS 10 /* decode, while a prefill peer is connected */
 #define ORPHAN_SCAN_MS 250
+/* The progress thread goes under SCHED_BATCH only after this long without
+ * work (net.c, sched_before_sleep). */
+#define SCHED_LINGER_NS 1000000u
 #define FINAL_INLINE_BYTES (64u << 10) /* a final send this small may post inline */
 /* A room handed off in one final send of at most this many bytes travels in
  * its completion notice (version 4, net_ucx.c send_notice_data) to a peer
@@ -208,6 +211,7 @@ struct pd_net {
     bool sched_started;   /* sched_self is set */
     bool sched_batch_now; /* it is under SCHED_BATCH */
     pthread_t sched_self;
+    uint64_t sched_busy_ns; /* it was last handed work, or owed some (SCHED_LINGER_NS) */
     /* registered memory */
     bool registered;
     uint8_t *base[REG_N];
