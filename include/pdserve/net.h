@@ -82,7 +82,7 @@ typedef struct pd_net_config {
      * preempt the thread that is running (it takes a free core at once, or
      * its turn at the next scheduling tick). Default (0): a prefill node's
      * thread sleeps under SCHED_BATCH once nothing was handed to it that
-     * only it will do for a millisecond, so that a DEST arriving (which the prefill's engine,
+     * only it will do for 0.2 ms, so that a DEST arriving (which the prefill's engine,
      * polling status(), takes in itself) does not preempt the engine; a put
      * too large for the engine's thread, or an abort's notice, puts it back
      * under SCHED_OTHER before it is woken, so that work's wake-up preempts
@@ -165,7 +165,7 @@ typedef struct pd_net_stats {
     uint64_t notices_with_data;
     /* Changes of the progress thread's scheduling policy (progress_sched_batch):
      * by default at most two per room whose puts it posts (none while such
-     * rooms follow each other within a millisecond), none for a room the
+     * rooms follow each other within 0.2 ms), none for a room the
      * engine's calls carry. */
     uint64_t progress_sched_switches;
 } pd_net_stats;

@@ -18,7 +18,10 @@
  * wakes the progress thread through a pipe: it never waits on the network.
  * The progress thread holds the mutex while it works and releases it only
  * around poll(). UCX completion callbacks run inside ucp_worker_progress on
- * the progress thread, so they too run under the mutex.
+ * the progress thread, so they too run under the mutex. A prefill's progress
+ * thread sleeps under SCHED_BATCH while it has had nothing of its own to do
+ * for 0.2 ms, so that its wake-ups do not preempt the engine (see
+ * sched_set).
  *
  * Rooms. The room core's table of rooms_max rooms, allocated at creation.
  * On the prefill side a room exists from the first of sender_open() or the
@@ -548,7 +551,7 @@ static void poll_seen(pd_net *n, nfds_t nf, nfds_t first_peer) {
  * hands it such work (a put too large for the engine's thread, an abort's
  * notice) puts it back under SCHED_OTHER before waking it (sched_hand_over),
  * so that wake-up preempts as before; and it sleeps under SCHED_OTHER while
- * such work is outstanding, and for SCHED_LINGER_NS after. The policy
+ * such work is outstanding, and until SCHED_LINGER_NS after. The policy
  * changes only when it must: a one-page room makes no change at all. */
 enum { LINUX_SCHED_BATCH = 3 }; /* sched.h names it only under _GNU_SOURCE */
 
@@ -575,41 +578,37 @@ static void sched_set(pd_net *n, bool batch) {
     n->stats.progress_sched_switches++;
 }
 
-/* Whether the progress thread may sleep under SCHED_BATCH (mutex held, before
- * a poll() that blocks): in SCHED_MODE_IDLE only while it owes nothing that
- * the engine's thread will not do for it: no staged page run (a put beyond
- * what an engine's call posts), no UCX request outstanding (a large put over
- * tcp streams through its turns), no bootstrap bytes waiting for the socket. */
-static bool sched_sleep_batch(const pd_net *n) {
-    if (n->sched_mode != SCHED_MODE_IDLE) return n->sched_mode == SCHED_MODE_ALWAYS;
-    if (n->ucx_out > 0 || n->stages_avail < n->cfg.stages_max) return false;
+/* Whether the progress thread owes work that the engine's thread will not do
+ * for it (mutex held): a staged page run (a put beyond what an engine's call
+ * posts), a UCX request outstanding (a large put over tcp streams through
+ * its turns), bootstrap bytes waiting for the socket. */
+static bool sched_owes_work(const pd_net *n) {
+    if (n->ucx_out > 0 || n->stages_avail < n->cfg.stages_max) return true;
     for (uint32_t pi = 0; pi < n->cfg.peers_max; pi++)
-        if (n->peers[pi].state != PS_FREE && n->peers[pi].tx_off < n->peers[pi].tx_len)
-            return false;
-    return true;
+        if (n->peers[pi].state != PS_FREE && n->peers[pi].tx_off < n->peers[pi].tx_len) return true;
+    return false;
 }
 
-/* Before a poll() that may block for timeout ms (mutex held): the policy the
- * progress thread sleeps under, and the timeout. A switch costs a system
- * call of 1.5-3 us; made as soon as the thread ran out of work, it sat on
- * the critical path of the room whose put it had just posted (the engine's
- * thread waiting for this core): 0.5 MiB hand-offs over shm took 35 us
- * instead of 27-31 (bench/xfer, alternated). So after work it lingers under
- * SCHED_OTHER, and switches only once SCHED_LINGER_NS passed without any:
- * the switch then costs a thread that nobody waits for, and rooms whose
- * puts follow each other closer than that make none. */
-static int sched_before_sleep(pd_net *n, int timeout) {
-    bool batch = sched_sleep_batch(n);
-    uint64_t t = now_ns();
-    if (!batch) {
-        n->sched_busy_ns = t;
-    } else if (n->sched_mode == SCHED_MODE_IDLE && !n->sched_batch_now &&
-               t - n->sched_busy_ns < SCHED_LINGER_NS) {
-        return PD_MIN(timeout,
-                      (int)PD_DIV_CEIL(SCHED_LINGER_NS - (t - n->sched_busy_ns), 1000000u));
+/* Before a poll() that blocks (mutex held): the policy the progress thread
+ * sleeps under. In SCHED_MODE_IDLE, SCHED_BATCH once SCHED_LINGER_NS passed
+ * since it last had work of its own (n->sched_owed: at the start of a pass
+ * since its last sleep, or now). A switch is a system call of 1.5-3 us:
+ * made as soon as the work was done, it sat on the critical path of the
+ * room whose put the thread had just posted (the engine's thread waiting
+ * for this core), and rooms whose puts follow each other within the linger
+ * make none. (Shortening the poll() timeout to switch when the linger ends
+ * made 0.5 MiB hand-offs over shm slower even without any switch, 37 us
+ * against 25, bench/xfer alternated; so the linger ends with the first
+ * wake-up after it.) */
+static void sched_before_sleep(pd_net *n) {
+    if (n->sched_mode != SCHED_MODE_IDLE) {
+        sched_set(n, n->sched_mode == SCHED_MODE_ALWAYS);
+        return;
     }
-    sched_set(n, batch);
-    return timeout;
+    uint64_t t = now_ns();
+    if (n->sched_owed || sched_owes_work(n)) n->sched_busy_ns = t;
+    n->sched_owed = false;
+    sched_set(n, t - n->sched_busy_ns >= SCHED_LINGER_NS);
 }
 
 /* The caller hands the progress thread work that only it will do and is
@@ -633,12 +632,13 @@ static void *progress_main(void *arg) {
             continue;
         }
         uint64_t now = now_ms();
+        n->sched_owed |= n->sched_mode == SCHED_MODE_IDLE && sched_owes_work(n);
         progress_work(n, now);
         bool spinning;
         int timeout = poll_timeout(n, now, &spinning);
         if (timeout > 0 && ucp_worker_arm(n->worker) == UCS_ERR_BUSY) timeout = 0;
         n->spinning = timeout == 0;
-        if (timeout > 0) timeout = sched_before_sleep(n, timeout);
+        if (timeout > 0) sched_before_sleep(n);
         nfds_t first_peer;
         nfds_t nf = poll_set(n, &first_peer);
         net_unlock(n);
@@ -757,7 +757,7 @@ static pd_err v_send_pages(void *self, uint64_t id, uint32_t first, const uint32
     }
     if (!err) net_set_st(n, rm, PD_XFER_TRANSFERRING);
     bool kick = !err && !n->spinning;
-    if (kick) sched_hand_over(n);
+    if (!err) sched_hand_over(n); /* even to a spinning thread (v_send_final) */
     net_unlock(n);
     if (kick) net_wake(n);
     return err;
@@ -834,8 +834,10 @@ static pd_err v_send_final(void *self, uint64_t id, uint32_t first, const uint32
             net_mark_dirty(n, rm);
         }
     }
-    bool kick = !err && !final_inline(n, rm, cnt) && !n->spinning;
-    if (kick) sched_hand_over(n);
+    /* Handed over even to a spinning thread: it may be under SCHED_BATCH,
+     * woken without preempting, and still waiting for a core. */
+    bool handed = !err && !final_inline(n, rm, cnt), kick = handed && !n->spinning;
+    if (handed) sched_hand_over(n);
     net_unlock(n);
     if (kick) net_wake(n);
     return err;

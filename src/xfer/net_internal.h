@@ -36,8 +36,9 @@
 #define POLL_RECV_MS 10 /* decode, while a prefill peer is connected */
 #define ORPHAN_SCAN_MS 250
 /* The progress thread goes under SCHED_BATCH only after this long without
- * work (net.c, sched_before_sleep). */
-#define SCHED_LINGER_NS 1000000u
+ * work of its own (net.c, sched_before_sleep): longer than the gap between
+ * one large room's put and the next in a stream of them. */
+#define SCHED_LINGER_NS 200000u
 #define FINAL_INLINE_BYTES (64u << 10) /* a final send this small may post inline */
 /* A room handed off in one final send of at most this many bytes travels in
  * its completion notice (version 4, net_ucx.c send_notice_data) to a peer
@@ -212,6 +213,7 @@ struct pd_net {
     bool sched_batch_now; /* it is under SCHED_BATCH */
     pthread_t sched_self;
     uint64_t sched_busy_ns; /* it was last handed work, or owed some (SCHED_LINGER_NS) */
+    bool sched_owed;        /* it owed work at the start of a pass since it last slept */
     /* registered memory */
     bool registered;
     uint8_t *base[REG_N];
