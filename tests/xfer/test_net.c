@@ -1012,13 +1012,13 @@ static int threads_in_sched_batch(void) {
     return k;
 }
 
-/* progress_sched_batch: each node's progress thread runs under SCHED_BATCH,
+/* progress_sched_batch > 0: each node's progress thread runs under SCHED_BATCH,
  * and rooms move as before, in the notice and as puts. */
 static void progress_threads_in_sched_batch_still_move_rooms(void **state) {
     (void)state;
     int before = threads_in_sched_batch();
     pair_opts o = pair_defaults();
-    o.sched_batch = true;
+    o.sched_batch = 1;
     o.notice_data_max = 4096;
     pair *w = pair_new(&o);
     WAIT_FOR(threads_in_sched_batch() == before + 2);
