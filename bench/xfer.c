@@ -95,7 +95,8 @@ typedef struct opts {
     int32_t spin_us;
     int32_t notice_data_max; /* --notice-data: the prefill's notice_data_max (0: default) */
     uint16_t protocol;       /* --protocol: both nodes' protocol_version (0: newest) */
-    bool prefill_batch;      /* --prefill-sched-batch: the prefill's progress_sched_batch */
+    int8_t prefill_batch;    /* --sched-batch N: the prefill's progress_sched_batch (0: its
+                                default; --prefill-sched-batch: 1) */
     bool mem_heap, mem_own;  /* which memory the nodes use (--memory) */
     bool perftest;           /* false: --no-perftest */
 } opts;
@@ -156,7 +157,7 @@ static void node_open(node *n, pd_net_role role, const opts *o, const char *tls,
     c.spin_us = o->spin_us;
     c.notice_data_max = o->notice_data_max;
     c.protocol_version = o->protocol;
-    c.progress_sched_batch = o->prefill_batch && role == PD_NET_PREFILL;
+    c.progress_sched_batch = role == PD_NET_PREFILL ? o->prefill_batch : 0;
     if (!strcmp(tls, "tcp")) c.ucx_net_devices = o->net_devices;
     char msg[256];
     if (pd_net_create(&n->net, &c, msg, sizeof(msg))) die("create", msg);
@@ -274,7 +275,7 @@ static void usage(void) {
             "            [--transports shm,tcp] [--net-devices lo] [--spin-us N]\n"
             "            [--memory own|heap|own,heap] [--no-perftest]\n"
             "            [--notice-data BYTES (< 0: none)] [--protocol 3|4]\n"
-            "            [--prefill-sched-batch]\n");
+            "            [--prefill-sched-batch] [--sched-batch -1|0|1 (the prefill's)]\n");
     exit(2);
 }
 
@@ -421,6 +422,7 @@ typedef struct tally {
     int n_res;
     double phase[LIST_MAX][PH_N]; /* fixed cost: medians of each phase's end, ns */
     double in_notice[LIST_MAX];   /* fixed cost: share of its rooms whose bytes rode the notice */
+    double sched_sw[LIST_MAX];    /* fixed cost: the prefill's policy changes per room */
     const char *perftest;         /* path, or NULL: not found */
 } tally;
 
@@ -472,7 +474,9 @@ static void parse_args(int argc, char **argv, opts *o) {
         } else if (!strcmp(a, "--notice-data") && v) {
             o->notice_data_max = atoi(v), i++;
         } else if (!strcmp(a, "--prefill-sched-batch")) {
-            o->prefill_batch = true;
+            o->prefill_batch = 1;
+        } else if (!strcmp(a, "--sched-batch") && v) {
+            o->prefill_batch = (int8_t)PD_MAX(PD_MIN(atoi(v), 1), -1), i++;
         } else if (!strcmp(a, "--protocol") && v) {
             o->protocol = (uint16_t)atoi(v), i++;
         } else if (!strcmp(a, "--spin-us") && v) {
@@ -531,6 +535,7 @@ static void measure_fixed_cost(pair_link *l, const opts *o, int t, uint32_t *idx
     if (!landed(l, 1)) die("check", "the one-page room's bytes differ from the prefill's");
     pd_net_stats_get(l->pre.net, &s1);
     tl->in_notice[t] = (double)(s1.notices_with_data - s0.notices_with_data) / reps;
+    tl->sched_sw[t] = (double)(s1.progress_sched_switches - s0.progress_sched_switches) / reps;
     for (int k = 0; k < PH_N; k++) {
         for (int r = 0; r < reps; r++) col[r] = ph[r][k];
         tl->phase[t][k] = bench_median(col, (size_t)reps);
@@ -615,6 +620,7 @@ static void tally_median(tally *out, const tally *rounds, int n) {
         x->perftest.mean = median_of(rounds, n, base + offsetof(result, perftest.mean));
     }
     for (int t = 0; t < LIST_MAX; t++) out->in_notice[t] = rounds[0].in_notice[t];
+    for (int t = 0; t < LIST_MAX; t++) out->sched_sw[t] = rounds[0].sched_sw[t];
     for (int t = 0; t < LIST_MAX; t++)
         for (int k = 0; k < PH_N; k++)
             out->phase[t][k] =
@@ -686,7 +692,8 @@ static void print_fixed_costs(const opts *o, const tally *tl) {
         printf("  ucx-%-4s %9s  (", o->transports[t], a);
         for (int k = 0; k < PH_N; k++)
             printf("%s%s %.1f", k ? ", " : "", names[k], tl->phase[t][k] / 1e3);
-        printf(" us; bytes in the notice: %.0f%%)\n", 100 * tl->in_notice[t]);
+        printf(" us; bytes in the notice: %.0f%%; prefill policy changes per room: %.2f)\n",
+               100 * tl->in_notice[t], tl->sched_sw[t]);
     }
 }
 

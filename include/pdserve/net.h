@@ -78,16 +78,19 @@ typedef struct pd_net_config {
      * is a transport's own (shared memory, RDMA); > 0: this bound, to every
      * peer; < 0: never. */
     int32_t notice_data_max;
-    /* Run the progress thread under Linux's SCHED_BATCH: the wake-ups the
-     * network causes (a DEST arriving on a prefill node) then never preempt
-     * the thread that is running, typically the engine's; the thread still
-     * gets a free core at once, or its share at the next scheduling tick.
-     * Off by default: measured on the co-located benchmark only
-     * (docs/bootstrap-protocol.md, "A small room's bytes in its notice"),
-     * where a prefill with it on cut the shared-memory fixed cost from 19-28
-     * to 13-14 us; on a node whose cores are all busy computing it may delay
-     * the progress thread's puts by up to a tick. Ignored elsewhere. */
-    bool progress_sched_batch;
+    /* The progress thread under Linux's SCHED_BATCH, whose wake-ups never
+     * preempt the thread that is running (it takes a free core at once, or
+     * its turn at the next scheduling tick). Default (0): a prefill node's
+     * thread sleeps under SCHED_BATCH once nothing was handed to it that
+     * only it will do for 0.2 ms, so that a DEST arriving (which the prefill's engine,
+     * polling status(), takes in itself) does not preempt the engine; a put
+     * too large for the engine's thread, or an abort's notice, puts it back
+     * under SCHED_OTHER before it is woken, so that work's wake-up preempts
+     * as before (docs/bootstrap-protocol.md, "The progress thread sleeps
+     * under SCHED_BATCH"); a decode node's never. > 0: always under
+     * SCHED_BATCH, either role (its own large puts then wait for a free
+     * core). < 0: never. Ignored where the system has no SCHED_BATCH. */
+    int8_t progress_sched_batch;
     /* Optional log sink for connection-level events (peer lost, message
      * refused); called from the progress thread. NULL = silent. */
     void (*log)(void *log_ctx, const char *line);
@@ -160,6 +163,11 @@ typedef struct pd_net_stats {
     /* Completion notices that carried their room's bytes (version 4): sent
      * (prefill), or checked and copied into the room's pages (decode). */
     uint64_t notices_with_data;
+    /* Changes of the progress thread's scheduling policy (progress_sched_batch):
+     * by default at most two per room whose puts it posts (none while such
+     * rooms follow each other within 0.2 ms), none for a room the
+     * engine's calls carry. */
+    uint64_t progress_sched_switches;
 } pd_net_stats;
 void pd_net_stats_get(pd_net *n, pd_net_stats *out);
 

@@ -18,7 +18,10 @@
  * wakes the progress thread through a pipe: it never waits on the network.
  * The progress thread holds the mutex while it works and releases it only
  * around poll(). UCX completion callbacks run inside ucp_worker_progress on
- * the progress thread, so they too run under the mutex.
+ * the progress thread, so they too run under the mutex. A prefill's progress
+ * thread sleeps under SCHED_BATCH while it has had nothing of its own to do
+ * for 0.2 ms, so that its wake-ups do not preempt the engine (see
+ * sched_set).
  *
  * Rooms. The room core's table of rooms_max rooms, allocated at creation.
  * On the prefill side a room exists from the first of sender_open() or the
@@ -537,33 +540,105 @@ static void poll_seen(pd_net *n, nfds_t nf, nfds_t first_peer) {
     }
 }
 
-/* pd_net_config.progress_sched_batch, on the calling thread (Linux). */
-static void progress_sched_batch(pd_net *n) {
+/* The progress thread's scheduling policy (pd_net_config.progress_sched_batch).
+ * The kernel decides whether a thread that wakes preempts the one running
+ * from the wakee's policy at wake-up: under SCHED_BATCH it never does (it
+ * takes a free core at once, or its turn at the next tick). By default a
+ * prefill's thread sleeps under SCHED_BATCH while nothing is handed to it
+ * that only it will do: the DEST's send() on the decode then no longer
+ * wakes a thread that preempts the sender, while the prefill's engine,
+ * polling status(), takes the DEST in itself (assisted progress). Whoever
+ * hands it such work (a put too large for the engine's thread, an abort's
+ * notice) puts it back under SCHED_OTHER before waking it (sched_hand_over),
+ * so that wake-up preempts as before; and it sleeps under SCHED_OTHER while
+ * such work is outstanding, and until SCHED_LINGER_NS after. The policy
+ * changes only when it must: a one-page room makes no change at all. */
+enum { LINUX_SCHED_BATCH = 3 }; /* sched.h names it only under _GNU_SOURCE */
+
+/* Sets the progress thread's policy, from any thread once it has started
+ * (mutex held). A refusal (not Linux, a filtered system call) turns the
+ * policy off for good; logged only on the progress thread (the log's
+ * contract). */
+static void sched_set(pd_net *n, bool batch) {
+    if (n->sched_batch_now == batch || n->sched_mode == SCHED_MODE_NEVER) return;
+    PD_ASSERT(n->sched_started);
+    int rc = ENOSYS;
 #if defined(__linux__)
-    enum { LINUX_SCHED_BATCH = 3 }; /* sched.h names it only under _GNU_SOURCE */
     struct sched_param sp = {.sched_priority = 0};
-    int rc = pthread_setschedparam(pthread_self(), LINUX_SCHED_BATCH, &sp);
-    if (rc != 0) net_log(n, "pd_net: progress thread: SCHED_BATCH refused: %s", strerror(rc));
-#else
-    net_log(n, "pd_net: progress_sched_batch: not on this system");
+    rc = pthread_setschedparam(n->sched_self, batch ? LINUX_SCHED_BATCH : SCHED_OTHER, &sp);
 #endif
+    if (rc != 0) {
+        n->sched_mode = SCHED_MODE_NEVER;
+        if (pthread_equal(pthread_self(), n->sched_self))
+            net_log(n, "pd_net: progress thread: SCHED_%s refused: %s", batch ? "BATCH" : "OTHER",
+                    strerror(rc));
+        return;
+    }
+    n->sched_batch_now = batch;
+    n->stats.progress_sched_switches++;
+}
+
+/* Whether the progress thread owes work that the engine's thread will not do
+ * for it (mutex held): a staged page run (a put beyond what an engine's call
+ * posts), a UCX request outstanding (a large put over tcp streams through
+ * its turns), bootstrap bytes waiting for the socket. */
+static bool sched_owes_work(const pd_net *n) {
+    if (n->ucx_out > 0 || n->stages_avail < n->cfg.stages_max) return true;
+    for (uint32_t pi = 0; pi < n->cfg.peers_max; pi++)
+        if (n->peers[pi].state != PS_FREE && n->peers[pi].tx_off < n->peers[pi].tx_len) return true;
+    return false;
+}
+
+/* Before a poll() that blocks (mutex held): the policy the progress thread
+ * sleeps under. In SCHED_MODE_IDLE, SCHED_BATCH once SCHED_LINGER_NS passed
+ * since it last had work of its own (n->sched_owed: at the start of a pass
+ * since its last sleep, or now). A switch is a system call of 1.5-3 us:
+ * made as soon as the work was done, it sat on the critical path of the
+ * room whose put the thread had just posted (the engine's thread waiting
+ * for this core), and rooms whose puts follow each other within the linger
+ * make none. (Shortening the poll() timeout to switch when the linger ends
+ * made 0.5 MiB hand-offs over shm slower even without any switch, 37 us
+ * against 25, bench/xfer alternated; so the linger ends with the first
+ * wake-up after it.) */
+static void sched_before_sleep(pd_net *n) {
+    if (n->sched_mode != SCHED_MODE_IDLE) {
+        sched_set(n, n->sched_mode == SCHED_MODE_ALWAYS);
+        return;
+    }
+    uint64_t t = now_ns();
+    if (n->sched_owed || sched_owes_work(n)) n->sched_busy_ns = t;
+    n->sched_owed = false;
+    sched_set(n, t - n->sched_busy_ns >= SCHED_LINGER_NS);
+}
+
+/* The caller hands the progress thread work that only it will do and is
+ * about to wake it (mutex held): that wake-up must preempt, as it would
+ * under SCHED_OTHER. */
+static void sched_hand_over(pd_net *n) {
+    if (n->sched_mode != SCHED_MODE_IDLE) return;
+    n->sched_busy_ns = now_ns();
+    sched_set(n, false);
 }
 
 static void *progress_main(void *arg) {
     pd_net *n = arg;
-    if (n->cfg.progress_sched_batch) progress_sched_batch(n);
     net_lock(n);
+    n->sched_self = pthread_self();
+    n->sched_started = true;
+    if (n->sched_mode == SCHED_MODE_ALWAYS) sched_set(n, true);
     while (!n->stopping) {
         if (n->faults[PD_NET_FAULT_PARK_PROGRESS]) {
             park(n);
             continue;
         }
         uint64_t now = now_ms();
+        n->sched_owed |= n->sched_mode == SCHED_MODE_IDLE && sched_owes_work(n);
         progress_work(n, now);
         bool spinning;
         int timeout = poll_timeout(n, now, &spinning);
         if (timeout > 0 && ucp_worker_arm(n->worker) == UCS_ERR_BUSY) timeout = 0;
         n->spinning = timeout == 0;
+        if (timeout > 0) sched_before_sleep(n);
         nfds_t first_peer;
         nfds_t nf = poll_set(n, &first_peer);
         net_unlock(n);
@@ -574,6 +649,7 @@ static void *progress_main(void *arg) {
         net_lock(n);
         if (rc > 0) poll_seen(n, nf, first_peer);
     }
+    n->sched_mode = SCHED_MODE_NEVER; /* no one changes an ended thread's policy */
     net_unlock(n);
     return NULL;
 }
@@ -609,7 +685,10 @@ static bool assist(pd_net *n, bool force) {
     }
     /* The progress thread chose its poll timeout before this turn: it may
      * sleep through work this turn created, unless told. */
-    if (!n->spinning && (n->dirty_n > 0 || tx_left || (out0 == 0 && n->ucx_out > 0))) net_wake(n);
+    if (!n->spinning && (n->dirty_n > 0 || tx_left || (out0 == 0 && n->ucx_out > 0))) {
+        sched_hand_over(n);
+        net_wake(n);
+    }
     n->stats.progress_assists++;
     uint64_t t1 = now_ns();
     n->assist_next_ns = t1 + PD_MAX((t1 - t0) * ASSIST_GAP_FACTOR, (uint64_t)ASSIST_GAP_MIN_NS);
@@ -678,6 +757,7 @@ static pd_err v_send_pages(void *self, uint64_t id, uint32_t first, const uint32
     }
     if (!err) net_set_st(n, rm, PD_XFER_TRANSFERRING);
     bool kick = !err && !n->spinning;
+    if (!err) sched_hand_over(n); /* even to a spinning thread (v_send_final) */
     net_unlock(n);
     if (kick) net_wake(n);
     return err;
@@ -754,7 +834,10 @@ static pd_err v_send_final(void *self, uint64_t id, uint32_t first, const uint32
             net_mark_dirty(n, rm);
         }
     }
-    bool kick = !err && !final_inline(n, rm, cnt) && !n->spinning;
+    /* Handed over even to a spinning thread: it may be under SCHED_BATCH,
+     * woken without preempting, and still waiting for a core. */
+    bool handed = !err && !final_inline(n, rm, cnt), kick = handed && !n->spinning;
+    if (handed) sched_hand_over(n);
     net_unlock(n);
     if (kick) net_wake(n);
     return err;
@@ -803,6 +886,7 @@ static pd_err v_receiver_open(void *self, uint64_t id, const char *peer_addr,
     } else {
         net_peer_forget_if_unused(n, pi);
     }
+    if (kick) sched_hand_over(n);
     net_unlock(n);
     if (kick) net_wake(n);
     return err;
@@ -877,6 +961,7 @@ static pd_err v_abort(void *self, uint64_t id) {
             if (!net_peer_of(n, rm)) err = PD_ERR_IO;
         }
     }
+    sched_hand_over(n);
     net_unlock(n);
     net_wake(n);
     return fault ? PD_ERR_IO : err;
@@ -922,6 +1007,7 @@ static void v_close(void *self, uint64_t id) {
             net_room_try_release(n, rm);
         }
     }
+    if (kick) sched_hand_over(n);
     net_unlock(n);
     if (kick) net_wake(n);
 }
@@ -982,6 +1068,7 @@ static void v_cancel(void *self, uint64_t id, const char *peer_addr) {
     uint32_t r = net_room_find(n, id);
     if (n->cfg.role == PD_NET_PREFILL) cancel_sender(n, r, id);
     else cancel_receiver(n, r, id, peer_addr);
+    sched_hand_over(n);
     net_unlock(n);
     net_wake(n);
 }
@@ -1051,6 +1138,9 @@ static void config_adopt(pd_net *n, const pd_net_config *cfg) {
     else if (c->notice_data_max == 0) n->notice_data_max = NOTICE_DATA_DEFAULT_BYTES;
     else n->notice_data_max = PD_MIN((size_t)c->notice_data_max, (size_t)BP_NOTICE_DATA_MAX);
     n->notice_data_always = c->notice_data_max > 0;
+    n->sched_mode = c->progress_sched_batch > 0                    ? SCHED_MODE_ALWAYS
+        : c->progress_sched_batch < 0 || c->role != PD_NET_PREFILL ? SCHED_MODE_NEVER
+                                                                   : SCHED_MODE_IDLE;
     snprintf(n->listen_host, sizeof(n->listen_host), "%s",
              cfg->listen_host ? cfg->listen_host : "0.0.0.0");
     c->listen_host = n->listen_host;

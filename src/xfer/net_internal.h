@@ -35,6 +35,10 @@
 #define POLL_BUSY_MS 1  /* while UCX requests are outstanding */
 #define POLL_RECV_MS 10 /* decode, while a prefill peer is connected */
 #define ORPHAN_SCAN_MS 250
+/* The progress thread goes under SCHED_BATCH only after this long without
+ * work of its own (net.c, sched_before_sleep): longer than the gap between
+ * one large room's put and the next in a stream of them. */
+#define SCHED_LINGER_NS 200000u
 #define FINAL_INLINE_BYTES (64u << 10) /* a final send this small may post inline */
 /* A room handed off in one final send of at most this many bytes travels in
  * its completion notice (version 4, net_ucx.c send_notice_data) to a peer
@@ -172,6 +176,11 @@ typedef struct peer {
     uint32_t runits[REG_N];
 } peer;
 
+/* pd_net_config.progress_sched_batch, resolved: the progress thread never
+ * under SCHED_BATCH, only while it sleeps with nothing handed to it, or
+ * always. */
+typedef enum sched_mode { SCHED_MODE_NEVER, SCHED_MODE_IDLE, SCHED_MODE_ALWAYS } sched_mode;
+
 struct pd_net {
     pd_net_config cfg;
     uint16_t proto;          /* the newest protocol version this node speaks (config) */
@@ -198,6 +207,13 @@ struct pd_net {
     uint64_t last_event_ns; /* the worker last reported progress, or a reply became due */
     bool spinning;          /* the progress thread's next poll does not sleep: it sees
                                dirty rooms without a wake-up through the pipe */
+    /* The progress thread's scheduling policy (net.c, sched_set) */
+    sched_mode sched_mode;
+    bool sched_started;   /* sched_self is set */
+    bool sched_batch_now; /* it is under SCHED_BATCH */
+    pthread_t sched_self;
+    uint64_t sched_busy_ns; /* it was last handed work, or owed some (SCHED_LINGER_NS) */
+    bool sched_owed;        /* it owed work at the start of a pass since it last slept */
     /* registered memory */
     bool registered;
     uint8_t *base[REG_N];

@@ -61,7 +61,7 @@ typedef struct pair_opts {
     bool heap;               /* the nodes' memory from the heap, not from their transports */
     int32_t notice_data_max; /* prefill's (0: its default; < 0: every room as puts) */
     uint16_t prefill_protocol, decode_protocol; /* 0: the newest; 3: a version-3 node */
-    bool sched_batch;                           /* both nodes' progress_sched_batch */
+    int8_t sched_batch;                         /* both nodes' progress_sched_batch */
 } pair_opts;
 
 typedef struct pair {

@@ -1012,13 +1012,13 @@ static int threads_in_sched_batch(void) {
     return k;
 }
 
-/* progress_sched_batch: each node's progress thread runs under SCHED_BATCH,
+/* progress_sched_batch > 0: each node's progress thread runs under SCHED_BATCH,
  * and rooms move as before, in the notice and as puts. */
 static void progress_threads_in_sched_batch_still_move_rooms(void **state) {
     (void)state;
     int before = threads_in_sched_batch();
     pair_opts o = pair_defaults();
-    o.sched_batch = true;
+    o.sched_batch = 1;
     o.notice_data_max = 4096;
     pair *w = pair_new(&o);
     WAIT_FOR(threads_in_sched_batch() == before + 2);
@@ -1037,6 +1037,59 @@ static void progress_threads_in_sched_batch_still_move_rooms(void **state) {
     assert_int_equal(stats_of(w->pre).writes_posted, 3);
     wait_no_rooms(w);
     pair_free(w);
+}
+
+/* The default policy: a prefill's progress thread sleeps under SCHED_BATCH
+ * while nothing is handed to it (a decode's never); a put too large for the
+ * engine's thread puts it back under SCHED_OTHER before it is woken, and it
+ * stays so until that work is done; rooms move in the notice and as puts.
+ * With progress_sched_batch < 0 neither thread is ever under SCHED_BATCH. */
+static void progress_thread_sleeps_in_sched_batch_only_while_idle(void **state) {
+    (void)state;
+    for (int off = 0; off < 2; off++) {
+        int before = threads_in_sched_batch();
+        pair_opts o = pair_defaults();
+        o.kv_page_bytes = 4096;    /* 20 pages: one 80 KiB run, over the 64 KiB limit */
+        o.notice_data_max = 16384; /* a one-page room rides its notice */
+        o.sched_batch = off ? -1 : 0;
+        pair *w = pair_new(&o);
+        int idle = off ? before : before + 1;
+        warm_up(w, 7300);
+        WAIT_FOR(threads_in_sched_batch() == idle);
+        pd_net_set_fault(w->pre, PD_NET_FAULT_PARK_PROGRESS, true);
+        spec s;
+        spec_init(&s, w, 7301, 80, 0);
+        for (uint32_t i = 0; i < s.n; i++) s.src[i] = 100 + i, s.dst[i] = 150 + i;
+        open_both(w, &s);
+        wait_bootstrapped(w, &s);
+        assert_int_equal(threads_in_sched_batch(), idle); /* the DEST changed nothing */
+        send_all(w, &s, 0);
+        for (int i = 0; i < 20; i++) { /* the put is queued, and its thread parked */
+            assert_int_equal(threads_in_sched_batch(), before);
+            assert_int_equal(st_of(w->px, s.room), PD_XFER_TRANSFERRING);
+            t_sleep_ms(1);
+        }
+        pd_net_set_fault(w->pre, PD_NET_FAULT_PARK_PROGRESS, false);
+        WAIT_FOR(st_of(w->dx, s.room) == PD_XFER_SUCCESS);
+        check_landed(w, &s);
+        finish_both(w, &s);
+        spec t;
+        spec_init(&t, w, 7302, 4, 0); /* one page, in the notice */
+        t.src[0] = 3, t.dst[0] = 9;
+        open_both(w, &t);
+        wait_bootstrapped(w, &t);
+        send_all(w, &t, 0);
+        WAIT_FOR(st_of(w->dx, t.room) == PD_XFER_SUCCESS);
+        check_landed(w, &t);
+        finish_both(w, &t);
+        WAIT_FOR(threads_in_sched_batch() == idle);
+        assert_int_equal(stats_of(w->pre).notices_with_data, 1);
+        assert_true(off ? stats_of(w->pre).progress_sched_switches == 0
+                        : stats_of(w->pre).progress_sched_switches >= 3);
+        assert_int_equal(stats_of(w->dec).progress_sched_switches, 0);
+        wait_no_rooms(w);
+        pair_free(w);
+    }
 }
 
 /* Protocol version 4 with a version-3 node on either side: the handshake
@@ -1421,6 +1474,7 @@ int main(void) {
         cmocka_unit_test(version_3_peers_fall_back_to_puts),
         cmocka_unit_test(default_notice_data_only_where_puts_are_emulated),
         cmocka_unit_test(progress_threads_in_sched_batch_still_move_rooms),
+        cmocka_unit_test(progress_thread_sleeps_in_sched_batch_only_while_idle),
         cmocka_unit_test(prefill_death_with_the_notice_in_flight),
         cmocka_unit_test(bad_calls_are_refused),
         cmocka_unit_test(create_refuses_bad_config),
