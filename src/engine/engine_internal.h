@@ -164,6 +164,9 @@ struct pd_engine {
     /* Decode role: the next batch's record and launch_items hold its first
      * items, those of the last batch's requests still running (decode.c). */
     bool kept_ready;
+    /* Decode role: which of those kept items need a page for their next
+     * position, in item order (kept_grow_n of them, at most batch_max). */
+    uint32_t *kept_grow, kept_grow_n;
     pd_item_result *results;
 
     uint64_t now;
