@@ -158,24 +158,6 @@ static void rid_index_remove(pd_engine *e, req *r) {
     pd_index_remove(&e->rid_ix, r->rid_hash, eng_idx(e, r));
 }
 
-void q_push(pd_engine *e, req *r, uint8_t queue) {
-    PD_ASSERT(r->queue == Q_NONE && queue < Q__COUNT);
-    pd_list_push_back(&e->q[queue], eng_qlinks(e), eng_idx(e, r));
-    r->queue = queue;
-}
-
-void q_remove(pd_engine *e, req *r) {
-    if (r->queue == Q_NONE) return;
-    pd_list_remove(&e->q[r->queue], eng_qlinks(e), eng_idx(e, r));
-    r->queue = Q_NONE;
-}
-
-void q_move(pd_engine *e, req *r, uint8_t queue) {
-    q_remove(e, r);
-    q_push(e, r, queue);
-    r->t_state = e->now;
-}
-
 static req *record_alloc(pd_engine *e) {
     uint32_t idx = e->free_reqs.head;
     if (idx == PD_NONE) return NULL;

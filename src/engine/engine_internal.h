@@ -199,9 +199,24 @@ static inline void eng_prefetch(const pd_engine *e, uint32_t idx) {
 static inline uint32_t eng_idx(pd_engine *e, const req *r) { return (uint32_t)(r - e->reqs); }
 /* The queues' (and the free records') links: pd_list over e->reqs. */
 static inline pd_links eng_qlinks(pd_engine *e) { return PD_LINKS(e->reqs, req, qlink); }
-void q_push(pd_engine *e, req *r, uint8_t queue);
-void q_remove(pd_engine *e, req *r);
-void q_move(pd_engine *e, req *r, uint8_t queue);
+/* Inline: a request changes queues a few times a node, from every file. */
+static inline void q_push(pd_engine *e, req *r, uint8_t queue) {
+    PD_ASSERT(r->queue == Q_NONE && queue < Q__COUNT);
+    pd_list_push_back(&e->q[queue], eng_qlinks(e), eng_idx(e, r));
+    r->queue = queue;
+}
+
+static inline void q_remove(pd_engine *e, req *r) {
+    if (r->queue == Q_NONE) return;
+    pd_list_remove(&e->q[r->queue], eng_qlinks(e), eng_idx(e, r));
+    r->queue = Q_NONE;
+}
+
+static inline void q_move(pd_engine *e, req *r, uint8_t queue) {
+    q_remove(e, r);
+    q_push(e, r, queue);
+    r->t_state = e->now;
+}
 
 /* The single retire path. kind is recorded if no terminal reason is yet;
  * the first one wins. Idempotent; defers while a forward is in flight. */
