@@ -260,12 +260,6 @@ void eng_alloc_pages(pd_engine *e, req *r, uint32_t n) {
     e->reserved -= n;
 }
 
-pd_err eng_alloc_slot(pd_engine *e, int pool_id, pd_owner owner, uint32_t *out) {
-    if (pool_id == e->mamba_id && e->cache && pd_pool_free_count(e->mamba) == 0)
-        PD_MUST(pd_cache_evict_snapshots(e->cache, 1, NULL));
-    return pd_ledger_alloc(e->ledger, pool_id, 1, owner, out);
-}
-
 void eng_cache_lock(pd_engine *e, req *r, pd_cnode node) {
     PD_ASSERT(!r->holds_lock);
     PD_MUST(pd_cache_lock(e->cache, node));

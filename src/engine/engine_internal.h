@@ -248,7 +248,14 @@ uint64_t eng_kv_available(pd_engine *e); /* free + evictable - reserved */
  * covers them; otherwise drops the cache lock r took for its prefix match
  * and returns false (r stays queued). */
 bool eng_reserve_pages(pd_engine *e, req *r, uint32_t need);
-pd_err eng_alloc_slot(pd_engine *e, int pool_id, pd_owner owner, uint32_t *out);
+/* One unit of a slot pool (row, metadata row, Mamba slot), a Mamba slot
+ * after evicting a snapshot if none is free. Inline: three or four a request
+ * and node. */
+static inline pd_err eng_alloc_slot(pd_engine *e, int pool_id, pd_owner owner, uint32_t *out) {
+    if (pool_id == e->mamba_id && e->cache && pd_pool_free_count(e->mamba) == 0)
+        PD_MUST(pd_cache_evict_snapshots(e->cache, 1, NULL));
+    return pd_ledger_alloc(e->ledger, pool_id, 1, owner, out);
+}
 void eng_cache_lock(pd_engine *e, req *r, pd_cnode node);
 /* Inserts pages[0, tokens/ps) (+ snapshot, a track slot of r or PD_NONE) into
  * the cache, moves r's lock to the new node, frees duplicates. If the cache
