@@ -53,16 +53,18 @@ typedef struct req {
     uint32_t n_pages;
     uint32_t *pages;  /* page table: pages[i] holds positions [i*ps, (i+1)*ps) */
     int32_t *history; /* the output tokens, kept when the sampling is penalised */
-    /* ---- warm: the rest of a decode item and of the finish check ---- */
-    pd_sampling sampling;
-    uint32_t mamba_run;
-    uint32_t n_stop;
+    /* ---- warm: what each decode result reads besides the hot line (the
+     * token event's tag and room, the finish check, the retire test), first
+     * in the second line; then the rest of a fresh decode item ---- */
+    uint64_t tag; /* the caller's (pd_request_spec.tag), in every sink event */
+    uint64_t room;
     pd_terminal_kind term;
+    uint32_t n_stop;
     bool ignore_eos;
     bool holds_room; /* transport state of the room */
     bool bootstrapped;
-    uint64_t tag; /* the caller's (pd_request_spec.tag), in every sink event */
-    uint64_t room;
+    uint32_t mamba_run;
+    pd_sampling sampling;
     int32_t stop[PD_STOP_TOKENS_MAX];
 
     char rid[PD_RID_MAX];
@@ -114,8 +116,10 @@ typedef struct req {
     bool rid_indexed; /* in the rid index: until its terminal event is emitted */
 } req;
 
-/* The hot part of a record is one cache line. */
-_Static_assert(offsetof(req, sampling) <= 64, "req: the hot fields outgrew a cache line");
+/* The hot part of a record is one cache line, the warm part's first fields
+ * (up to the decode result's) the next. */
+_Static_assert(offsetof(req, tag) <= 64, "req: the hot fields outgrew a cache line");
+_Static_assert(offsetof(req, bootstrapped) < 128, "req: the warm fields outgrew a cache line");
 
 /* One item of a batch in flight. */
 typedef struct bitem {
