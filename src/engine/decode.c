@@ -299,7 +299,7 @@ static void kept_grow_one(pd_engine *e, pd_batch_item *it) {
 
 /* The kept items' page growth, in their order (the order decode_add_items
  * allocates in), and their launch reports. Without an observer only the
- * items keep_item listed are visited (about one in twenty at 256 live: a
+ * items keep_item listed are visited (about one in sixteen at 256 live: a
  * request needs a page every page_size tokens); with one, each item's
  * report follows its page growth, as in decode_add_items. Debug builds check
  * that every item has its page, is the running queue's next request and
