@@ -242,6 +242,8 @@ static inline void keep_item(pd_engine *e, batch_rec *nb, keep_run *run, req *r,
     PD_ASSERT(r->out_len < r->max_new);
     it->start_pos = r->prompt_len + r->out_len - 1;
     it->sample_index = r->out_len;
+    /* Its next position needs a page: kept_pages adds it, in item order. */
+    if (it->start_pos >= it->n_pages * e->cfg.page_size) e->kept_grow[e->kept_grow_n++] = nb->n;
     if (run->n == 0 || run->src + run->n != i) {
         keep_flush(e, run);
         *run = (keep_run){.src = i, .dst = nb->n};
@@ -264,6 +266,7 @@ static void poll_and_keep(pd_engine *e) {
     e->inflight_n--;
     batch_rec *nb = &e->inflight[e->inflight_head]; /* eng_batch_begin's next */
     nb->n = 0;
+    e->kept_grow_n = 0;
     keep_run run = {0};
     const pd_batch_item *items = e->launch_items;
     enum { AHEAD = 4 };
@@ -288,28 +291,43 @@ static void poll_and_keep(pd_engine *e) {
     e->kept_ready = true;
 }
 
+static void kept_grow_one(pd_engine *e, pd_batch_item *it) {
+    req *r = eng_req(e, owner_idx(it->req));
+    eng_alloc_pages(e, r, 1);
+    it->n_pages = r->n_pages;
+}
+
 /* The kept items' page growth, in their order (the order decode_add_items
- * allocates in), and their launch reports. Debug builds check that they are
- * the running queue's first requests and equal to fresh items. */
+ * allocates in), and their launch reports. Without an observer only the
+ * items keep_item listed are visited (about one in sixteen at 256 live: a
+ * request needs a page every page_size tokens); with one, each item's
+ * report follows its page growth, as in decode_add_items. Debug builds check
+ * that every item has its page, is the running queue's next request and
+ * equals a fresh item. */
 static void kept_pages(pd_engine *e, batch_rec *b) {
     uint32_t ps = e->cfg.page_size;
+    PD_ASSERT(e->kept_grow_n <= b->n);
+    if (!e->obs) {
+        for (uint32_t g = 0; g < e->kept_grow_n; g++)
+            kept_grow_one(e, &e->launch_items[e->kept_grow[g]]);
+    } else {
+        for (uint32_t i = 0; i < b->n; i++) {
+            pd_batch_item *it = &e->launch_items[i];
+            if (it->start_pos >= it->n_pages * ps) kept_grow_one(e, it);
+            eng_act(e, eng_req(e, owner_idx(it->req)), PD_ACT_LAUNCH, false, 1);
+        }
+    }
+    e->kept_grow_n = 0;
 #ifndef NDEBUG
     uint32_t q = e->q[Q_RUNNING].head;
-#endif
     for (uint32_t i = 0; i < b->n; i++) {
-        pd_batch_item *it = &e->launch_items[i];
-        if (it->start_pos >= it->n_pages * ps) {
-            req *r = eng_req(e, owner_idx(it->req));
-            eng_alloc_pages(e, r, 1);
-            it->n_pages = r->n_pages;
-        }
-#ifndef NDEBUG
+        const pd_batch_item *it = &e->launch_items[i];
+        PD_ASSERT(it->start_pos < it->n_pages * ps);
         kept_check(e, it, eng_req(e, owner_idx(it->req)));
         PD_ASSERT(q == owner_idx(it->req));
         q = eng_req(e, q)->qlink.next;
-#endif
-        if (e->obs) eng_act(e, eng_req(e, owner_idx(it->req)), PD_ACT_LAUNCH, false, 1);
     }
+#endif
 }
 
 /* The batch: the kept items, then one per running request after them (the

@@ -158,24 +158,6 @@ static void rid_index_remove(pd_engine *e, req *r) {
     pd_index_remove(&e->rid_ix, r->rid_hash, eng_idx(e, r));
 }
 
-void q_push(pd_engine *e, req *r, uint8_t queue) {
-    PD_ASSERT(r->queue == Q_NONE && queue < Q__COUNT);
-    pd_list_push_back(&e->q[queue], eng_qlinks(e), eng_idx(e, r));
-    r->queue = queue;
-}
-
-void q_remove(pd_engine *e, req *r) {
-    if (r->queue == Q_NONE) return;
-    pd_list_remove(&e->q[r->queue], eng_qlinks(e), eng_idx(e, r));
-    r->queue = Q_NONE;
-}
-
-void q_move(pd_engine *e, req *r, uint8_t queue) {
-    q_remove(e, r);
-    q_push(e, r, queue);
-    r->t_state = e->now;
-}
-
 static req *record_alloc(pd_engine *e) {
     uint32_t idx = e->free_reqs.head;
     if (idx == PD_NONE) return NULL;
@@ -276,12 +258,6 @@ void eng_alloc_pages(pd_engine *e, req *r, uint32_t n) {
     r->holds_kv = true;
     r->reserved -= n;
     e->reserved -= n;
-}
-
-pd_err eng_alloc_slot(pd_engine *e, int pool_id, pd_owner owner, uint32_t *out) {
-    if (pool_id == e->mamba_id && e->cache && pd_pool_free_count(e->mamba) == 0)
-        PD_MUST(pd_cache_evict_snapshots(e->cache, 1, NULL));
-    return pd_ledger_alloc(e->ledger, pool_id, 1, owner, out);
 }
 
 void eng_cache_lock(pd_engine *e, req *r, pd_cnode node) {
@@ -802,11 +778,12 @@ static pd_err arrays_alloc(pd_engine *e) {
     e->scratch = calloc(e->pages_per_req, sizeof(uint32_t));
     e->dups = calloc(e->pages_per_req, sizeof(uint32_t));
     e->launch_items = calloc(cfg->batch_max, sizeof(pd_batch_item));
+    e->kept_grow = calloc(cfg->batch_max, sizeof(uint32_t));
     e->results = calloc(cfg->batch_max, sizeof(pd_item_result));
     for (int i = 0; i < INFLIGHT_MAX; i++)
         e->inflight[i].items = calloc(cfg->batch_max, sizeof(bitem));
     if (!e->reqs || !e->page_store || !e->scratch || !e->dups || !e->launch_items || !e->results ||
-        !e->inflight[0].items || !e->inflight[1].items)
+        !e->kept_grow || !e->inflight[0].items || !e->inflight[1].items)
         return PD_ERR_NOMEM;
     return PD_OK;
 }
@@ -887,6 +864,7 @@ void pd_engine_destroy(pd_engine *e) {
     free(e->scratch);
     free(e->dups);
     free(e->launch_items);
+    free(e->kept_grow);
     free(e->results);
     for (int i = 0; i < INFLIGHT_MAX; i++) free(e->inflight[i].items);
     free(e);

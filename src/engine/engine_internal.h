@@ -53,16 +53,18 @@ typedef struct req {
     uint32_t n_pages;
     uint32_t *pages;  /* page table: pages[i] holds positions [i*ps, (i+1)*ps) */
     int32_t *history; /* the output tokens, kept when the sampling is penalised */
-    /* ---- warm: the rest of a decode item and of the finish check ---- */
-    pd_sampling sampling;
-    uint32_t mamba_run;
-    uint32_t n_stop;
+    /* ---- warm: what each decode result reads besides the hot line (the
+     * token event's tag and room, the finish check, the retire test), first
+     * in the second line; then the rest of a fresh decode item ---- */
+    uint64_t tag; /* the caller's (pd_request_spec.tag), in every sink event */
+    uint64_t room;
     pd_terminal_kind term;
+    uint32_t n_stop;
     bool ignore_eos;
     bool holds_room; /* transport state of the room */
     bool bootstrapped;
-    uint64_t tag; /* the caller's (pd_request_spec.tag), in every sink event */
-    uint64_t room;
+    uint32_t mamba_run;
+    pd_sampling sampling;
     int32_t stop[PD_STOP_TOKENS_MAX];
 
     char rid[PD_RID_MAX];
@@ -114,8 +116,10 @@ typedef struct req {
     bool rid_indexed; /* in the rid index: until its terminal event is emitted */
 } req;
 
-/* The hot part of a record is one cache line. */
-_Static_assert(offsetof(req, sampling) <= 64, "req: the hot fields outgrew a cache line");
+/* The hot part of a record is one cache line, the warm part's first fields
+ * (up to the decode result's) the next. */
+_Static_assert(offsetof(req, tag) <= 64, "req: the hot fields outgrew a cache line");
+_Static_assert(offsetof(req, bootstrapped) < 128, "req: the warm fields outgrew a cache line");
 
 /* One item of a batch in flight. */
 typedef struct bitem {
@@ -164,6 +168,9 @@ struct pd_engine {
     /* Decode role: the next batch's record and launch_items hold its first
      * items, those of the last batch's requests still running (decode.c). */
     bool kept_ready;
+    /* Decode role: which of those kept items need a page for their next
+     * position, in item order (kept_grow_n of them, at most batch_max). */
+    uint32_t *kept_grow, kept_grow_n;
     pd_item_result *results;
 
     uint64_t now;
@@ -196,9 +203,24 @@ static inline void eng_prefetch(const pd_engine *e, uint32_t idx) {
 static inline uint32_t eng_idx(pd_engine *e, const req *r) { return (uint32_t)(r - e->reqs); }
 /* The queues' (and the free records') links: pd_list over e->reqs. */
 static inline pd_links eng_qlinks(pd_engine *e) { return PD_LINKS(e->reqs, req, qlink); }
-void q_push(pd_engine *e, req *r, uint8_t queue);
-void q_remove(pd_engine *e, req *r);
-void q_move(pd_engine *e, req *r, uint8_t queue);
+/* Inline: a request changes queues a few times a node, from every file. */
+static inline void q_push(pd_engine *e, req *r, uint8_t queue) {
+    PD_ASSERT(r->queue == Q_NONE && queue < Q__COUNT);
+    pd_list_push_back(&e->q[queue], eng_qlinks(e), eng_idx(e, r));
+    r->queue = queue;
+}
+
+static inline void q_remove(pd_engine *e, req *r) {
+    if (r->queue == Q_NONE) return;
+    pd_list_remove(&e->q[r->queue], eng_qlinks(e), eng_idx(e, r));
+    r->queue = Q_NONE;
+}
+
+static inline void q_move(pd_engine *e, req *r, uint8_t queue) {
+    q_remove(e, r);
+    q_push(e, r, queue);
+    r->t_state = e->now;
+}
 
 /* The single retire path. kind is recorded if no terminal reason is yet;
  * the first one wins. Idempotent; defers while a forward is in flight. */
@@ -230,7 +252,14 @@ uint64_t eng_kv_available(pd_engine *e); /* free + evictable - reserved */
  * covers them; otherwise drops the cache lock r took for its prefix match
  * and returns false (r stays queued). */
 bool eng_reserve_pages(pd_engine *e, req *r, uint32_t need);
-pd_err eng_alloc_slot(pd_engine *e, int pool_id, pd_owner owner, uint32_t *out);
+/* One unit of a slot pool (row, metadata row, Mamba slot), a Mamba slot
+ * after evicting a snapshot if none is free. Inline: three or four a request
+ * and node. */
+static inline pd_err eng_alloc_slot(pd_engine *e, int pool_id, pd_owner owner, uint32_t *out) {
+    if (pool_id == e->mamba_id && e->cache && pd_pool_free_count(e->mamba) == 0)
+        PD_MUST(pd_cache_evict_snapshots(e->cache, 1, NULL));
+    return pd_ledger_alloc(e->ledger, pool_id, 1, owner, out);
+}
 void eng_cache_lock(pd_engine *e, req *r, pd_cnode node);
 /* Inserts pages[0, tokens/ps) (+ snapshot, a track slot of r or PD_NONE) into
  * the cache, moves r's lock to the new node, frees duplicates. If the cache

@@ -16,6 +16,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "pool_internal.h"
+
 typedef struct holder_entry {
     pd_owner owner;
     uint32_t idx;
@@ -228,7 +230,7 @@ pd_err pd_ledger_alloc(pd_ledger *l, int pool_id, uint32_t n, pd_owner owner, ui
         /* FREE -> REQ of one unit: the pool's single-unit path and
          * transition_one; anything unusual goes the general way. */
         lpool *lp = get_pool(l, pool_id);
-        if (pd_pool_alloc(lp->pool, out) != PD_OK)
+        if (pool_alloc_one(lp->pool, out) != PD_OK)
             return pd_ledger_alloc_as(l, pool_id, n, PD_UNIT_REQ, owner, out);
         if (transition_one(lp, *out, PD_UNIT_FREE, PD_UNIT_REQ)) return PD_OK;
         /* The two sources disagree, as in pd_ledger_alloc_as: the message,
@@ -288,7 +290,7 @@ pd_err pd_ledger_free(pd_ledger *l, int pool_id, const uint32_t *idx, uint32_t n
         /* One unit (a row, a slot, a page: most calls): transition_one and
          * the pool's single-unit path, which leaves the pool as free_n
          * would; a unit not in state `from` goes the general way. */
-        pd_err err = pd_pool_free(lp->pool, idx[0]);
+        pd_err err = pool_free_one(lp->pool, idx[0]);
         return err == PD_OK ? PD_OK : free_refused(l, lp, idx, 1, from, from_owner, err);
     }
     if (n == 0) return PD_OK;

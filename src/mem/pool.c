@@ -10,6 +10,8 @@
  *       run_start[h] (run_n[h] == 0: the hint says nothing)
  *
  * pd_pool_verify recomputes I1..I5 from scratch.
+ * The record and the one-unit alloc and free are in pool_internal.h, which
+ * the ledger includes to inline them.
  *
  * I5 lets a bulk allocation's search for a run skip what an earlier search
  * already found too short (issue 13: with the pool fragmented by many live
@@ -22,37 +24,16 @@
  */
 #include "pdserve/pool.h"
 
+#include "pool_internal.h"
+
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-
-/* I5's hints, one per class of run lengths (2-3, 4-7, 8-15, 16 and more): a
- * search for n units resumes where the last search of its class ended, and
- * any hint of a length <= n bounds it too. One hint for every length
- * (issue 13, third round) was taken over by each search of another length:
- * at 1,024 live in bench/sched, with prompts of 1 to 32 pages, most searches
- * rescanned the fragmented pool from its lowest free word. */
-#define RUN_HINTS 4u
 
 /* How many bitmap words a bulk allocation may scan looking for one run that
  * fits the whole request, before it settles for the lowest free units.
  * 4096 words cover 262,144 units; the scan costs a few microseconds. */
 #define RUN_SCAN_WORDS_MAX 4096u
-
-struct pd_pool {
-    char name[32];
-    pd_pool_kind kind;
-    uint32_t total;
-    uint32_t unit_tokens;
-    uint32_t free_count;
-    uint32_t n_words;
-    uint32_t n_sum;
-    uint32_t sum_hint;
-    uint32_t run_n[RUN_HINTS], run_start[RUN_HINTS]; /* I5 */
-    uint32_t run_top; /* >= run_start[h] + run_n[h] for every h: frees from it up change none */
-    uint64_t *words;
-    uint64_t *sum;
-};
 
 static const char *const kind_names[PD_POOL_KIND__COUNT] = {
     [PD_POOL_KV] = "kv",       [PD_POOL_ROW] = "row",
@@ -112,56 +93,7 @@ void pd_pool_destroy(pd_pool *pool) {
     free(pool);
 }
 
-static inline void take_bit(pd_pool *p, uint32_t idx) {
-    uint32_t w = idx / 64;
-    uint64_t m = UINT64_C(1) << (idx % 64);
-    PD_ASSERT(p->words[w] & m);
-    p->words[w] &= ~m;
-    if (p->words[w] == 0) p->sum[w / 64] &= ~(UINT64_C(1) << (w % 64));
-    p->free_count--;
-}
-
-static inline void give_bit(pd_pool *p, uint32_t idx) {
-    uint32_t w = idx / 64;
-    uint64_t m = UINT64_C(1) << (idx % 64);
-    PD_ASSERT(!(p->words[w] & m));
-    p->words[w] |= m;
-    p->sum[w / 64] |= UINT64_C(1) << (w % 64);
-    if (w / 64 < p->sum_hint) p->sum_hint = w / 64;
-    p->free_count++;
-}
-
-/* I5 after units from idx_min up were freed: a run of n through a freed
- * unit starts after idx_min - n. */
-static inline void run_hint_freed(pd_pool *p, uint32_t idx_min) {
-    if (idx_min + 1 >= p->run_top) return;
-    for (uint32_t h = 0; h < RUN_HINTS; h++) {
-        uint32_t n = p->run_n[h];
-        if (idx_min + 1 < p->run_start[h] + n)
-            p->run_start[h] = idx_min + 1 > n ? idx_min + 1 - n : 0;
-    }
-}
-
-/* Lowest word index with a free unit; caller guarantees free_count > 0. */
-static uint32_t lowest_free_word(pd_pool *p) {
-    uint32_t s = p->sum_hint;
-    while (s < p->n_sum && p->sum[s] == 0) s++;
-    PD_ASSERTF(s < p->n_sum, "pool %s: free_count %u but no free word",
-               p->name, p->free_count);
-    p->sum_hint = s;
-    return s * 64 + (uint32_t)__builtin_ctzll(p->sum[s]);
-}
-
-pd_err pd_pool_alloc(pd_pool *pool, uint32_t *out_idx) {
-    PD_ASSERT(pool && out_idx);
-    if (pool->free_count == 0) return PD_ERR_NOMEM;
-    uint32_t w = lowest_free_word(pool);
-    uint32_t idx = w * 64 + (uint32_t)__builtin_ctzll(pool->words[w]);
-    PD_ASSERT(idx < pool->total);
-    take_bit(pool, idx);
-    *out_idx = idx;
-    return PD_OK;
-}
+pd_err pd_pool_alloc(pd_pool *pool, uint32_t *out_idx) { return pool_alloc_one(pool, out_idx); }
 
 /* The first word in [from, end) with a free unit (I2: its summary bit is
  * set), or end. Words with no free unit are skipped 64 at a time, so a
@@ -305,14 +237,7 @@ pd_err pd_pool_alloc_n(pd_pool *pool, uint32_t n, uint32_t *out) {
     return PD_OK;
 }
 
-pd_err pd_pool_free(pd_pool *pool, uint32_t idx) {
-    PD_ASSERT(pool);
-    if (idx >= pool->total) return PD_ERR_INVALID;
-    if (pd_pool_is_free(pool, idx)) return PD_ERR_STATE;
-    give_bit(pool, idx);
-    run_hint_freed(pool, idx);
-    return PD_OK;
-}
+pd_err pd_pool_free(pd_pool *pool, uint32_t idx) { return pool_free_one(pool, idx); }
 
 /* Why freeing idx[0..n) is refused, the pool unchanged: the first unit out
  * of range or free decides (INVALID, STATE), then a unit listed twice
@@ -346,10 +271,7 @@ pd_err pd_pool_free_n(pd_pool *pool, const uint32_t *idx, uint32_t n) {
     return PD_OK;
 }
 
-bool pd_pool_is_free(const pd_pool *pool, uint32_t idx) {
-    PD_ASSERT(idx < pool->total);
-    return (pool->words[idx / 64] >> (idx % 64)) & 1u;
-}
+bool pd_pool_is_free(const pd_pool *pool, uint32_t idx) { return pool_unit_free(pool, idx); }
 
 uint32_t pd_pool_free_count(const pd_pool *pool) { return pool->free_count; }
 uint32_t pd_pool_total(const pd_pool *pool) { return pool->total; }
