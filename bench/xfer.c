@@ -654,7 +654,7 @@ static void fmt_gbps(char *out, size_t cap, double gbps) {
  * bandwidth, perftest's put bandwidth at the same size and the ratio, then
  * pdserve on heap memory (--memory heap) and memcpy (the best of its
  * measurements for that request). */
-static void print_table(tally *tl) {
+static void print_table(tally *tl, bool perftest_asked) {
     printf("%-6s %7s %11s %-4s %10s %11s %11s %6s %11s %11s %11s %11s\n", "model", "tokens",
            "bytes", "tls", "hand-off", "pdserve", "perftest", "ratio", "pt p50", "pt mean",
            "heap mem", "memcpy");
@@ -678,7 +678,8 @@ static void print_table(tally *tl) {
         printf("%-6s %7u %11s %-4s %10s %11s %11s %6s %11s %11s %11s %11s\n", x->config, x->tokens,
                b, x->transport, tm, pd, pr, ratio, pt, pm, hp, mc);
     }
-    if (!tl->perftest) printf("perftest not found (ucx_perftest, Debian package ucx-utils)\n");
+    if (!perftest_asked) printf("perftest not run (--no-perftest)\n");
+    else if (!tl->perftest) printf("perftest not found (ucx_perftest, Debian package ucx-utils)\n");
 }
 
 static void print_fixed_costs(const opts *o, const tally *tl) {
@@ -741,7 +742,7 @@ int main(int argc, char **argv) {
         for (int c = 0; c < o.n_configs; c++) measure_config(&o, c, pages_max, idx, &round[r]);
     }
     tally_median(&tl, round, o.rounds);
-    print_table(&tl);
+    print_table(&tl, o.perftest);
     print_fixed_costs(&o, &tl);
     print_summary(&o, &tl);
     free(idx);

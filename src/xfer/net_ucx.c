@@ -476,8 +476,12 @@ pd_err net_ucx_config_make(const pd_net_config *cfg, ucp_config_t **out, char *m
      * acknowledgement: a one-page room's KV page, Mamba slot and metadata
      * row took six sends. Segments as large as the receiver's (64K) make
      * them three: 94 -> 68 us per one-page room (bench/xfer, tiny model). A
-     * hint: a UCX without that setting keeps its default. */
-    (void)ucp_config_modify(uc, "TX_SEG_SIZE", TCP_TX_SEG);
+     * hint: a UCX without that setting keeps its default. Not where only
+     * shared-memory transports are allowed: no interface would take it, and
+     * UCX warns "invalid configuration" at each worker's creation. */
+    char tls_now[256];
+    net_ucx_config_value(uc, "UCX_TLS=", tls_now, sizeof(tls_now));
+    if (!tls_shm_only(tls_now)) (void)ucp_config_modify(uc, "TX_SEG_SIZE", TCP_TX_SEG);
     /* UCX's adaptive progress leaves an interface that none of this
      * worker's endpoints sends on deactivated: the decode's shared-memory
      * interface, which only receives. UCX keeps it armed, so the sender of

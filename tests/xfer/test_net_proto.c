@@ -419,6 +419,29 @@ static void adaptive_progress_is_off(void **state) {
     assert_true(v[0] != '\0'); /* the lookup itself finds a setting UCX prints */
 }
 
+/* tcp's send segment is asked for only where tcp may be used: with shared
+ * memory alone UCX would warn "invalid configuration: TX_SEG_SIZE=64K" at
+ * every worker's creation (it did, in each shm deployment's log). */
+static void tcp_segment_only_where_tcp_may_be_used(void **state) {
+    (void)state;
+    static const struct {
+        const char *tls, *want;
+    } cases[] = {{"shm", ""},
+                 {"posix,sysv,cma", ""},
+                 {"tcp", TCP_TX_SEG},
+                 {"shm,tcp", TCP_TX_SEG},
+                 {"^tcp", TCP_TX_SEG}};
+    for (size_t i = 0; i < PD_ARRAY_LEN(cases); i++) {
+        pd_net_config cfg = {.ucx_tls = cases[i].tls};
+        char msg[256], v[32];
+        ucp_config_t *uc = NULL;
+        assert_ok(net_ucx_config_make(&cfg, &uc, msg, sizeof(msg)));
+        net_ucx_config_value(uc, "TX_SEG_SIZE=", v, sizeof(v));
+        ucp_config_release(uc);
+        assert_string_equal(v, cases[i].want);
+    }
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(header_fields_are_little_endian_at_fixed_offsets),
@@ -433,6 +456,7 @@ int main(void) {
         cmocka_unit_test(error_and_small_messages_round_trip),
         cmocka_unit_test(mutated_messages_never_read_out_of_bounds),
         cmocka_unit_test(adaptive_progress_is_off),
+        cmocka_unit_test(tcp_segment_only_where_tcp_may_be_used),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
