@@ -180,6 +180,23 @@ static req *record_alloc(pd_engine *e) {
     return r;
 }
 
+static void buf_drop(int32_t **buf, uint32_t *cap) {
+    free(*buf);
+    *buf = NULL;
+    *cap = 0;
+}
+
+/* Makes *buf (of *cap tokens) hold n tokens: kept when it does, else
+ * replaced. False, with no buffer left, when out of memory. */
+static bool buf_fit(int32_t **buf, uint32_t *cap, uint32_t n) {
+    if (*buf && *cap >= n) return true;
+    buf_drop(buf, cap);
+    *buf = malloc((size_t)PD_MAX(n, 1u) * sizeof(int32_t));
+    if (!*buf) return false;
+    *cap = n;
+    return true;
+}
+
 static void record_free(pd_engine *e, req *r) {
     PD_ASSERT(r->live);
     PD_ASSERT(!r->holds_row && !r->holds_kv && !r->holds_lock && !r->holds_mamba &&
@@ -190,9 +207,10 @@ static void record_free(pd_engine *e, req *r) {
     uint32_t idx = eng_idx(e, r);
     if (r->rid_indexed) rid_index_remove(e, r);
     if (e->cfg.role != PD_ROLE_COLOCATED) pd_index_remove(&e->room_ix, pd_hash_u64(r->room), idx);
-    free(r->prompt);
+    req_buf *b = &e->bufs[idx]; /* kept for the record's next request */
+    if (b->prompt_cap > REQ_BUF_KEEP_MAX) buf_drop(&b->prompt, &b->prompt_cap);
+    if (b->history_cap > REQ_BUF_KEEP_MAX) buf_drop(&b->history, &b->history_cap);
     r->prompt = NULL;
-    free(r->history);
     r->history = NULL;
     r->live = false;
     pd_list_push_front(&e->free_reqs, eng_qlinks(e), idx);
@@ -774,6 +792,7 @@ static pd_err arrays_alloc(pd_engine *e) {
     /* Cache-line aligned: the hot fields of a record share one line. */
     e->reqs = aligned_alloc(_Alignof(req), cfg->requests_max * sizeof(req));
     if (e->reqs) memset(e->reqs, 0, cfg->requests_max * sizeof(req));
+    e->bufs = calloc(cfg->requests_max, sizeof(req_buf));
     e->page_store = calloc((size_t)cfg->requests_max * e->pages_per_req, sizeof(uint32_t));
     e->scratch = calloc(e->pages_per_req, sizeof(uint32_t));
     e->dups = calloc(e->pages_per_req, sizeof(uint32_t));
@@ -782,8 +801,8 @@ static pd_err arrays_alloc(pd_engine *e) {
     e->results = calloc(cfg->batch_max, sizeof(pd_item_result));
     for (int i = 0; i < INFLIGHT_MAX; i++)
         e->inflight[i].items = calloc(cfg->batch_max, sizeof(bitem));
-    if (!e->reqs || !e->page_store || !e->scratch || !e->dups || !e->launch_items || !e->results ||
-        !e->kept_grow || !e->inflight[0].items || !e->inflight[1].items)
+    if (!e->reqs || !e->bufs || !e->page_store || !e->scratch || !e->dups || !e->launch_items ||
+        !e->results || !e->kept_grow || !e->inflight[0].items || !e->inflight[1].items)
         return PD_ERR_NOMEM;
     return PD_OK;
 }
@@ -848,8 +867,12 @@ pd_err pd_engine_create(pd_engine **out, const pd_engine_config *cfg_in,
 
 void pd_engine_destroy(pd_engine *e) {
     if (!e) return;
-    if (e->reqs)
-        for (uint32_t i = 0; i < e->cfg.requests_max; i++) free(e->reqs[i].prompt);
+    if (e->bufs)
+        for (uint32_t i = 0; i < e->cfg.requests_max; i++) {
+            req_buf *b = &e->bufs[i]; /* a live record's prompt and history too */
+            free(b->prompt);
+            free(b->history);
+        }
     pd_cache_destroy(e->cache);
     pd_ledger_destroy(e->ledger);
     pd_pool_destroy(e->kv);
@@ -858,6 +881,7 @@ void pd_engine_destroy(pd_engine *e) {
     pd_pool_destroy(e->meta);
     pd_pool_destroy(e->host);
     free(e->reqs);
+    free(e->bufs);
     pd_index_free(&e->rid_ix);
     pd_index_free(&e->room_ix);
     free(e->page_store);
@@ -974,25 +998,21 @@ static pd_err submit(pd_engine *e, const pd_request_spec *s, uint64_t now_us, pd
     pd_err err = spec_check(e, s, why);
     if (!err) err = admission_check(e, s, why);
     if (err) return err;
-    int32_t *prompt = malloc((size_t)s->prompt_len * sizeof(int32_t));
-    /* The penalties read the tokens generated so far: room for all of them,
-     * taken here so that no step allocates. */
-    int32_t *history = pd_sampling_penalized(&s->sampling) && e->cfg.role != PD_ROLE_PREFILL
-        ? malloc((size_t)s->max_new_tokens * sizeof(int32_t))
-        : NULL;
-    if (!prompt ||
-        (!history && pd_sampling_penalized(&s->sampling) && e->cfg.role != PD_ROLE_PREFILL)) {
-        free(prompt);
-        free(history);
-        return reject(e, why, PD_ERR_NOMEM, 429, "out of memory for the prompt");
-    }
-    req *r = record_alloc(e);
-    if (!r) {
-        free(prompt);
-        free(history);
+    uint32_t idx = e->free_reqs.head; /* the record record_alloc takes */
+    if (idx == PD_NONE)
         return reject(e, why, PD_ERR_NOMEM, 429, "too many live requests (%u)",
                       e->cfg.requests_max);
-    }
+    /* The prompt's copy, and (the penalties read the tokens generated so
+     * far) room for all of them, taken here so that no step allocates: the
+     * record's kept buffers when large enough. */
+    req_buf *b = &e->bufs[idx];
+    bool penalized = pd_sampling_penalized(&s->sampling) && e->cfg.role != PD_ROLE_PREFILL;
+    if (!buf_fit(&b->prompt, &b->prompt_cap, s->prompt_len) ||
+        (penalized && !buf_fit(&b->history, &b->history_cap, s->max_new_tokens)))
+        return reject(e, why, PD_ERR_NOMEM, 429, "out of memory for the prompt");
+    int32_t *prompt = b->prompt, *history = penalized ? b->history : NULL;
+    req *r = record_alloc(e);
+    PD_ASSERT(r == &e->reqs[idx]);
     memcpy(r->rid, s->rid, strlen(s->rid) + 1); /* spec_check: shorter than PD_RID_MAX */
     r->room = s->room;
     r->tag = s->tag;
@@ -1008,7 +1028,6 @@ static pd_err submit(pd_engine *e, const pd_request_spec *s, uint64_t now_us, pd
     if (s->peer) snprintf(r->peer, sizeof(r->peer), "%s", s->peer);
     r->t_submit = now_us;
     r->bootstrapped = e->cfg.role == PD_ROLE_COLOCATED; /* nothing to hand over */
-    uint32_t idx = eng_idx(e, r);
     r->rid_hash = pd_hash_str(r->rid);
     pd_index_insert(&e->rid_ix, r->rid_hash, idx);
     r->rid_indexed = true;

@@ -138,6 +138,16 @@ typedef struct batch_rec {
 
 #define INFLIGHT_MAX 2
 
+/* A record's prompt and history storage: kept when the record is freed and
+ * taken by the record's next request when large enough, so that neither the
+ * retire (free) nor the submit (malloc) touches the heap in a steady state
+ * (issue 13). A buffer above REQ_BUF_KEEP_MAX tokens is freed at retire. */
+typedef struct req_buf {
+    int32_t *prompt, *history;
+    uint32_t prompt_cap, history_cap; /* tokens; 0 with no buffer */
+} req_buf;
+enum { REQ_BUF_KEEP_MAX = 8192 };
+
 struct pd_engine {
     pd_engine_config cfg;
     pd_executor exec;
@@ -152,6 +162,7 @@ struct pd_engine {
     uint32_t tracks;          /* track slots per request: 0, 1 or 2 */
 
     req *reqs;
+    req_buf *bufs; /* per record, kept across its requests */
     uint32_t reqs_live;
     pd_list free_reqs;        /* records not live, the last freed first */
     pd_index rid_ix, room_ix; /* live rid -> record; room -> record (not colocated) */

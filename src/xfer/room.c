@@ -1,52 +1,15 @@
 /*
- * room.c — the room core (src/xfer/room.h): the half's rules, the
- * destination's checks and the room table. No I/O, no clock, no locks: the
- * transport that drives it supplies time and serialises calls.
+ * room.c — the room core (src/xfer/room.h): the half's abort and cancel,
+ * the destination's copies and the room table (the half's other rules and
+ * the destination's checks are inline in room.h). No I/O, no clock, no
+ * locks: the transport that drives it supplies time and serialises calls.
  */
 #include "room.h"
 
 #include <stdlib.h>
 #include <string.h>
 
-#include "pdserve/pool.h"
-
 /* ---- the half ------------------------------------------------------------ */
-
-bool xr_is_final(pd_xfer_status st) { return st == PD_XFER_SUCCESS || st == PD_XFER_FAILED; }
-
-void xr_set_status(xr_half *h, pd_xfer_status st) {
-    if (xr_is_final(h->st)) return;
-    PD_ASSERT(st >= h->st || st == PD_XFER_FAILED);
-    h->st = st;
-}
-
-pd_xfer_status xr_status(const xr_half *h) { return h->open ? h->st : PD_XFER_NONE; }
-
-bool xr_can_open(const xr_half *h) { return !h->open && !h->closed && !h->cancelled; }
-
-pd_err xr_open_sender(xr_half *h, bool dest_known) {
-    if (!xr_can_open(h)) return PD_ERR_EXISTS;
-    h->open = true;
-    if (h->st == PD_XFER_NONE)
-        h->st = dest_known ? PD_XFER_WAITING_FOR_INPUT : PD_XFER_BOOTSTRAPPING;
-    return PD_OK;
-}
-
-pd_err xr_open_receiver(xr_half *h) {
-    if (!xr_can_open(h)) return PD_ERR_EXISTS;
-    h->open = true;
-    if (h->st == PD_XFER_NONE) h->st = PD_XFER_BOOTSTRAPPING;
-    return PD_OK;
-}
-
-void xr_dest_arrived(xr_half *h) {
-    if (h->st == PD_XFER_BOOTSTRAPPING) h->st = PD_XFER_WAITING_FOR_INPUT;
-}
-
-void xr_data_started(xr_half *h) {
-    if (h->st == PD_XFER_BOOTSTRAPPING || h->st == PD_XFER_WAITING_FOR_INPUT)
-        h->st = PD_XFER_TRANSFERRING;
-}
 
 xr_act xr_abort(xr_half *h, xr_role role) {
     if (role == XR_SENDER) {
@@ -68,31 +31,6 @@ xr_act xr_abort(xr_half *h, xr_role role) {
     return XR_ACT_NOTIFY;
 }
 
-void xr_abort_effective(xr_half *h) {
-    h->stopping = false;
-    h->done = true;
-}
-
-void xr_sender_done(xr_half *h) { h->done = true; }
-
-void xr_peer_stopped(xr_half *h) { h->peer_stopped = true; }
-
-void xr_peer_failed(xr_half *h, xr_role role) {
-    xr_set_status(h, PD_XFER_FAILED);
-    if (role == XR_SENDER) h->done = true;
-    else h->peer_stopped = true;
-}
-
-bool xr_drained(const xr_half *h, xr_role role, uint64_t now) {
-    if (h->writes_out > 0) return false;
-    if (role == XR_SENDER) return !h->stopping;
-    return h->peer_stopped && now >= h->settle_until;
-}
-
-void xr_close(xr_half *h) {
-    if (h->open) h->closed = true;
-}
-
 xr_act xr_cancel(xr_half *h, xr_role role) {
     if (h->open || h->cancelled) return XR_ACT_NONE;
     h->cancelled = true;
@@ -104,27 +42,7 @@ xr_act xr_cancel(xr_half *h, xr_role role) {
     return h->peer_stopped ? XR_ACT_NONE : XR_ACT_NOTIFY;
 }
 
-bool xr_gone(const xr_half *h) { return h->open ? h->closed : h->cancelled; }
-
-bool xr_news_for_engine(const xr_half *h) {
-    return !h->open && !h->cancelled && h->st == PD_XFER_FAILED;
-}
-
-bool xr_news_for_peer(const xr_half *h, const xr_dest *d) { return h->early_abort && !d->known; }
-
-bool xr_sendable(const xr_half *h) {
-    if (!h->open || h->closed || h->done || h->stopping) return false;
-    return h->st == PD_XFER_WAITING_FOR_INPUT || h->st == PD_XFER_TRANSFERRING;
-}
-
 /* ---- the destination ---------------------------------------------------- */
-
-bool xr_dest_valid(const pd_xfer_dest *dest, uint32_t ps) {
-    return dest && ps > 0 && dest->prompt_tokens > 0 && dest->cached_tokens % ps == 0 &&
-        dest->cached_tokens <= dest->prompt_tokens &&
-        dest->n_pages == PD_DIV_CEIL(dest->prompt_tokens, ps) - dest->cached_tokens / ps &&
-        (dest->n_pages == 0 || dest->pages);
-}
 
 /* Points d at pages (holding dest's page list already), freeing what it owned. */
 static void dest_fill(xr_dest *d, const pd_xfer_dest *dest, uint32_t *pages, bool borrowed) {
@@ -158,23 +76,6 @@ void xr_dest_set_in(xr_dest *d, const pd_xfer_dest *dest, uint32_t *storage) {
 void xr_dest_clear(xr_dest *d) {
     if (!d->borrowed) free(d->pages);
     memset(d, 0, sizeof(*d));
-}
-
-bool xr_dest_covers(const xr_dest *d, uint32_t ps, uint32_t first, uint32_t n) {
-    if (n == 0) return true;
-    uint32_t base = d->cached / ps;
-    return first >= base && first - base <= d->n_pages && n <= d->n_pages - (first - base);
-}
-
-bool xr_final_fits(const xr_dest *d, uint32_t ps, uint32_t first, uint32_t n, uint32_t mamba_slot) {
-    if ((mamba_slot == PD_POOL_NONE) != (d->mamba_slot == PD_POOL_NONE)) return false;
-    return d->prompt <= d->cached || first + n == PD_DIV_CEIL(d->prompt, ps);
-}
-
-uint32_t xr_dest_page(const xr_dest *d, uint32_t ps, uint32_t page) {
-    uint32_t i = page - d->cached / ps;
-    PD_ASSERT(i < d->n_pages);
-    return d->pages[i];
 }
 
 /* ---- the room table ----------------------------------------------------- */

@@ -42,6 +42,7 @@
 #define PD_XFER_ROOM_H
 
 #include "pdserve/index.h"
+#include "pdserve/pool.h"
 #include "pdserve/xfer.h"
 
 typedef enum xr_role { XR_SENDER = 0, XR_RECEIVER = 1 } xr_role;
@@ -79,23 +80,23 @@ typedef enum xr_act {
 
 /* ---- the status and the half's rules ---- */
 
-bool xr_is_final(pd_xfer_status st);
+static inline bool xr_is_final(pd_xfer_status st);
 /* Moves the status forward; a final status never changes. */
-void xr_set_status(xr_half *h, pd_xfer_status st);
+static inline void xr_set_status(xr_half *h, pd_xfer_status st);
 /* The status the engine sees: NONE until it opened the room. */
-pd_xfer_status xr_status(const xr_half *h);
+static inline pd_xfer_status xr_status(const xr_half *h);
 
 /* Opens the half for the engine. PD_ERR_EXISTS if it was opened or ended
  * here before. A half already FAILED (news from the peer) stays FAILED. */
-pd_err xr_open_sender(xr_half *h, bool dest_known);
+static inline pd_err xr_open_sender(xr_half *h, bool dest_known);
 /* The half was never opened nor ended here (xr_open_* would succeed). */
-bool xr_can_open(const xr_half *h);
-pd_err xr_open_receiver(xr_half *h);
+static inline bool xr_can_open(const xr_half *h);
+static inline pd_err xr_open_receiver(xr_half *h);
 /* The destination reached the sender (either half: a half bootstrapping
  * moves to WAITING_FOR_INPUT). */
-void xr_dest_arrived(xr_half *h);
+static inline void xr_dest_arrived(xr_half *h);
 /* The receiver learnt that writes started. */
-void xr_data_started(xr_half *h);
+static inline void xr_data_started(xr_half *h);
 
 /* The engine's abort. Sender: stops posting; NOTIFY if nothing is in
  * flight (the abort takes effect now), NOTIFY_LATER if writes must settle
@@ -103,34 +104,34 @@ void xr_data_started(xr_half *h);
  * destination that never left needs no notice (the sender can never write). */
 xr_act xr_abort(xr_half *h, xr_role role);
 /* The sender's abort took effect: nothing it posted is in flight any more. */
-void xr_abort_effective(xr_half *h);
+static inline void xr_abort_effective(xr_half *h);
 /* The sender will post nothing more: completed, or the peer stopped it. */
-void xr_sender_done(xr_half *h);
+static inline void xr_sender_done(xr_half *h);
 /* The receiver learnt the sender will write nothing more. */
-void xr_peer_stopped(xr_half *h);
+static inline void xr_peer_stopped(xr_half *h);
 /* The peer failed the room (its abort, its refusal, its death). */
-void xr_peer_failed(xr_half *h, xr_role role);
+static inline void xr_peer_failed(xr_half *h, xr_role role);
 
-bool xr_drained(const xr_half *h, xr_role role, uint64_t now);
+static inline bool xr_drained(const xr_half *h, xr_role role, uint64_t now);
 
 /* The engine closes the half it opened (only once drained). */
-void xr_close(xr_half *h);
+static inline void xr_close(xr_half *h);
 /* cancel() of a room this side never opened: NOTIFY if the peer must be
  * told, NONE if the half was open or cancelled already. */
 xr_act xr_cancel(xr_half *h, xr_role role);
 
 /* The engine is done with the half: closed, or ended without opening. */
-bool xr_gone(const xr_half *h);
+static inline bool xr_gone(const xr_half *h);
 /* A half not opened (nor ended) here that the local engine would find FAILED. */
-bool xr_news_for_engine(const xr_half *h);
+static inline bool xr_news_for_engine(const xr_half *h);
 /* A sender half that must stay to answer the peer's late destination. */
-bool xr_news_for_peer(const xr_half *h, const xr_dest *d);
+static inline bool xr_news_for_peer(const xr_half *h, const xr_dest *d);
 
 /* ---- the destination ---- */
 
 /* Checks a destination against the page size: a non-empty prompt, a cached
  * prefix that is a page multiple within it, and one page per uncached page. */
-bool xr_dest_valid(const pd_xfer_dest *dest, uint32_t page_size);
+static inline bool xr_dest_valid(const pd_xfer_dest *dest, uint32_t page_size);
 /* Copies a valid destination in. PD_ERR_NOMEM leaves d unchanged. */
 pd_err xr_dest_set(xr_dest *d, const pd_xfer_dest *dest);
 /* Copies a valid destination into the caller's storage of at least
@@ -139,14 +140,14 @@ void xr_dest_set_in(xr_dest *d, const pd_xfer_dest *dest, uint32_t *storage);
 /* Forgets the destination, freeing its pages unless they were borrowed. */
 void xr_dest_clear(xr_dest *d);
 /* Checks writes of sequence pages [first, first + n) against the destination. */
-bool xr_dest_covers(const xr_dest *d, uint32_t page_size, uint32_t first, uint32_t n);
+static inline bool xr_dest_covers(const xr_dest *d, uint32_t page_size, uint32_t first, uint32_t n);
 /* The final send's pages end the prompt, and its Mamba state matches. */
-bool xr_final_fits(const xr_dest *d, uint32_t page_size, uint32_t first, uint32_t n,
-                   uint32_t mamba_slot);
+static inline bool xr_final_fits(const xr_dest *d, uint32_t page_size, uint32_t first, uint32_t n,
+                                 uint32_t mamba_slot);
 /* The destination of sequence page `page` (which xr_dest_covers). */
-uint32_t xr_dest_page(const xr_dest *d, uint32_t page_size, uint32_t page);
+static inline uint32_t xr_dest_page(const xr_dest *d, uint32_t page_size, uint32_t page);
 /* A sender half that may post writes now. */
-bool xr_sendable(const xr_half *h);
+static inline bool xr_sendable(const xr_half *h);
 
 /* ---- the room table ----
  * Records of a transport's own type, each starting with an xr_slot, in one
@@ -192,5 +193,113 @@ void xr_remove(xr_table *t, uint32_t r);
 /* Marks the record a tombstone (once; the order is kept) or a live room again. */
 void xr_set_tomb(xr_table *t, uint32_t r, bool tomb);
 uint32_t xr_used(const xr_table *t);
+
+/* ---- the half's rules and the destination's checks, inline ----
+ * A transport asks these on every call about a room (status polls, drained
+ * checks, each send): defined here so that the loopback and net.c inline
+ * them instead of calling into room.c (issue 13). */
+
+static inline bool xr_is_final(pd_xfer_status st) {
+    return st == PD_XFER_SUCCESS || st == PD_XFER_FAILED;
+}
+
+static inline void xr_set_status(xr_half *h, pd_xfer_status st) {
+    if (xr_is_final(h->st)) return;
+    PD_ASSERT(st >= h->st || st == PD_XFER_FAILED);
+    h->st = st;
+}
+
+static inline pd_xfer_status xr_status(const xr_half *h) { return h->open ? h->st : PD_XFER_NONE; }
+
+static inline bool xr_can_open(const xr_half *h) { return !h->open && !h->closed && !h->cancelled; }
+
+static inline pd_err xr_open_sender(xr_half *h, bool dest_known) {
+    if (!xr_can_open(h)) return PD_ERR_EXISTS;
+    h->open = true;
+    if (h->st == PD_XFER_NONE)
+        h->st = dest_known ? PD_XFER_WAITING_FOR_INPUT : PD_XFER_BOOTSTRAPPING;
+    return PD_OK;
+}
+
+static inline pd_err xr_open_receiver(xr_half *h) {
+    if (!xr_can_open(h)) return PD_ERR_EXISTS;
+    h->open = true;
+    if (h->st == PD_XFER_NONE) h->st = PD_XFER_BOOTSTRAPPING;
+    return PD_OK;
+}
+
+static inline void xr_dest_arrived(xr_half *h) {
+    if (h->st == PD_XFER_BOOTSTRAPPING) h->st = PD_XFER_WAITING_FOR_INPUT;
+}
+
+static inline void xr_data_started(xr_half *h) {
+    if (h->st == PD_XFER_BOOTSTRAPPING || h->st == PD_XFER_WAITING_FOR_INPUT)
+        h->st = PD_XFER_TRANSFERRING;
+}
+
+static inline void xr_abort_effective(xr_half *h) {
+    h->stopping = false;
+    h->done = true;
+}
+
+static inline void xr_sender_done(xr_half *h) { h->done = true; }
+
+static inline void xr_peer_stopped(xr_half *h) { h->peer_stopped = true; }
+
+static inline void xr_peer_failed(xr_half *h, xr_role role) {
+    xr_set_status(h, PD_XFER_FAILED);
+    if (role == XR_SENDER) h->done = true;
+    else h->peer_stopped = true;
+}
+
+static inline bool xr_drained(const xr_half *h, xr_role role, uint64_t now) {
+    if (h->writes_out > 0) return false;
+    if (role == XR_SENDER) return !h->stopping;
+    return h->peer_stopped && now >= h->settle_until;
+}
+
+static inline void xr_close(xr_half *h) {
+    if (h->open) h->closed = true;
+}
+
+static inline bool xr_gone(const xr_half *h) { return h->open ? h->closed : h->cancelled; }
+
+static inline bool xr_news_for_engine(const xr_half *h) {
+    return !h->open && !h->cancelled && h->st == PD_XFER_FAILED;
+}
+
+static inline bool xr_news_for_peer(const xr_half *h, const xr_dest *d) {
+    return h->early_abort && !d->known;
+}
+
+static inline bool xr_sendable(const xr_half *h) {
+    if (!h->open || h->closed || h->done || h->stopping) return false;
+    return h->st == PD_XFER_WAITING_FOR_INPUT || h->st == PD_XFER_TRANSFERRING;
+}
+
+static inline bool xr_dest_valid(const pd_xfer_dest *dest, uint32_t ps) {
+    return dest && ps > 0 && dest->prompt_tokens > 0 && dest->cached_tokens % ps == 0 &&
+        dest->cached_tokens <= dest->prompt_tokens &&
+        dest->n_pages == PD_DIV_CEIL(dest->prompt_tokens, ps) - dest->cached_tokens / ps &&
+        (dest->n_pages == 0 || dest->pages);
+}
+
+static inline bool xr_dest_covers(const xr_dest *d, uint32_t ps, uint32_t first, uint32_t n) {
+    if (n == 0) return true;
+    uint32_t base = d->cached / ps;
+    return first >= base && first - base <= d->n_pages && n <= d->n_pages - (first - base);
+}
+
+static inline bool xr_final_fits(const xr_dest *d, uint32_t ps, uint32_t first, uint32_t n,
+                                 uint32_t mamba_slot) {
+    if ((mamba_slot == PD_POOL_NONE) != (d->mamba_slot == PD_POOL_NONE)) return false;
+    return d->prompt <= d->cached || first + n == PD_DIV_CEIL(d->prompt, ps);
+}
+
+static inline uint32_t xr_dest_page(const xr_dest *d, uint32_t ps, uint32_t page) {
+    uint32_t i = page - d->cached / ps;
+    PD_ASSERT(i < d->n_pages);
+    return d->pages[i];
+}
 
 #endif /* PD_XFER_ROOM_H */

@@ -205,11 +205,66 @@ static void finished_request_caches_only_new_pages_and_keeps_no_lock(void **stat
     pd_synth_destroy(sx);
 }
 
+/* One record serves every request (requests_max 1): its prompt and history
+ * buffers, kept from one request to the next (engine.c, buf_fit), are
+ * reused when large enough and replaced when not, and each answer equals
+ * the request run alone, penalised ones (which read the history) too. */
+static void a_records_kept_buffers_serve_its_next_requests(void **state) {
+    (void)state;
+    pd_synth_config sc = {
+        .page_size = 4, .kv_pages = 64, .layers = 1, .vocab = 61, .eos_token = 60, .batch_max = 4};
+    pd_synth *sx;
+    assert_ok(pd_synth_create(&sx, &sc));
+    pd_engine_config c;
+    pd_engine_config_default(&c, PD_ROLE_COLOCATED);
+    c.page_size = 4;
+    c.kv_pages = 64;
+    c.rows = 2;
+    c.requests_max = 1;
+    c.chunk_tokens = 16;
+    pd_engine *e;
+    char msg[256];
+    pd_sink sink = {&sink_vt, NULL};
+    if (pd_engine_create(&e, &c, pd_synth_executor(sx), (pd_xfer){0}, sink, msg, sizeof(msg)))
+        fail_msg("%s", msg);
+    static const uint32_t lens[] = {5, 40, 3, 41, 40, 7};
+    static const uint32_t news[] = {2, 12, 3, 16, 1, 20};
+    pd_sampling plain = {.top_p = 1.0f};
+    pd_sampling pen = {.top_p = 1.0f, .repetition_penalty = 1.5f, .frequency_penalty = 0.7f};
+    for (int i = 0; i < 6; i++) {
+        memset(outs, 0, sizeof(outs));
+        snprintf(outs[0].rid, sizeof(outs[0].rid), "k%d", i);
+        int32_t p[48];
+        for (uint32_t k = 0; k < lens[i]; k++) p[k] = (int32_t)((k * 13 + (uint32_t)i * 7) % 60);
+        const pd_sampling *sm = i % 3 == 0 ? &plain : &pen;
+        pd_request_spec s = {.rid = outs[0].rid,
+                             .prompt = p,
+                             .prompt_len = lens[i],
+                             .max_new_tokens = news[i],
+                             .ignore_eos = true,
+                             .sampling = *sm};
+        assert_ok(pd_engine_submit(e, &s, 0, NULL));
+        for (uint64_t t = 1; t < 200 && !pd_engine_idle(e); t++) {
+            pd_engine_step(e, t);
+            check(e);
+        }
+        assert_true(pd_engine_idle(e));
+        assert_int_equal(outs[0].terminals, 1);
+        int32_t ref[32];
+        uint32_t n = pd_synth_reference(&sc, false, p, lens[i], news[i], NULL, 0, true, sm, ref);
+        assert_int_equal(outs[0].n, n);
+        for (uint32_t k = 0; k < n; k++) assert_int_equal(outs[0].tokens[k], ref[k]);
+    }
+    pd_engine_destroy(e);
+    pd_synth_destroy(sx);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(colocated_answers_equal_requests_run_alone),
         cmocka_unit_test(colocated_abort_at_every_moment_releases_everything),
         cmocka_unit_test(finished_request_caches_only_new_pages_and_keeps_no_lock),
+        cmocka_unit_test(a_records_kept_buffers_serve_its_next_requests),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
