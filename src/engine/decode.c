@@ -211,24 +211,17 @@ static void kept_check(const pd_engine *e, const pd_batch_item *it, const req *r
  * flight). The running queue only grows at its tail (commit) and loses
  * requests anywhere (retire), and a batch is its first batch_max requests, so
  * the requests of the last batch still running after their results are the
- * next batch's first items, in the same order. Their items are kept where
- * they are — only the position and the sample index change, and the page
- * count when a page is added — and moved down over the items of the requests
- * gone, a run of kept items at a time (an item only moves down, below the
- * next one read). When e->kept_ready, launch_items[0, n) are the next
+ * next batch's first items, in the same order. Their items are kept — only
+ * the position and the sample index change, and the page count when a page
+ * is added — and the gaps of the requests gone are closed after the results:
+ * the gaps before a split by moving the items before them up (launch_items
+ * then starts later in launch_buf), those after it by moving the items after
+ * them down, the split the one that moves the fewest items (the oldest
+ * requests, first in the queue, are the ones that finish, so most gaps lie
+ * near the front). When e->kept_ready, launch_items[0, n) are the next
  * batch's first n items, n its record's count (the record eng_batch_begin
  * returns next); their page growth and launch reports wait for schedule(),
  * in the order decode_add_items would make them. */
-typedef struct keep_run {
-    uint32_t src, dst, n;
-} keep_run;
-
-static void keep_flush(pd_engine *e, keep_run *run) {
-    if (run->n && run->src != run->dst)
-        memmove(&e->launch_items[run->dst], &e->launch_items[run->src],
-                run->n * sizeof(pd_batch_item));
-    run->n = 0;
-}
 
 /* The record index of an owner, (gen << 32) | (index + 1): a decode batch's
  * items name their records through their req (pd_batch_item), the items of
@@ -236,22 +229,52 @@ static void keep_flush(pd_engine *e, keep_run *run) {
 static inline uint32_t owner_idx(uint64_t owner) { return (uint32_t)owner - 1u; }
 
 /* Item i of the batch just polled is r's, still running: it becomes item
- * nb->n of the next batch. */
-static inline void keep_item(pd_engine *e, batch_rec *nb, keep_run *run, req *r, uint32_t i) {
+ * nb->n of the next batch once the gaps are closed. */
+static inline void keep_item(pd_engine *e, batch_rec *nb, req *r, uint32_t i) {
     pd_batch_item *it = &e->launch_items[i];
     PD_ASSERT(r->out_len < r->max_new);
     it->start_pos = r->prompt_len + r->out_len - 1;
     it->sample_index = r->out_len;
     /* Its next position needs a page: kept_pages adds it, in item order. */
     if (it->start_pos >= it->n_pages * e->cfg.page_size) e->kept_grow[e->kept_grow_n++] = nb->n;
-    if (run->n == 0 || run->src + run->n != i) {
-        keep_flush(e, run);
-        *run = (keep_run){.src = i, .dst = nb->n};
-    }
-    run->n++;
     nb->n++;
     r->forwards_in_flight++;
     r->pending_chunk = true;
+}
+
+/* Which gaps of n items close from the front: the first j (their items
+ * before gap j-1 move up), the rest from the back, j moving the fewest. */
+static uint32_t gap_split(const uint32_t *g, uint32_t k, uint32_t n) {
+    uint32_t best = 0, best_cost = n - g[0] - k; /* all from the back */
+    for (uint32_t j = 1; j <= k; j++) {
+        uint32_t cost = g[j - 1] - (j - 1) + (j < k ? n - g[j] - (k - j) : 0);
+        if (cost < best_cost) best = j, best_cost = cost;
+    }
+    return best;
+}
+
+/* Closes the kept_gap_n gaps of the n items at launch_items (see above). */
+static void keep_compact(pd_engine *e, uint32_t n) {
+    const uint32_t k = e->kept_gap_n, *g = e->kept_gap;
+    if (k == 0) return;
+    const uint32_t j = gap_split(g, k, n);
+    pd_batch_item *it = e->launch_items;
+    for (uint32_t i = j; i-- > 0;) { /* up by the gaps from i to j - 1 */
+        uint32_t from = i ? g[i - 1] + 1 : 0;
+        if (g[i] > from) memmove(&it[from + j - i], &it[from], (g[i] - from) * sizeof(*it));
+    }
+    for (uint32_t i = j; i < k; i++) { /* down by the gaps from j to i */
+        uint32_t from = g[i] + 1, to = i + 1 < k ? g[i + 1] : n;
+        if (to > from) memmove(&it[from - (i - j + 1)], &it[from], (to - from) * sizeof(*it));
+    }
+    it += j;
+    /* launch_items must hold batch_max items: back to the buffer's start. */
+    if (it > e->launch_buf + e->cfg.batch_max) {
+        memmove(e->launch_buf, it, (n - k) * sizeof(*it));
+        it = e->launch_buf;
+    }
+    e->launch_items = it;
+    e->kept_gap_n = 0;
 }
 
 /* eng_batch_poll with decode_on_result (a decode item is one token, never a
@@ -266,8 +289,7 @@ static void poll_and_keep(pd_engine *e) {
     e->inflight_n--;
     batch_rec *nb = &e->inflight[e->inflight_head]; /* eng_batch_begin's next */
     nb->n = 0;
-    e->kept_grow_n = 0;
-    keep_run run = {0};
+    e->kept_grow_n = e->kept_gap_n = 0;
     const pd_batch_item *items = e->launch_items;
     enum { AHEAD = 4 };
     for (uint32_t i = 0; i < b->n && i < AHEAD; i++) eng_prefetch(e, owner_idx(items[i].req));
@@ -277,6 +299,7 @@ static void poll_and_keep(pd_engine *e) {
         req *r = eng_req(e, owner_idx(owner));
         if (!r->live || r->owner != owner) {
             e->ctr.late_results_ignored++; /* as eng_batch_poll */
+            e->kept_gap[e->kept_gap_n++] = i;
             continue;
         }
         PD_ASSERT(e->results[i].req == owner);
@@ -285,9 +308,10 @@ static void poll_and_keep(pd_engine *e) {
         if (r->forwards_in_flight == 0) r->pending_chunk = false;
         eng_act(e, r, PD_ACT_RESULT, false, 1);
         decode_on_result(e, r, NULL, &e->results[i]);
-        if (r->live && r->queue == Q_RUNNING) keep_item(e, nb, &run, r, i);
+        if (r->live && r->queue == Q_RUNNING) keep_item(e, nb, r, i);
+        else e->kept_gap[e->kept_gap_n++] = i;
     }
-    keep_flush(e, &run);
+    keep_compact(e, b->n);
     e->kept_ready = true;
 }
 

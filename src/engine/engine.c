@@ -796,13 +796,16 @@ static pd_err arrays_alloc(pd_engine *e) {
     e->page_store = calloc((size_t)cfg->requests_max * e->pages_per_req, sizeof(uint32_t));
     e->scratch = calloc(e->pages_per_req, sizeof(uint32_t));
     e->dups = calloc(e->pages_per_req, sizeof(uint32_t));
-    e->launch_items = calloc(cfg->batch_max, sizeof(pd_batch_item));
+    e->launch_buf = calloc(2 * (size_t)cfg->batch_max, sizeof(pd_batch_item));
+    e->launch_items = e->launch_buf;
     e->kept_grow = calloc(cfg->batch_max, sizeof(uint32_t));
+    e->kept_gap = calloc(cfg->batch_max, sizeof(uint32_t));
     e->results = calloc(cfg->batch_max, sizeof(pd_item_result));
     for (int i = 0; i < INFLIGHT_MAX; i++)
         e->inflight[i].items = calloc(cfg->batch_max, sizeof(bitem));
     if (!e->reqs || !e->bufs || !e->page_store || !e->scratch || !e->dups || !e->launch_items ||
-        !e->results || !e->kept_grow || !e->inflight[0].items || !e->inflight[1].items)
+        !e->results || !e->kept_grow || !e->kept_gap || !e->inflight[0].items ||
+        !e->inflight[1].items)
         return PD_ERR_NOMEM;
     return PD_OK;
 }
@@ -887,8 +890,9 @@ void pd_engine_destroy(pd_engine *e) {
     free(e->page_store);
     free(e->scratch);
     free(e->dups);
-    free(e->launch_items);
+    free(e->launch_buf);
     free(e->kept_grow);
+    free(e->kept_gap);
     free(e->results);
     for (int i = 0; i < INFLIGHT_MAX; i++) free(e->inflight[i].items);
     free(e);

@@ -175,13 +175,19 @@ struct pd_engine {
     batch_rec inflight[INFLIGHT_MAX];
     uint32_t inflight_head, inflight_n;
     uint64_t next_batch_id;
-    pd_batch_item *launch_items;
+    /* The launched batch's items. The decode role moves it within
+     * launch_buf (2 x batch_max items, launch_items <= launch_buf + batch_max)
+     * so that the kept items are compacted from whichever side moves fewer
+     * (decode.c); every other user reads it as an array of batch_max. */
+    pd_batch_item *launch_items, *launch_buf;
     /* Decode role: the next batch's record and launch_items hold its first
      * items, those of the last batch's requests still running (decode.c). */
     bool kept_ready;
     /* Decode role: which of those kept items need a page for their next
      * position, in item order (kept_grow_n of them, at most batch_max). */
     uint32_t *kept_grow, kept_grow_n;
+    /* Decode role: the last batch's items not kept, in item order. */
+    uint32_t *kept_gap, kept_gap_n;
     pd_item_result *results;
 
     uint64_t now;
