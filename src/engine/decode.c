@@ -27,7 +27,8 @@ static void fail(pd_engine *e, req *r, int status, const char *msg) {
 /* After token out_len-1 was produced: is the request done? */
 static bool finished(pd_engine *e, req *r, pd_finish_reason *why) {
     int32_t t = r->last_token;
-    if (!r->ignore_eos && e->info.eos_token >= 0 && t == e->info.eos_token) {
+    /* The token first: it is rarely the eos token, the other two rarely stop it. */
+    if (t == e->info.eos_token && e->info.eos_token >= 0 && !r->ignore_eos) {
         *why = PD_FINISH_STOP;
         return true;
     }
