@@ -170,6 +170,26 @@ static uint64_t cached_pages(pd_engine *e) {
     return pd_ledger_count(l, 0, PD_UNIT_CACHE_EVICTABLE);
 }
 
+/* A colocated engine over the synthetic model sc, with sc's pages, two rows,
+ * requests_max records (0: the default) and chunks of `chunk` tokens. */
+static pd_engine *small_engine(const pd_synth_config *sc, uint32_t requests_max, uint32_t chunk,
+                               pd_synth **sx) {
+    assert_ok(pd_synth_create(sx, sc));
+    pd_engine_config c;
+    pd_engine_config_default(&c, PD_ROLE_COLOCATED);
+    c.page_size = sc->page_size;
+    c.kv_pages = sc->kv_pages;
+    c.rows = 2;
+    if (requests_max) c.requests_max = requests_max;
+    c.chunk_tokens = chunk;
+    pd_engine *e;
+    char msg[256];
+    pd_sink sink = {&sink_vt, NULL};
+    if (pd_engine_create(&e, &c, pd_synth_executor(*sx), (pd_xfer){0}, sink, msg, sizeof(msg)))
+        fail_msg("%s", msg);
+    return e;
+}
+
 /* A finished request's retire inserts only what the cache lacks (and skips
  * the insert when that is nothing), and leaves no lock behind either way. */
 static void finished_request_caches_only_new_pages_and_keeps_no_lock(void **state) {
@@ -178,18 +198,8 @@ static void finished_request_caches_only_new_pages_and_keeps_no_lock(void **stat
     pd_synth_config sc = {
         .page_size = 4, .kv_pages = 32, .layers = 1, .vocab = 61, .eos_token = 60, .batch_max = 4};
     pd_synth *sx;
-    assert_ok(pd_synth_create(&sx, &sc));
-    pd_engine_config c;
-    pd_engine_config_default(&c, PD_ROLE_COLOCATED);
-    c.page_size = 4;
-    c.kv_pages = 32;
-    c.rows = 2;
-    c.chunk_tokens = 64;
-    pd_engine *e;
+    pd_engine *e = small_engine(&sc, 0, 64, &sx);
     char msg[256];
-    pd_sink sink = {&sink_vt, NULL};
-    if (pd_engine_create(&e, &c, pd_synth_executor(sx), (pd_xfer){0}, sink, msg, sizeof(msg)))
-        fail_msg("%s", msg);
     int32_t p[16];
     for (int i = 0; i < 16; i++) p[i] = 1 + i;
     run_one(e, "a", p, 12); /* three whole pages, all new */
@@ -214,19 +224,7 @@ static void a_records_kept_buffers_serve_its_next_requests(void **state) {
     pd_synth_config sc = {
         .page_size = 4, .kv_pages = 64, .layers = 1, .vocab = 61, .eos_token = 60, .batch_max = 4};
     pd_synth *sx;
-    assert_ok(pd_synth_create(&sx, &sc));
-    pd_engine_config c;
-    pd_engine_config_default(&c, PD_ROLE_COLOCATED);
-    c.page_size = 4;
-    c.kv_pages = 64;
-    c.rows = 2;
-    c.requests_max = 1;
-    c.chunk_tokens = 16;
-    pd_engine *e;
-    char msg[256];
-    pd_sink sink = {&sink_vt, NULL};
-    if (pd_engine_create(&e, &c, pd_synth_executor(sx), (pd_xfer){0}, sink, msg, sizeof(msg)))
-        fail_msg("%s", msg);
+    pd_engine *e = small_engine(&sc, 1, 16, &sx);
     static const uint32_t lens[] = {5, 40, 3, 41, 40, 7};
     static const uint32_t news[] = {2, 12, 3, 16, 1, 20};
     pd_sampling plain = {.top_p = 1.0f};

@@ -77,6 +77,17 @@ static void finish_both(pair *w, const spec *s) {
     w->dx.vt->close(w->dx.self, s->room);
 }
 
+/* One room from open to close, in one final send: its bytes land where the
+ * decode asked. */
+static void move_room(pair *w, const spec *s) {
+    open_both(w, s);
+    wait_bootstrapped(w, s);
+    send_all(w, s, 0);
+    WAIT_FOR(st_of(w->dx, s->room) == PD_XFER_SUCCESS);
+    check_landed(w, s);
+    finish_both(w, s);
+}
+
 static void wait_no_rooms(pair *w) {
     WAIT_FOR(pd_net_rooms_live(w->pre) == 0);
     WAIT_FOR(pd_net_rooms_live(w->dec) == 0);
@@ -202,12 +213,7 @@ static void room_in_its_notice_lands(void **state) {
     pair_free(w);
     o.notice_data_max = (int32_t)bytes - 1;
     w = pair_new(&o);
-    open_both(w, &s);
-    wait_bootstrapped(w, &s);
-    send_all(w, &s, 0);
-    WAIT_FOR(st_of(w->dx, s.room) == PD_XFER_SUCCESS);
-    check_landed(w, &s);
-    finish_both(w, &s);
+    move_room(w, &s);
     assert_int_equal(stats_of(w->pre).writes_posted, 4);
     assert_int_equal(stats_of(w->pre).notices_with_data, 0);
     wait_no_rooms(w);
@@ -974,12 +980,7 @@ static void default_notice_data_only_where_puts_are_emulated(void **state) {
     spec s;
     spec_init(&s, w, 1900, 8, 0);
     s.src[0] = 1, s.src[1] = 2, s.dst[0] = 60, s.dst[1] = 61;
-    open_both(w, &s);
-    wait_bootstrapped(w, &s);
-    send_all(w, &s, 0);
-    WAIT_FOR(st_of(w->dx, s.room) == PD_XFER_SUCCESS);
-    check_landed(w, &s);
-    finish_both(w, &s);
+    move_room(w, &s);
     const char *tls = getenv("UCX_TLS");
     bool emulated = tls && !strcmp(tls, "tcp");
     assert_int_equal(stats_of(w->pre).notices_with_data, emulated ? 1 : 0);
@@ -1026,12 +1027,7 @@ static void progress_threads_in_sched_batch_still_move_rooms(void **state) {
         spec s;
         spec_init(&s, w, 1950 + k, k ? 40 : 4, 0); /* 1 page in the notice, then 10 as puts */
         for (uint32_t i = 0; i < s.n; i++) s.src[i] = i, s.dst[i] = 60 + i;
-        open_both(w, &s);
-        wait_bootstrapped(w, &s);
-        send_all(w, &s, 0);
-        WAIT_FOR(st_of(w->dx, s.room) == PD_XFER_SUCCESS);
-        check_landed(w, &s);
-        finish_both(w, &s);
+        move_room(w, &s);
     }
     assert_int_equal(stats_of(w->pre).notices_with_data, 1);
     assert_int_equal(stats_of(w->pre).writes_posted, 3);
