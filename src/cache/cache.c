@@ -341,20 +341,75 @@ static void relist(pd_cache *c, uint32_t id) {
     }
 }
 
+/* Moves the run first..last of list l (consecutive in it, first nearer the
+ * head) to its tail in one relinking: what list_to_tail of each of its nodes
+ * in turn does, stamps aside; the links inside the run stay as they are. */
+static inline void run_to_tail(pd_cache *c, int l, uint32_t first, uint32_t last) {
+    pd_list *ls = &c->lists[l];
+    if (ls->tail == last) return; /* already last: the same as out and back */
+    pd_link *f = &c->nodes[first].lru[l], *z = &c->nodes[last].lru[l];
+    PD_ASSERT(z->next != PD_NONE && c->nodes[z->next].lru[l].prev == last);
+    PD_ASSERT(f->prev != PD_NONE ? c->nodes[f->prev].lru[l].next == first : ls->head == first);
+    c->nodes[z->next].lru[l].prev = f->prev;
+    if (f->prev != PD_NONE) c->nodes[f->prev].lru[l].next = z->next;
+    else ls->head = z->next;
+    c->nodes[ls->tail].lru[l].next = first;
+    f->prev = ls->tail;
+    z->next = PD_NONE;
+    ls->tail = last;
+}
+
+typedef struct touch_run {
+    uint32_t first, last; /* PD_NONE: none yet */
+} touch_run;
+
+/* touch_path's step for node id, in list l: stamped, and its run extended
+ * when it follows the run's last node in the list, else the run moved and a
+ * new one started at it. */
+static inline void touch_in(pd_cache *c, int l, cnode *n, uint32_t id, touch_run *r) {
+    n->lstamp[l] = c->clock;
+    if (r->first != PD_NONE) {
+        if (n->lru[l].prev == r->last) {
+            r->last = id;
+            return;
+        }
+        run_to_tail(c, l, r->first, r->last);
+    }
+    r->first = r->last = id;
+}
+
 /* Moves the path node..root to the list tails, deepest first, so that every
- * node stays behind its descendants. */
-static void touch_path(pd_cache *c, uint32_t id) {
+ * node stays behind its descendants. A list's nodes on the path usually lie
+ * in it already in that order, one after the other (the previous touch of
+ * the same prefix put them there: bench/sched's split system prompts, about
+ * six snapshot-listed nodes a walk, issue 13), so the walk collects each
+ * list's nodes into runs, consecutive in the list and on the path, and moves
+ * a run to the tail in one relinking when the next node does not extend it:
+ * the list ends as moving each node in turn would leave it. */
+static void touch_runs(pd_cache *c, uint32_t id, bool no_snapshots) {
+    touch_run dev = {PD_NONE, PD_NONE}, host = dev, mamba = dev;
+    while (id != PD_CNODE_ROOT && id != PD_NONE) {
+        cnode *n = N(c, id);
+        if (no_snapshots && n->lock_ref > 0) break;
+        if (n->in_list[L_DEV]) touch_in(c, L_DEV, n, id, &dev);
+        if (n->in_list[L_HOST]) touch_in(c, L_HOST, n, id, &host);
+        if (n->in_list[L_MAMBA]) touch_in(c, L_MAMBA, n, id, &mamba);
+        id = n->parent;
+    }
+    if (dev.first != PD_NONE) run_to_tail(c, L_DEV, dev.first, dev.last);
+    if (host.first != PD_NONE) run_to_tail(c, L_HOST, host.first, host.last);
+    if (mamba.first != PD_NONE) run_to_tail(c, L_MAMBA, mamba.first, mamba.last);
+}
+
+/* touch_runs with its first test inline in the callers (the match, the
+ * insert): a walk with nothing to move costs no call. */
+static inline void touch_path(pd_cache *c, uint32_t id) {
     /* A locked node's ancestors are locked too (C4), and a locked node is in
      * neither the device nor the host list: with no snapshot in the third
      * list, the walk has nothing left to move from the first locked node. */
     bool no_snapshots = c->lists[L_MAMBA].len == 0;
-    while (id != PD_CNODE_ROOT && id != PD_NONE) {
-        const cnode *n = N(c, id);
-        if (no_snapshots && n->lock_ref > 0) break;
-        for (int l = 0; l < L__COUNT; l++)
-            if (n->in_list[l]) list_to_tail(c, l, id);
-        id = n->parent;
-    }
+    if (id == PD_CNODE_ROOT || id == PD_NONE || (no_snapshots && N(c, id)->lock_ref > 0)) return;
+    touch_runs(c, id, no_snapshots);
 }
 
 /* ---- hash table of children ---------------------------------------------- */

@@ -288,6 +288,46 @@ static void device_eviction_frees_the_snapshot_too(void **state) {
     cfx_free(f);
 }
 
+/* A match moves the snapshots on its path behind every other one, deepest
+ * first, also when they lie apart in the snapshot list (the touch moves the
+ * path's nodes in runs, issue 13): the list here holds c, d, b, a (the path
+ * a-b-c with d, another prompt's, between c and b) before the last match
+ * touches c, b, a. Snapshot eviction then takes d, c, b, a in that order. */
+static void a_touch_moves_its_snapshots_behind_the_others_in_runs(void **state) {
+    (void)state;
+    ev_log lg = {0};
+    cfx *f = cfx_new_ex(4, 32, 4, 0, false, log_evict, &lg);
+    int32_t t[12], u[16];
+    seq(t, 12, 1000);
+    seq(u, 16, 2000);
+    uint32_t slot[4];
+    for (int i = 0; i < 4; i++) assert_ok(pd_ledger_alloc(f->l, f->mamba_id, 1, 1, &slot[i]));
+    cfx_insert(f, 1, t, 1, slot[0]); /* a: ends at 4 tokens */
+    cfx_insert(f, 1, t, 2, slot[1]); /* b: 8 */
+    cfx_insert(f, 1, t, 3, slot[2]); /* c: 12 */
+    cfx_insert(f, 1, u, 4, slot[3]); /* d: 16 */
+    uint32_t pages[4];
+    pd_cache_match_result m;
+    assert_ok(pd_cache_match(f->c, t, 12, pages, 4, &m)); /* d c b a */
+    assert_ok(pd_cache_match(f->c, u, 16, pages, 4, &m)); /* c b a d */
+    assert_ok(pd_cache_match(f->c, t, 8, pages, 4, &m));  /* c d b a */
+    assert_int_equal(m.mamba_tokens, 8);
+    assert_ok(pd_cache_match(f->c, t, 12, pages, 4, &m)); /* d c b a */
+    assert_int_equal(m.mamba_tokens, 12);
+    cfx_check(f, true);
+    uint32_t freed;
+    assert_ok(pd_cache_evict_snapshots(f->c, 4, &freed));
+    assert_int_equal(freed, 4);
+    assert_int_equal(lg.n, 4);
+    const uint32_t want[4] = {16, 12, 8, 4};
+    for (uint32_t i = 0; i < 4; i++) {
+        assert_int_equal(lg.ev[i].kind, PD_EVICT_SNAPSHOT);
+        assert_int_equal(lg.ev[i].end_tokens, want[i]);
+    }
+    cfx_check(f, true);
+    cfx_free(f);
+}
+
 static void write_back_and_load_round_trip_the_data(void **state) {
     (void)state;
     cfx *f = cfx_new(4, 8, 0, 16);
@@ -724,6 +764,7 @@ int main(void) {
         cmocka_unit_test(hybrid_match_stops_at_the_deepest_snapshot),
         cmocka_unit_test(snapshots_evict_alone_and_respect_their_lock),
         cmocka_unit_test(device_eviction_frees_the_snapshot_too),
+        cmocka_unit_test(a_touch_moves_its_snapshots_behind_the_others_in_runs),
         cmocka_unit_test(write_back_and_load_round_trip_the_data),
         cmocka_unit_test(load_cancel_frees_device_pages_and_keeps_host),
         cmocka_unit_test(insert_adopts_computed_pages_for_host_only_nodes),
