@@ -363,7 +363,7 @@ typedef struct touch_run {
     uint32_t first, last; /* PD_NONE: none yet */
 } touch_run;
 
-/* touch_path's step for node id, in list l: stamped, and its run extended
+/* touch_runs' step for node id, in list l: stamped, and its run extended
  * when it follows the run's last node in the list, else the run moved and a
  * new one started at it. */
 static inline void touch_in(pd_cache *c, int l, cnode *n, uint32_t id, touch_run *r) {
@@ -379,25 +379,26 @@ static inline void touch_in(pd_cache *c, int l, cnode *n, uint32_t id, touch_run
 }
 
 /* Moves the path node..root to the list tails, deepest first, so that every
- * node stays behind its descendants. A list's nodes on the path usually lie
- * in it already in that order, one after the other (the previous touch of
- * the same prefix put them there: bench/sched's split system prompts, about
- * six snapshot-listed nodes a walk, issue 13), so the walk collects each
- * list's nodes into runs, consecutive in the list and on the path, and moves
- * a run to the tail in one relinking when the next node does not extend it:
- * the list ends as moving each node in turn would leave it. */
+ * node stays behind its descendants. The path's snapshot-listed nodes
+ * usually lie in the snapshot list already in that order, one after the
+ * other (the previous touch of the same prefix put them there: about six a
+ * walk at 256 live in bench/sched, the split system prompts' nodes, which
+ * stay locked and so in no other list; issue 13), so the walk collects them
+ * into runs, consecutive in the list and on the path, and moves a run to
+ * the tail in one relinking when the next node does not extend it: the list
+ * ends as moving each node in turn would leave it. The device and host
+ * lists, where a path has few nodes (its unlocked leaves), move node by
+ * node. */
 static void touch_runs(pd_cache *c, uint32_t id, bool no_snapshots) {
-    touch_run dev = {PD_NONE, PD_NONE}, host = dev, mamba = dev;
+    touch_run mamba = {PD_NONE, PD_NONE};
     while (id != PD_CNODE_ROOT && id != PD_NONE) {
         cnode *n = N(c, id);
         if (no_snapshots && n->lock_ref > 0) break;
-        if (n->in_list[L_DEV]) touch_in(c, L_DEV, n, id, &dev);
-        if (n->in_list[L_HOST]) touch_in(c, L_HOST, n, id, &host);
+        if (n->in_list[L_DEV]) list_to_tail(c, L_DEV, id);
+        if (n->in_list[L_HOST]) list_to_tail(c, L_HOST, id);
         if (n->in_list[L_MAMBA]) touch_in(c, L_MAMBA, n, id, &mamba);
         id = n->parent;
     }
-    if (dev.first != PD_NONE) run_to_tail(c, L_DEV, dev.first, dev.last);
-    if (host.first != PD_NONE) run_to_tail(c, L_HOST, host.first, host.last);
     if (mamba.first != PD_NONE) run_to_tail(c, L_MAMBA, mamba.first, mamba.last);
 }
 
