@@ -55,10 +55,7 @@ typedef struct req {
     int32_t *history; /* the output tokens, kept when the sampling is penalised */
     /* ---- warm: what each decode result reads besides the hot line (the
      * token event's tag and room, the finish check, the retire test), first
-     * in the second line; then what the prefill node's walks of its queues
-     * read besides the hot line (the room checks, admission, the chunk
-     * schedule: issue 13), in the same line; then the rest of a fresh decode
-     * item ---- */
+     * in the second line; then the rest of a fresh decode item ---- */
     uint64_t tag; /* the caller's (pd_request_spec.tag), in every sink event */
     uint64_t room;
     pd_terminal_kind term;
@@ -66,11 +63,7 @@ typedef struct req {
     bool ignore_eos;
     bool holds_room; /* transport state of the room */
     bool bootstrapped;
-    bool holds_meta; /* an ownership flag (below), here for the bootstrap queue's walk */
     uint32_t mamba_run;
-    uint32_t cached_tokens; /* prefix reused from this node's cache at admission */
-    uint32_t launched;      /* tokens whose forward is launched */
-    uint32_t attempts;      /* optimistic attempts used */
     pd_sampling sampling;
     int32_t stop[PD_STOP_TOKENS_MAX];
 
@@ -82,12 +75,13 @@ typedef struct req {
     uint64_t t_admit, t_computed, t_xfer_first, t_xfer_start, t_xfer_done;
     uint64_t xfer_bytes;
 
-    /* ---- ownership flags (DESIGN.md section 3; holds_room, holds_meta above) ---- */
+    /* ---- ownership flags (DESIGN.md section 3; holds_room above) ---- */
     bool holds_row;
     bool holds_kv;    /* own pages and/or the lock on the matched prefix */
     bool holds_lock;  /*   the lock part of holds_kv: lock_node is locked */
     bool holds_mamba; /* running slot + track slots */
-    bool holds_host;  /* a host-tier load in flight (ticket + load id) */
+    bool holds_meta;
+    bool holds_host; /* a host-tier load in flight (ticket + load id) */
 
     uint32_t row;
     uint32_t own_from; /* pages[0, own_from) are the cache's, the rest REQ(owner) */
@@ -100,12 +94,15 @@ typedef struct req {
     uint64_t load_id;
     uint32_t load_from, load_pages; /* the loading pages in pages[] */
 
-    /* ---- progress (cached_tokens, launched and attempts above) ---- */
-    uint32_t done;        /* tokens whose forward result is processed */
-    uint32_t sent_pages;  /* prefill: sequence pages posted to the transport */
-    uint32_t peer_cached; /* prefill: tokens the decode node already has */
-    uint32_t reserved;    /* pages reserved for future allocation */
-    uint64_t rid_hash;    /* pd_hash_str(rid), for the rid index */
+    /* ---- progress ---- */
+    uint32_t cached_tokens; /* prefix reused from this node's cache at admission */
+    uint32_t launched;      /* tokens whose forward is launched */
+    uint32_t done;          /* tokens whose forward result is processed */
+    uint32_t sent_pages;    /* prefill: sequence pages posted to the transport */
+    uint32_t peer_cached;   /* prefill: tokens the decode node already has */
+    uint32_t attempts;      /* optimistic attempts used */
+    uint32_t reserved;      /* pages reserved for future allocation */
+    uint64_t rid_hash;      /* pd_hash_str(rid), for the rid index */
 
     /* ---- drain state (after retire, while the room may still touch memory) ---- */
     bool q_pages, q_mamba, q_meta, q_lock;
@@ -123,8 +120,6 @@ typedef struct req {
  * (up to the decode result's) the next. */
 _Static_assert(offsetof(req, tag) <= 64, "req: the hot fields outgrew a cache line");
 _Static_assert(offsetof(req, bootstrapped) < 128, "req: the warm fields outgrew a cache line");
-_Static_assert(offsetof(req, attempts) + sizeof(uint32_t) <= 128,
-               "req: the prefill walks' fields outgrew the second cache line");
 
 /* One item of a batch in flight. */
 typedef struct bitem {
