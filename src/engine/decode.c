@@ -139,7 +139,10 @@ static int prealloc(pd_engine *e, req *r) {
     r->holds_row = true;
     PD_MUST(eng_alloc_slot(e, e->meta_id, r->owner, &r->meta_row));
     r->holds_meta = true;
-    memset(&e->cfg.meta_mem[r->meta_row], 0, sizeof(pd_meta_row));
+    /* Only the nonce: a row whose nonce is not the room's never commits, and
+     * the transfer writes the whole row (clearing all 192 bytes cost a decode
+     * step about 1 %). */
+    e->cfg.meta_mem[r->meta_row].nonce = 0;
     if (e->mamba) {
         PD_MUST(eng_alloc_slot(e, e->mamba_id, r->owner, &r->mamba_run));
         r->holds_mamba = true;
