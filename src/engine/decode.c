@@ -239,8 +239,10 @@ static inline void keep_item(pd_engine *e, batch_rec *nb, req *r, uint32_t i) {
     PD_ASSERT(r->out_len < r->max_new);
     it->start_pos = r->prompt_len + r->out_len - 1;
     it->sample_index = r->out_len;
-    /* Its next position needs a page: kept_pages adds it, in item order. */
-    if (it->start_pos >= it->n_pages * e->cfg.page_size) e->kept_grow[e->kept_grow_n++] = nb->n;
+    /* Its next position needs a page: kept_pages adds it, in item order. The
+     * record's page count, on the line just read, equals the item's (kept_check):
+     * the item is only written here, its line not waited for. */
+    if (it->start_pos >= r->n_pages * e->cfg.page_size) e->kept_grow[e->kept_grow_n++] = nb->n;
     nb->n++;
     r->forwards_in_flight++;
     r->pending_chunk = true;
