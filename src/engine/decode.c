@@ -71,8 +71,12 @@ static void commit(pd_engine *e, req *r) {
         fail(e, r, 500, "context corruption: first token outside the vocabulary");
         return;
     }
-    pd_item_result first = {
-        .req = r->owner, .token = meta->first_token, .logprob = meta->first_logprob};
+    /* The fields emit_token reads, the top lists' first n_top entries below:
+     * a designated initializer would clear all 168 bytes on every commit. */
+    pd_item_result first;
+    first.req = r->owner;
+    first.token = meta->first_token;
+    first.logprob = meta->first_logprob;
     if (meta->first_n_top > r->sampling.top_logprobs) {
         fail(e, r, 500, "context corruption: more top logprobs than the request asked for");
         return;
