@@ -154,17 +154,8 @@ uint64_t pd_splitmix64(uint64_t *state);
 /* 64-bit hash of n 32-bit tokens, mixed with a seed. Deterministic across
  * platforms (explicit little-endian-independent arithmetic on values). */
 uint64_t pd_hash_tokens(const int32_t *tokens, size_t n, uint64_t seed);
-/* Finaliser for a single 64-bit value (murmur3's fmix64). Inline: the
- * engines' indexes, the cache's child table and the room nonce take it per
- * request and per node walked, a call each out of line. */
-static inline uint64_t pd_hash_u64(uint64_t x) {
-    x ^= x >> 33;
-    x *= 0xFF51AFD7ED558CCDull;
-    x ^= x >> 33;
-    x *= 0xC4CEB9FE1A85EC53ull;
-    x ^= x >> 33;
-    return x;
-}
+/* Finaliser for a single 64-bit value. */
+uint64_t pd_hash_u64(uint64_t x);
 /* 64-bit hash of a NUL-terminated string (FNV-1a, then pd_hash_u64). */
 uint64_t pd_hash_str(const char *s);
 /* FNV-1a of a NUL-terminated string alone, without the finaliser: pd_hash_str's

@@ -261,6 +261,15 @@ double pd_rng_unit(pd_rng *rng) {
 
 /* ---- hashing ------------------------------------------------------------ */
 
+uint64_t pd_hash_u64(uint64_t x) {
+    x ^= x >> 33;
+    x *= 0xFF51AFD7ED558CCDull;
+    x ^= x >> 33;
+    x *= 0xC4CEB9FE1A85EC53ull;
+    x ^= x >> 33;
+    return x;
+}
+
 uint64_t pd_hash_fnv1a(const char *s) {
     uint64_t h = 0xCBF29CE484222325ull;
     for (const unsigned char *p = (const unsigned char *)s; *p; p++)

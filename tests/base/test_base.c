@@ -93,17 +93,6 @@ static void hash_depends_on_order_and_content(void **state) {
     assert_true(ha != pd_hash_tokens(a, 5, 1));
 }
 
-/* pd_hash_u64 is murmur3's fmix64, inline in base.h: its values are part of
- * what two processes compare (room nonces, the prefill and decode nodes'
- * cache keys), so they must not move with where the code lives. */
-static void hash_u64_is_murmur3_fmix64(void **state) {
-    (void)state;
-    assert_true(pd_hash_u64(0) == 0);
-    assert_true(pd_hash_u64(1) == UINT64_C(0xB456BCFC34C2CB2C));
-    assert_true(pd_hash_u64(UINT64_C(0xA5A5F00DCAFE) ^ 11) == UINT64_C(0x0CCD56E9FB37C3F9));
-    assert_true(pd_hash_str("") == pd_hash_u64(UINT64_C(0xCBF29CE484222325)));
-}
-
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(strbuf_never_overflows_and_flags_truncation),
@@ -112,7 +101,6 @@ int main(void) {
         cmocka_unit_test(rng_is_deterministic_per_seed),
         cmocka_unit_test(rng_below_is_in_range_and_roughly_uniform),
         cmocka_unit_test(hash_depends_on_order_and_content),
-        cmocka_unit_test(hash_u64_is_murmur3_fmix64),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
