@@ -4,6 +4,7 @@
  * configurations; the engine's own check catches a request whose flags and
  * the ledger disagree. */
 #include <math.h>
+#include <stdio.h>
 #include <stdlib.h>
 
 #include "../test_util.h"
@@ -268,6 +269,105 @@ static void engine_check_catches_flags_disagreeing_with_the_ledger(void **state)
     world_free(w);
 }
 
+/* A decode-side transport that reports every room done before the prefill
+ * side wrote anything: the loopback's decode endpoint but for status. */
+typedef struct early_xfer {
+    pd_xfer inner;
+    pd_xfer_vtable vt;
+} early_xfer;
+
+static pd_xfer_status early_status(void *self, uint64_t room) {
+    (void)self, (void)room;
+    return PD_XFER_SUCCESS;
+}
+static pd_err early_ro(void *self, uint64_t room, const char *peer, const pd_xfer_dest *d) {
+    early_xfer *x = self;
+    return x->inner.vt->receiver_open(x->inner.self, room, peer, d);
+}
+static pd_err early_abort(void *self, uint64_t room) {
+    early_xfer *x = self;
+    return x->inner.vt->abort(x->inner.self, room);
+}
+static bool early_drained(void *self, uint64_t room) {
+    early_xfer *x = self;
+    return x->inner.vt->drained(x->inner.self, room);
+}
+static void early_close(void *self, uint64_t room) {
+    early_xfer *x = self;
+    x->inner.vt->close(x->inner.self, room);
+}
+
+typedef struct last_term {
+    uint32_t n, tokens;
+    pd_terminal_kind kind;
+    int status;
+    char message[160];
+} last_term;
+
+static void lt_token(void *self, uint64_t tag, const char *rid, uint64_t room, int32_t t, float lp,
+                     uint32_t i) {
+    (void)tag, (void)rid, (void)room, (void)t, (void)lp, (void)i;
+    ((last_term *)self)->tokens++;
+}
+static void lt_term(void *self, const pd_terminal_event *ev) {
+    last_term *lt = self;
+    lt->n++;
+    lt->kind = ev->kind;
+    lt->status = ev->status_code;
+    snprintf(lt->message, sizeof(lt->message), "%s", ev->message ? ev->message : "");
+}
+static const pd_sink_vtable lt_vt = {.token = lt_token, .terminal = lt_term};
+
+/* A metadata row left from an earlier use that carries this room's nonce
+ * (a retried room landing on the same row) is not this transfer's: the
+ * decode node clears each row's nonce when it takes the row, so a transport
+ * that reports success without the row written fails the request as context
+ * corruption instead of generating from the stale row. */
+static void a_stale_meta_row_with_the_rooms_nonce_fails_it(void **state) {
+    (void)state;
+    pd_loopback *lb;
+    pd_loopback_config lc = {.latency = 1, .rooms_max = 16, .page_size = 4};
+    assert_ok(pd_loopback_create(&lb, &lc));
+    pd_synth *sx;
+    pd_synth_config sc = {
+        .page_size = 4, .kv_pages = 16, .layers = 1, .vocab = 50, .eos_token = 49, .batch_max = 8};
+    assert_ok(pd_synth_create(&sx, &sc));
+    pd_request_spec s = good();
+    pd_meta_row meta[8];
+    early_xfer x = {.inner = pd_loopback_endpoint(lb, PD_LB_DECODE)};
+    x.vt = (pd_xfer_vtable){.receiver_open = early_ro,
+                            .status = early_status,
+                            .abort = early_abort,
+                            .drained = early_drained,
+                            .close = early_close};
+    pd_engine_config c;
+    base_config(&c, PD_ROLE_DECODE);
+    c.meta_mem = meta;
+    last_term lt = {0};
+    pd_engine *e;
+    char msg[256];
+    pd_err err = pd_engine_create(&e, &c, pd_synth_executor(sx), (pd_xfer){&x.vt, &x},
+                                  (pd_sink){&lt_vt, &lt}, msg, sizeof(msg));
+    if (err) fail_msg("create: %s", msg);
+    for (int i = 0; i < 8; i++) /* create cleared them */
+        meta[i] = (pd_meta_row){
+            .nonce = pd_room_nonce(s.room), .first_token = 5, .prompt_tokens = s.prompt_len};
+    assert_ok(pd_engine_submit(e, &s, 0, NULL));
+    for (uint64_t t = 1; t <= 4 && lt.n == 0; t++) pd_engine_step(e, t);
+    assert_int_equal(lt.n, 1);
+    assert_int_equal(lt.tokens, 0);
+    assert_int_equal(lt.kind, PD_TERM_FAILED);
+    assert_int_equal(lt.status, 500);
+    if (!strstr(lt.message, "context corruption")) fail_msg("message '%s'", lt.message);
+    char buf[4096];
+    pd_strbuf sb;
+    pd_strbuf_init(&sb, buf, sizeof(buf));
+    if (pd_engine_check(e, &sb) != PD_OK) fail_msg("%s", buf);
+    pd_engine_destroy(e);
+    pd_synth_destroy(sx);
+    pd_loopback_destroy(lb);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(bad_requests_are_refused_with_a_reason),
@@ -275,6 +375,7 @@ int main(void) {
         cmocka_unit_test(abort_of_unknown_or_ended_rid_is_not_found),
         cmocka_unit_test(create_refuses_inconsistent_configurations),
         cmocka_unit_test(engine_check_catches_flags_disagreeing_with_the_ledger),
+        cmocka_unit_test(a_stale_meta_row_with_the_rooms_nonce_fails_it),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
