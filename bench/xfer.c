@@ -20,9 +20,10 @@
  * median of its rounds, so that load that comes and goes lands on both):
  *   hand-off   time from send_final to the decode side seeing SUCCESS
  *              (every byte landed and the completion notice arrived), and
- *              bytes / that time; the median of --runs rooms, after one
- *              warm-up room of the same size (UCX maps the peer's segment
- *              lazily: the first put into fresh pages takes page faults);
+ *              bytes / that time; the median of --runs rooms, after as
+ *              many warm-up rooms of the same size as perftest gets warm-up
+ *              iterations (warmup_of: the first puts into fresh pages of
+ *              the peer's segment take page faults, and run slow after);
  *   memcpy     the same bytes copied inside one process from the prefill
  *              node's memory into a destination touched beforehand, one
  *              memcpy per contiguous run as a shared-memory put does it
@@ -371,6 +372,15 @@ static void reap(pid_t pid) {
     waitpid(pid, NULL, 0);
 }
 
+/* Warm-up before `measured` measured iterations or rooms, the same rule for
+ * perftest and pdserve so that both are measured warm: a tenth, at least 5.
+ * One warm-up room was not enough for pdserve: the first put into fresh
+ * pages of the peer's segment takes their page faults (3.8-7.6 ms at
+ * 8 MiB), and the next one or two still ran 1.3-2.7 times the steady copy
+ * (8 MiB: 403, 726 and 704 us right after it in three traced runs, against
+ * 233-357). */
+static int warmup_of(int measured) { return PD_MAX(measured / 10, 5); }
+
 /* One ucp_put_bw run of `bytes` per put over tls, one put outstanding: as
  * two processes (server and client), or as one (-l, a worker connected to
  * itself, which progresses both ends of each put from one thread). */
@@ -380,7 +390,7 @@ static pt_figs perftest_once(const char *exe, const char *tls, const char *devic
     snprintf(port, sizeof(port), "%u", free_port());
     snprintf(size, sizeof(size), "%zu", bytes);
     snprintf(n, sizeof(n), "%d", iters);
-    snprintf(w, sizeof(w), "%d", PD_MAX(iters / 10, 5));
+    snprintf(w, sizeof(w), "%d", warmup_of(iters));
     char *srv_argv[] = {(char *)exe, "-p", port, NULL};
     char *cli_argv[] = {(char *)exe, "127.0.0.1", "-p", port, "-t", "ucp_put_bw", "-s", size,
                         "-n",        n,           "-w", w,    "-O", "1",          NULL};
@@ -506,7 +516,7 @@ static double median_handoff(pair_link *l, const opts *o, uint32_t tokens, uint3
     double ns[64];
     uint32_t pages = PD_DIV_CEIL(tokens, o->page_size);
     memset(l->dec.kv, 0, pages * l->page_bytes);
-    one_room(l, tokens, idx, NULL); /* warm-up: fresh mappings fault once */
+    for (int w = 0; w < warmup_of(o->runs); w++) one_room(l, tokens, idx, NULL);
     for (int r = 0; r < o->runs; r++) ns[r] = one_room(l, tokens, idx, NULL);
     if (!landed(l, pages)) die("check", "the decode side's bytes differ from the prefill's");
     return bench_median(ns, (size_t)o->runs);
@@ -745,7 +755,8 @@ static int self_check(void) {
     x.perftest = (pt_figs){-1, -1};
     bad += !near(pt_ref(&x), 2.4); /* a harness that failed leaves the other */
     x.perftest1 = (pt_figs){-1, -1};
-    bad += pt_ref(&x) >= 0; /* both failed: no reference */
+    bad += pt_ref(&x) >= 0;                            /* both failed: no reference */
+    bad += warmup_of(15) != 5 || warmup_of(128) != 12; /* the rule both harnesses use */
     printf("xfer --check: %s\n", bad ? "FAILED" : "ok");
     return bad ? 1 : 0;
 }
