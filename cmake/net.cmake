@@ -46,4 +46,6 @@ if(PD_BUILD_TESTS)
   set_tests_properties(bench_xfer_smoke PROPERTIES TIMEOUT 300
     ENVIRONMENT "UCX_WARN_UNUSED_ENV_VARS=n"
     PASS_REGULAR_EXPRESSION "summary: ")
+  # ... and compares with the right perftest figure (no perftest needed).
+  add_test(NAME bench_xfer_check COMMAND bench_xfer --check)
 endif()
