@@ -752,6 +752,29 @@ static void lock_move_and_insert_from_refuse_other_paths(void **state) {
     cfx_free(f);
 }
 
+/* Each node's walked fields and each 16-token page are one cache line
+ * apiece: caches of several sizes (small ones from the heap, large ones
+ * mapped) keep both arenas line-aligned, which pd_cache_verify checks; a
+ * page straddling two lines cost every compare and every insert's copy a
+ * second line. */
+static void every_cache_keeps_its_node_and_token_arenas_line_aligned(void **state) {
+    (void)state;
+    const uint32_t sizes[] = {3, 5, 16, 17, 100, 1000, 4099, 65536};
+    const uint32_t page_sizes[] = {1, 4, 16};
+    for (size_t i = 0; i < sizeof(sizes) / sizeof(sizes[0]); i++) {
+        for (size_t j = 0; j < sizeof(page_sizes) / sizeof(page_sizes[0]); j++) {
+            uint32_t ps = page_sizes[j];
+            cfx *f = cfx_new(ps, sizes[i], 0, i % 2 ? 7 : 0);
+            int32_t t[32];
+            seq(t, 2 * ps, (int32_t)(100 * i));
+            pd_cache_insert_result r = cfx_insert(f, 1, t, PD_MIN(2u, sizes[i]), PD_POOL_NONE);
+            assert_int_not_equal(r.node, PD_CNODE_ROOT);
+            cfx_check(f, true);
+            cfx_free(f);
+        }
+    }
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(match_on_empty_cache_finds_nothing),
@@ -776,6 +799,7 @@ int main(void) {
         cmocka_unit_test(insert_from_lock_matches_insert_from_root),
         cmocka_unit_test(lock_move_and_insert_from_refuse_other_paths),
         cmocka_unit_test(mamba_touch_is_a_lock_and_an_unlock),
+        cmocka_unit_test(every_cache_keeps_its_node_and_token_arenas_line_aligned),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
