@@ -103,7 +103,12 @@ typedef struct opts {
                                 default; --prefill-sched-batch: 1) */
     bool mem_heap, mem_own;  /* which memory the nodes use (--memory) */
     bool perftest;           /* false: --no-perftest */
+    bool tcp_large;          /* --tcp-large-segments: both nodes' ucx_tcp_large_segments */
 } opts;
+
+/* The tcp send segment perftest gets: pd_net's own (net_ucx.c), 256K with
+ * --tcp-large-segments. */
+static const char *perftest_tcp_tx_seg = "64K";
 
 typedef struct node {
     pd_net *net;
@@ -162,6 +167,7 @@ static void node_open(node *n, pd_net_role role, const opts *o, const char *tls,
     c.notice_data_max = o->notice_data_max;
     c.protocol_version = o->protocol;
     c.progress_sched_batch = role == PD_NET_PREFILL ? o->prefill_batch : 0;
+    c.ucx_tcp_large_segments = o->tcp_large;
     if (!strcmp(tls, "tcp")) c.ucx_net_devices = o->net_devices;
     char msg[256];
     if (pd_net_create(&n->net, &c, msg, sizeof(msg))) die("create", msg);
@@ -280,6 +286,7 @@ static void usage(void) {
             "            [--memory own|heap|own,heap] [--no-perftest]\n"
             "            [--notice-data BYTES (< 0: none)] [--protocol 3|4]\n"
             "            [--prefill-sched-batch] [--sched-batch -1|0|1 (the prefill's)]\n"
+            "            [--tcp-large-segments]\n"
             "       xfer --check (its own parsing and reference choice, on canned figures)\n");
     exit(2);
 }
@@ -314,8 +321,9 @@ static uint16_t free_port(void) {
 
 /* Starts argv[0] with UCX_TLS=tls (and the devices for tcp); its stdout goes
  * to out_fd (-1: /dev/null), its stderr to /dev/null. Over tcp also with the
- * send segment pd_net configures for itself (net_ucx.c: 64K instead of UCX's
- * 8K), so that both sides of the comparison run the same transport. */
+ * send and receive segments pd_net configures for itself (net_ucx.c: 64K or
+ * 256K and 256K, instead of UCX's 8K and 64K), so that both sides of the
+ * comparison run the same transport. */
 static pid_t spawn(char *const argv[], const char *tls, const char *devices, int out_fd) {
     pid_t pid = fork();
     if (pid != 0) return pid;
@@ -324,7 +332,8 @@ static pid_t spawn(char *const argv[], const char *tls, const char *devices, int
     dup2(null, 2);
     setenv("UCX_TLS", tls, 1);
     if (!strcmp(tls, "tcp") && devices) setenv("UCX_NET_DEVICES", devices, 1);
-    if (!strcmp(tls, "tcp")) setenv("UCX_TCP_TX_SEG_SIZE", "64K", 1);
+    if (!strcmp(tls, "tcp")) setenv("UCX_TCP_TX_SEG_SIZE", perftest_tcp_tx_seg, 1);
+    if (!strcmp(tls, "tcp")) setenv("UCX_TCP_RX_SEG_SIZE", "256K", 1);
     setenv("UCX_WARN_UNUSED_ENV_VARS", "n", 1);
     execv(argv[0], argv);
     _exit(127);
@@ -493,6 +502,9 @@ static void parse_args(int argc, char **argv, opts *o) {
             if (!o->mem_own && !o->mem_heap) usage();
         } else if (!strcmp(a, "--no-perftest")) {
             o->perftest = false;
+        } else if (!strcmp(a, "--tcp-large-segments")) {
+            o->tcp_large = true;
+            perftest_tcp_tx_seg = "256K";
         } else if (!strcmp(a, "--notice-data") && v) {
             o->notice_data_max = atoi(v), i++;
         } else if (!strcmp(a, "--prefill-sched-batch")) {

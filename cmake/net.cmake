@@ -46,6 +46,14 @@ if(PD_BUILD_TESTS)
   set_tests_properties(bench_xfer_smoke PROPERTIES TIMEOUT 300
     ENVIRONMENT "UCX_WARN_UNUSED_ENV_VARS=n"
     PASS_REGULAR_EXPRESSION "summary: ")
+  # ... and with large tcp segments (ucx_tcp_large_segments) the bytes still
+  # land intact: it checks every room's destination against its source.
+  add_test(NAME bench_xfer_smoke_tcp_large_segments
+           COMMAND bench_xfer --quick --runs 1 --tokens 64,4096 --configs tiny --transports tcp
+                   --tcp-large-segments --no-perftest)
+  set_tests_properties(bench_xfer_smoke_tcp_large_segments PROPERTIES TIMEOUT 300
+    ENVIRONMENT "UCX_WARN_UNUSED_ENV_VARS=n"
+    PASS_REGULAR_EXPRESSION "summary: ")
   # ... and compares with the right perftest figure (no perftest needed).
   add_test(NAME bench_xfer_check COMMAND bench_xfer --check)
 endif()

@@ -91,6 +91,16 @@ typedef struct pd_net_config {
      * SCHED_BATCH, either role (its own large puts then wait for a free
      * core). < 0: never. Ignored where the system has no SCHED_BATCH. */
     int8_t progress_sched_batch;
+    /* Over tcp UCX emulates a put with messages of one send segment each,
+     * and the receiver copies and acknowledges each one. Every node receives
+     * segments of up to 256 KiB; it sends segments of 64 KiB (false, the
+     * default), which any peer receives, or of 256 KiB (true: a quarter of
+     * the messages, acknowledgements and system calls per byte, 15-25 %
+     * faster large hand-offs, docs/bootstrap-protocol.md). True only where
+     * every peer is a build that receives 256 KiB segments (this one or
+     * later): an older peer's UCX receives into a 64 KiB buffer and does not
+     * check the length. Ignored where only shared memory may be used. */
+    bool ucx_tcp_large_segments;
     /* Optional log sink for connection-level events (peer lost, message
      * refused); called from the progress thread. NULL = silent. */
     void (*log)(void *log_ctx, const char *line);

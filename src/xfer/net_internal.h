@@ -51,6 +51,10 @@
  * engine's thread. */
 #define NOTICE_DATA_DEFAULT_BYTES (256u << 10)
 #define TCP_TX_SEG "64K" /* UCX tcp's send segment: its receive segment's default (net_ucx.c) */
+/* UCX tcp's receive segment where tcp may be used: large enough for a peer's
+ * TCP_TX_SEG_LARGE (pd_net_config.ucx_tcp_large_segments; net_ucx.c). */
+#define TCP_RX_SEG "256K"
+#define TCP_TX_SEG_LARGE "256K"
 /* Assisted progress (net.c): after a turn that took d ns, the next waits
  * ASSIST_GAP_FACTOR * d, and at least ASSIST_GAP_MIN_NS, so a caller polling
  * hundreds of rooms spends at most half of its time on them. (A gap of 2d,

@@ -481,7 +481,14 @@ pd_err net_ucx_config_make(const pd_net_config *cfg, ucp_config_t **out, char *m
      * UCX warns "invalid configuration" at each worker's creation. */
     char tls_now[256];
     net_ucx_config_value(uc, "UCX_TLS=", tls_now, sizeof(tls_now));
-    if (!tls_shm_only(tls_now)) (void)ucp_config_modify(uc, "TX_SEG_SIZE", TCP_TX_SEG);
+    if (!tls_shm_only(tls_now)) {
+        /* Receiving up to 256K costs one larger buffer per connection and
+         * lets a peer send large segments (ucx_tcp_large_segments); UCX
+         * refuses a send segment larger than its own receive segment. */
+        (void)ucp_config_modify(uc, "RX_SEG_SIZE", TCP_RX_SEG);
+        const char *tx = cfg->ucx_tcp_large_segments ? TCP_TX_SEG_LARGE : TCP_TX_SEG;
+        (void)ucp_config_modify(uc, "TX_SEG_SIZE", tx);
+    }
     /* UCX's adaptive progress leaves an interface that none of this
      * worker's endpoints sends on deactivated: the decode's shared-memory
      * interface, which only receives. UCX keeps it armed, so the sender of

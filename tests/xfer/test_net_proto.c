@@ -442,6 +442,34 @@ static void tcp_segment_only_where_tcp_may_be_used(void **state) {
     }
 }
 
+/* Every node that may use tcp receives segments as large as a peer with
+ * ucx_tcp_large_segments sends (UCX refuses a send segment larger than its
+ * own receive segment, and an older receiver does not check the length);
+ * only such a node sends them. */
+static void tcp_large_segments_are_received_everywhere_sent_on_request(void **state) {
+    (void)state;
+    static const struct {
+        const char *tls;
+        bool large;
+        const char *rx, *tx;
+    } cases[] = {{"shm", true, "", ""},
+                 {"tcp", false, TCP_RX_SEG, TCP_TX_SEG},
+                 {"tcp", true, TCP_RX_SEG, TCP_TX_SEG_LARGE},
+                 {"shm,tcp", true, TCP_RX_SEG, TCP_TX_SEG_LARGE},
+                 {"^shm", false, TCP_RX_SEG, TCP_TX_SEG}};
+    for (size_t i = 0; i < PD_ARRAY_LEN(cases); i++) {
+        pd_net_config cfg = {.ucx_tls = cases[i].tls, .ucx_tcp_large_segments = cases[i].large};
+        char msg[256], rx[32], tx[32];
+        ucp_config_t *uc = NULL;
+        assert_ok(net_ucx_config_make(&cfg, &uc, msg, sizeof(msg)));
+        net_ucx_config_value(uc, "RX_SEG_SIZE=", rx, sizeof(rx));
+        net_ucx_config_value(uc, "TX_SEG_SIZE=", tx, sizeof(tx));
+        ucp_config_release(uc);
+        assert_string_equal(rx, cases[i].rx);
+        assert_string_equal(tx, cases[i].tx);
+    }
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(header_fields_are_little_endian_at_fixed_offsets),
@@ -457,6 +485,7 @@ int main(void) {
         cmocka_unit_test(mutated_messages_never_read_out_of_bounds),
         cmocka_unit_test(adaptive_progress_is_off),
         cmocka_unit_test(tcp_segment_only_where_tcp_may_be_used),
+        cmocka_unit_test(tcp_large_segments_are_received_everywhere_sent_on_request),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
