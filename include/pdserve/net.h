@@ -178,6 +178,11 @@ typedef struct pd_net_stats {
      * rooms follow each other within 0.2 ms), none for a room the
      * engine's calls carry. */
     uint64_t progress_sched_switches;
+    /* status() calls answered from the published status table, without the
+     * mutex, while another thread held it (net.c, status without the mutex);
+     * drained() calls that said "not yet" for the same reason. */
+    uint64_t status_unlocked;
+    uint64_t drained_unlocked;
 } pd_net_stats;
 void pd_net_stats_get(pd_net *n, pd_net_stats *out);
 
@@ -205,6 +210,11 @@ typedef enum pd_net_fault {
      * sends they post inline, the progress turns status() and drained()
      * run). Heartbeats stop too: keep it shorter than dead_after_ms. */
     PD_NET_FAULT_PARK_PROGRESS,
+    /* The progress thread holds the transport's mutex, doing nothing, while
+     * on (like a progress thread inside a long copy): what needs the mutex
+     * waits. Set without the mutex; turning it on returns once the thread
+     * holds it (at once if the transport is not started). */
+    PD_NET_FAULT_HOLD_MUTEX,
     PD_NET_FAULT__COUNT
 } pd_net_fault;
 void pd_net_set_fault(pd_net *n, pd_net_fault fault, bool on);

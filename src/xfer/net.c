@@ -194,6 +194,91 @@ void net_due_at(pd_net *n, room *rm, uint64_t t) {
 
 uint32_t net_room_find(const pd_net *n, uint64_t id) { return xr_find(&n->rooms, id); }
 
+/* ---- status without the mutex -------------------------------------------------------------
+ * A progress thread copying a large put (over shm, a put is a memcpy on the
+ * thread that posts it) holds the mutex for as long as the copy takes, up
+ * to a millisecond for 33 MiB; the engine's status() calls, made every
+ * step, used to wait that long. Now status() and drained() take the mutex
+ * only if it is free. When it is not, status() answers from the published
+ * table: every call under the mutex that can change what status(id)
+ * answers on the engine's side (status() itself and every other vtable
+ * call) writes that answer there, and the slot's release removes it.
+ * The answer is then one the room did have, at most as old as the engine's
+ * last call about it: statuses only move forward (room.h), so a stale
+ * answer can be late, never early (no room is reported done before it is),
+ * and it changes nothing, so ACK, abort and cancel still end rooms once.
+ * Each entry is a sequence lock (writers are serialised by the mutex), so
+ * an id and its status are never read torn. No entry (an id never
+ * published, or two live ids sharing a slot of the direct-mapped table): the
+ * call waits for the mutex as before. drained() says "not yet". Answers
+ * without the mutex stop STALE_MAX_NS after the first of a streak: then
+ * the call waits, so the engine still sees news while a thread holds the
+ * mutex for long. An unlocked answer runs no assisted turn: the mutex is
+ * held, so the progress thread (or a turn) is at work already. */
+#define PUB_EMPTY UINT32_MAX
+#define STALE_MAX_NS 5000000u /* 5 ms, well beyond one 33 MiB copy (~1 ms) */
+
+static net_pub *pub_of(const pd_net *n, uint64_t id) {
+    uint64_t h = id * 0x9E3779B97F4A7C15ull; /* Fibonacci hashing: ids may be sequential */
+    return &n->pub[(uint32_t)(h >> 32) & n->pub_mask];
+}
+
+/* Mutex held: it serialises the writers. */
+static void pub_write(net_pub *e, uint64_t id, uint32_t st) {
+    uint32_t s = atomic_load_explicit(&e->seq, memory_order_relaxed);
+    PD_ASSERT((s & 1u) == 0);
+    atomic_store_explicit(&e->seq, s + 1, memory_order_relaxed);
+    atomic_thread_fence(memory_order_release);
+    atomic_store_explicit(&e->id, id, memory_order_relaxed);
+    atomic_store_explicit(&e->st, st, memory_order_relaxed);
+    atomic_store_explicit(&e->seq, s + 2, memory_order_release);
+}
+
+/* What status(id) answers now, published (mutex held). */
+static pd_xfer_status pub_room(pd_net *n, uint64_t id) {
+    uint32_t r = net_room_find(n, id);
+    pd_xfer_status st = r == PD_NONE ? PD_XFER_NONE : xr_status(&room_at(n, r)->h);
+    pub_write(pub_of(n, id), id, (uint32_t)st);
+    return st;
+}
+
+/* Room id's slot goes (mutex held): its answer may change without a call. */
+static void pub_forget(pd_net *n, uint64_t id) {
+    net_pub *e = pub_of(n, id);
+    if (atomic_load_explicit(&e->id, memory_order_relaxed) == id &&
+        atomic_load_explicit(&e->st, memory_order_relaxed) != PUB_EMPTY)
+        pub_write(e, id, PUB_EMPTY);
+}
+
+/* Without the mutex: room id's published status; false if there is none,
+ * or a writer is changing its entry. */
+static bool pub_read(const pd_net *n, uint64_t id, pd_xfer_status *out) {
+    net_pub *e = pub_of(n, id);
+    uint32_t s1 = atomic_load_explicit(&e->seq, memory_order_acquire);
+    uint64_t eid = atomic_load_explicit(&e->id, memory_order_relaxed);
+    uint32_t st = atomic_load_explicit(&e->st, memory_order_relaxed);
+    atomic_thread_fence(memory_order_acquire);
+    uint32_t s2 = atomic_load_explicit(&e->seq, memory_order_relaxed);
+    if ((s1 & 1u) || s1 != s2 || eid != id || st == PUB_EMPTY) return false;
+    PD_ASSERT(st <= PD_XFER_FAILED);
+    *out = (pd_xfer_status)st;
+    return true;
+}
+
+/* status() and drained(): takes the mutex if it is free, or if calls have
+ * been answered without it for STALE_MAX_NS; false: the caller may answer
+ * without it (the mutex is not held). */
+static bool lock_if_fresh(pd_net *n) {
+    if (pthread_mutex_trylock(&n->mu) != 0) {
+        uint64_t t = now_ns(), s = 0;
+        if (atomic_compare_exchange_strong(&n->stale_since_ns, &s, t)) s = t;
+        if (t < s || t - s < STALE_MAX_NS) return false;
+        net_lock(n);
+    }
+    atomic_store_explicit(&n->stale_since_ns, 0, memory_order_relaxed);
+    return true;
+}
+
 void net_mark_dirty(pd_net *n, room *rm) {
     uint32_t r = ridx(n, rm);
     if (n->in_dirty[r]) return;
@@ -257,6 +342,7 @@ void net_room_free(pd_net *n, uint32_t r) {
     PD_ASSERT(rm->slot.used && rm->puts_out == 0 && rm->flush_out == 0);
     net_stages_drop(n, rm);
     xr_dest_clear(&rm->dest);
+    pub_forget(n, rm->slot.id);
     xr_remove(&n->rooms, r);
 }
 
@@ -485,6 +571,20 @@ static void park(pd_net *n) {
     }
 }
 
+/* PD_NET_FAULT_HOLD_MUTEX (mutex held): keeps it, doing nothing, until the
+ * fault is turned off; the pipe wakes it. */
+static void hold_mutex(pd_net *n) {
+    atomic_store(&n->holding_mutex, true);
+    while (atomic_load(&n->hold_mutex) && !n->stopping) {
+        struct pollfd w = {.fd = n->wake_rd, .events = POLLIN};
+        if (poll(&w, 1, POLL_IDLE_MS) > 0) {
+            uint8_t junk[64];
+            while (read(n->wake_rd, junk, sizeof(junk)) > 0) {}
+        }
+    }
+    atomic_store(&n->holding_mutex, false);
+}
+
 /* One pass of the progress work (mutex held). */
 static void progress_work(pd_net *n, uint64_t now) {
     net_ucx_progress(n);
@@ -631,6 +731,10 @@ static void *progress_main(void *arg) {
             park(n);
             continue;
         }
+        if (atomic_load(&n->hold_mutex)) {
+            hold_mutex(n);
+            continue;
+        }
         uint64_t now = now_ms();
         n->sched_owed |= n->sched_mode == SCHED_MODE_IDLE && sched_owes_work(n);
         progress_work(n, now);
@@ -711,6 +815,7 @@ static pd_err v_sender_open(void *self, uint64_t id) {
         n->stats.rooms_opened++;
         if (room_at(n, r)->h.st == PD_XFER_FAILED) n->stats.rooms_failed++;
     }
+    pub_room(n, id);
     net_unlock(n);
     return err;
 }
@@ -758,6 +863,7 @@ static pd_err v_send_pages(void *self, uint64_t id, uint32_t first, const uint32
     if (!err) net_set_st(n, rm, PD_XFER_TRANSFERRING);
     bool kick = !err && !n->spinning;
     if (!err) sched_hand_over(n); /* even to a spinning thread (v_send_final) */
+    pub_room(n, id);
     net_unlock(n);
     if (kick) net_wake(n);
     return err;
@@ -838,6 +944,7 @@ static pd_err v_send_final(void *self, uint64_t id, uint32_t first, const uint32
      * woken without preempting, and still waiting for a core. */
     bool handed = !err && !final_inline(n, rm, cnt), kick = handed && !n->spinning;
     if (handed) sched_hand_over(n);
+    pub_room(n, id);
     net_unlock(n);
     if (kick) net_wake(n);
     return err;
@@ -887,6 +994,7 @@ static pd_err v_receiver_open(void *self, uint64_t id, const char *peer_addr,
         net_peer_forget_if_unused(n, pi);
     }
     if (kick) sched_hand_over(n);
+    pub_room(n, id);
     net_unlock(n);
     if (kick) net_wake(n);
     return err;
@@ -902,13 +1010,19 @@ static bool news_due(const pd_net *n, pd_xfer_status st) {
 
 static pd_xfer_status v_status(void *self, uint64_t id) {
     pd_net *n = self;
-    net_lock(n);
-    uint32_t r = net_room_find(n, id);
-    pd_xfer_status st = r == PD_NONE ? PD_XFER_NONE : xr_status(&room_at(n, r)->h);
-    if (news_due(n, st) && assist(n, false)) {
-        r = net_room_find(n, id); /* the turn may have evicted a room the engine never opened */
-        st = r == PD_NONE ? PD_XFER_NONE : xr_status(&room_at(n, r)->h);
+    pd_xfer_status st;
+    if (!lock_if_fresh(n)) {
+        if (pub_read(n, id, &st)) {
+            atomic_fetch_add_explicit(&n->status_unlocked, 1, memory_order_relaxed);
+            return st;
+        }
+        net_lock(n);
     }
+    uint32_t r = net_room_find(n, id);
+    st = r == PD_NONE ? PD_XFER_NONE : xr_status(&room_at(n, r)->h);
+    /* The turn may evict a room the engine never opened: asked again. */
+    if (news_due(n, st) && assist(n, false)) st = pub_room(n, id);
+    else pub_write(pub_of(n, id), id, (uint32_t)st);
     net_unlock(n);
     return st;
 }
@@ -962,6 +1076,7 @@ static pd_err v_abort(void *self, uint64_t id) {
         }
     }
     sched_hand_over(n);
+    pub_room(n, id);
     net_unlock(n);
     net_wake(n);
     return fault ? PD_ERR_IO : err;
@@ -969,7 +1084,10 @@ static pd_err v_abort(void *self, uint64_t id) {
 
 static bool v_drained(void *self, uint64_t id) {
     pd_net *n = self;
-    net_lock(n);
+    if (!lock_if_fresh(n)) { /* "not yet" is never wrong: asked again next step */
+        atomic_fetch_add_explicit(&n->drained_unlocked, 1, memory_order_relaxed);
+        return false;
+    }
     bool drained = true;
     uint32_t r = net_room_find(n, id);
     if (r != PD_NONE) {
@@ -1008,6 +1126,7 @@ static void v_close(void *self, uint64_t id) {
         }
     }
     if (kick) sched_hand_over(n);
+    pub_room(n, id);
     net_unlock(n);
     if (kick) net_wake(n);
 }
@@ -1069,6 +1188,7 @@ static void v_cancel(void *self, uint64_t id, const char *peer_addr) {
     if (n->cfg.role == PD_NET_PREFILL) cancel_sender(n, r, id);
     else cancel_receiver(n, r, id, peer_addr);
     sched_hand_over(n);
+    pub_room(n, id);
     net_unlock(n);
     net_wake(n);
 }
@@ -1154,6 +1274,23 @@ static void config_adopt(pd_net *n, const pd_net_config *cfg) {
 
 /* Rooms (the room core's table), peers, page-run stages and the poll
  * set, all sized once from the config. */
+/* The published status table: a power of two, at least twice rooms_max
+ * (at most 2^24) entries, so that live ids rarely share one. */
+static pd_err pub_alloc(pd_net *n, char *msg, size_t cap) {
+    uint64_t want = PD_MIN(2ull * n->cfg.rooms_max, 1ull << 24), len = 1;
+    while (len < want) len <<= 1;
+    n->pub = malloc(len * sizeof(net_pub));
+    if (!n->pub)
+        return pd_errorf(msg, cap, PD_ERR_NOMEM, "out of memory for %u rooms", n->cfg.rooms_max);
+    for (uint64_t i = 0; i < len; i++) {
+        atomic_init(&n->pub[i].seq, 0);
+        atomic_init(&n->pub[i].st, PUB_EMPTY);
+        atomic_init(&n->pub[i].id, 0);
+    }
+    n->pub_mask = (uint32_t)(len - 1);
+    return PD_OK;
+}
+
 static pd_err tables_alloc(pd_net *n, char *msg, size_t cap) {
     const pd_net_config *c = &n->cfg;
     if (xr_table_init(&n->rooms, c->rooms_max, sizeof(room), evictable, evict, n) != PD_OK)
@@ -1178,7 +1315,7 @@ static pd_err tables_alloc(pd_net *n, char *msg, size_t cap) {
         n->peers[i].net = n;
         n->peers[i].fd = -1;
     }
-    return PD_OK;
+    return pub_alloc(n, msg, cap);
 }
 
 /* The self-pipe other threads write to wake the progress thread. */
@@ -1256,6 +1393,8 @@ void pd_net_stats_get(pd_net *n, pd_net_stats *out) {
     net_lock(n);
     *out = n->stats;
     net_unlock(n);
+    out->status_unlocked = atomic_load_explicit(&n->status_unlocked, memory_order_relaxed);
+    out->drained_unlocked = atomic_load_explicit(&n->drained_unlocked, memory_order_relaxed);
 }
 
 uint32_t pd_net_rooms_live(pd_net *n) {
@@ -1265,8 +1404,30 @@ uint32_t pd_net_rooms_live(pd_net *n) {
     return live;
 }
 
+/* PD_NET_FAULT_HOLD_MUTEX, set without the mutex: the progress thread may
+ * hold it. Turned on, it returns once the thread holds it. */
+static void hold_mutex_set(pd_net *n, bool on) {
+    bool running = false;
+    if (on) { /* (off: the thread holds it) */
+        net_lock(n);
+        running = n->running && !n->stopping;
+        net_unlock(n);
+    }
+    atomic_store(&n->stale_since_ns, 0); /* each hold starts a streak of unlocked answers */
+    atomic_store(&n->hold_mutex, on);
+    net_wake(n);
+    while (on && running && !atomic_load(&n->holding_mutex)) {
+        struct timespec ts = {.tv_sec = 0, .tv_nsec = 100000};
+        nanosleep(&ts, NULL);
+    }
+}
+
 void pd_net_set_fault(pd_net *n, pd_net_fault fault, bool on) {
     if ((unsigned)fault >= PD_NET_FAULT__COUNT) return;
+    if (fault == PD_NET_FAULT_HOLD_MUTEX) {
+        hold_mutex_set(n, on);
+        return;
+    }
     net_lock(n);
     n->faults[fault] = on;
     if (!on && fault == PD_NET_FAULT_HOLD_NOTICES)
@@ -1339,6 +1500,7 @@ void pd_net_destroy(pd_net *n) {
     free(n->pfd_peer);
     free(n->pfd_gen);
     free(n->apfd);
+    free(n->pub);
     free(n->apfd_peer);
     free(n);
 }

@@ -12,6 +12,7 @@
 #include <poll.h>
 #include <pthread.h>
 #include <sched.h>
+#include <stdatomic.h>
 #include <time.h>
 
 #include <ucp/api/ucp.h>
@@ -183,6 +184,15 @@ typedef struct peer {
 /* pd_net_config.progress_sched_batch, resolved: the progress thread never
  * under SCHED_BATCH, only while it sleeps with nothing handed to it, or
  * always. */
+/* One entry of the published status table (net.c, "Status without the
+ * mutex"): the status a room last had under the mutex, written under it
+ * as a sequence lock, read without it. st == PUB_EMPTY: no entry. */
+typedef struct net_pub {
+    _Atomic uint32_t seq; /* odd while a writer changes the entry */
+    _Atomic uint32_t st;
+    _Atomic uint64_t id;
+} net_pub;
+
 typedef enum sched_mode { SCHED_MODE_NEVER, SCHED_MODE_IDLE, SCHED_MODE_ALWAYS } sched_mode;
 
 struct pd_net {
@@ -243,6 +253,16 @@ struct pd_net {
     struct pollfd *apfd;
     uint32_t *apfd_peer;
     uint64_t assist_next_ns;
+    /* Status without the mutex (net.c): the published table, pub_mask + 1
+     * entries (a power of two, at least twice rooms_max), direct-mapped by
+     * a hash of the room id; since when status() has answered from it
+     * (0: it took the mutex last). */
+    net_pub *pub;
+    uint32_t pub_mask;
+    _Atomic uint64_t stale_since_ns;
+    /* PD_NET_FAULT_HOLD_MUTEX: asked for; the progress thread holds the mutex for it */
+    atomic_bool hold_mutex, holding_mutex;
+    _Atomic uint64_t status_unlocked, drained_unlocked; /* pd_net_stats */
     bool engine_turn;   /* the engine's thread pumps (send_final inline, an assisted turn):
                        * the flush after a notice is left to the progress thread */
     size_t post_budget; /* bytes of puts the caller may still post: SIZE_MAX but in an

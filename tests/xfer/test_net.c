@@ -1324,6 +1324,49 @@ static void rooms_complete_through_status_polls_alone(void **state) {
     pair_free(w);
 }
 
+/* ---- status without the mutex (net.c) ------------------------------------------- */
+
+/* The prefill's progress thread holds the mutex (as inside a 33 MiB copy)
+ * while the decode aborts the room: the prefill's status() answers at once
+ * with what it last answered, TRANSFERRING, though the ABORT is on its way,
+ * and drained() says "not yet"; once the mutex is free the ABORT is handled
+ * and status() reports FAILED. The room still ends once, and drains. With
+ * status() taking the mutex always, the call waits for the holder, which
+ * waits for this test: a hang, ended by ctest's timeout. */
+static void status_answers_at_once_while_the_mutex_is_held(void **state) {
+    (void)state;
+    pair_opts o = pair_defaults();
+    pair *w = pair_new(&o);
+    spec s;
+    spec_init(&s, w, 7300, 40, 0);
+    for (uint32_t i = 0; i < s.n; i++) s.src[i] = i, s.dst[i] = 100 + i;
+    open_both(w, &s);
+    wait_bootstrapped(w, &s);
+    assert_ok(w->px.vt->send_pages(w->px.self, s.room, 0, s.src, 6));
+    WAIT_FOR(drained_of(w->px, s.room)); /* the first pages' puts completed */
+    assert_int_equal(st_of(w->px, s.room), PD_XFER_TRANSFERRING);
+    pd_net_stats p0 = stats_of(w->pre);
+    /* One unlocked call per hold: each hold starts a fresh streak. */
+    pd_net_set_fault(w->pre, PD_NET_FAULT_HOLD_MUTEX, true);
+    assert_ok(w->dx.vt->abort(w->dx.self, s.room));
+    WAIT_FOR(st_of(w->dx, s.room) == PD_XFER_FAILED); /* the decode is not held */
+    assert_int_equal(st_of(w->px, s.room), PD_XFER_TRANSFERRING);
+    pd_net_set_fault(w->pre, PD_NET_FAULT_HOLD_MUTEX, false);
+    pd_net_set_fault(w->pre, PD_NET_FAULT_HOLD_MUTEX, true);
+    assert_false(drained_of(w->px, s.room));
+    pd_net_set_fault(w->pre, PD_NET_FAULT_HOLD_MUTEX, false);
+    pd_net_stats p1 = stats_of(w->pre);
+    assert_int_equal(p1.status_unlocked - p0.status_unlocked, 1);
+    assert_int_equal(p1.drained_unlocked - p0.drained_unlocked, 1);
+    WAIT_FOR(st_of(w->px, s.room) == PD_XFER_FAILED);
+    assert_err(w->px.vt->send_final(w->px.self, s.room, 6, s.src + 6, 4, 0, 0), PD_ERR_STATE);
+    finish_both(w, &s);
+    wait_no_rooms(w);
+    assert_int_equal(stats_of(w->pre).rooms_failed - p0.rooms_failed, 1);
+    assert_int_equal(stats_of(w->dec).rooms_failed, 1);
+    pair_free(w);
+}
+
 /* An assisted turn posts small puts only (over shared memory a put is a copy
  * on the calling thread, the engine's): with the progress threads parked, a
  * room whose staged run is over the inline limit does not move however often
@@ -1477,6 +1520,7 @@ int main(void) {
         cmocka_unit_test(rooms_complete_through_status_polls_alone),
         cmocka_unit_test(assisted_turns_leave_large_puts_to_the_progress_thread),
         cmocka_unit_test(assisted_and_progress_threads_race_over_a_storm),
+        cmocka_unit_test(status_answers_at_once_while_the_mutex_is_held),
     };
     if (getenv("PD_TEST_FILTER")) cmocka_set_test_filter(getenv("PD_TEST_FILTER"));
     return cmocka_run_group_tests(tests, NULL, NULL);
