@@ -104,6 +104,7 @@ typedef struct opts {
     bool mem_heap, mem_own;  /* which memory the nodes use (--memory) */
     bool perftest;           /* false: --no-perftest */
     bool tcp_large;          /* --tcp-large-segments: both nodes' ucx_tcp_large_segments */
+    bool status_probe;       /* --status-probe: the prefill's status() during hand-offs */
 } opts;
 
 /* The tcp send segment perftest gets: pd_net's own (net_ucx.c), 256K with
@@ -286,7 +287,7 @@ static void usage(void) {
             "            [--memory own|heap|own,heap] [--no-perftest]\n"
             "            [--notice-data BYTES (< 0: none)] [--protocol 3|4]\n"
             "            [--prefill-sched-batch] [--sched-batch -1|0|1 (the prefill's)]\n"
-            "            [--tcp-large-segments]\n"
+            "            [--tcp-large-segments] [--status-probe]\n"
             "       xfer --check (its own parsing and reference choice, on canned figures)\n");
     exit(2);
 }
@@ -502,6 +503,8 @@ static void parse_args(int argc, char **argv, opts *o) {
             if (!o->mem_own && !o->mem_heap) usage();
         } else if (!strcmp(a, "--no-perftest")) {
             o->perftest = false;
+        } else if (!strcmp(a, "--status-probe")) {
+            o->status_probe = true;
         } else if (!strcmp(a, "--tcp-large-segments")) {
             o->tcp_large = true;
             perftest_tcp_tx_seg = "256K";
@@ -814,6 +817,73 @@ static void print_summary(const opts *o, const tally *tl) {
     printf("\n");
 }
 
+/* One room of `tokens` tokens whose hand-off (send_final to the decode's
+ * SUCCESS) is watched as an engine watches it: the prefill's status() is
+ * polled between the decode's polls, and the longest such call is kept in
+ * *worst_ns. Returns the hand-off time. */
+static double probe_room(pair_link *l, uint32_t tokens, uint32_t *idx, double *worst_ns) {
+    uint64_t room = ++l->room, worst = 0;
+    uint32_t pages = PD_DIV_CEIL(tokens, l->page_size);
+    pd_xfer pre = l->pre.x, dec = l->dec.x;
+    pd_xfer_dest d = {
+        .prompt_tokens = tokens, .pages = idx, .n_pages = pages, .mamba_slot = 0, .meta_row = 1};
+    if (dec.vt->receiver_open(dec.self, room, l->peer, &d)) die("receiver_open", "refused");
+    if (pre.vt->sender_open(pre.self, room)) die("sender_open", "refused");
+    wait_status(pre, room, PD_XFER_WAITING_FOR_INPUT);
+    uint64_t t0 = bench_now_ns();
+    if (pre.vt->send_final(pre.self, room, 0, idx, pages, 0, 2)) die("send_final", "refused");
+    pd_xfer_status st;
+    while ((st = dec.vt->status(dec.self, room)) != PD_XFER_SUCCESS) {
+        if (st == PD_XFER_FAILED) die("room", "failed");
+        uint64_t a = bench_now_ns();
+        if (pre.vt->status(pre.self, room) == PD_XFER_FAILED) die("room", "failed");
+        worst = PD_MAX(worst, bench_now_ns() - a);
+        if (bench_now_ns() - t0 > 120ull * 1000000000ull) die("room", "timed out");
+        sched_yield();
+    }
+    double ns = (double)(bench_now_ns() - t0);
+    wait_status(pre, room, PD_XFER_SUCCESS);
+    while (!pre.vt->drained(pre.self, room) || !dec.vt->drained(dec.self, room)) sched_yield();
+    pre.vt->close(pre.self, room);
+    dec.vt->close(dec.self, room);
+    *worst_ns = (double)worst;
+    return ns;
+}
+
+/* --status-probe: for the first config and the largest request, on each
+ * transport, the longest prefill status() call of each room during its
+ * hand-off (median and max over --runs rooms, after two unmeasured) and the
+ * median hand-off rate. */
+static void status_probe(const opts *o, uint32_t *idx) {
+    pd_model_config mc;
+    char msg[256];
+    if (pd_model_config_preset(&mc, o->configs[0], msg, sizeof(msg))) die("config", msg);
+    pd_model_shape sh;
+    pd_model_config_shape(&mc, &sh);
+    uint32_t tokens = 0;
+    for (int k = 0; k < o->n_tokens; k++) tokens = PD_MAX(tokens, o->tokens[k]);
+    pair_link l = {.pages_max = PD_DIV_CEIL(tokens, o->page_size),
+                   .page_size = o->page_size,
+                   .page_bytes = sh.kv_bytes_per_token * o->page_size,
+                   .slot_bytes = sh.mamba_slot_bytes ? sh.mamba_slot_bytes : 64};
+    double bytes = (double)l.pages_max * (double)l.page_bytes + (double)l.slot_bytes;
+    printf("status probe: %s %u tokens (%.1f MiB), %d rooms\n", o->configs[0], tokens,
+           bytes / (1 << 20), o->runs);
+    for (int t = 0; t < o->n_transports; t++) {
+        double worst[64], hand[64], w;
+        link_open(&l, o, o->transports[t], false);
+        for (int r = 0; r < 2; r++) probe_room(&l, tokens, idx, &w);
+        for (int r = 0; r < o->runs; r++) hand[r] = probe_room(&l, tokens, idx, &worst[r]);
+        double mx = 0;
+        for (int r = 0; r < o->runs; r++) mx = PD_MAX(mx, worst[r]);
+        printf("  ucx-%-4s longest prefill status() per room: median %.1f us, max %.1f us; "
+               "hand-off %.2f GB/s (median)\n",
+               o->transports[t], bench_median(worst, (size_t)o->runs) / 1e3, mx / 1e3,
+               bytes / bench_median(hand, (size_t)o->runs));
+        link_close(&l);
+    }
+}
+
 int main(int argc, char **argv) {
     if (argc == 2 && !strcmp(argv[1], "--check")) return self_check();
     opts o;
@@ -823,6 +893,11 @@ int main(int argc, char **argv) {
     uint32_t pages_max = PD_DIV_CEIL(tokens_max, o.page_size);
     uint32_t *idx = malloc(pages_max * sizeof(uint32_t));
     for (uint32_t p = 0; p < pages_max; p++) idx[p] = p;
+    if (o.status_probe) {
+        status_probe(&o, idx);
+        free(idx);
+        return 0;
+    }
 
     static tally tl, round[ROUNDS_MAX];
     static char exe[4096];

@@ -223,15 +223,19 @@ static net_pub *pub_of(const pd_net *n, uint64_t id) {
     return &n->pub[(uint32_t)(h >> 32) & n->pub_mask];
 }
 
-/* Mutex held: it serialises the writers. */
+/* Mutex held: it serialises the writers. Every access to an entry is
+ * sequentially consistent (no fences: ThreadSanitizer does not model
+ * them), so a reader whose two loads of seq agree, even, read id and st
+ * between two writes: never one write's id with another's status. On x86
+ * the reader's loads are plain loads; the writer's stores are under the
+ * mutex, off the engine's path. */
 static void pub_write(net_pub *e, uint64_t id, uint32_t st) {
-    uint32_t s = atomic_load_explicit(&e->seq, memory_order_relaxed);
+    uint32_t s = atomic_load(&e->seq);
     PD_ASSERT((s & 1u) == 0);
-    atomic_store_explicit(&e->seq, s + 1, memory_order_relaxed);
-    atomic_thread_fence(memory_order_release);
-    atomic_store_explicit(&e->id, id, memory_order_relaxed);
-    atomic_store_explicit(&e->st, st, memory_order_relaxed);
-    atomic_store_explicit(&e->seq, s + 2, memory_order_release);
+    atomic_store(&e->seq, s + 1);
+    atomic_store(&e->id, id);
+    atomic_store(&e->st, st);
+    atomic_store(&e->seq, s + 2);
 }
 
 /* What status(id) answers now, published (mutex held). */
@@ -254,11 +258,10 @@ static void pub_forget(pd_net *n, uint64_t id) {
  * or a writer is changing its entry. */
 static bool pub_read(const pd_net *n, uint64_t id, pd_xfer_status *out) {
     net_pub *e = pub_of(n, id);
-    uint32_t s1 = atomic_load_explicit(&e->seq, memory_order_acquire);
-    uint64_t eid = atomic_load_explicit(&e->id, memory_order_relaxed);
-    uint32_t st = atomic_load_explicit(&e->st, memory_order_relaxed);
-    atomic_thread_fence(memory_order_acquire);
-    uint32_t s2 = atomic_load_explicit(&e->seq, memory_order_relaxed);
+    uint32_t s1 = atomic_load(&e->seq);
+    uint64_t eid = atomic_load(&e->id);
+    uint32_t st = atomic_load(&e->st);
+    uint32_t s2 = atomic_load(&e->seq);
     if ((s1 & 1u) || s1 != s2 || eid != id || st == PUB_EMPTY) return false;
     PD_ASSERT(st <= PD_XFER_FAILED);
     *out = (pd_xfer_status)st;
