@@ -16,6 +16,8 @@
  * all state. A vtable call takes the mutex, validates, updates the room,
  * queues work (staged page runs, a notice to send, a room marked dirty) and
  * wakes the progress thread through a pipe: it never waits on the network.
+ * status() and drained() take the mutex only if it is free, else answer
+ * from what was published under it (status without the mutex, below).
  * The progress thread holds the mutex while it works and releases it only
  * around poll(). UCX completion callbacks run inside ucp_worker_progress on
  * the progress thread, so they too run under the mutex. A prefill's progress
