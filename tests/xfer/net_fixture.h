@@ -202,13 +202,33 @@ static inline void pair_free(pair *w) {
     free(w);
 }
 
-static inline pd_xfer_status st_of(pd_xfer x, uint64_t room) { return x.vt->status(x.self, room); }
-static inline bool drained_of(pd_xfer x, uint64_t room) { return x.vt->drained(x.self, room); }
-
 static inline pd_net_stats stats_of(pd_net *n) {
     pd_net_stats s;
     pd_net_stats_get(n, &s);
     return s;
+}
+
+/* What the engine's step gets: while the node's mutex is busy, status()
+ * may answer a published, older status and drained() "not yet". */
+static inline pd_xfer_status st_now(pd_xfer x, uint64_t room) { return x.vt->status(x.self, room); }
+static inline bool drained_now(pd_xfer x, uint64_t room) { return x.vt->drained(x.self, room); }
+
+/* The answers under the mutex, which the tests' one-shot checks assert on:
+ * asked again while the call was answered without it (the node's
+ * *_unlocked counter moved). x is a pd_net endpoint. */
+static inline pd_xfer_status st_of(pd_xfer x, uint64_t room) {
+    for (;;) {
+        uint64_t u = stats_of(x.self).status_unlocked;
+        pd_xfer_status st = st_now(x, room);
+        if (stats_of(x.self).status_unlocked == u) return st;
+    }
+}
+static inline bool drained_of(pd_xfer x, uint64_t room) {
+    for (;;) {
+        uint64_t u = stats_of(x.self).drained_unlocked;
+        bool d = drained_now(x, room);
+        if (d || stats_of(x.self).drained_unlocked == u) return d;
+    }
 }
 
 /* Byte-compares prefill unit src with decode unit dst of a region. */
