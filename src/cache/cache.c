@@ -1392,6 +1392,11 @@ pd_err pd_cache_evict(pd_cache *c, uint32_t pages_needed, uint32_t *pages_freed)
         uint32_t after = n->lru[L_DEV].next;
         if (after != PD_NONE) __builtin_prefetch((const char *)&c->nodes[after] + 64);
     }
+    /* The nodes deleted here went to the front of the free lists, so the
+     * lines the last insert's prefetch_free asked for are no longer the
+     * next insert's: ask for the new head's (the evicted node's own line
+     * and its entries' tokens, cold since they were least recently used). */
+    if (freed > 0) prefetch_free(c);
     if (pages_freed) *pages_freed = freed;
     return PD_OK;
 }
