@@ -538,9 +538,6 @@ static void cancel_room(pd_engine *e, uint64_t room, const char *peer) {
 #define PREFETCH_INLINE static inline
 #endif
 
-/* The prompt lines a retire asks for: 16 pages of 16 tokens. */
-enum { RETIRE_PROMPT_LINES = 16 };
-
 /* The lines a retire that goes ahead reads or writes beyond the record's
  * first two and the terminal reason's (written just before): the flags and
  * slots (release_retired), the times and counts (the terminal event), the
@@ -557,18 +554,6 @@ PREFETCH_INLINE void retire_prefetch(const pd_engine *e, const req *r) {
     __builtin_prefetch(&e->bufs[r - e->reqs]);
     if (e->cfg.role != PD_ROLE_COLOCATED) pd_index_prefetch(&e->room_ix, pd_hash_u64(r->room));
     pd_index_prefetch(&e->rid_ix, r->rid_hash);
-    /* The prompt's tokens past the prefix found cached at admission, which
-     * the insert of the finished prompt compares and copies page by page:
-     * read last at admission, many steps ago. Last here, as it waits for
-     * the record's prompt line asked for above. */
-    if (e->cache && r->term == PD_TERM_FINISHED && r->holds_kv) {
-        const uint32_t per_line = 64 / sizeof(int32_t);
-        uint32_t from = r->own_from * e->cfg.page_size;
-        for (uint32_t i = 0; from < r->prompt_len && i < RETIRE_PROMPT_LINES; i++) {
-            __builtin_prefetch(r->prompt + from);
-            from += per_line;
-        }
-    }
 }
 
 void eng_retire(pd_engine *e, req *r, pd_terminal_kind kind, pd_finish_reason finish,
