@@ -246,6 +246,16 @@ static void units_free(pd_cache *c, int r, const uint32_t *u, uint32_t n,
 #define COLD_CALL
 #endif
 
+/* A function that only prefetches must be inlined where it is called: gcc
+ * counts it free of effects and, when it is not inlined early, deletes the
+ * call as dead (prefetch_victim's were, until issue 13's fourteenth round;
+ * tests/engine/prefetch_kept.sh checks the object). */
+#if defined(__GNUC__)
+#define PREFETCH_INLINE static inline __attribute__((always_inline))
+#else
+#define PREFETCH_INLINE static inline
+#endif
+
 static COLD_CALL uint32_t ent_jump(const pd_cache *c, uint32_t e) { return c->ent_next[e]; }
 
 static inline uint32_t ent_step(const pd_cache *c, uint32_t e) {
@@ -1318,7 +1328,7 @@ static uint32_t evict_host_pages(pd_cache *c, uint32_t need) {
  * its entries' pages, its slot in the child index, its neighbours in its
  * parent's children and in the lists, all known from the node's own lines;
  * loaded together instead of one after another as each step needs one. */
-static void prefetch_victim(const pd_cache *c, const cnode *n) {
+PREFETCH_INLINE void prefetch_victim(const pd_cache *c, const cnode *n) {
     __builtin_prefetch(&c->ent_dev[n->first_ent]);
     __builtin_prefetch(&c->ent_next[n->first_ent]);
     __builtin_prefetch(&c->children.slots[n->key_hash & c->children.mask]);
@@ -1392,6 +1402,11 @@ pd_err pd_cache_evict(pd_cache *c, uint32_t pages_needed, uint32_t *pages_freed)
         uint32_t after = n->lru[L_DEV].next;
         if (after != PD_NONE) __builtin_prefetch((const char *)&c->nodes[after] + 64);
     }
+    /* The nodes deleted here went to the front of the free lists, so the
+     * lines the last insert's prefetch_free asked for are no longer the
+     * next insert's: ask for the new head's (the evicted node's own line
+     * and its entries' tokens, cold since they were least recently used). */
+    if (freed > 0) prefetch_free(c);
     if (pages_freed) *pages_freed = freed;
     return PD_OK;
 }
