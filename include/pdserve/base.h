@@ -78,6 +78,17 @@ _Noreturn void pd_panic(const char *file, int line, const char *expr,
 #define PD_MAX(a, b) ((a) > (b) ? (a) : (b))
 #define PD_DIV_CEIL(a, b) (((a) + (b)-1) / (b))
 
+/* For a function that only prefetches: it must be inlined where it is
+ * called, since gcc (12, -O1 and up) counts it free of effects and, when it
+ * is not inlined early, deletes the call as dead (the engine's retire
+ * prefetch and the cache's victim prefetch were, until issue 13's
+ * fourteenth round; tests/engine/prefetch_kept.sh checks the objects). */
+#if defined(__GNUC__)
+#define PD_PREFETCH_INLINE static inline __attribute__((always_inline))
+#else
+#define PD_PREFETCH_INLINE static inline
+#endif
+
 /* ---- request ids ----------------------------------------------------------
  * The one limit on a request id (rid), for every layer that handles one: the
  * engine and the nodes store rids in PD_RID_MAX-byte arrays, and the router,

@@ -71,7 +71,7 @@ static inline uint32_t pd_index_next(const pd_index *ix, pd_index_probe *p) {
 
 /* Starts loading the slot that a probe, insert or remove for hash h starts
  * at, for a caller that knows it will need it well before it does. */
-static inline void pd_index_prefetch(const pd_index *ix, uint64_t h) {
+PD_PREFETCH_INLINE void pd_index_prefetch(const pd_index *ix, uint64_t h) {
     __builtin_prefetch(&ix->slots[(uint32_t)h & ix->mask]);
 }
 

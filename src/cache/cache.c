@@ -246,16 +246,6 @@ static void units_free(pd_cache *c, int r, const uint32_t *u, uint32_t n,
 #define COLD_CALL
 #endif
 
-/* A function that only prefetches must be inlined where it is called: gcc
- * counts it free of effects and, when it is not inlined early, deletes the
- * call as dead (prefetch_victim's were, until issue 13's fourteenth round;
- * tests/engine/prefetch_kept.sh checks the object). */
-#if defined(__GNUC__)
-#define PREFETCH_INLINE static inline __attribute__((always_inline))
-#else
-#define PREFETCH_INLINE static inline
-#endif
-
 static COLD_CALL uint32_t ent_jump(const pd_cache *c, uint32_t e) { return c->ent_next[e]; }
 
 static inline uint32_t ent_step(const pd_cache *c, uint32_t e) {
@@ -1059,7 +1049,7 @@ pd_err pd_cache_mamba_unlock(pd_cache *c, pd_cnode node) {
  * node, the tokens of the next free entries, which a released chain gives
  * back in order) while the caller goes on. */
 enum { PREFETCH_FREE_ENTRIES = 16 };
-static void prefetch_free(const pd_cache *c) {
+PD_PREFETCH_INLINE void prefetch_free(const pd_cache *c) {
     uint32_t id = c->node_free.head, e = c->ent_free;
     if (id != PD_NONE) {
         __builtin_prefetch(&c->nodes[id], 1);
@@ -1328,7 +1318,7 @@ static uint32_t evict_host_pages(pd_cache *c, uint32_t need) {
  * its entries' pages, its slot in the child index, its neighbours in its
  * parent's children and in the lists, all known from the node's own lines;
  * loaded together instead of one after another as each step needs one. */
-PREFETCH_INLINE void prefetch_victim(const pd_cache *c, const cnode *n) {
+PD_PREFETCH_INLINE void prefetch_victim(const pd_cache *c, const cnode *n) {
     __builtin_prefetch(&c->ent_dev[n->first_ent]);
     __builtin_prefetch(&c->ent_next[n->first_ent]);
     __builtin_prefetch(&c->children.slots[n->key_hash & c->children.mask]);

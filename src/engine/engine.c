@@ -528,16 +528,6 @@ static void cancel_room(pd_engine *e, uint64_t room, const char *peer) {
     e->ctr.rooms_cancelled++;
 }
 
-/* A function that only prefetches must be inlined where it is called: gcc
- * (12, -O1 and up) counts it free of effects, and when it is not inlined
- * early it deletes the call as dead. retire_prefetch was, and none of its
- * prefetches was issued (tests/engine/prefetch_kept.sh checks the object). */
-#if defined(__GNUC__)
-#define PREFETCH_INLINE static inline __attribute__((always_inline))
-#else
-#define PREFETCH_INLINE static inline
-#endif
-
 /* The lines a retire that goes ahead reads or writes beyond the record's
  * first two and the terminal reason's (written just before): the flags and
  * slots (release_retired), the times and counts (the terminal event), the
@@ -545,7 +535,7 @@ static void cancel_room(pd_engine *e, uint64_t room, const char *peer) {
  * indexes (record_free). All are cold by now (the request was admitted many
  * steps ago); asked for at once, they load side by side instead of one after
  * another as the retire reaches each. */
-PREFETCH_INLINE void retire_prefetch(const pd_engine *e, const req *r) {
+PD_PREFETCH_INLINE void retire_prefetch(const pd_engine *e, const req *r) {
     const char *p = (const char *)r;
     __builtin_prefetch(p + offsetof(req, prompt));
     __builtin_prefetch(p + offsetof(req, t_submit));

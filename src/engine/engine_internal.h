@@ -214,7 +214,7 @@ static inline req *eng_req(pd_engine *e, uint32_t idx) {
 }
 /* Starts loading record idx's hot line: walks over hundreds of records (the
  * decode batch and its results) would otherwise wait for each in turn. */
-static inline void eng_prefetch(const pd_engine *e, uint32_t idx) {
+PD_PREFETCH_INLINE void eng_prefetch(const pd_engine *e, uint32_t idx) {
     __builtin_prefetch(&e->reqs[idx]);
 }
 static inline uint32_t eng_idx(pd_engine *e, const req *r) { return (uint32_t)(r - e->reqs); }

@@ -232,6 +232,11 @@ static net_pub *pub_of(const pd_net *n, uint64_t id) {
  * the reader's loads are plain loads; the writer's stores are under the
  * mutex, off the engine's path. */
 static void pub_write(net_pub *e, uint64_t id, uint32_t st) {
+    /* Most calls find their answer there already (a room's status changes a
+     * few times in its life, status() is asked every step): no write. */
+    if (atomic_load_explicit(&e->id, memory_order_relaxed) == id &&
+        atomic_load_explicit(&e->st, memory_order_relaxed) == st)
+        return;
     uint32_t s = atomic_load(&e->seq);
     PD_ASSERT((s & 1u) == 0);
     atomic_store(&e->seq, s + 1);

@@ -181,10 +181,7 @@ typedef struct peer {
     uint32_t runits[REG_N];
 } peer;
 
-/* pd_net_config.progress_sched_batch, resolved: the progress thread never
- * under SCHED_BATCH, only while it sleeps with nothing handed to it, or
- * always. */
-/* One entry of the published status table (net.c, "Status without the
+/* One entry of the published status table (net.c, "status without the
  * mutex"): the status a room last had under the mutex, written under it
  * as a sequence lock, read without it. st == PUB_EMPTY: no entry. */
 typedef struct net_pub {
@@ -193,6 +190,9 @@ typedef struct net_pub {
     _Atomic uint64_t id;
 } net_pub;
 
+/* pd_net_config.progress_sched_batch, resolved: the progress thread never
+ * under SCHED_BATCH, only while it sleeps with nothing handed to it, or
+ * always. */
 typedef enum sched_mode { SCHED_MODE_NEVER, SCHED_MODE_IDLE, SCHED_MODE_ALWAYS } sched_mode;
 
 struct pd_net {
