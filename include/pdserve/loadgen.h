@@ -196,7 +196,9 @@ typedef struct pd_lg_node {
     bool has_counters;
     bool checked, passed; /* the idle check ran; its verdict */
     double waited_s;
-    char problem[512]; /* why it failed, naming the pools */
+    pd_lg_node_sample last; /* the idle check's last look at the pools */
+    bool has_last;          /* that look read them */
+    char problem[512];      /* why it failed, naming the pools */
 } pd_lg_node;
 
 typedef struct pd_lg_abort_event {

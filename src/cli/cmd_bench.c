@@ -521,7 +521,23 @@ static int dump_dataset(const bench_args *a, const pd_lg_dataset *d) {
     return ok ? 0 : 1;
 }
 
-/* The idle check's lines; true when every node passed (or none was given). */
+/* The ledger's counts of each pool at the idle check's last look. */
+static void print_pools(const pd_lg_node *n) {
+    if (!n->has_last) return;
+    for (uint32_t i = 0; i < n->last.n_pools; i++) {
+        const pd_lg_pool_sample *p = &n->last.pools[i];
+        printf("  %-8s %8llu units: %llu free, %llu held by requests, %llu cached (%llu "
+               "evictable, %llu protected), %llu quarantined\n",
+               p->name, (unsigned long long)p->total, (unsigned long long)p->free,
+               (unsigned long long)p->req,
+               (unsigned long long)(p->cache_evictable + p->cache_protected),
+               (unsigned long long)p->cache_evictable, (unsigned long long)p->cache_protected,
+               (unsigned long long)p->quarantine);
+    }
+}
+
+/* The idle check's lines, each node's pools under it; true when every node
+ * passed (or none was given). */
 static bool print_idle(const pd_lg_results *r) {
     bool all = true;
     for (uint32_t k = 0; k < r->n_nodes; k++) {
@@ -530,6 +546,7 @@ static bool print_idle(const pd_lg_results *r) {
             printf("Idle check: %s (%s) idle and clean after %.2f s\n", n->url, n->role,
                    n->waited_s);
         else printf("IDLE CHECK FAILED: %s (%s): %s\n", n->url, n->role, n->problem);
+        print_pools(n);
         all = all && n->passed;
     }
     return all;

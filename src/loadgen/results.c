@@ -289,7 +289,7 @@ static json_t *node_json(const pd_lg_node *n) {
         json_array_append_new(
             samples,
             json_pack("{s:f,s:o}", "t_s", n->samples[k].t_s, "pools", pools_json(&n->samples[k])));
-    json_t *last = n->n_samples ? pools_json(&n->samples[n->n_samples - 1]) : json_array();
+    json_t *last = n->has_last ? pools_json(&n->last) : json_array();
     json_t *check = json_pack("{s:b,s:f,s:s,s:o}", "passed", n->passed, "waited_s", n->waited_s,
                               "problem", n->problem, "pools", last);
     json_t *o = json_pack("{s:s,s:s,s:o,s:o}", "url", n->url, "role", n->role, "samples", samples,

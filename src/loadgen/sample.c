@@ -199,6 +199,7 @@ static void held_pools(const pd_lg_node_sample *s, char *out, size_t cap) {
 /* One look at a node; true when it is idle and clean (the check passed). */
 static bool idle_look(lg_run *run, pd_lg_node *n, double waited) {
     char why[400];
+    n->has_last = false;
     json_t *info = get_info(run, n->url, 2, why, sizeof(why));
     if (!info) {
         snprintf(n->problem, sizeof(n->problem), "%s", why);
@@ -210,6 +211,8 @@ static bool idle_look(lg_run *run, pd_lg_node *n, double waited) {
     if (n->has_counters) parse_counters(info, &n->cached1, &n->prefill1);
     json_decref(info);
     if (has) node_add_sample(n, &s);
+    n->last = s;
+    n->has_last = has;
     if (idle && clean) return true;
     char held[400];
     held_pools(&s, held, sizeof(held));

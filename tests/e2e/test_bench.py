@@ -89,6 +89,16 @@ def test_bench_run_with_aborts():
                   "--report", rep)
         assert r.returncode == 0, (r.returncode, r.stdout[-3000:], r.stderr[-3000:])
         assert "Serving Benchmark Result" in r.stdout and "IDLE CHECK FAILED" not in r.stdout
+        # under each node's idle check line, its pools' ledger counts: nothing held
+        for port in (run.p.port, run.d.port):
+            after = r.stdout.split("Idle check: http://127.0.0.1:%d" % port)[1].splitlines()[1:]
+            names = []
+            for x in after:
+                if not x.startswith("  "):
+                    break
+                names.append(x.split()[0])
+                assert " 0 held by requests" in x and " 0 quarantined" in x, x
+            assert "kv" in names and "mamba" in names, after[:6]
         res = last_json_line(out)
         check_results(res, 200)
         assert res["aborted"] >= 20, res["aborted"]
@@ -99,6 +109,11 @@ def test_bench_run_with_aborts():
         assert pd["idle_check_passed"] is True
         assert len(pd["nodes"]) == 2 and all(n["idle_check"]["passed"] for n in pd["nodes"])
         assert all(len(n["samples"]) >= 2 for n in pd["nodes"])
+        for n in pd["nodes"]:  # the last look's counts
+            pools = n["idle_check"]["pools"]
+            assert pools and all(p["req"] == 0 and p["quarantine"] == 0 for p in pools), pools
+            assert all(p["free"] + p["cache_evictable"] + p["cache_protected"] == p["total"]
+                       for p in pools), pools
         kinds = {a["kind"] for a in pd["aborts"]}
         assert kinds == {"request", "close"}, kinds
         assert sum(pd["timeline"]["requests_done_per_s"]) > 0
@@ -141,7 +156,9 @@ def test_bench_idle_check_fails_on_a_leak():
         assert r.returncode == 3, (r.returncode, r.stdout[-2000:], r.stderr[-2000:])
         assert "IDLE CHECK FAILED" in r.stdout and "pool kv: 7 units held by requests" in r.stdout, \
             r.stdout[-2000:]
-        assert "pool mamba" not in r.stdout.split("IDLE CHECK FAILED")[1]
+        assert "pool mamba" not in r.stdout.split("IDLE CHECK FAILED")[1].splitlines()[0]
+        assert "  kv             64 units: 57 free, 7 held by requests, 0 cached (0 evictable, " \
+            "0 protected), 0 quarantined" in r.stdout, r.stdout[-2000:]
         assert "Idle check: http://127.0.0.1:%d" % serve.port in r.stdout, r.stdout[-2000:]
     finally:
         fake.shutdown()
