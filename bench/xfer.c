@@ -65,6 +65,7 @@
  */
 #include <arpa/inet.h>
 #include <fcntl.h>
+#include <math.h>
 #include <poll.h>
 #include <netinet/in.h>
 #include <sched.h>
@@ -747,9 +748,7 @@ static void print_table(tally *tl, bool perftest_asked) {
                "the better of the two (p50 on shm, mean elsewhere; see pt_ref)\n");
 }
 
-static bool near(double a, double b) {
-    return a - b < 1e-9 * (b < 0 ? -b : b) + 1e-12 && b - a < 1e-9 * (b < 0 ? -b : b) + 1e-12;
-}
+static bool near(double a, double b) { return fabs(a - b) < 1e-9 * fabs(b) + 1e-12; }
 
 /* --check (ctest bench_xfer_check): perftest's output parsed into both
  * figures, and the reference taken from the right statistic of the better
