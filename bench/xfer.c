@@ -817,11 +817,12 @@ static void print_summary(const opts *o, const tally *tl) {
 }
 
 /* One room of `tokens` tokens whose hand-off (send_final to the decode's
- * SUCCESS) is watched as an engine watches it: the prefill's status() is
- * polled between the decode's polls, and the longest such call is kept in
- * *worst_ns. Returns the hand-off time. */
-static double probe_room(pair_link *l, uint32_t tokens, uint32_t *idx, double *worst_ns) {
-    uint64_t room = ++l->room, worst = 0;
+ * SUCCESS) is watched as an engines watch it: the prefill's status() is
+ * polled between the decode's polls, and the longest call of each side is
+ * kept in worst_ns[0] (prefill) and worst_ns[1] (decode). Returns the
+ * hand-off time. */
+static double probe_room(pair_link *l, uint32_t tokens, uint32_t *idx, double worst_ns[2]) {
+    uint64_t room = ++l->room, worst = 0, worst_dec = 0;
     uint32_t pages = PD_DIV_CEIL(tokens, l->page_size);
     pd_xfer pre = l->pre.x, dec = l->dec.x;
     pd_xfer_dest d = {
@@ -831,10 +832,13 @@ static double probe_room(pair_link *l, uint32_t tokens, uint32_t *idx, double *w
     wait_status(pre, room, PD_XFER_WAITING_FOR_INPUT);
     uint64_t t0 = bench_now_ns();
     if (pre.vt->send_final(pre.self, room, 0, idx, pages, 0, 2)) die("send_final", "refused");
-    pd_xfer_status st;
-    while ((st = dec.vt->status(dec.self, room)) != PD_XFER_SUCCESS) {
-        if (st == PD_XFER_FAILED) die("room", "failed");
+    for (;;) {
         uint64_t a = bench_now_ns();
+        pd_xfer_status st = dec.vt->status(dec.self, room);
+        worst_dec = PD_MAX(worst_dec, bench_now_ns() - a);
+        if (st == PD_XFER_SUCCESS) break;
+        if (st == PD_XFER_FAILED) die("room", "failed");
+        a = bench_now_ns();
         if (pre.vt->status(pre.self, room) == PD_XFER_FAILED) die("room", "failed");
         worst = PD_MAX(worst, bench_now_ns() - a);
         if (bench_now_ns() - t0 > 120ull * 1000000000ull) die("room", "timed out");
@@ -845,7 +849,8 @@ static double probe_room(pair_link *l, uint32_t tokens, uint32_t *idx, double *w
     while (!pre.vt->drained(pre.self, room) || !dec.vt->drained(dec.self, room)) sched_yield();
     pre.vt->close(pre.self, room);
     dec.vt->close(dec.self, room);
-    *worst_ns = (double)worst;
+    worst_ns[0] = (double)worst;
+    worst_ns[1] = (double)worst_dec;
     return ns;
 }
 
@@ -869,15 +874,21 @@ static void status_probe(const opts *o, uint32_t *idx) {
     printf("status probe: %s %u tokens (%.1f MiB), %d rooms\n", o->configs[0], tokens,
            bytes / (1 << 20), o->runs);
     for (int t = 0; t < o->n_transports; t++) {
-        double worst[64], hand[64], w;
+        double worst[2][64], hand[64], w[2];
         link_open(&l, o, o->transports[t], false);
-        for (int r = 0; r < 2; r++) probe_room(&l, tokens, idx, &w);
-        for (int r = 0; r < o->runs; r++) hand[r] = probe_room(&l, tokens, idx, &worst[r]);
-        double mx = 0;
-        for (int r = 0; r < o->runs; r++) mx = PD_MAX(mx, worst[r]);
+        for (int r = 0; r < 2; r++) probe_room(&l, tokens, idx, w);
+        for (int r = 0; r < o->runs; r++) {
+            hand[r] = probe_room(&l, tokens, idx, w);
+            worst[0][r] = w[0];
+            worst[1][r] = w[1];
+        }
+        double mx[2] = {0, 0};
+        for (int r = 0; r < o->runs; r++)
+            for (int s = 0; s < 2; s++) mx[s] = PD_MAX(mx[s], worst[s][r]);
         printf("  ucx-%-4s longest prefill status() per room: median %.1f us, max %.1f us; "
-               "hand-off %.2f GB/s (median)\n",
-               o->transports[t], bench_median(worst, (size_t)o->runs) / 1e3, mx / 1e3,
+               "decode: median %.1f us, max %.1f us; hand-off %.2f GB/s (median)\n",
+               o->transports[t], bench_median(worst[0], (size_t)o->runs) / 1e3, mx[0] / 1e3,
+               bench_median(worst[1], (size_t)o->runs) / 1e3, mx[1] / 1e3,
                bytes / bench_median(hand, (size_t)o->runs));
         link_close(&l);
     }

@@ -170,6 +170,10 @@ typedef struct pd_net_stats {
     /* Turns of the progress work run by the engine's own status() and
      * drained() calls while a room's news was due (net.c, assisted progress). */
     uint64_t progress_assists;
+    /* Assisted turns not run because a put over the inline limit was in
+     * flight: its progress thread drives it (over tcp a turn would send its
+     * segments on the engine's thread). */
+    uint64_t assists_deferred;
     /* Completion notices that carried their room's bytes (version 4): sent
      * (prefill), or checked and copied into the room's pages (decode). */
     uint64_t notices_with_data;

@@ -105,6 +105,7 @@ typedef struct room {
     notice note;     /* sent once every posted write has completed */
     uint64_t note_value;
     uint32_t puts_out, flush_out;
+    uint32_t large_out; /* of puts_out, those over FINAL_INLINE_BYTES (net.c, assist) */
     /* The notice's AM header (and, for one that carries the room's bytes,
      * the source of each segment), kept until the send completes. */
     uint8_t notice_wire[BP_NOTICE_DATA_HEADER_MAX];
@@ -127,6 +128,7 @@ typedef struct room {
 typedef struct req_ctx {
     pd_net *net;
     uint32_t room, gen;
+    bool large; /* a put over FINAL_INLINE_BYTES */
 } req_ctx;
 
 typedef enum peer_state {
@@ -218,6 +220,7 @@ struct pd_net {
     size_t waddr_len;
     bool no_peer_mode;
     uint32_t ucx_out;
+    uint32_t large_out;     /* puts over FINAL_INLINE_BYTES not yet completed, all rooms */
     uint64_t last_event_ns; /* the worker last reported progress, or a reply became due */
     bool spinning;          /* the progress thread's next poll does not sleep: it sees
                                dirty rooms without a wake-up through the pipe */

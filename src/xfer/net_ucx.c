@@ -52,6 +52,11 @@ static void put_done(void *req, ucs_status_t status, void *user) {
     if (rm) {
         PD_ASSERT(rm->puts_out > 0);
         rm->puts_out--;
+        if (((req_ctx *)req)->large) {
+            PD_ASSERT(rm->large_out > 0 && n->large_out > 0);
+            rm->large_out--;
+            n->large_out--;
+        }
         if (status != UCS_OK) write_failed(n, rm);
         net_mark_dirty(n, rm);
     }
@@ -96,6 +101,11 @@ static bool post_put(pd_net *n, room *rm, peer *p, const stage *s) {
     if (sp != NULL) {
         req_track(n, rm, sp);
         rm->puts_out++;
+        if (len > FINAL_INLINE_BYTES) {
+            ((req_ctx *)sp)->large = true;
+            rm->large_out++;
+            n->large_out++;
+        }
     }
     rm->need_flush = true;
     rm->bytes += len;
@@ -416,7 +426,9 @@ void net_abandon_dead_writes(pd_net *n, uint64_t now) {
         n->stats.writes_abandoned += rm->puts_out + rm->flush_out;
         PD_ASSERT(n->ucx_out >= rm->puts_out + rm->flush_out);
         n->ucx_out -= rm->puts_out + rm->flush_out;
-        rm->puts_out = rm->flush_out = 0;
+        PD_ASSERT(n->large_out >= rm->large_out);
+        n->large_out -= rm->large_out;
+        rm->puts_out = rm->flush_out = rm->large_out = 0;
         rm->slot.gen++;
         net_mark_dirty(n, rm);
     }

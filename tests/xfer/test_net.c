@@ -1405,6 +1405,53 @@ static void assisted_turns_leave_large_puts_to_the_progress_thread(void **state)
     pair_free(w);
 }
 
+/* While a put over the inline limit is in flight, the prefill's status()
+ * runs no assisted turn: over tcp the put's segments would go out on the
+ * engine's thread, milliseconds a call (net.c, assist). The decode's thread
+ * is parked and nothing polls the decode, so over tcp the 16 MiB put stays
+ * in flight, its socket full; the polls are deferred, and the room lands
+ * once the decode's thread is back. Over shared memory the put is a copy
+ * inside its post, never in flight: nothing to defer. */
+static void no_assisted_turn_while_a_large_put_is_in_flight(void **state) {
+    (void)state;
+    pair_opts o = pair_defaults();
+    o.kv_pages = 64;
+    o.kv_page_bytes = 256u << 10; /* 64 pages: one 16 MiB run */
+    o.heartbeat_ms = 2000;
+    o.dead_after_ms = 60000;
+    pair *w = pair_new(&o);
+    warm_up(w, 7299);
+    spec s;
+    spec_init(&s, w, 7300, 64 * o.page_size, 0);
+    for (uint32_t i = 0; i < s.n; i++) s.src[i] = s.dst[i] = i;
+    s.dst_meta = 3;
+    pd_net_set_fault(w->dec, PD_NET_FAULT_PARK_PROGRESS, true);
+    open_both(w, &s);
+    wait_bootstrapped(w, &s);
+    uint64_t posted = stats_of(w->pre).writes_posted;
+    send_all(w, &s, 0);
+    WAIT_FOR(stats_of(w->pre).writes_posted > posted);
+    pd_net_stats p0 = stats_of(w->pre);
+    for (int i = 0; i < 50; i++) {
+        assert_int_not_equal(st_of(w->px, s.room), PD_XFER_FAILED);
+        t_sleep_ms(1);
+    }
+    pd_net_stats p1 = stats_of(w->pre);
+    const char *tls = getenv("UCX_TLS");
+    if (tls && !strcmp(tls, "tcp")) {
+        assert_int_equal(st_of(w->px, s.room), PD_XFER_TRANSFERRING);
+        assert_true(p1.assists_deferred > p0.assists_deferred);
+        assert_int_equal(p1.progress_assists, p0.progress_assists);
+    }
+    pd_net_set_fault(w->dec, PD_NET_FAULT_PARK_PROGRESS, false);
+    WAIT_FOR(st_of(w->dx, s.room) == PD_XFER_SUCCESS);
+    check_landed(w, &s);
+    WAIT_FOR(st_of(w->px, s.room) == PD_XFER_SUCCESS);
+    finish_both(w, &s);
+    wait_no_rooms(w);
+    pair_free(w);
+}
+
 typedef struct poller {
     pair *w;
     const spec *s;
@@ -1519,6 +1566,7 @@ int main(void) {
         cmocka_unit_test(create_refuses_bad_config),
         cmocka_unit_test(rooms_complete_through_status_polls_alone),
         cmocka_unit_test(assisted_turns_leave_large_puts_to_the_progress_thread),
+        cmocka_unit_test(no_assisted_turn_while_a_large_put_is_in_flight),
         cmocka_unit_test(assisted_and_progress_threads_race_over_a_storm),
         cmocka_unit_test(status_answers_at_once_while_the_mutex_is_held),
     };
