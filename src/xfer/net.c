@@ -127,7 +127,7 @@
  * on the calling thread); and while such a put is in flight no turn runs at
  * all (over tcp UCX sends an emulated put's segments from whichever thread
  * progresses the worker), nor on a decode node while its progress thread
- * spins. The decode's abort() runs a turn first, whatever
+ * spins taking in emulated puts' segments. The decode's abort() runs a turn first, whatever
  * the rate limit, so that a notice already there makes it moot. Its poll()
  * may return for an event a turn consumed meanwhile: a spurious wake-up,
  * harmless (reads find EAGAIN; revents of a peer slot whose connection
@@ -783,20 +783,23 @@ static void *progress_main(void *arg) {
  * sends an emulated put's segments from whichever thread progresses the
  * worker, a turn here sent them on the engine's thread (0.75-2.7 ms a
  * status() call in a 32.8 MiB room). Nor on a decode node whose progress
- * thread turns the worker without sleeping (spinning): that thread takes
- * the news in itself, and over tcp a turn here received an emulated put's
- * segments on the engine's thread (1.8-2.5 ms). True if a turn ran. */
+ * thread spins while UCX brings more than our notices (last_bulk_ns: an
+ * emulated put's segments, over tcp or into heap memory): that thread
+ * takes them in, and a turn here received them on the engine's thread
+ * (1.8-2.5 ms). Direct puts bring the decode nothing but the notice, and
+ * there the turn still spares a wake-up. True if a turn ran. */
 static bool assist(pd_net *n, bool force) {
     if (!n->running || n->stopping) return false;
     if (n->large_out > 0 && !force) {
         n->stats.assists_deferred++;
         return false;
     }
-    if (n->cfg.role == PD_NET_DECODE && n->spinning && !force) {
+    uint64_t t0 = now_ns();
+    if (n->cfg.role == PD_NET_DECODE && n->spinning && !force && n->cfg.spin_us > 0 &&
+        t0 - n->last_bulk_ns < (uint64_t)n->cfg.spin_us * 1000u) {
         n->stats.assists_deferred++;
         return false;
     }
-    uint64_t t0 = now_ns();
     if (t0 < n->assist_next_ns && !force) return false;
     PD_ASSERT(n->post_budget == SIZE_MAX); /* no turn inside a turn */
     uint32_t out0 = n->ucx_out;
