@@ -187,6 +187,9 @@ typedef struct pd_net_stats {
      * drained() calls that said "not yet" for the same reason. */
     uint64_t status_unlocked;
     uint64_t drained_unlocked;
+    /* Passes of the progress thread that ended by publishing every room's
+     * status, because a status() had been answered without the mutex. */
+    uint64_t status_refreshes;
 } pd_net_stats;
 void pd_net_stats_get(pd_net *n, pd_net_stats *out);
 

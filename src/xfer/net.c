@@ -219,9 +219,17 @@ uint32_t net_room_find(const pd_net *n, uint64_t id) { return xr_find(&n->rooms,
  * without the mutex stop STALE_MAX_NS after the first of a streak: then
  * the call waits, so the engine still sees news while a thread holds the
  * mutex for long. An unlocked answer runs no assisted turn: the mutex is
- * held, so the progress thread (or a turn) is at work already. */
+ * held, so the progress thread (or a turn) is at work already.
+ * Refresh: a status() answered without the mutex asks the progress thread
+ * to publish every room's status at the end of its pass (pub_refresh),
+ * which restarts status()'s streak: its answers are then at most one pass
+ * old, and a call waits only behind a single pass longer than
+ * STALE_MAX_NS. Over tcp a pass that streams a large put's segments holds
+ * the mutex for milliseconds, and the streak used to run out across
+ * passes (calls of 4-6 ms). drained() keeps its own streak: no refresh
+ * answers it. */
 #define PUB_EMPTY UINT32_MAX
-#define STALE_MAX_NS 5000000u /* 5 ms, well beyond one 33 MiB copy (~1 ms) */
+#define STALE_MAX_NS 50000000u /* 50 ms: beyond any pass (a 33 MiB copy ~1 ms; tcp, ~10) */
 
 static net_pub *pub_of(const pd_net *n, uint64_t id) {
     uint64_t h = id * 0x9E3779B97F4A7C15ull; /* Fibonacci hashing: ids may be sequential */
@@ -279,17 +287,32 @@ static bool pub_read(const pd_net *n, uint64_t id, pd_xfer_status *out) {
 }
 
 /* status() and drained(): takes the mutex if it is free, or if calls have
- * been answered without it for STALE_MAX_NS; false: the caller may answer
- * without it (the mutex is not held). */
-static bool lock_if_fresh(pd_net *n) {
+ * been answered without it for STALE_MAX_NS (streak: the call's own); false:
+ * the caller may answer without it (the mutex is not held). */
+static bool lock_if_fresh(pd_net *n, _Atomic uint64_t *streak) {
     if (pthread_mutex_trylock(&n->mu) != 0) {
         uint64_t t = now_ns(), s = 0;
-        if (atomic_compare_exchange_strong(&n->stale_since_ns, &s, t)) s = t;
+        if (atomic_compare_exchange_strong(streak, &s, t)) s = t;
         if (t < s || t - s < STALE_MAX_NS) return false;
         net_lock(n);
     }
-    atomic_store_explicit(&n->stale_since_ns, 0, memory_order_relaxed);
+    atomic_store_explicit(streak, 0, memory_order_relaxed);
     return true;
+}
+
+/* The progress thread, at the end of a pass (mutex held): if a status() was
+ * answered without the mutex since the last refresh, every room's status
+ * is published and status()'s streak restarts. */
+static void pub_refresh(pd_net *n) {
+    if (!atomic_load_explicit(&n->pub_wanted, memory_order_relaxed) ||
+        !atomic_exchange(&n->pub_wanted, false))
+        return;
+    for (uint32_t r = 0; r < n->cfg.rooms_max; r++) {
+        const room *rm = room_at(n, r);
+        if (rm->slot.used) pub_write(pub_of(n, rm->slot.id), rm->slot.id, xr_status(&rm->h));
+    }
+    atomic_store(&n->stale_since_ns, 0);
+    n->stats.status_refreshes++;
 }
 
 void net_mark_dirty(pd_net *n, room *rm) {
@@ -758,6 +781,7 @@ static void *progress_main(void *arg) {
         if (timeout > 0) sched_before_sleep(n);
         nfds_t first_peer;
         nfds_t nf = poll_set(n, &first_peer);
+        pub_refresh(n);
         net_unlock(n);
         int rc = poll(n->pfd, nf, timeout);
         /* Spinning must not starve the thread we wait for (the peer's
@@ -825,6 +849,7 @@ static bool assist(pd_net *n, bool force) {
         net_wake(n);
     }
     n->stats.progress_assists++;
+    pub_refresh(n);
     uint64_t t1 = now_ns();
     n->assist_next_ns = t1 + PD_MAX((t1 - t0) * ASSIST_GAP_FACTOR, (uint64_t)ASSIST_GAP_MIN_NS);
     return true;
@@ -1042,9 +1067,10 @@ static bool news_due(const pd_net *n, pd_xfer_status st) {
 static pd_xfer_status v_status(void *self, uint64_t id) {
     pd_net *n = self;
     pd_xfer_status st;
-    if (!lock_if_fresh(n)) {
+    if (!lock_if_fresh(n, &n->stale_since_ns)) {
         if (pub_read(n, id, &st)) {
             atomic_fetch_add_explicit(&n->status_unlocked, 1, memory_order_relaxed);
+            atomic_store_explicit(&n->pub_wanted, true, memory_order_relaxed);
             return st;
         }
         net_lock(n);
@@ -1115,7 +1141,7 @@ static pd_err v_abort(void *self, uint64_t id) {
 
 static bool v_drained(void *self, uint64_t id) {
     pd_net *n = self;
-    if (!lock_if_fresh(n)) { /* "not yet" is never wrong: asked again next step */
+    if (!lock_if_fresh(n, &n->drained_stale_since_ns)) { /* "not yet": asked again next step */
         atomic_fetch_add_explicit(&n->drained_unlocked, 1, memory_order_relaxed);
         return false;
     }
@@ -1445,6 +1471,7 @@ static void hold_mutex_set(pd_net *n, bool on) {
         net_unlock(n);
     }
     atomic_store(&n->stale_since_ns, 0); /* each hold starts a streak of unlocked answers */
+    atomic_store(&n->drained_stale_since_ns, 0);
     atomic_store(&n->hold_mutex, on);
     net_wake(n);
     while (on && running && !atomic_load(&n->holding_mutex)) {

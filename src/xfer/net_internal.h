@@ -265,7 +265,9 @@ struct pd_net {
      * (0: it took the mutex last). */
     net_pub *pub;
     uint32_t pub_mask;
-    _Atomic uint64_t stale_since_ns;
+    _Atomic uint64_t stale_since_ns;         /* status()'s streak, restarted by a refresh */
+    _Atomic uint64_t drained_stale_since_ns; /* drained()'s, which no refresh answers */
+    atomic_bool pub_wanted; /* a status() answered without the mutex since the last refresh */
     /* PD_NET_FAULT_HOLD_MUTEX: asked for; the progress thread holds the mutex for it */
     atomic_bool hold_mutex, holding_mutex;
     _Atomic uint64_t status_unlocked, drained_unlocked; /* pd_net_stats */

@@ -1367,6 +1367,42 @@ static void status_answers_at_once_while_the_mutex_is_held(void **state) {
     pair_free(w);
 }
 
+/* A status() answered without the mutex asks the progress thread to
+ * publish every room's status at the end of its pass (net.c, refresh), so
+ * unlocked answers are at most a pass old, not as old as the engine's last
+ * locked call. The prefill's room fails (the decode aborted) with no vtable
+ * call to publish it; an unlocked answer during a hold still says
+ * TRANSFERRING, and asks; after the next pass an unlocked answer says
+ * FAILED. Without the refresh it says TRANSFERRING until a call gets the
+ * mutex. */
+static void unlocked_answers_are_refreshed_by_the_next_pass(void **state) {
+    (void)state;
+    pair_opts o = pair_defaults();
+    pair *w = pair_new(&o);
+    spec s;
+    spec_init(&s, w, 7310, 40, 0);
+    for (uint32_t i = 0; i < s.n; i++) s.src[i] = i, s.dst[i] = 100 + i;
+    open_both(w, &s);
+    wait_bootstrapped(w, &s);
+    assert_ok(w->px.vt->send_pages(w->px.self, s.room, 0, s.src, 6));
+    WAIT_FOR(drained_of(w->px, s.room));
+    assert_int_equal(st_of(w->px, s.room), PD_XFER_TRANSFERRING); /* published */
+    pd_net_stats p0 = stats_of(w->pre);
+    assert_ok(w->dx.vt->abort(w->dx.self, s.room));
+    WAIT_FOR(stats_of(w->pre).rooms_failed > p0.rooms_failed); /* no vtable call */
+    pd_net_set_fault(w->pre, PD_NET_FAULT_HOLD_MUTEX, true);
+    assert_int_equal(st_now(w->px, s.room), PD_XFER_TRANSFERRING); /* stale, and asks */
+    pd_net_set_fault(w->pre, PD_NET_FAULT_HOLD_MUTEX, false);
+    WAIT_FOR(stats_of(w->pre).status_refreshes > p0.status_refreshes);
+    pd_net_set_fault(w->pre, PD_NET_FAULT_HOLD_MUTEX, true);
+    assert_int_equal(st_now(w->px, s.room), PD_XFER_FAILED);
+    pd_net_set_fault(w->pre, PD_NET_FAULT_HOLD_MUTEX, false);
+    assert_int_equal(stats_of(w->pre).status_unlocked - p0.status_unlocked, 2);
+    finish_both(w, &s);
+    wait_no_rooms(w);
+    pair_free(w);
+}
+
 /* An assisted turn posts small puts only (over shared memory a put is a copy
  * on the calling thread, the engine's): with the progress threads parked, a
  * room whose staged run is over the inline limit does not move however often
@@ -1494,8 +1530,8 @@ static void decode_polls_after_a_room(pair_opts o, uint64_t *assists, uint64_t *
 static void decode_assists_wait_while_emulated_puts_stream_in(void **state) {
     (void)state;
     pair_opts o = pair_defaults();
-    o.heap = true;             /* puts emulated over shm as well */
-    o.notice_data_max = -1;    /* every room as puts, none in its notice */
+    o.heap = true;          /* puts emulated over shm as well */
+    o.notice_data_max = -1; /* every room as puts, none in its notice */
     uint64_t assists, deferred;
     decode_polls_after_a_room(o, &assists, &deferred);
     assert_int_equal(assists, 0);
@@ -1626,6 +1662,7 @@ int main(void) {
         cmocka_unit_test(decode_assists_wait_while_emulated_puts_stream_in),
         cmocka_unit_test(assisted_and_progress_threads_race_over_a_storm),
         cmocka_unit_test(status_answers_at_once_while_the_mutex_is_held),
+        cmocka_unit_test(unlocked_answers_are_refreshed_by_the_next_pass),
     };
     if (getenv("PD_TEST_FILTER")) cmocka_set_test_filter(getenv("PD_TEST_FILTER"));
     return cmocka_run_group_tests(tests, NULL, NULL);
