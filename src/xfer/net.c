@@ -126,8 +126,7 @@
  * puts beyond FINAL_INLINE_BYTES a turn (over shared memory a put is a copy
  * on the calling thread); and while such a put is in flight no turn runs at
  * all (over tcp UCX sends an emulated put's segments from whichever thread
- * progresses the worker), nor on a decode node while its progress thread
- * spins taking in emulated puts' segments. The decode's abort() runs a turn first, whatever
+ * progresses the worker). The decode's abort() runs a turn first, whatever
  * the rate limit, so that a notice already there makes it moot. Its poll()
  * may return for an event a turn consumed meanwhile: a spurious wake-up,
  * harmless (reads find EAGAIN; revents of a peer slot whose connection
@@ -226,10 +225,11 @@ uint32_t net_room_find(const pd_net *n, uint64_t id) { return xr_find(&n->rooms,
  * old, and a call waits only behind a single pass longer than
  * STALE_MAX_NS. Over tcp a pass that streams a large put's segments holds
  * the mutex for milliseconds, and the streak used to run out across
- * passes (calls of 4-6 ms). drained() keeps its own streak: no refresh
- * answers it. */
+ * passes (calls of 4-6 ms). drained() keeps its own streak, and the old
+ * 5 ms bound: no refresh answers it. */
 #define PUB_EMPTY UINT32_MAX
-#define STALE_MAX_NS 50000000u /* 50 ms: beyond any pass (a 33 MiB copy ~1 ms; tcp, ~10) */
+#define STALE_MAX_NS 50000000u        /* 50 ms: beyond any pass (a 33 MiB copy ~1 ms; tcp, ~10) */
+#define DRAINED_STALE_MAX_NS 5000000u /* 5 ms: drained()'s "not yet" is never refreshed */
 
 static net_pub *pub_of(const pd_net *n, uint64_t id) {
     uint64_t h = id * 0x9E3779B97F4A7C15ull; /* Fibonacci hashing: ids may be sequential */
@@ -287,13 +287,13 @@ static bool pub_read(const pd_net *n, uint64_t id, pd_xfer_status *out) {
 }
 
 /* status() and drained(): takes the mutex if it is free, or if calls have
- * been answered without it for STALE_MAX_NS (streak: the call's own); false:
- * the caller may answer without it (the mutex is not held). */
-static bool lock_if_fresh(pd_net *n, _Atomic uint64_t *streak) {
+ * been answered without it for max_ns (streak: the call's own); false: the
+ * caller may answer without it (the mutex is not held). */
+static bool lock_if_fresh(pd_net *n, _Atomic uint64_t *streak, uint64_t max_ns) {
     if (pthread_mutex_trylock(&n->mu) != 0) {
         uint64_t t = now_ns(), s = 0;
         if (atomic_compare_exchange_strong(streak, &s, t)) s = t;
-        if (t < s || t - s < STALE_MAX_NS) return false;
+        if (t < s || t - s < max_ns) return false;
         net_lock(n);
     }
     atomic_store_explicit(streak, 0, memory_order_relaxed);
@@ -806,12 +806,7 @@ static void *progress_main(void *arg) {
  * the progress thread posted it and drives it, and over tcp, where UCX
  * sends an emulated put's segments from whichever thread progresses the
  * worker, a turn here sent them on the engine's thread (0.75-2.7 ms a
- * status() call in a 32.8 MiB room). Nor on a decode node whose progress
- * thread spins while UCX brings more than our notices (last_bulk_ns: an
- * emulated put's segments, over tcp or into heap memory): that thread
- * takes them in, and a turn here received them on the engine's thread
- * (1.8-2.5 ms). Direct puts bring the decode nothing but the notice, and
- * there the turn still spares a wake-up. True if a turn ran. */
+ * status() call in a 32.8 MiB room). True if a turn ran. */
 static bool assist(pd_net *n, bool force) {
     if (!n->running || n->stopping) return false;
     if (n->large_out > 0 && !force) {
@@ -819,11 +814,6 @@ static bool assist(pd_net *n, bool force) {
         return false;
     }
     uint64_t t0 = now_ns();
-    if (n->cfg.role == PD_NET_DECODE && n->spinning && !force && n->cfg.spin_us > 0 &&
-        t0 - n->last_bulk_ns < (uint64_t)n->cfg.spin_us * 1000u) {
-        n->stats.assists_deferred++;
-        return false;
-    }
     if (t0 < n->assist_next_ns && !force) return false;
     PD_ASSERT(n->post_budget == SIZE_MAX); /* no turn inside a turn */
     uint32_t out0 = n->ucx_out;
@@ -1067,7 +1057,7 @@ static bool news_due(const pd_net *n, pd_xfer_status st) {
 static pd_xfer_status v_status(void *self, uint64_t id) {
     pd_net *n = self;
     pd_xfer_status st;
-    if (!lock_if_fresh(n, &n->stale_since_ns)) {
+    if (!lock_if_fresh(n, &n->stale_since_ns, STALE_MAX_NS)) {
         if (pub_read(n, id, &st)) {
             atomic_fetch_add_explicit(&n->status_unlocked, 1, memory_order_relaxed);
             atomic_store_explicit(&n->pub_wanted, true, memory_order_relaxed);
@@ -1141,7 +1131,8 @@ static pd_err v_abort(void *self, uint64_t id) {
 
 static bool v_drained(void *self, uint64_t id) {
     pd_net *n = self;
-    if (!lock_if_fresh(n, &n->drained_stale_since_ns)) { /* "not yet": asked again next step */
+    /* "not yet" is never wrong: asked again next step */
+    if (!lock_if_fresh(n, &n->drained_stale_since_ns, DRAINED_STALE_MAX_NS)) {
         atomic_fetch_add_explicit(&n->drained_unlocked, 1, memory_order_relaxed);
         return false;
     }

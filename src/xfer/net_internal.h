@@ -222,9 +222,6 @@ struct pd_net {
     uint32_t ucx_out;
     uint32_t large_out;     /* puts over FINAL_INLINE_BYTES not yet completed, all rooms */
     uint64_t last_event_ns; /* the worker last reported progress, or a reply became due */
-    uint64_t last_bulk_ns;  /* it last reported events other than our notices: mostly an
-                               emulated put's segments (net.c, assist) */
-    uint32_t notices_in;    /* our notice handlers' calls (net_ucx_progress counts them) */
     bool spinning;          /* the progress thread's next poll does not sleep: it sees
                                dirty rooms without a wake-up through the pipe */
     /* The progress thread's scheduling policy (net.c, sched_set) */

@@ -438,16 +438,12 @@ void net_abandon_dead_writes(pd_net *n, uint64_t now) {
 void net_ucx_progress(pd_net *n) {
     if (n->faults[PD_NET_FAULT_HOLD_DATA]) return;
     unsigned events = 0;
-    uint32_t notices0 = n->notices_in;
     for (int i = 0; i < PROGRESS_BURST; i++) {
         unsigned k = ucp_worker_progress(n->worker);
         if (!k) break;
         events += k;
     }
-    if (events) {
-        n->last_event_ns = now_ns();
-        if (events > n->notices_in - notices0) n->last_bulk_ns = n->last_event_ns;
-    }
+    if (events) n->last_event_ns = now_ns();
 }
 
 /* True if every transport named in tls is a shared-memory one (UCX 1.13
@@ -556,7 +552,6 @@ static ucs_status_t on_notice_am(void *arg, const void *header, size_t header_le
     (void)data;
     (void)prm;
     pd_net *n = arg;
-    n->notices_in++;
     uint64_t room_id, bytes, node_id;
     if (len != 0 || bp_notice_read(header, header_len, &room_id, &bytes, &node_id) != PD_OK) {
         n->stats.bad_messages++;
@@ -575,7 +570,6 @@ static ucs_status_t on_notice_am(void *arg, const void *header, size_t header_le
 static ucs_status_t on_notice_data_am(void *arg, const void *header, size_t header_len, void *data,
                                       size_t len, const ucp_am_recv_param_t *prm) {
     pd_net *n = arg;
-    n->notices_in++;
     bp_notice nt;
     if (bp_notice_data_read(header, header_len, &nt) != PD_OK) {
         n->stats.bad_messages++;

@@ -62,7 +62,6 @@ typedef struct pair_opts {
     int32_t notice_data_max; /* prefill's (0: its default; < 0: every room as puts) */
     uint16_t prefill_protocol, decode_protocol; /* 0: the newest; 3: a version-3 node */
     int8_t sched_batch;                         /* both nodes' progress_sched_batch */
-    int32_t decode_spin_us;                     /* 0: the default */
 } pair_opts;
 
 typedef struct pair {
@@ -150,7 +149,6 @@ static inline pd_net_config node_config(const pair_opts *o, pd_net_role role) {
     c.notice_data_max = o->notice_data_max;
     c.protocol_version = role == PD_NET_PREFILL ? o->prefill_protocol : o->decode_protocol;
     c.progress_sched_batch = o->sched_batch;
-    if (role == PD_NET_DECODE && o->decode_spin_us) c.spin_us = o->decode_spin_us;
     c.token = role == PD_NET_PREFILL ? o->token : (o->decode_token ? o->decode_token : o->token);
     if (getenv("PD_NET_TEST_LOG")) {
         c.log = test_log;

@@ -1488,62 +1488,6 @@ static void no_assisted_turn_while_a_large_put_is_in_flight(void **state) {
     pair_free(w);
 }
 
-/* One room moved (warm_up), then a second opened and its decode status()
- * polled 20 times while it waits for data; the decode's progress thread
- * spins for 30 s after an event. How many of those polls ran an assisted
- * turn, and how many were deferred. */
-static void decode_polls_after_a_room(pair_opts o, uint64_t *assists, uint64_t *deferred) {
-    o.decode_spin_us = 30 * 1000 * 1000;
-    o.heartbeat_ms = 2000;
-    o.dead_after_ms = 60000;
-    pair *w = pair_new(&o);
-    warm_up(w, 7399);
-    spec s;
-    spec_init(&s, w, 7400, 16, 0);
-    for (uint32_t i = 0; i < s.n; i++) s.src[i] = i, s.dst[i] = 60 + i;
-    s.dst_meta = 4;
-    open_both(w, &s);
-    wait_bootstrapped(w, &s);
-    pd_net_stats d0 = stats_of(w->dec);
-    for (int i = 0; i < 20; i++) {
-        assert_int_equal(st_of(w->dx, s.room), PD_XFER_WAITING_FOR_INPUT);
-        t_sleep_ms(1);
-    }
-    pd_net_stats d1 = stats_of(w->dec);
-    *assists = d1.progress_assists - d0.progress_assists;
-    *deferred = d1.assists_deferred - d0.assists_deferred;
-    send_all(w, &s, 0);
-    WAIT_FOR(st_of(w->dx, s.room) == PD_XFER_SUCCESS);
-    check_landed(w, &s);
-    WAIT_FOR(st_of(w->px, s.room) == PD_XFER_SUCCESS);
-    finish_both(w, &s);
-    wait_no_rooms(w);
-    pair_free(w);
-}
-
-/* While UCX brings a decode node more than its notices (an emulated put's
- * segments: over tcp, or into heap memory) and its progress thread spins
- * taking them in, status() runs no assisted turn: over tcp one received
- * the segments on the engine's thread (net.c, assist). Direct puts (shared
- * memory the transport allocated) bring only the notice: there the turns
- * still run, sparing the progress thread's wake-up. */
-static void decode_assists_wait_while_emulated_puts_stream_in(void **state) {
-    (void)state;
-    pair_opts o = pair_defaults();
-    o.heap = true;          /* puts emulated over shm as well */
-    o.notice_data_max = -1; /* every room as puts, none in its notice */
-    uint64_t assists, deferred;
-    decode_polls_after_a_room(o, &assists, &deferred);
-    assert_int_equal(assists, 0);
-    assert_true(deferred > 0);
-    const char *tls = getenv("UCX_TLS");
-    if (tls && !strcmp(tls, "shm")) {
-        decode_polls_after_a_room(pair_defaults(), &assists, &deferred);
-        assert_true(assists > 0);
-        assert_int_equal(deferred, 0);
-    }
-}
-
 typedef struct poller {
     pair *w;
     const spec *s;
@@ -1659,7 +1603,6 @@ int main(void) {
         cmocka_unit_test(rooms_complete_through_status_polls_alone),
         cmocka_unit_test(assisted_turns_leave_large_puts_to_the_progress_thread),
         cmocka_unit_test(no_assisted_turn_while_a_large_put_is_in_flight),
-        cmocka_unit_test(decode_assists_wait_while_emulated_puts_stream_in),
         cmocka_unit_test(assisted_and_progress_threads_race_over_a_storm),
         cmocka_unit_test(status_answers_at_once_while_the_mutex_is_held),
         cmocka_unit_test(unlocked_answers_are_refreshed_by_the_next_pass),
