@@ -222,6 +222,10 @@ typedef enum pd_net_fault {
      * waits. Set without the mutex; turning it on returns once the thread
      * holds it (at once if the transport is not started). */
     PD_NET_FAULT_HOLD_MUTEX,
+    /* The progress work publishes no status it changed (net.c, status
+     * without the mutex): unlocked answers then wait for a refresh or a
+     * vtable call, as before the pumps published. */
+    PD_NET_FAULT_NO_PASS_PUBLISH,
     PD_NET_FAULT__COUNT
 } pd_net_fault;
 void pd_net_set_fault(pd_net *n, pd_net_fault fault, bool on);

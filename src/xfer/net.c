@@ -226,7 +226,11 @@ uint32_t net_room_find(const pd_net *n, uint64_t id) { return xr_find(&n->rooms,
  * STALE_MAX_NS. Over tcp a pass that streams a large put's segments holds
  * the mutex for milliseconds, and the streak used to run out across
  * passes (calls of 4-6 ms). drained() keeps its own streak, and the old
- * 5 ms bound: no refresh answers it. */
+ * 5 ms bound: no refresh answers it.
+ * Pumps publish: process_dirty publishes each room it pumped (the rooms
+ * whose messages, completions or notices came in the pass), so news
+ * reaches an unlocked status() as soon as the pass has it, not when the
+ * pass ends and the refresh runs. */
 #define PUB_EMPTY UINT32_MAX
 #define STALE_MAX_NS 50000000u        /* 50 ms: beyond any pass (a 33 MiB copy ~1 ms; tcp, ~10) */
 #define DRAINED_STALE_MAX_NS 5000000u /* 5 ms: drained()'s "not yet" is never refreshed */
@@ -548,6 +552,10 @@ static void process_dirty(pd_net *n, uint64_t now) {
         if (!rm->slot.used) continue;
         if (n->cfg.role == PD_NET_PREFILL) net_pump_sender(n, rm, now);
         else net_pump_receiver(n, rm, now);
+        /* News reaches the engine's unlocked status() at once (a pass
+         * that took the notice in holds the mutex until it ends). */
+        if (rm->slot.used && !n->faults[PD_NET_FAULT_NO_PASS_PUBLISH])
+            pub_write(pub_of(n, rm->slot.id), rm->slot.id, xr_status(&rm->h));
     }
 }
 

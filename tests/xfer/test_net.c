@@ -1367,29 +1367,54 @@ static void status_answers_at_once_while_the_mutex_is_held(void **state) {
     pair_free(w);
 }
 
-/* A status() answered without the mutex asks the progress thread to
- * publish every room's status at the end of its pass (net.c, refresh), so
- * unlocked answers are at most a pass old, not as old as the engine's last
- * locked call. The prefill's room fails (the decode aborted) with no vtable
- * call to publish it; an unlocked answer during a hold still says
- * TRANSFERRING, and asks; after the next pass an unlocked answer says
- * FAILED. Without the refresh it says TRANSFERRING until a call gets the
- * mutex. */
-static void unlocked_answers_are_refreshed_by_the_next_pass(void **state) {
-    (void)state;
+/* A room of the prefill fails (the decode aborted it) with no vtable call
+ * made on the prefill; then the prefill's progress thread holds the mutex
+ * (as in a long copy) and the engine's status() answers without it. */
+static pair *failed_while_unasked(spec *s, pd_net_stats *p0, bool pass_publish) {
     pair_opts o = pair_defaults();
     pair *w = pair_new(&o);
+    if (!pass_publish) pd_net_set_fault(w->pre, PD_NET_FAULT_NO_PASS_PUBLISH, true);
+    spec_init(s, w, 7310, 40, 0);
+    for (uint32_t i = 0; i < s->n; i++) s->src[i] = i, s->dst[i] = 100 + i;
+    open_both(w, s);
+    wait_bootstrapped(w, s);
+    assert_ok(w->px.vt->send_pages(w->px.self, s->room, 0, s->src, 6));
+    WAIT_FOR(drained_of(w->px, s->room));
+    assert_int_equal(st_of(w->px, s->room), PD_XFER_TRANSFERRING); /* published */
+    *p0 = stats_of(w->pre);
+    assert_ok(w->dx.vt->abort(w->dx.self, s->room));
+    WAIT_FOR(stats_of(w->pre).rooms_failed > p0->rooms_failed); /* no vtable call */
+    return w;
+}
+
+/* The pass that takes news in publishes it (process_dirty): an unlocked
+ * answer says FAILED at once, no refresh needed. With the pumps publishing
+ * nothing it says TRANSFERRING, the last call's answer. */
+static void the_pass_that_brings_news_publishes_it(void **state) {
+    (void)state;
     spec s;
-    spec_init(&s, w, 7310, 40, 0);
-    for (uint32_t i = 0; i < s.n; i++) s.src[i] = i, s.dst[i] = 100 + i;
-    open_both(w, &s);
-    wait_bootstrapped(w, &s);
-    assert_ok(w->px.vt->send_pages(w->px.self, s.room, 0, s.src, 6));
-    WAIT_FOR(drained_of(w->px, s.room));
-    assert_int_equal(st_of(w->px, s.room), PD_XFER_TRANSFERRING); /* published */
-    pd_net_stats p0 = stats_of(w->pre);
-    assert_ok(w->dx.vt->abort(w->dx.self, s.room));
-    WAIT_FOR(stats_of(w->pre).rooms_failed > p0.rooms_failed); /* no vtable call */
+    pd_net_stats p0;
+    pair *w = failed_while_unasked(&s, &p0, true);
+    pd_net_set_fault(w->pre, PD_NET_FAULT_HOLD_MUTEX, true);
+    assert_int_equal(st_now(w->px, s.room), PD_XFER_FAILED);
+    pd_net_set_fault(w->pre, PD_NET_FAULT_HOLD_MUTEX, false);
+    assert_int_equal(stats_of(w->pre).status_unlocked - p0.status_unlocked, 1);
+    finish_both(w, &s);
+    wait_no_rooms(w);
+    pair_free(w);
+}
+
+/* A status() answered without the mutex asks the progress thread to
+ * publish every room's status at the end of its pass (net.c, refresh), so
+ * unlocked answers are at most a pass old even for news no pump published
+ * (here: none does, by the fault). The first unlocked answer says
+ * TRANSFERRING, and asks; after the next pass one says FAILED. Without the
+ * refresh it says TRANSFERRING until a call gets the mutex. */
+static void unlocked_answers_are_refreshed_by_the_next_pass(void **state) {
+    (void)state;
+    spec s;
+    pd_net_stats p0;
+    pair *w = failed_while_unasked(&s, &p0, false);
     pd_net_set_fault(w->pre, PD_NET_FAULT_HOLD_MUTEX, true);
     assert_int_equal(st_now(w->px, s.room), PD_XFER_TRANSFERRING); /* stale, and asks */
     pd_net_set_fault(w->pre, PD_NET_FAULT_HOLD_MUTEX, false);
@@ -1605,6 +1630,7 @@ int main(void) {
         cmocka_unit_test(no_assisted_turn_while_a_large_put_is_in_flight),
         cmocka_unit_test(assisted_and_progress_threads_race_over_a_storm),
         cmocka_unit_test(status_answers_at_once_while_the_mutex_is_held),
+        cmocka_unit_test(the_pass_that_brings_news_publishes_it),
         cmocka_unit_test(unlocked_answers_are_refreshed_by_the_next_pass),
     };
     if (getenv("PD_TEST_FILTER")) cmocka_set_test_filter(getenv("PD_TEST_FILTER"));
