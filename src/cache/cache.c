@@ -315,25 +315,33 @@ static void list_insert_after(pd_cache *c, int l, uint32_t after, uint32_t id) {
     n->lstamp[l] = a->lstamp[l];
 }
 
+/* Moves the run first..last of list l (consecutive in it, first nearer the
+ * head) to its tail in one relinking: what list_to_tail of each of its nodes
+ * in turn does, stamps aside; the links inside the run stay as they are.
+ * list_to_tail is the run of one node. */
+static inline void run_to_tail(pd_cache *c, int l, uint32_t first, uint32_t last) {
+    pd_list *ls = &c->lists[l];
+    if (ls->tail == last) return; /* already last: the same as out and back */
+    pd_link *f = &c->nodes[first].lru[l], *z = &c->nodes[last].lru[l];
+    PD_ASSERT(z->next != PD_NONE && c->nodes[z->next].lru[l].prev == last);
+    PD_ASSERT(f->prev != PD_NONE ? c->nodes[f->prev].lru[l].next == first : ls->head == first);
+    c->nodes[z->next].lru[l].prev = f->prev;
+    if (f->prev != PD_NONE) c->nodes[f->prev].lru[l].next = z->next;
+    else ls->head = z->next;
+    c->nodes[ls->tail].lru[l].next = first;
+    f->prev = ls->tail;
+    z->next = PD_NONE;
+    ls->tail = last;
+}
+
 /* Moves node id to the tail of list l (it is in it) with the current stamp:
  * what list_remove then list_push_tail do, in one relinking (the walks up a
  * path move every node on it, issue 13). Inline into those walks: about
  * 150 calls a step pair at 256 live, each paying a call's overhead before. */
 static inline void list_to_tail(pd_cache *c, int l, uint32_t id) {
-    pd_list *ls = &c->lists[l];
-    cnode *n = N(c, id);
-    PD_ASSERT(n->in_list[l]);
-    n->lstamp[l] = c->clock;
-    if (ls->tail == id) return; /* already last: the same as out and back */
-    pd_link *k = &n->lru[l];
-    PD_ASSERT(k->next != PD_NONE && c->nodes[k->next].lru[l].prev == id);
-    c->nodes[k->next].lru[l].prev = k->prev;
-    if (k->prev != PD_NONE) c->nodes[k->prev].lru[l].next = k->next;
-    else ls->head = k->next;
-    c->nodes[ls->tail].lru[l].next = id;
-    k->prev = ls->tail;
-    k->next = PD_NONE;
-    ls->tail = id;
+    PD_ASSERT(N(c, id)->in_list[l]);
+    N(c, id)->lstamp[l] = c->clock;
+    run_to_tail(c, l, id, id);
 }
 
 /* Brings list membership in line with the node's state. */
@@ -348,24 +356,6 @@ static void relist(pd_cache *c, uint32_t id) {
         if (want[l] && !n->in_list[l]) list_push_tail(c, l, id);
         else if (!want[l] && n->in_list[l]) list_remove(c, l, id);
     }
-}
-
-/* Moves the run first..last of list l (consecutive in it, first nearer the
- * head) to its tail in one relinking: what list_to_tail of each of its nodes
- * in turn does, stamps aside; the links inside the run stay as they are. */
-static inline void run_to_tail(pd_cache *c, int l, uint32_t first, uint32_t last) {
-    pd_list *ls = &c->lists[l];
-    if (ls->tail == last) return; /* already last: the same as out and back */
-    pd_link *f = &c->nodes[first].lru[l], *z = &c->nodes[last].lru[l];
-    PD_ASSERT(z->next != PD_NONE && c->nodes[z->next].lru[l].prev == last);
-    PD_ASSERT(f->prev != PD_NONE ? c->nodes[f->prev].lru[l].next == first : ls->head == first);
-    c->nodes[z->next].lru[l].prev = f->prev;
-    if (f->prev != PD_NONE) c->nodes[f->prev].lru[l].next = z->next;
-    else ls->head = z->next;
-    c->nodes[ls->tail].lru[l].next = first;
-    f->prev = ls->tail;
-    z->next = PD_NONE;
-    ls->tail = last;
 }
 
 typedef struct touch_run {

@@ -260,6 +260,11 @@ static void pub_write(net_pub *e, uint64_t id, uint32_t st) {
     atomic_store(&e->seq, s + 2);
 }
 
+/* Room rm's status, published (mutex held; rm in use). */
+static void pub_room_at(const pd_net *n, const room *rm) {
+    pub_write(pub_of(n, rm->slot.id), rm->slot.id, (uint32_t)xr_status(&rm->h));
+}
+
 /* What status(id) answers now, published (mutex held). */
 static pd_xfer_status pub_room(pd_net *n, uint64_t id) {
     uint32_t r = net_room_find(n, id);
@@ -313,7 +318,7 @@ static void pub_refresh(pd_net *n) {
         return;
     for (uint32_t r = 0; r < n->cfg.rooms_max; r++) {
         const room *rm = room_at(n, r);
-        if (rm->slot.used) pub_write(pub_of(n, rm->slot.id), rm->slot.id, xr_status(&rm->h));
+        if (rm->slot.used) pub_room_at(n, rm);
     }
     atomic_store(&n->stale_since_ns, 0);
     n->stats.status_refreshes++;
@@ -554,8 +559,7 @@ static void process_dirty(pd_net *n, uint64_t now) {
         else net_pump_receiver(n, rm, now);
         /* News reaches the engine's unlocked status() at once (a pass
          * that took the notice in holds the mutex until it ends). */
-        if (rm->slot.used && !n->faults[PD_NET_FAULT_NO_PASS_PUBLISH])
-            pub_write(pub_of(n, rm->slot.id), rm->slot.id, xr_status(&rm->h));
+        if (rm->slot.used && !n->faults[PD_NET_FAULT_NO_PASS_PUBLISH]) pub_room_at(n, rm);
     }
 }
 
