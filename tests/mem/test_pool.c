@@ -306,6 +306,42 @@ static void a_run_search_steps_over_summary_words_with_no_free_unit(void **state
     pd_pool_destroy(p);
 }
 
+/* A word whose free units are all isolated, neither at bit 0 nor at bit 63,
+ * holds no run of 2 or more and none passes through it: the search steps
+ * over it. A word with an isolated unit at either end is not such a word:
+ * its end unit completes a run with the next or the previous word's. */
+static void a_run_search_steps_over_words_of_isolated_units(void **state) {
+    (void)state;
+    const uint32_t n = 256;
+    pd_pool *p = mk(n, PD_POOL_KV, 1);
+    uint32_t all[256], got[3];
+    assert_ok(pd_pool_alloc_n(p, n, all));
+    /* word 0: isolated units only; word 1: isolated units and its last unit;
+     * word 2: its first unit. The only run of 2 is 127-128. */
+    const uint32_t freed[] = {10, 20, 30, 72, 90, 127, 128};
+    for (size_t i = 0; i < PD_ARRAY_LEN(freed); i++) assert_ok(pd_pool_free(p, freed[i]));
+    assert_ok(pd_pool_alloc_n(p, 2, got));
+    assert_int_equal(got[0], 127);
+    assert_int_equal(got[1], 128);
+    verify(p);
+    /* word 3: a run of 3 at its first units, 192-194 (word 2's last unit is
+     * taken), beside isolated units 197, 199, ..., 253. */
+    assert_ok(pd_pool_free(p, 192));
+    for (uint32_t u = 197; u < 255; u += 2) assert_ok(pd_pool_free(p, u));
+    assert_ok(pd_pool_free(p, 194));
+    assert_ok(pd_pool_free(p, 193));
+    assert_ok(pd_pool_alloc_n(p, 3, got));
+    assert_int_equal(got[0], 192);
+    assert_int_equal(got[2], 194);
+    verify(p);
+    /* No run of 2 left anywhere: the 2 lowest free units. */
+    assert_ok(pd_pool_alloc_n(p, 2, got));
+    assert_int_equal(got[0], 10);
+    assert_int_equal(got[1], 20);
+    verify(p);
+    pd_pool_destroy(p);
+}
+
 /* Frees up to 8 used units from a random window, in one pd_pool_free_n. */
 static void free_some(pd_pool *p, pd_rng *rng, bool *used, uint32_t n, uint32_t *in_use) {
     uint32_t idx[8], k = 0, at = (uint32_t)pd_rng_below(rng, n);
@@ -371,6 +407,7 @@ int main(void) {
         cmocka_unit_test(a_run_completed_by_a_free_below_an_earlier_search_is_found_first),
         cmocka_unit_test(bulk_frees_and_allocations_match_a_boolean_array),
         cmocka_unit_test(a_run_search_steps_over_summary_words_with_no_free_unit),
+        cmocka_unit_test(a_run_search_steps_over_words_of_isolated_units),
         cmocka_unit_test(index_runs_counts_breaks),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
