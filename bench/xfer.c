@@ -98,6 +98,7 @@ typedef struct opts {
     int n_transports;
     const char *net_devices;
     int32_t spin_us;
+    uint32_t copy_threads;   /* --copy-threads: the prefill's copy_threads (0: its default) */
     int32_t notice_data_max; /* --notice-data: the prefill's notice_data_max (0: default) */
     uint16_t protocol;       /* --protocol: both nodes' protocol_version (0: newest) */
     int8_t prefill_batch;    /* --sched-batch N: the prefill's progress_sched_batch (0: its
@@ -166,6 +167,7 @@ static void node_open(node *n, pd_net_role role, const opts *o, const char *tls,
     c.rooms_max = 64;
     c.ucx_tls = tls;
     c.spin_us = o->spin_us;
+    c.copy_threads = o->copy_threads;
     c.notice_data_max = o->notice_data_max;
     c.protocol_version = o->protocol;
     c.progress_sched_batch = role == PD_NET_PREFILL ? o->prefill_batch : 0;
@@ -284,7 +286,7 @@ static void usage(void) {
     fprintf(stderr,
             "usage: xfer [--quick] [--runs N] [--rounds N] [--tokens 1024,16384] [--configs "
             "tiny,small]\n"
-            "            [--transports shm,tcp] [--net-devices lo] [--spin-us N]\n"
+            "            [--transports shm,tcp] [--net-devices lo] [--spin-us N] [--copy-threads 1-8]\n"
             "            [--memory own|heap|own,heap] [--no-perftest]\n"
             "            [--notice-data BYTES (< 0: none)] [--protocol 3|4]\n"
             "            [--prefill-sched-batch] [--sched-batch -1|0|1 (the prefill's)]\n"
@@ -519,6 +521,9 @@ static void parse_args(int argc, char **argv, opts *o) {
             o->protocol = (uint16_t)atoi(v), i++;
         } else if (!strcmp(a, "--spin-us") && v) {
             o->spin_us = atoi(v), i++;
+        } else if (!strcmp(a, "--copy-threads") && v) {
+            o->copy_threads = (uint32_t)atoi(v), i++;
+            if (o->copy_threads < 1 || o->copy_threads > 8) usage();
         } else if (!strcmp(a, "--net-devices") && v) {
             o->net_devices = v, i++;
         } else {

@@ -7,7 +7,7 @@ pkg_check_modules(UCX REQUIRED IMPORTED_TARGET ucx)
 # constant-time comparison (never hand-written crypto).
 pkg_check_modules(SODIUM REQUIRED IMPORTED_TARGET libsodium)
 
-add_library(pd_net STATIC src/xfer/net.c src/xfer/net_conn.c src/xfer/net_ucx.c src/xfer/net_dns.c src/xfer/bootstrap_proto.c)
+add_library(pd_net STATIC src/xfer/net.c src/xfer/net_conn.c src/xfer/net_ucx.c src/xfer/net_dns.c src/xfer/net_copy.c src/xfer/bootstrap_proto.c)
 target_link_libraries(pd_net PUBLIC pd_xfer PkgConfig::UCX PkgConfig::SODIUM Threads::Threads)
 
 list(APPEND PD_CLI_LIBS pd_net)

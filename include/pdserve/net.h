@@ -101,6 +101,14 @@ typedef struct pd_net_config {
      * later): an older peer's UCX receives into a 64 KiB buffer and does not
      * check the length. Ignored where only shared memory may be used. */
     bool ucx_tcp_large_segments;
+    /* Prefill: threads that copy a put of at least 4 MiB into a peer's
+     * shared memory (a peer on this host whose memory its transport
+     * allocated): the progress thread and copy_threads - 1 helpers, each
+     * taking 256 KiB at a time; one core's copy is not the memory system's
+     * limit (docs/bootstrap-protocol.md, "Copies over shared memory on more
+     * than one core"). Default (0): 2; 1: the progress thread alone (UCX's
+     * own put); at most 8. Puts over other transports are UCX's. */
+    uint32_t copy_threads;
     /* Optional log sink for connection-level events (peer lost, message
      * refused); called from the progress thread. NULL = silent. */
     void (*log)(void *log_ctx, const char *line);
@@ -190,6 +198,11 @@ typedef struct pd_net_stats {
     /* Passes of the progress thread that ended by publishing every room's
      * status, because a status() had been answered without the mutex. */
     uint64_t status_refreshes;
+    /* Puts copied into a peer's shared memory by the copy threads
+     * (copy_threads > 1), and how many of them a helper took part in (on a
+     * busy machine the progress thread may copy a put alone). */
+    uint64_t writes_copied;
+    uint64_t writes_copied_helped;
 } pd_net_stats;
 void pd_net_stats_get(pd_net *n, pd_net_stats *out);
 

@@ -1311,6 +1311,8 @@ static void config_adopt(pd_net *n, const pd_net_config *cfg) {
     if (!c->orphan_ms) c->orphan_ms = 60000;
     if (!c->orphans_per_peer) c->orphans_per_peer = PD_MAX(1u, c->rooms_max / 4);
     if (!c->spin_us) c->spin_us = 1000;
+    if (!c->copy_threads) c->copy_threads = 2;
+    c->copy_threads = PD_MIN(c->copy_threads, COPY_THREADS_MAX);
     n->proto = c->protocol_version ? c->protocol_version : BP_VERSION;
     /* At most what one eager active message should carry: a larger room
      * is a bandwidth problem, and puts serve it. */
@@ -1439,8 +1441,13 @@ pd_err pd_net_start(pd_net *n, char *msg, size_t msg_cap) {
     if (!n || !n->registered)
         return pd_errorf(msg, msg_cap, PD_ERR_STATE, "register memory before start");
     if (n->running) return pd_errorf(msg, msg_cap, PD_ERR_STATE, "already started");
-    if (pthread_create(&n->thread, NULL, progress_main, n) != 0)
-        return pd_errorf(msg, msg_cap, PD_ERR_IO, "progress thread: %s", strerror(errno));
+    pd_err err = net_copy_start(n, msg, msg_cap);
+    if (err) return err;
+    if (pthread_create(&n->thread, NULL, progress_main, n) != 0) {
+        int e = errno;
+        net_copy_stop(n);
+        return pd_errorf(msg, msg_cap, PD_ERR_IO, "progress thread: %s", strerror(e));
+    }
     n->running = true;
     return PD_OK;
 }
@@ -1509,6 +1516,7 @@ void pd_net_destroy(pd_net *n) {
         pthread_join(n->thread, NULL);
         n->running = false;
     }
+    net_copy_stop(n); /* after the only thread that copies with it */
     /* Single-threaded from here. Fail every connection: the forced endpoint
      * closes complete every outstanding put before memory goes away. */
     bool made = n->rooms.recs != NULL;

@@ -88,6 +88,18 @@ static bool post_put(pd_net *n, room *rm, peer *p, const stage *s) {
     size_t len = (size_t)s->n * n->unit[reg];
     const uint8_t *src = n->base[reg] + (size_t)s->src * n->unit[reg];
     uint64_t raddr = p->rbase[reg] + (uint64_t)s->dst * p->runit[reg];
+    void *mapped = NULL;
+    if (p->puts_direct && net_copy_parallel(n, len) &&
+        ucp_rkey_ptr(p->rkey[reg], raddr, &mapped) == UCS_OK) {
+        /* Complete on return, as UCX's own copy would be. */
+        if (net_copy(n, mapped, src, len) < len) n->stats.writes_copied_helped++;
+        n->stats.writes_copied++;
+        rm->need_flush = true;
+        rm->bytes += len;
+        n->stats.bytes_sent += len;
+        n->stats.writes_posted++;
+        return true;
+    }
     ucp_request_param_t prm = {
         .op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_MEMH,
         .cb.send = put_done,

@@ -62,6 +62,7 @@ typedef struct pair_opts {
     int32_t notice_data_max; /* prefill's (0: its default; < 0: every room as puts) */
     uint16_t prefill_protocol, decode_protocol; /* 0: the newest; 3: a version-3 node */
     int8_t sched_batch;                         /* both nodes' progress_sched_batch */
+    uint32_t copy_threads;                      /* prefill's (0: its default) */
 } pair_opts;
 
 typedef struct pair {
@@ -149,6 +150,7 @@ static inline pd_net_config node_config(const pair_opts *o, pd_net_role role) {
     c.notice_data_max = o->notice_data_max;
     c.protocol_version = role == PD_NET_PREFILL ? o->prefill_protocol : o->decode_protocol;
     c.progress_sched_batch = o->sched_batch;
+    c.copy_threads = o->copy_threads;
     c.token = role == PD_NET_PREFILL ? o->token : (o->decode_token ? o->decode_token : o->token);
     if (getenv("PD_NET_TEST_LOG")) {
         c.log = test_log;

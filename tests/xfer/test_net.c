@@ -1513,6 +1513,47 @@ static void no_assisted_turn_while_a_large_put_is_in_flight(void **state) {
     pair_free(w);
 }
 
+/* Over shared memory a put of at least 4 MiB is copied by the progress
+ * thread and copy_threads - 1 helpers, 256 KiB at a time from a shared
+ * cursor (net_copy.c); with copy_threads 1, by UCX's own put. Two runs of
+ * 4,800 and 4,480 KiB (160 KiB pages, neither a whole number of chunks)
+ * and a small one land page for page either way; the copy threads take exactly
+ * the two large ones. Over tcp UCX emulates puts: the copy threads never
+ * take part (the second half below). Rooms again after each, so a job
+ * never sees the last one's cursor. */
+static void large_puts_into_shared_memory_are_copied_by_the_copy_threads(void **state) {
+    (void)state;
+    const char *tls = getenv("UCX_TLS");
+    bool shm = tls && !strcmp(tls, "shm");
+    const uint32_t threads[] = {1, 2, 4};
+    for (size_t t = 0; t < PD_ARRAY_LEN(threads); t++) {
+        pair_opts o = pair_defaults();
+        o.kv_pages = 96;
+        o.kv_page_bytes = 160u << 10;
+        o.copy_threads = threads[t];
+        pair *w = pair_new(&o);
+        warm_up(w, 8100 + t * 10);
+        for (uint64_t k = 0; k < 3; k++) {
+            spec s;
+            spec_init(&s, w, 8101 + t * 10 + k, 61 * o.page_size, 0);
+            /* pages 0-29 -> 0-29, 30-57 -> 40-67, 58-60 -> 78-80 */
+            for (uint32_t i = 0; i < s.n; i++) {
+                s.src[i] = i;
+                s.dst[i] = i < 30 ? i : i < 58 ? 10 + i : 20 + i;
+            }
+            s.dst_meta = 5;
+            pd_net_stats before = stats_of(w->pre);
+            move_room(w, &s);
+            pd_net_stats after = stats_of(w->pre);
+            uint64_t copied = after.writes_copied - before.writes_copied;
+            assert_int_equal(copied, shm && threads[t] > 1 ? 2 : 0);
+            assert_true(after.writes_copied_helped <= after.writes_copied);
+        }
+        wait_no_rooms(w);
+        pair_free(w);
+    }
+}
+
 typedef struct poller {
     pair *w;
     const spec *s;
@@ -1628,6 +1669,7 @@ int main(void) {
         cmocka_unit_test(rooms_complete_through_status_polls_alone),
         cmocka_unit_test(assisted_turns_leave_large_puts_to_the_progress_thread),
         cmocka_unit_test(no_assisted_turn_while_a_large_put_is_in_flight),
+        cmocka_unit_test(large_puts_into_shared_memory_are_copied_by_the_copy_threads),
         cmocka_unit_test(assisted_and_progress_threads_race_over_a_storm),
         cmocka_unit_test(status_answers_at_once_while_the_mutex_is_held),
         cmocka_unit_test(the_pass_that_brings_news_publishes_it),
