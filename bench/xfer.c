@@ -60,6 +60,11 @@
  * implausible figures of the first version of this benchmark, which also read
  * the mean-based column and ran 20 iterations at 32 MiB with 2 of warm-up.
  *
+ * Copy threads: over shared memory pdserve's prefill copies a put of 4 MiB
+ * or more on two threads by default (pd_net_config.copy_threads,
+ * net_copy.c), where perftest's put is one thread's copy; --copy-threads 1
+ * measures UCX's own put, --copy-threads N (up to 8) more threads.
+ *
  * Transports: UCX_TLS=shm and UCX_TLS=tcp (UCX_NET_DEVICES=lo) unless
  * --transports says otherwise. The last lines are the summary.
  */
@@ -720,7 +725,7 @@ static void fmt_gbps(char *out, size_t cap, double gbps) {
  * perftest's figures in both harnesses (pt2: two processes, pt1: one), then
  * pdserve on heap memory (--memory heap) and memcpy (the best of its
  * measurements for that request). */
-static void print_table(tally *tl, bool perftest_asked) {
+static void print_table(tally *tl, bool perftest_asked, uint32_t copy_threads) {
     printf("%-6s %7s %11s %-4s %10s %11s %11s %6s %11s %11s %11s %11s %11s %11s\n", "model",
            "tokens", "bytes", "tls", "hand-off", "pdserve", "perftest", "ratio", "pt2 p50",
            "pt2 mean", "pt1 p50", "pt1 mean", "heap mem", "memcpy");
@@ -751,6 +756,9 @@ static void print_table(tally *tl, bool perftest_asked) {
     else
         printf("perftest: ucp_put_bw -O 1; pt2: two processes, pt1: one (-l); the reference is "
                "the better of the two (p50 on shm, mean elsewhere; see pt_ref)\n");
+    printf("pdserve's prefill copies a put of 4 MiB or more into shared memory on %u threads "
+           "(--copy-threads; 1: UCX's own put, one thread, as perftest's)\n",
+           copy_threads ? copy_threads : 2u);
 }
 
 static bool near(double a, double b) { return fabs(a - b) < 1e-9 * fabs(b) + 1e-12; }
@@ -925,7 +933,7 @@ int main(int argc, char **argv) {
         for (int c = 0; c < o.n_configs; c++) measure_config(&o, c, pages_max, idx, &round[r]);
     }
     tally_median(&tl, round, o.rounds);
-    print_table(&tl, o.perftest);
+    print_table(&tl, o.perftest, o.copy_threads);
     print_fixed_costs(&o, &tl);
     print_summary(&o, &tl);
     free(idx);

@@ -54,6 +54,14 @@ if(PD_BUILD_TESTS)
   set_tests_properties(bench_xfer_smoke_tcp_large_segments PROPERTIES TIMEOUT 300
     ENVIRONMENT "UCX_WARN_UNUSED_ENV_VARS=n"
     PASS_REGULAR_EXPRESSION "summary: ")
+  # ... and 8 MiB rooms over shared memory copied by four threads
+  # (copy_threads) land intact.
+  add_test(NAME bench_xfer_smoke_copy_threads
+           COMMAND bench_xfer --quick --runs 1 --tokens 16384 --configs tiny --transports shm
+                   --copy-threads 4 --no-perftest)
+  set_tests_properties(bench_xfer_smoke_copy_threads PROPERTIES TIMEOUT 300
+    ENVIRONMENT "UCX_WARN_UNUSED_ENV_VARS=n"
+    PASS_REGULAR_EXPRESSION "on 4 threads")
   # ... and compares with the right perftest figure (no perftest needed).
   add_test(NAME bench_xfer_check COMMAND bench_xfer --check)
 endif()
