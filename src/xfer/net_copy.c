@@ -5,7 +5,7 @@
  * memcpy through a mapping of the peer's segment (ucp_rkey_ptr), done inside
  * ucp_put_nbx on the posting thread, the progress thread: one core's copy.
  * One core does not reach the memory system's limit: here an 8 MiB copy ran
- * at 27-33 GB/s on one thread and 59-62 GB/s split over two, a 32 MiB one at
+ * at 30-33 GB/s on one thread and 58-62 GB/s split over two, a 32 MiB one at
  * 11-12 and 19-20 GB/s (docs/bootstrap-protocol.md, "Copies over shared
  * memory on more than one core"). So a put of at least
  * COPY_PARALLEL_MIN_BYTES whose destination the peer's rkey maps here is
