@@ -291,8 +291,9 @@ static void usage(void) {
     fprintf(stderr,
             "usage: xfer [--quick] [--runs N] [--rounds N] [--tokens 1024,16384] [--configs "
             "tiny,small]\n"
-            "            [--transports shm,tcp] [--net-devices lo] [--spin-us N] [--copy-threads 1-8]\n"
-            "            [--memory own|heap|own,heap] [--no-perftest]\n"
+            "            [--transports shm,tcp] [--net-devices lo] [--spin-us N]\n"
+            "            [--copy-threads 1-8 (the prefill's)] [--memory own|heap|own,heap]\n"
+            "            [--no-perftest]\n"
             "            [--notice-data BYTES (< 0: none)] [--protocol 3|4]\n"
             "            [--prefill-sched-batch] [--sched-batch -1|0|1 (the prefill's)]\n"
             "            [--tcp-large-segments] [--status-probe]\n"
