@@ -73,7 +73,7 @@
 #define COPY_PARALLEL_MIN_BYTES (4u << 20)
 #define COPY_CHUNK_BYTES (256u << 10)
 #define COPY_THREADS_MAX 8u
-#define OWN_MAX 8         /* allocations made through pd_net_allocator (KV, Mamba, meta rows) */
+#define OWN_MAX 8 /* allocations made through pd_net_allocator (KV, Mamba, meta rows) */
 #define ABORT_REASON_ENGINE 1u
 #define ABORT_REASON_WRITE_ERROR 2u
 #define ABORT_REASON_ORPHAN 3u
