@@ -95,6 +95,10 @@ typedef struct pd_node_config {
     const char *bootstrap_host;
     uint16_t bootstrap_port;          /* prefill: default 8998; 0: any free port */
     const char *bootstrap_token;
+    /* prefill, ucx: threads that copy a hand-off's puts of 4 MiB or more into
+     * a decode node's shared memory on this host (pd_net_config.copy_threads;
+     * 0: the transport's default, 2). */
+    uint32_t transfer_copy_threads;
     /* decode: "host:port,host:port,..." of the prefill bootstrap channels a
      * request may name; a request naming any other is refused with 403 and
      * never contacted. NULL: any (a request decides where this node

@@ -62,6 +62,9 @@ static const struct {
     {"--insecure-bootstrap", "",
      "prefill: let the bootstrap channel listen beyond loopback without a token"},
     {"--bootstrap-token", "SECRET", "shared secret decode peers must present (default none)"},
+    {"--transfer-copy-threads", "N",
+     "prefill: threads copying a hand-off's puts of 4 MiB or more into a decode node's shared "
+     "memory on this host (1-8, default 2; 1: UCX's own one-thread copy)"},
     {"--prefill-peers", "H:P,...",
      "decode: the only prefill bootstrap addresses a request may name (403 otherwise)"},
     {"--enable-metrics", "", "serve GET /metrics (Prometheus text)"},
@@ -109,6 +112,8 @@ static const struct {
     {"--insecure-bootstrap", ON(CLI_NODE_PREFILL),
      "a prefill node's UCX bootstrap channel (pdserve prefill)"},
     {"--prefill-peers", ON(CLI_NODE_DECODE), "decode nodes (pdserve decode)"},
+    {"--transfer-copy-threads", ON(CLI_NODE_PREFILL),
+     "a prefill node's UCX transport (pdserve prefill)"},
 };
 
 /* The index of option `canonical` in restricted, or -1. */
@@ -234,6 +239,8 @@ static bool set_more_option(pd_node_config *c, const char *a, const char *v, boo
     else if (!strcmp(a, "--api-key")) ok = ok && pd_http_api_key_valid(v), c->api_key = v;
     else if (!strcmp(a, "--log-level")) ok = ok && cli_log_level_set(v);
     else if (!strcmp(a, "--disaggregation-mode")) ok = mode_role(v, &r); /* see take_mode */
+    else if (!strcmp(a, "--transfer-copy-threads"))
+        ok = ok && parse_num(v, 8, &x) && x >= 1, c->transfer_copy_threads = (uint32_t)x;
     else return false;
     *ok_out = ok;
     return true;
@@ -245,6 +252,7 @@ static const char *value_rule(const char *a) {
     if (!strcmp(a, "--disaggregation-mode")) return " (prefill, decode or null)";
     if (!strcmp(a, "--api-key")) return " (1 to 255 bytes of visible ASCII)";
     if (!strcmp(a, "--context-length")) return " (2 tokens or more)";
+    if (!strcmp(a, "--transfer-copy-threads")) return " (1 to 8)";
     return "";
 }
 

@@ -950,6 +950,7 @@ static pd_err create_transport(pd_node *n, pd_role role, pd_xfer *xfer, char *ms
             .token = c->bootstrap_token,
             .page_size = c->page_size,
             .rooms_max = c->max_queued_requests * 2 + 64,
+            .copy_threads = c->transfer_copy_threads,
         };
         pd_err err = pd_net_create(&n->net, &nc, msg, cap);
         if (err) return err;

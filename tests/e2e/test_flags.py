@@ -181,6 +181,10 @@ def test_unknown_and_inapplicable_options_are_refused_with_a_hint():
         refused(["decode"] + flag, "pdserve decode: %s does not apply" % flag[0])
     refused(["serve", "--prefill-peers", "127.0.0.1:1"], "--disaggregation-mode decode")
     refused(["prefill", "--prefill-peers", "127.0.0.1:1"], "does not apply", "decode nodes")
+    refused(["decode", "--transfer-copy-threads", "2"], "does not apply", "prefill node's UCX")
+    refused(["run", "--transfer-copy-threads", "2"], "pdserve run: --transfer-copy-threads")
+    for bad in ("0", "9", "two"):
+        refused(["prefill", "--transfer-copy-threads", bad], "--transfer-copy-threads", "1 to 8")
     for flag in (["--transfer-backend", "ucx"], ["--disaggregation-transfer-backend", "ucx"],
                  ["--bootstrap-timeout-ms", "5"], ["--bootstrap-token", "s"]):
         refused(["serve"] + flag, "pdserve serve: %s does not apply" % flag[0])
