@@ -203,6 +203,10 @@ typedef struct pd_net_stats {
      * busy machine the progress thread may copy a put alone). */
     uint64_t writes_copied;
     uint64_t writes_copied_helped;
+    /* ucp_worker_progress calls made in assisted turns: at most two a turn
+     * (net.c), so that over tcp an engine's status() never stays to
+     * receive a whole emulated put. */
+    uint64_t assist_progress_calls;
 } pd_net_stats;
 void pd_net_stats_get(pd_net *n, pd_net_stats *out);
 

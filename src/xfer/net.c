@@ -635,10 +635,10 @@ static void hold_mutex(pd_net *n) {
 
 /* One pass of the progress work (mutex held). */
 static void progress_work(pd_net *n, uint64_t now) {
-    net_ucx_progress(n);
+    net_ucx_progress(n, PROGRESS_BURST);
     if (n->listen_ready) net_accept_all(n);
     for (uint32_t pi = 0; pi < n->cfg.peers_max; pi++) net_peer_service(n, pi, now);
-    net_ucx_progress(n);
+    net_ucx_progress(n, PROGRESS_BURST);
     process_dirty(n, now);
     timers(n, now);
     /* Sends: notices queued above go out in this pass. */
@@ -830,9 +830,10 @@ static bool assist(pd_net *n, bool force) {
     PD_ASSERT(n->post_budget == SIZE_MAX); /* no turn inside a turn */
     uint32_t out0 = n->ucx_out;
     uint64_t now = t0 / 1000000u;
-    net_ucx_progress(n);
+    unsigned calls = net_ucx_progress(n, ASSIST_PROGRESS_BURST);
     net_peers_read_now(n, now);
-    net_ucx_progress(n);
+    calls += net_ucx_progress(n, ASSIST_PROGRESS_BURST);
+    n->stats.assist_progress_calls += calls;
     n->post_budget = FINAL_INLINE_BYTES;
     n->engine_turn = true;
     process_dirty(n, now);
@@ -1528,7 +1529,7 @@ void pd_net_destroy(pd_net *n) {
         uint64_t t0 = now_ms();
         for (;;) {
             bool closing = false;
-            if (n->worker) net_ucx_progress(n);
+            if (n->worker) net_ucx_progress(n, PROGRESS_BURST);
             for (uint32_t pi = 0; pi < n->cfg.peers_max; pi++) {
                 peer *p = &n->peers[pi];
                 if (p->state != PS_CLOSING) continue;

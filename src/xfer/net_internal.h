@@ -63,6 +63,14 @@
  * of 26, tcp 97 instead of 90, medians of 8 alternated runs.) */
 #define ASSIST_GAP_MIN_NS 500u
 #define ASSIST_GAP_FACTOR 1u
+/* An assisted turn progresses the UCX worker at most this many times per
+ * pass (the progress thread: PROGRESS_BURST). Over tcp one call receives
+ * and applies up to UCX_TCP_MAX_POLL segments of an emulated put; a turn
+ * that went on while calls found more kept the decode's engine thread
+ * 0.2-3.6 ms in one status() call per 32.8 MiB room. One call picks up a
+ * notice as well (bench/xfer, docs/bootstrap-protocol.md, "An assisted
+ * turn progresses the worker once"). */
+#define ASSIST_PROGRESS_BURST 1
 #define DNS_THREADS_MAX 4 /* resolver threads: a hung lookup delays no other (net_dns.c) */
 /* Puts into a peer's shared memory copied by several threads (net_copy.c):
  * from this size, in chunks of COPY_CHUNK_BYTES, by at most COPY_THREADS_MAX
@@ -458,7 +466,9 @@ const char *net_worker_addr_problem(const pd_net *n, const uint8_t *addr, size_t
 ucs_status_t net_peer_ep_create(pd_net *n, peer *p, const bp_hello *h);
 bool net_peer_regions_set(peer *p, const bp_hello *h);
 void net_abandon_dead_writes(pd_net *n, uint64_t now);
-void net_ucx_progress(pd_net *n);
+/* Up to burst ucp_worker_progress calls, while they report events; the
+ * calls made. */
+unsigned net_ucx_progress(pd_net *n, int burst);
 pd_err net_ucx_init(pd_net *n, char *msg, size_t cap);
 /* UCX's configuration as a node with cfg uses it (UCX_* environment, then
  * cfg's transports and devices, then pd_net's own settings); the caller

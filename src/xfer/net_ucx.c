@@ -447,15 +447,17 @@ void net_abandon_dead_writes(pd_net *n, uint64_t now) {
     n->abandon_pending = still;
 }
 
-void net_ucx_progress(pd_net *n) {
-    if (n->faults[PD_NET_FAULT_HOLD_DATA]) return;
-    unsigned events = 0;
-    for (int i = 0; i < PROGRESS_BURST; i++) {
+unsigned net_ucx_progress(pd_net *n, int burst) {
+    if (n->faults[PD_NET_FAULT_HOLD_DATA]) return 0;
+    unsigned events = 0, calls = 0;
+    for (int i = 0; i < burst; i++) {
         unsigned k = ucp_worker_progress(n->worker);
+        calls++;
         if (!k) break;
         events += k;
     }
     if (events) n->last_event_ns = now_ns();
+    return calls;
 }
 
 /* True if every transport named in tls is a shared-memory one (UCX 1.13

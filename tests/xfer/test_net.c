@@ -1513,6 +1513,46 @@ static void no_assisted_turn_while_a_large_put_is_in_flight(void **state) {
     pair_free(w);
 }
 
+/* An assisted turn progresses the UCX worker at most once before and once
+ * after reading the sockets (ASSIST_PROGRESS_BURST): over tcp a turn that
+ * went on while calls found more received a whole emulated put on the
+ * engine's thread, milliseconds in one status() call. A 16 MiB room with the
+ * decode's progress thread parked lands through the decode's status()
+ * polls alone, each turn making at most two calls. */
+static void an_assisted_turn_progresses_the_worker_at_most_twice(void **state) {
+    (void)state;
+    pair_opts o = pair_defaults();
+    o.kv_pages = 64;
+    o.kv_page_bytes = 256u << 10;
+    o.heartbeat_ms = 2000;
+    o.dead_after_ms = 60000;
+    pair *w = pair_new(&o);
+    warm_up(w, 7399);
+    spec s;
+    spec_init(&s, w, 7400, 64 * o.page_size, 0);
+    for (uint32_t i = 0; i < s.n; i++) s.src[i] = s.dst[i] = i;
+    s.dst_meta = 3;
+    pd_net_set_fault(w->dec, PD_NET_FAULT_PARK_PROGRESS, true);
+    open_both(w, &s);
+    wait_bootstrapped(w, &s);
+    pd_net_stats d0 = stats_of(w->dec);
+    send_all(w, &s, 0);
+    WAIT_FOR(st_of(w->dx, s.room) == PD_XFER_SUCCESS);
+    pd_net_stats d1 = stats_of(w->dec);
+    check_landed(w, &s);
+    uint64_t turns = d1.progress_assists - d0.progress_assists;
+    uint64_t calls = d1.assist_progress_calls - d0.assist_progress_calls;
+    assert_true(turns > 0);
+    if (calls > 2 * turns)
+        fail_msg("%llu worker progress calls in %llu assisted turns", (unsigned long long)calls,
+                 (unsigned long long)turns);
+    pd_net_set_fault(w->dec, PD_NET_FAULT_PARK_PROGRESS, false);
+    WAIT_FOR(st_of(w->px, s.room) == PD_XFER_SUCCESS);
+    finish_both(w, &s);
+    wait_no_rooms(w);
+    pair_free(w);
+}
+
 /* Over shared memory a put of at least 4 MiB is copied by the progress
  * thread and copy_threads - 1 helpers, 256 KiB at a time from a shared
  * cursor (net_copy.c); with copy_threads 1, by UCX's own put. Two runs of
@@ -1669,6 +1709,7 @@ int main(void) {
         cmocka_unit_test(rooms_complete_through_status_polls_alone),
         cmocka_unit_test(assisted_turns_leave_large_puts_to_the_progress_thread),
         cmocka_unit_test(no_assisted_turn_while_a_large_put_is_in_flight),
+        cmocka_unit_test(an_assisted_turn_progresses_the_worker_at_most_twice),
         cmocka_unit_test(large_puts_into_shared_memory_are_copied_by_the_copy_threads),
         cmocka_unit_test(assisted_and_progress_threads_race_over_a_storm),
         cmocka_unit_test(status_answers_at_once_while_the_mutex_is_held),
