@@ -309,9 +309,10 @@ static bool lock_if_fresh(pd_net *n, _Atomic uint64_t *streak, uint64_t max_ns) 
     return true;
 }
 
-/* The progress thread, at the end of a pass (mutex held): if a status() was
- * answered without the mutex since the last refresh, every room's status
- * is published and status()'s streak restarts. */
+/* At the end of a pass of the progress thread or of an assisted turn
+ * (mutex held): if a status() was answered without the mutex since the
+ * last refresh, every room's status is published and status()'s streak
+ * restarts. */
 static void pub_refresh(pd_net *n) {
     if (!atomic_load_explicit(&n->pub_wanted, memory_order_relaxed) ||
         !atomic_exchange(&n->pub_wanted, false))

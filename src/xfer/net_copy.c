@@ -64,7 +64,7 @@ static void *copy_main(void *arg) {
 
 pd_err net_copy_start(pd_net *n, char *msg, size_t msg_cap) {
     copy_pool *cp = &n->copy;
-    *cp = (copy_pool){.gen = 0};
+    *cp = (copy_pool){0};
     pthread_mutex_init(&cp->mu, NULL);
     pthread_cond_init(&cp->cv, NULL);
     cp->ready = true;

@@ -89,23 +89,20 @@ static bool post_put(pd_net *n, room *rm, peer *p, const stage *s) {
     const uint8_t *src = n->base[reg] + (size_t)s->src * n->unit[reg];
     uint64_t raddr = p->rbase[reg] + (uint64_t)s->dst * p->runit[reg];
     void *mapped = NULL;
+    ucs_status_ptr_t sp = NULL;
     if (p->puts_direct && net_copy_parallel(n, len) &&
         ucp_rkey_ptr(p->rkey[reg], raddr, &mapped) == UCS_OK) {
-        /* Complete on return, as UCX's own copy would be. */
+        /* Complete on return, as UCX's own copy would be: no request. */
         if (net_copy(n, mapped, src, len) < len) n->stats.writes_copied_helped++;
         n->stats.writes_copied++;
-        rm->need_flush = true;
-        rm->bytes += len;
-        n->stats.bytes_sent += len;
-        n->stats.writes_posted++;
-        return true;
+    } else {
+        ucp_request_param_t prm = {
+            .op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_MEMH,
+            .cb.send = put_done,
+            .memh = n->memh[reg],
+        };
+        sp = ucp_put_nbx(p->ep, src, len, raddr, p->rkey[reg], &prm);
     }
-    ucp_request_param_t prm = {
-        .op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_MEMH,
-        .cb.send = put_done,
-        .memh = n->memh[reg],
-    };
-    ucs_status_ptr_t sp = ucp_put_nbx(p->ep, src, len, raddr, p->rkey[reg], &prm);
     if (UCS_PTR_IS_ERR(sp)) {
         net_log(n, "pd_net: put to %s failed: %s", p->addr, ucs_status_string(UCS_PTR_STATUS(sp)));
         return false;

@@ -1466,6 +1466,26 @@ static void assisted_turns_leave_large_puts_to_the_progress_thread(void **state)
     pair_free(w);
 }
 
+/* A pair whose room `room` of one 16 MiB run (64 pages of 256 KiB) is
+ * bootstrapped, nothing sent yet, with the decode's progress thread parked
+ * (so it sends no heartbeats: a minute before a peer is declared dead). */
+static pair *bootstrapped_16mib_room_decode_parked(spec *s, uint64_t room) {
+    pair_opts o = pair_defaults();
+    o.kv_pages = 64;
+    o.kv_page_bytes = 256u << 10;
+    o.heartbeat_ms = 2000;
+    o.dead_after_ms = 60000;
+    pair *w = pair_new(&o);
+    warm_up(w, room - 1);
+    spec_init(s, w, room, 64 * o.page_size, 0);
+    for (uint32_t i = 0; i < s->n; i++) s->src[i] = s->dst[i] = i;
+    s->dst_meta = 3;
+    pd_net_set_fault(w->dec, PD_NET_FAULT_PARK_PROGRESS, true);
+    open_both(w, s);
+    wait_bootstrapped(w, s);
+    return w;
+}
+
 /* While a put over the inline limit is in flight, the prefill's status()
  * runs no assisted turn: over tcp the put's segments would go out on the
  * engine's thread, milliseconds a call (net.c, assist). The decode's thread
@@ -1475,20 +1495,8 @@ static void assisted_turns_leave_large_puts_to_the_progress_thread(void **state)
  * inside its post, never in flight: nothing to defer. */
 static void no_assisted_turn_while_a_large_put_is_in_flight(void **state) {
     (void)state;
-    pair_opts o = pair_defaults();
-    o.kv_pages = 64;
-    o.kv_page_bytes = 256u << 10; /* 64 pages: one 16 MiB run */
-    o.heartbeat_ms = 2000;
-    o.dead_after_ms = 60000;
-    pair *w = pair_new(&o);
-    warm_up(w, 7299);
     spec s;
-    spec_init(&s, w, 7300, 64 * o.page_size, 0);
-    for (uint32_t i = 0; i < s.n; i++) s.src[i] = s.dst[i] = i;
-    s.dst_meta = 3;
-    pd_net_set_fault(w->dec, PD_NET_FAULT_PARK_PROGRESS, true);
-    open_both(w, &s);
-    wait_bootstrapped(w, &s);
+    pair *w = bootstrapped_16mib_room_decode_parked(&s, 7300);
     uint64_t posted = stats_of(w->pre).writes_posted;
     send_all(w, &s, 0);
     WAIT_FOR(stats_of(w->pre).writes_posted > posted);
@@ -1521,20 +1529,8 @@ static void no_assisted_turn_while_a_large_put_is_in_flight(void **state) {
  * polls alone, each turn making at most two calls. */
 static void an_assisted_turn_progresses_the_worker_at_most_twice(void **state) {
     (void)state;
-    pair_opts o = pair_defaults();
-    o.kv_pages = 64;
-    o.kv_page_bytes = 256u << 10;
-    o.heartbeat_ms = 2000;
-    o.dead_after_ms = 60000;
-    pair *w = pair_new(&o);
-    warm_up(w, 7399);
     spec s;
-    spec_init(&s, w, 7400, 64 * o.page_size, 0);
-    for (uint32_t i = 0; i < s.n; i++) s.src[i] = s.dst[i] = i;
-    s.dst_meta = 3;
-    pd_net_set_fault(w->dec, PD_NET_FAULT_PARK_PROGRESS, true);
-    open_both(w, &s);
-    wait_bootstrapped(w, &s);
+    pair *w = bootstrapped_16mib_room_decode_parked(&s, 7400);
     pd_net_stats d0 = stats_of(w->dec);
     send_all(w, &s, 0);
     WAIT_FOR(st_of(w->dx, s.room) == PD_XFER_SUCCESS);
