@@ -419,6 +419,28 @@ static void adaptive_progress_is_off(void **state) {
     assert_true(v[0] != '\0'); /* the lookup itself finds a setting UCX prints */
 }
 
+/* UCX's keepalive is off, over the environment's setting too: its first
+ * round sends an EP_CHECK at once, and a prefill that reads it after
+ * closing its endpoint to a decode that is going away connects back to the
+ * gone decode, which aborts the process inside UCX 1.13's tcp transport
+ * (net_ucx.c). Our heartbeats tell a dead peer instead. */
+static void ucx_keepalive_is_off(void **state) {
+    (void)state;
+    static const char *const tls[] = {NULL, "tcp", "shm", "shm,tcp"};
+    for (size_t i = 0; i < PD_ARRAY_LEN(tls); i++) {
+        pd_net_config cfg = {.ucx_tls = tls[i]};
+        char msg[256], v[32];
+        ucp_config_t *uc = NULL;
+        assert_int_equal(setenv("UCX_KEEPALIVE_INTERVAL", "1s", 1), 0);
+        pd_err err = net_ucx_config_make(&cfg, &uc, msg, sizeof(msg));
+        assert_int_equal(unsetenv("UCX_KEEPALIVE_INTERVAL"), 0);
+        assert_ok(err);
+        net_ucx_config_value(uc, "UCX_KEEPALIVE_INTERVAL=", v, sizeof(v));
+        ucp_config_release(uc);
+        assert_string_equal(v, "inf");
+    }
+}
+
 /* tcp's send segment is asked for only where tcp may be used: with shared
  * memory alone UCX would warn "invalid configuration: TX_SEG_SIZE=64K" at
  * every worker's creation (it did, in each shm deployment's log). */
@@ -484,6 +506,7 @@ int main(void) {
         cmocka_unit_test(error_and_small_messages_round_trip),
         cmocka_unit_test(mutated_messages_never_read_out_of_bounds),
         cmocka_unit_test(adaptive_progress_is_off),
+        cmocka_unit_test(ucx_keepalive_is_off),
         cmocka_unit_test(tcp_segment_only_where_tcp_may_be_used),
         cmocka_unit_test(tcp_large_segments_are_received_everywhere_sent_on_request),
     };
