@@ -989,6 +989,33 @@ static void default_notice_data_only_where_puts_are_emulated(void **state) {
     pair_free(w);
 }
 
+/* The default bound is the protocol's (1 MiB): over tcp a room of 896 KiB
+ * of pages rides its notice, one of 1,088 KiB is sent as puts; over shared
+ * memory both are puts. */
+static void default_notice_data_bound_is_the_protocols(void **state) {
+    (void)state;
+    pair_opts o = pair_defaults();
+    o.kv_pages = 40;
+    o.kv_page_bytes = 64u << 10;
+    pair *w = pair_new(&o);
+    const char *tls = getenv("UCX_TLS");
+    bool emulated = tls && !strcmp(tls, "tcp");
+    const uint32_t pages[] = {14, 17}; /* + a Mamba slot and a row: under, over 1 MiB */
+    for (uint32_t k = 0; k < 2; k++) {
+        spec s;
+        spec_init(&s, w, 1910 + k, pages[k] * o.page_size, 0);
+        for (uint32_t i = 0; i < s.n; i++) s.src[i] = i, s.dst[i] = 20 + i;
+        pd_net_stats before = stats_of(w->pre);
+        move_room(w, &s);
+        pd_net_stats after = stats_of(w->pre);
+        bool in_notice = emulated && k == 0;
+        assert_int_equal(after.notices_with_data - before.notices_with_data, in_notice ? 1 : 0);
+        assert_int_equal(after.writes_posted - before.writes_posted, in_notice ? 0 : 3);
+    }
+    wait_no_rooms(w);
+    pair_free(w);
+}
+
 /* Threads of this process whose scheduling policy is Linux's SCHED_BATCH
  * (3; field 41 of /proc/self/task/N/stat). */
 static int threads_in_sched_batch(void) {
@@ -1697,6 +1724,7 @@ int main(void) {
         cmocka_unit_test(ack_may_overtake_an_inline_notice_which_then_writes_nothing),
         cmocka_unit_test(version_3_peers_fall_back_to_puts),
         cmocka_unit_test(default_notice_data_only_where_puts_are_emulated),
+        cmocka_unit_test(default_notice_data_bound_is_the_protocols),
         cmocka_unit_test(progress_threads_in_sched_batch_still_move_rooms),
         cmocka_unit_test(progress_thread_sleeps_in_sched_batch_only_while_idle),
         cmocka_unit_test(prefill_death_with_the_notice_in_flight),
