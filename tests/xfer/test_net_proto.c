@@ -397,6 +397,22 @@ static void mutated_messages_never_read_out_of_bounds(void **state) {
     }
 }
 
+/* The value UCX's configuration as pd_net makes it (cfg) holds for `name`
+ * (without UCX_), while the environment sets UCX_<name>=env_value. */
+static void config_value_over_env(const pd_net_config *cfg, const char *name, const char *env_value,
+                                  char *v, size_t cap) {
+    char env[64], key[72], msg[256];
+    snprintf(env, sizeof(env), "UCX_%s", name);
+    snprintf(key, sizeof(key), "UCX_%s=", name);
+    ucp_config_t *uc = NULL;
+    assert_int_equal(setenv(env, env_value, 1), 0);
+    pd_err err = net_ucx_config_make(cfg, &uc, msg, sizeof(msg));
+    assert_int_equal(unsetenv(env), 0);
+    assert_ok(err);
+    net_ucx_config_value(uc, key, v, cap);
+    ucp_config_release(uc);
+}
+
 /* Adaptive progress leaves the decode's receive-only shared-memory interface
  * armed, and every completion notice then costs a signal and a wake-up of
  * UCX's async thread (net_ucx.c): pd_net turns it off, over the
@@ -405,14 +421,9 @@ static void adaptive_progress_is_off(void **state) {
     (void)state;
     pd_net_config cfg = {0};
     char msg[256], v[32];
-    ucp_config_t *uc = NULL;
-    assert_int_equal(setenv("UCX_ADAPTIVE_PROGRESS", "y", 1), 0);
-    pd_err err = net_ucx_config_make(&cfg, &uc, msg, sizeof(msg));
-    assert_int_equal(unsetenv("UCX_ADAPTIVE_PROGRESS"), 0);
-    assert_ok(err);
-    net_ucx_config_value(uc, "UCX_ADAPTIVE_PROGRESS=", v, sizeof(v));
-    ucp_config_release(uc);
+    config_value_over_env(&cfg, "ADAPTIVE_PROGRESS", "y", v, sizeof(v));
     assert_string_equal(v, "n");
+    ucp_config_t *uc = NULL;
     assert_ok(net_ucx_config_make(&cfg, &uc, msg, sizeof(msg)));
     net_ucx_config_value(uc, "UCX_TLS=", v, sizeof(v));
     ucp_config_release(uc);
@@ -429,14 +440,8 @@ static void ucx_keepalive_is_off(void **state) {
     static const char *const tls[] = {NULL, "tcp", "shm", "shm,tcp"};
     for (size_t i = 0; i < PD_ARRAY_LEN(tls); i++) {
         pd_net_config cfg = {.ucx_tls = tls[i]};
-        char msg[256], v[32];
-        ucp_config_t *uc = NULL;
-        assert_int_equal(setenv("UCX_KEEPALIVE_INTERVAL", "1s", 1), 0);
-        pd_err err = net_ucx_config_make(&cfg, &uc, msg, sizeof(msg));
-        assert_int_equal(unsetenv("UCX_KEEPALIVE_INTERVAL"), 0);
-        assert_ok(err);
-        net_ucx_config_value(uc, "UCX_KEEPALIVE_INTERVAL=", v, sizeof(v));
-        ucp_config_release(uc);
+        char v[32];
+        config_value_over_env(&cfg, "KEEPALIVE_INTERVAL", "1s", v, sizeof(v));
         assert_string_equal(v, "inf");
     }
 }
