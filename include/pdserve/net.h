@@ -74,9 +74,9 @@ typedef struct pd_net_config {
     /* prefill: a room handed off in one final send of at most this many bytes
      * (its KV pages, Mamba slot and metadata row) travels inside its
      * completion notice instead of as puts, to a version-4 peer. Default
-     * (0): 256 KiB, to peers whose puts UCX emulates (tcp), none where a put
-     * is a transport's own (shared memory, RDMA); > 0: this bound, to every
-     * peer; < 0: never. */
+     * (0): 1 MiB (the protocol's bound), to peers whose puts UCX emulates
+     * (tcp), none where a put is a transport's own (shared memory, RDMA);
+     * > 0: this bound (at most 1 MiB), to every peer; < 0: never. */
     int32_t notice_data_max;
     /* The progress thread under Linux's SCHED_BATCH, whose wake-ups never
      * preempt the thread that is running (it takes a free core at once, or
