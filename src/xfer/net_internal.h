@@ -49,9 +49,9 @@
  * 14-22 / 45-56 us, 148 KiB 51-57 / 76-82, 244 KiB 79-90 / 96-108. Up to the
  * protocol's bound since 1 December 2026: per-pair ratios notice / puts over
  * 5 alternated pairs 0.65 at 276 KiB, 0.77 at 532, 0.91 at 788, 0.83 at
- * 1,012 KiB, and 1,012 KiB rooms at 3.5-4.0 GB/s against 2.3-2.5 with no
- * longer status() calls on the decode (docs/bootstrap-protocol.md, "The
- * notice's bound: 1 MiB"). */
+ * 1,012 KiB; 1,012 KiB rooms at 3.5-4.0 GB/s against 2.3-2.5, and the
+ * decode's status() calls no longer than with puts (docs/bootstrap-protocol.md,
+ * "The notice's bound: 1 MiB"). */
 #define NOTICE_DATA_DEFAULT_BYTES BP_NOTICE_DATA_MAX
 #define TCP_TX_SEG "64K" /* UCX tcp's send segment: its receive segment's default (net_ucx.c) */
 /* UCX tcp's receive segment where tcp may be used: large enough for a peer's
