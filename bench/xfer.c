@@ -65,6 +65,11 @@
  * net_copy.c), where perftest's put is one thread's copy; --copy-threads 1
  * measures UCX's own put, --copy-threads N (up to 8) more threads.
  *
+ * Over tcp, between two version-5 nodes (the default), a hand-off posts no
+ * put: its bytes go as data messages of at most 1 MiB and a notice (active
+ * messages: docs/bootstrap-protocol.md, "A room"); --protocol 4 measures
+ * the emulated puts the reference column stands for.
+ *
  * Transports: UCX_TLS=shm and UCX_TLS=tcp (UCX_NET_DEVICES=lo) unless
  * --transports says otherwise. The last lines are the summary.
  */
@@ -294,7 +299,7 @@ static void usage(void) {
             "            [--transports shm,tcp] [--net-devices lo] [--spin-us N]\n"
             "            [--copy-threads 1-8 (the prefill's)] [--memory own|heap|own,heap]\n"
             "            [--no-perftest]\n"
-            "            [--notice-data BYTES (< 0: none)] [--protocol 3|4]\n"
+            "            [--notice-data BYTES (< 0: none)] [--protocol 3|4|5]\n"
             "            [--prefill-sched-batch] [--sched-batch -1|0|1 (the prefill's)]\n"
             "            [--tcp-large-segments] [--status-probe]\n"
             "       xfer --check (its own parsing and reference choice, on canned figures)\n");

@@ -67,16 +67,21 @@ typedef struct pd_net_config {
                                      one-sided writes stream (default 1000; < 0: never
                                      spin, sleep on the worker's event fd at once) */
     /* The bootstrap protocol version to speak: 0 = the newest this build
-     * knows (4); 3 = version 3 only, as a node built before version 4 (no
+     * knows (5); 4 = as a node built before version 5 (tcp rooms over the
+     * notice's bound go as puts); 3 = as one built before version 4 (no
      * completion notice carries data): for rolling upgrades and tests. A
-     * version-4 node speaks 3 to a peer that does (docs/bootstrap-protocol.md). */
+     * node speaks an older version to a peer that does
+     * (docs/bootstrap-protocol.md, "Versioning"). */
     uint16_t protocol_version;
     /* prefill: a room handed off in one final send of at most this many bytes
      * (its KV pages, Mamba slot and metadata row) travels inside its
-     * completion notice instead of as puts, to a version-4 peer. Default
+     * completion notice instead of as puts, to a version-4 or later peer. Default
      * (0): 1 MiB (the protocol's bound), to peers whose puts UCX emulates
      * (tcp), none where a put is a transport's own (shared memory, RDMA);
-     * > 0: this bound (at most 1 MiB), to every peer; < 0: never. */
+     * > 0: this bound (at most 1 MiB), to every peer; < 0: never.
+     * Version 5, to peers whose puts UCX emulates, every other room goes as
+     * data messages (active messages of at most 1 MiB) and a plain notice;
+     * < 0 also turns those off: puts only, on every transport. */
     int32_t notice_data_max;
     /* The progress thread under Linux's SCHED_BATCH, whose wake-ups never
      * preempt the thread that is running (it takes a free core at once, or
@@ -185,6 +190,9 @@ typedef struct pd_net_stats {
     /* Completion notices that carried their room's bytes (version 4): sent
      * (prefill), or checked and copied into the room's pages (decode). */
     uint64_t notices_with_data;
+    /* Data messages (version 5, rooms over the notice's bound where puts are
+     * emulated): sent (prefill), or checked and copied in (decode). */
+    uint64_t data_messages;
     /* Changes of the progress thread's scheduling policy (progress_sched_batch):
      * by default at most two per room whose puts it posts (none while such
      * rooms follow each other within 0.2 ms), none for a room the

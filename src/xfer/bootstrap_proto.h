@@ -36,7 +36,7 @@
 /* The newest protocol version this build speaks, and the oldest it still
  * speaks to a peer that asks for it (docs/bootstrap-protocol.md,
  * "Versioning"): a connection speaks the version of the decode node's AUTH. */
-#define BP_VERSION 4u
+#define BP_VERSION 5u
 #define BP_VERSION_MIN 3u
 #define BP_HEADER_BYTES 16u
 /* Hard limit on any payload: a destination of 262,144 pages (4M tokens at
@@ -74,6 +74,14 @@
 #define BP_NOTICE_SEGS_MAX 8u
 #define BP_NOTICE_DATA_MAX (1u << 20) /* bytes one notice may carry */
 #define BP_NOTICE_DATA_HEADER_MAX (BP_NOTICE_DATA_FIXED + BP_NOTICE_SEGS_MAX * BP_NOTICE_SEG_BYTES)
+/* Version 5: where UCX emulates puts (tcp), a room's bytes travel as data
+ * messages, active messages of this id on the endpoint of its notice, each
+ * laid out exactly as a data-bearing notice (same header, same checks) with
+ * at most BP_NOTICE_DATA_MAX bytes, but not the room's end: the plain notice
+ * (BP_AM_NOTICE) follows them on the same endpoint. No put, so nothing the
+ * decode's UCX must acknowledge, and the decode copies the bytes in itself
+ * only while the room owns its pages (docs/bootstrap-protocol.md, "A room"). */
+#define BP_AM_DATA 5u
 #define BP_NONE UINT32_MAX
 
 typedef enum bp_type {

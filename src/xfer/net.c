@@ -58,9 +58,17 @@
  *   active message (net_ucx.c send_notice_data), named by position in the
  *   room's destination; the decode node checks them against its own
  *   destination and copies them in itself, only while the room still owns
- *   its pages (net_conn.c net_on_notice_data). No flush follows: nothing of
+ *   its pages (net_conn.c net_on_room_bytes). No flush follows: nothing of
  *   the room is on the wire but the notice, so an ACK may overtake it, and
  *   the decode then drops it unread.
+ *   Version 5: to such a peer every other room goes the same way in pieces:
+ *   its staged writes as data messages (net_ucx.c post_data: the notice's
+ *   layout, one segment, at most BP_NOTICE_DATA_MAX bytes, DATA_MSGS_INFLIGHT
+ *   of the room at a time), then the plain notice behind them on the same
+ *   endpoint. The decode checks and copies each (net_conn.c
+ *   net_on_room_bytes) while the room owns its pages and has not ended; a
+ *   message that does not fit fails the room. No put, so no flush and no
+ *   acknowledgement that a dying prefill leaves UCX unable to send.
  *   An abort (either side): stop posting, drop what is staged, flush, and
  *   send ABORT (sender's own abort) or ACK (the decode's abort) on the
  *   bootstrap connection only after the flush and every posted write have
@@ -1317,7 +1325,8 @@ static void config_adopt(pd_net *n, const pd_net_config *cfg) {
     c->copy_threads = PD_MIN(c->copy_threads, COPY_THREADS_MAX);
     n->proto = c->protocol_version ? c->protocol_version : BP_VERSION;
     /* At most what one eager active message should carry: a larger room
-     * is a bandwidth problem, and puts serve it. */
+     * goes as puts, or (version 5, puts emulated) as data messages. */
+    n->data_msgs = c->notice_data_max >= 0 && n->proto >= 5;
     if (c->notice_data_max < 0 || n->proto < 4) n->notice_data_max = 0;
     else if (c->notice_data_max == 0) n->notice_data_max = NOTICE_DATA_DEFAULT_BYTES;
     else n->notice_data_max = PD_MIN((size_t)c->notice_data_max, (size_t)BP_NOTICE_DATA_MAX);

@@ -221,6 +221,9 @@ static bool send_dest(pd_net *n, uint32_t pi, room *rm) {
 bool net_dest_fits_notice(const pd_net *n, const room *rm, const peer *p) {
     size_t bytes = (size_t)rm->dest.n_pages * n->unit[REG_KV] + n->unit[REG_META] +
         (rm->dest.mamba_slot != PD_NONE ? n->unit[REG_MAMBA] : 0);
+    /* Version 5: any room may come in data messages (where puts are
+     * emulated, which only the prefill knows); the list is 4 bytes a page. */
+    if (p->ver >= 5 && n->proto >= 5) return true;
     return p->ver >= 4 && n->proto >= 4 && bytes <= BP_NOTICE_DATA_MAX;
 }
 
@@ -600,6 +603,7 @@ static const char *notice_data_problem(const pd_net *n, const room *rm, const pe
                                        const bp_notice *nt, const uint8_t *data, size_t len,
                                        char *why, size_t cap) {
     if (p->ver < 4) return "data in a notice on a version-3 connection";
+    if (nt->n_segs == 0) return "a data message without a segment";
     if (!data) return "the data did not come with the notice (rendezvous)";
     if (!rm->dest.pages) return "the room's destination is too large to come in a notice";
     size_t want = 0;
@@ -638,7 +642,8 @@ static void notice_data_copy(pd_net *n, const room *rm, const bp_notice *nt, con
     }
 }
 
-void net_on_notice_data(pd_net *n, const bp_notice *nt, const uint8_t *data, size_t len) {
+void net_on_room_bytes(pd_net *n, const bp_notice *nt, const uint8_t *data, size_t len,
+                       bool final) {
     PD_ASSERT(n->cfg.role == PD_NET_DECODE && nt->n_segs <= BP_NOTICE_SEGS_MAX);
     uint32_t r = net_room_find(n, nt->room);
     if (r == PD_NONE) return; /* gone: its pages are no longer its own */
@@ -646,23 +651,35 @@ void net_on_notice_data(pd_net *n, const bp_notice *nt, const uint8_t *data, siz
     peer *p = net_peer_of(n, rm);
     /* As for the plain notice: only the connection that carried the DEST.
      * And only while the room still owns its pages: a room that learnt the
-     * prefill is done with it (its ACK may overtake this notice on the
-     * bootstrap socket) may be drained, its pages given to another. */
+     * prefill is done with it (its ACK may overtake these bytes on the
+     * bootstrap socket) may be drained, its pages given to another. A data
+     * message also only while the room has not ended. */
     if (!p || p->state != PS_READY || p->node_id != nt->node_id || rm->h.peer_stopped) return;
+    if (!final && xr_is_final(xr_status(&rm->h))) return;
     char buf[160];
-    const char *why = notice_data_problem(n, rm, p, nt, data, len, buf, sizeof(buf));
+    const char *why = !final && p->ver < 5
+        ? "a data message on a connection older than version 5"
+        : notice_data_problem(n, rm, p, nt, data, len, buf, sizeof(buf));
     if (why) {
         n->stats.bad_messages++;
-        net_log(n, "pd_net: room %llu from %s: refusing the notice's data: %s",
-                (unsigned long long)nt->room, p->addr, why);
+        net_log(n, "pd_net: room %llu from %s: refusing %s: %s", (unsigned long long)nt->room,
+                p->addr, final ? "the notice's data" : "a data message", why);
         net_set_st(n, rm, PD_XFER_FAILED);
-        xr_peer_failed(&rm->h, XR_RECEIVER); /* the notice was the prefill's last word */
+        /* The notice was the prefill's last word; after a data message the
+         * prefill learns of the failure from our ABORT, and what it sent
+         * meanwhile is dropped here (the room has ended). */
+        if (final) xr_peer_failed(&rm->h, XR_RECEIVER);
         net_mark_dirty(n, rm);
         return;
     }
     notice_data_copy(n, rm, nt, data);
-    n->stats.notices_with_data++;
-    on_room_msg(n, rm, BP_DONE, len);
+    if (final) {
+        n->stats.notices_with_data++;
+        on_room_msg(n, rm, BP_DONE, len);
+    } else {
+        n->stats.data_messages++;
+        xr_data_started(&rm->h);
+    }
     net_mark_dirty(n, rm);
 }
 
@@ -740,10 +757,12 @@ static void on_error_msg(pd_net *n, uint32_t pi, const uint8_t *pl, uint32_t len
     if (!e.has_room && e.code == BP_E_VERSION && n->cfg.role == PD_NET_DECODE &&
         p->state == PS_AUTH && p->ver > BP_VERSION_MIN) {
         /* A prefill node of an older version (it refuses ours on our AUTH):
-         * once the parse of this buffer stops, reconnect speaking its. */
+         * once the parse of this buffer stops, reconnect speaking the
+         * version below ours, down to the oldest we speak (a version-5 node
+         * reaches a version-4 one in 4, a version-3 one in 3). */
         net_log(n, "pd_net: %s speaks an older protocol (%s): reconnecting in version %u", p->addr,
-                text, BP_VERSION_MIN);
-        p->redial_ver = BP_VERSION_MIN;
+                text, p->ver - 1u);
+        p->redial_ver = (uint16_t)(p->ver - 1u);
         return;
     }
     if (!e.has_room) {

@@ -53,6 +53,11 @@
  * decode's status() calls no longer than with puts (docs/bootstrap-protocol.md,
  * "The notice's bound: 1 MiB"). */
 #define NOTICE_DATA_DEFAULT_BYTES BP_NOTICE_DATA_MAX
+/* Data messages (version 5) of one room in flight at a time: each holds its
+ * header until UCX completes it, and together they keep the socket full
+ * (4 MiB where the kernel's loopback buffers took 4.8 MB at once). */
+#define DATA_MSGS_INFLIGHT 4u
+#define DATA_MSG_HEADER_BYTES (BP_NOTICE_DATA_FIXED + BP_NOTICE_SEG_BYTES) /* one segment */
 #define TCP_TX_SEG "64K" /* UCX tcp's send segment: its receive segment's default (net_ucx.c) */
 /* UCX tcp's receive segment where tcp may be used: large enough for a peer's
  * TCP_TX_SEG_LARGE (pd_net_config.ucx_tcp_large_segments; net_ucx.c). */
@@ -131,6 +136,10 @@ typedef struct room {
     ucp_dt_iov_t notice_iov[BP_NOTICE_SEGS_MAX];
     uint32_t notice_segs;
     bool data_in_notice; /* decided at send_final: the staged writes go in the notice */
+    /* Version 5: the headers of its data messages in flight, one slot each
+     * (bit i of data_busy: slot i is UCX's until the send completes). */
+    uint8_t data_wire[DATA_MSGS_INFLIGHT][DATA_MSG_HEADER_BYTES];
+    uint8_t data_busy;
     uint32_t q_head, q_tail;
     uint64_t bytes;
     /* decode */
@@ -147,7 +156,8 @@ typedef struct room {
 typedef struct req_ctx {
     pd_net *net;
     uint32_t room, gen;
-    bool large; /* a put over FINAL_INLINE_BYTES */
+    bool large;       /* a put over FINAL_INLINE_BYTES */
+    int8_t data_slot; /* a data message's header slot in its room, else -1 */
 } req_ctx;
 
 typedef enum peer_state {
@@ -240,6 +250,8 @@ struct pd_net {
     uint16_t proto;          /* the newest protocol version this node speaks (config) */
     size_t notice_data_max;  /* 0: no room's bytes travel in its notice */
     bool notice_data_always; /* also to peers whose puts are direct (config > 0) */
+    bool data_msgs;          /* version 5 and notice_data_max >= 0: rooms as data messages
+                                to peers whose puts UCX emulates */
     char listen_host[128];
     char token[BP_TOKEN_MAX + 1];
     size_t token_len;
@@ -418,10 +430,11 @@ void net_pump_receiver(pd_net *n, room *rm, uint64_t now);
 /* Decode side: a room's completion notice came on the data path (net_ucx.c's
  * active-message handler, mutex held). */
 void net_on_notice(pd_net *n, uint64_t room_id, uint64_t bytes, uint64_t node_id);
-/* Decode side: a notice that carries its room's bytes (version 4): checked
- * against the room's destination, copied into it, then the room succeeds;
- * refused (the room fails, and nothing is written) if it does not fit. */
-void net_on_notice_data(pd_net *n, const bp_notice *nt, const uint8_t *data, size_t len);
+/* Decode side: a message that carries room bytes, checked against the
+ * room's destination and copied into it: the notice with data (final,
+ * version 4: then the room succeeds) or a data message (not final, version
+ * 5). One that does not fit writes nothing and fails the room. */
+void net_on_room_bytes(pd_net *n, const bp_notice *nt, const uint8_t *data, size_t len, bool final);
 /* Decode side: whether a room's destination may receive its bytes in the
  * notice (so its page list is kept once the DEST is out). */
 bool net_dest_fits_notice(const pd_net *n, const room *rm, const peer *p);

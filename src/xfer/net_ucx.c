@@ -2,8 +2,9 @@
  * net_ucx.c — the network transport's data path (see net.c): the UCX
  * context and worker, registered memory, page-run puts, the completion
  * notice behind a fence (version 3) or carrying a small room's bytes itself
- * (version 4), completions found by room generation, and giving up on writes
- * to a dead peer.
+ * (version 4), a larger room's bytes as data messages where puts are
+ * emulated (version 5), completions found by room generation, and giving up
+ * on writes to a dead peer.
  */
 #include "net_internal.h"
 
@@ -52,6 +53,8 @@ static void put_done(void *req, ucs_status_t status, void *user) {
     if (rm) {
         PD_ASSERT(rm->puts_out > 0);
         rm->puts_out--;
+        int8_t slot = ((req_ctx *)req)->data_slot;
+        if (slot >= 0) rm->data_busy &= (uint8_t) ~(1u << slot); /* its header is ours again */
         if (((req_ctx *)req)->large) {
             PD_ASSERT(rm->large_out > 0 && n->large_out > 0);
             rm->large_out--;
@@ -77,7 +80,8 @@ static void flush_done(void *req, ucs_status_t status, void *user) {
 }
 
 static void req_track(pd_net *n, room *rm, void *req) {
-    *(req_ctx *)req = (req_ctx){.net = n, .room = ridx(n, rm), .gen = rm->slot.gen};
+    *(req_ctx *)req =
+        (req_ctx){.net = n, .room = ridx(n, rm), .gen = rm->slot.gen, .data_slot = -1};
     n->ucx_out++;
 }
 
@@ -120,6 +124,66 @@ static bool post_put(pd_net *n, room *rm, peer *p, const stage *s) {
     rm->bytes += len;
     n->stats.bytes_sent += len;
     n->stats.writes_posted++;
+    return true;
+}
+
+/* Whether staged write s goes as data messages (version 5): to a peer whose
+ * puts UCX emulates, of units that fit one message. */
+static bool stage_as_data(const pd_net *n, const peer *p, const stage *s) {
+    return n->data_msgs && p->ver >= 5 && !p->puts_direct && s->reg < REG_N &&
+        n->unit[s->reg] <= BP_NOTICE_DATA_MAX;
+}
+
+/* How many of s's units the next data message carries: all that fit. */
+static uint32_t data_msg_units(const pd_net *n, const stage *s) {
+    return PD_MIN(s->n, (uint32_t)(BP_NOTICE_DATA_MAX / n->unit[s->reg]));
+}
+
+/* Posts the first k units of staged write s as one data message (version
+ * 5): a data-bearing notice's header with one segment, named by position in
+ * the room's destination, in a free header slot of the room, and the bytes
+ * straight from the prefill's memory. Eager, as the notice: UCX copies the
+ * bytes into the socket as it sends (a request reads the source until it
+ * completes: a write, as a put). No flush follows: the decode copies the
+ * bytes in itself, so nothing of it is acknowledged (over tcp an emulated
+ * put's acknowledgement is what a dying peer left UCX unable to send:
+ * docs/bootstrap-protocol.md, "A prefill that dies mid-room over tcp").
+ * False on an immediate error. */
+static bool post_data(pd_net *n, room *rm, peer *p, const stage *s, uint32_t k) {
+    PD_ASSERT(rm->data_busy != (1u << DATA_MSGS_INFLIGHT) - 1u && k >= 1 && k <= s->n);
+    uint32_t slot = (uint32_t)__builtin_ctz(~(unsigned)rm->data_busy);
+    size_t len = (size_t)k * n->unit[s->reg];
+    bp_notice nt = {.room = rm->slot.id, .bytes = len, .node_id = n->node_id, .n_segs = 1};
+    nt.segs[0] = (bp_notice_seg){s->reg, s->reg == REG_KV ? s->pos : 0, k};
+    size_t hlen = bp_notice_data_write(rm->data_wire[slot], &nt);
+    PD_ASSERT(hlen == DATA_MSG_HEADER_BYTES);
+    ucp_request_param_t prm = {
+        .op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_FLAGS,
+        .cb.send = put_done,
+        .flags = UCP_AM_SEND_FLAG_EAGER,
+    };
+    const uint8_t *src = n->base[s->reg] + (size_t)s->src * n->unit[s->reg];
+    ucs_status_ptr_t sp =
+        ucp_am_send_nbx(p->ep, BP_AM_DATA, rm->data_wire[slot], hlen, src, len, &prm);
+    if (UCS_PTR_IS_ERR(sp)) {
+        net_log(n, "pd_net: data message to %s failed: %s", p->addr,
+                ucs_status_string(UCS_PTR_STATUS(sp)));
+        return false;
+    }
+    if (sp != NULL) {
+        req_track(n, rm, sp);
+        ((req_ctx *)sp)->data_slot = (int8_t)slot;
+        rm->data_busy |= (uint8_t)(1u << slot);
+        rm->puts_out++;
+        if (len > FINAL_INLINE_BYTES) {
+            ((req_ctx *)sp)->large = true;
+            rm->large_out++;
+            n->large_out++;
+        }
+    }
+    rm->bytes += len;
+    n->stats.bytes_sent += len;
+    n->stats.data_messages++;
     return true;
 }
 
@@ -273,6 +337,22 @@ static bool pump_notice(pd_net *n, room *rm, peer *p, uint32_t pi) {
 
 /* ---- the sender's pump (progress thread) --------------------------------------------- */
 
+/* Takes the first k units of the room's head stage si for posting: the whole
+ * stage off the queue, or, for a data message's share of a longer run, its
+ * first k units, the rest staying at the head for the next message. */
+static void stage_take(pd_net *n, room *rm, uint32_t si, uint32_t k) {
+    stage *s = &n->stages[si];
+    if (s->reg != STAGE_FINAL && k < s->n) {
+        s->src += k, s->dst += k, s->pos += k, s->n -= k;
+        return;
+    }
+    rm->q_head = s->next;
+    if (rm->q_head == PD_NONE) rm->q_tail = PD_NONE;
+    s->next = n->stage_free;
+    n->stage_free = si;
+    n->stages_avail++;
+}
+
 void net_pump_sender(pd_net *n, room *rm, uint64_t now) {
     PD_ASSERT(n->cfg.role == PD_NET_PREFILL && rm->slot.used);
     net_writes_sync(rm);
@@ -285,25 +365,22 @@ void net_pump_sender(pd_net *n, room *rm, uint64_t now) {
         while (rm->q_head != PD_NONE && xr_sendable(&rm->h) && !rm->data_in_notice) {
             uint32_t si = rm->q_head;
             stage s = n->stages[si];
+            /* Version 5, puts emulated: the stage in data messages of at most
+             * BP_NOTICE_DATA_MAX bytes, DATA_MSGS_INFLIGHT at a time (the
+             * next goes once one completed: put_done marks the room dirty). */
+            bool as_data = s.reg != STAGE_FINAL && stage_as_data(n, p, &s);
+            if (as_data && rm->data_busy == (1u << DATA_MSGS_INFLIGHT) - 1u) break;
+            uint32_t k = as_data ? data_msg_units(n, &s) : s.n;
             /* An assisted turn posts small puts only: over shared memory a put
              * is a copy on the calling thread, the engine's. The rest waits
              * for the progress thread (the room stays dirty; it is woken). */
-            size_t bytes = s.reg == STAGE_FINAL ? 0 : (size_t)s.n * n->unit[s.reg];
+            size_t bytes = s.reg == STAGE_FINAL ? 0 : (size_t)k * n->unit[s.reg];
             if (bytes > n->post_budget) {
                 net_mark_dirty(n, rm);
                 break;
             }
             if (n->post_budget != SIZE_MAX) n->post_budget -= bytes; /* SIZE_MAX: no bound */
-            rm->q_head = s.next;
-            if (rm->q_head == PD_NONE) rm->q_tail = PD_NONE;
-            n->stages[si].next = n->stage_free;
-            n->stage_free = si;
-            n->stages_avail++;
-            if (s.reg == STAGE_FINAL) {
-                if (rm->note == N_NONE) rm->note = N_DONE;
-                continue;
-            }
-            if (!rm->started) {
+            if (s.reg != STAGE_FINAL && !rm->started) {
                 rm->started = true;
                 /* START only tells the decode side that data is moving
                  * (TRANSFERRING). A room whose last write is already staged
@@ -312,7 +389,12 @@ void net_pump_sender(pd_net *n, room *rm, uint64_t now) {
                 if (!rm->final_staged && !net_send_room_msg(n, pi, BP_START, rm->slot.id, 0))
                     return;
             }
-            if (!post_put(n, rm, p, &s)) {
+            stage_take(n, rm, si, k);
+            if (s.reg == STAGE_FINAL) {
+                if (rm->note == N_NONE) rm->note = N_DONE;
+                continue;
+            }
+            if (!(as_data ? post_data(n, rm, p, &s, k) : post_put(n, rm, p, &s))) {
                 write_failed(n, rm);
                 break;
             }
@@ -438,6 +520,7 @@ void net_abandon_dead_writes(pd_net *n, uint64_t now) {
         PD_ASSERT(n->large_out >= rm->large_out);
         n->large_out -= rm->large_out;
         rm->puts_out = rm->flush_out = rm->large_out = 0;
+        rm->data_busy = 0;
         rm->slot.gen++;
         net_mark_dirty(n, rm);
     }
@@ -586,25 +669,36 @@ static ucs_status_t on_notice_am(void *arg, const void *header, size_t header_le
     return UCS_OK;
 }
 
-/* Decode side: a notice that carries its room's bytes (version 4), handled
- * like the plain one. The data is UCX's, valid during this call: it is
- * copied into the room's pages here (net_on_notice_data checks the segments
- * against the room's destination first). Data that came by rendezvous (a
- * peer that did not send it eagerly) is not read: that room fails. A header
- * that does not parse names no room we can trust: dropped and counted. */
-static ucs_status_t on_notice_data_am(void *arg, const void *header, size_t header_len, void *data,
-                                      size_t len, const ucp_am_recv_param_t *prm) {
-    pd_net *n = arg;
+/* Decode side: a message that carries room bytes, handled like the plain
+ * notice: the notice with data (version 4, final) or a data message
+ * (version 5, part of the room's bytes: the plain notice follows it on the
+ * same endpoint). The data is UCX's, valid during this call: it is copied
+ * into the room's pages here (net_on_room_bytes checks the segments against
+ * the room's destination first). Data that came by rendezvous (a peer that
+ * did not send it eagerly) is not read: that room fails. A header that does
+ * not parse names no room we can trust: dropped and counted. */
+static ucs_status_t on_bytes_am(pd_net *n, const void *header, size_t header_len, void *data,
+                                size_t len, const ucp_am_recv_param_t *prm, bool final) {
     bp_notice nt;
     if (bp_notice_data_read(header, header_len, &nt) != PD_OK) {
         n->stats.bad_messages++;
-        net_log(n, "pd_net: dropped a notice with data whose header of %zu bytes is malformed",
-                header_len);
+        net_log(n, "pd_net: dropped a %s whose header of %zu bytes is malformed",
+                final ? "notice with data" : "data message", header_len);
         return UCS_OK;
     }
     bool inline_data = !(prm->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV);
-    net_on_notice_data(n, &nt, inline_data ? data : NULL, len);
+    net_on_room_bytes(n, &nt, inline_data ? data : NULL, len, final);
     return UCS_OK;
+}
+
+static ucs_status_t on_notice_data_am(void *arg, const void *header, size_t header_len, void *data,
+                                      size_t len, const ucp_am_recv_param_t *prm) {
+    return on_bytes_am(arg, header, header_len, data, len, prm, true);
+}
+
+static ucs_status_t on_data_am(void *arg, const void *header, size_t header_len, void *data,
+                               size_t len, const ucp_am_recv_param_t *prm) {
+    return on_bytes_am(arg, header, header_len, data, len, prm, false);
 }
 
 static ucs_status_t notice_handler_set(pd_net *n, unsigned id, ucp_am_recv_callback_t cb) {
@@ -652,7 +746,8 @@ pd_err net_ucx_init(pd_net *n, char *msg, size_t cap) {
     if (n->cfg.role == PD_NET_DECODE &&
         ((st = notice_handler_set(n, BP_AM_NOTICE, on_notice_am)) != UCS_OK ||
          (n->proto >= 4 &&
-          (st = notice_handler_set(n, BP_AM_NOTICE_DATA, on_notice_data_am)) != UCS_OK)))
+          (st = notice_handler_set(n, BP_AM_NOTICE_DATA, on_notice_data_am)) != UCS_OK) ||
+         (n->proto >= 5 && (st = notice_handler_set(n, BP_AM_DATA, on_data_am)) != UCS_OK)))
         return pd_errorf(msg, cap, PD_ERR_IO, "UCX notice handler: %s", ucs_status_string(st));
     if ((st = ucp_worker_get_efd(n->worker, &n->ucx_fd)) != UCS_OK)
         return pd_errorf(msg, cap, PD_ERR_IO, "UCX worker event fd: %s", ucs_status_string(st));

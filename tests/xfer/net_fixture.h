@@ -60,7 +60,7 @@ typedef struct pair_opts {
     uint64_t heartbeat_ms, dead_after_ms, drain_grace_ms;
     bool heap;               /* the nodes' memory from the heap, not from their transports */
     int32_t notice_data_max; /* prefill's (0: its default; < 0: every room as puts) */
-    uint16_t prefill_protocol, decode_protocol; /* 0: the newest; 3: a version-3 node */
+    uint16_t prefill_protocol, decode_protocol; /* 0: the newest; 3, 4: an older node */
     int8_t sched_batch;                         /* both nodes' progress_sched_batch */
     uint32_t copy_threads;                      /* prefill's (0: its default) */
 } pair_opts;
@@ -208,6 +208,23 @@ static inline pd_net_stats stats_of(pd_net *n) {
     pd_net_stats s;
     pd_net_stats_get(n, &s);
     return s;
+}
+
+/* The prefill's writes: puts, and (version 5, where UCX emulates puts) data
+ * messages. */
+static inline uint64_t writes_of(const pd_net_stats *s) {
+    return s->writes_posted + s->data_messages;
+}
+static inline uint64_t writes_now(pd_net *n) {
+    pd_net_stats s = stats_of(n);
+    return writes_of(&s);
+}
+
+/* Whether UCX emulates puts on this run's transport (tcp), where version 5
+ * sends a room's bytes as data messages instead. */
+static inline bool puts_emulated(void) {
+    const char *tls = getenv("UCX_TLS");
+    return tls && !strcmp(tls, "tcp");
 }
 
 /* What the engine's step gets: while the node's mutex is busy, status()

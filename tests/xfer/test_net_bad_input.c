@@ -526,22 +526,22 @@ static void wrong_version_is_refused_with_a_clear_error(void **state) {
     uint8_t buf[BP_HEADER_BYTES + BP_NONCE_BYTES] = {0};
     int fd = raw_connect(pd_net_bootstrap_port(w->pre));
     size_t len = bp_auth_write(buf, sizeof(buf), buf + BP_HEADER_BYTES);
-    bp_put_u16(buf + 4, 5); /* a newer peer */
+    bp_put_u16(buf + 4, 6); /* a newer peer */
     raw_send(fd, buf, len);
-    expect_refused(fd, BP_E_VERSION, "version 5 not supported; this node speaks 3 to 4");
+    expect_refused(fd, BP_E_VERSION, "version 6 not supported; this node speaks 3 to 5");
     /* Version 2 (DONE on TCP after a flush; a version-3 prefill sends no
      * DONE, so a version-2 decode would wait forever) is refused too. */
     fd = raw_connect(pd_net_bootstrap_port(w->pre));
     bp_put_u16(buf + 4, 2);
     raw_send(fd, buf, len);
-    expect_refused(fd, BP_E_VERSION, "version 2 not supported; this node speaks 3 to 4");
+    expect_refused(fd, BP_E_VERSION, "version 2 not supported; this node speaks 3 to 5");
     /* Version 1 (its HELLO carried the token in clear) is refused alike. */
     fd = raw_connect(pd_net_bootstrap_port(w->pre));
     bp_put_u16(buf + 4, 1);
     raw_send(fd, buf, len);
     expect_refused(fd, BP_E_VERSION, "version 1 not supported");
     /* A connection keeps the version of its AUTH: a version-3 AUTH, then a
-     * version-4 message, is refused. */
+     * version-5 message, is refused. */
     fd = raw_connect(pd_net_bootstrap_port(w->pre));
     bp_put_u16(buf + 4, 3);
     raw_send(fd, buf, len);
@@ -551,7 +551,7 @@ static void wrong_version_is_refused_with_a_clear_error(void **state) {
     assert_int_equal(m.h.version, 3); /* answered in its own version */
     bp_ping_write(buf, sizeof(buf));
     raw_send(fd, buf, BP_HEADER_BYTES);
-    expect_refused(fd, BP_E_VERSION, "version 4 on a connection that speaks 3");
+    expect_refused(fd, BP_E_VERSION, "version 5 on a connection that speaks 3");
     WAIT_FOR(stats_of(w->pre).bad_messages == 4);
     valid_decode_still_completes_a_room(w, 4);
     pair_free(w);
@@ -925,14 +925,20 @@ static void am_wait(am_sender *a, void *req) {
     ucp_request_free(req);
 }
 
-/* Sends header + data as a data notice (eagerly, or by rendezvous when
-   flags say so) and waits until UCX is done with it. */
-static void am_send_flags(am_sender *a, const void *hdr, size_t hlen, const void *data, size_t len,
-                          uint32_t flags) {
+/* Sends header + data as an active message of id id (eagerly, or by
+   rendezvous when flags say so) and waits until UCX is done with it. */
+static void am_send_as(am_sender *a, unsigned id, const void *hdr, size_t hlen, const void *data,
+                       size_t len, uint32_t flags) {
     ucp_request_param_t prm = {.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS, .flags = flags};
-    am_wait(a, ucp_am_send_nbx(a->ep, BP_AM_NOTICE_DATA, hdr, hlen, data, len, &prm));
+    am_wait(a, ucp_am_send_nbx(a->ep, id, hdr, hlen, data, len, &prm));
     ucp_request_param_t fp = {.op_attr_mask = 0};
     am_wait(a, ucp_ep_flush_nbx(a->ep, &fp));
+}
+
+/* The same as a data notice. */
+static void am_send_flags(am_sender *a, const void *hdr, size_t hlen, const void *data, size_t len,
+                          uint32_t flags) {
+    am_send_as(a, BP_AM_NOTICE_DATA, hdr, hlen, data, len, flags);
 }
 
 static void am_send(am_sender *a, const void *hdr, size_t hlen, const void *data, size_t len) {
@@ -999,6 +1005,40 @@ static bp_notice bad_notices_sent(am_sender *a, const uint8_t *data, size_t byte
     return nt;
 }
 
+/* A decode node whose n rooms first.. (two pages each from page0 on, Mamba
+ * slot k % 4, row k) sent their DESTs to a fake prefill (node 1), which
+ * accepted them, and a UCX sender to the decode's worker: where the tests
+ * below send room bytes the prefill would. */
+typedef struct fake_rooms {
+    pair_opts o;
+    node_mem dm;
+    pd_net *dec;
+    pd_xfer dx;
+    int lfd, fd;
+    am_sender a;
+} fake_rooms;
+
+static void fake_rooms_open(fake_rooms *f, uint64_t first, uint32_t n, uint32_t page0) {
+    f->o = pair_defaults();
+    f->dec = node_start(&f->o, PD_NET_DECODE, &f->dm, false);
+    f->dx = pd_net_endpoint(f->dec);
+    uint16_t port;
+    f->lfd = listen_local(&port);
+    char peer[64];
+    snprintf(peer, sizeof(peer), "127.0.0.1:%u", port);
+    for (uint32_t k = 0; k < n; k++) {
+        uint32_t dst[2] = {page0 + 2 * k, page0 + 1 + 2 * k};
+        pd_xfer_dest d = {
+            .prompt_tokens = 8, .pages = dst, .n_pages = 2, .mamba_slot = k % 4, .meta_row = k};
+        assert_ok(f->dx.vt->receiver_open(f->dx.self, first + k, peer, &d));
+    }
+    f->fd = accept_within(f->lfd);
+    static uint8_t addr[BP_WORKER_ADDR_MAX];
+    fake_ready(f->fd, &f->o, addr, (int)n);
+    for (uint32_t k = 0; k < n; k++) WAIT_FOR(st_of(f->dx, first + k) == PD_XFER_WAITING_FOR_INPUT);
+    am_sender_open(&f->a, addr);
+}
+
 /* A data notice whose bytes do not fit the room (one byte short, KV
  * positions past its pages, bytes announced that differ, data sent by
  * rendezvous): the room fails and drains, it is counted, and not a byte lands
@@ -1007,27 +1047,14 @@ static bp_notice bad_notices_sent(am_sender *a, const uint8_t *data, size_t byte
  * endpoint. */
 static void decode_refuses_notice_data_that_does_not_fit(void **state) {
     (void)state;
-    pair_opts o = pair_defaults();
-    node_mem dm;
-    pd_net *dec = node_start(&o, PD_NET_DECODE, &dm, false);
-    pd_xfer dx = pd_net_endpoint(dec);
-    uint16_t port;
-    int lfd = listen_local(&port);
-    char peer[64];
-    snprintf(peer, sizeof(peer), "127.0.0.1:%u", port);
     enum { ROOMS = 6 };
-    for (uint32_t k = 0; k < ROOMS; k++) {
-        uint32_t dst[2] = {10 + 2 * k, 11 + 2 * k};
-        pd_xfer_dest d = {
-            .prompt_tokens = 8, .pages = dst, .n_pages = 2, .mamba_slot = k % 4, .meta_row = k};
-        assert_ok(dx.vt->receiver_open(dx.self, 70 + k, peer, &d));
-    }
-    int fd = accept_within(lfd);
-    static uint8_t addr[BP_WORKER_ADDR_MAX];
-    fake_ready(fd, &o, addr, ROOMS);
-    for (uint32_t k = 0; k < ROOMS; k++) WAIT_FOR(st_of(dx, 70 + k) == PD_XFER_WAITING_FOR_INPUT);
-    am_sender a;
-    am_sender_open(&a, addr);
+    static fake_rooms f;
+    fake_rooms_open(&f, 70, ROOMS, 10);
+    const pair_opts o = f.o;
+    node_mem dm = f.dm;
+    pd_net *dec = f.dec;
+    pd_xfer dx = f.dx;
+    am_sender a = f.a;
     size_t bytes = 2 * o.kv_page_bytes + o.mamba_slot_bytes + sizeof(pd_meta_row);
     static uint8_t data[8192];
     for (size_t i = 0; i < bytes; i++) data[i] = (uint8_t)(i * 11 + 3);
@@ -1061,10 +1088,95 @@ static void decode_refuses_notice_data_that_does_not_fit(void **state) {
         if (r != 73) dx.vt->close(dx.self, r);
     }
     am_sender_close(&a);
-    close(fd);
+    close(f.fd);
     WAIT_FOR(drained_of(dx, 73));
     dx.vt->close(dx.self, 73);
-    close(lfd);
+    close(f.lfd);
+    mem_free(&dm);
+    pd_net_destroy(dec);
+}
+
+/* Room 82 of the test below (pages 34 and 35, slot 2, row 2): its pages in
+ * one data message, its slot and row in another (TRANSFERRING: not the
+ * end), then the plain notice (SUCCESS). Every byte where its destination
+ * says, and nothing written outside it. */
+static void data_messages_then_notice_land(am_sender *a, pd_xfer dx, pd_net *dec,
+                                           const node_mem *dm, const pair_opts *o,
+                                           const uint8_t *data) {
+    size_t kv_bytes = 2 * o->kv_page_bytes, tail = o->mamba_slot_bytes + sizeof(pd_meta_row);
+    uint8_t hdr[BP_NOTICE_DATA_HEADER_MAX];
+    assert_int_equal(st_of(dx, 82), PD_XFER_WAITING_FOR_INPUT);
+    bp_notice kv = {.room = 82, .bytes = kv_bytes, .node_id = 1, .n_segs = 1};
+    kv.segs[0] = (bp_notice_seg){BP_REG_KV, 0, 2};
+    am_send_as(a, BP_AM_DATA, hdr, bp_notice_data_write(hdr, &kv), data, kv_bytes,
+               UCP_AM_SEND_FLAG_EAGER);
+    WAIT_FOR(st_of(dx, 82) == PD_XFER_TRANSFERRING);
+    bp_notice rest = {.room = 82, .bytes = tail, .node_id = 1, .n_segs = 2};
+    rest.segs[0] = (bp_notice_seg){BP_REG_MAMBA, 0, 1};
+    rest.segs[1] = (bp_notice_seg){BP_REG_META, 0, 1};
+    am_send_as(a, BP_AM_DATA, hdr, bp_notice_data_write(hdr, &rest), data + kv_bytes, tail,
+               UCP_AM_SEND_FLAG_EAGER);
+    WAIT_FOR(stats_of(dec).data_messages == 2);
+    assert_int_equal(st_of(dx, 82), PD_XFER_TRANSFERRING); /* not the end */
+    uint8_t note[BP_NOTICE_BYTES];
+    bp_notice_write(note, 82, kv_bytes + tail, 1);
+    am_send_as(a, BP_AM_NOTICE, note, sizeof(note), NULL, 0, UCP_AM_SEND_FLAG_EAGER);
+    WAIT_FOR(st_of(dx, 82) == PD_XFER_SUCCESS);
+    const uint8_t *kvm = dm->mem.kv, *mb = dm->mem.mamba;
+    assert_memory_equal(kvm + 34 * o->kv_page_bytes, data, kv_bytes);
+    assert_memory_equal(mb + 2 * o->mamba_slot_bytes, data + kv_bytes, o->mamba_slot_bytes);
+    assert_memory_equal(&dm->meta[2], data + kv_bytes + o->mamba_slot_bytes, sizeof(pd_meta_row));
+    for (uint32_t p = 0; p < o->kv_pages; p++)
+        if (p != 34 && p != 35) assert_true(unit_untouched_in(dm, o, 0, p));
+    for (uint32_t m = 0; m < o->mamba_slots; m++)
+        if (m != 2) assert_true(unit_untouched_in(dm, o, 1, m));
+    for (uint32_t r = 0; r < o->meta_rows; r++)
+        if (r != 2) assert_true(unit_untouched_in(dm, o, 2, r));
+}
+
+/* Version 5's data messages from a fake prefill (node 1) to rooms 80..82 of
+ * two pages, a Mamba slot and a row each. One whose KV positions run past
+ * the room's pages (80) or whose bytes are not its segments' (81) fails its
+ * room, is counted and writes nothing; a good message for a failed room
+ * writes nothing either. Good ones for room 82 land where its destination
+ * says without ending it (TRANSFERRING), and the plain notice behind them
+ * ends it (SUCCESS). Nothing outside room 82's destination is written. */
+static void decode_refuses_data_messages_that_do_not_fit(void **state) {
+    (void)state;
+    enum { ROOMS = 3 };
+    static fake_rooms f;
+    fake_rooms_open(&f, 80, ROOMS, 30);
+    const pair_opts o = f.o;
+    node_mem dm = f.dm;
+    pd_net *dec = f.dec;
+    pd_xfer dx = f.dx;
+    am_sender a = f.a;
+    static uint8_t data[8192];
+    size_t kv_bytes = 2 * o.kv_page_bytes;
+    for (size_t i = 0; i < sizeof(data); i++) data[i] = (uint8_t)(i * 7 + 5);
+    uint8_t hdr[BP_NOTICE_DATA_HEADER_MAX];
+    bp_notice kv = {.bytes = kv_bytes, .node_id = 1, .n_segs = 1};
+    kv.segs[0] = (bp_notice_seg){BP_REG_KV, 1, 2}; /* positions 1..2 of 2 pages */
+    kv.room = 80;
+    am_send_as(&a, BP_AM_DATA, hdr, bp_notice_data_write(hdr, &kv), data, kv_bytes,
+               UCP_AM_SEND_FLAG_EAGER);
+    kv.segs[0] = (bp_notice_seg){BP_REG_KV, 0, 2};
+    kv.room = 81; /* a byte short */
+    am_send_as(&a, BP_AM_DATA, hdr, bp_notice_data_write(hdr, &kv), data, kv_bytes - 1,
+               UCP_AM_SEND_FLAG_EAGER);
+    WAIT_FOR(st_of(dx, 80) == PD_XFER_FAILED && st_of(dx, 81) == PD_XFER_FAILED);
+    WAIT_FOR(stats_of(dec).bad_messages == 2);
+    kv.room = 80; /* good, but for a room that failed */
+    am_send_as(&a, BP_AM_DATA, hdr, bp_notice_data_write(hdr, &kv), data, kv_bytes,
+               UCP_AM_SEND_FLAG_EAGER);
+    data_messages_then_notice_land(&a, dx, dec, &dm, &o, data);
+    assert_int_equal(stats_of(dec).bad_messages, 2);
+    assert_int_equal(stats_of(dec).data_messages, 2);
+    for (uint64_t r = 80; r < 80 + ROOMS; r++) dx.vt->close(dx.self, r);
+    am_sender_close(&a);
+    close(f.fd); /* the failed rooms drain once the peer is gone (drain_grace_ms) */
+    WAIT_FOR(pd_net_rooms_live(dec) == 0);
+    close(f.lfd);
     mem_free(&dm);
     pd_net_destroy(dec);
 }
@@ -1101,6 +1213,7 @@ int main(void) {
         cmocka_unit_test(decode_refuses_messages_about_unknown_rooms),
         cmocka_unit_test(decode_discloses_nothing_to_a_prefill_without_the_token),
         cmocka_unit_test(decode_refuses_notice_data_that_does_not_fit),
+        cmocka_unit_test(decode_refuses_data_messages_that_do_not_fit),
         cmocka_unit_test(a_slow_name_lookup_stalls_no_other_peer),
         cmocka_unit_test(a_hung_lookup_delays_no_other_name),
     };
