@@ -590,8 +590,13 @@ void net_on_notice(pd_net *n, uint64_t room_id, uint64_t bytes, uint64_t node_id
     peer *p = net_peer_of(n, rm);
     /* Only the connection that carried the room's destination may end it; a
      * notice from an endpoint of a connection since lost is dropped (the
-     * room failed with it and drains after drain_grace_ms). */
-    if (!p || p->state != PS_READY || p->node_id != node_id) return;
+     * room failed with it and drains after drain_grace_ms). So is one for a
+     * room that already heard the prefill is done with it: since version 5
+     * the prefill answers a crossing ABORT at once when only data messages
+     * were on the wire (nothing to flush), so its ACK may overtake them and
+     * the notice behind them; the messages were dropped (peer_stopped), and
+     * the notice must not then say SUCCESS for bytes that never landed. */
+    if (!p || p->state != PS_READY || p->node_id != node_id || rm->h.peer_stopped) return;
     on_room_msg(n, rm, BP_DONE, bytes);
     net_mark_dirty(n, rm);
 }
@@ -603,7 +608,6 @@ static const char *notice_data_problem(const pd_net *n, const room *rm, const pe
                                        const bp_notice *nt, const uint8_t *data, size_t len,
                                        char *why, size_t cap) {
     if (p->ver < 4) return "data in a notice on a version-3 connection";
-    if (nt->n_segs == 0) return "a data message without a segment";
     if (!data) return "the data did not come with the notice (rendezvous)";
     if (!rm->dest.pages) return "the room's destination is too large to come in a notice";
     size_t want = 0;

@@ -977,6 +977,63 @@ static void ack_may_overtake_an_inline_notice_which_then_writes_nothing(void **s
     pair_free(w);
 }
 
+/* Version 5, over tcp: with only data messages on the wire the prefill
+ * answers a crossing ABORT with ACK at once (nothing to flush), so the ACK
+ * may overtake the room's data messages and its plain notice. The decode
+ * drains the room on the ACK; the messages that come after write nothing,
+ * and the notice behind them must not turn the room to SUCCESS. The
+ * decode's UCX worker is held, so they arrive only after the ACK. */
+static void ack_may_overtake_data_messages_which_then_write_nothing(void **state) {
+    (void)state;
+    if (!puts_emulated()) {
+        print_message("skipped: data messages go only where UCX emulates puts (tcp)\n");
+        skip();
+    }
+    pair_opts o = pair_defaults();
+    o.notice_data_max = 4096; /* room a's 12 pages, slot and row are over it */
+    pair *w = pair_new(&o);
+    spec a, b;
+    spec_init(&a, w, 1750, 48, 0);
+    spec_init(&b, w, 1751, 8, 0);
+    for (uint32_t i = 0; i < a.n; i++) a.src[i] = i, a.dst[i] = 100 + i;
+    for (uint32_t i = 0; i < b.n; i++) b.src[i] = 20 + i, b.dst[i] = 200 + i;
+    a.dst_meta = 3;
+    b.dst_meta = 4;
+    warm_up(w, 1749);
+    open_both(w, &a);
+    wait_bootstrapped(w, &a);
+    uint64_t dec_msgs = stats_of(w->dec).data_messages;
+    pd_net_stats p0 = stats_of(w->pre);
+    pd_net_set_fault(w->dec, PD_NET_FAULT_HOLD_DATA, true);
+    send_all(w, &a, 4);
+    WAIT_FOR(st_of(w->px, a.room) == PD_XFER_SUCCESS); /* the notice is posted */
+    pd_net_stats ps = stats_of(w->pre);
+    assert_int_equal(ps.writes_posted, 0);
+    /* three chunks of 4 pages, the slot, the row */
+    assert_int_equal(ps.data_messages - p0.data_messages, 5);
+    assert_ok(w->dx.vt->abort(w->dx.self, a.room));
+    WAIT_FOR(drained_of(w->dx, a.room)); /* the ACK, with the messages still held */
+    pd_xfer_status held = st_of(w->dx, a.room);
+    assert_int_not_equal(held, PD_XFER_SUCCESS);
+    pd_net_set_fault(w->dec, PD_NET_FAULT_HOLD_DATA, false);
+    /* Room b's messages follow a's on the same endpoint: once b succeeded,
+     * a's were handled (dropped). a is drained but not yet closed. */
+    open_both(w, &b);
+    wait_bootstrapped(w, &b);
+    send_all(w, &b, 0);
+    WAIT_FOR(st_of(w->dx, b.room) == PD_XFER_SUCCESS);
+    check_landed(w, &b);
+    for (uint32_t i = 0; i < a.n; i++) assert_true(unit_untouched(w, 0, a.dst[i]));
+    assert_true(unit_untouched(w, 2, a.dst_meta));
+    assert_int_equal(st_of(w->dx, a.room), held);                   /* the notice changed nothing */
+    assert_int_equal(stats_of(w->dec).data_messages - dec_msgs, 3); /* b's only */
+    assert_int_equal(stats_of(w->dec).bad_messages, 0);
+    finish_both(w, &a);
+    finish_both(w, &b);
+    wait_no_rooms(w);
+    pair_free(w);
+}
+
 /* By default a small room rides its notice only where UCX emulates puts
  * with active messages (tcp); over shared memory a put is one copy into the
  * peer's segment, cheaper than the notice's copies, and puts stay. */
@@ -1782,6 +1839,7 @@ int main(void) {
         cmocka_unit_test(abort_racing_an_inline_notice),
         cmocka_unit_test(ack_never_overtakes_the_data),
         cmocka_unit_test(ack_may_overtake_an_inline_notice_which_then_writes_nothing),
+        cmocka_unit_test(ack_may_overtake_data_messages_which_then_write_nothing),
         cmocka_unit_test(version_3_peers_fall_back_to_puts),
         cmocka_unit_test(version_4_peers_get_puts_not_data_messages),
         cmocka_unit_test(default_notice_data_only_where_puts_are_emulated),
