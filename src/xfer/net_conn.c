@@ -211,14 +211,14 @@ static bool send_dest(pd_net *n, uint32_t pi, room *rm) {
     net_tx_commit(n, p, len);
     rm->h.dest_sent = true;
     net_expect_soon(n); /* DEST_OK, then the data and the notice */
-    if (!net_dest_fits_notice(n, rm, p)) {
+    if (!net_dest_list_kept(n, rm, p)) {
         free(rm->dest.pages); /* the prefill has it now; the receiver never needs it again */
         rm->dest.pages = NULL;
     }
     return true;
 }
 
-bool net_dest_fits_notice(const pd_net *n, const room *rm, const peer *p) {
+bool net_dest_list_kept(const pd_net *n, const room *rm, const peer *p) {
     size_t bytes = (size_t)rm->dest.n_pages * n->unit[REG_KV] + n->unit[REG_META] +
         (rm->dest.mamba_slot != PD_NONE ? n->unit[REG_MAMBA] : 0);
     /* Version 5: any room may come in data messages (where puts are

@@ -435,9 +435,10 @@ void net_on_notice(pd_net *n, uint64_t room_id, uint64_t bytes, uint64_t node_id
  * version 4: then the room succeeds) or a data message (not final, version
  * 5). One that does not fit writes nothing and fails the room. */
 void net_on_room_bytes(pd_net *n, const bp_notice *nt, const uint8_t *data, size_t len, bool final);
-/* Decode side: whether a room's destination may receive its bytes in the
- * notice (so its page list is kept once the DEST is out). */
-bool net_dest_fits_notice(const pd_net *n, const room *rm, const peer *p);
+/* Decode side: whether a room's bytes may come in messages it copies in
+ * itself (a notice with data, version 4; data messages, version 5), so its
+ * destination page list is kept once the DEST is out. */
+bool net_dest_list_kept(const pd_net *n, const room *rm, const peer *p);
 void net_peer_write(pd_net *n, uint32_t pi);
 bool net_tx_try(pd_net *n, uint32_t pi);
 void net_accept_all(pd_net *n);

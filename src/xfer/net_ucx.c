@@ -85,6 +85,19 @@ static void req_track(pd_net *n, room *rm, void *req) {
     n->ucx_out++;
 }
 
+/* A write of len bytes of the room that UCX did not complete at once (a put
+ * or a data message: it reads the source until it completes): tracked, and
+ * one over the inline limit counted as large (net.c, assist). */
+static void write_track(pd_net *n, room *rm, void *req, size_t len) {
+    req_track(n, rm, req);
+    rm->puts_out++;
+    if (len > FINAL_INLINE_BYTES) {
+        ((req_ctx *)req)->large = true;
+        rm->large_out++;
+        n->large_out++;
+    }
+}
+
 /* Posts one staged write. False on an immediate error. */
 static bool post_put(pd_net *n, room *rm, peer *p, const stage *s) {
     uint32_t reg = s->reg;
@@ -111,15 +124,7 @@ static bool post_put(pd_net *n, room *rm, peer *p, const stage *s) {
         net_log(n, "pd_net: put to %s failed: %s", p->addr, ucs_status_string(UCS_PTR_STATUS(sp)));
         return false;
     }
-    if (sp != NULL) {
-        req_track(n, rm, sp);
-        rm->puts_out++;
-        if (len > FINAL_INLINE_BYTES) {
-            ((req_ctx *)sp)->large = true;
-            rm->large_out++;
-            n->large_out++;
-        }
-    }
+    if (sp != NULL) write_track(n, rm, sp, len);
     rm->need_flush = true;
     rm->bytes += len;
     n->stats.bytes_sent += len;
@@ -171,15 +176,9 @@ static bool post_data(pd_net *n, room *rm, peer *p, const stage *s, uint32_t k) 
         return false;
     }
     if (sp != NULL) {
-        req_track(n, rm, sp);
+        write_track(n, rm, sp, len);
         ((req_ctx *)sp)->data_slot = (int8_t)slot;
         rm->data_busy |= (uint8_t)(1u << slot);
-        rm->puts_out++;
-        if (len > FINAL_INLINE_BYTES) {
-            ((req_ctx *)sp)->large = true;
-            rm->large_out++;
-            n->large_out++;
-        }
     }
     rm->bytes += len;
     n->stats.bytes_sent += len;

@@ -929,6 +929,35 @@ static void ack_never_overtakes_the_data(void **state) {
     pair_free(w);
 }
 
+/* The two ACK-overtakes tests below: room a (a_tokens, pages 0.. onto
+ * 100..., row 3) bootstrapped after a warm-up room, and room b (8 tokens,
+ * pages b_src.. onto 200..., row 4) yet to open. */
+static void overtake_rooms_open(pair *w, spec *a, spec *b, uint64_t room, uint32_t a_tokens,
+                                uint32_t b_src) {
+    spec_init(a, w, room, a_tokens, 0);
+    spec_init(b, w, room + 1, 8, 0);
+    for (uint32_t i = 0; i < a->n; i++) a->src[i] = i, a->dst[i] = 100 + i;
+    for (uint32_t i = 0; i < b->n; i++) b->src[i] = b_src + i, b->dst[i] = 200 + i;
+    a->dst_meta = 3;
+    b->dst_meta = 4;
+    warm_up(w, room - 1);
+    open_both(w, a);
+    wait_bootstrapped(w, a);
+}
+
+/* With the decode's worker released: room b's bytes follow a's on the same
+ * endpoint, so once b succeeded a's were handled (dropped), and a's pages
+ * and row are still untouched. a is drained but not yet closed. */
+static void overtake_then_b_lands(pair *w, const spec *a, spec *b) {
+    open_both(w, b);
+    wait_bootstrapped(w, b);
+    send_all(w, b, 0);
+    WAIT_FOR(st_of(w->dx, b->room) == PD_XFER_SUCCESS);
+    check_landed(w, b);
+    for (uint32_t i = 0; i < a->n; i++) assert_true(unit_untouched(w, 0, a->dst[i]));
+    assert_true(unit_untouched(w, 2, a->dst_meta)); /* (the Mamba slot is b's too) */
+}
+
 /* Version 4: with the data in the notice, the prefill answers a crossing
  * ABORT with ACK at once (no put of the room is on the wire), so the ACK may
  * overtake the notice, and the decode drain the room and retire its pages
@@ -941,15 +970,7 @@ static void ack_may_overtake_an_inline_notice_which_then_writes_nothing(void **s
     o.notice_data_max = 64 << 10; /* on every transport, shared memory too */
     pair *w = pair_new(&o);
     spec a, b;
-    spec_init(&a, w, 1700, 12, 0);
-    spec_init(&b, w, 1701, 8, 0);
-    for (uint32_t i = 0; i < a.n; i++) a.src[i] = i, a.dst[i] = 100 + i;
-    for (uint32_t i = 0; i < b.n; i++) b.src[i] = 10 + i, b.dst[i] = 200 + i;
-    a.dst_meta = 3;
-    b.dst_meta = 4;
-    warm_up(w, 1699);
-    open_both(w, &a);
-    wait_bootstrapped(w, &a);
+    overtake_rooms_open(w, &a, &b, 1700, 12, 10);
     pd_net_set_fault(w->dec, PD_NET_FAULT_HOLD_DATA, true);
     send_all(w, &a, 0);
     WAIT_FOR(st_of(w->px, a.room) == PD_XFER_SUCCESS); /* the notice is posted */
@@ -959,15 +980,7 @@ static void ack_may_overtake_an_inline_notice_which_then_writes_nothing(void **s
     for (uint32_t i = 0; i < a.n; i++) assert_true(unit_untouched(w, 0, a.dst[i]));
     assert_true(unit_untouched(w, 2, a.dst_meta));
     pd_net_set_fault(w->dec, PD_NET_FAULT_HOLD_DATA, false);
-    /* Room b's notice follows a's on the same endpoint: once b succeeded,
-     * a's notice was handled (dropped). a is drained but not yet closed. */
-    open_both(w, &b);
-    wait_bootstrapped(w, &b);
-    send_all(w, &b, 0);
-    WAIT_FOR(st_of(w->dx, b.room) == PD_XFER_SUCCESS);
-    check_landed(w, &b);
-    for (uint32_t i = 0; i < a.n; i++) assert_true(unit_untouched(w, 0, a.dst[i]));
-    assert_true(unit_untouched(w, 2, a.dst_meta)); /* (the Mamba slot is b's too) */
+    overtake_then_b_lands(w, &a, &b);
     assert_int_not_equal(st_of(w->dx, a.room), PD_XFER_SUCCESS);
     assert_int_equal(stats_of(w->dec).notices_with_data, 2); /* warm-up and b, not a */
     assert_int_equal(stats_of(w->dec).bad_messages, 0);
@@ -993,15 +1006,7 @@ static void ack_may_overtake_data_messages_which_then_write_nothing(void **state
     o.notice_data_max = 4096; /* room a's 12 pages, slot and row are over it */
     pair *w = pair_new(&o);
     spec a, b;
-    spec_init(&a, w, 1750, 48, 0);
-    spec_init(&b, w, 1751, 8, 0);
-    for (uint32_t i = 0; i < a.n; i++) a.src[i] = i, a.dst[i] = 100 + i;
-    for (uint32_t i = 0; i < b.n; i++) b.src[i] = 20 + i, b.dst[i] = 200 + i;
-    a.dst_meta = 3;
-    b.dst_meta = 4;
-    warm_up(w, 1749);
-    open_both(w, &a);
-    wait_bootstrapped(w, &a);
+    overtake_rooms_open(w, &a, &b, 1750, 48, 20);
     uint64_t dec_msgs = stats_of(w->dec).data_messages;
     pd_net_stats p0 = stats_of(w->pre);
     pd_net_set_fault(w->dec, PD_NET_FAULT_HOLD_DATA, true);
@@ -1016,15 +1021,7 @@ static void ack_may_overtake_data_messages_which_then_write_nothing(void **state
     pd_xfer_status held = st_of(w->dx, a.room);
     assert_int_not_equal(held, PD_XFER_SUCCESS);
     pd_net_set_fault(w->dec, PD_NET_FAULT_HOLD_DATA, false);
-    /* Room b's messages follow a's on the same endpoint: once b succeeded,
-     * a's were handled (dropped). a is drained but not yet closed. */
-    open_both(w, &b);
-    wait_bootstrapped(w, &b);
-    send_all(w, &b, 0);
-    WAIT_FOR(st_of(w->dx, b.room) == PD_XFER_SUCCESS);
-    check_landed(w, &b);
-    for (uint32_t i = 0; i < a.n; i++) assert_true(unit_untouched(w, 0, a.dst[i]));
-    assert_true(unit_untouched(w, 2, a.dst_meta));
+    overtake_then_b_lands(w, &a, &b);
     assert_int_equal(st_of(w->dx, a.room), held);                   /* the notice changed nothing */
     assert_int_equal(stats_of(w->dec).data_messages - dec_msgs, 3); /* b's only */
     assert_int_equal(stats_of(w->dec).bad_messages, 0);

@@ -1050,50 +1050,46 @@ static void decode_refuses_notice_data_that_does_not_fit(void **state) {
     enum { ROOMS = 6 };
     static fake_rooms f;
     fake_rooms_open(&f, 70, ROOMS, 10);
-    const pair_opts o = f.o;
-    node_mem dm = f.dm;
-    pd_net *dec = f.dec;
-    pd_xfer dx = f.dx;
-    am_sender a = f.a;
-    size_t bytes = 2 * o.kv_page_bytes + o.mamba_slot_bytes + sizeof(pd_meta_row);
+    size_t bytes = 2 * f.o.kv_page_bytes + f.o.mamba_slot_bytes + sizeof(pd_meta_row);
     static uint8_t data[8192];
     for (size_t i = 0; i < bytes; i++) data[i] = (uint8_t)(i * 11 + 3);
     uint8_t hdr[BP_NOTICE_DATA_HEADER_MAX];
-    bp_notice nt = bad_notices_sent(&a, data, bytes);
+    bp_notice nt = bad_notices_sent(&f.a, data, bytes);
     for (uint64_t r = 70; r < 76; r++) {
         if (r == 73 || r == 74) continue;
-        WAIT_FOR(st_of(dx, r) == PD_XFER_FAILED);
-        WAIT_FOR(drained_of(dx, r));
+        WAIT_FOR(st_of(f.dx, r) == PD_XFER_FAILED);
+        WAIT_FOR(drained_of(f.dx, r));
     }
-    WAIT_FOR(stats_of(dec).bad_messages == 5);
-    assert_int_equal(st_of(dx, 73), PD_XFER_WAITING_FOR_INPUT);
-    for (uint32_t p = 0; p < o.kv_pages; p++) assert_true(unit_untouched_in(&dm, &o, 0, p));
-    for (uint32_t m = 0; m < o.mamba_slots; m++) assert_true(unit_untouched_in(&dm, &o, 1, m));
-    for (uint32_t r = 0; r < o.meta_rows; r++) assert_true(unit_untouched_in(&dm, &o, 2, r));
+    WAIT_FOR(stats_of(f.dec).bad_messages == 5);
+    assert_int_equal(st_of(f.dx, 73), PD_XFER_WAITING_FOR_INPUT);
+    for (uint32_t p = 0; p < f.o.kv_pages; p++) assert_true(unit_untouched_in(&f.dm, &f.o, 0, p));
+    for (uint32_t m = 0; m < f.o.mamba_slots; m++)
+        assert_true(unit_untouched_in(&f.dm, &f.o, 1, m));
+    for (uint32_t r = 0; r < f.o.meta_rows; r++) assert_true(unit_untouched_in(&f.dm, &f.o, 2, r));
     /* 74: a good one lands, in room 74's pages 18 and 19, slot 0, row 4.
      * (The status call orders the reads above before the decode's copy for
      * ThreadSanitizer, which cannot see UCX's shared-memory FIFO.) */
-    assert_int_equal(st_of(dx, 74), PD_XFER_WAITING_FOR_INPUT);
+    assert_int_equal(st_of(f.dx, 74), PD_XFER_WAITING_FOR_INPUT);
     nt.room = 74;
-    am_send(&a, hdr, bp_notice_data_write(hdr, &nt), data, bytes);
-    WAIT_FOR(st_of(dx, 74) == PD_XFER_SUCCESS);
-    const uint8_t *kv = dm.mem.kv, *mb = dm.mem.mamba;
-    assert_memory_equal(kv + 18 * o.kv_page_bytes, data, 2 * o.kv_page_bytes);
-    assert_memory_equal(mb, data + 2 * o.kv_page_bytes, o.mamba_slot_bytes);
-    assert_memory_equal(&dm.meta[4], data + 2 * o.kv_page_bytes + o.mamba_slot_bytes,
+    am_send(&f.a, hdr, bp_notice_data_write(hdr, &nt), data, bytes);
+    WAIT_FOR(st_of(f.dx, 74) == PD_XFER_SUCCESS);
+    const uint8_t *kv = f.dm.mem.kv, *mb = f.dm.mem.mamba;
+    assert_memory_equal(kv + 18 * f.o.kv_page_bytes, data, 2 * f.o.kv_page_bytes);
+    assert_memory_equal(mb, data + 2 * f.o.kv_page_bytes, f.o.mamba_slot_bytes);
+    assert_memory_equal(&f.dm.meta[4], data + 2 * f.o.kv_page_bytes + f.o.mamba_slot_bytes,
                         sizeof(pd_meta_row));
-    assert_int_equal(stats_of(dec).notices_with_data, 1);
+    assert_int_equal(stats_of(f.dec).notices_with_data, 1);
     for (uint64_t r = 70; r < 70 + ROOMS; r++) {
-        if (r == 73) (void)dx.vt->abort(dx.self, r);
-        if (r != 73) dx.vt->close(dx.self, r);
+        if (r == 73) (void)f.dx.vt->abort(f.dx.self, r);
+        if (r != 73) f.dx.vt->close(f.dx.self, r);
     }
-    am_sender_close(&a);
+    am_sender_close(&f.a);
     close(f.fd);
-    WAIT_FOR(drained_of(dx, 73));
-    dx.vt->close(dx.self, 73);
+    WAIT_FOR(drained_of(f.dx, 73));
+    f.dx.vt->close(f.dx.self, 73);
     close(f.lfd);
-    mem_free(&dm);
-    pd_net_destroy(dec);
+    mem_free(&f.dm);
+    pd_net_destroy(f.dec);
 }
 
 /* Room 82 of the test below (pages 34 and 35, slot 2, row 2): its pages in
@@ -1146,39 +1142,34 @@ static void decode_refuses_data_messages_that_do_not_fit(void **state) {
     enum { ROOMS = 3 };
     static fake_rooms f;
     fake_rooms_open(&f, 80, ROOMS, 30);
-    const pair_opts o = f.o;
-    node_mem dm = f.dm;
-    pd_net *dec = f.dec;
-    pd_xfer dx = f.dx;
-    am_sender a = f.a;
     static uint8_t data[8192];
-    size_t kv_bytes = 2 * o.kv_page_bytes;
+    size_t kv_bytes = 2 * f.o.kv_page_bytes;
     for (size_t i = 0; i < sizeof(data); i++) data[i] = (uint8_t)(i * 7 + 5);
     uint8_t hdr[BP_NOTICE_DATA_HEADER_MAX];
     bp_notice kv = {.bytes = kv_bytes, .node_id = 1, .n_segs = 1};
     kv.segs[0] = (bp_notice_seg){BP_REG_KV, 1, 2}; /* positions 1..2 of 2 pages */
     kv.room = 80;
-    am_send_as(&a, BP_AM_DATA, hdr, bp_notice_data_write(hdr, &kv), data, kv_bytes,
+    am_send_as(&f.a, BP_AM_DATA, hdr, bp_notice_data_write(hdr, &kv), data, kv_bytes,
                UCP_AM_SEND_FLAG_EAGER);
     kv.segs[0] = (bp_notice_seg){BP_REG_KV, 0, 2};
     kv.room = 81; /* a byte short */
-    am_send_as(&a, BP_AM_DATA, hdr, bp_notice_data_write(hdr, &kv), data, kv_bytes - 1,
+    am_send_as(&f.a, BP_AM_DATA, hdr, bp_notice_data_write(hdr, &kv), data, kv_bytes - 1,
                UCP_AM_SEND_FLAG_EAGER);
-    WAIT_FOR(st_of(dx, 80) == PD_XFER_FAILED && st_of(dx, 81) == PD_XFER_FAILED);
-    WAIT_FOR(stats_of(dec).bad_messages == 2);
+    WAIT_FOR(st_of(f.dx, 80) == PD_XFER_FAILED && st_of(f.dx, 81) == PD_XFER_FAILED);
+    WAIT_FOR(stats_of(f.dec).bad_messages == 2);
     kv.room = 80; /* good, but for a room that failed */
-    am_send_as(&a, BP_AM_DATA, hdr, bp_notice_data_write(hdr, &kv), data, kv_bytes,
+    am_send_as(&f.a, BP_AM_DATA, hdr, bp_notice_data_write(hdr, &kv), data, kv_bytes,
                UCP_AM_SEND_FLAG_EAGER);
-    data_messages_then_notice_land(&a, dx, dec, &dm, &o, data);
-    assert_int_equal(stats_of(dec).bad_messages, 2);
-    assert_int_equal(stats_of(dec).data_messages, 2);
-    for (uint64_t r = 80; r < 80 + ROOMS; r++) dx.vt->close(dx.self, r);
-    am_sender_close(&a);
+    data_messages_then_notice_land(&f.a, f.dx, f.dec, &f.dm, &f.o, data);
+    assert_int_equal(stats_of(f.dec).bad_messages, 2);
+    assert_int_equal(stats_of(f.dec).data_messages, 2);
+    for (uint64_t r = 80; r < 80 + ROOMS; r++) f.dx.vt->close(f.dx.self, r);
+    am_sender_close(&f.a);
     close(f.fd); /* the failed rooms drain once the peer is gone (drain_grace_ms) */
-    WAIT_FOR(pd_net_rooms_live(dec) == 0);
+    WAIT_FOR(pd_net_rooms_live(f.dec) == 0);
     close(f.lfd);
-    mem_free(&dm);
-    pd_net_destroy(dec);
+    mem_free(&f.dm);
+    pd_net_destroy(f.dec);
 }
 
 static int setup(void **state) {
