@@ -129,6 +129,9 @@ pd_err pd_cache_match(pd_cache *c, const int32_t *tokens, uint32_t n_tokens,
  * snapshot is still locked, is PD_ERR_STATE. Both cost the nodes whose lock
  * state changes, not the path to the root. */
 pd_err pd_cache_lock(pd_cache *c, pd_cnode node);
+/* Starts loading node's record: a hint for a walk that will start there
+ * soon (no effect on the cache). */
+void pd_cache_prefetch(const pd_cache *c, pd_cnode node);
 pd_err pd_cache_unlock(pd_cache *c, pd_cnode node);
 /* Moves one lock from a node to the node `to` below it on the same path (or
  * to itself): the same as pd_cache_lock(to) then pd_cache_unlock(from) —

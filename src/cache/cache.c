@@ -893,6 +893,11 @@ pd_err pd_cache_match(pd_cache *c, const int32_t *tokens, uint32_t n_tokens,
     return PD_OK;
 }
 
+void pd_cache_prefetch(const pd_cache *c, pd_cnode node) {
+    if (node >= c->nodes_max) return;
+    __builtin_prefetch(&c->nodes[node]);
+}
+
 /* ---- locks ----------------------------------------------------------------- */
 
 /* Node id's lock state just changed (its lock_ref crossed 0): its device

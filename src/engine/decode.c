@@ -44,8 +44,11 @@ static bool finished(pd_engine *e, req *r, pd_finish_reason *why) {
     return false;
 }
 
-/* Inline into the decode step's loop over its results, one per item. */
-static inline void emit_token(pd_engine *e, req *r, const pd_item_result *res) {
+/* Streams the token of res for r; true, with *why, when it was r's last
+ * (the caller retires r). Inline into the decode step's loop over its
+ * results, one per item. */
+static inline bool stream_token(pd_engine *e, req *r, const pd_item_result *res,
+                                pd_finish_reason *why) {
     const int32_t token = res->token;
     if (r->history) r->history[r->out_len] = token; /* out_len < max_new here */
     r->last_token = token;
@@ -55,8 +58,12 @@ static inline void emit_token(pd_engine *e, req *r, const pd_item_result *res) {
         e->sink.vt->top_logprobs(e->sink.self, r->tag, r->out_len - 1, res->top_token,
                                  res->top_logprob, res->n_top);
     e->sink.vt->token(e->sink.self, r->tag, r->rid, r->room, token, res->logprob, r->out_len - 1);
+    return finished(e, r, why);
+}
+
+static inline void emit_token(pd_engine *e, req *r, const pd_item_result *res) {
     pd_finish_reason why;
-    if (finished(e, r, &why)) eng_retire(e, r, PD_TERM_FINISHED, why, 200, "");
+    if (stream_token(e, r, res, &why)) eng_retire(e, r, PD_TERM_FINISHED, why, 200, "");
 }
 
 void decode_emit_token(pd_engine *e, req *r, const pd_item_result *res) { emit_token(e, r, res); }
@@ -287,6 +294,26 @@ static void keep_compact(pd_engine *e, uint32_t n) {
     e->kept_gap_n = 0;
 }
 
+/* The requests whose last token the poll just streamed, retired in turn
+ * after it. Each retire reads lines of its request that have gone cold while
+ * it waited its turn in the batch (the record's terminal and ownership
+ * fields, the prompt it inserts into the cache, its page table, its index
+ * slots): the next one's are asked for while this one retires, so that they
+ * load side by side with this retire's work instead of one after another
+ * within it. */
+static void retire_done(pd_engine *e) {
+    const uint32_t n = e->done_n;
+    const done_rec *d = e->done;
+    for (uint32_t k = 0; k < n && k < 2; k++) eng_retire_prefetch_record(e, eng_req(e, d[k].idx));
+    if (n > 0) eng_retire_prefetch_deps(e, eng_req(e, d[0].idx));
+    for (uint32_t k = 0; k < n; k++) {
+        if (k + 2 < n) eng_retire_prefetch_record(e, eng_req(e, d[k + 2].idx));
+        if (k + 1 < n) eng_retire_prefetch_deps(e, eng_req(e, d[k + 1].idx));
+        eng_retire(e, eng_req(e, d[k].idx), PD_TERM_FINISHED, d[k].why, 200, "");
+    }
+    e->done_n = 0;
+}
+
 /* eng_batch_poll with decode_on_result (a decode item is one token, never a
  * final chunk), keeping the items of the requests still running for the
  * next batch. */
@@ -317,10 +344,20 @@ static void poll_and_keep(pd_engine *e) {
         r->forwards_in_flight--;
         if (r->forwards_in_flight == 0) r->pending_chunk = false;
         eng_act(e, r, PD_ACT_RESULT, false, 1);
-        decode_on_result(e, r, NULL, &e->results[i]);
-        if (r->live && r->queue == Q_RUNNING) keep_item(e, nb, r, i);
-        else e->kept_gap[e->kept_gap_n++] = i;
+        if (eng_result_after_retire(e, r)) { /* decode_on_result's drop */
+            e->kept_gap[e->kept_gap_n++] = i;
+            continue;
+        }
+        e->ctr.decode_tokens++;
+        pd_finish_reason why;
+        if (stream_token(e, r, &e->results[i], &why)) {
+            e->done[e->done_n++] = (done_rec){.idx = owner_idx(owner), .why = why};
+            e->kept_gap[e->kept_gap_n++] = i;
+        } else {
+            keep_item(e, nb, r, i);
+        }
     }
+    retire_done(e);
     keep_compact(e, b->n);
     e->kept_ready = true;
 }

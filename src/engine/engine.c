@@ -546,6 +546,33 @@ PD_PREFETCH_INLINE void retire_prefetch(const pd_engine *e, const req *r) {
     pd_index_prefetch(&e->rid_ix, r->rid_hash);
 }
 
+/* A retire known in advance (decode.c, retire_done) starts its loads in two
+ * stages, the record's lines first, then, once they have come in, what they
+ * point to: the index slots, the page table, the prompt beyond its cached
+ * prefix (which a finished request inserts into the cache) and the node it
+ * holds locked. */
+void eng_retire_prefetch_record(const pd_engine *e, const req *r) {
+    const char *p = (const char *)r;
+    __builtin_prefetch(p + offsetof(req, rid));
+    __builtin_prefetch(p + offsetof(req, prompt));
+    __builtin_prefetch(p + offsetof(req, t_submit));
+    __builtin_prefetch(p + offsetof(req, holds_row), 1);
+    __builtin_prefetch(p + offsetof(req, cached_tokens), 1);
+    __builtin_prefetch(p + offsetof(req, streamed), 1);
+    __builtin_prefetch(&e->bufs[r - e->reqs]);
+}
+
+void eng_retire_prefetch_deps(const pd_engine *e, const req *r) {
+    if (e->cfg.role != PD_ROLE_COLOCATED) pd_index_prefetch(&e->room_ix, pd_hash_u64(r->room));
+    pd_index_prefetch(&e->rid_ix, r->rid_hash);
+    uint32_t ps = e->cfg.page_size;
+    __builtin_prefetch(r->pages + r->own_from);
+    const char *from = (const char *)(r->prompt + (size_t)r->own_from * ps);
+    const char *end = (const char *)(r->prompt + r->prompt_len);
+    for (const char *q = from; q < end; q += 64) __builtin_prefetch(q);
+    if (r->holds_lock && e->cache) pd_cache_prefetch(e->cache, r->lock_node);
+}
+
 void eng_retire(pd_engine *e, req *r, pd_terminal_kind kind, pd_finish_reason finish,
                 int status, const char *msg) {
     if (!r->live || r->queue == Q_DRAINING) return; /* already fully retired */
@@ -820,10 +847,11 @@ static pd_err arrays_alloc(pd_engine *e) {
     e->kept_grow = calloc(cfg->batch_max, sizeof(uint32_t));
     e->kept_gap = calloc(cfg->batch_max, sizeof(uint32_t));
     e->results = calloc(cfg->batch_max, sizeof(pd_item_result));
+    e->done = calloc(cfg->batch_max, sizeof(done_rec));
     for (int i = 0; i < INFLIGHT_MAX; i++)
         e->inflight[i].items = calloc(cfg->batch_max, sizeof(bitem));
     if (!e->reqs || !e->bufs || !e->page_store || !e->scratch || !e->dups || !e->launch_items ||
-        !e->results || !e->kept_grow || !e->kept_gap || !e->inflight[0].items ||
+        !e->results || !e->done || !e->kept_grow || !e->kept_gap || !e->inflight[0].items ||
         !e->inflight[1].items)
         return PD_ERR_NOMEM;
     return PD_OK;
@@ -913,6 +941,7 @@ void pd_engine_destroy(pd_engine *e) {
     free(e->kept_grow);
     free(e->kept_gap);
     free(e->results);
+    free(e->done);
     for (int i = 0; i < INFLIGHT_MAX; i++) free(e->inflight[i].items);
     free(e);
 }

@@ -138,6 +138,12 @@ typedef struct batch_rec {
 
 #define INFLIGHT_MAX 2
 
+/* A request a decode poll finished: its record and why (decode.c). */
+typedef struct done_rec {
+    uint32_t idx;
+    pd_finish_reason why;
+} done_rec;
+
 /* A record's prompt and history storage: kept when the record is freed and
  * taken by the record's next request when large enough, so that neither the
  * retire (free) nor the submit (malloc) touches the heap in a steady state
@@ -189,6 +195,9 @@ struct pd_engine {
     /* Decode role: the last batch's items not kept, in item order. */
     uint32_t *kept_gap, kept_gap_n;
     pd_item_result *results;
+    /* Decode role: the requests the poll found finished, retired after it. */
+    struct done_rec *done;
+    uint32_t done_n;
 
     uint64_t now;
     uint64_t next_load_id;
@@ -284,6 +293,10 @@ void eng_cache_lock(pd_engine *e, req *r, pd_cnode node);
 void eng_cache_insert(pd_engine *e, req *r, uint32_t tokens, uint32_t snapshot_slot);
 
 void eng_emit_terminal(pd_engine *e, req *r);
+/* Start loading the lines a retire of r will read, which are likely cold:
+ * the record's, then (once those are in) what they point to. */
+void eng_retire_prefetch_record(const pd_engine *e, const req *r);
+void eng_retire_prefetch_deps(const pd_engine *e, const req *r);
 
 /* Batches. */
 batch_rec *eng_batch_begin(pd_engine *e); /* NULL when INFLIGHT_MAX are in flight */
