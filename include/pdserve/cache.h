@@ -132,6 +132,11 @@ pd_err pd_cache_lock(pd_cache *c, pd_cnode node);
 /* Starts loading node's record: a hint for a walk that will start there
  * soon (no effect on the cache). */
 void pd_cache_prefetch(const pd_cache *c, pd_cnode node);
+/* Starts loading the child index's slot where a search for parent's child
+ * starting with first_page (page_size tokens) will look, when it will look
+ * there (parent with many children); the caller has node and page loaded or
+ * on their way (pd_cache_prefetch). */
+void pd_cache_prefetch_child(const pd_cache *c, pd_cnode parent, const int32_t *first_page);
 pd_err pd_cache_unlock(pd_cache *c, pd_cnode node);
 /* Moves one lock from a node to the node `to` below it on the same path (or
  * to itself): the same as pd_cache_lock(to) then pd_cache_unlock(from) —

@@ -898,6 +898,14 @@ void pd_cache_prefetch(const pd_cache *c, pd_cnode node) {
     __builtin_prefetch(&c->nodes[node]);
 }
 
+void pd_cache_prefetch_child(const pd_cache *c, pd_cnode parent, const int32_t *first_page) {
+    if (parent >= c->nodes_max) return;
+    const cnode *p = &c->nodes[parent];
+    if (!p->live || p->kids.len <= KIDS_SCAN_MAX) return; /* child_find scans its children */
+    uint64_t h = child_key(c, parent, first_page);
+    pd_index_prefetch(&c->children, h);
+}
+
 /* ---- locks ----------------------------------------------------------------- */
 
 /* Node id's lock state just changed (its lock_ref crossed 0): its device

@@ -304,11 +304,13 @@ static void keep_compact(pd_engine *e, uint32_t n) {
 static void retire_done(pd_engine *e) {
     const uint32_t n = e->done_n;
     const done_rec *d = e->done;
-    for (uint32_t k = 0; k < n && k < 2; k++) eng_retire_prefetch_record(e, eng_req(e, d[k].idx));
-    if (n > 0) eng_retire_prefetch_deps(e, eng_req(e, d[0].idx));
+    for (uint32_t k = 0; k < n && k < 3; k++) eng_retire_prefetch_record(e, eng_req(e, d[k].idx));
+    for (uint32_t k = 0; k < n && k < 2; k++) eng_retire_prefetch_deps(e, eng_req(e, d[k].idx));
+    if (n > 0) eng_retire_prefetch_insert(e, eng_req(e, d[0].idx));
     for (uint32_t k = 0; k < n; k++) {
-        if (k + 2 < n) eng_retire_prefetch_record(e, eng_req(e, d[k + 2].idx));
-        if (k + 1 < n) eng_retire_prefetch_deps(e, eng_req(e, d[k + 1].idx));
+        if (k + 3 < n) eng_retire_prefetch_record(e, eng_req(e, d[k + 3].idx));
+        if (k + 2 < n) eng_retire_prefetch_deps(e, eng_req(e, d[k + 2].idx));
+        if (k + 1 < n) eng_retire_prefetch_insert(e, eng_req(e, d[k + 1].idx));
         eng_retire(e, eng_req(e, d[k].idx), PD_TERM_FINISHED, d[k].why, 200, "");
     }
     e->done_n = 0;

@@ -546,11 +546,11 @@ PD_PREFETCH_INLINE void retire_prefetch(const pd_engine *e, const req *r) {
     pd_index_prefetch(&e->rid_ix, r->rid_hash);
 }
 
-/* A retire known in advance (decode.c, retire_done) starts its loads in two
- * stages, the record's lines first, then, once they have come in, what they
- * point to: the index slots, the page table, the prompt beyond its cached
- * prefix (which a finished request inserts into the cache) and the node it
- * holds locked. */
+/* A retire known in advance (decode.c, retire_done) starts its loads in
+ * three stages, each once the one before has come in: the record's lines;
+ * what they point to (the index slots, the page table, the prompt beyond its
+ * cached prefix, which a finished request inserts into the cache, and the
+ * node it holds locked); the child index slot the insert looks up first. */
 void eng_retire_prefetch_record(const pd_engine *e, const req *r) {
     const char *p = (const char *)r;
     __builtin_prefetch(p + offsetof(req, rid));
@@ -571,6 +571,12 @@ void eng_retire_prefetch_deps(const pd_engine *e, const req *r) {
     const char *end = (const char *)(r->prompt + r->prompt_len);
     for (const char *q = from; q < end; q += 64) __builtin_prefetch(q);
     if (r->holds_lock && e->cache) pd_cache_prefetch(e->cache, r->lock_node);
+}
+
+void eng_retire_prefetch_insert(const pd_engine *e, const req *r) {
+    uint32_t ps = e->cfg.page_size;
+    if (!e->cache || !r->holds_lock || (r->own_from + 1) * ps > r->prompt_len) return;
+    pd_cache_prefetch_child(e->cache, r->lock_node, r->prompt + (size_t)r->own_from * ps);
 }
 
 void eng_retire(pd_engine *e, req *r, pd_terminal_kind kind, pd_finish_reason finish,

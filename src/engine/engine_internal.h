@@ -297,6 +297,7 @@ void eng_emit_terminal(pd_engine *e, req *r);
  * the record's, then (once those are in) what they point to. */
 void eng_retire_prefetch_record(const pd_engine *e, const req *r);
 void eng_retire_prefetch_deps(const pd_engine *e, const req *r);
+void eng_retire_prefetch_insert(const pd_engine *e, const req *r);
 
 /* Batches. */
 batch_rec *eng_batch_begin(pd_engine *e); /* NULL when INFLIGHT_MAX are in flight */
