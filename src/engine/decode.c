@@ -295,23 +295,35 @@ static void keep_compact(pd_engine *e, uint32_t n) {
 }
 
 /* The requests whose last token the poll just streamed, retired in turn
- * after it. Each retire reads lines of its request that have gone cold while
- * it waited its turn in the batch (the record's terminal and ownership
- * fields, the prompt it inserts into the cache, its page table, its index
- * slots): the next one's are asked for while this one retires, so that they
- * load side by side with this retire's work instead of one after another
- * within it. */
+ * after it: their terminal reason was recorded at once (stream_token's
+ * caller), only the release waits. Each retire reads lines of its request
+ * that have gone cold while it waited its turn in the batch (the record's
+ * terminal and ownership fields, the prompt it inserts into the cache, its
+ * page table, its index slots, the child index slot the insert looks up):
+ * each retire's are asked for, in three stages, while the ones before it
+ * retire, so that they load side by side with that work instead of one
+ * after another within its own. A request that is no longer the record's,
+ * or no longer live (a sink's callback may have aborted it, which retires
+ * it with the reason already recorded), is skipped. */
+static req *done_req(pd_engine *e, pd_owner owner) {
+    req *r = eng_req(e, owner_idx(owner));
+    return r->live && r->owner == owner ? r : NULL;
+}
+
 static void retire_done(pd_engine *e) {
     const uint32_t n = e->done_n;
-    const done_rec *d = e->done;
-    for (uint32_t k = 0; k < n && k < 3; k++) eng_retire_prefetch_record(e, eng_req(e, d[k].idx));
-    for (uint32_t k = 0; k < n && k < 2; k++) eng_retire_prefetch_deps(e, eng_req(e, d[k].idx));
-    if (n > 0) eng_retire_prefetch_insert(e, eng_req(e, d[0].idx));
+    const pd_owner *d = e->done;
+    req *r;
+    for (uint32_t k = 0; k < n && k < 3; k++)
+        eng_retire_prefetch_record(e, eng_req(e, owner_idx(d[k])));
+    for (uint32_t k = 0; k < n && k < 2; k++)
+        if ((r = done_req(e, d[k]))) eng_retire_prefetch_deps(e, r);
+    if (n > 0 && (r = done_req(e, d[0]))) eng_retire_prefetch_insert(e, r);
     for (uint32_t k = 0; k < n; k++) {
-        if (k + 3 < n) eng_retire_prefetch_record(e, eng_req(e, d[k + 3].idx));
-        if (k + 2 < n) eng_retire_prefetch_deps(e, eng_req(e, d[k + 2].idx));
-        if (k + 1 < n) eng_retire_prefetch_insert(e, eng_req(e, d[k + 1].idx));
-        eng_retire(e, eng_req(e, d[k].idx), PD_TERM_FINISHED, d[k].why, 200, "");
+        if (k + 3 < n) eng_retire_prefetch_record(e, eng_req(e, owner_idx(d[k + 3])));
+        if (k + 2 < n && (r = done_req(e, d[k + 2]))) eng_retire_prefetch_deps(e, r);
+        if (k + 1 < n && (r = done_req(e, d[k + 1]))) eng_retire_prefetch_insert(e, r);
+        if ((r = done_req(e, d[k]))) eng_retire(e, r, r->term, r->finish, r->status, r->msg);
     }
     e->done_n = 0;
 }
@@ -353,10 +365,13 @@ static void poll_and_keep(pd_engine *e) {
         e->ctr.decode_tokens++;
         pd_finish_reason why;
         if (stream_token(e, r, &e->results[i], &why)) {
-            e->done[e->done_n++] = (done_rec){.idx = owner_idx(owner), .why = why};
+            eng_terminal_reason(e, r, PD_TERM_FINISHED, why, 200, "");
+            e->done[e->done_n++] = owner;
             e->kept_gap[e->kept_gap_n++] = i;
-        } else {
+        } else if (r->live && r->owner == owner && r->queue == Q_RUNNING) {
             keep_item(e, nb, r, i);
+        } else {
+            e->kept_gap[e->kept_gap_n++] = i; /* its sink's callback ended it */
         }
     }
     retire_done(e);

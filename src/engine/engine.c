@@ -579,20 +579,24 @@ void eng_retire_prefetch_insert(const pd_engine *e, const req *r) {
     pd_cache_prefetch_child(e->cache, r->lock_node, r->prompt + (size_t)r->own_from * ps);
 }
 
+void eng_terminal_reason(pd_engine *e, req *r, pd_terminal_kind kind, pd_finish_reason finish,
+                         int status, const char *msg) {
+    if (r->term != PD_TERM_NONE) return;
+    PD_ASSERT(kind != PD_TERM_NONE);
+    r->term = kind;
+    r->finish = finish;
+    r->status = status;
+    /* snprintf's cut, without a format parse on every retire */
+    size_t len = msg ? strnlen(msg, sizeof(r->msg) - 1) : 0;
+    if (len) memcpy(r->msg, msg, len);
+    r->msg[len] = '\0';
+    eng_act(e, r, PD_ACT_TERMINAL_REASON, false, 0);
+}
+
 void eng_retire(pd_engine *e, req *r, pd_terminal_kind kind, pd_finish_reason finish,
                 int status, const char *msg) {
     if (!r->live || r->queue == Q_DRAINING) return; /* already fully retired */
-    if (r->term == PD_TERM_NONE) {
-        PD_ASSERT(kind != PD_TERM_NONE);
-        r->term = kind;
-        r->finish = finish;
-        r->status = status;
-        /* snprintf's cut, without a format parse on every retire */
-        size_t len = msg ? strnlen(msg, sizeof(r->msg) - 1) : 0;
-        if (len) memcpy(r->msg, msg, len);
-        r->msg[len] = '\0';
-        eng_act(e, r, PD_ACT_TERMINAL_REASON, false, 0);
-    }
+    eng_terminal_reason(e, r, kind, finish, status, msg);
     if (r->forwards_in_flight > 0) {
         if (!r->retire_pending) {
             r->retire_pending = true;
@@ -853,7 +857,7 @@ static pd_err arrays_alloc(pd_engine *e) {
     e->kept_grow = calloc(cfg->batch_max, sizeof(uint32_t));
     e->kept_gap = calloc(cfg->batch_max, sizeof(uint32_t));
     e->results = calloc(cfg->batch_max, sizeof(pd_item_result));
-    e->done = calloc(cfg->batch_max, sizeof(done_rec));
+    e->done = calloc(cfg->batch_max, sizeof(pd_owner));
     for (int i = 0; i < INFLIGHT_MAX; i++)
         e->inflight[i].items = calloc(cfg->batch_max, sizeof(bitem));
     if (!e->reqs || !e->bufs || !e->page_store || !e->scratch || !e->dups || !e->launch_items ||

@@ -138,11 +138,6 @@ typedef struct batch_rec {
 
 #define INFLIGHT_MAX 2
 
-/* A request a decode poll finished: its record and why (decode.c). */
-typedef struct done_rec {
-    uint32_t idx;
-    pd_finish_reason why;
-} done_rec;
 
 /* A record's prompt and history storage: kept when the record is freed and
  * taken by the record's next request when large enough, so that neither the
@@ -195,8 +190,9 @@ struct pd_engine {
     /* Decode role: the last batch's items not kept, in item order. */
     uint32_t *kept_gap, kept_gap_n;
     pd_item_result *results;
-    /* Decode role: the requests the poll found finished, retired after it. */
-    struct done_rec *done;
+    /* Decode role: the requests whose last token the poll streamed (their
+     * owners; the terminal reason recorded), retired after it (decode.c). */
+    pd_owner *done;
     uint32_t done_n;
 
     uint64_t now;
@@ -248,6 +244,10 @@ static inline void q_move(pd_engine *e, req *r, uint8_t queue) {
     r->t_state = e->now;
 }
 
+/* Step 1 of the retire path alone: records kind (and finish, status, msg)
+ * as r's terminal reason unless one is recorded; the first one wins. */
+void eng_terminal_reason(pd_engine *e, req *r, pd_terminal_kind kind, pd_finish_reason finish,
+                         int status, const char *msg);
 /* The single retire path. kind is recorded if no terminal reason is yet;
  * the first one wins. Idempotent; defers while a forward is in flight. */
 void eng_retire(pd_engine *e, req *r, pd_terminal_kind kind, pd_finish_reason finish, int status,

@@ -136,23 +136,34 @@ static void c_info(void *self, pd_model_info *i) {
 static const pd_executor_vtable cvt = {c_launch, c_poll, c_copy, c_wb,  c_lb,
                                        c_lp,     c_lc,   c_mem,  c_info};
 
-/* The decode side's sink: every streamed token is the one its index calls for. */
+/* The decode side's sink: every streamed token is the one its index calls for,
+ * every request ends once, a finished one after all its tokens. With meddle
+ * set, its token callback calls back into the engines (meddle_on_token). */
 typedef struct stream {
-    uint32_t prompt_len[REQS], got[REQS], max_new[REQS];
+    uint32_t prompt_len[REQS], got[REQS], max_new[REQS], terms[REQS];
+    pd_terminal_kind kind[REQS];
     uint32_t ended, finished;
+    struct pair *meddle;
 } stream;
+
+static void meddle_on_token(struct pair *p, uint64_t tag, uint32_t i);
 
 static void s_token(void *self, uint64_t tag, const char *rid, uint64_t room, int32_t t, float lp,
                     uint32_t i) {
     (void)rid, (void)room, (void)lp;
     stream *st = self;
     assert_true(tag < REQS);
+    assert_int_equal(st->terms[tag], 0);
     assert_int_equal(i, st->got[tag]);
     assert_int_equal(t, g_tok(st->prompt_len[tag] + i, i));
     st->got[tag]++;
+    if (st->meddle) meddle_on_token(st->meddle, tag, i);
 }
 static void s_term(void *self, const pd_terminal_event *ev) {
     stream *st = self;
+    assert_true(ev->tag < REQS);
+    st->terms[ev->tag]++;
+    st->kind[ev->tag] = ev->kind;
     st->ended++;
     if (ev->kind != PD_TERM_FINISHED) return;
     st->finished++;
@@ -216,14 +227,10 @@ static void pair_close(pair *p) {
     pd_loopback_destroy(p->lb);
 }
 
-static void submit(pair *p, pd_rng *rng, uint32_t k, const int32_t *sys, uint64_t now) {
-    int32_t prompt[256];
-    uint32_t len = (uint32_t)pd_rng_range(rng, 8, 200);
-    for (uint32_t i = 0; i < len; i++)
-        prompt[i] = i < 64 ? sys[i] : (int32_t)pd_rng_below(rng, 2000);
+static void submit_one(pair *p, uint32_t k, const int32_t *prompt, uint32_t len,
+                       uint32_t max_new, uint64_t now) {
     char rid[16];
     snprintf(rid, sizeof(rid), "r%u", k);
-    uint32_t max_new = (uint32_t)pd_rng_range(rng, 2, 24);
     pd_request_spec s = {.rid = rid,
                          .room = k + 1,
                          .tag = k,
@@ -235,6 +242,14 @@ static void submit(pair *p, pd_rng *rng, uint32_t k, const int32_t *sys, uint64_
     p->st[1].max_new[k] = max_new;
     assert_ok(pd_engine_submit(p->e[0], &s, now, NULL));
     assert_ok(pd_engine_submit(p->e[1], &s, now, NULL));
+}
+
+static void submit(pair *p, pd_rng *rng, uint32_t k, const int32_t *sys, uint64_t now) {
+    int32_t prompt[256];
+    uint32_t len = (uint32_t)pd_rng_range(rng, 8, 200);
+    for (uint32_t i = 0; i < len; i++)
+        prompt[i] = i < 64 ? sys[i] : (int32_t)pd_rng_below(rng, 2000);
+    submit_one(p, k, prompt, len, (uint32_t)pd_rng_range(rng, 2, 24), now);
 }
 
 static void kept_items_are_the_fresh_ones(void **state) {
@@ -271,9 +286,81 @@ static void kept_items_are_the_fresh_ones(void **state) {
     free(p);
 }
 
+/* Requests that finish in the same decode poll have their reason recorded at
+ * their last token and are retired after the poll. Meanwhile the sink's
+ * callback (meddle_on_token) may call back into the engine: on r3's last
+ * token it aborts r2, which ended a moment before in the same poll (the
+ * abort finds the reason recorded, so r2 still ends finished, once), and
+ * submits r8, which takes r2's freed record: the retires after the poll must
+ * leave r8 alone. On r5's last token it aborts r5 itself (aborted, as a
+ * request aborted from its own token callback always was). */
+enum { TOGETHER = 8, TOGETHER_NEW = 6 };
+
+static void meddle_on_token(struct pair *p, uint64_t tag, uint32_t i) {
+    if (i + 1 != TOGETHER_NEW) return;
+    if (tag == 3) {
+        assert_int_equal(p->st[1].got[2], TOGETHER_NEW); /* r2's last token came first */
+        uint64_t r2 = pd_engine_request_id(p->e[1], "r2");
+        pd_err err = pd_engine_abort(p->e[1], "r2");
+        assert_true(err == PD_OK || err == PD_ERR_NOTFOUND);
+        assert_int_equal(p->st[1].terms[2], 1);
+        assert_int_equal(p->st[1].kind[2], PD_TERM_FINISHED);
+        int32_t prompt[20];
+        for (uint32_t k = 0; k < 20; k++) prompt[k] = (int32_t)(900 + k);
+        submit_one(p, TOGETHER, prompt, 20, TOGETHER_NEW, 1000);
+        /* The same record (the low half of the id), another request. */
+        uint64_t r8 = pd_engine_request_id(p->e[1], "r8");
+        assert_int_equal(r8 & 0xffffffffu, r2 & 0xffffffffu);
+        assert_true(r8 != r2);
+    } else if (tag == 5) {
+        assert_ok(pd_engine_abort(p->e[1], "r5"));
+        assert_int_equal(p->st[1].kind[5], PD_TERM_ABORTED);
+    }
+}
+
+static void requests_finishing_together_end_once_each(void **state) {
+    (void)state;
+    pair *p = calloc(1, sizeof(pair));
+    pair_open(p);
+    /* Same shape, submitted together: computed in one prefill batch,
+     * committed in one decode step, finishing in one poll. */
+    for (uint32_t k = 0; k < TOGETHER; k++) {
+        int32_t prompt[20];
+        for (uint32_t j = 0; j < 20; j++) prompt[j] = (int32_t)(k * 50 + j);
+        submit_one(p, k, prompt, 20, TOGETHER_NEW, 1);
+    }
+    p->st[1].meddle = p;
+    for (uint64_t now = 1; now < 200 && p->st[1].ended < TOGETHER + 1; now++) {
+        pd_loopback_advance(p->lb, now);
+        pd_engine_step(p->e[0], now);
+        pd_engine_step(p->e[1], now);
+        char buf[4096];
+        pd_strbuf sb;
+        pd_strbuf_init(&sb, buf, sizeof(buf));
+        if (pd_engine_check(p->e[1], &sb) != PD_OK) fail_msg("%s", buf);
+    }
+    for (uint32_t k = 0; k <= TOGETHER; k++) {
+        assert_int_equal(p->st[1].terms[k], 1);
+        assert_int_equal(p->st[1].kind[k], k == 5 ? PD_TERM_ABORTED : PD_TERM_FINISHED);
+    }
+    for (uint64_t now = 200; now < 400 && !(pd_engine_idle(p->e[0]) && pd_engine_idle(p->e[1]));
+         now++) {
+        pd_loopback_advance(p->lb, now);
+        pd_engine_step(p->e[0], now);
+        pd_engine_step(p->e[1], now);
+    }
+    for (int side = 0; side < 2; side++) {
+        assert_true(pd_engine_idle(p->e[side]));
+        assert_ok(pd_engine_check(p->e[side], NULL));
+    }
+    pair_close(p);
+    free(p);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(kept_items_are_the_fresh_ones),
+        cmocka_unit_test(requests_finishing_together_end_once_each),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
