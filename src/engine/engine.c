@@ -546,53 +546,6 @@ PD_PREFETCH_INLINE void retire_prefetch(const pd_engine *e, const req *r) {
     pd_index_prefetch(&e->rid_ix, r->rid_hash);
 }
 
-/* A retire known in advance (decode.c, retire_done) starts its loads in
- * three stages, each once the one before has come in: the record's lines;
- * what they point to (the index slots, the page table, the prompt beyond its
- * cached prefix, which a finished request inserts into the cache, and the
- * node it holds locked); the child index slot the insert looks up first. */
-void eng_retire_prefetch_record(const pd_engine *e, const req *r) {
-    const char *p = (const char *)r;
-    __builtin_prefetch(p + offsetof(req, rid));
-    __builtin_prefetch(p + offsetof(req, prompt));
-    __builtin_prefetch(p + offsetof(req, t_submit));
-    __builtin_prefetch(p + offsetof(req, holds_row), 1);
-    __builtin_prefetch(p + offsetof(req, cached_tokens), 1);
-    __builtin_prefetch(p + offsetof(req, streamed), 1);
-    __builtin_prefetch(&e->bufs[r - e->reqs]);
-}
-
-void eng_retire_prefetch_deps(const pd_engine *e, const req *r) {
-    if (e->cfg.role != PD_ROLE_COLOCATED) pd_index_prefetch(&e->room_ix, pd_hash_u64(r->room));
-    pd_index_prefetch(&e->rid_ix, r->rid_hash);
-    uint32_t ps = e->cfg.page_size;
-    __builtin_prefetch(r->pages + r->own_from);
-    const char *from = (const char *)(r->prompt + (size_t)r->own_from * ps);
-    const char *end = (const char *)(r->prompt + r->prompt_len);
-    for (const char *q = from; q < end; q += 64) __builtin_prefetch(q);
-    if (r->holds_lock && e->cache) pd_cache_prefetch(e->cache, r->lock_node);
-}
-
-void eng_retire_prefetch_insert(const pd_engine *e, const req *r) {
-    uint32_t ps = e->cfg.page_size;
-    if (!e->cache || !r->holds_lock || (r->own_from + 1) * ps > r->prompt_len) return;
-    pd_cache_prefetch_child(e->cache, r->lock_node, r->prompt + (size_t)r->own_from * ps);
-}
-
-void eng_terminal_reason(pd_engine *e, req *r, pd_terminal_kind kind, pd_finish_reason finish,
-                         int status, const char *msg) {
-    if (r->term != PD_TERM_NONE) return;
-    PD_ASSERT(kind != PD_TERM_NONE);
-    r->term = kind;
-    r->finish = finish;
-    r->status = status;
-    /* snprintf's cut, without a format parse on every retire */
-    size_t len = msg ? strnlen(msg, sizeof(r->msg) - 1) : 0;
-    if (len) memcpy(r->msg, msg, len);
-    r->msg[len] = '\0';
-    eng_act(e, r, PD_ACT_TERMINAL_REASON, false, 0);
-}
-
 void eng_retire(pd_engine *e, req *r, pd_terminal_kind kind, pd_finish_reason finish,
                 int status, const char *msg) {
     if (!r->live || r->queue == Q_DRAINING) return; /* already fully retired */

@@ -11,6 +11,7 @@
 #define PDSERVE_ENGINE_INTERNAL_H
 
 #include <stddef.h>
+#include <string.h>
 
 #include "pdserve/cache.h"
 #include "pdserve/engine.h"
@@ -245,9 +246,21 @@ static inline void q_move(pd_engine *e, req *r, uint8_t queue) {
 }
 
 /* Step 1 of the retire path alone: records kind (and finish, status, msg)
- * as r's terminal reason unless one is recorded; the first one wins. */
-void eng_terminal_reason(pd_engine *e, req *r, pd_terminal_kind kind, pd_finish_reason finish,
-                         int status, const char *msg);
+ * as r's terminal reason unless one is recorded; the first one wins. Inline:
+ * every retire starts with it. */
+static inline void eng_terminal_reason(pd_engine *e, req *r, pd_terminal_kind kind,
+                                       pd_finish_reason finish, int status, const char *msg) {
+    if (r->term != PD_TERM_NONE) return;
+    PD_ASSERT(kind != PD_TERM_NONE);
+    r->term = kind;
+    r->finish = finish;
+    r->status = status;
+    /* snprintf's cut, without a format parse on every retire */
+    size_t len = msg ? strnlen(msg, sizeof(r->msg) - 1) : 0;
+    if (len) memcpy(r->msg, msg, len);
+    r->msg[len] = '\0';
+    eng_act(e, r, PD_ACT_TERMINAL_REASON, false, 0);
+}
 /* The single retire path. kind is recorded if no terminal reason is yet;
  * the first one wins. Idempotent; defers while a forward is in flight. */
 void eng_retire(pd_engine *e, req *r, pd_terminal_kind kind, pd_finish_reason finish, int status,
@@ -293,11 +306,38 @@ void eng_cache_lock(pd_engine *e, req *r, pd_cnode node);
 void eng_cache_insert(pd_engine *e, req *r, uint32_t tokens, uint32_t snapshot_slot);
 
 void eng_emit_terminal(pd_engine *e, req *r);
-/* Start loading the lines a retire of r will read, which are likely cold:
- * the record's, then (once those are in) what they point to. */
-void eng_retire_prefetch_record(const pd_engine *e, const req *r);
-void eng_retire_prefetch_deps(const pd_engine *e, const req *r);
-void eng_retire_prefetch_insert(const pd_engine *e, const req *r);
+/* A retire known in advance (decode.c, retire_done) starts its loads in
+ * three stages, each once the one before has come in: the record's lines
+ * (its terminal fields, ownership flags and slots, times, kept buffers);
+ * what they point to (the rid and room index slots, the page table, the
+ * first prompt page past the cached prefix, the node it holds locked); the
+ * child index slot where the insert of its finished prompt looks first. */
+PD_PREFETCH_INLINE void eng_retire_prefetch_record(const pd_engine *e, const req *r) {
+    const char *p = (const char *)r;
+    __builtin_prefetch(p + offsetof(req, rid));
+    __builtin_prefetch(p + offsetof(req, prompt));
+    __builtin_prefetch(p + offsetof(req, t_submit));
+    __builtin_prefetch(p + offsetof(req, holds_row), 1);
+    __builtin_prefetch(p + offsetof(req, cached_tokens), 1);
+    __builtin_prefetch(p + offsetof(req, streamed), 1);
+    __builtin_prefetch(&e->bufs[r - e->reqs]);
+}
+
+PD_PREFETCH_INLINE void eng_retire_prefetch_deps(const pd_engine *e, const req *r) {
+    if (e->cfg.role != PD_ROLE_COLOCATED) pd_index_prefetch(&e->room_ix, pd_hash_u64(r->room));
+    pd_index_prefetch(&e->rid_ix, r->rid_hash);
+    __builtin_prefetch(r->pages + r->own_from);
+    const int32_t *page = r->prompt + (size_t)r->own_from * e->cfg.page_size;
+    __builtin_prefetch(page);
+    __builtin_prefetch((const char *)page + 63);
+    if (r->holds_lock && e->cache) pd_cache_prefetch(e->cache, r->lock_node);
+}
+
+PD_PREFETCH_INLINE void eng_retire_prefetch_insert(const pd_engine *e, const req *r) {
+    uint32_t ps = e->cfg.page_size;
+    if (!e->cache || !r->holds_lock || (r->own_from + 1) * ps > r->prompt_len) return;
+    pd_cache_prefetch_child(e->cache, r->lock_node, r->prompt + (size_t)r->own_from * ps);
+}
 
 /* Batches. */
 batch_rec *eng_batch_begin(pd_engine *e); /* NULL when INFLIGHT_MAX are in flight */
