@@ -227,8 +227,8 @@ static void pair_close(pair *p) {
     pd_loopback_destroy(p->lb);
 }
 
-static void submit_one(pair *p, uint32_t k, const int32_t *prompt, uint32_t len,
-                       uint32_t max_new, uint64_t now) {
+static void submit_one(pair *p, uint32_t k, const int32_t *prompt, uint32_t len, uint32_t max_new,
+                       uint64_t now) {
     char rid[16];
     snprintf(rid, sizeof(rid), "r%u", k);
     pd_request_spec s = {.rid = rid,
