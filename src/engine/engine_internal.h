@@ -139,7 +139,6 @@ typedef struct batch_rec {
 
 #define INFLIGHT_MAX 2
 
-
 /* A record's prompt and history storage: kept when the record is freed and
  * taken by the record's next request when large enough, so that neither the
  * retire (free) nor the submit (malloc) touches the heap in a steady state
@@ -261,6 +260,7 @@ static inline void eng_terminal_reason(pd_engine *e, req *r, pd_terminal_kind ki
     r->msg[len] = '\0';
     eng_act(e, r, PD_ACT_TERMINAL_REASON, false, 0);
 }
+
 /* The single retire path. kind is recorded if no terminal reason is yet;
  * the first one wins. Idempotent; defers while a forward is in flight. */
 void eng_retire(pd_engine *e, req *r, pd_terminal_kind kind, pd_finish_reason finish, int status,
