@@ -110,6 +110,10 @@ struct pd_cache {
 
     uint64_t sum_evict[R__COUNT], sum_prot[R__COUNT];
     uint64_t clock;
+    /* Where the last match of a prompt with this first token searched the
+     * child index (by a hash of that token): the guess of
+     * pd_cache_match_prefetch. Only a hint: any value is safe. */
+    uint32_t probe_hint[64];
     pd_cache_stats stats;
 
     uint32_t *scratch_a, *scratch_b; /* entries_max each */
@@ -211,6 +215,11 @@ static inline uint64_t child_key_n(uint32_t parent, const int32_t *first_page, u
 static inline uint64_t child_key(const pd_cache *c, uint32_t parent, const int32_t *first_page) {
     if (c->page_size == 16) return child_key_n(parent, first_page, 16);
     return child_key_n(parent, first_page, c->page_size);
+}
+
+/* A prompt's slot in probe_hint: its first token, hashed. */
+static inline uint32_t probe_slot(const int32_t *tokens) {
+    return (uint32_t)pd_hash_u64((uint32_t)tokens[0]) & 63u;
 }
 
 static pd_unit_state lock_state(uint32_t lock) {
@@ -848,8 +857,9 @@ pd_err pd_cache_match(pd_cache *c, const int32_t *tokens, uint32_t n_tokens,
             if (pos >= q_pages) break;
         }
         const int32_t *q = tokens + (size_t)pos * c->page_size;
-        uint64_t h;
+        uint64_t h = 0;
         uint32_t child = child_find(c, node, q, &h);
+        if (h != 0) c->probe_hint[probe_slot(tokens)] = node; /* the table was searched */
         if (child == PD_NONE) break;
         /* The node is read through one pointer: N()'s bounds check, kept in
          * release builds, is otherwise repeated after every store. */
@@ -891,6 +901,15 @@ pd_err pd_cache_match(pd_cache *c, const int32_t *tokens, uint32_t n_tokens,
     touch_path(c, node);
     *out = m;
     return PD_OK;
+}
+
+void pd_cache_match_prefetch(const pd_cache *c, const int32_t *tokens, uint32_t n_tokens) {
+    if (n_tokens < c->page_size) return;
+    uint32_t p = c->probe_hint[probe_slot(tokens)];
+    if (p >= c->nodes_max || !c->nodes[p].live) return;
+    uint32_t at = c->nodes[p].end_pages * c->page_size;
+    if (c->nodes[p].kids.len <= KIDS_SCAN_MAX || at + c->page_size > n_tokens) return;
+    pd_index_prefetch(&c->children, child_key(c, p, tokens + at));
 }
 
 void pd_cache_prefetch(const pd_cache *c, pd_cnode node) {

@@ -328,7 +328,14 @@ static void admit_waiting(pd_engine *e) {
         unstarted += r->launched == r->cached_tokens;
     }
     while (unstarted < e->cfg.batch_max && e->q[Q_WAITING].head != PD_NONE) {
-        int got = admit(e, eng_req(e, e->q[Q_WAITING].head));
+        req *r = eng_req(e, e->q[Q_WAITING].head);
+        /* The next one's match: its likely child index slot (decode.c,
+         * decode_step, does the same for its admissions). */
+        uint32_t next = r->qlink.next;
+        if (e->cache && next != PD_NONE)
+            pd_cache_match_prefetch(e->cache, eng_req(e, next)->prompt,
+                                    eng_req(e, next)->prompt_len - 1);
+        int got = admit(e, r);
         if (got == 0) break; /* first come, first served: no overtaking */
         unstarted += got == 1;
     }

@@ -775,6 +775,73 @@ static void every_cache_keeps_its_node_and_token_arenas_line_aligned(void **stat
     }
 }
 
+/* pd_cache_match_prefetch is a hint: it reads no token past the n it is
+ * given (prompts here are heap buffers of exactly that size, so ASan sees a
+ * read past one), survives a hint that names a node deleted or reused, and
+ * changes nothing in the cache. The shape: a two-page prefix with six
+ * continuations, more than a match scans child by child, so a match past the
+ * prefix searches the child index and leaves its hint there. */
+static int32_t *prompt_of(uint32_t n, int32_t first, int32_t rest) {
+    int32_t *t = malloc(n * sizeof(int32_t));
+    for (uint32_t i = 0; i < n; i++) t[i] = i < 8 ? first + (int32_t)i : rest + (int32_t)i;
+    return t;
+}
+
+static void match_prefetch_is_only_a_hint(void **state) {
+    (void)state;
+    cfx *f = cfx_new(4, 256, 0, 0);
+    int32_t *p0 = prompt_of(2, 100, 0);
+    pd_cache_match_prefetch(f->c, p0, 0); /* empty cache, no token, short prompt */
+    pd_cache_match_prefetch(f->c, p0, 2);
+    for (int k = 0; k < 6; k++) {
+        int32_t *t = prompt_of(16, 100, 1000 * (k + 1));
+        cfx_insert(f, 1, t, 4, PD_POOL_NONE);
+        free(t);
+    }
+    uint32_t pages[8];
+    pd_cache_match_result m;
+    int32_t *q = prompt_of(16, 100, 9000); /* past the prefix: a table search */
+    assert_ok(pd_cache_match(f->c, q, 16, pages, 8, &m));
+    assert_int_equal(m.dev_tokens, 8);
+    pd_cache_stats before;
+    pd_cache_stats_get(f->c, &before);
+    uint64_t clock = pd_cache_clock(f->c);
+    /* The hint names the prefix's end (8 tokens): prompts of that first
+     * token ending before, at and after a page past it. */
+    for (uint32_t n = 0; n <= 16; n++) {
+        int32_t *t = prompt_of(n, 100, 5000);
+        pd_cache_match_prefetch(f->c, t, n);
+        free(t);
+    }
+    pd_cache_stats after;
+    pd_cache_stats_get(f->c, &after);
+    assert_memory_equal(&before, &after, sizeof(before));
+    assert_int_equal(pd_cache_clock(f->c), clock);
+    cfx_check(f, true);
+    /* The hinted node deleted, then its record reused: eight one-page paths
+     * take the seven records the clear freed (the free list's front). */
+    pd_cache_clear(f->c);
+    pd_cache_match_prefetch(f->c, q, 16);
+    int32_t *r = NULL;
+    for (int k = 0; k < 8; k++) {
+        free(r);
+        r = prompt_of(4, 300 + 10 * k, 0);
+        cfx_insert(f, 1, r, 1, PD_POOL_NONE);
+    }
+    for (uint32_t n = 0; n <= 16; n++) {
+        int32_t *t = prompt_of(n, 100, 7000);
+        pd_cache_match_prefetch(f->c, t, n);
+        free(t);
+    }
+    assert_ok(pd_cache_match(f->c, r, 4, pages, 8, &m));
+    assert_int_equal(m.dev_tokens, 4);
+    cfx_check(f, true);
+    free(p0);
+    free(q);
+    free(r);
+    cfx_free(f);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(match_on_empty_cache_finds_nothing),
@@ -800,6 +867,7 @@ int main(void) {
         cmocka_unit_test(lock_move_and_insert_from_refuse_other_paths),
         cmocka_unit_test(mamba_touch_is_a_lock_and_an_unlock),
         cmocka_unit_test(every_cache_keeps_its_node_and_token_arenas_line_aligned),
+        cmocka_unit_test(match_prefetch_is_only_a_hint),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
