@@ -134,9 +134,9 @@ pd_err pd_cache_lock(pd_cache *c, pd_cnode node);
 void pd_cache_prefetch(const pd_cache *c, pd_cnode node);
 /* Starts loading the child index slot a match of tokens will most likely
  * search: the one under the node where the last match of a prompt with the
- * same first token searched it, at this prompt's page there (a guess; no
- * effect on the cache). For the next request of a queue, while the caller
- * serves the one before. */
+ * same first and page_size-th tokens searched it, at this prompt's page
+ * there (a guess; no effect on the cache). For the next request of a queue,
+ * while the caller serves the one before. */
 void pd_cache_match_prefetch(const pd_cache *c, const int32_t *tokens, uint32_t n_tokens);
 /* Starts loading the child index's slot where a search for parent's child
  * starting with first_page (page_size tokens) will look, when it will look

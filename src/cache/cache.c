@@ -110,9 +110,9 @@ struct pd_cache {
 
     uint64_t sum_evict[R__COUNT], sum_prot[R__COUNT];
     uint64_t clock;
-    /* Where the last match of a prompt with this first token searched the
-     * child index (by a hash of that token): the guess of
-     * pd_cache_match_prefetch. Only a hint: any value is safe. */
+    /* Where the last match of a prompt of this class (probe_slot) searched
+     * the child index: the guess of pd_cache_match_prefetch. Only a hint:
+     * any value is safe. */
     uint32_t probe_hint[64];
     pd_cache_stats stats;
 
@@ -217,9 +217,12 @@ static inline uint64_t child_key(const pd_cache *c, uint32_t parent, const int32
     return child_key_n(parent, first_page, c->page_size);
 }
 
-/* A prompt's slot in probe_hint: its first token, hashed. */
-static inline uint32_t probe_slot(const int32_t *tokens) {
-    return (uint32_t)pd_hash_u64((uint32_t)tokens[0]) & 63u;
+/* A prompt's slot in probe_hint (tokens holds a page at least): its first
+ * page's first and last tokens, hashed. The last as well, since prompts
+ * that begin with the same token (a BOS) differ in their system prompts. */
+static inline uint32_t probe_slot(const pd_cache *c, const int32_t *tokens) {
+    uint64_t k = (uint32_t)tokens[0] | (uint64_t)(uint32_t)tokens[c->page_size - 1] << 32;
+    return (uint32_t)pd_hash_u64(k) & 63u;
 }
 
 static pd_unit_state lock_state(uint32_t lock) {
@@ -859,7 +862,7 @@ pd_err pd_cache_match(pd_cache *c, const int32_t *tokens, uint32_t n_tokens,
         const int32_t *q = tokens + (size_t)pos * c->page_size;
         uint64_t h = 0;
         uint32_t child = child_find(c, node, q, &h);
-        if (h != 0) c->probe_hint[probe_slot(tokens)] = node; /* the table was searched */
+        if (h != 0) c->probe_hint[probe_slot(c, tokens)] = node; /* the table was searched */
         if (child == PD_NONE) break;
         /* The node is read through one pointer: N()'s bounds check, kept in
          * release builds, is otherwise repeated after every store. */
@@ -905,7 +908,7 @@ pd_err pd_cache_match(pd_cache *c, const int32_t *tokens, uint32_t n_tokens,
 
 void pd_cache_match_prefetch(const pd_cache *c, const int32_t *tokens, uint32_t n_tokens) {
     if (n_tokens < c->page_size) return;
-    uint32_t p = c->probe_hint[probe_slot(tokens)];
+    uint32_t p = c->probe_hint[probe_slot(c, tokens)];
     if (p >= c->nodes_max || !c->nodes[p].live) return;
     uint32_t at = c->nodes[p].end_pages * c->page_size;
     if (c->nodes[p].kids.len <= KIDS_SCAN_MAX || at + c->page_size > n_tokens) return;
