@@ -907,21 +907,20 @@ pd_err pd_cache_match(pd_cache *c, const int32_t *tokens, uint32_t n_tokens,
 }
 
 void pd_cache_match_prefetch(const pd_cache *c, const int32_t *tokens, uint32_t n_tokens) {
-    if (n_tokens < c->page_size) return;
+    if (!c || !tokens || n_tokens < c->page_size) return;
     uint32_t p = c->probe_hint[probe_slot(c, tokens)];
-    if (p >= c->nodes_max || !c->nodes[p].live) return;
+    if (p >= c->nodes_max) return;
     uint32_t at = c->nodes[p].end_pages * c->page_size;
-    if (c->nodes[p].kids.len <= KIDS_SCAN_MAX || at + c->page_size > n_tokens) return;
-    pd_index_prefetch(&c->children, child_key(c, p, tokens + at));
+    if (at + c->page_size <= n_tokens) pd_cache_prefetch_child(c, p, tokens + at);
 }
 
 void pd_cache_prefetch(const pd_cache *c, pd_cnode node) {
-    if (node >= c->nodes_max) return;
+    if (!c || node >= c->nodes_max) return;
     __builtin_prefetch(&c->nodes[node]);
 }
 
 void pd_cache_prefetch_child(const pd_cache *c, pd_cnode parent, const int32_t *first_page) {
-    if (parent >= c->nodes_max) return;
+    if (!c || !first_page || parent >= c->nodes_max) return;
     const cnode *p = &c->nodes[parent];
     if (!p->live || p->kids.len <= KIDS_SCAN_MAX) return; /* child_find scans its children */
     uint64_t h = child_key(c, parent, first_page);

@@ -311,6 +311,9 @@ static req *done_req(pd_engine *e, pd_owner owner) {
 }
 
 static void retire_done(pd_engine *e) {
+    /* The first three are started before the loop, which then keeps each
+     * stage its distance ahead (one loop over n + 3 turns with bounds
+     * checks in each cost the decode step 0.4 % more instructions). */
     const uint32_t n = e->done_n;
     const pd_owner *d = e->done;
     req *r;

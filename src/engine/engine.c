@@ -534,16 +534,11 @@ static void cancel_room(pd_engine *e, uint64_t room, const char *peer) {
  * drain flags, the record's kept buffers and its slots in the rid and room
  * indexes (record_free). All are cold by now (the request was admitted many
  * steps ago); asked for at once, they load side by side instead of one after
- * another as the retire reaches each. */
+ * another as the retire reaches each. A retire known in advance asks for
+ * them earlier, in stages (decode.c, retire_done). */
 PD_PREFETCH_INLINE void retire_prefetch(const pd_engine *e, const req *r) {
-    const char *p = (const char *)r;
-    __builtin_prefetch(p + offsetof(req, prompt));
-    __builtin_prefetch(p + offsetof(req, t_submit));
-    __builtin_prefetch(p + offsetof(req, holds_row), 1);
-    __builtin_prefetch(p + offsetof(req, streamed), 1);
-    __builtin_prefetch(&e->bufs[r - e->reqs]);
-    if (e->cfg.role != PD_ROLE_COLOCATED) pd_index_prefetch(&e->room_ix, pd_hash_u64(r->room));
-    pd_index_prefetch(&e->rid_ix, r->rid_hash);
+    eng_retire_prefetch_record(e, r);
+    eng_retire_prefetch_index(e, r);
 }
 
 void eng_retire(pd_engine *e, req *r, pd_terminal_kind kind, pd_finish_reason finish,

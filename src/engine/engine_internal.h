@@ -323,9 +323,14 @@ PD_PREFETCH_INLINE void eng_retire_prefetch_record(const pd_engine *e, const req
     __builtin_prefetch(&e->bufs[r - e->reqs]);
 }
 
-PD_PREFETCH_INLINE void eng_retire_prefetch_deps(const pd_engine *e, const req *r) {
+/* The record's slots in the room and rid indexes (record_free). */
+PD_PREFETCH_INLINE void eng_retire_prefetch_index(const pd_engine *e, const req *r) {
     if (e->cfg.role != PD_ROLE_COLOCATED) pd_index_prefetch(&e->room_ix, pd_hash_u64(r->room));
     pd_index_prefetch(&e->rid_ix, r->rid_hash);
+}
+
+PD_PREFETCH_INLINE void eng_retire_prefetch_deps(const pd_engine *e, const req *r) {
+    eng_retire_prefetch_index(e, r);
     __builtin_prefetch(r->pages + r->own_from);
     const int32_t *page = r->prompt + (size_t)r->own_from * e->cfg.page_size;
     __builtin_prefetch(page);
