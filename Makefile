@@ -3,6 +3,7 @@
 #   make run     the main job: router + prefill + decode serving the tiny model (pdserve run)
 #   make test    install missing Debian packages, build with ASan+UBSan, run ctest
 #   make bench   optimised build, then every benchmark with its figures
+#                (the release build is profile-guided, docs/build.md; PGO=0: plain)
 #   make bench-serving  pdserve bench against pdserve run: three loads, JSON + report.html
 #   make soak    the simulator's long swarm (SOAK_SEEDS=100000 seeds, all faults)
 #   make tidy    the house style's mechanical rules (tools/tidy, docs/tidy.md); CI runs it
@@ -22,12 +23,12 @@ FUZZ_SECONDS ?= 60
 FUZZ_DIR := build/fuzz
 TSAN_DIR := build/tsan
 
-.PHONY: all deps test build-test release run bench bench-serving soak mutants tidy format-check clean help chaos
+.PHONY: all deps test build-test pgo-train release run bench bench-serving soak mutants tidy format-check clean help chaos
 
 all: release
 
 help:
-	@sed -n '2,15p' Makefile
+	@sed -n '2,16p' Makefile
 
 deps:
 	@scripts/deps.sh
@@ -41,10 +42,25 @@ build-test: deps $(TEST_DIR)/CMakeCache.txt
 test: build-test
 	cd $(TEST_DIR) && ctest --output-on-failure -j $(JOBS)
 
-$(REL_DIR)/CMakeCache.txt:
-	cmake -S . -B $(REL_DIR) -DCMAKE_BUILD_TYPE=Release -DPD_BUILD_TESTS=OFF
+# The release build's scheduler core is compiled with the profiles of a
+# training run (docs/build.md): an instrumented build under $(PGO_GEN) runs
+# scripts/pgo-train.sh's workload into $(PGO_DATA) whenever it changed, then
+# the release build uses them. PGO=0 builds it without (build/release-plain).
+PGO ?= 1
+PGO_GEN  := build/pgo-gen
+PGO_DATA := build/pgo-data
+ifeq ($(PGO),0)
+REL_DIR := build/release-plain
+endif
 
-release: deps $(REL_DIR)/CMakeCache.txt
+pgo-train: deps
+	@scripts/pgo-train.sh $(PGO_GEN) $(PGO_DATA) $(JOBS)
+
+# Configured every time: a build directory made before PGO (or with other
+# settings) takes these.
+release: deps $(if $(filter 0,$(PGO)),,pgo-train)
+	cmake -S . -B $(REL_DIR) -DCMAKE_BUILD_TYPE=Release -DPD_BUILD_TESTS=OFF \
+		$(if $(filter 0,$(PGO)),-DPD_PGO=,-DPD_PGO=use -DPD_PGO_DIR=$(abspath $(PGO_DATA))) >/dev/null
 	cmake --build $(REL_DIR) -j $(JOBS)
 
 run: release

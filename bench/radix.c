@@ -512,10 +512,11 @@ int main(int argc, char **argv) {
                 t.max_len, o.pages);
         return 2;
     }
-    printf("trace %s: %u requests, %llu tokens (longest %u); page size %u, %u pages%s%s%s\n", path,
-           t.n, (unsigned long long)t.tokens, t.max_len, o.page_size, o.pages,
+    printf("trace %s: %u requests, %llu tokens (longest %u); page size %u, %u pages%s%s%s; "
+           "%s build\n",
+           path, t.n, (unsigned long long)t.tokens, t.max_len, o.page_size, o.pages,
            o.hybrid ? ", hybrid" : "", o.strict ? ", strict ledger" : "",
-           o.warm ? ", prompts warm" : "");
+           o.warm ? ", prompts warm" : "", pd_build_kind());
     measure(&t, &o);
     for (uint32_t i = 0; i < t.n; i++) free(t.req[i]);
     free(t.req);

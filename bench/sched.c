@@ -4,7 +4,7 @@
  * the loopback transport, at a fixed number of live requests (closed loop: a
  * request that ends is replaced at once).
  *
- *   sched [--live N[,N...]] [--steps N] [--runs R] [--strict]
+ *   sched [--live N[,N...]] [--steps N] [--runs R] [--seed S] [--strict]
  *
  * For each live count it reports the median and p99 microseconds per step of
  * the prefill node and of the decode node, end-to-end requests/s, and the
@@ -362,42 +362,64 @@ static figures run(uint32_t live, uint32_t steps, bool strict, uint64_t seed) {
     return f;
 }
 
-int main(int argc, char **argv) {
-    uint32_t lives[8] = {64, 256, 1024}, n_lives = 3, steps = 2000;
-    int runs = 3;
-    bool strict = false;
+typedef struct opts {
+    uint32_t lives[8], n_lives, steps;
+    int runs;
+    uint64_t seed;
+    bool strict;
+} opts;
+
+/* -1: go on; else the exit status (usage printed). */
+static int parse_args(int argc, char **argv, opts *o) {
+    *o = (opts){.lives = {64, 256, 1024}, .n_lives = 3, .steps = 2000, .runs = 3, .seed = 42};
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--live") && i + 1 < argc) {
-            n_lives = 0;
-            for (char *t = strtok(argv[++i], ","); t && n_lives < 8; t = strtok(NULL, ","))
-                lives[n_lives++] = (uint32_t)strtoul(t, NULL, 0);
+            o->n_lives = 0;
+            for (char *t = strtok(argv[++i], ","); t && o->n_lives < 8; t = strtok(NULL, ","))
+                o->lives[o->n_lives++] = (uint32_t)strtoul(t, NULL, 0);
         } else if (!strcmp(argv[i], "--steps") && i + 1 < argc) {
-            steps = (uint32_t)strtoul(argv[++i], NULL, 0);
+            o->steps = (uint32_t)strtoul(argv[++i], NULL, 0);
         } else if (!strcmp(argv[i], "--runs") && i + 1 < argc) {
-            runs = atoi(argv[++i]);
+            o->runs = atoi(argv[++i]);
+        } else if (!strcmp(argv[i], "--seed") && i + 1 < argc) {
+            o->seed = strtoull(argv[++i], NULL, 0);
         } else if (!strcmp(argv[i], "--strict")) {
-            strict = true;
+            o->strict = true;
         } else {
-            fprintf(stderr, "usage: sched [--live N[,N...]] [--steps N] [--runs R] [--strict]\n"
-                            "  Scheduler step cost with a zero-cost executor at N live requests\n"
-                            "  (default 64,256,1024), median of R runs (default 3).\n");
+            fprintf(stderr,
+                    "usage: sched [--live N[,N...]] [--steps N] [--runs R] [--seed S] [--strict]\n"
+                    "  Scheduler step cost with a zero-cost executor at N live requests\n"
+                    "  (default 64,256,1024), median of R runs (default 3). Run r draws its\n"
+                    "  requests from seed S + r (default 42); the decisions printed are run\n"
+                    "  1's. --strict: the strict ledger instead of the counting one.\n");
             return strcmp(argv[i], "--help") ? 2 : 0;
         }
     }
-    if (runs < 1 || steps < 10 || n_lives == 0) {
+    if (o->runs < 1 || o->steps < 10 || o->n_lives == 0) {
         fprintf(stderr, "sched: runs >= 1, steps >= 10, at least one live count\n");
         return 2;
     }
+    return -1;
+}
+
+int main(int argc, char **argv) {
+    opts o;
+    int status = parse_args(argc, argv, &o);
+    if (status >= 0) return status;
+    uint32_t *lives = o.lives, n_lives = o.n_lives, steps = o.steps;
+    int runs = o.runs;
+    bool strict = o.strict;
     printf("zero-cost executor, loopback transport, page 16, prompts 64..512 "
-           "(shared system prompts), %u steps per run, %s ledger, median of %d runs\n",
-           steps, strict ? "strict" : "counting", runs);
+           "(shared system prompts), %u steps per run, %s ledger, median of %d runs, "
+           "%s build\n",
+           steps, strict ? "strict" : "counting", runs, pd_build_kind());
     enum { NV = 8 };
     double *v[NV];
     for (int k = 0; k < NV; k++) v[k] = malloc(sizeof(double) * (size_t)runs);
     for (uint32_t li = 0; li < n_lives; li++) {
         pd_engine_counters first[2] = {0};
         for (int r = 0; r < runs; r++) {
-            figures f = run(lives[li], steps, strict, 42 + (uint64_t)r);
+            figures f = run(lives[li], steps, strict, o.seed + (uint64_t)r);
             if (r == 0) memcpy(first, f.ctr, sizeof(first));
             v[0][r] = f.p_med;
             v[1][r] = f.p_p99;

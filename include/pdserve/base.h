@@ -73,6 +73,12 @@ _Noreturn void pd_panic(const char *file, int line, const char *expr,
 #define PD_VERSION "0.1.0"
 #endif
 
+/* How the scheduler core was compiled: "profile-guided" when this build used
+ * the profiles of scripts/pgo-train.sh (CMake PD_PGO=use, what `make release`
+ * builds), "instrumented (profile training)" in the training's own build,
+ * else "plain". Benchmarks print it beside their figures. */
+const char *pd_build_kind(void);
+
 #define PD_ARRAY_LEN(a) (sizeof(a) / sizeof((a)[0]))
 #define PD_MIN(a, b) ((a) < (b) ? (a) : (b))
 #define PD_MAX(a, b) ((a) > (b) ? (a) : (b))

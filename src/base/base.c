@@ -25,6 +25,16 @@ static const char *const err_names[PD_ERR__COUNT] = {
     [PD_ERR_INTERNAL] = "internal",
 };
 
+const char *pd_build_kind(void) {
+#if defined(PD_BUILD_PGO)
+    return "profile-guided";
+#elif defined(PD_BUILD_PGO_GEN)
+    return "instrumented (profile training)";
+#else
+    return "plain";
+#endif
+}
+
 const char *pd_err_name(pd_err err) {
     if ((unsigned)err >= PD_ERR__COUNT) return "unknown";
     return err_names[err];
