@@ -138,6 +138,18 @@ void pd_cache_prefetch(const pd_cache *c, pd_cnode node);
  * there (a guess; no effect on the cache). For the next request of a queue,
  * while the caller serves the one before. */
 void pd_cache_match_prefetch(const pd_cache *c, const int32_t *tokens, uint32_t n_tokens);
+/* pd_cache_match_prefetch in two halves, for a caller that has the prompt at
+ * hand well before the match (the engine at submit, when it copies it in):
+ * the guess reads the prompt and the cache's hint and keeps the slot's key;
+ * the prefetch, later, only asks for that slot, reading nothing the guess
+ * read (its own loads waited on a cold prompt and node, issue 13). A guess
+ * that went stale since only asks for a useless line. key 0: no guess. */
+typedef struct pd_cache_guess {
+    uint64_t key;
+} pd_cache_guess;
+void pd_cache_match_guess(const pd_cache *c, const int32_t *tokens, uint32_t n_tokens,
+                          pd_cache_guess *out);
+void pd_cache_guess_prefetch(const pd_cache *c, pd_cache_guess g);
 /* Starts loading the child index's slot where a search for parent's child
  * starting with first_page (page_size tokens) will look, when it will look
  * there (parent with many children); the caller has node and page loaded or

@@ -906,12 +906,28 @@ pd_err pd_cache_match(pd_cache *c, const int32_t *tokens, uint32_t n_tokens,
     return PD_OK;
 }
 
-void pd_cache_match_prefetch(const pd_cache *c, const int32_t *tokens, uint32_t n_tokens) {
+void pd_cache_match_guess(const pd_cache *c, const int32_t *tokens, uint32_t n_tokens,
+                          pd_cache_guess *out) {
+    if (!out) return;
+    out->key = 0;
     if (!c || !tokens || n_tokens < c->page_size) return;
     uint32_t p = c->probe_hint[probe_slot(c, tokens)];
     if (p >= c->nodes_max) return;
-    uint32_t at = c->nodes[p].end_pages * c->page_size;
-    if (at + c->page_size <= n_tokens) pd_cache_prefetch_child(c, p, tokens + at);
+    const cnode *n = &c->nodes[p];
+    uint32_t at = n->end_pages * c->page_size;
+    /* As pd_cache_prefetch_child: a parent with few children is scanned. */
+    if (at + c->page_size > n_tokens || !n->live || n->kids.len <= KIDS_SCAN_MAX) return;
+    out->key = child_key(c, p, tokens + at);
+}
+
+void pd_cache_guess_prefetch(const pd_cache *c, pd_cache_guess g) {
+    if (c && g.key != 0) pd_index_prefetch(&c->children, g.key);
+}
+
+void pd_cache_match_prefetch(const pd_cache *c, const int32_t *tokens, uint32_t n_tokens) {
+    pd_cache_guess g;
+    pd_cache_match_guess(c, tokens, n_tokens, &g);
+    pd_cache_guess_prefetch(c, g);
 }
 
 void pd_cache_prefetch(const pd_cache *c, pd_cnode node) {

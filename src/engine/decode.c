@@ -443,12 +443,10 @@ void decode_step(pd_engine *e) {
     poll_transfers(e);
     while (e->q[Q_PREALLOC].head != PD_NONE) {
         req *r = eng_req(e, e->q[Q_PREALLOC].head);
-        /* The next one's match: its likely child index slot (its prompt is
-         * warm, submitted just before). */
+        /* The next one's match: its likely child index slot, guessed at
+         * submit. */
         uint32_t next = r->qlink.next;
-        if (e->cache && next != PD_NONE)
-            pd_cache_match_prefetch(e->cache, eng_req(e, next)->prompt,
-                                    eng_req(e, next)->prompt_len);
+        if (next != PD_NONE) pd_cache_guess_prefetch(e->cache, eng_req(e, next)->guess);
         if (prealloc(e, r) == 0) break;
     }
     poll_and_keep(e);

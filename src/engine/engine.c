@@ -1029,6 +1029,15 @@ static pd_err submit(pd_engine *e, const pd_request_spec *s, uint64_t now_us, pd
     memcpy(prompt, s->prompt, (size_t)s->prompt_len * sizeof(int32_t));
     r->prompt = prompt;
     r->prompt_len = s->prompt_len;
+    /* Where its match will likely search the child index, while the prompt
+     * is in hand: the admission one request before asks for the slot with
+     * no load of its own to wait on (the match covers all but the last
+     * token on a prefill node, decode.c and prefill.c). */
+    r->guess = (pd_cache_guess){0};
+    if (e->cache)
+        pd_cache_match_guess(e->cache, prompt,
+                             e->cfg.role == PD_ROLE_DECODE ? s->prompt_len : s->prompt_len - 1,
+                             &r->guess);
     r->history = history;
     r->max_new = s->max_new_tokens;
     r->sampling = s->sampling;

@@ -70,6 +70,7 @@ typedef struct req {
 
     char rid[PD_RID_MAX];
     int32_t *prompt;
+    pd_cache_guess guess; /* the match's likely child index slot, worked out at submit */
     char peer[PD_PEER_MAX];
     uint64_t t_submit, t_state;
     /* pd_terminal_event's stage times and transfer size (0: not reached) */

@@ -329,12 +329,10 @@ static void admit_waiting(pd_engine *e) {
     }
     while (unstarted < e->cfg.batch_max && e->q[Q_WAITING].head != PD_NONE) {
         req *r = eng_req(e, e->q[Q_WAITING].head);
-        /* The next one's match: its likely child index slot (decode.c,
-         * decode_step, does the same for its admissions). */
+        /* The next one's match: its likely child index slot, guessed at
+         * submit (decode.c, decode_step, does the same for its admissions). */
         uint32_t next = r->qlink.next;
-        if (e->cache && next != PD_NONE)
-            pd_cache_match_prefetch(e->cache, eng_req(e, next)->prompt,
-                                    eng_req(e, next)->prompt_len - 1);
+        if (next != PD_NONE) pd_cache_guess_prefetch(e->cache, eng_req(e, next)->guess);
         int got = admit(e, r);
         if (got == 0) break; /* first come, first served: no overtaking */
         unstarted += got == 1;

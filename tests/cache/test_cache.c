@@ -787,12 +787,9 @@ static int32_t *prompt_of(uint32_t n, int32_t first, int32_t rest) {
     return t;
 }
 
-static void match_prefetch_is_only_a_hint(void **state) {
-    (void)state;
-    cfx *f = cfx_new(4, 256, 0, 0);
-    int32_t *p0 = prompt_of(2, 100, 0);
-    pd_cache_match_prefetch(f->c, p0, 0); /* empty cache, no token, short prompt */
-    pd_cache_match_prefetch(f->c, p0, 2);
+/* The shape above, then a match of q (16 tokens of first token 100) past the
+ * prefix: a table search, which leaves its hint at the prefix's end. */
+static void six_continuations_matched(cfx *f, const int32_t *q) {
     for (int k = 0; k < 6; k++) {
         int32_t *t = prompt_of(16, 100, 1000 * (k + 1));
         cfx_insert(f, 1, t, 4, PD_POOL_NONE);
@@ -800,9 +797,20 @@ static void match_prefetch_is_only_a_hint(void **state) {
     }
     uint32_t pages[8];
     pd_cache_match_result m;
-    int32_t *q = prompt_of(16, 100, 9000); /* past the prefix: a table search */
     assert_ok(pd_cache_match(f->c, q, 16, pages, 8, &m));
     assert_int_equal(m.dev_tokens, 8);
+}
+
+static void match_prefetch_is_only_a_hint(void **state) {
+    (void)state;
+    cfx *f = cfx_new(4, 256, 0, 0);
+    int32_t *p0 = prompt_of(2, 100, 0);
+    pd_cache_match_prefetch(f->c, p0, 0); /* empty cache, no token, short prompt */
+    pd_cache_match_prefetch(f->c, p0, 2);
+    int32_t *q = prompt_of(16, 100, 9000);
+    uint32_t pages[8];
+    pd_cache_match_result m;
+    six_continuations_matched(f, q);
     pd_cache_stats before;
     pd_cache_stats_get(f->c, &before);
     uint64_t clock = pd_cache_clock(f->c);
@@ -842,6 +850,58 @@ static void match_prefetch_is_only_a_hint(void **state) {
     cfx_free(f);
 }
 
+/* The guess made at submit (pd_cache_match_guess) and asked for later
+ * (pd_cache_guess_prefetch): no guess before any match searched the child
+ * index, nor for a prompt that ends before a page past the hinted node; a
+ * guess depends on the prompt's page there, not on what follows it; neither
+ * half changes the cache, and a guess kept past a clear is harmless. */
+static void match_guess_is_the_prefetch_in_two_halves(void **state) {
+    (void)state;
+    cfx *f = cfx_new(4, 256, 0, 0);
+    pd_cache_guess g = {.key = 1};
+    int32_t *q = prompt_of(16, 100, 9000);
+    pd_cache_match_guess(f->c, q, 16, &g); /* empty cache: no hint yet */
+    assert_int_equal(g.key, 0);
+    pd_cache_match_guess(NULL, q, 16, &g);
+    assert_int_equal(g.key, 0);
+    pd_cache_match_guess(f->c, q, 16, NULL); /* nowhere to write: nothing */
+    pd_cache_guess_prefetch(NULL, (pd_cache_guess){.key = 5});
+    six_continuations_matched(f, q); /* leaves the hint at 8 tokens */
+    pd_cache_stats before;
+    pd_cache_stats_get(f->c, &before);
+    uint64_t clock = pd_cache_clock(f->c);
+    /* A page past the prefix's 8 tokens is needed: 12 tokens at least. */
+    for (uint32_t n = 0; n <= 16; n++) {
+        int32_t *t = prompt_of(n, 100, 5000);
+        pd_cache_match_guess(f->c, t, n, &g);
+        assert_true((g.key != 0) == (n >= 12));
+        pd_cache_guess_prefetch(f->c, g);
+        free(t);
+    }
+    /* The same page at the hinted depth, different tokens after it: the
+     * same slot; another page there: another key. */
+    int32_t *a = prompt_of(16, 100, 5000), *b = prompt_of(16, 100, 5000);
+    b[13] = -7;
+    pd_cache_guess ga, gb, gc;
+    pd_cache_match_guess(f->c, a, 16, &ga);
+    pd_cache_match_guess(f->c, b, 16, &gb);
+    assert_true(ga.key != 0 && ga.key == gb.key);
+    b[9] = -7;
+    pd_cache_match_guess(f->c, b, 16, &gc);
+    assert_true(gc.key != 0 && gc.key != ga.key);
+    pd_cache_stats after;
+    pd_cache_stats_get(f->c, &after);
+    assert_memory_equal(&before, &after, sizeof(before));
+    assert_int_equal(pd_cache_clock(f->c), clock);
+    pd_cache_clear(f->c); /* the guess outlives what it named */
+    pd_cache_guess_prefetch(f->c, ga);
+    cfx_check(f, true);
+    free(a);
+    free(b);
+    free(q);
+    cfx_free(f);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(match_on_empty_cache_finds_nothing),
@@ -868,6 +928,7 @@ int main(void) {
         cmocka_unit_test(mamba_touch_is_a_lock_and_an_unlock),
         cmocka_unit_test(every_cache_keeps_its_node_and_token_arenas_line_aligned),
         cmocka_unit_test(match_prefetch_is_only_a_hint),
+        cmocka_unit_test(match_guess_is_the_prefetch_in_two_halves),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
