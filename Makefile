@@ -23,7 +23,7 @@ FUZZ_SECONDS ?= 60
 FUZZ_DIR := build/fuzz
 TSAN_DIR := build/tsan
 
-.PHONY: all deps test build-test pgo-train release run bench bench-serving soak mutants tidy format-check clean help chaos
+.PHONY: all deps test build-test release run bench bench-serving soak mutants tidy format-check clean help chaos
 
 all: release
 
@@ -43,9 +43,10 @@ test: build-test
 	cd $(TEST_DIR) && ctest --output-on-failure -j $(JOBS)
 
 # The release build's scheduler core is compiled with the profiles of a
-# training run (docs/build.md): an instrumented build under $(PGO_GEN) runs
-# scripts/pgo-train.sh's workload into $(PGO_DATA) whenever it changed, then
-# the release build uses them. PGO=0 builds it without (build/release-plain).
+# training run (docs/build.md): its build first runs scripts/pgo-train.sh,
+# which builds the instrumented benchmarks in $(PGO_GEN) and, whenever they
+# changed, their workload into $(PGO_DATA). PGO=0 builds without
+# (build/release-plain).
 PGO ?= 1
 PGO_GEN  := build/pgo-gen
 PGO_DATA := build/pgo-data
@@ -53,14 +54,12 @@ ifeq ($(PGO),0)
 REL_DIR := build/release-plain
 endif
 
-pgo-train: deps
-	@scripts/pgo-train.sh $(PGO_GEN) $(PGO_DATA) $(JOBS)
-
 # Configured every time: a build directory made before PGO (or with other
 # settings) takes these.
-release: deps $(if $(filter 0,$(PGO)),,pgo-train)
+release: deps
 	cmake -S . -B $(REL_DIR) -DCMAKE_BUILD_TYPE=Release -DPD_BUILD_TESTS=OFF \
-		$(if $(filter 0,$(PGO)),-DPD_PGO=,-DPD_PGO=use -DPD_PGO_DIR=$(abspath $(PGO_DATA))) >/dev/null
+		$(if $(filter 0,$(PGO)),-DPD_PGO=,-DPD_PGO=use -DPD_PGO_DIR=$(abspath $(PGO_DATA)) \
+		-DPD_PGO_GEN_DIR=$(abspath $(PGO_GEN))) >/dev/null
 	cmake --build $(REL_DIR) -j $(JOBS)
 
 run: release

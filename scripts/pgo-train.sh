@@ -13,7 +13,7 @@
 set -euo pipefail
 gen=${1:?usage: scripts/pgo-train.sh GEN_DIR PROFILE_DIR [JOBS]}
 prof=${2:?usage: scripts/pgo-train.sh GEN_DIR PROFILE_DIR [JOBS]}
-jobs=${3:-2}
+jobs=${3:-$(nproc 2>/dev/null || echo 2)}
 mkdir -p "$prof"
 prof=$(cd "$prof" && pwd)
 
@@ -21,7 +21,9 @@ if [ ! -f "$gen/CMakeCache.txt" ]; then
   cmake -S . -B "$gen" -DCMAKE_BUILD_TYPE=Release -DPD_BUILD_TESTS=OFF \
     -DPD_PGO=generate "-DPD_PGO_DIR=$prof" >/dev/null
 fi
-cmake --build "$gen" -j "$jobs" --target bench_sched bench_radix bench_gen_trace >/dev/null
+# Its own build, not a part of the calling make's (when a build runs this).
+env -u MAKEFLAGS -u MFLAGS -u MAKELEVEL \
+  cmake --build "$gen" -j "$jobs" --target bench_sched bench_radix bench_gen_trace >/dev/null
 
 stamp=$prof/trained
 newest=$gen/bench/sched
