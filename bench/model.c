@@ -201,7 +201,7 @@ static void fill_prompt(const pd_model_config *c, int32_t *p, uint32_t n, uint64
 
 static void forward(pd_executor *ex, const pd_batch_item *items, uint32_t n, pd_item_result *res) {
     char msg[300];
-    if (pd_model_forward(ex, items, n, res, NULL, msg, sizeof(msg)) != PD_OK) {
+    if (pd_model_forward(ex, items, n, res, NULL, NULL, msg, sizeof(msg)) != PD_OK) {
         fprintf(stderr, "model: forward failed: %s\n", msg);
         exit(1);
     }

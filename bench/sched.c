@@ -140,11 +140,12 @@ static pd_err z_launch(void *self, const pd_batch *b) {
     return PD_OK;
 }
 
-static bool z_poll(void *self, uint64_t id, pd_item_result *res) {
+static bool z_poll(void *self, uint64_t id, pd_item_result *res, pd_item_top *tops) {
+    (void)tops;
     zexec *z = self;
     PD_ASSERT(z->count > 0 && z->ids[z->head] == id);
     /* What an executor must write: the request, its token and logprob, and
-     * how many top logprobs follow (none asked). The arrays stay unwritten. */
+     * how many top logprobs it wrote to tops[i] (none asked). */
     for (uint32_t i = 0; i < z->n[z->head]; i++) {
         res[i].req = z->reqs[z->head][i];
         res[i].token = 7;

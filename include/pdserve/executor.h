@@ -96,16 +96,26 @@ typedef struct pd_batch {
     uint32_t n_items;
 } pd_batch;
 
+/* One item's result. Dense (24 bytes): a decode step reads one per running
+ * request, and the top-logprob entries that few requests ask for live apart,
+ * in a pd_item_top beside it (issue 13: with the entries inline, 184 bytes a
+ * result, a batch of 256 results alone was larger than the L1 cache). */
 typedef struct pd_item_result {
     uint64_t req;
     int32_t token;             /* sampled token, or -1 when !sample */
     float logprob;             /* its log-probability (0 when !sample) */
-    /* sampling.top_logprobs most likely tokens, by the model's raw
-     * distribution, most likely first (ties: lower id first). */
+    /* How many top-logprob entries the item's pd_item_top holds:
+     * sampling.top_logprobs of them, else 0. */
     uint32_t n_top;
-    int32_t top_token[PD_TOP_LOGPROBS_MAX];
-    float top_logprob[PD_TOP_LOGPROBS_MAX];
 } pd_item_result;
+
+/* The sampling.top_logprobs most likely tokens of a result, by the model's
+ * raw distribution, most likely first (ties: lower id first), with their
+ * log-probabilities: n_top entries of each. */
+typedef struct pd_item_top {
+    int32_t token[PD_TOP_LOGPROBS_MAX];
+    float logprob[PD_TOP_LOGPROBS_MAX];
+} pd_item_top;
 
 /* Where the node's memory lives, for transport registration. Unit i of each
  * region starts at base + i * unit_bytes; a KV page holds that page's K and V
@@ -147,8 +157,10 @@ typedef struct pd_executor_vtable {
     /* Enqueues a batch. PD_ERR_NOMEM if too many batches are in flight. */
     pd_err (*launch)(void *self, const pd_batch *batch);
     /* If batch `id` (the oldest not yet returned) is complete, writes one
-     * result per item, in item order, and returns true. */
-    bool (*poll)(void *self, uint64_t batch_id, pd_item_result *results);
+     * result per item, in item order, and returns true. tops has an entry
+     * per item as well: tops[i] is written when results[i].n_top > 0 and
+     * left alone otherwise. */
+    bool (*poll)(void *self, uint64_t batch_id, pd_item_result *results, pd_item_top *tops);
     /* Copies Mamba state slot src into dst, ordered after launched work. */
     pd_err (*copy_state)(void *self, uint32_t dst_slot, uint32_t src_slot);
     /* Host tier. Synchronous write-back of evicted pages (device -> host). */

@@ -195,12 +195,14 @@ void pd_model_executor_destroy(pd_executor *ex);
 bool pd_model_executor_is(const pd_executor *ex);
 
 /* Runs items now, on the calling thread (plus the pool's workers), exactly as
- * launch would. results[i] for item i; logits, when not NULL, receives
+ * launch would. results[i] for item i, and tops[i] for an item that asks for
+ * top logprobs (tops may be NULL when none does); logits, when not NULL, receives
  * vocab floats per item at logits + i * vocab for the items that sample
  * (the distribution after the item's last token). PD_ERR_INVALID with a
  * message, and nothing computed, when an item breaks the contract. */
 pd_err pd_model_forward(pd_executor *ex, const pd_batch_item *items, uint32_t n_items,
-                        pd_item_result *results, float *logits, char *msg, size_t msg_cap);
+                        pd_item_result *results, pd_item_top *tops, float *logits, char *msg,
+                        size_t msg_cap);
 
 /* Work below this many FLOPs runs on the calling thread alone (default
  * 200,000: a dispatch to the workers costs microseconds). 0 splits every

@@ -202,6 +202,7 @@ static pd_err run(const gen_opts *o, const pd_model *m, const int32_t *prompt, u
                           .snapshot_slot = PD_POOL_NONE,
                           .sampling = sampling};
     pd_item_result r;
+    pd_item_top top; /* unread: generate prints no alternatives */
     double t0 = now_ms();
     for (uint32_t pos = 0; err == PD_OK && pos < n_prompt; pos += item.n_tokens) {
         item.tokens = prompt + pos;
@@ -209,7 +210,7 @@ static pd_err run(const gen_opts *o, const pd_model *m, const int32_t *prompt, u
         item.n_tokens = (uint32_t)PD_MIN(o->chunk, n_prompt - pos);
         item.sample = pos + item.n_tokens == n_prompt;
         item.sample_index = 0;
-        err = pd_model_forward(&ex, &item, 1, &r, NULL, msg, cap);
+        err = pd_model_forward(&ex, &item, 1, &r, &top, NULL, msg, cap);
     }
     double t1 = now_ms();
     res->n = 0;
@@ -227,7 +228,7 @@ static pd_err run(const gen_opts *o, const pd_model *m, const int32_t *prompt, u
         item.start_pos = n_prompt + res->n - 1;
         item.sample = true;
         item.sample_index = res->n;
-        err = pd_model_forward(&ex, &item, 1, &r, NULL, msg, cap);
+        err = pd_model_forward(&ex, &item, 1, &r, &top, NULL, msg, cap);
     }
     res->prefill_ms = t1 - t0;
     res->decode_ms = now_ms() - t1;

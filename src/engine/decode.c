@@ -48,25 +48,28 @@ static bool finished(pd_engine *e, req *r, pd_finish_reason *why) {
  * (the caller retires r). Inline into the decode step's loop over its
  * results, one per item. */
 static inline bool stream_token(pd_engine *e, req *r, const pd_item_result *res,
-                                pd_finish_reason *why) {
+                                const pd_item_top *top, pd_finish_reason *why) {
     const int32_t token = res->token;
     if (r->history) r->history[r->out_len] = token; /* out_len < max_new here */
     r->last_token = token;
     r->out_len++;
     eng_act(e, r, PD_ACT_TOKEN, false, r->out_len);
     if (res->n_top && e->sink.vt->top_logprobs)
-        e->sink.vt->top_logprobs(e->sink.self, r->tag, r->out_len - 1, res->top_token,
-                                 res->top_logprob, res->n_top);
+        e->sink.vt->top_logprobs(e->sink.self, r->tag, r->out_len - 1, top->token, top->logprob,
+                                 res->n_top);
     e->sink.vt->token(e->sink.self, r->tag, r->rid, r->room, token, res->logprob, r->out_len - 1);
     return finished(e, r, why);
 }
 
-static inline void emit_token(pd_engine *e, req *r, const pd_item_result *res) {
+static inline void emit_token(pd_engine *e, req *r, const pd_item_result *res,
+                              const pd_item_top *top) {
     pd_finish_reason why;
-    if (stream_token(e, r, res, &why)) eng_retire(e, r, PD_TERM_FINISHED, why, 200, "");
+    if (stream_token(e, r, res, top, &why)) eng_retire(e, r, PD_TERM_FINISHED, why, 200, "");
 }
 
-void decode_emit_token(pd_engine *e, req *r, const pd_item_result *res) { emit_token(e, r, res); }
+void decode_emit_token(pd_engine *e, req *r, const pd_item_result *res, const pd_item_top *top) {
+    emit_token(e, r, res, top);
+}
 
 static void commit(pd_engine *e, req *r) {
     const pd_meta_row *meta = &e->cfg.meta_mem[r->meta_row];
@@ -78,12 +81,11 @@ static void commit(pd_engine *e, req *r) {
         fail(e, r, 500, "context corruption: first token outside the vocabulary");
         return;
     }
-    /* The fields emit_token reads, the top lists' first n_top entries below:
-     * a designated initializer would clear all 168 bytes on every commit. */
-    pd_item_result first;
-    first.req = r->owner;
-    first.token = meta->first_token;
-    first.logprob = meta->first_logprob;
+    /* The top lists' first n_top entries below: a designated initializer
+     * would clear all 160 bytes on every commit. */
+    pd_item_result first = {
+        .req = r->owner, .token = meta->first_token, .logprob = meta->first_logprob};
+    pd_item_top first_top;
     if (meta->first_n_top > r->sampling.top_logprobs) {
         fail(e, r, 500, "context corruption: more top logprobs than the request asked for");
         return;
@@ -93,15 +95,15 @@ static void commit(pd_engine *e, req *r) {
             fail(e, r, 500, "context corruption: a top-logprob token outside the vocabulary");
             return;
         }
-        first.top_token[i] = meta->first_top_token[i];
-        first.top_logprob[i] = meta->first_top_logprob[i];
+        first_top.token[i] = meta->first_top_token[i];
+        first_top.logprob[i] = meta->first_top_logprob[i];
     }
     first.n_top = meta->first_n_top;
     eng_act(e, r, PD_ACT_COMMIT, false, 0);
     eng_release_at_commit(e, r);
     r->done = r->prompt_len;
     q_move(e, r, Q_RUNNING);
-    decode_emit_token(e, r, &first);
+    decode_emit_token(e, r, &first, &first_top);
 }
 
 static void poll_transfers(pd_engine *e) {
@@ -176,11 +178,12 @@ static int prealloc(pd_engine *e, req *r) {
     return 1;
 }
 
-void decode_on_result(pd_engine *e, req *r, const bitem *it, const pd_item_result *res) {
+void decode_on_result(pd_engine *e, req *r, const bitem *it, const pd_item_result *res,
+                      const pd_item_top *top) {
     (void)it;
     if (eng_result_after_retire(e, r)) return;
     e->ctr.decode_tokens++;
-    emit_token(e, r, res);
+    emit_token(e, r, res, top);
 }
 
 /* One item per running request from idx on that has no forward in flight
@@ -338,7 +341,7 @@ static void poll_and_keep(pd_engine *e) {
     if (e->inflight_n == 0) return;
     PD_ASSERT(e->inflight_n == 1);
     batch_rec *b = &e->inflight[e->inflight_head];
-    if (!e->exec.vt->poll(e->exec.self, b->id, e->results)) return;
+    if (!e->exec.vt->poll(e->exec.self, b->id, e->results, e->result_tops)) return;
     e->inflight_head = (e->inflight_head + 1) % INFLIGHT_MAX;
     e->inflight_n--;
     batch_rec *nb = &e->inflight[e->inflight_head]; /* eng_batch_begin's next */
@@ -367,7 +370,7 @@ static void poll_and_keep(pd_engine *e) {
         }
         e->ctr.decode_tokens++;
         pd_finish_reason why;
-        if (stream_token(e, r, &e->results[i], &why)) {
+        if (stream_token(e, r, &e->results[i], &e->result_tops[i], &why)) {
             eng_terminal_reason(e, r, PD_TERM_FINISHED, why, 200, "");
             e->done[e->done_n++] = owner;
             e->kept_gap[e->kept_gap_n++] = i;

@@ -675,11 +675,12 @@ void eng_batch_launch(pd_engine *e, batch_rec *b) {
     e->ctr.batches++;
 }
 
-bool eng_batch_poll(pd_engine *e, void (*fn)(pd_engine *, req *, const bitem *,
-                                             const pd_item_result *)) {
+bool eng_batch_poll(pd_engine *e,
+                    void (*fn)(pd_engine *, req *, const bitem *, const pd_item_result *,
+                               const pd_item_top *)) {
     if (e->inflight_n == 0) return false;
     batch_rec *b = &e->inflight[e->inflight_head];
-    if (!e->exec.vt->poll(e->exec.self, b->id, e->results)) return false;
+    if (!e->exec.vt->poll(e->exec.self, b->id, e->results, e->result_tops)) return false;
     e->inflight_head = (e->inflight_head + 1) % INFLIGHT_MAX;
     e->inflight_n--;
     enum { AHEAD = 4 };
@@ -699,7 +700,7 @@ bool eng_batch_poll(pd_engine *e, void (*fn)(pd_engine *, req *, const bitem *,
         r->forwards_in_flight--;
         if (r->forwards_in_flight == 0) r->pending_chunk = false;
         eng_act(e, r, PD_ACT_RESULT, it->final, it->n);
-        fn(e, r, it, &e->results[i]);
+        fn(e, r, it, &e->results[i], &e->result_tops[i]);
     }
     return true;
 }
@@ -805,12 +806,13 @@ static pd_err arrays_alloc(pd_engine *e) {
     e->kept_grow = calloc(cfg->batch_max, sizeof(uint32_t));
     e->kept_gap = calloc(cfg->batch_max, sizeof(uint32_t));
     e->results = calloc(cfg->batch_max, sizeof(pd_item_result));
+    e->result_tops = calloc(cfg->batch_max, sizeof(pd_item_top));
     e->done = calloc(cfg->batch_max, sizeof(pd_owner));
     for (int i = 0; i < INFLIGHT_MAX; i++)
         e->inflight[i].items = calloc(cfg->batch_max, sizeof(bitem));
     if (!e->reqs || !e->bufs || !e->page_store || !e->scratch || !e->dups || !e->launch_items ||
-        !e->results || !e->done || !e->kept_grow || !e->kept_gap || !e->inflight[0].items ||
-        !e->inflight[1].items)
+        !e->results || !e->result_tops || !e->done || !e->kept_grow || !e->kept_gap ||
+        !e->inflight[0].items || !e->inflight[1].items)
         return PD_ERR_NOMEM;
     return PD_OK;
 }
@@ -899,6 +901,7 @@ void pd_engine_destroy(pd_engine *e) {
     free(e->kept_grow);
     free(e->kept_gap);
     free(e->results);
+    free(e->result_tops);
     free(e->done);
     for (int i = 0; i < INFLIGHT_MAX; i++) free(e->inflight[i].items);
     free(e);

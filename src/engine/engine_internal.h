@@ -191,6 +191,7 @@ struct pd_engine {
     /* Decode role: the last batch's items not kept, in item order. */
     uint32_t *kept_gap, kept_gap_n;
     pd_item_result *results;
+    pd_item_top *result_tops; /* results[i]'s top logprobs, when it has any */
     /* Decode role: the requests whose last token the poll streamed (their
      * owners; the terminal reason recorded), retired after it (decode.c). */
     pd_owner *done;
@@ -385,7 +386,8 @@ void eng_batch_launch(pd_engine *e, batch_rec *b);
  * item whose request is still the same record (live, same generation), then
  * pops it. Returns true if a batch completed. */
 bool eng_batch_poll(pd_engine *e,
-                    void (*fn)(pd_engine *, req *, const bitem *, const pd_item_result *));
+                    void (*fn)(pd_engine *, req *, const bitem *, const pd_item_result *,
+                               const pd_item_top *));
 
 /* ---- prefill.c / decode.c ---- */
 void prefill_step(pd_engine *e);   /* prefill and colocated */
@@ -394,7 +396,8 @@ void decode_step(pd_engine *e);
  * generated token (streams it, finishes the request if it is the last), and
  * a decode item's result. */
 void decode_add_items(pd_engine *e, batch_rec *b);
-void decode_emit_token(pd_engine *e, req *r, const pd_item_result *res);
-void decode_on_result(pd_engine *e, req *r, const bitem *it, const pd_item_result *res);
+void decode_emit_token(pd_engine *e, req *r, const pd_item_result *res, const pd_item_top *top);
+void decode_on_result(pd_engine *e, req *r, const bitem *it, const pd_item_result *res,
+                      const pd_item_top *top);
 
 #endif

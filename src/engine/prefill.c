@@ -363,9 +363,10 @@ static void schedule(pd_engine *e) {
     eng_batch_launch(e, b);
 }
 
-static void on_result(pd_engine *e, req *r, const bitem *it, const pd_item_result *res) {
+static void on_result(pd_engine *e, req *r, const bitem *it, const pd_item_result *res,
+                      const pd_item_top *top) {
     if (it->decode) {
-        decode_on_result(e, r, it, res);
+        decode_on_result(e, r, it, res, top);
         return;
     }
     /* Aborted or failed while this forward ran: the last result in flight
@@ -387,7 +388,7 @@ static void on_result(pd_engine *e, req *r, const bitem *it, const pd_item_resul
     if (e->cfg.role == PD_ROLE_COLOCATED) {
         /* No hand-off: the request starts generating here. */
         q_move(e, r, Q_RUNNING);
-        decode_emit_token(e, r, res);
+        decode_emit_token(e, r, res, top);
         return;
     }
     pd_meta_row *meta = &e->cfg.meta_mem[r->meta_row];
@@ -397,8 +398,8 @@ static void on_result(pd_engine *e, req *r, const bitem *it, const pd_item_resul
         .prefill_cached_tokens = r->cached_tokens, .decode_cached_tokens = r->peer_cached,
         .first_n_top = res->n_top,
     };
-    memcpy(meta->first_top_token, res->top_token, sizeof(int32_t) * res->n_top);
-    memcpy(meta->first_top_logprob, res->top_logprob, sizeof(float) * res->n_top);
+    memcpy(meta->first_top_token, top->token, sizeof(int32_t) * res->n_top);
+    memcpy(meta->first_top_logprob, top->logprob, sizeof(float) * res->n_top);
     if (r->bootstrapped) {
         send_final(e, r);
     } else {

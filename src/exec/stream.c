@@ -35,6 +35,7 @@ typedef struct sop {
     sitem *items;           /* batch_max */
     pd_batch_item *flat;    /* batch_max, handed to the inner executor */
     pd_item_result *results;
+    pd_item_top *tops;
     uint32_t dst, src;      /* copy */
     uint32_t *dev, *host;   /* load */
     uint32_t dev_cap, host_cap;
@@ -62,7 +63,7 @@ static void run_op(pd_stream *s, sop *o) {
         for (uint32_t i = 0; i < o->n; i++) o->flat[i] = o->items[i].item;
         pd_batch b = {.id = o->id, .items = o->flat, .n_items = o->n};
         PD_MUST(s->inner.vt->launch(s->inner.self, &b));
-        bool done = s->inner.vt->poll(s->inner.self, o->id, o->results);
+        bool done = s->inner.vt->poll(s->inner.self, o->id, o->results, o->tops);
         PD_ASSERTF(done, "the inner executor of a stream must compute in launch");
         break;
     }
@@ -215,7 +216,7 @@ static pd_err st_launch(void *self, const pd_batch *b) {
     return PD_OK;
 }
 
-static bool st_poll(void *self, uint64_t id, pd_item_result *results) {
+static bool st_poll(void *self, uint64_t id, pd_item_result *results, pd_item_top *tops) {
     pd_stream *s = self;
     pthread_mutex_lock(&s->mu);
     sop *o = find_op(s, SO_BATCH, id);
@@ -223,6 +224,8 @@ static bool st_poll(void *self, uint64_t id, pd_item_result *results) {
     bool done = o->state == ST_DONE;
     if (done) {
         memcpy(results, o->results, o->n * sizeof(pd_item_result));
+        for (uint32_t i = 0; i < o->n; i++)
+            if (o->results[i].n_top) tops[i] = o->tops[i];
         o->state = ST_FREE;
     }
     pthread_mutex_unlock(&s->mu);
@@ -364,7 +367,8 @@ pd_err pd_stream_create(pd_stream **out, pd_executor inner, uint32_t batch_max) 
         s->ops[i].items = calloc(batch_max, sizeof(sitem));
         s->ops[i].flat = calloc(batch_max, sizeof(pd_batch_item));
         s->ops[i].results = calloc(batch_max, sizeof(pd_item_result));
-        if (!s->ops[i].items || !s->ops[i].flat || !s->ops[i].results) {
+        s->ops[i].tops = calloc(batch_max, sizeof(pd_item_top));
+        if (!s->ops[i].items || !s->ops[i].flat || !s->ops[i].results || !s->ops[i].tops) {
             pd_stream_destroy(s);
             return PD_ERR_NOMEM;
         }
@@ -393,6 +397,7 @@ void pd_stream_destroy(pd_stream *s) {
         free(s->ops[i].items);
         free(s->ops[i].flat);
         free(s->ops[i].results);
+        free(s->ops[i].tops);
         free(s->ops[i].dev);
         free(s->ops[i].host);
     }

@@ -106,7 +106,8 @@ static pd_err sx_launch(void *self, const pd_batch *b) {
     return PD_OK;
 }
 
-static bool sx_poll(void *self, uint64_t id, pd_item_result *results) {
+static bool sx_poll(void *self, uint64_t id, pd_item_result *results, pd_item_top *tops) {
+    (void)tops; /* no top logprobs: every result's n_top is 0 */
     pd_synth *s = self;
     for (uint32_t i = 0; i < PENDING_MAX; i++) {
         pending *p = &s->pend[i];

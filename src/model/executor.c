@@ -25,6 +25,7 @@ typedef struct pending_batch {
     uint64_t id;
     uint32_t n_items;
     pd_item_result results[PD_MODEL_BATCH_ITEMS_MAX];
+    pd_item_top tops[PD_MODEL_BATCH_ITEMS_MAX];
 } pending_batch;
 
 typedef struct model_exec {
@@ -51,20 +52,22 @@ static pd_err exec_launch(void *self, const pd_batch *batch) {
     pending_batch *p = &e->ring[(e->head + e->count) % PD_MODEL_INFLIGHT_MAX];
     p->id = batch->id;
     p->n_items = batch->n_items;
-    mdl_runner_run(e->runner, batch->items, batch->n_items, p->results, NULL);
+    mdl_runner_run(e->runner, batch->items, batch->n_items, p->results, p->tops, NULL);
     e->count++;
     e->launched_any = true;
     e->last_id = batch->id;
     return PD_OK;
 }
 
-static bool exec_poll(void *self, uint64_t batch_id, pd_item_result *results) {
+static bool exec_poll(void *self, uint64_t batch_id, pd_item_result *results, pd_item_top *tops) {
     model_exec *e = self;
     if (e->count == 0) return false;
     pending_batch *p = &e->ring[e->head];
     PD_ASSERTF(p->id == batch_id, "poll(%llu) but the oldest batch is %llu",
                (unsigned long long)batch_id, (unsigned long long)p->id);
     memcpy(results, p->results, sizeof(pd_item_result) * p->n_items);
+    for (uint32_t i = 0; i < p->n_items; i++)
+        if (p->results[i].n_top) tops[i] = p->tops[i];
     e->head = (e->head + 1) % PD_MODEL_INFLIGHT_MAX;
     e->count--;
     return true;
@@ -186,11 +189,18 @@ void pd_model_executor_destroy(pd_executor *ex) {
 bool pd_model_executor_is(const pd_executor *ex) { return ex && ex->vt == &model_vtable; }
 
 pd_err pd_model_forward(pd_executor *ex, const pd_batch_item *items, uint32_t n_items,
-                        pd_item_result *results, float *logits, char *msg, size_t msg_cap) {
+                        pd_item_result *results, pd_item_top *tops, float *logits, char *msg,
+                        size_t msg_cap) {
     model_exec *e = self_of(ex);
     pd_err err = mdl_runner_check(e->runner, items, n_items, msg, msg_cap);
     if (err != PD_OK) return err;
-    mdl_runner_run(e->runner, items, n_items, results, logits);
+    for (uint32_t i = 0; i < n_items && !tops; i++) {
+        if (items[i].sample && items[i].sampling.top_logprobs)
+            return pd_errorf(msg, msg_cap, PD_ERR_INVALID,
+                             "item %u asks for %u top logprobs but no tops were given", i,
+                             items[i].sampling.top_logprobs);
+    }
+    mdl_runner_run(e->runner, items, n_items, results, tops, logits);
     return PD_OK;
 }
 

@@ -81,7 +81,7 @@ static void block(pd_runner *r, const pd_block_weights *b) {
 /* ---- one pass ----------------------------------------------------------------- */
 
 static void run_pass(pd_runner *r, const pd_batch_item *items, pd_item_result *results,
-                     float *logits_out) {
+                     pd_item_top *tops, float *logits_out) {
     const pd_model *m = r->model;
     const pd_model_config *c = &m->cfg;
     const uint32_t half = c->attn_head_dim / 2;
@@ -121,7 +121,7 @@ static void run_pass(pd_runner *r, const pd_batch_item *items, pd_item_result *r
         float *lg = r->logits + (size_t)s * c->vocab;
         for (uint32_t v = 0; c->logits_div != 0.0f && v < c->vocab; v++) lg[v] /= c->logits_div;
         mdl_sample(lg, c->vocab, &items[i].sampling, items[i].sample_index, items[i].history,
-                   r->probs, r->keys, &results[i]);
+                   r->probs, r->keys, &results[i], tops ? &tops[i] : NULL);
         if (logits_out) memcpy(logits_out + (size_t)i * c->vocab, lg, sizeof(float) * c->vocab);
     }
     for (uint32_t t = 0; t < r->rows; t++) {
@@ -133,7 +133,7 @@ static void run_pass(pd_runner *r, const pd_batch_item *items, pd_item_result *r
 }
 
 void mdl_runner_run(pd_runner *r, const pd_batch_item *items, uint32_t n_items,
-                    pd_item_result *results, float *logits) {
+                    pd_item_result *results, pd_item_top *tops, float *logits) {
     const bool has_mamba = r->model->shape.n_mamba > 0;
     PD_ASSERT(r->rows == 0 && n_items <= PD_MODEL_BATCH_ITEMS_MAX);
     PD_ASSERT(results != NULL || n_items == 0);
@@ -154,10 +154,10 @@ void mdl_runner_run(pd_runner *r, const pd_batch_item *items, uint32_t n_items,
             r->row_last[t] = k + 1 == it->n_tokens;
             r->row_pages[t] = it->pages;
             r->row_slot[t] = slot;
-            if (r->rows == PD_RUNNER_ROWS) run_pass(r, items, results, logits);
+            if (r->rows == PD_RUNNER_ROWS) run_pass(r, items, results, tops, logits);
         }
     }
-    if (r->rows > 0) run_pass(r, items, results, logits);
+    if (r->rows > 0) run_pass(r, items, results, tops, logits);
     PD_ASSERT(r->rows == 0);
 }
 

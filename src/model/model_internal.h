@@ -206,9 +206,11 @@ void mdl_rope_angles(uint32_t pos, uint32_t half, const double *inv_freq, float 
  * far; NULL when the sampling is not penalised), greedy or tempered with the
  * top_k / top_p / min_p cuts, drawn with a generator seeded by (seed,
  * sample_index). Writes out->token, out->logprob (the model's log-softmax of
- * the token) and the top_logprobs alternatives. probs and keys are
- * vocab-sized scratch. */
+ * the token) and out->n_top, and the top_logprobs alternatives into *top
+ * (none when top is NULL: n_top 0). probs and keys are vocab-sized
+ * scratch. */
 void mdl_sample(const float *logits, uint32_t vocab, const pd_sampling *sp, uint32_t sample_index,
-                const int32_t *history, float *probs, uint64_t *keys, pd_item_result *out);
+                const int32_t *history, float *probs, uint64_t *keys, pd_item_result *out,
+                pd_item_top *top);
 
 #endif

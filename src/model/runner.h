@@ -70,10 +70,11 @@ void mdl_runner_destroy(pd_runner *r);
 pd_err mdl_runner_check(pd_runner *r, const pd_batch_item *items, uint32_t n_items, char *msg,
                         size_t msg_cap);
 
-/* Computes checked items: results[i] per item; logits (optional) as in
+/* Computes checked items: results[i] per item, tops[i] for an item with
+ * top logprobs (tops NULL: none computed); logits (optional) as in
  * pd_model_forward. */
 void mdl_runner_run(pd_runner *r, const pd_batch_item *items, uint32_t n_items,
-                    pd_item_result *results, float *logits);
+                    pd_item_result *results, pd_item_top *tops, float *logits);
 
 float *mdl_runner_slot(const pd_runner *r, uint32_t slot);
 

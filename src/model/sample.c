@@ -98,23 +98,23 @@ static void penalize(const float *logits, uint32_t vocab, const pd_sampling *sp,
 /* The n most likely tokens of the raw logits, most likely first (ties:
  * lower index), with their log-softmax. */
 static void top_logprobs(const float *logits, uint32_t vocab, double log_z, uint32_t n,
-                         pd_item_result *out) {
+                         pd_item_result *out, pd_item_top *top) {
     if (n > PD_TOP_LOGPROBS_MAX) n = PD_TOP_LOGPROBS_MAX;
     if (n > vocab) n = vocab;
     uint32_t have = 0;
     for (uint32_t i = 0; i < vocab; i++) {
         /* Insert i if it beats the last kept one (strictly: an equal logit
          * at a higher index ranks after). */
-        if (have == n && !(logits[i] > logits[out->top_token[have - 1]])) continue;
+        if (have == n && !(logits[i] > logits[top->token[have - 1]])) continue;
         uint32_t at = have < n ? have++ : n - 1;
-        while (at > 0 && logits[i] > logits[out->top_token[at - 1]]) {
-            out->top_token[at] = out->top_token[at - 1];
+        while (at > 0 && logits[i] > logits[top->token[at - 1]]) {
+            top->token[at] = top->token[at - 1];
             at--;
         }
-        out->top_token[at] = (int32_t)i;
+        top->token[at] = (int32_t)i;
     }
     for (uint32_t r = 0; r < have; r++)
-        out->top_logprob[r] = (float)((double)logits[out->top_token[r]] - log_z);
+        top->logprob[r] = (float)((double)logits[top->token[r]] - log_z);
     out->n_top = have;
 }
 
@@ -138,7 +138,8 @@ static uint32_t kept_count(const pd_sampling *sp, const float *probs, const uint
 }
 
 void mdl_sample(const float *logits, uint32_t vocab, const pd_sampling *sp, uint32_t sample_index,
-                const int32_t *history, float *probs, uint64_t *keys, pd_item_result *out) {
+                const int32_t *history, float *probs, uint64_t *keys, pd_item_result *out,
+                pd_item_top *top) {
     PD_ASSERT(vocab > 0);
     const uint32_t raw_best = argmax_first(logits, vocab);
     const double raw_max = logits[raw_best];
@@ -194,5 +195,5 @@ void mdl_sample(const float *logits, uint32_t vocab, const pd_sampling *sp, uint
     out->token = (int32_t)chosen;
     out->logprob = (float)((double)logits[chosen] - log_z);
     out->n_top = 0;
-    if (sp->top_logprobs) top_logprobs(logits, vocab, log_z, sp->top_logprobs, out);
+    if (sp->top_logprobs && top) top_logprobs(logits, vocab, log_z, sp->top_logprobs, out, top);
 }

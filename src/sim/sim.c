@@ -965,7 +965,8 @@ static uint32_t tiny_reference(sim *s, const sreq *r, int32_t *out) {
     uint32_t n = 0;
     for (;;) {
         pd_item_result res;
-        err = pd_model_forward(&ex, &it, 1, &res, NULL, msg, sizeof(msg));
+        pd_item_top top; /* the reference compares tokens only */
+        err = pd_model_forward(&ex, &it, 1, &res, &top, NULL, msg, sizeof(msg));
         PD_ASSERTF(err == PD_OK, "%s", msg);
         out[n++] = res.token;
         if (n >= r->max_new || (!r->ignore_eos && eos >= 0 && res.token == eos)) break;

@@ -99,7 +99,8 @@ static pd_err c_launch(void *self, const pd_batch *b) {
     return PD_OK;
 }
 
-static bool c_poll(void *self, uint64_t id, pd_item_result *res) {
+static bool c_poll(void *self, uint64_t id, pd_item_result *res, pd_item_top *tops) {
+    (void)tops;
     cexec *x = self;
     assert_true(x->count > 0 && x->ids[x->head] == id);
     for (uint32_t i = 0; i < x->n[x->head]; i++)

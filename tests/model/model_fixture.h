@@ -64,7 +64,9 @@ typedef struct fx_run {
 static inline void fx_forward(pd_executor *ex, const pd_batch_item *items, uint32_t n,
                               pd_item_result *res, float *logits) {
     char msg[300];
-    pd_err err = pd_model_forward(ex, items, n, res, logits, msg, sizeof(msg));
+    pd_item_top *tops = calloc(n ? n : 1, sizeof(pd_item_top)); /* what the items ask is kept */
+    pd_err err = pd_model_forward(ex, items, n, res, tops, logits, msg, sizeof(msg));
+    free(tops);
     if (err != PD_OK) fail_msg("forward: %s", msg);
 }
 

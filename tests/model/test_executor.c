@@ -50,6 +50,7 @@ static void launched_batches_are_polled_in_order_with_forward_results(void **sta
     fx_forward(&n->ex, &it, 1, &want, NULL);
 
     pd_item_result res[2];
+    pd_item_top tops[2];
     for (uint64_t id = 10; id < 10 + PD_MODEL_INFLIGHT_MAX; id++) {
         pd_batch b = {id, &it, 1};
         assert_ok(n->ex.vt->launch(n->ex.self, &b));
@@ -57,12 +58,12 @@ static void launched_batches_are_polled_in_order_with_forward_results(void **sta
     pd_batch extra = {100, &it, 1};
     assert_err(n->ex.vt->launch(n->ex.self, &extra), PD_ERR_NOMEM);
     for (uint64_t id = 10; id < 10 + PD_MODEL_INFLIGHT_MAX; id++) {
-        assert_true(n->ex.vt->poll(n->ex.self, id, res));
+        assert_true(n->ex.vt->poll(n->ex.self, id, res, tops));
         assert_int_equal(res[0].req, 5);
         assert_int_equal(res[0].token, want.token);
         assert_memory_equal(&res[0].logprob, &want.logprob, sizeof(float));
     }
-    assert_false(n->ex.vt->poll(n->ex.self, 200, res)); /* nothing in flight */
+    assert_false(n->ex.vt->poll(n->ex.self, 200, res, tops)); /* nothing in flight */
     /* ids must increase */
     pd_batch old = {12, &it, 1};
     assert_err(n->ex.vt->launch(n->ex.self, &old), PD_ERR_INVALID);
@@ -70,8 +71,45 @@ static void launched_batches_are_polled_in_order_with_forward_results(void **sta
     it.sample = false;
     pd_batch quiet = {300, &it, 1};
     assert_ok(n->ex.vt->launch(n->ex.self, &quiet));
-    assert_true(n->ex.vt->poll(n->ex.self, 300, res));
+    assert_true(n->ex.vt->poll(n->ex.self, 300, res, tops));
     assert_int_equal(res[0].token, -1);
+    free_node(n);
+}
+
+/* Top logprobs come back beside the results: poll writes tops[i] for the
+ * item that asked (as the synchronous call computes them) and leaves the
+ * other's entry alone; the synchronous call without a place for them
+ * refuses the batch. */
+static void poll_returns_top_logprobs_apart(void **state) {
+    (void)state;
+    node *n = mk_node("MAMA");
+    pd_batch_item it = prefill_item(n, 5, 0);
+    it.sampling.top_logprobs = 3;
+    pd_item_result want;
+    pd_item_top want_top;
+    char msg[200] = "";
+    assert_ok(pd_model_forward(&n->ex, &it, 1, &want, &want_top, NULL, msg, sizeof(msg)));
+    assert_int_equal(want.n_top, 3);
+    assert_err(pd_model_forward(&n->ex, &it, 1, &want, NULL, NULL, msg, sizeof(msg)),
+               PD_ERR_INVALID);
+    assert_non_null(strstr(msg, "top logprobs"));
+    pd_batch_item two[2] = {prefill_item(n, 6, 1), it};
+    two[0].pages = n->pages + 8; /* its own pages */
+    two[0].n_pages = PAGES - 8;
+    pd_batch b = {1, two, 2};
+    assert_ok(n->ex.vt->launch(n->ex.self, &b));
+    pd_item_result res[2];
+    pd_item_top tops[2];
+    memset(tops, 0x5A, sizeof(tops));
+    pd_item_top untouched;
+    memset(&untouched, 0x5A, sizeof(untouched));
+    assert_true(n->ex.vt->poll(n->ex.self, 1, res, tops));
+    assert_int_equal(res[0].n_top, 0);
+    assert_memory_equal(&tops[0], &untouched, sizeof(untouched));
+    assert_int_equal(res[1].n_top, 3);
+    assert_int_equal(res[1].token, want.token);
+    assert_memory_equal(tops[1].token, want_top.token, 3 * sizeof(int32_t));
+    assert_memory_equal(tops[1].logprob, want_top.logprob, 3 * sizeof(float));
     free_node(n);
 }
 
@@ -126,7 +164,8 @@ static void contract_breaking_items_are_refused_without_side_effects(void **stat
         assert_err(n->ex.vt->launch(n->ex.self, &b), PD_ERR_INVALID);
         pd_item_result res[2];
         char msg[300] = "";
-        assert_err(pd_model_forward(&n->ex, items, 2, res, NULL, msg, sizeof(msg)), PD_ERR_INVALID);
+        assert_err(pd_model_forward(&n->ex, items, 2, res, NULL, NULL, msg, sizeof(msg)),
+                   PD_ERR_INVALID);
         if (!strstr(msg, messages[c])) fail_msg("case %zu: '%s' lacks '%s'", c, msg, messages[c]);
         assert_memory_equal(n->mem.kv, kv_before, kv_bytes);
         assert_memory_equal(n->mem.mamba, mamba_before, mamba_bytes);
@@ -140,7 +179,8 @@ static void contract_breaking_items_are_refused_without_side_effects(void **stat
     pd_batch good = {51, ok, 2};
     assert_ok(n->ex.vt->launch(n->ex.self, &good));
     pd_item_result res[2];
-    assert_true(n->ex.vt->poll(n->ex.self, 51, res));
+    pd_item_top tops[2];
+    assert_true(n->ex.vt->poll(n->ex.self, 51, res, tops));
     free(mamba_before);
     free(kv_before);
     free_node(n);
@@ -269,6 +309,7 @@ static void create_refuses_bad_sizes_with_a_message(void **state) {
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(launched_batches_are_polled_in_order_with_forward_results),
+        cmocka_unit_test(poll_returns_top_logprobs_apart),
         cmocka_unit_test(contract_breaking_items_are_refused_without_side_effects),
         cmocka_unit_test(copy_state_copies_one_slot),
         cmocka_unit_test(host_write_back_and_load_restore_pages_exactly),

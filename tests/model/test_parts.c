@@ -126,15 +126,24 @@ static void deterministic_math_matches_libm_closely(void **state) {
 
 /* ---- sampling --------------------------------------------------------------------- */
 
-static pd_item_result sample_with(const float *logits, uint32_t vocab, const pd_sampling *sp,
-                                  uint32_t index, const int32_t *history) {
+/* mdl_sample into a result and a top list filled with garbage first; top
+ * NULL: the alternatives go nowhere. */
+static pd_item_result sample_top(const float *logits, uint32_t vocab, const pd_sampling *sp,
+                                 uint32_t index, const int32_t *history, pd_item_top *top) {
     float probs[64];
     uint64_t keys[64];
     PD_ASSERT(vocab <= 64);
     pd_item_result out;
     memset(&out, 0xA5, sizeof(out));
-    mdl_sample(logits, vocab, sp, index, history, probs, keys, &out);
+    if (top) memset(top, 0xA5, sizeof(*top));
+    mdl_sample(logits, vocab, sp, index, history, probs, keys, &out, top);
     return out;
+}
+
+static pd_item_result sample_with(const float *logits, uint32_t vocab, const pd_sampling *sp,
+                                  uint32_t index, const int32_t *history) {
+    pd_item_top top;
+    return sample_top(logits, vocab, sp, index, history, &top);
 }
 
 static void sample(const float *logits, uint32_t vocab, float temperature, float top_p,
@@ -228,25 +237,30 @@ static void top_logprobs_list_the_likeliest(void **state) {
     double z = 0;
     for (int i = 0; i < 6; i++) z += exp(logits[i]);
     pd_sampling sp = {.top_p = 1.0f, .top_logprobs = 3};
-    pd_item_result r = sample_with(logits, 6, &sp, 0, NULL);
+    pd_item_top t;
+    pd_item_result r = sample_top(logits, 6, &sp, 0, NULL, &t);
     assert_int_equal(r.token, 5);
     assert_int_equal(r.n_top, 3);
-    assert_int_equal(r.top_token[0], 5);
-    assert_int_equal(r.top_token[1], 1);
-    assert_int_equal(r.top_token[2], 2);
+    assert_int_equal(t.token[0], 5);
+    assert_int_equal(t.token[1], 1);
+    assert_int_equal(t.token[2], 2);
     for (uint32_t i = 0; i < 3; i++)
-        assert_float_equal(r.top_logprob[i], logits[r.top_token[i]] - log(z), 1e-6);
+        assert_float_equal(t.logprob[i], logits[t.token[i]] - log(z), 1e-6);
     sp.top_logprobs = 20;
-    r = sample_with(logits, 6, &sp, 0, NULL);
+    r = sample_top(logits, 6, &sp, 0, NULL, &t);
     assert_int_equal(r.n_top, 6);
-    assert_int_equal(r.top_token[5], 3);
+    assert_int_equal(t.token[5], 3);
+    /* nowhere to put them: none, and the same token */
+    r = sample_top(logits, 6, &sp, 0, NULL, NULL);
+    assert_int_equal(r.n_top, 0);
+    assert_int_equal(r.token, 5);
     /* a penalised choice outside the top: still the raw list */
     const int32_t hist[1] = {5};
     sp = (pd_sampling){.top_p = 1.0f, .top_logprobs = 1, .presence_penalty = 2.0f};
-    r = sample_with(logits, 6, &sp, 1, hist);
+    r = sample_top(logits, 6, &sp, 1, hist, &t);
     assert_int_equal(r.token, 1);
     assert_int_equal(r.n_top, 1);
-    assert_int_equal(r.top_token[0], 5);
+    assert_int_equal(t.token[0], 5);
 }
 
 static void greedy_takes_the_first_of_equal_maxima(void **state) {
