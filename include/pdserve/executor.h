@@ -67,27 +67,33 @@ static inline bool pd_sampling_penalized(const pd_sampling *s) {
         s->frequency_penalty != 0.0f || s->presence_penalty != 0.0f;
 }
 
+/* The fields a kept decode item changes every step (its position and sample
+ * index; its page count as the page table grows), with the request id that
+ * the executor and the poll read, come first, in 24 bytes: a decode step
+ * walks its 256 items, and with these fields spread over the item's 104
+ * bytes each took two cache lines (issue 13). Every initializer names its
+ * fields, so the order is free. */
 typedef struct pd_batch_item {
     uint64_t req;              /* engine's request id, echoed in the result */
-    const int32_t *tokens;     /* tokens at positions [start_pos, start_pos + n_tokens) */
-    uint32_t n_tokens;
     uint32_t start_pos;
+    uint32_t sample_index;     /* which output token is sampled (0 = the first) */
+    uint32_t n_pages;          /* of pages, below */
+    uint32_t n_tokens;
+    const int32_t *tokens;     /* tokens at positions [start_pos, start_pos + n_tokens) */
     /* Page table: pages[i] holds positions [i*page_size, (i+1)*page_size).
      * Covers at least start_pos + n_tokens positions. Positions before
      * start_pos already hold valid KV (computed, cached or transferred). */
     const uint32_t *pages;
-    uint32_t n_pages;
     /* Running Mamba state: read, advanced over the tokens, written back.
      * PD_POOL_NONE for a model without Mamba layers. */
     uint32_t mamba_slot;
     /* If not PD_POOL_NONE: after the last token, copy the state here too. */
     uint32_t snapshot_slot;
     bool sample;               /* produce the next token after the last position */
-    pd_sampling sampling;
-    uint32_t sample_index;     /* which output token is sampled (0 = the first) */
     /* The output tokens so far (sample_index of them), for the penalties;
      * NULL when the sampling is not penalized. */
     const int32_t *history;
+    pd_sampling sampling;
 } pd_batch_item;
 
 typedef struct pd_batch {
