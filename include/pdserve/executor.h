@@ -74,12 +74,12 @@ static inline bool pd_sampling_penalized(const pd_sampling *s) {
  * bytes each took two cache lines (issue 13). Every initializer names its
  * fields, so the order is free. */
 typedef struct pd_batch_item {
-    uint64_t req;              /* engine's request id, echoed in the result */
+    uint64_t req; /* engine's request id, echoed in the result */
     uint32_t start_pos;
-    uint32_t sample_index;     /* which output token is sampled (0 = the first) */
-    uint32_t n_pages;          /* of pages, below */
+    uint32_t sample_index; /* which output token is sampled (0 = the first) */
+    uint32_t n_pages;      /* of pages, below */
     uint32_t n_tokens;
-    const int32_t *tokens;     /* tokens at positions [start_pos, start_pos + n_tokens) */
+    const int32_t *tokens; /* tokens at positions [start_pos, start_pos + n_tokens) */
     /* Page table: pages[i] holds positions [i*page_size, (i+1)*page_size).
      * Covers at least start_pos + n_tokens positions. Positions before
      * start_pos already hold valid KV (computed, cached or transferred). */
