@@ -50,6 +50,13 @@ static void wait_bootstrapped(pair *w, const spec *s) {
     WAIT_FOR(st_of(w->dx, s->room) == PD_XFER_WAITING_FOR_INPUT);
 }
 
+/* A room that did not reach SUCCESS in time: both halves' statuses, so the
+ * failure says whether it ended otherwise or stalled. */
+static void fail_incomplete(pair *w, const spec *s) {
+    fail_msg("room %llu did not complete: sender status %d, receiver status %d (pd_xfer_status)",
+             (unsigned long long)s->room, (int)st_of(w->px, s->room), (int)st_of(w->dx, s->room));
+}
+
 /* Middle sends of `chunk` pages each, then the final send. */
 static void send_all(pair *w, const spec *s, uint32_t chunk) {
     uint32_t base = s->cached / w->o.page_size, done = 0;
@@ -732,7 +739,9 @@ static void completion_never_before_data(void **state) {
             seen[k] = true;
             left--;
         }
-        if (t_now_ms() - t0 > DEADLINE_MS) fail_msg("rooms did not complete");
+        if (t_now_ms() - t0 > DEADLINE_MS)
+            for (int k = 1; k < ROOMS; k++)
+                if (!seen[k]) fail_incomplete(w, &s[k]);
     }
     for (int k = 0; k < ROOMS; k++) finish_both(w, &s[k]);
     wait_no_rooms(w);
@@ -774,7 +783,9 @@ static void notice_never_overtakes_large_rooms(void **state) {
             check_landed(w, &s[k]);
             seen[k] = true;
         }
-        if (t_now_ms() - t0 > DEADLINE_MS) fail_msg("rooms did not complete");
+        if (t_now_ms() - t0 > DEADLINE_MS)
+            for (int k = 0; k < 2; k++)
+                if (!seen[k]) fail_incomplete(w, &s[k]);
     }
     for (int k = 0; k < 2; k++) finish_both(w, &s[k]);
     wait_no_rooms(w);
