@@ -147,7 +147,12 @@ void rt_loop_forget(rt_loop *l, rt_task *t) {
         if (t->all_next) t->all_next->all_prev = t->all_prev;
         t->live = false;
     }
-    PD_ASSERT(!t->marked && !t->poked && !t->live && !t->near);
+    /* Not t->poked: once the lock is let go another thread may poke t again
+     * (a client hanging up as its forward ends), which its owner expects
+     * and drops with a second forget (rt_fwd_destroy). Read here, the flag
+     * raced with that poke, and the assertion could fail on it (seen under
+     * ThreadSanitizer in test_node_stream_feed). */
+    PD_ASSERT(!t->marked && !t->live && !t->near);
 }
 
 /* The poked queue, emptied into the marked list; a task seen for the first

@@ -74,7 +74,9 @@ void rt_loop_poke(rt_loop *l, rt_task *t);
 void rt_loop_wake_at(rt_loop *l, rt_task *t, uint64_t wake_ms);
 /* Loop thread: step t before the loop waits again. */
 void rt_loop_mark(rt_loop *l, rt_task *t);
-/* Loop thread: t is going away; it is in no queue afterwards (L1). */
+/* Loop thread: t is going away; it is in no queue afterwards (L1) until
+ * another thread pokes it again, which its owner must stop before it frees
+ * t, and drop with a second forget (rt_fwd_destroy). */
 void rt_loop_forget(rt_loop *l, rt_task *t);
 /* Loop thread: adds x->easy (PRIVATE is set to x). False when curl refused. */
 bool rt_loop_add_xfer(rt_loop *l, rt_xfer *x);

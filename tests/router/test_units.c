@@ -1,7 +1,12 @@
 /* The router's pieces without sockets: worker URL parsing, the two
  * policies over candidate snapshots and the health hysteresis of the worker
  * table. (The error body is the http layer's: tests/http.) */
+#include <pthread.h>
+#include <stdatomic.h>
+#include <time.h>
+
 #include "../test_util.h"
+#include "loop.h"
 #include "policy.h"
 #include "workers.h"
 
@@ -156,6 +161,54 @@ static void create_refuses_bad_configurations(void **state) {
     assert_err(pd_router_policy_parse("fastest", &pol), PD_ERR_INVALID);
 }
 
+/* ---- the loop: a task forgotten while another thread pokes it ---------------- */
+
+/* A forward that ends as its client hangs up: its step forgets the task on
+ * the loop thread while the server's thread pokes it. A poke after the
+ * forget is allowed (the owner drops it with a second forget, as
+ * rt_fwd_destroy does); the forget must neither race with it nor fail its
+ * own assertion on it (it read the poked flag after letting the lock go:
+ * ThreadSanitizer, make tsan, reported the race in test_node_stream_feed). */
+typedef struct poked_task {
+    rt_task t; /* first: the step gets the task */
+    rt_loop *l;
+    atomic_uint steps;
+    atomic_bool stop;
+} poked_task;
+
+static void forget_step(rt_task *t) {
+    poked_task *p = (poked_task *)t;
+    rt_loop_forget(p->l, t);
+    atomic_fetch_add(&p->steps, 1);
+}
+
+static void *poker(void *arg) {
+    poked_task *p = arg;
+    while (!atomic_load(&p->stop)) rt_loop_poke(p->l, &p->t);
+    return NULL;
+}
+
+static void forget_holds_against_a_poke_from_another_thread(void **state) {
+    (void)state;
+    char msg[256];
+    poked_task p = {.t = {.step = forget_step}};
+    assert_ok(rt_loop_start(&p.l, msg, sizeof msg));
+    pthread_t th;
+    assert_int_equal(pthread_create(&th, NULL, poker, &p), 0);
+    /* until the loop stepped (and forgot) the task many times */
+    struct timespec nap = {0, 1000000};
+    for (int i = 0; i < 5000 && atomic_load(&p.steps) < 2000; i++) nanosleep(&nap, NULL);
+    atomic_store(&p.stop, true);
+    pthread_join(th, NULL);
+    assert_true(atomic_load(&p.steps) > 0);
+    /* the pokes that came after the last forget: one more step forgets them */
+    unsigned seen = atomic_load(&p.steps);
+    rt_loop_poke(p.l, &p.t);
+    for (int i = 0; i < 5000 && atomic_load(&p.steps) == seen; i++) nanosleep(&nap, NULL);
+    assert_true(atomic_load(&p.steps) > seen);
+    rt_loop_stop(p.l); /* every task forgotten */
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(worker_urls_parse_with_optional_bootstrap_port),
@@ -164,6 +217,7 @@ int main(void) {
         cmocka_unit_test(random_and_power_of_two_pick_healthy_workers),
         cmocka_unit_test(worker_leaves_after_two_failed_probes_and_returns_after_one),
         cmocka_unit_test(create_refuses_bad_configurations),
+        cmocka_unit_test(forget_holds_against_a_poke_from_another_thread),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
