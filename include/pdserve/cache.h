@@ -132,18 +132,15 @@ pd_err pd_cache_lock(pd_cache *c, pd_cnode node);
 /* Starts loading node's record: a hint for a walk that will start there
  * soon (no effect on the cache). */
 void pd_cache_prefetch(const pd_cache *c, pd_cnode node);
-/* Starts loading the child index slot a match of tokens will most likely
- * search: the one under the node where the last match of a prompt with the
- * same first and page_size-th tokens searched it, at this prompt's page
- * there (a guess; no effect on the cache). For the next request of a queue,
- * while the caller serves the one before. */
-void pd_cache_match_prefetch(const pd_cache *c, const int32_t *tokens, uint32_t n_tokens);
-/* pd_cache_match_prefetch in two halves, for a caller that has the prompt at
- * hand well before the match (the engine at submit, when it copies it in):
- * the guess reads the prompt and the cache's hint and keeps the slot's key;
- * the prefetch, later, only asks for that slot, reading nothing the guess
- * read (its own loads waited on a cold prompt and node, issue 13). A guess
- * that went stale since only asks for a useless line. key 0: no guess. */
+/* The child index slot a match of tokens will most likely search: the one
+ * under the node where the last match of a prompt with the same first and
+ * page_size-th tokens searched it, at this prompt's page there. Worked out
+ * while the caller has the prompt at hand (the engine at submit, when it
+ * copies it in) and kept; asked for later, one request ahead of the match,
+ * by pd_cache_guess_prefetch, which reads nothing the guess read (a guess
+ * made at admission waited on a cold prompt and node, issue 13). Neither
+ * changes the cache; a guess that went stale since only asks for a useless
+ * line. key 0: no guess. */
 typedef struct pd_cache_guess {
     uint64_t key;
 } pd_cache_guess;

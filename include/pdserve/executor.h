@@ -24,6 +24,8 @@
 #ifndef PDSERVE_EXECUTOR_H
 #define PDSERVE_EXECUTOR_H
 
+#include <string.h>
+
 #include "pdserve/base.h"
 #include "pdserve/pool.h"
 
@@ -122,6 +124,16 @@ typedef struct pd_item_top {
     int32_t token[PD_TOP_LOGPROBS_MAX];
     float logprob[PD_TOP_LOGPROBS_MAX];
 } pd_item_top;
+
+/* An executor's poll handing back n stored results (src, src_tops): the
+ * results, and the top-logprob entries of those that have any. */
+static inline void pd_item_results_copy(pd_item_result *dst, pd_item_top *dst_tops,
+                                        const pd_item_result *src, const pd_item_top *src_tops,
+                                        uint32_t n) {
+    memcpy(dst, src, n * sizeof(pd_item_result));
+    for (uint32_t i = 0; i < n; i++)
+        if (src[i].n_top) dst_tops[i] = src_tops[i];
+}
 
 /* Where the node's memory lives, for transport registration. Unit i of each
  * region starts at base + i * unit_bytes; a KV page holds that page's K and V

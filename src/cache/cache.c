@@ -111,7 +111,7 @@ struct pd_cache {
     uint64_t sum_evict[R__COUNT], sum_prot[R__COUNT];
     uint64_t clock;
     /* Where the last match of a prompt of this class (probe_slot) searched
-     * the child index: the guess of pd_cache_match_prefetch. Only a hint:
+     * the child index: what pd_cache_match_guess guesses from. Only a hint:
      * any value is safe. */
     uint32_t probe_hint[64];
     pd_cache_stats stats;
@@ -906,6 +906,15 @@ pd_err pd_cache_match(pd_cache *c, const int32_t *tokens, uint32_t n_tokens,
     return PD_OK;
 }
 
+/* The child key a search under parent for first_page will look up in the
+ * index, or 0 when it will not look there: a parent that is gone, or with
+ * so few children that child_find scans them. */
+static uint64_t searched_key(const pd_cache *c, uint32_t parent, const int32_t *first_page) {
+    const cnode *p = &c->nodes[parent];
+    if (!p->live || p->kids.len <= KIDS_SCAN_MAX) return 0;
+    return child_key(c, parent, first_page);
+}
+
 void pd_cache_match_guess(const pd_cache *c, const int32_t *tokens, uint32_t n_tokens,
                           pd_cache_guess *out) {
     if (!out) return;
@@ -913,21 +922,12 @@ void pd_cache_match_guess(const pd_cache *c, const int32_t *tokens, uint32_t n_t
     if (!c || !tokens || n_tokens < c->page_size) return;
     uint32_t p = c->probe_hint[probe_slot(c, tokens)];
     if (p >= c->nodes_max) return;
-    const cnode *n = &c->nodes[p];
-    uint32_t at = n->end_pages * c->page_size;
-    /* As pd_cache_prefetch_child: a parent with few children is scanned. */
-    if (at + c->page_size > n_tokens || !n->live || n->kids.len <= KIDS_SCAN_MAX) return;
-    out->key = child_key(c, p, tokens + at);
+    uint32_t at = c->nodes[p].end_pages * c->page_size;
+    if (at + c->page_size <= n_tokens) out->key = searched_key(c, p, tokens + at);
 }
 
 void pd_cache_guess_prefetch(const pd_cache *c, pd_cache_guess g) {
     if (c && g.key != 0) pd_index_prefetch(&c->children, g.key);
-}
-
-void pd_cache_match_prefetch(const pd_cache *c, const int32_t *tokens, uint32_t n_tokens) {
-    pd_cache_guess g;
-    pd_cache_match_guess(c, tokens, n_tokens, &g);
-    pd_cache_guess_prefetch(c, g);
 }
 
 void pd_cache_prefetch(const pd_cache *c, pd_cnode node) {
@@ -937,10 +937,8 @@ void pd_cache_prefetch(const pd_cache *c, pd_cnode node) {
 
 void pd_cache_prefetch_child(const pd_cache *c, pd_cnode parent, const int32_t *first_page) {
     if (!c || !first_page || parent >= c->nodes_max) return;
-    const cnode *p = &c->nodes[parent];
-    if (!p->live || p->kids.len <= KIDS_SCAN_MAX) return; /* child_find scans its children */
-    uint64_t h = child_key(c, parent, first_page);
-    pd_index_prefetch(&c->children, h);
+    uint64_t h = searched_key(c, parent, first_page);
+    if (h != 0) pd_index_prefetch(&c->children, h);
 }
 
 /* ---- locks ----------------------------------------------------------------- */

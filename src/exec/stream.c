@@ -223,9 +223,7 @@ static bool st_poll(void *self, uint64_t id, pd_item_result *results, pd_item_to
     PD_ASSERTF(o, "poll of unknown batch %llu", (unsigned long long)id);
     bool done = o->state == ST_DONE;
     if (done) {
-        memcpy(results, o->results, o->n * sizeof(pd_item_result));
-        for (uint32_t i = 0; i < o->n; i++)
-            if (o->results[i].n_top) tops[i] = o->tops[i];
+        pd_item_results_copy(results, tops, o->results, o->tops, o->n);
         o->state = ST_FREE;
     }
     pthread_mutex_unlock(&s->mu);

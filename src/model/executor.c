@@ -65,9 +65,7 @@ static bool exec_poll(void *self, uint64_t batch_id, pd_item_result *results, pd
     pending_batch *p = &e->ring[e->head];
     PD_ASSERTF(p->id == batch_id, "poll(%llu) but the oldest batch is %llu",
                (unsigned long long)batch_id, (unsigned long long)p->id);
-    memcpy(results, p->results, sizeof(pd_item_result) * p->n_items);
-    for (uint32_t i = 0; i < p->n_items; i++)
-        if (p->results[i].n_top) tops[i] = p->tops[i];
+    pd_item_results_copy(results, tops, p->results, p->tops, p->n_items);
     e->head = (e->head + 1) % PD_MODEL_INFLIGHT_MAX;
     e->count--;
     return true;

@@ -775,12 +775,13 @@ static void every_cache_keeps_its_node_and_token_arenas_line_aligned(void **stat
     }
 }
 
-/* pd_cache_match_prefetch is a hint: it reads no token past the n it is
- * given (prompts here are heap buffers of exactly that size, so ASan sees a
- * read past one), survives a hint that names a node deleted or reused, and
- * changes nothing in the cache. The shape: a two-page prefix with six
- * continuations, more than a match scans child by child, so a match past the
- * prefix searches the child index and leaves its hint there. */
+/* The match guess and its prefetch are a hint: the guess reads no token
+ * past the n it is given (prompts here are heap buffers of exactly that
+ * size, so ASan sees a read past one), survives a hint that names a node
+ * deleted or reused, and neither changes anything in the cache. The shape:
+ * a two-page prefix with six continuations, more than a match scans child by
+ * child, so a match past the prefix searches the child index and leaves its
+ * hint there. */
 static int32_t *prompt_of(uint32_t n, int32_t first, int32_t rest) {
     int32_t *t = malloc(n * sizeof(int32_t));
     for (uint32_t i = 0; i < n; i++) t[i] = i < 8 ? first + (int32_t)i : rest + (int32_t)i;
@@ -801,12 +802,20 @@ static void six_continuations_matched(cfx *f, const int32_t *q) {
     assert_int_equal(m.dev_tokens, 8);
 }
 
+/* What the engine does with a prompt: the guess at submit, its prefetch at
+ * the admission before. */
+static void guess_and_prefetch(const pd_cache *c, const int32_t *tokens, uint32_t n) {
+    pd_cache_guess g;
+    pd_cache_match_guess(c, tokens, n, &g);
+    pd_cache_guess_prefetch(c, g);
+}
+
 static void match_prefetch_is_only_a_hint(void **state) {
     (void)state;
     cfx *f = cfx_new(4, 256, 0, 0);
     int32_t *p0 = prompt_of(2, 100, 0);
-    pd_cache_match_prefetch(f->c, p0, 0); /* empty cache, no token, short prompt */
-    pd_cache_match_prefetch(f->c, p0, 2);
+    guess_and_prefetch(f->c, p0, 0); /* empty cache, no token, short prompt */
+    guess_and_prefetch(f->c, p0, 2);
     int32_t *q = prompt_of(16, 100, 9000);
     uint32_t pages[8];
     pd_cache_match_result m;
@@ -818,7 +827,7 @@ static void match_prefetch_is_only_a_hint(void **state) {
      * token ending before, at and after a page past it. */
     for (uint32_t n = 0; n <= 16; n++) {
         int32_t *t = prompt_of(n, 100, 5000);
-        pd_cache_match_prefetch(f->c, t, n);
+        guess_and_prefetch(f->c, t, n);
         free(t);
     }
     pd_cache_stats after;
@@ -829,7 +838,7 @@ static void match_prefetch_is_only_a_hint(void **state) {
     /* The hinted node deleted, then its record reused: eight one-page paths
      * take the seven records the clear freed (the free list's front). */
     pd_cache_clear(f->c);
-    pd_cache_match_prefetch(f->c, q, 16);
+    guess_and_prefetch(f->c, q, 16);
     int32_t *r = NULL;
     for (int k = 0; k < 8; k++) {
         free(r);
@@ -838,7 +847,7 @@ static void match_prefetch_is_only_a_hint(void **state) {
     }
     for (uint32_t n = 0; n <= 16; n++) {
         int32_t *t = prompt_of(n, 100, 7000);
-        pd_cache_match_prefetch(f->c, t, n);
+        guess_and_prefetch(f->c, t, n);
         free(t);
     }
     assert_ok(pd_cache_match(f->c, r, 4, pages, 8, &m));
