@@ -223,6 +223,13 @@ pd_err pd_cache_insert_locked(pd_cache *c, pd_cnode start, const int32_t *tokens
  * pages_needed device pages were freed or nothing evictable is left.
  * *pages_freed (may be NULL) receives the count. */
 pd_err pd_cache_evict(pd_cache *c, uint32_t pages_needed, uint32_t *pages_freed);
+/* pd_cache_evict for an allocation: the first pages_needed device pages the
+ * evictions release are not freed but move to REQ(owner), written to
+ * out[0, *taken); any beyond them are freed. *taken < pages_needed only when
+ * nothing evictable is left. Saves the pool a free and an allocation of the
+ * same pages. */
+pd_err pd_cache_evict_to(pd_cache *c, uint32_t pages_needed, pd_owner owner, uint32_t *out,
+                         uint32_t *taken);
 /* Frees host copies (least recently used first) until host_pages_needed. */
 pd_err pd_cache_evict_host(pd_cache *c, uint32_t host_pages_needed,
                            uint32_t *pages_freed);

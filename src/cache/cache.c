@@ -1374,7 +1374,16 @@ PD_PREFETCH_INLINE void prefetch_victim(const pd_cache *c, const cnode *n) {
     if (n->lru[L_DEV].next != PD_NONE) __builtin_prefetch(&c->nodes[n->lru[L_DEV].next]);
 }
 
-static uint32_t evict_device_node(pd_cache *c, uint32_t id) {
+/* Where an eviction hands its first pages, instead of freeing them: up to
+ * want pages move from the cache (evictable) to REQ(owner) and are written
+ * to out[got..]. */
+typedef struct evict_take {
+    pd_owner owner;
+    uint32_t *out;
+    uint32_t want, got;
+} evict_take;
+
+static uint32_t evict_device_node(pd_cache *c, uint32_t id, evict_take *t) {
     cnode *n = N(c, id);
     PD_ASSERT(n->on_dev && n->lock_ref == 0 && n->n_dev_children == 0);
     PD_ASSERT(n->loading == PD_NONE && id != PD_CNODE_ROOT);
@@ -1403,8 +1412,15 @@ static uint32_t evict_device_node(pd_cache *c, uint32_t id) {
             c->stats.written_back_pages += k;
         }
     }
-    uint32_t k = node_pages(c, id, false, c->scratch_a);
-    units_free(c, R_KV, c->scratch_a, k, PD_UNIT_CACHE_EVICTABLE, PD_OWNER_CACHE);
+    uint32_t k = node_pages(c, id, false, c->scratch_a), give = 0;
+    if (t && t->got < t->want) {
+        give = PD_MIN(k, t->want - t->got);
+        units_move(c, R_KV, c->scratch_a, give, PD_UNIT_CACHE_EVICTABLE, PD_OWNER_CACHE,
+                   PD_UNIT_REQ, t->owner);
+        memcpy(t->out + t->got, c->scratch_a, give * sizeof(uint32_t));
+        t->got += give;
+    }
+    units_free(c, R_KV, c->scratch_a + give, k - give, PD_UNIT_CACHE_EVICTABLE, PD_OWNER_CACHE);
     /* A node without a host copy is deleted below and its entries freed
      * (entry_alloc clears them when they are taken again): only a node that
      * stays, host-only, forgets its device pages entry by entry. */
@@ -1419,14 +1435,13 @@ static uint32_t evict_device_node(pd_cache *c, uint32_t id) {
     return k;
 }
 
-pd_err pd_cache_evict(pd_cache *c, uint32_t pages_needed, uint32_t *pages_freed) {
-    if (!c) return PD_ERR_INVALID;
+static uint32_t evict_pages(pd_cache *c, uint32_t pages_needed, evict_take *t) {
     c->clock++;
     uint32_t freed = 0;
     while (freed < pages_needed) {
         uint32_t id = first_eligible(c, L_DEV);
         if (id == PD_NONE) break;
-        freed += evict_device_node(c, id);
+        freed += evict_device_node(c, id, t);
     }
     /* The least recently used nodes are cold by definition, and the next
      * call evicts the list's head (usually a leaf): a pipeline one call
@@ -1444,7 +1459,24 @@ pd_err pd_cache_evict(pd_cache *c, uint32_t pages_needed, uint32_t *pages_freed)
      * next insert's: ask for the new head's (the evicted node's own line
      * and its entries' tokens, cold since they were least recently used). */
     if (freed > 0) prefetch_free(c);
+    return freed;
+}
+
+pd_err pd_cache_evict(pd_cache *c, uint32_t pages_needed, uint32_t *pages_freed) {
+    if (!c) return PD_ERR_INVALID;
+    uint32_t freed = evict_pages(c, pages_needed, NULL);
     if (pages_freed) *pages_freed = freed;
+    return PD_OK;
+}
+
+pd_err pd_cache_evict_to(pd_cache *c, uint32_t pages_needed, pd_owner owner, uint32_t *out,
+                         uint32_t *taken) {
+    if (!c || !taken || (pages_needed > 0 && !out) || owner == PD_OWNER_NONE ||
+        owner == PD_OWNER_CACHE)
+        return PD_ERR_INVALID;
+    evict_take t = {.owner = owner, .out = out, .want = pages_needed};
+    evict_pages(c, pages_needed, &t);
+    *taken = t.got;
     return PD_OK;
 }
 
@@ -1469,6 +1501,14 @@ pd_err pd_cache_evict_snapshots(pd_cache *c, uint32_t slots_needed,
         free_snapshot(c, id);
         emit(c, PD_EVICT_SNAPSHOT, id, stamp, false, false);
         freed++;
+    }
+    /* An admission evicts one snapshot a call, the list's head, least
+     * recently used and so cold: the next call's node lines start loading
+     * now (its slot and links, the line the unlink writes). */
+    uint32_t next = c->lists[L_MAMBA].head;
+    if (next != PD_NONE) {
+        __builtin_prefetch(&c->nodes[next]);
+        __builtin_prefetch((const char *)&c->nodes[next] + 64, 1);
     }
     if (slots_freed) *slots_freed = freed;
     return PD_OK;
@@ -1509,7 +1549,7 @@ pd_err pd_cache_load_begin(pd_cache *c, pd_cnode host_node, pd_owner owner,
     while (pd_pool_free_count(kv) < total) {
         uint32_t v = first_eligible(c, L_DEV);
         if (v == PD_NONE) break;
-        evict_device_node(c, v); /* never the locked path being loaded */
+        evict_device_node(c, v, NULL); /* never the locked path being loaded */
     }
     if (pd_pool_free_count(kv) < total) return PD_ERR_NOMEM;
     /* stack holds the path deepest-first; eviction cannot have touched it

@@ -329,7 +329,8 @@ static void retire_done(pd_engine *e) {
         if (k + 3 < n) eng_retire_prefetch_record(e, eng_req(e, owner_idx(d[k + 3])));
         if (k + 2 < n && (r = done_req(e, d[k + 2]))) eng_retire_prefetch_deps(e, r);
         if (k + 1 < n && (r = done_req(e, d[k + 1]))) eng_retire_prefetch_insert(e, r);
-        if ((r = done_req(e, d[k]))) eng_retire(e, r, r->term, r->finish, r->status, r->msg);
+        if ((r = done_req(e, d[k])))
+            eng_retire(e, r, (pd_terminal_kind)r->term, r->finish, r->status, r->msg);
     }
     e->done_n = 0;
 }

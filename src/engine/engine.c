@@ -92,7 +92,7 @@ void eng_act_report(pd_engine *e, const req *r, pd_action a, bool final, uint32_
                           .record = eng_idx(e, r),
                           .rid = r->rid,
                           .room = r->room,
-                          .kind = r->term,
+                          .kind = (pd_terminal_kind)r->term,
                           .final = final,
                           .n = n};
     e->obs(e->obs_ctx, &ev);
@@ -163,9 +163,8 @@ static req *record_alloc(pd_engine *e) {
     if (idx == PD_NONE) return NULL;
     pd_list_remove(&e->free_reqs, eng_qlinks(e), idx);
     req *r = &e->reqs[idx];
-    uint32_t gen = r->gen + 1;
+    uint32_t gen = eng_gen(r) + 1; /* a free record keeps its last owner */
     memset(r, 0, sizeof(*r));
-    r->gen = gen;
     r->owner = ((uint64_t)gen << 32) | (uint64_t)(idx + 1);
     r->live = true;
     r->queue = Q_NONE;
@@ -267,11 +266,15 @@ void eng_alloc_pages(pd_engine *e, req *r, uint32_t n) {
     PD_ASSERTF(r->reserved >= n, "request %s allocates %u pages beyond its reservation %u",
                r->rid, n, r->reserved);
     PD_ASSERT(r->n_pages + n <= e->pages_per_req);
-    uint32_t free_now = pd_pool_free_count(e->kv);
-    if (free_now < n && e->cache) PD_MUST(pd_cache_evict(e->cache, n - free_now, NULL));
+    uint32_t free_now = pd_pool_free_count(e->kv), taken = 0;
+    if (free_now < n && e->cache)
+        PD_MUST(pd_cache_evict_to(e->cache, n - free_now, r->owner, r->pages + r->n_pages, &taken));
     /* Within r's reservation, which admission checked against free +
      * evictable pages (eng_reserve_pages): this allocation cannot fail. */
-    LEDGER_MUST(e, pd_ledger_alloc(e->ledger, e->kv_id, n, r->owner, r->pages + r->n_pages));
+    if (n > taken)
+        LEDGER_MUST(e,
+                    pd_ledger_alloc(e->ledger, e->kv_id, n - taken, r->owner,
+                                    r->pages + r->n_pages + taken));
     r->n_pages += n;
     r->holds_kv = true;
     r->reserved -= n;
@@ -376,7 +379,7 @@ void eng_emit_terminal(pd_engine *e, req *r) {
         .tag = r->tag,
         .rid = r->rid,
         .room = r->room,
-        .kind = r->term,
+        .kind = (pd_terminal_kind)r->term,
         .finish = r->finish,
         .status_code = r->status,
         .message = r->msg,
@@ -585,7 +588,8 @@ void eng_retire(pd_engine *e, req *r, pd_terminal_kind kind, pd_finish_reason fi
 
 bool eng_result_after_retire_slow(pd_engine *e, req *r) {
     if (r->term == PD_TERM_NONE && !r->retire_pending) return false;
-    if (r->forwards_in_flight == 0) eng_retire(e, r, r->term, r->finish, r->status, r->msg);
+    if (r->forwards_in_flight == 0)
+        eng_retire(e, r, (pd_terminal_kind)r->term, r->finish, r->status, r->msg);
     return true;
 }
 
@@ -689,7 +693,7 @@ bool eng_batch_poll(pd_engine *e,
         const bitem *it = &b->items[i];
         if (i + AHEAD < b->n) eng_prefetch(e, b->items[i + AHEAD].idx);
         req *r = &e->reqs[it->idx];
-        if (!r->live || r->gen != it->gen) {
+        if (!r->live || eng_gen(r) != it->gen) {
             /* The request was fully retired and its record reused: a delayed
              * result is ignored — no release, no event. */
             e->ctr.late_results_ignored++;
@@ -1044,7 +1048,7 @@ static pd_err submit(pd_engine *e, const pd_request_spec *s, uint64_t now_us, pd
     r->history = history;
     r->max_new = s->max_new_tokens;
     r->sampling = s->sampling;
-    r->n_stop = s->n_stop_tokens;
+    r->n_stop = (uint8_t)s->n_stop_tokens; /* spec_check: at most PD_STOP_TOKENS_MAX */
     if (r->n_stop) memcpy(r->stop, s->stop_tokens, r->n_stop * sizeof(int32_t));
     r->ignore_eos = s->ignore_eos;
     if (s->peer) snprintf(r->peer, sizeof(r->peer), "%s", s->peer);
@@ -1149,7 +1153,7 @@ static bool describe(void *ctx, pd_owner owner, pd_owner_desc *d) {
     uint64_t lo = owner & 0xFFFFFFFFull;
     if (lo == 0 || lo > e->cfg.requests_max) return false;
     req *r = &e->reqs[lo - 1];
-    if (!r->live || r->gen != (uint32_t)(owner >> 32)) {
+    if (!r->live || eng_gen(r) != (uint32_t)(owner >> 32)) {
         snprintf(d->rid, sizeof(d->rid), "(retired record #%llu)", (unsigned long long)(lo - 1));
         snprintf(d->state, sizeof(d->state), "gone");
         return true;
@@ -1159,7 +1163,7 @@ static bool describe(void *ctx, pd_owner owner, pd_owner_desc *d) {
     snprintf(d->state, sizeof(d->state), "%s",
              r->queue < Q__COUNT ? queue_names[r->queue] : "none");
     snprintf(d->terminal, sizeof(d->terminal), "%s",
-             r->term ? pd_terminal_kind_name(r->term) : "");
+             r->term ? pd_terminal_kind_name((pd_terminal_kind)r->term) : "");
     return true;
 }
 
@@ -1177,7 +1181,7 @@ static pd_err tally_units(pd_engine *e, int pool_id, uint32_t *req_units, uint32
         if (st == PD_UNIT_REQ) {
             uint64_t lo = o & 0xFFFFFFFFull;
             req *r = (lo && lo <= e->cfg.requests_max) ? &e->reqs[lo - 1] : NULL;
-            if (!r || !r->live || r->gen != (uint32_t)(o >> 32)) {
+            if (!r || !r->live || eng_gen(r) != (uint32_t)(o >> 32)) {
                 result = pd_violation(report,
                                       "pool %s unit %u held by a request that no longer exists "
                                       "(owner %llu)",

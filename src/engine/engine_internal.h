@@ -36,33 +36,34 @@ enum {
 };
 
 typedef struct req {
-    /* ---- hot: what every step reads for every request it walks (the queue
-     * links, the decode batch and its results), first, in one cache line:
-     * records are cache-line aligned (arrays_alloc) ---- */
+    /* ---- hot: what the decode step reads of each running request for its
+     * token (the result, the sink's token event, the finish and retire
+     * tests, the next item), in one cache line: records are cache-line
+     * aligned (arrays_alloc), and a token reads no other line of its
+     * record (it read two before; issue 13) ---- */
     _Alignas(64) bool live;
     uint8_t queue;
     bool pending_chunk; /* launched chunks whose results are not processed */
     bool retire_pending;
-    uint32_t gen;
-    pd_owner owner; /* (gen << 32) | (index + 1): never 0 */
-    pd_link qlink;  /* in its queue, or (not live) in the free records */
+    bool ignore_eos;
+    uint8_t term;    /* pd_terminal_kind, set once */
+    uint8_t n_stop;  /* stop[0, n_stop): at most PD_STOP_TOKENS_MAX */
+    bool holds_room; /* transport state of the room */
+    pd_owner owner;  /* (generation << 32) | (index + 1): never 0 */
+    uint64_t tag;    /* the caller's (pd_request_spec.tag), in every sink event */
+    uint64_t room;
+    int32_t *history; /* the output tokens, kept when the sampling is penalised */
     uint32_t forwards_in_flight;
     uint32_t prompt_len;
     uint32_t out_len; /* decode: tokens generated (incl. the first) */
     uint32_t max_new;
     int32_t last_token;
     uint32_t n_pages;
-    uint32_t *pages;  /* page table: pages[i] holds positions [i*ps, (i+1)*ps) */
-    int32_t *history; /* the output tokens, kept when the sampling is penalised */
-    /* ---- warm: what each decode result reads besides the hot line (the
-     * token event's tag and room, the finish check, the retire test), first
-     * in the second line; then the rest of a fresh decode item ---- */
-    uint64_t tag; /* the caller's (pd_request_spec.tag), in every sink event */
-    uint64_t room;
-    pd_terminal_kind term;
-    uint32_t n_stop;
-    bool ignore_eos;
-    bool holds_room; /* transport state of the room */
+    /* ---- warm: the queue walks' links, the page table (a decode request
+     * reads it for a new page every page_size tokens), the rest of a fresh
+     * item ---- */
+    pd_link qlink;   /* in its queue, or (not live) in the free records */
+    uint32_t *pages; /* page table: pages[i] holds positions [i*ps, (i+1)*ps) */
     bool bootstrapped;
     uint32_t mamba_run;
     pd_sampling sampling;
@@ -118,10 +119,10 @@ typedef struct req {
     bool rid_indexed; /* in the rid index: until its terminal event is emitted */
 } req;
 
-/* The hot part of a record is one cache line, the warm part's first fields
- * (up to the decode result's) the next. */
-_Static_assert(offsetof(req, tag) <= 64, "req: the hot fields outgrew a cache line");
-_Static_assert(offsetof(req, bootstrapped) < 128, "req: the warm fields outgrew a cache line");
+/* The hot part of a record is one cache line, the warm part starts the next. */
+_Static_assert(offsetof(req, qlink) == 64, "req: the hot fields outgrew a cache line");
+_Static_assert(offsetof(req, mamba_run) < 128, "req: the warm fields outgrew a cache line");
+_Static_assert(PD_STOP_TOKENS_MAX <= UINT8_MAX, "req: n_stop is one byte");
 
 /* One item of a batch in flight. */
 typedef struct bitem {
@@ -225,6 +226,8 @@ PD_PREFETCH_INLINE void eng_prefetch(const pd_engine *e, uint32_t idx) {
     __builtin_prefetch(&e->reqs[idx]);
 }
 static inline uint32_t eng_idx(pd_engine *e, const req *r) { return (uint32_t)(r - e->reqs); }
+/* A record's generation (bumped each time it is taken): its owner's high half. */
+static inline uint32_t eng_gen(const req *r) { return (uint32_t)(r->owner >> 32); }
 /* The queues' (and the free records') links: pd_list over e->reqs. */
 static inline pd_links eng_qlinks(pd_engine *e) { return PD_LINKS(e->reqs, req, qlink); }
 /* Inline: a request changes queues a few times a node, from every file. */
@@ -253,7 +256,7 @@ static inline void eng_terminal_reason(pd_engine *e, req *r, pd_terminal_kind ki
                                        pd_finish_reason finish, int status, const char *msg) {
     if (r->term != PD_TERM_NONE) return;
     PD_ASSERT(kind != PD_TERM_NONE);
-    r->term = kind;
+    r->term = (uint8_t)kind;
     r->finish = finish;
     r->status = status;
     /* snprintf's cut, without a format parse on every retire */
@@ -316,6 +319,7 @@ void eng_emit_terminal(pd_engine *e, req *r);
  * child index slot where the insert of its finished prompt looks first. */
 PD_PREFETCH_INLINE void eng_retire_prefetch_record(const pd_engine *e, const req *r) {
     const char *p = (const char *)r;
+    __builtin_prefetch(p + offsetof(req, qlink), 1);
     __builtin_prefetch(p + offsetof(req, rid));
     __builtin_prefetch(p + offsetof(req, prompt));
     __builtin_prefetch(p + offsetof(req, t_submit));
@@ -370,7 +374,7 @@ static inline void eng_batch_add(pd_engine *e, batch_rec *b, req *r, const int32
     };
     PD_ASSERT((uint64_t)r->n_pages * e->cfg.page_size >= (uint64_t)start + n);
     b->items[b->n] = (bitem){.idx = eng_idx(e, r),
-                             .gen = r->gen,
+                             .gen = eng_gen(r),
                              .start = start,
                              .n = n,
                              .final = final,

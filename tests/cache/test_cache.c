@@ -183,6 +183,66 @@ static void log_evict(void *ctx, const pd_evict_event *ev) {
     if (lg->n < 64) lg->ev[lg->n++] = *ev;
 }
 
+/* pd_cache_evict_to: the evicted node's first pages go to the request
+ * (REQ of its owner) instead of the pool, the rest of the node's to the pool;
+ * with nothing evictable it takes nothing; bad arguments change nothing. */
+static void evict_to_hands_the_evicted_pages_to_the_request(void **state) {
+    (void)state;
+    cfx *f = cfx_new(4, 16, 0, 0);
+    int32_t x[16], y[16];
+    seq(x, 16, 100);
+    seq(y, 16, 200);
+    cfx_insert(f, 1, x, 4, PD_POOL_NONE);
+    pd_cache_insert_result ry = cfx_insert(f, 2, y, 4, PD_POOL_NONE);
+    uint32_t xp[4], rest[8], out[8], taken = 99;
+    pd_cache_match_result m;
+    assert_ok(pd_cache_match(f->c, x, 16, xp, 4, &m));
+    assert_ok(pd_cache_match(f->c, y, 16, out, 4, &m));     /* y is now the newer */
+    assert_ok(pd_ledger_alloc(f->l, f->kv_id, 8, 9, rest)); /* the pool is empty */
+    assert_int_equal(pd_pool_free_count(f->kv), 0);
+
+    assert_ok(pd_cache_evict_to(f->c, 3, 5, out, &taken));
+    assert_int_equal(taken, 3);
+    assert_memory_equal(out, xp, 3 * sizeof(uint32_t)); /* x, the older, in page order */
+    assert_int_equal(pd_ledger_owner_units(f->l, f->kv_id, PD_UNIT_REQ, 5), 3);
+    assert_int_equal(pd_pool_free_count(f->kv), 1); /* x's last page went to the pool */
+    assert_true(pd_pool_is_free(f->kv, xp[3]));
+    assert_int_equal(pd_ledger_count(f->l, f->kv_id, PD_UNIT_CACHE_EVICTABLE), 4);
+    pd_cache_stats st;
+    pd_cache_stats_get(f->c, &st);
+    assert_int_equal(st.evicted_dev_pages, 4);
+    assert_ok(pd_cache_match(f->c, x, 16, xp, 4, &m));
+    assert_int_equal(m.dev_tokens, 0);
+    cfx_check(f, false);
+
+    /* Bad arguments: refused, nothing evicted. */
+    assert_err(pd_cache_evict_to(NULL, 1, 5, out, &taken), PD_ERR_INVALID);
+    assert_err(pd_cache_evict_to(f->c, 1, PD_OWNER_NONE, out, &taken), PD_ERR_INVALID);
+    assert_err(pd_cache_evict_to(f->c, 1, 5, NULL, &taken), PD_ERR_INVALID);
+    assert_err(pd_cache_evict_to(f->c, 1, 5, out, NULL), PD_ERR_INVALID);
+    assert_int_equal(pd_ledger_count(f->l, f->kv_id, PD_UNIT_CACHE_EVICTABLE), 4);
+
+    /* Locked, y cannot go: nothing is taken. */
+    assert_ok(pd_cache_lock(f->c, ry.node));
+    assert_ok(pd_cache_evict_to(f->c, 2, 6, out + 3, &taken));
+    assert_int_equal(taken, 0);
+    assert_int_equal(pd_ledger_owner_units(f->l, f->kv_id, PD_UNIT_REQ, 6), 0);
+    assert_ok(pd_cache_unlock(f->c, ry.node));
+    /* Unlocked, all of y goes to the request and none to the pool. */
+    assert_ok(pd_cache_evict_to(f->c, 4, 6, out + 3, &taken));
+    assert_int_equal(taken, 4);
+    assert_int_equal(pd_pool_free_count(f->kv), 1);
+    assert_int_equal(pd_ledger_owner_units(f->l, f->kv_id, PD_UNIT_REQ, 6), 4);
+    cfx_check(f, false);
+
+    assert_ok(pd_ledger_free(f->l, f->kv_id, out, 3, PD_UNIT_REQ, 5));
+    assert_ok(pd_ledger_free(f->l, f->kv_id, out + 3, 4, PD_UNIT_REQ, 6));
+    assert_ok(pd_ledger_free(f->l, f->kv_id, rest, 8, PD_UNIT_REQ, 9));
+    assert_int_equal(pd_pool_free_count(f->kv), 16);
+    cfx_check(f, true);
+    cfx_free(f);
+}
+
 static void eviction_goes_leaf_first_up_a_chain(void **state) {
     (void)state;
     ev_log lg = {0};
@@ -919,6 +979,7 @@ int main(void) {
         cmocka_unit_test(lock_protects_a_path_from_eviction),
         cmocka_unit_test(lock_of_a_child_protects_its_ancestors),
         cmocka_unit_test(eviction_takes_least_recently_used_leaves_first),
+        cmocka_unit_test(evict_to_hands_the_evicted_pages_to_the_request),
         cmocka_unit_test(eviction_goes_leaf_first_up_a_chain),
         cmocka_unit_test(hybrid_match_stops_at_the_deepest_snapshot),
         cmocka_unit_test(snapshots_evict_alone_and_respect_their_lock),
