@@ -1104,6 +1104,13 @@ PD_PREFETCH_INLINE void prefetch_free(const pd_cache *c) {
     }
     for (uint32_t i = 0; e != PD_NONE && i < PREFETCH_FREE_ENTRIES && e + i < c->entries_max; i++)
         __builtin_prefetch(ent_tok(c, e + i), 1);
+    /* The free chain itself (each entry_alloc reads the next link) and the
+     * page slots the insert writes: a run, one line for sixteen entries. */
+    if (e != PD_NONE) {
+        __builtin_prefetch(&c->ent_next[e], 1);
+        __builtin_prefetch(&c->ent_dev[e], 1);
+        __builtin_prefetch(&c->ent_host[e], 1);
+    }
 }
 
 /* The rest of the prompt, pages [pos, n_pages), is new: one child of parent

@@ -111,6 +111,7 @@ static void poll_transfers(pd_engine *e) {
     while (idx != PD_NONE) {
         req *r = eng_req(e, idx);
         idx = r->qlink.next;
+        eng_prefetch_walk(e, idx);
         pd_xfer_status st = e->xfer.vt->status(e->xfer.self, r->room);
         if (st == PD_XFER_SUCCESS) {
             uint32_t ps = e->cfg.page_size;

@@ -225,6 +225,13 @@ static inline req *eng_req(pd_engine *e, uint32_t idx) {
 PD_PREFETCH_INLINE void eng_prefetch(const pd_engine *e, uint32_t idx) {
     __builtin_prefetch(&e->reqs[idx]);
 }
+/* A queue walk's next record (idx, PD_NONE: none): its links and its room,
+ * both lines, loading while the walk asks the transport about this one. */
+PD_PREFETCH_INLINE void eng_prefetch_walk(const pd_engine *e, uint32_t idx) {
+    if (idx == PD_NONE) return;
+    __builtin_prefetch(&e->reqs[idx]);
+    __builtin_prefetch((const char *)&e->reqs[idx] + 64);
+}
 static inline uint32_t eng_idx(pd_engine *e, const req *r) { return (uint32_t)(r - e->reqs); }
 /* A record's generation (bumped each time it is taken): its owner's high half. */
 static inline uint32_t eng_gen(const req *r) { return (uint32_t)(r->owner >> 32); }

@@ -109,6 +109,7 @@ static void poll_bootstrap_queue(pd_engine *e) {
     while (idx != PD_NONE) {
         req *r = eng_req(e, idx);
         idx = r->qlink.next;
+        eng_prefetch_walk(e, idx);
         if (!r->holds_meta) {
             if (pd_pool_free_count(e->meta) == 0) {
                 uint64_t timeout_us = e->cfg.bootstrap_timeout_us;
@@ -139,6 +140,7 @@ static void poll_rooms(pd_engine *e) {
         while (idx != PD_NONE) {
             req *r = eng_req(e, idx);
             idx = r->qlink.next;
+            eng_prefetch_walk(e, idx);
             if (!room_check(e, r)) continue;
             if (r->queue == Q_PARKED && r->bootstrapped) send_final(e, r);
         }
@@ -147,6 +149,7 @@ static void poll_rooms(pd_engine *e) {
     while (idx != PD_NONE) {
         req *r = eng_req(e, idx);
         idx = r->qlink.next;
+        eng_prefetch_walk(e, idx);
         pd_xfer_status st = e->xfer.vt->status(e->xfer.self, r->room);
         if (st == PD_XFER_SUCCESS) {
             r->t_xfer_done = e->now;
