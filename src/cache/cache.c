@@ -1478,9 +1478,8 @@ pd_err pd_cache_evict(pd_cache *c, uint32_t pages_needed, uint32_t *pages_freed)
 
 pd_err pd_cache_evict_to(pd_cache *c, uint32_t pages_needed, pd_owner owner, uint32_t *out,
                          uint32_t *taken) {
-    if (!c || !taken || (pages_needed > 0 && !out) || owner == PD_OWNER_NONE ||
-        owner == PD_OWNER_CACHE)
-        return PD_ERR_INVALID;
+    /* Owner 0 is no request's (PD_OWNER_NONE, which PD_OWNER_CACHE equals). */
+    if (!c || !taken || (pages_needed > 0 && !out) || owner == PD_OWNER_NONE) return PD_ERR_INVALID;
     evict_take t = {.owner = owner, .out = out, .want = pages_needed};
     evict_pages(c, pages_needed, &t);
     *taken = t.got;
