@@ -256,6 +256,10 @@ void pd_cache_clear(pd_cache *c);
 
 /* The cache's own sums, added into the per-pool-id slots of *sums. */
 void pd_cache_sums_get(const pd_cache *c, pd_cache_sums *sums);
+/* Device pages the cache holds unlocked (what eviction could free now): its
+ * sums' evictable count for the device pool, without filling a
+ * pd_cache_sums (admission asks once per request). */
+uint64_t pd_cache_dev_evictable(const pd_cache *c);
 
 typedef struct pd_cache_stats {
     uint32_t nodes;          /* live nodes, root excluded */

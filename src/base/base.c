@@ -26,7 +26,9 @@ static const char *const err_names[PD_ERR__COUNT] = {
 };
 
 const char *pd_build_kind(void) {
-#if defined(PD_BUILD_PGO)
+#if defined(PD_BUILD_PGO) && defined(PD_BUILD_LTO)
+    return "profile-guided, link-time optimised";
+#elif defined(PD_BUILD_PGO)
     return "profile-guided";
 #elif defined(PD_BUILD_PGO_GEN)
     return "instrumented (profile training)";

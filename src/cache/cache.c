@@ -1625,6 +1625,8 @@ void pd_cache_sums_get(const pd_cache *c, pd_cache_sums *sums) {
     }
 }
 
+uint64_t pd_cache_dev_evictable(const pd_cache *c) { return c->sum_evict[R_KV]; }
+
 void pd_cache_stats_get(const pd_cache *c, pd_cache_stats *out) {
     pd_cache_stats s = c->stats;
     s.nodes = c->nodes_live;

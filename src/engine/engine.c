@@ -228,11 +228,7 @@ static void record_free(pd_engine *e, req *r) {
 /* Pages an allocation can get now: free, or evictable from the cache. */
 static uint64_t kv_backing(pd_engine *e) {
     uint64_t avail = pd_pool_free_count(e->kv);
-    if (e->cache) {
-        pd_cache_sums s = {0};
-        pd_cache_sums_get(e->cache, &s);
-        avail += s.evictable[e->kv_id];
-    }
+    if (e->cache) avail += pd_cache_dev_evictable(e->cache);
     return avail;
 }
 

@@ -78,6 +78,10 @@ static inline void cfx_check(cfx *f, bool idle) {
     pd_cache_sums_get(f->c, &sums);
     pd_check_opts o = {.cache = &sums, .expect_idle = idle, .deep = true};
     if (pd_ledger_check(f->l, &o, &sb) != PD_OK) fail_msg("ledger check:\n%s", buf);
+    /* Admission's shortcut to the device pool's evictable pages agrees with
+     * the ledger's own count of them. */
+    assert_int_equal(pd_cache_dev_evictable(f->c),
+                     pd_ledger_count(f->l, f->kv_id, PD_UNIT_CACHE_EVICTABLE));
     char msg[256];
     if (pd_cache_verify(f->c, msg, sizeof(msg)) != PD_OK) fail_msg("cache verify: %s", msg);
 }
