@@ -186,13 +186,20 @@ static void buf_drop(int32_t **buf, uint32_t *cap) {
 }
 
 /* Makes *buf (of *cap tokens) hold n tokens: kept when it does, else
- * replaced. False, with no buffer left, when out of memory. */
+ * replaced. False, with no buffer left, when out of memory. Cache-line
+ * aligned, like the prefix cache's token arena: a 16-token page of the
+ * prompt is then one line, where malloc's 16-byte alignment spread three
+ * pages in four over two, and the match compares, and the insert copies,
+ * the prompt page by page. The capacity is rounded up to whole lines
+ * (aligned_alloc's size must be a multiple of its alignment). */
 static bool buf_fit(int32_t **buf, uint32_t *cap, uint32_t n) {
     if (*buf && *cap >= n) return true;
     buf_drop(buf, cap);
-    *buf = malloc((size_t)PD_MAX(n, 1u) * sizeof(int32_t));
+    enum { LINE_TOKENS = 64 / sizeof(int32_t) };
+    uint64_t tokens = ((uint64_t)PD_MAX(n, 1u) + LINE_TOKENS - 1) / LINE_TOKENS * LINE_TOKENS;
+    *buf = aligned_alloc(64, (size_t)tokens * sizeof(int32_t));
     if (!*buf) return false;
-    *cap = n;
+    *cap = (uint32_t)PD_MIN(tokens, (uint64_t)UINT32_MAX);
     return true;
 }
 
