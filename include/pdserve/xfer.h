@@ -109,6 +109,14 @@ typedef struct pd_xfer_vtable {
     /* This side ends a room it never opened; peer as for receiver_open
      * (decode side) or NULL (prefill side). May be NULL. */
     void (*cancel)(void *self, uint64_t room, const char *peer);
+    /* Status by event rather than by call (may be NULL: the engine then asks
+     * status()). Once this side has the room open, watch(room, slot) writes
+     * status(room) into *slot and from then on keeps it equal: whichever
+     * call or progress step of the transport changes the status writes the
+     * new one there, in the same thread. The transport stops writing at
+     * close(room) or watch(room, NULL). A room this side has not open (or
+     * has closed) gets its status written once and is not watched. */
+    void (*watch)(void *self, uint64_t room, uint8_t *slot);
 } pd_xfer_vtable;
 
 typedef struct pd_xfer {

@@ -112,7 +112,7 @@ static void poll_transfers(pd_engine *e) {
         req *r = eng_req(e, idx);
         idx = r->qlink.next;
         eng_prefetch_walk(e, idx);
-        pd_xfer_status st = e->xfer.vt->status(e->xfer.self, r->room);
+        pd_xfer_status st = eng_room_status(e, r);
         if (st == PD_XFER_SUCCESS) {
             uint32_t ps = e->cfg.page_size;
             uint64_t pages = PD_DIV_CEIL(r->prompt_len, ps) - r->cached_tokens / ps;
@@ -174,6 +174,7 @@ static int prealloc(pd_engine *e, req *r) {
         return 1;
     }
     r->holds_room = r->opened_room = true;
+    eng_room_watch(e, r);
     r->t_xfer_start = e->now;
     eng_act(e, r, PD_ACT_ROOM_OPEN, false, 0);
     return 1;

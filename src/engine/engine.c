@@ -859,6 +859,7 @@ pd_err pd_engine_create(pd_engine **out, const pd_engine_config *cfg_in,
     e->cfg = cfg;
     e->exec = exec;
     e->xfer = xfer;
+    e->xfer_watch = xfer.vt && xfer.vt->watch; /* a colocated engine has no transport */
     e->sink = sink;
     e->info = info;
     pd_exec_memory mem;
@@ -884,6 +885,12 @@ pd_err pd_engine_create(pd_engine **out, const pd_engine_config *cfg_in,
 
 void pd_engine_destroy(pd_engine *e) {
     if (!e) return;
+    /* The transport outlives the engine: it must not write into the records
+     * of rooms still open (a node shut down without draining them). */
+    if (e->reqs && e->xfer_watch)
+        for (uint32_t i = 0; i < e->cfg.requests_max; i++)
+            if (e->reqs[i].live && e->reqs[i].holds_room)
+                e->xfer.vt->watch(e->xfer.self, e->reqs[i].room, NULL);
     if (e->bufs)
         for (uint32_t i = 0; i < e->cfg.requests_max; i++) {
             req_buf *b = &e->bufs[i]; /* a live record's prompt and history too */

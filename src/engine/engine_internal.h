@@ -65,6 +65,7 @@ typedef struct req {
     pd_link qlink;   /* in its queue, or (not live) in the free records */
     uint32_t *pages; /* page table: pages[i] holds positions [i*ps, (i+1)*ps) */
     bool bootstrapped;
+    uint8_t xst; /* its room's pd_xfer_status, kept here by a watching transport */
     uint32_t mamba_run;
     pd_sampling sampling;
     int32_t stop[PD_STOP_TOKENS_MAX];
@@ -155,6 +156,7 @@ struct pd_engine {
     pd_engine_config cfg;
     pd_executor exec;
     pd_xfer xfer;
+    bool xfer_watch; /* the transport keeps each open room's status in its record (xst) */
     pd_sink sink;
     pd_model_info info;
 
@@ -233,6 +235,24 @@ PD_PREFETCH_INLINE void eng_prefetch_walk(const pd_engine *e, uint32_t idx) {
     __builtin_prefetch((const char *)&e->reqs[idx] + 64);
 }
 static inline uint32_t eng_idx(pd_engine *e, const req *r) { return (uint32_t)(r - e->reqs); }
+/* The status of r's room (r holds it). A transport that watches keeps it in
+ * the record, on the line the queue walks read anyway: no call, and none of
+ * the transport's own lines (its room table) per request and step. Debug
+ * builds ask the transport too, at every read. */
+static inline pd_xfer_status eng_room_status(pd_engine *e, const req *r) {
+    if (!e->xfer_watch) return e->xfer.vt->status(e->xfer.self, r->room);
+#ifndef NDEBUG
+    PD_ASSERTF(r->xst == (uint8_t)e->xfer.vt->status(e->xfer.self, r->room),
+               "request %s: the watched room status %s is not the transport's %s", r->rid,
+               pd_xfer_status_name((pd_xfer_status)r->xst),
+               pd_xfer_status_name(e->xfer.vt->status(e->xfer.self, r->room)));
+#endif
+    return (pd_xfer_status)r->xst;
+}
+/* After r opened its room: the transport keeps its status in r->xst. */
+static inline void eng_room_watch(pd_engine *e, req *r) {
+    if (e->xfer_watch) e->xfer.vt->watch(e->xfer.self, r->room, &r->xst);
+}
 /* A record's generation (bumped each time it is taken): its owner's high half. */
 static inline uint32_t eng_gen(const req *r) { return (uint32_t)(r->owner >> 32); }
 /* The queues' (and the free records') links: pd_list over e->reqs. */

@@ -76,7 +76,7 @@ static void send_final(pd_engine *e, req *r) {
  * false if the request was retired. */
 static bool room_check(pd_engine *e, req *r) {
     if (!r->holds_room) return true;
-    pd_xfer_status st = e->xfer.vt->status(e->xfer.self, r->room);
+    pd_xfer_status st = eng_room_status(e, r);
     if (st == PD_XFER_FAILED) {
         fail(e, r, r->bootstrapped ? "transfer failed: the room failed on the decode side"
                                    : "bootstrap failed");
@@ -126,6 +126,7 @@ static void poll_bootstrap_queue(pd_engine *e) {
                 continue;
             }
             r->holds_room = r->opened_room = true;
+            eng_room_watch(e, r);
             eng_act(e, r, PD_ACT_ROOM_OPEN, false, 0);
         }
         if (!room_check(e, r)) continue;
@@ -150,7 +151,7 @@ static void poll_rooms(pd_engine *e) {
         req *r = eng_req(e, idx);
         idx = r->qlink.next;
         eng_prefetch_walk(e, idx);
-        pd_xfer_status st = e->xfer.vt->status(e->xfer.self, r->room);
+        pd_xfer_status st = eng_room_status(e, r);
         if (st == PD_XFER_SUCCESS) {
             r->t_xfer_done = e->now;
             eng_retire(e, r, PD_TERM_FINISHED, PD_FINISH_TRANSFERRED, 200, "");

@@ -786,6 +786,15 @@ static void ep_cancel(void *self, uint64_t room_id, const char *peer) {
     room_release_if_done(lb, r);
 }
 
+/* The room core keeps the copy (xr_st): every status change of the loopback
+ * goes through it, in the engine's calls or in pd_loopback_advance. */
+static void ep_watch(void *self, uint64_t room_id, uint8_t *slot) {
+    endpoint *ep = self;
+    uint32_t r = room_find(ep->lb, room_id);
+    if (r != PD_NONE) xr_watch(&room_at(ep->lb, r)->h[ep->side], slot);
+    else if (slot) *slot = PD_XFER_NONE;
+}
+
 static const pd_xfer_vtable loopback_vt = {
     .sender_open = ep_sender_open,
     .sender_peer_cached = ep_sender_peer_cached,
@@ -797,6 +806,7 @@ static const pd_xfer_vtable loopback_vt = {
     .drained = ep_drained,
     .close = ep_close,
     .cancel = ep_cancel,
+    .watch = ep_watch,
 };
 
 /* ---- lifecycle and controls ---------------------------------------------------- */

@@ -48,9 +48,10 @@
 typedef enum xr_role { XR_SENDER = 0, XR_RECEIVER = 1 } xr_role;
 
 typedef struct xr_half {
-    bool open, closed; /* the engine opened / closed the room on this side */
-    bool cancelled;    /* this side ended the room without opening it */
-    pd_xfer_status st;
+    bool open, closed;   /* the engine opened / closed the room on this side */
+    bool cancelled;      /* this side ended the room without opening it */
+    pd_xfer_status st;   /* written through xr_st only */
+    uint8_t *watch;      /* the engine's copy of xr_status (pd_xfer_vtable.watch), or NULL */
     uint32_t writes_out; /* writes of the room that may still touch this node's memory */
     /* sender */
     bool done;        /* posts no more writes */
@@ -85,6 +86,9 @@ static inline bool xr_is_final(pd_xfer_status st);
 static inline void xr_set_status(xr_half *h, pd_xfer_status st);
 /* The status the engine sees: NONE until it opened the room. */
 static inline pd_xfer_status xr_status(const xr_half *h);
+/* The engine's copy of xr_status kept at slot (NULL: none) while the half is
+ * open; xr_close ends it. */
+static inline void xr_watch(xr_half *h, uint8_t *slot);
 
 /* Opens the half for the engine. PD_ERR_EXISTS if it was opened or ended
  * here before. A half already FAILED (news from the peer) stays FAILED. */
@@ -203,13 +207,25 @@ static inline bool xr_is_final(pd_xfer_status st) {
     return st == PD_XFER_SUCCESS || st == PD_XFER_FAILED;
 }
 
+static inline pd_xfer_status xr_status(const xr_half *h) { return h->open ? h->st : PD_XFER_NONE; }
+
+/* Every change of the status: the engine's copy follows it. */
+static inline void xr_st(xr_half *h, pd_xfer_status st) {
+    h->st = st;
+    if (h->watch) *h->watch = (uint8_t)xr_status(h);
+}
+
+static inline void xr_watch(xr_half *h, uint8_t *slot) {
+    bool keep = slot && h->open && !h->closed;
+    h->watch = keep ? slot : NULL;
+    if (slot) *slot = (uint8_t)xr_status(h);
+}
+
 static inline void xr_set_status(xr_half *h, pd_xfer_status st) {
     if (xr_is_final(h->st)) return;
     PD_ASSERT(st >= h->st || st == PD_XFER_FAILED);
-    h->st = st;
+    xr_st(h, st);
 }
-
-static inline pd_xfer_status xr_status(const xr_half *h) { return h->open ? h->st : PD_XFER_NONE; }
 
 static inline bool xr_can_open(const xr_half *h) { return !h->open && !h->closed && !h->cancelled; }
 
@@ -217,24 +233,24 @@ static inline pd_err xr_open_sender(xr_half *h, bool dest_known) {
     if (!xr_can_open(h)) return PD_ERR_EXISTS;
     h->open = true;
     if (h->st == PD_XFER_NONE)
-        h->st = dest_known ? PD_XFER_WAITING_FOR_INPUT : PD_XFER_BOOTSTRAPPING;
+        xr_st(h, dest_known ? PD_XFER_WAITING_FOR_INPUT : PD_XFER_BOOTSTRAPPING);
     return PD_OK;
 }
 
 static inline pd_err xr_open_receiver(xr_half *h) {
     if (!xr_can_open(h)) return PD_ERR_EXISTS;
     h->open = true;
-    if (h->st == PD_XFER_NONE) h->st = PD_XFER_BOOTSTRAPPING;
+    if (h->st == PD_XFER_NONE) xr_st(h, PD_XFER_BOOTSTRAPPING);
     return PD_OK;
 }
 
 static inline void xr_dest_arrived(xr_half *h) {
-    if (h->st == PD_XFER_BOOTSTRAPPING) h->st = PD_XFER_WAITING_FOR_INPUT;
+    if (h->st == PD_XFER_BOOTSTRAPPING) xr_st(h, PD_XFER_WAITING_FOR_INPUT);
 }
 
 static inline void xr_data_started(xr_half *h) {
     if (h->st == PD_XFER_BOOTSTRAPPING || h->st == PD_XFER_WAITING_FOR_INPUT)
-        h->st = PD_XFER_TRANSFERRING;
+        xr_st(h, PD_XFER_TRANSFERRING);
 }
 
 static inline void xr_abort_effective(xr_half *h) {
@@ -260,6 +276,7 @@ static inline bool xr_drained(const xr_half *h, xr_role role, uint64_t now) {
 
 static inline void xr_close(xr_half *h) {
     if (h->open) h->closed = true;
+    h->watch = NULL;
 }
 
 static inline bool xr_gone(const xr_half *h) { return h->open ? h->closed : h->cancelled; }

@@ -132,10 +132,156 @@ static void a_crowd_on_one_hint_slot(void **state) {
     free(f);
 }
 
+/* pd_xfer_vtable.watch: each side's watched byte equals status() after
+ * every call and every step of the loopback; it is no longer written once
+ * the side closed the room (a kill closes the dead side's halves), nor after
+ * watch(room, NULL); a room the side has not open is written once. */
+enum { UNWRITTEN = 0xEE };
+
+/* fx_init's fixture with a grace for a dead side's peer. */
+static fixture *watch_fixture(void) {
+    fixture *f = malloc(sizeof(*f));
+    assert_non_null(f);
+    fx_init(f, 8);
+    pd_loopback_destroy(f->lb);
+    pd_loopback_config lc = {.latency = 1, .dead_grace = 2, .rooms_max = 8, .page_size = 4};
+    assert_ok(pd_loopback_create(&f->lb, &lc));
+    for (int side = 0; side < 2; side++) {
+        pd_exec_memory m = {.kv = f->kv[side], .kv_page_bytes = PAGE_BYTES, .kv_pages = N_PAGES};
+        pd_loopback_register(f->lb, (pd_lb_side)side, &m, f->meta[side], 1);
+    }
+    f->s = pd_loopback_endpoint(f->lb, PD_LB_PREFILL);
+    f->r = pd_loopback_endpoint(f->lb, PD_LB_DECODE);
+    assert_non_null(f->s.vt->watch);
+    return f;
+}
+
+static void watch_fixture_free(fixture *f) {
+    step(f);
+    assert_int_equal(pd_loopback_pending(f->lb), 0);
+    pd_loopback_destroy(f->lb);
+    free(f);
+}
+
+static void watched_equal(fixture *f, uint64_t room, const uint8_t *ws, const uint8_t *wr) {
+    if (ws) assert_int_equal(*ws, st_s(f, room));
+    if (wr) assert_int_equal(*wr, st_r(f, room));
+}
+
+/* Opens room on both sides, each watched. */
+static void open_watched(fixture *f, uint64_t room, uint32_t *dst, uint8_t *ws, uint8_t *wr) {
+    open_r(f, room, dst);
+    f->r.vt->watch(f->r.self, room, wr);
+    assert_ok(f->s.vt->sender_open(f->s.self, room));
+    f->s.vt->watch(f->s.self, room, ws);
+    watched_equal(f, room, ws, wr);
+}
+
+static void watched_status_follows_a_room_to_its_end(void **state) {
+    (void)state;
+    fixture *f = watch_fixture();
+    uint8_t ws = UNWRITTEN, wr = UNWRITTEN;
+    f->s.vt->watch(f->s.self, 1, &ws); /* not open anywhere: NONE, not kept */
+    assert_int_equal(ws, PD_XFER_NONE);
+    uint32_t dst = 2, src = 1;
+    open_r(f, 1, &dst);
+    f->r.vt->watch(f->r.self, 1, &wr);
+    assert_int_equal(wr, PD_XFER_BOOTSTRAPPING);
+    ws = UNWRITTEN;
+    assert_ok(f->s.vt->sender_open(f->s.self, 1));
+    assert_int_equal(ws, UNWRITTEN); /* the earlier watch was not kept */
+    f->s.vt->watch(f->s.self, 1, &ws);
+    watched_equal(f, 1, &ws, &wr);
+    step(f); /* the destination reaches the sender */
+    assert_int_equal(ws, PD_XFER_WAITING_FOR_INPUT);
+    watched_equal(f, 1, &ws, &wr);
+    assert_ok(f->s.vt->send_final(f->s.self, 1, 0, &src, 1, PD_POOL_NONE, 0));
+    watched_equal(f, 1, &ws, &wr);
+    for (int i = 0; i < 4; i++) {
+        step(f);
+        watched_equal(f, 1, &ws, &wr);
+    }
+    assert_int_equal(ws, PD_XFER_SUCCESS);
+    assert_int_equal(wr, PD_XFER_SUCCESS);
+    f->s.vt->close(f->s.self, 1);
+    f->r.vt->close(f->r.self, 1);
+    watch_fixture_free(f);
+}
+
+static void a_watched_receiver_learns_the_abort(void **state) {
+    (void)state;
+    fixture *f = watch_fixture();
+    uint32_t dst = 2;
+    /* The sender aborts: the receiver's byte turns FAILED by itself. */
+    uint8_t ws = UNWRITTEN, wr = UNWRITTEN;
+    open_watched(f, 2, &dst, &ws, &wr);
+    step(f);
+    (void)f->s.vt->abort(f->s.self, 2);
+    watched_equal(f, 2, &ws, &wr);
+    for (int i = 0; i < 3; i++) step(f);
+    assert_int_equal(wr, PD_XFER_FAILED);
+    watched_equal(f, 2, &ws, &wr);
+    f->s.vt->close(f->s.self, 2);
+    f->r.vt->close(f->r.self, 2);
+    /* watch(room, NULL) ends it: the byte stays as it was left. */
+    open_watched(f, 3, &dst, &ws, &wr);
+    step(f);
+    f->r.vt->watch(f->r.self, 3, NULL);
+    wr = UNWRITTEN;
+    (void)f->s.vt->abort(f->s.self, 3);
+    for (int i = 0; i < 3; i++) step(f);
+    assert_int_equal(st_r(f, 3), PD_XFER_FAILED);
+    assert_int_equal(wr, UNWRITTEN);
+    f->s.vt->close(f->s.self, 3);
+    f->r.vt->close(f->r.self, 3);
+    watch_fixture_free(f);
+}
+
+static void a_closed_half_is_no_longer_written(void **state) {
+    (void)state;
+    fixture *f = watch_fixture();
+    uint32_t dst = 2;
+    /* The sender aborts and closes while bootstrapping: the destination
+     * still reaches its closed half, which moves on, but its byte is not
+     * written; the receiver's turns FAILED. */
+    uint8_t ws = UNWRITTEN, wr = UNWRITTEN;
+    open_watched(f, 5, &dst, &ws, &wr);
+    assert_int_equal(ws, PD_XFER_BOOTSTRAPPING);
+    (void)f->s.vt->abort(f->s.self, 5);
+    assert_true(f->s.vt->drained(f->s.self, 5));
+    f->s.vt->close(f->s.self, 5);
+    ws = UNWRITTEN;
+    for (int i = 0; i < 3; i++) {
+        step(f);
+        watched_equal(f, 5, NULL, &wr);
+    }
+    assert_int_equal(ws, UNWRITTEN);
+    assert_int_equal(wr, PD_XFER_FAILED);
+    f->r.vt->close(f->r.self, 5);
+    /* The prefill side dies: its halves close (its byte is no longer
+     * written), the decode side's turns FAILED after the grace. */
+    open_watched(f, 4, &dst, &ws, &wr);
+    step(f);
+    watched_equal(f, 4, &ws, &wr);
+    pd_loopback_kill(f->lb, PD_LB_PREFILL);
+    ws = UNWRITTEN;
+    for (int i = 0; i < 4; i++) {
+        step(f);
+        watched_equal(f, 4, NULL, &wr);
+    }
+    assert_int_equal(wr, PD_XFER_FAILED);
+    assert_int_equal(ws, UNWRITTEN);
+    f->r.vt->close(f->r.self, 4);
+    watch_fixture_free(f);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(ids_sharing_a_hint_see_only_their_own_room),
         cmocka_unit_test(a_crowd_on_one_hint_slot),
+        cmocka_unit_test(watched_status_follows_a_room_to_its_end),
+        cmocka_unit_test(a_watched_receiver_learns_the_abort),
+        cmocka_unit_test(a_closed_half_is_no_longer_written),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
