@@ -38,7 +38,7 @@ HOLD_S=${HOLD_S:-30}
 CONNS=${CONNS:-32}
 BASE=${BASE_PORT:-21000} # below the ephemeral range: a client port cannot hold it
 for f in "$PD" "$RS"; do [[ -x $f ]] || { echo "bench/router.sh: $f is missing (build it)" >&2; exit 2; }; done
-command -v wrk > /dev/null || { echo "bench/router.sh: wrk is not installed" >&2; exit 2; }
+command -v wrk > /dev/null || { echo "bench/router.sh: wrk is not installed (Debian: apt-get install wrk)" >&2; exit 2; }
 
 TMP=$(mktemp -d)
 PIDS=()
