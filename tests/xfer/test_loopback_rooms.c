@@ -177,6 +177,19 @@ static void open_watched(fixture *f, uint64_t room, uint32_t *dst, uint8_t *ws, 
     watched_equal(f, room, ws, wr);
 }
 
+/* n steps, each side's watched byte checked after each (NULL: not). */
+static void steps_watched(fixture *f, uint64_t room, int n, const uint8_t *ws, const uint8_t *wr) {
+    for (int i = 0; i < n; i++) {
+        step(f);
+        watched_equal(f, room, ws, wr);
+    }
+}
+
+static void close_both(fixture *f, uint64_t room) {
+    f->s.vt->close(f->s.self, room);
+    f->r.vt->close(f->r.self, room);
+}
+
 static void watched_status_follows_a_room_to_its_end(void **state) {
     (void)state;
     fixture *f = watch_fixture();
@@ -197,14 +210,10 @@ static void watched_status_follows_a_room_to_its_end(void **state) {
     watched_equal(f, 1, &ws, &wr);
     assert_ok(f->s.vt->send_final(f->s.self, 1, 0, &src, 1, PD_POOL_NONE, 0));
     watched_equal(f, 1, &ws, &wr);
-    for (int i = 0; i < 4; i++) {
-        step(f);
-        watched_equal(f, 1, &ws, &wr);
-    }
+    steps_watched(f, 1, 4, &ws, &wr);
     assert_int_equal(ws, PD_XFER_SUCCESS);
     assert_int_equal(wr, PD_XFER_SUCCESS);
-    f->s.vt->close(f->s.self, 1);
-    f->r.vt->close(f->r.self, 1);
+    close_both(f, 1);
     watch_fixture_free(f);
 }
 
@@ -218,11 +227,9 @@ static void a_watched_receiver_learns_the_abort(void **state) {
     step(f);
     (void)f->s.vt->abort(f->s.self, 2);
     watched_equal(f, 2, &ws, &wr);
-    for (int i = 0; i < 3; i++) step(f);
+    steps_watched(f, 2, 3, &ws, &wr);
     assert_int_equal(wr, PD_XFER_FAILED);
-    watched_equal(f, 2, &ws, &wr);
-    f->s.vt->close(f->s.self, 2);
-    f->r.vt->close(f->r.self, 2);
+    close_both(f, 2);
     /* watch(room, NULL) ends it: the byte stays as it was left. */
     open_watched(f, 3, &dst, &ws, &wr);
     step(f);
@@ -232,8 +239,7 @@ static void a_watched_receiver_learns_the_abort(void **state) {
     for (int i = 0; i < 3; i++) step(f);
     assert_int_equal(st_r(f, 3), PD_XFER_FAILED);
     assert_int_equal(wr, UNWRITTEN);
-    f->s.vt->close(f->s.self, 3);
-    f->r.vt->close(f->r.self, 3);
+    close_both(f, 3);
     watch_fixture_free(f);
 }
 
@@ -251,10 +257,7 @@ static void a_closed_half_is_no_longer_written(void **state) {
     assert_true(f->s.vt->drained(f->s.self, 5));
     f->s.vt->close(f->s.self, 5);
     ws = UNWRITTEN;
-    for (int i = 0; i < 3; i++) {
-        step(f);
-        watched_equal(f, 5, NULL, &wr);
-    }
+    steps_watched(f, 5, 3, NULL, &wr);
     assert_int_equal(ws, UNWRITTEN);
     assert_int_equal(wr, PD_XFER_FAILED);
     f->r.vt->close(f->r.self, 5);
@@ -265,10 +268,7 @@ static void a_closed_half_is_no_longer_written(void **state) {
     watched_equal(f, 4, &ws, &wr);
     pd_loopback_kill(f->lb, PD_LB_PREFILL);
     ws = UNWRITTEN;
-    for (int i = 0; i < 4; i++) {
-        step(f);
-        watched_equal(f, 4, NULL, &wr);
-    }
+    steps_watched(f, 4, 4, NULL, &wr);
     assert_int_equal(wr, PD_XFER_FAILED);
     assert_int_equal(ws, UNWRITTEN);
     f->r.vt->close(f->r.self, 4);
