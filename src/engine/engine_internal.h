@@ -227,8 +227,9 @@ static inline req *eng_req(pd_engine *e, uint32_t idx) {
 PD_PREFETCH_INLINE void eng_prefetch(const pd_engine *e, uint32_t idx) {
     __builtin_prefetch(&e->reqs[idx]);
 }
-/* A queue walk's next record (idx, PD_NONE: none): its links and its room,
- * both lines, loading while the walk asks the transport about this one. */
+/* A queue walk's next record (idx, PD_NONE: none): its links, its room and
+ * the room's watched status, both lines, loading while the walk handles this
+ * one. */
 PD_PREFETCH_INLINE void eng_prefetch_walk(const pd_engine *e, uint32_t idx) {
     if (idx == PD_NONE) return;
     __builtin_prefetch(&e->reqs[idx]);

@@ -368,6 +368,30 @@ static void a_stale_meta_row_with_the_rooms_nonce_fails_it(void **state) {
     pd_loopback_destroy(lb);
 }
 
+/* A decode engine destroyed with its room open (a node shut down without
+ * draining): the loopback watched the room's status into the engine's
+ * record, and must not write it after the engine is gone. The sender's
+ * abort reaching the receiver's half afterwards changes that half's status;
+ * were the record still watched, ASan would report the write into freed
+ * memory. */
+static void an_engine_destroyed_with_its_room_open_is_not_written_after(void **state) {
+    (void)state;
+    world *w = world_new(PD_ROLE_DECODE);
+    pd_request_spec s = good();
+    assert_ok(pd_engine_submit(w->e, &s, 0, NULL));
+    pd_engine_step(w->e, 1); /* preallocates and opens the room, watched */
+    pd_xfer snd = pd_loopback_endpoint(w->lb, PD_LB_PREFILL);
+    assert_int_equal(pd_loopback_status(w->lb, PD_LB_DECODE, s.room), PD_XFER_BOOTSTRAPPING);
+    pd_engine_destroy(w->e);
+    w->e = NULL;
+    assert_ok(snd.vt->sender_open(snd.self, s.room));
+    pd_loopback_advance(w->lb, 2); /* the destination reaches the sender */
+    (void)snd.vt->abort(snd.self, s.room);
+    for (uint64_t t = 3; t < 8; t++) pd_loopback_advance(w->lb, t);
+    assert_int_equal(pd_loopback_status(w->lb, PD_LB_DECODE, s.room), PD_XFER_FAILED);
+    world_free(w);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(bad_requests_are_refused_with_a_reason),
@@ -376,6 +400,7 @@ int main(void) {
         cmocka_unit_test(create_refuses_inconsistent_configurations),
         cmocka_unit_test(engine_check_catches_flags_disagreeing_with_the_ledger),
         cmocka_unit_test(a_stale_meta_row_with_the_rooms_nonce_fails_it),
+        cmocka_unit_test(an_engine_destroyed_with_its_room_open_is_not_written_after),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
