@@ -9,6 +9,7 @@ scheduler step) and stopped at the end; a test never touches anything but
 import http.client
 import json
 import os
+import random
 import signal
 import socket
 import shutil
@@ -20,7 +21,44 @@ import traceback
 PDSERVE = os.environ.get("PDSERVE") or sys.argv[1]
 
 
+def _ephemeral_low():
+    """The lowest port the kernel hands to outgoing connections."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+_ports = random.Random(os.getpid() * 1000003 + time.time_ns())
+# Ports free_port hands out first, before drawing (tests of the harness).
+next_ports = []
+
+
 def free_port():
+    """A port of 127.0.0.1 nothing is bound to now, for a server to listen on.
+
+    Drawn below the kernel's ephemeral range: a port from bind(0) is one the
+    kernel also gives outgoing connections (a router's to its nodes, a
+    client's), and one of those could take it between this check and the
+    server's own bind. That race failed e2e_reference under ThreadSanitizer
+    ("cannot listen on 127.0.0.1:43177: Address already in use"). Another
+    test running alongside may still draw the same port; Server starts again
+    on a new one when its bind fails."""
+    if next_ports:
+        return next_ports.pop(0)
+    high = _ephemeral_low()
+    low = max(1024, high - 12000)
+    for _ in range(200):
+        port = _ports.randrange(low, high)
+        s = socket.socket()
+        try:
+            s.bind(("127.0.0.1", port))
+            return port
+        except OSError:
+            continue
+        finally:
+            s.close()
     s = socket.socket()
     s.bind(("127.0.0.1", 0))
     port = s.getsockname()[1]
@@ -28,26 +66,52 @@ def free_port():
     return port
 
 
+PORT_CLASH = "Address already in use"
+
+
 class Server:
-    """A pdserve process (serve, prefill, decode, router or run)."""
+    """A pdserve process (serve, prefill, decode, router or run). With no
+    port given it takes a free one, and starts again on another (up to
+    three times) if its listen fails because something took that port in
+    the meantime."""
 
     def __init__(self, args, port_flag="--port", env=None, wait=True, name=None, port=None):
-        self.port = port or free_port()
         self.name = name or args[0]
-        cmd = [PDSERVE] + list(args) + [port_flag, str(self.port)]
-        full_env = dict(os.environ)
+        self.cmd_tail = (list(args), port_flag)
+        self.full_env = dict(os.environ)
         if env:
-            full_env.update(env)
-        self.log_path = "/tmp/pdserve-e2e-%s-%d.log" % (self.name, self.port)
-        self.log = open(self.log_path, "w")
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=full_env)
+            self.full_env.update(env)
+        self.own_port = port is None
+        self.port = port or free_port()
+        self.start()
         if wait:
             self.wait_healthy()
+
+    def start(self):
+        args, port_flag = self.cmd_tail
+        cmd = [PDSERVE] + args + [port_flag, str(self.port)]
+        self.log_path = "/tmp/pdserve-e2e-%s-%d.log" % (self.name, self.port)
+        self.log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=self.full_env)
+
+    def clashed(self):
+        """Whether the process ended because its port was taken (then, if the
+        port was ours to choose, it has been started again on a new one)."""
+        if not getattr(self, "own_port", False) or self.proc.poll() is None or \
+                PORT_CLASH not in self.output():
+            return False
+        if getattr(self, "restarts", 0) >= 3:
+            return False
+        self.restarts = getattr(self, "restarts", 0) + 1
+        self.log.close()
+        self.port = free_port()
+        self.start()
+        return True
 
     def wait_healthy(self, timeout=60):
         deadline = time.time() + timeout
         while time.time() < deadline:
-            if self.proc.poll() is not None:
+            if self.proc.poll() is not None and not self.clashed():
                 raise AssertionError("%s exited with %d:\n%s" % (self.name, self.proc.returncode, self.output()))
             try:
                 st, _ = self.get("/health", timeout=2)

@@ -22,6 +22,7 @@ class Run:
         deadline = time.time() + 60
         self.p = self.d = None
         while time.time() < deadline and not (self.p and self.d):
+            self.router.clashed()  # its port taken meanwhile: started again on another
             for line in self.router.output().splitlines():
                 if "decode node http://" in line:
                     part = line.split("prefill node http://")[1]

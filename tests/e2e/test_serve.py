@@ -354,6 +354,27 @@ def test_sglang_stream_client_rebuilds_the_answer():
             srv.stop()
 
 
+def test_a_server_whose_port_is_taken_starts_on_another():
+    # The harness's side of a port race (pdtest.free_port): a port drawn
+    # free and taken before the server's bind. The server must say so and
+    # the harness start it again elsewhere, not fail the test.
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", pdtest.free_port()))
+    taken.listen(1)
+    try:
+        pdtest.next_ports.append(taken.getsockname()[1])
+        serve = Server(["serve", "--strict"])
+        try:
+            assert serve.port != taken.getsockname()[1] and serve.restarts == 1, serve.port
+            st, _ = serve.get("/health")
+            assert st == 200
+        finally:
+            serve.stop()
+    finally:
+        taken.close()
+        del pdtest.next_ports[:]
+
+
 if __name__ == "__main__":
     pdtest.run_tests([
         test_serve_matches_generate_page_16_chunk_512,
@@ -366,4 +387,5 @@ if __name__ == "__main__":
         test_known_but_unsupported_parameters_are_refused_by_name,
         test_sglang_spellings_opt_equals_value_and_version,
         test_sglang_stream_client_rebuilds_the_answer,
+        test_a_server_whose_port_is_taken_starts_on_another,
     ])
