@@ -20,8 +20,27 @@ pdserve=$build/pdserve
 models=${SERVING_MODELS:-tiny granite-350m}
 mkdir -p "$out"
 
+# A port nothing is bound to, drawn below the kernel's ephemeral range: one
+# from bind(0) is also given to outgoing connections, which could take it
+# before pdserve binds it (the race tests/e2e/pdtest.py's free_port avoids).
 free_port() {
-  python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'
+  python3 -c 'import random, socket
+low = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+for _ in range(200):
+    port, s = random.randrange(max(1024, low - 12000), low), socket.socket()
+    try:
+        s.bind(("127.0.0.1", port))
+        break
+    except OSError:
+        continue
+    finally:
+        s.close()
+else:
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+print(port)'
 }
 
 run_pid=
