@@ -15,9 +15,11 @@ if ! command -v nm >/dev/null; then
 fi
 heap='malloc|calloc|realloc|reallocarray|aligned_alloc|posix_memalign|memalign|valloc|pvalloc|strdup|strndup'
 status=0
+seen=0
 for lib in "$@"; do
     for sym in $(nm -u "$lib" 2>/dev/null | awk '{ print $NF }' | sed 's/@.*//' | sort -u |
                  grep -xE "$heap"); do
+        seen=$((seen + 1))
         case " $wrapped " in
         *" $sym "*) ;;
         *) echo "allocators_wrapped: $(basename "$lib") calls $sym, which bench/sched does not" \
@@ -26,5 +28,11 @@ for lib in "$@"; do
         esac
     done
 done
+# The core allocates (every library calls calloc or malloc): none seen means
+# nm could not read the libraries, and the check would pass on nothing.
+if [ $seen -eq 0 ]; then
+    echo "allocators_wrapped: nm listed no heap allocator in $* (unreadable libraries?)"
+    exit 1
+fi
 [ $status -eq 0 ] && echo "allocators_wrapped: every heap allocator the core calls is counted ($wrapped)"
 exit $status
