@@ -75,6 +75,9 @@ class Server:
     three times) if its listen fails because something took that port in
     the meantime."""
 
+    own_port = False  # the harness chose the port (a restart may choose another)
+    restarts = 0
+
     def __init__(self, args, port_flag="--port", env=None, wait=True, name=None, port=None):
         self.name = name or args[0]
         self.cmd_tail = (list(args), port_flag)
@@ -97,12 +100,10 @@ class Server:
     def clashed(self):
         """Whether the process ended because its port was taken (then, if the
         port was ours to choose, it has been started again on a new one)."""
-        if not getattr(self, "own_port", False) or self.proc.poll() is None or \
+        if not self.own_port or self.restarts >= 3 or self.proc.poll() is None or \
                 PORT_CLASH not in self.output():
             return False
-        if getattr(self, "restarts", 0) >= 3:
-            return False
-        self.restarts = getattr(self, "restarts", 0) + 1
+        self.restarts += 1
         self.log.close()
         self.port = free_port()
         self.start()
