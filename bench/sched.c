@@ -17,6 +17,18 @@
  * is the production setting; --strict measures the per-unit owner map that
  * tests and the simulator use, for comparison.
  *
+ * The core probe (on unless --no-probe): after each step pair, a fixed block
+ * of register-only work is timed (eight independent add-and-shift chains, no
+ * memory access). Nothing of ours can change its time; what does is the
+ * machine's: on a shared host the physical core's other hardware thread
+ * belongs to another tenant, and when it runs, this block takes up to twice
+ * as long (docs/engine.md, "Issue 13, twenty-second round"). A step pair is
+ * on a quiet core when the probes either side of it read within PROBE_QUIET
+ * of the run's fastest. The plain medians above are the figures; the probe
+ * line says how much of the run the core was quiet, and the step medians of
+ * those steps and of the rest, so that a reading carries its machine's
+ * state with it.
+ *
  * Allocations are counted by wrapping malloc, calloc, realloc and
  * aligned_alloc at link time (-Wl,--wrap, CMakeLists.txt): every call from
  * pdserve's own code goes through the counters below; calls libc makes
@@ -24,6 +36,7 @@
  * posts a send are counted apart: the loopback stands in for the network and
  * is not part of the scheduler.
  */
+#include <errno.h>
 #include <stdio.h>
 #include <string.h>
 
@@ -239,6 +252,70 @@ static void c_term(void *self, const pd_terminal_event *ev) {
 }
 static const pd_sink_vtable cvt = {.token = c_token, .terminal = c_term};
 
+/* ---- the core probe ------------------------------------------------------------ */
+
+enum { PROBE_ITERS = 1024 }; /* about 2 us on this machine's quiet core */
+#define PROBE_QUIET 1.05     /* within 5 % of the run's fastest probe */
+
+static volatile uint64_t g_probe_sink;
+
+/* Nanoseconds for PROBE_ITERS rounds of eight independent add-and-shift
+ * chains held in registers: throughput-bound (eight chains keep every ALU
+ * busy), so it slows when another hardware thread shares the core, and it
+ * touches no memory, so our caches cannot move it. The empty asm keeps the
+ * chains in registers and unvectorised. */
+static uint64_t core_probe_ns(void) {
+    uint64_t a = 1, b = 2, c = 3, d = 4, e = 5, f = 6, g = 7, h = 8;
+    uint64_t t0 = bench_now_ns();
+    for (uint32_t i = 0; i < PROBE_ITERS; i++) {
+        a += a >> 1, b += b >> 1, c += c >> 1, d += d >> 1;
+        e += e >> 1, f += f >> 1, g += g >> 1, h += h >> 1;
+        __asm__ volatile(""
+                         : "+r"(a), "+r"(b), "+r"(c), "+r"(d), "+r"(e), "+r"(f), "+r"(g), "+r"(h));
+    }
+    uint64_t t1 = bench_now_ns();
+    g_probe_sink = a ^ b ^ c ^ d ^ e ^ f ^ g ^ h;
+    return t1 - t0;
+}
+
+/* A run's steps split by the probe: the share of step pairs on a quiet core
+ * and the step medians of each side (0 where a side has none). pr[0] is the
+ * probe before the first step, pr[i + 1] the one after step i; a step is on
+ * a quiet core when both read within PROBE_QUIET of `best`, the fastest
+ * probe of the whole invocation (a run spent entirely beside a busy thread
+ * has no quiet step, rather than one judged against its own slow best). */
+typedef struct probe_split {
+    double quiet_share, p_quiet, d_quiet, p_busy, d_busy;
+} probe_split;
+
+static probe_split probe_split_of(const uint64_t *pr, const double *tp, const double *td,
+                                  uint32_t steps, uint64_t best) {
+    double *q[2] = {malloc(steps * sizeof(double)), malloc(steps * sizeof(double))};
+    double *o[2] = {malloc(steps * sizeof(double)), malloc(steps * sizeof(double))};
+    PD_ASSERT(q[0] && q[1] && o[0] && o[1]);
+    size_t nq = 0, no = 0;
+    for (uint32_t i = 0; i < steps; i++) {
+        if ((double)PD_MAX(pr[i], pr[i + 1]) <= PROBE_QUIET * (double)best) {
+            q[0][nq] = tp[i], q[1][nq++] = td[i];
+        } else {
+            o[0][no] = tp[i], o[1][no++] = td[i];
+        }
+    }
+    probe_split ps = {.quiet_share = (double)nq / steps,
+                      .p_quiet = bench_median(q[0], nq),
+                      .d_quiet = bench_median(q[1], nq),
+                      .p_busy = bench_median(o[0], no),
+                      .d_busy = bench_median(o[1], no)};
+    for (int k = 0; k < 2; k++) free(q[k]), free(o[k]);
+    return ps;
+}
+
+/* Each run's steps in order and its probes, kept until every run is done. */
+typedef struct trace {
+    double *tp, *td; /* steps each */
+    uint64_t *pr;    /* steps + 1 */
+} trace;
+
 /* ---- the benchmark ------------------------------------------------------------- */
 
 typedef struct figures {
@@ -352,12 +429,16 @@ static void top_up(engines *en, requests *rq, uint32_t live, uint64_t now) {
     }
 }
 
-static figures run(uint32_t live, uint32_t steps, bool strict, uint64_t seed) {
+/* One run; with tr, each step pair is followed by the core probe, and the
+ * steps' times (in order) and the probes are kept in *tr. */
+static figures run(uint32_t live, uint32_t steps, bool strict, uint64_t seed, trace *tr) {
     engines en;
     engines_open(&en, live, strict);
     static requests rq;
     requests_init(&rq, seed);
     double *tp = malloc(steps * sizeof(double)), *td = malloc(steps * sizeof(double));
+    PD_ASSERT(tp && td);
+    if (tr) tr->pr[0] = core_probe_ns();
     uint64_t a0[SCOPE__N] = {0}, submitted0 = 0;
     uint32_t steady_from = steps / 2;
     uint64_t t_start = bench_now_ns();
@@ -380,10 +461,15 @@ static figures run(uint32_t live, uint32_t steps, bool strict, uint64_t seed) {
         g_scope = SCOPE_OTHER;
         tp[step] = (double)(t1 - t0) / 1e3;
         td[step] = (double)(t2 - t1) / 1e3;
+        if (tr) tr->pr[step + 1] = core_probe_ns();
     }
     double secs = (double)(bench_now_ns() - t_start) / 1e9;
     double steady_steps = (double)(steps - steady_from);
     uint64_t steady_reqs = rq.submitted - submitted0;
+    if (tr) { /* in step order: the medians below sort tp and td */
+        memcpy(tr->tp, tp, steps * sizeof(double));
+        memcpy(tr->td, td, steps * sizeof(double));
+    }
     figures f = {
         .p_med = bench_median(tp, steps), .d_med = bench_median(td, steps),
         .p_p99 = bench_percentile(tp, steps, 99), .d_p99 = bench_percentile(td, steps, 99),
@@ -402,16 +488,96 @@ static figures run(uint32_t live, uint32_t steps, bool strict, uint64_t seed) {
     return f;
 }
 
+/* The probe's block, after every run: the fastest probe of the invocation,
+ * then per live count the median over runs of the quiet share and of each
+ * side's step medians (over the runs that had steps on that side). */
+static double median_nonzero(const double *v, size_t n) {
+    double *w = malloc(n * sizeof(double));
+    PD_ASSERT(w);
+    size_t k = 0;
+    for (size_t i = 0; i < n; i++)
+        if (v[i] > 0) w[k++] = v[i];
+    double m = bench_median(w, k);
+    free(w);
+    return m;
+}
+
+/* "prefill P us, decode D us" over the runs with steps on that side, or
+ * "no steps" when no run had any. */
+static void side_text(char *buf, size_t cap, const double *p, const double *d, size_t runs) {
+    double mp = median_nonzero(p, runs), md = median_nonzero(d, runs);
+    if (mp > 0) snprintf(buf, cap, "prefill %.2f us, decode %.2f us", mp, md);
+    else snprintf(buf, cap, "no steps");
+}
+
+static void probe_print(trace *tr, const uint32_t *lives, uint32_t n_lives, int runs,
+                        uint32_t steps) {
+    uint64_t best = UINT64_MAX;
+    for (size_t t = 0; t < (size_t)n_lives * (size_t)runs; t++)
+        for (uint32_t i = 0; i <= steps; i++) best = PD_MIN(best, tr[t].pr[i]);
+    printf("core probe: %u rounds of register-only work after each step pair, fastest %.2f us; "
+           "a step is on a quiet core when the probes either side read within %.0f %% of "
+           "that\n",
+           (unsigned)PROBE_ITERS, (double)best / 1e3, 100.0 * (PROBE_QUIET - 1.0));
+    double *v[5];
+    for (int k = 0; k < 5; k++) v[k] = malloc(sizeof(double) * (size_t)runs);
+    for (uint32_t li = 0; li < n_lives; li++) {
+        for (int r = 0; r < runs; r++) {
+            trace *t = &tr[(size_t)li * (size_t)runs + (size_t)r];
+            probe_split ps = probe_split_of(t->pr, t->tp, t->td, steps, best);
+            v[0][r] = ps.quiet_share, v[1][r] = ps.p_quiet, v[2][r] = ps.d_quiet;
+            v[3][r] = ps.p_busy, v[4][r] = ps.d_busy;
+        }
+        char there[80], elsewhere[80];
+        side_text(there, sizeof(there), v[1], v[2], (size_t)runs);
+        side_text(elsewhere, sizeof(elsewhere), v[3], v[4], (size_t)runs);
+        printf("live %4u: quiet core in %.0f %% of steps | there: %s | elsewhere: %s\n", lives[li],
+               100.0 * bench_median(v[0], (size_t)runs), there, elsewhere);
+    }
+    for (int k = 0; k < 5; k++) free(v[k]);
+}
+
+/* --trace: one CSV line a step; false (with the reason on stderr) if the
+ * file cannot be written. The probe of a line is the one after its step;
+ * step -1 holds the probe before the first. */
+static bool trace_write(const char *path, const trace *tr, const uint32_t *lives, uint32_t n_lives,
+                        int runs, uint32_t steps) {
+    FILE *f = fopen(path, "w");
+    if (!f) {
+        fprintf(stderr, "sched: --trace %s: %s\n", path, strerror(errno));
+        return false;
+    }
+    fprintf(f, "live,run,step,prefill_us,decode_us,probe_ns\n");
+    for (uint32_t li = 0; li < n_lives; li++)
+        for (int r = 0; r < runs; r++) {
+            const trace *t = &tr[(size_t)li * (size_t)runs + (size_t)r];
+            fprintf(f, "%u,%d,-1,,,%llu\n", lives[li], r + 1, (unsigned long long)t->pr[0]);
+            for (uint32_t i = 0; i < steps; i++)
+                fprintf(f, "%u,%d,%u,%.3f,%.3f,%llu\n", lives[li], r + 1, i, t->tp[i], t->td[i],
+                        (unsigned long long)t->pr[i + 1]);
+        }
+    bool ok = !ferror(f);
+    if (fclose(f) != 0) ok = false;
+    if (!ok) fprintf(stderr, "sched: --trace %s: write failed\n", path);
+    return ok;
+}
+
 typedef struct opts {
     uint32_t lives[8], n_lives, steps;
     int runs;
     uint64_t seed;
-    bool strict;
+    bool strict, probe;
+    const char *trace_path; /* --trace: every step's times and probes, CSV */
 } opts;
 
 /* -1: go on; else the exit status (usage printed). */
 static int parse_args(int argc, char **argv, opts *o) {
-    *o = (opts){.lives = {64, 256, 1024}, .n_lives = 3, .steps = 2000, .runs = 3, .seed = 42};
+    *o = (opts){.lives = {64, 256, 1024},
+                .n_lives = 3,
+                .steps = 2000,
+                .runs = 3,
+                .seed = 42,
+                .probe = true};
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--live") && i + 1 < argc) {
             o->n_lives = 0;
@@ -425,18 +591,34 @@ static int parse_args(int argc, char **argv, opts *o) {
             o->seed = strtoull(argv[++i], NULL, 0);
         } else if (!strcmp(argv[i], "--strict")) {
             o->strict = true;
+        } else if (!strcmp(argv[i], "--no-probe")) {
+            o->probe = false;
+        } else if (!strcmp(argv[i], "--trace") && i + 1 < argc) {
+            o->trace_path = argv[++i];
         } else {
             fprintf(stderr,
                     "usage: sched [--live N[,N...]] [--steps N] [--runs R] [--seed S] [--strict]\n"
+                    "             [--no-probe] [--trace FILE]\n"
                     "  Scheduler step cost with a zero-cost executor at N live requests\n"
                     "  (default 64,256,1024), median of R runs (default 3). Run r draws its\n"
                     "  requests from seed S + r (default 42); the decisions printed are run\n"
-                    "  1's. --strict: the strict ledger instead of the counting one.\n");
+                    "  1's. --strict: the strict ledger instead of the counting one.\n"
+                    "  The core probe times about 2 us of register-only work after each\n"
+                    "  step pair: on a shared host it slows when another tenant runs on\n"
+                    "  this core's other hardware thread. Its line gives the share of steps\n"
+                    "  on a quiet core (probes either side within 5 %% of the run's fastest)\n"
+                    "  and the step medians of those steps and of the rest. --no-probe:\n"
+                    "  without it. --trace FILE: every step of every run as CSV (live, run,\n"
+                    "  step, prefill us, decode us, the probe after it in ns).\n");
             return strcmp(argv[i], "--help") ? 2 : 0;
         }
     }
     if (o->runs < 1 || o->steps < 10 || o->n_lives == 0) {
         fprintf(stderr, "sched: runs >= 1, steps >= 10, at least one live count\n");
+        return 2;
+    }
+    if (o->trace_path && !o->probe) {
+        fprintf(stderr, "sched: --trace records the probe; it cannot go with --no-probe\n");
         return 2;
     }
     return -1;
@@ -457,10 +639,20 @@ int main(int argc, char **argv) {
     enum { NV = 8 };
     double *v[NV];
     for (int k = 0; k < NV; k++) v[k] = malloc(sizeof(double) * (size_t)runs);
+    size_t n_tr = o.probe ? (size_t)n_lives * (size_t)runs : 0;
+    trace *tr = calloc(n_tr ? n_tr : 1, sizeof(trace));
+    PD_ASSERT(tr);
+    for (size_t t = 0; t < n_tr; t++) {
+        tr[t].tp = malloc(steps * sizeof(double));
+        tr[t].td = malloc(steps * sizeof(double));
+        tr[t].pr = malloc((steps + 1) * sizeof(uint64_t));
+        PD_ASSERT(tr[t].tp && tr[t].td && tr[t].pr);
+    }
     for (uint32_t li = 0; li < n_lives; li++) {
         pd_engine_counters first[2] = {0};
         for (int r = 0; r < runs; r++) {
-            figures f = run(lives[li], steps, strict, o.seed + (uint64_t)r);
+            trace *t = n_tr ? &tr[(size_t)li * (size_t)runs + (size_t)r] : NULL;
+            figures f = run(lives[li], steps, strict, o.seed + (uint64_t)r, t);
             if (r == 0) memcpy(first, f.ctr, sizeof(first));
             v[0][r] = f.p_med;
             v[1][r] = f.p_p99;
@@ -487,6 +679,10 @@ int main(int argc, char **argv) {
                (unsigned long long)first[1].decode_tokens,
                (unsigned long long)first[1].cached_tokens, (unsigned long long)first[1].finished);
     }
+    if (n_tr) probe_print(tr, lives, n_lives, runs, steps);
+    if (o.trace_path && !trace_write(o.trace_path, tr, lives, n_lives, runs, steps)) status = 1;
+    for (size_t t = 0; t < n_tr; t++) free(tr[t].tp), free(tr[t].td), free(tr[t].pr);
+    free(tr);
     for (int k = 0; k < NV; k++) free(v[k]);
-    return 0;
+    return status < 0 ? 0 : status;
 }
