@@ -10,6 +10,10 @@
 # step's median by tens of percent within seconds, comparing medians of
 # runs spread over minutes hides a 3 % difference; two runs 0.1 s apart see
 # nearly the same load (docs/engine.md, "Issue 13, twentieth round").
+# Its resolution is about 3 %: one binary against a copy of itself read
+# 1.027 / 1.019 over 40 rounds (docs/engine.md, "Issue 13, twenty-second
+# round"); bench/sched's core probe block says how much of each run had the
+# physical core to itself.
 # Defaults: 40 rounds, 256 live. Needs python3 for the summary.
 set -euo pipefail
 rounds=40
