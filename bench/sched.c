@@ -24,10 +24,11 @@
  * belongs to another tenant, and when it runs, this block takes up to twice
  * as long (docs/engine.md, "Issue 13, twenty-second round"). A step pair is
  * on a quiet core when the probes either side of it read within PROBE_QUIET
- * of the run's fastest. The plain medians above are the figures; the probe
- * line says how much of the run the core was quiet, and the step medians of
- * those steps and of the rest, so that a reading carries its machine's
- * state with it.
+ * of the fastest probe of the invocation. The plain medians above are the
+ * figures; the probe's block, after them, says how much of each live
+ * count's runs the core was quiet, and the step medians of those steps and
+ * of the rest, so that a reading carries its machine's state with it.
+ * --trace FILE writes every step and its probe as CSV.
  *
  * Allocations are counted by wrapping malloc, calloc, realloc and
  * aligned_alloc at link time (-Wl,--wrap, CMakeLists.txt): every call from
@@ -254,8 +255,8 @@ static const pd_sink_vtable cvt = {.token = c_token, .terminal = c_term};
 
 /* ---- the core probe ------------------------------------------------------------ */
 
-enum { PROBE_ITERS = 1024 }; /* about 2 us on this machine's quiet core */
-#define PROBE_QUIET 1.05     /* within 5 % of the run's fastest probe */
+enum { PROBE_ITERS = 1024 }; /* about 1.5 us on the development machine's quiet core */
+#define PROBE_QUIET 1.05     /* within 5 % of the invocation's fastest probe */
 
 static volatile uint64_t g_probe_sink;
 
@@ -603,7 +604,7 @@ static int parse_args(int argc, char **argv, opts *o) {
                     "  (default 64,256,1024), median of R runs (default 3). Run r draws its\n"
                     "  requests from seed S + r (default 42); the decisions printed are run\n"
                     "  1's. --strict: the strict ledger instead of the counting one.\n"
-                    "  The core probe times about 2 us of register-only work after each\n"
+                    "  The core probe times about 1.5 us of register-only work after each\n"
                     "  step pair: on a shared host it slows when another tenant runs on\n"
                     "  this core's other hardware thread. Its line gives the share of steps\n"
                     "  on a quiet core (probes either side within 5 %% of the run's fastest)\n"
