@@ -606,9 +606,10 @@ static int parse_args(int argc, char **argv, opts *o) {
                     "  1's. --strict: the strict ledger instead of the counting one.\n"
                     "  The core probe times about 1.5 us of register-only work after each\n"
                     "  step pair: on a shared host it slows when another tenant runs on\n"
-                    "  this core's other hardware thread. Its line gives the share of steps\n"
-                    "  on a quiet core (probes either side within 5 %% of the run's fastest)\n"
-                    "  and the step medians of those steps and of the rest. --no-probe:\n"
+                    "  this core's other hardware thread. Its block, after the figures,\n"
+                    "  gives per live count the share of steps on a quiet core (probes\n"
+                    "  either side within 5 %% of the fastest of the whole invocation) and\n"
+                    "  the step medians of those steps and of the rest. --no-probe:\n"
                     "  without it. --trace FILE: every step of every run as CSV (live, run,\n"
                     "  step, prefill us, decode us, the probe after it in ns).\n");
             return strcmp(argv[i], "--help") ? 2 : 0;
