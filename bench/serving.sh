@@ -20,27 +20,12 @@ pdserve=$build/pdserve
 models=${SERVING_MODELS:-tiny granite-350m}
 mkdir -p "$out"
 
-# A port nothing is bound to, drawn below the kernel's ephemeral range: one
-# from bind(0) is also given to outgoing connections, which could take it
-# before pdserve binds it (the race tests/e2e/pdtest.py's free_port avoids).
+# A port nothing is bound to, drawn below the kernel's ephemeral range by the
+# e2e harness's free_port (tests/e2e/pdtest.py): one from bind(0) is also
+# given to outgoing connections, which could take it before pdserve binds it.
+root=$(cd "$(dirname "$0")/.." && pwd)
 free_port() {
-  python3 -c 'import random, socket
-low = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
-for _ in range(200):
-    port, s = random.randrange(max(1024, low - 12000), low), socket.socket()
-    try:
-        s.bind(("127.0.0.1", port))
-        break
-    except OSError:
-        continue
-    finally:
-        s.close()
-else:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-print(port)'
+  PDSERVE=$pdserve python3 -c 'import sys; sys.path.insert(0, sys.argv[1]); import pdtest; print(pdtest.free_port())' "$root/tests/e2e"
 }
 
 run_pid=
